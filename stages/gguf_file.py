@@ -1,0 +1,374 @@
+"""GGUF files: the header and tensor directory, validation, and memory-mapped tensor bytes.
+
+Torch-free (numpy + gguf only): the planner and the CLI read headers with it.
+
+The header parser is our own (about sixty lines of the spec) rather than gguf.GGUFReader, because
+the reader maps every tensor at open and so cannot read a file that holds only the header and
+tensor directory, which is what `moeray plan` is given for models too big to copy around.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from stages.config import ModelConfig, config_from_metadata
+from stages.errors import (GGUFError, MissingTensorError, NotGGUFError, TensorShapeError,
+                           TruncatedGGUFError, UnsupportedQuantError)
+
+GGUF_MAGIC = b"GGUF"
+DEFAULT_ALIGNMENT = 32
+
+# Weight formats moeray dequantises (stages/quant.py has fast paths for the common ones and falls
+# back to gguf.quants for the rest).
+SUPPORTED_TYPES = frozenset(GGMLQuantizationType[n] for n in (
+    "F32", "F16", "BF16", "F64", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+    "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ1_S", "IQ1_M", "IQ4_NL", "IQ4_XS",
+    "TQ1_0", "TQ2_0", "MXFP4"))
+
+EXPERT_KINDS = ("gate", "up", "down")
+
+
+@dataclass
+class TensorInfo:
+    name: str
+    shape: tuple[int, ...]  # numpy/PyTorch order, outermost first
+    ggml_type: GGMLQuantizationType
+    offset: int  # absolute file offset of the data
+    n_bytes: int
+
+
+@dataclass
+class GGUFHeader:
+    path: str
+    metadata: dict[str, Any]
+    tensors: dict[str, TensorInfo]
+    arch: str
+    config: ModelConfig
+    data_offset: int = 0  # where tensor data starts
+    header_bytes: int = 0  # bytes of magic + metadata + tensor directory (before alignment padding)
+
+    def expert_bytes(self, layer: int) -> int:
+        """Bytes of one routed expert (gate + up + down) of `layer` as stored; 0 for a dense layer."""
+        return expert_bytes(self.tensors, layer)
+
+    def trunk_bytes(self) -> dict:
+        return trunk_bytes(self.tensors, self.config)
+
+
+# --- header parsing -------------------------------------------------------------------------
+
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q",
+            12: "<d"}
+_NP_SCALARS = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
+               6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+_STRING, _ARRAY = 8, 9
+
+
+class _Cursor:
+    def __init__(self, buf, path: str):
+        self.buf, self.pos, self.path = buf, 0, path
+
+    def need(self, n: int) -> None:
+        if self.pos + n > len(self.buf):
+            raise TruncatedGGUFError(
+                f"{self.path}: the file ends inside its GGUF header (at byte {len(self.buf)}); "
+                "it was cut short while copying or downloading; fetch it again")
+
+    def unpack(self, fmt: str):
+        n = struct.calcsize(fmt)
+        self.need(n)
+        v = struct.unpack_from(fmt, self.buf, self.pos)[0]
+        self.pos += n
+        return v
+
+    def string(self) -> str:
+        n = self.unpack("<Q")
+        self.need(n)
+        s = bytes(self.buf[self.pos:self.pos + n]).decode("utf-8", errors="replace")
+        self.pos += n
+        return s
+
+    def value(self, vtype: int) -> Any:
+        if vtype in _SCALARS:
+            return self.unpack(_SCALARS[vtype])
+        if vtype == _STRING:
+            return self.string()
+        if vtype == _ARRAY:
+            etype, count = self.unpack("<I"), self.unpack("<Q")
+            if etype in _NP_SCALARS:
+                dt = np.dtype(_NP_SCALARS[etype])
+                self.need(count * dt.itemsize)
+                arr = np.frombuffer(self.buf, dtype=dt, count=count, offset=self.pos).tolist()
+                self.pos += count * dt.itemsize
+                return arr
+            return [self.value(etype) for _ in range(count)]
+        raise NotGGUFError(f"{self.path}: unknown GGUF metadata value type {vtype}; the file is corrupt "
+                           "or from a newer GGUF version than moeray knows")
+
+
+def _tensor_nbytes(path: str, name: str, dims: tuple[int, ...], ggml_type: GGMLQuantizationType) -> int:
+    block, type_size = GGML_QUANT_SIZES[ggml_type]
+    n = int(np.prod(dims, dtype=np.int64)) if dims else 1
+    if dims and dims[-1] % block:
+        raise TensorShapeError(f"{path}: tensor '{name}' has a row of {dims[-1]} values, not a multiple "
+                               f"of the {ggml_type.name} block size {block}; the file is corrupt")
+    return n // block * type_size
+
+
+def _parse(buf, path: str, size_on_disk: int) -> GGUFHeader:
+    cur = _Cursor(buf, path)
+    if len(buf) < 4 or bytes(buf[:4]) != GGUF_MAGIC:
+        head = bytes(buf[:4])
+        raise NotGGUFError(f"{path}: not a GGUF file (starts with {head!r}, expected b'GGUF'); "
+                           "pass a .gguf model (convert safetensors with llama.cpp's convert_hf_to_gguf.py)")
+    cur.pos = 4
+    version = cur.unpack("<I")
+    if version not in (2, 3):
+        hint = " (a big-endian file?)" if version > 0xFFFF else ""
+        raise NotGGUFError(f"{path}: GGUF version {version}{hint} is not supported; moeray reads little-endian "
+                           "GGUF v2 and v3 (re-convert with a current llama.cpp)")
+    n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
+    meta: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = cur.string()
+        meta[key] = cur.value(cur.unpack("<I"))
+    raw_infos = []
+    for _ in range(n_tensors):
+        name = cur.string()
+        n_dims = cur.unpack("<I")
+        dims = tuple(cur.unpack("<Q") for _ in range(n_dims))
+        type_id = cur.unpack("<I")
+        rel = cur.unpack("<Q")
+        raw_infos.append((name, dims, type_id, rel))
+    header_bytes = cur.pos
+    align = int(meta.get("general.alignment", DEFAULT_ALIGNMENT))
+    data_offset = (header_bytes + align - 1) // align * align
+
+    tensors: dict[str, TensorInfo] = {}
+    for name, dims, type_id, rel in raw_infos:
+        try:
+            gtype = GGMLQuantizationType(type_id)
+        except ValueError:
+            raise UnsupportedQuantError(
+                f"{path}: tensor '{name}' has ggml type id {type_id}, which moeray does not know; "
+                f"re-quantise the model to one of {_supported_names()}") from None
+        # GGUF stores dims innermost first; numpy order is outermost first.
+        shape = tuple(int(d) for d in reversed(dims))
+        tensors[name] = TensorInfo(name, shape, gtype, data_offset + rel, _tensor_nbytes(path, name, dims, gtype))
+
+    shapes = {n: t.shape for n, t in tensors.items()}
+    config = config_from_metadata(meta, shapes, path)
+    return GGUFHeader(path=path, metadata=meta, tensors=tensors, arch=config.arch, config=config,
+                      data_offset=data_offset, header_bytes=header_bytes)
+
+
+def _supported_names() -> str:
+    return ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
+
+
+def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
+    """Metadata, tensor directory and config. Works on a file holding ONLY the header and directory."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise GGUFError(f"{path}: no such file")
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise NotGGUFError(f"{path}: not a GGUF file (it is empty)")
+        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            return _parse(memoryview(mm), path, size)
+
+
+def write_header_only(src: str | os.PathLike, dst: str | os.PathLike) -> int:
+    """Copy just the header + tensor directory of `src` to `dst` (what `moeray plan` needs). Returns bytes."""
+    h = read_gguf_header(src)
+    with open(src, "rb") as f:
+        data = f.read(h.header_bytes)
+    with open(dst, "wb") as f:
+        f.write(data)
+    return len(data)
+
+
+# --- the expected tensors of an architecture -----------------------------------------------
+
+def layer_tensor_shapes(cfg: ModelConfig, layer: int, present: set[str] | None = None
+                        ) -> dict[str, tuple[int, ...]]:
+    """Every tensor of one layer the engine reads, with its numpy shape. Optional tensors (biases,
+    tied head) are included only when `present` holds them."""
+    H, D, q_out, kv_out = cfg.hidden, cfg.head_dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    p = f"blk.{layer}."
+    t = {
+        p + "attn_norm.weight": (H,), p + "ffn_norm.weight": (H,),
+        p + "attn_q.weight": (q_out, H), p + "attn_k.weight": (kv_out, H), p + "attn_v.weight": (kv_out, H),
+        p + "attn_output.weight": (H, q_out),
+    }
+    if cfg.qkv_bias:
+        t.update({p + "attn_q.bias": (q_out,), p + "attn_k.bias": (kv_out,), p + "attn_v.bias": (kv_out,)})
+    if cfg.qk_norm:
+        t.update({p + "attn_q_norm.weight": (D,), p + "attn_k_norm.weight": (D,)})
+    if cfg.is_moe:
+        E, F = cfg.n_experts, cfg.expert_ffn_dim
+        t.update({p + "ffn_gate_inp.weight": (E, H), p + "ffn_gate_exps.weight": (E, F, H),
+                  p + "ffn_up_exps.weight": (E, F, H), p + "ffn_down_exps.weight": (E, H, F)})
+        if cfg.shared_expert_ffn_dim:
+            S = cfg.shared_expert_ffn_dim
+            t.update({p + "ffn_gate_shexp.weight": (S, H), p + "ffn_up_shexp.weight": (S, H),
+                      p + "ffn_down_shexp.weight": (H, S), p + "ffn_gate_inp_shexp.weight": (H,)})
+    else:
+        F = cfg.ffn_dim
+        t.update({p + "ffn_gate.weight": (F, H), p + "ffn_up.weight": (F, H), p + "ffn_down.weight": (H, F)})
+    return t
+
+
+def expected_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    t = {"token_embd.weight": (cfg.vocab_size, cfg.hidden), "output_norm.weight": (cfg.hidden,)}
+    if not cfg.tie_embeddings:
+        t["output.weight"] = (cfg.vocab_size, cfg.hidden)
+    for i in range(cfg.n_layers):
+        t.update(layer_tensor_shapes(cfg, i))
+    return t
+
+
+def _shape_matches(actual: tuple[int, ...], expected: tuple[int, ...]) -> bool:
+    # ffn_gate_inp_shexp is stored as [H] by llama.cpp; some writers keep HF's [1, H].
+    return actual == expected or (len(expected) == 1 and actual == (1,) + expected)
+
+
+# --- the full, memory-mapped file ----------------------------------------------------------
+
+class GGUFFile:
+    """A validated GGUF model, memory-mapped. Tensor bytes are views into the mapping (no copies).
+
+    `touched` records every tensor name whose bytes were handed out, so a loader can be held to
+    reading only its layer range.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        header = read_gguf_header(self.path)
+        self.header = header
+        self.metadata = header.metadata
+        self.tensors = header.tensors
+        self.config = header.config
+        self.arch = header.arch
+        self.touched: set[str] = set()
+        self.file_size = os.path.getsize(self.path)
+        self._validate()
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+
+    def _validate(self) -> None:
+        p = self.path
+        end = max((t.offset + t.n_bytes for t in self.tensors.values()), default=self.header.data_offset)
+        if self.file_size < end:
+            raise TruncatedGGUFError(
+                f"{p}: truncated: the tensor directory needs {end} bytes but the file has {self.file_size} "
+                f"({end - self.file_size} missing); it was cut short while copying or downloading; fetch it again")
+        for name, expected in expected_tensor_shapes(self.config).items():
+            info = self.tensors.get(name)
+            if info is None:
+                raise MissingTensorError(
+                    f"{p}: tensor '{name}' is missing; a {self.arch} model with these metadata needs it "
+                    "(the file is incomplete or was written by an incompatible converter)")
+            if not _shape_matches(info.shape, expected):
+                raise TensorShapeError(
+                    f"{p}: tensor '{name}' has shape {info.shape}, expected {expected} from the metadata "
+                    f"({self.arch}); the metadata and weights disagree, re-convert the model")
+            if info.ggml_type not in SUPPORTED_TYPES:
+                raise UnsupportedQuantError(
+                    f"{p}: tensor '{name}' is stored as {info.ggml_type.name}, which moeray cannot dequantise; "
+                    f"re-quantise the model to one of {_supported_names()}")
+
+    def info(self, name: str) -> TensorInfo:
+        try:
+            return self.tensors[name]
+        except KeyError:
+            raise MissingTensorError(f"{self.path}: tensor '{name}' is not in the file") from None
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes as a uint8 view of the mapping (no copy)."""
+        t = self.info(name)
+        self.touched.add(name)
+        return self._map[t.offset:t.offset + t.n_bytes]
+
+    def expert_raw(self, layer: int, kind: str, expert: int) -> np.ndarray:
+        """One expert's slab of blk.{layer}.ffn_{kind}_exps.weight (experts are the outermost dim)."""
+        if kind not in EXPERT_KINDS:
+            raise ValueError(f"expert kind must be one of {EXPERT_KINDS}, not {kind!r}")
+        name = f"blk.{layer}.ffn_{kind}_exps.weight"
+        t = self.info(name)
+        n_exp = t.shape[0]
+        if not 0 <= expert < n_exp:
+            raise IndexError(f"{self.path}: layer {layer} has {n_exp} experts, no expert {expert}")
+        per = t.n_bytes // n_exp
+        self.touched.add(name)
+        start = t.offset + expert * per
+        return self._map[start:start + per]
+
+    def dequantize(self, name: str) -> np.ndarray:
+        """The tensor as float32 in TensorInfo.shape."""
+        from gguf.quants import dequantize as gguf_dequantize
+        t = self.info(name)
+        raw = self.raw(name)
+        if t.ggml_type == GGMLQuantizationType.F32:
+            return np.array(raw.view(np.float32).reshape(t.shape))
+        rows = np.asarray(raw).reshape(-1, _row_bytes(t))
+        return gguf_dequantize(rows, t.ggml_type).astype(np.float32, copy=False).reshape(t.shape)
+
+    def expert_bytes(self, layer: int) -> int:
+        """Bytes of one routed expert (gate + up + down) of `layer` as stored; 0 for a dense layer."""
+        return expert_bytes(self.tensors, layer)
+
+    def trunk_bytes(self) -> dict:
+        return trunk_bytes(self.tensors, self.config)
+
+    def __repr__(self) -> str:
+        return f"GGUFFile({self.path!r}, arch={self.arch}, layers={self.config.n_layers})"
+
+
+def _row_bytes(t: TensorInfo) -> int:
+    block, type_size = GGML_QUANT_SIZES[t.ggml_type]
+    return t.shape[-1] // block * type_size if t.shape else type_size
+
+
+def is_routed_expert(name: str) -> bool:
+    return name.endswith("_exps.weight")
+
+
+def trunk_bytes(tensors: dict[str, TensorInfo], cfg: ModelConfig) -> dict:
+    """Stored bytes of everything that is not a routed expert: the embedding, the head (output_norm +
+    output, or output_norm + token_embd when tied, since the last stage must then hold a copy of the
+    embedding matrix), and each layer's dense part (attention, norms, router, shared expert)."""
+    layers = [0] * cfg.n_layers
+    emb = head = 0
+    for name, t in tensors.items():
+        if is_routed_expert(name):
+            continue
+        if name.startswith("blk."):
+            i = int(name.split(".")[1])
+            if i < cfg.n_layers:
+                layers[i] += t.n_bytes
+        elif name == "token_embd.weight":
+            emb += t.n_bytes
+        elif name in ("output.weight", "output_norm.weight"):
+            head += t.n_bytes
+    if cfg.tie_embeddings:
+        head += emb
+    return {"embedding": emb, "head": head, "layers": layers}
+
+
+def expert_bytes(tensors: dict[str, TensorInfo], layer: int) -> int:
+    total = 0
+    for kind in EXPERT_KINDS:
+        t = tensors.get(f"blk.{layer}.ffn_{kind}_exps.weight")
+        if t is not None:
+            total += t.n_bytes // t.shape[0]
+    return total
