@@ -1,0 +1,119 @@
+"""Tiny random transformers models for parity tests.
+
+Dims are chosen so that a wrong layout cannot hide: hidden 96 with 6 heads but head_dim 32 (not
+96/6), 2 KV heads (GQA), expert width 64 and shared-expert width 160 (not powers of two, yet every
+row width is a multiple of 32 so Q8_0 blocks fit), 300 tokens, 3 layers, a non-default rope theta.
+
+transformers initialises norms to 1, biases to 0 and every matrix with std 0.02, which makes a
+model where swapping two norms or dropping a bias changes nothing and where attention is almost
+uniform. We re-draw every parameter: norms around 1, biases non-zero, matrices large enough that
+attention is peaked, and routers large enough that top-k choices are clear-cut (a near tie could
+flip between two correct engines on rounding noise alone).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+VOCAB = 300
+HIDDEN = 96
+N_HEADS = 6
+N_KV_HEADS = 2
+HEAD_DIM = 32
+N_LAYERS = 3
+MAX_POS = 256
+EXPERT_FFN = 64
+SHARED_FFN = 160
+DENSE_FFN = 160
+
+
+def _randomise(model: torch.nn.Module, seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("mlp.gate.weight"):  # the router: decisive top-k
+                p.copy_(torch.randn(p.shape, generator=gen) * (2.0 / math.sqrt(p.shape[-1])))
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=gen))
+            else:
+                fan_in = p.shape[-1]
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(fan_in))
+
+
+def _finish(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    _randomise(model, seed)
+    return model.float().eval()
+
+
+def _common() -> dict:
+    return dict(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=N_LAYERS,
+        num_attention_heads=N_HEADS, num_key_value_heads=N_KV_HEADS, head_dim=HEAD_DIM,
+        max_position_embeddings=MAX_POS, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+
+
+def tiny_llama(seed: int = 0, tie_word_embeddings: bool = False):
+    """Dense llama (the reference architecture)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(**{**_common(), "tie_word_embeddings": tie_word_embeddings},
+                      intermediate_size=DENSE_FFN, rope_theta=5000.0)
+    torch.manual_seed(seed)
+    return _finish(LlamaForCausalLM(cfg), seed)
+
+
+def tiny_mixtral(seed: int = 1):
+    """Mixtral: 6 experts, top-2, renormalised; llama.cpp stores it as arch "llama"."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    cfg = MixtralConfig(**_common(), intermediate_size=EXPERT_FFN, num_local_experts=6,
+                        num_experts_per_tok=2, rope_theta=20000.0)
+    torch.manual_seed(seed)
+    return _finish(MixtralForCausalLM(cfg), seed)
+
+
+def tiny_qwen2moe(seed: int = 2, norm_topk_prob: bool = False):
+    """Qwen2-MoE: 8 experts, top-2, a sigmoid-gated shared expert, q/k/v biases.
+
+    Qwen2MoeConfig does not declare head_dim, but its attention reads `config.head_dim` when set,
+    and llama.cpp reads attention.key_length for every architecture, so we use 32 here too.
+    """
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    cfg = Qwen2MoeConfig(**_common(), intermediate_size=DENSE_FFN, moe_intermediate_size=EXPERT_FFN,
+                         shared_expert_intermediate_size=SHARED_FFN, num_experts=8,
+                         num_experts_per_tok=2, norm_topk_prob=norm_topk_prob, rope_theta=10000.0)
+    torch.manual_seed(seed)
+    return _finish(Qwen2MoeForCausalLM(cfg), seed)
+
+
+def tiny_qwen3moe(seed: int = 3, norm_topk_prob: bool = True):
+    """Qwen3-MoE: 8 experts, top-2, renormalised (as llama.cpp runs it), per-head q/k RMSNorm."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(**_common(), intermediate_size=DENSE_FFN, moe_intermediate_size=EXPERT_FFN,
+                         num_experts=8, num_experts_per_tok=2, norm_topk_prob=norm_topk_prob,
+                         rope_theta=1000000.0)
+    torch.manual_seed(seed)
+    return _finish(Qwen3MoeForCausalLM(cfg), seed)
+
+
+BUILDERS = {
+    "llama": tiny_llama,
+    "mixtral": tiny_mixtral,
+    "qwen2moe": tiny_qwen2moe,
+    "qwen3moe": tiny_qwen3moe,
+}
+
+
+def token_ids(n: int = 20, seed: int = 7) -> list[int]:
+    """A fixed sequence of token ids spanning the vocabulary."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (n,), generator=gen).tolist()
