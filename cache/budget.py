@@ -1,0 +1,66 @@
+"""The bytes a stage's cache may hold on its device, enforced byte for byte.
+
+On CUDA the capacity is what the device reports free (minus a reserve for activations and the
+allocator's slack); on CPU it is a number the user gives, so the same cache code, fill and
+numbers run on a machine without a GPU. Every slot filled charges the bytes its tensors really
+hold and every eviction releases them; a charge that would pass the capacity raises instead of
+happening, so "the budget is never exceeded" is a property of the code, not of the caller.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stages.errors import MoerayError
+
+
+class BudgetExceededError(MoerayError):
+    """A charge that would put more bytes on the device than its budget allows."""
+
+
+@dataclass
+class ByteBudget:
+    capacity: int
+    device: str = "cpu"
+    used: int = 0
+    peak: int = 0
+
+    def __post_init__(self) -> None:
+        if self.capacity < 0:
+            raise ValueError(f"budget capacity must be >= 0, got {self.capacity}")
+
+    @property
+    def free(self) -> int:
+        return self.capacity - self.used
+
+    def fits(self, n_bytes: int) -> bool:
+        return self.used + n_bytes <= self.capacity
+
+    def charge(self, n_bytes: int) -> None:
+        if n_bytes < 0:
+            raise ValueError("charge must be >= 0")
+        if self.used + n_bytes > self.capacity:
+            raise BudgetExceededError(
+                f"{self.device}: holding {n_bytes} more bytes would use {self.used + n_bytes} "
+                f"of a {self.capacity}-byte expert budget")
+        self.used += n_bytes
+        self.peak = max(self.peak, self.used)
+
+    def release(self, n_bytes: int) -> None:
+        if n_bytes < 0 or n_bytes > self.used:
+            raise ValueError(f"release of {n_bytes} bytes with {self.used} in use")
+        self.used -= n_bytes
+
+
+def device_budget(device: str, budget_bytes: int | None = None, reserve_bytes: int = 512 << 20) -> ByteBudget:
+    """The budget for `device`: `budget_bytes` if given (a simulated budget on CPU, or a cap on
+    CUDA), else on CUDA what the device has free now minus `reserve_bytes`."""
+    if device.startswith("cuda"):
+        import torch
+
+        free, _total = torch.cuda.mem_get_info(torch.device(device))
+        real = max(0, free - reserve_bytes)
+        cap = real if budget_bytes is None else min(int(budget_bytes), real)
+        return ByteBudget(cap, device)
+    if budget_bytes is None:
+        raise MoerayError(f"device {device!r} has no VRAM to measure: give the expert budget in bytes")
+    return ByteBudget(int(budget_bytes), device)
