@@ -263,6 +263,10 @@ def write_gguf(model: Any, path: str | Path, file_type: str = "F32", tokenizer: 
     _add_metadata(w, config, arch, ftype, name or f"moeray-tiny-{config.model_type}")
     if tokenizer is not None:
         _add_gpt2_tokenizer(w, tokenizer)
+        for key, setter in (("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id)):
+            value = getattr(tokenizer, key, None)
+            if getattr(config, key, None) is None and isinstance(value, int):
+                setter(value)
     for tname in _ordered(tensors):
         a = tensors[tname]
         qtype = tensor_type(tname, a, weight_type)
