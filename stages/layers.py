@@ -1,0 +1,161 @@
+"""Transformer pieces: RMSNorm, RoPE (llama.cpp "normal" and neox), and attention over the KV cache.
+
+Tokens of a step are packed: all sequences' new tokens in one [N, hidden] matrix, so every
+projection is one matmul. Only the attention itself is per sequence, done as one padded SDPA
+call over [B, heads, T_max, keys_max] with a mask built from each sequence's length.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from stages.config import ModelConfig
+from stages.kv_cache import KVCache
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+
+
+@dataclass
+class BatchMeta:
+    """Where each new token of a step sits: built once per step per stage from the KV lengths."""
+    slots: list[int]
+    n_new: list[int]  # new tokens per sequence
+    starts: list[int]  # tokens the slot held before this step
+    positions: torch.Tensor  # [N] absolute position of each packed token
+    seq_of_token: torch.Tensor  # [N] sequence index (0..B-1)
+    off_of_token: torch.Tensor  # [N] index within its sequence's new tokens
+    slot_of_token: torch.Tensor  # [N]
+    last_index: torch.Tensor  # [B] packed index of each sequence's last new token
+    t_max: int
+    keys_max: int  # longest sequence after the step
+    mask: torch.Tensor | None  # [B, 1, t_max, keys_max] bool, None when no masking is needed
+    slot_view: slice | None  # contiguous slots -> cache view without a copy
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def is_decode(self) -> bool:
+        return self.t_max == 1
+
+
+def make_batch_meta(n_new: list[int], slots: list[int], kv: KVCache, device: torch.device | str = "cpu"
+                    ) -> BatchMeta:
+    kv.check_room(slots, n_new)
+    if len(set(slots)) != len(slots):
+        raise ValueError(f"a step may hold each KV slot once, got slots {slots}")
+    starts = [kv.lengths[s] for s in slots]
+    B, t_max = len(n_new), max(n_new)
+    n_new_t = torch.tensor(n_new)
+    seq_of_token = torch.repeat_interleave(torch.arange(B), n_new_t)
+    first_of_seq = torch.cumsum(n_new_t, 0) - n_new_t
+    off_of_token = torch.arange(int(n_new_t.sum())) - first_of_seq[seq_of_token]
+    positions = torch.tensor(starts)[seq_of_token] + off_of_token
+    slot_of_token = torch.tensor(slots)[seq_of_token]
+    ends = [s + n for s, n in zip(starts, n_new)]
+    keys_max = max(ends)
+    mask = None
+    if not (B == 1 and n_new[0] == 1) and not (B == 1 and starts[0] == 0) and not (
+            t_max == 1 and len(set(ends)) == 1):
+        # query t of sequence i (absolute position starts[i] + t) sees keys 0..starts[i] + t
+        q_pos = torch.tensor(starts).view(B, 1, 1) + torch.arange(t_max).view(1, t_max, 1)
+        mask = (torch.arange(keys_max).view(1, 1, keys_max) <= q_pos).unsqueeze(1)
+    lo = slots[0]
+    slot_view = slice(lo, lo + B) if slots == list(range(lo, lo + B)) else None
+    dev = torch.device(device)
+    return BatchMeta(slots=list(slots), n_new=list(n_new), starts=starts, positions=positions.to(dev),
+                     seq_of_token=seq_of_token.to(dev), off_of_token=off_of_token.to(dev),
+                     slot_of_token=slot_of_token.to(dev), last_index=(first_of_seq + n_new_t - 1).to(dev),
+                     t_max=t_max, keys_max=keys_max, mask=None if mask is None else mask.to(dev),
+                     slot_view=slot_view)
+
+
+class RoPE:
+    """Rotary embedding. "normal" rotates adjacent pairs (x[2j], x[2j+1]): llama.cpp's rope for llama,
+    whose GGUF q/k rows the converter permuted so that this equals HF's rotate-half. "neox" rotates
+    (x[j], x[j + D/2]) as HF does for qwen."""
+
+    def __init__(self, head_dim: int, theta: float, style: str, scale: float = 1.0, device="cpu"):
+        if style not in ("normal", "neox"):
+            raise ValueError(f"unknown rope style {style!r}")
+        self.style, self.scale, self.head_dim = style, scale, head_dim
+        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device)
+                                         / head_dim))
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N] positions -> cos, sin of shape [N, 1, D/2] (broadcast over heads)."""
+        angles = (positions.to(torch.float64) / self.scale).unsqueeze(-1) * self.inv_freq
+        return angles.cos().float().unsqueeze(1), angles.sin().float().unsqueeze(1)
+
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [N, heads, D]."""
+        if self.style == "normal":
+            x0, x1 = x[..., 0::2], x[..., 1::2]
+            return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
+        half = self.head_dim // 2
+        x0, x1 = x[..., :half], x[..., half:]
+        return torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
+
+
+class Attention(torch.nn.Module):
+    """GQA self-attention with fused qkv projection, optional qkv bias (qwen2moe) and per-head q/k
+    RMSNorm (qwen3moe)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, w_qkv: torch.Tensor, b_qkv: torch.Tensor | None,
+                 w_o: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        self.register_buffer("w_qkv", w_qkv, persistent=False)
+        self.register_buffer("b_qkv", b_qkv, persistent=False)
+        self.register_buffer("w_o", w_o, persistent=False)
+        self.register_buffer("q_norm", q_norm, persistent=False)
+        self.register_buffer("k_norm", k_norm, persistent=False)
+        self.q_out = cfg.n_heads * cfg.head_dim
+        self.kv_out = cfg.n_kv_heads * cfg.head_dim
+
+    def forward(self, x: torch.Tensor, meta: BatchMeta, kv: KVCache, rope: RoPE,
+                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        cfg = self.cfg
+        N, D = x.shape[0], cfg.head_dim
+        qkv = F.linear(x, self.w_qkv, self.b_qkv)
+        q = qkv[:, :self.q_out].view(N, cfg.n_heads, D)
+        k = qkv[:, self.q_out:self.q_out + self.kv_out].view(N, cfg.n_kv_heads, D)
+        v = qkv[:, self.q_out + self.kv_out:].view(N, cfg.n_kv_heads, D)
+        if self.q_norm is not None:
+            q = rms_norm(q, self.q_norm, cfg.rms_eps)
+            k = rms_norm(k, self.k_norm, cfg.rms_eps)
+        cos, sin = cos_sin
+        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+
+        k_cache, v_cache = kv.layer(self.layer)
+        k_cache[meta.slot_of_token, :, meta.positions] = k
+        v_cache[meta.slot_of_token, :, meta.positions] = v
+        if meta.slot_view is not None:
+            keys = k_cache[meta.slot_view, :, :meta.keys_max]
+            values = v_cache[meta.slot_view, :, :meta.keys_max]
+        else:
+            idx = torch.tensor(meta.slots, device=x.device)
+            keys = k_cache.index_select(0, idx)[:, :, :meta.keys_max]
+            values = v_cache.index_select(0, idx)[:, :, :meta.keys_max]
+
+        B = len(meta.n_new)
+        if meta.t_max == 1:  # decode: one query per sequence, packed order is sequence order
+            qp = q.view(B, 1, cfg.n_heads, D).transpose(1, 2)
+        else:
+            qp = q.new_zeros(B, meta.t_max, cfg.n_heads, D)
+            qp[meta.seq_of_token, meta.off_of_token] = q
+            qp = qp.transpose(1, 2)
+        out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=meta.mask,
+                                             is_causal=meta.mask is None and meta.t_max > 1,
+                                             enable_gqa=cfg.n_heads != cfg.n_kv_heads)
+        out = out.transpose(1, 2)  # [B, T, heads, D]
+        if meta.t_max == 1:
+            out = out.reshape(N, self.q_out)
+        else:
+            out = out[meta.seq_of_token, meta.off_of_token].reshape(N, self.q_out)
+        return F.linear(out, self.w_o)
