@@ -1,0 +1,349 @@
+"""Layer-split search: every placement of S contiguous layer ranges, priced exactly.
+
+Cost model (DESIGN.md): one decode step takes
+    sum_i [ (b_i - a_i)*layer_ms[i] + k*L*(routed(a_i, b_i) - held_i)*miss_ms[i] ] + (S-1)*handoff_ms
+(+ the host time of trunk pieces left off the card, when the trunk is priced). A stage's
+fill depends only on (i, a, b), so every (stage, range) is priced once, in one vectorised
+pass (planner.fill.RangeTables), into a table C[i][a, b]. Then:
+  * enumeration (S <= 4): all placements scored from the table, as Strata does;
+  * an exact dynamic program over (stage, boundary) for any S: latency minimises the sum,
+    throughput minimises the slowest stage (then the sum among those that tie).
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from planner.devices import DeviceSpec
+from planner.fill import RangeTables
+from planner.mass import pair_mass
+from planner.slots import GIB, SlotLayout, per_layer_slots
+from planner.spec import ModelSpec
+from planner.trunk import TrunkPolicy, expert_read_probability, place_trunk
+from stages.errors import PlacementError
+
+DEFAULT_HANDOFF_MS = 1.0  # one stage-to-stage hop (a Ray call carrying a hidden vector)
+DEFAULT_CPU_FACTOR = 1.0  # moeray's host copy of an expert is the same GGUF bytes as the card's
+ENUMERATE_MAX_STAGES = 4
+
+
+@dataclass
+class StagePlan:
+    index: int
+    device: str
+    first_layer: int
+    end_layer: int
+    free_bytes: int
+    trunk_bytes: int  # trunk placed on the card
+    expert_room: int  # free_bytes - trunk_bytes
+    held_pairs: list  # (layer, expert) in rank order
+    held_bytes: int
+    held_mass: float
+    routed_mass: float
+    dense_ms: float
+    miss_ms: float  # expected host time of missed experts per step
+    host_trunk_ms: float
+    stage_ms: float
+    trunk: list  # decisions
+    slots: SlotLayout | None
+    held_per_layer: list
+
+    @property
+    def n_layers(self) -> int:
+        return self.end_layer - self.first_layer
+
+
+@dataclass
+class Plan:
+    objective: str
+    method: str  # enumeration | dp | explicit
+    split: list  # [(first, end)] per stage
+    predicted_ms: float
+    slowest_stage_ms: float
+    placements_scored: int
+    stages: list
+    n_pairs: int
+    mass_mode: str
+    trunk_mode: str
+    handoff_ms: float
+    search_ms: float = 0.0
+    notes: list = field(default_factory=list)
+
+    @property
+    def boundaries(self) -> list[int]:
+        return [a for a, _ in self.split[1:]]
+
+    @property
+    def held_pairs(self) -> int:
+        return sum(len(s.held_pairs) for s in self.stages)
+
+    @property
+    def held_mass(self) -> float:
+        return sum(s.held_mass for s in self.stages)
+
+    @property
+    def routed_mass(self) -> float:
+        return sum(s.routed_mass for s in self.stages)
+
+    def startup_line(self) -> str:
+        k = ",".join(str(x) for x in self.boundaries) or "-"
+        share = self.held_mass / self.routed_mass if self.routed_mass > 0 else 0.0
+        head = "layer split auto" if self.method != "explicit" else "layer split as given"
+        tail = (f"best of {self.placements_scored} placements" if self.method == "enumeration" else
+                f"best of {self.placements_scored} placements (exact DP)" if self.method == "dp" else
+                "1 placement scored")
+        obj = "" if self.objective == "latency" else f", slowest stage {self.slowest_stage_ms:.1f} ms (throughput)"
+        return (f"{head}: K={k} - predicted {self.predicted_ms:.1f} ms per decode step{obj}; the caches hold "
+                f"{self.held_pairs} of {self.n_pairs} profiled pairs (~{100 * share:.1f}% of the routed mass), {tail}")
+
+    def lines(self) -> list[str]:
+        out = [self.startup_line()]
+        for s in self.stages:
+            out.append(f"stage {s.index} ({s.device}): layers {s.first_layer}-{s.end_layer - 1}, "
+                       f"{s.stage_ms:.2f} ms, trunk {s.trunk_bytes / GIB:.2f} GiB, expert room "
+                       f"{s.expert_room / GIB:.2f} GiB holds {len(s.held_pairs)} pairs "
+                       f"({100 * s.held_mass / max(s.routed_mass, 1e-300):.1f}% of its routed mass)")
+            for d in s.trunk:
+                out.append(f"[place] stage {s.index}: {d['component']} ({d['bytes'] / (1 << 20):.1f} MiB) -> "
+                           f"{'gpu' if d['on_card'] else 'cpu'}: {d['why']}; expert room "
+                           f"{d['expert_room_after'] / GIB:.2f} GiB")
+            if s.slots is not None:
+                out.append(f"[slots] stage {s.index}: {s.slots.message}")
+        return out + self.notes
+
+    def to_json(self) -> dict:
+        return {
+            "split": [[a, b] for a, b in self.split], "boundaries": self.boundaries,
+            "predicted_ms": self.predicted_ms, "slowest_stage_ms": self.slowest_stage_ms,
+            "objective": self.objective, "method": self.method, "placements_scored": self.placements_scored,
+            "held_pairs": self.held_pairs, "n_pairs": self.n_pairs, "held_mass": self.held_mass,
+            "routed_mass": self.routed_mass, "mass": self.mass_mode, "trunk": self.trunk_mode,
+            "handoff_ms": self.handoff_ms, "search_ms": self.search_ms,
+            "stages": [{
+                "device": s.device, "layers": [s.first_layer, s.end_layer], "free_bytes": s.free_bytes,
+                "trunk_bytes": s.trunk_bytes, "expert_room": s.expert_room, "held_pairs": len(s.held_pairs),
+                "held_bytes": s.held_bytes, "held_mass": s.held_mass, "routed_mass": s.routed_mass,
+                "held_per_layer": s.held_per_layer, "stage_ms": s.stage_ms, "dense_ms": s.dense_ms,
+                "miss_ms": s.miss_ms, "host_trunk_ms": s.host_trunk_ms, "trunk_decisions": s.trunk,
+                "slots_per_layer": s.slots.quota if s.slots else 0,
+                "slots": s.slots.n_slots if s.slots else 0,
+            } for s in self.stages],
+        }
+
+
+def n_placements(n_layers: int, min_layers: list[int]) -> int:
+    """Placements of S contiguous ranges with at least min_layers[i] layers on stage i."""
+    free = n_layers - sum(min_layers)
+    return math.comb(free + len(min_layers) - 1, len(min_layers) - 1) if free >= 0 else 0
+
+
+def enumerate_boundaries(n_layers: int, min_layers: list[int]) -> np.ndarray:
+    """All placements as an [N, S+1] array of boundaries 0 = k_0 < ... < k_S = L (stars and bars)."""
+    S = len(min_layers)
+    F = n_layers - sum(min_layers)
+    if F < 0:
+        return np.zeros((0, S + 1), dtype=np.int64)
+    N = math.comb(F + S - 1, S - 1)
+    c = np.fromiter(itertools.chain.from_iterable(itertools.combinations(range(F + S - 1), S - 1)),
+                    dtype=np.int64, count=N * (S - 1)).reshape(N, S - 1)
+    M = np.cumsum(min_layers)[:-1]
+    k = c - np.arange(S - 1) + M
+    return np.hstack([np.zeros((N, 1), dtype=np.int64), k, np.full((N, 1), n_layers, dtype=np.int64)])
+
+
+def proportional_split(n_layers: int, devices: list[DeviceSpec]) -> list[int]:
+    """The guess the seeds replaced: layers in proportion to speed (1/layer_ms), VRAM ignored."""
+    speed = np.array([1.0 / max(d.layer_ms, 1e-9) for d in devices])
+    edges = np.rint(np.cumsum(speed) / speed.sum() * n_layers).astype(int)
+    bounds, prev = [], 0
+    for i, e in enumerate(edges[:-1]):
+        e = int(min(max(e, prev + 1), n_layers - (len(devices) - 1 - i)))
+        bounds.append(e)
+        prev = e
+    return bounds
+
+
+def parse_split(split, n_layers: int, n_stages: int) -> list[int] | None:
+    """'auto' -> None; 'K=14,31,41' or [14, 31, 41] -> the first layer of stages 1..S-1."""
+    if split is None or split == "auto":
+        return None
+    if isinstance(split, str):
+        text = split.strip()
+        body = text[2:] if text.upper().startswith("K=") else text
+        try:
+            ks = [int(x) for x in body.split(",") if x.strip()]
+        except ValueError:
+            raise PlacementError(f"--split {split!r}: write auto or K=14,31,41 (the first layer of stages 1..S-1)") from None
+    else:
+        ks = [int(x) for x in split]
+    if len(ks) != n_stages - 1:
+        raise PlacementError(f"--split {split!r}: {n_stages} stages need {n_stages - 1} boundaries, got {len(ks)}")
+    if not all(0 < x < y for x, y in zip([0] + ks, ks + [n_layers])) or (ks and ks[-1] >= n_layers):
+        raise PlacementError(f"--split {split!r}: boundaries must rise strictly inside 1..{n_layers - 1}")
+    return ks
+
+
+class _Context:
+    """Everything priced once per (model, devices, profile)."""
+
+    def __init__(self, spec, devices, profile, mass, cpu_factor, policy):
+        self.spec, self.devices, self.profile, self.policy, self.cpu_factor = spec, devices, profile, policy, cpu_factor
+        self.layers = profile.layers_array()
+        self.mass = pair_mass(profile, mass)
+        value = None
+        if policy.mode == "auto":
+            p = expert_read_probability(profile, spec.n_experts_used)
+            value = p * np.asarray(spec.expert_bytes, dtype=np.float64)[self.layers]
+        self.tables = RangeTables(self.layers, spec.expert_bytes, self.mass, value)
+
+    def price(self, stage, a, b, record=False):
+        """Stage time of many (stage, a, b) questions, and the trunk and fill behind it."""
+        devs = self.devices
+        S, L, k = len(devs), self.spec.n_layers, self.spec.n_experts_used
+        free = np.array([devs[i].free_bytes for i in range(S)], dtype=np.float64)[stage]
+        layer_ms = np.array([d.layer_ms for d in devs])[stage]
+        miss_ms = np.array([d.miss_ms for d in devs])[stage]
+        tr = place_trunk(self.tables, self.spec, self.policy, a, b, free, stage == 0, stage == S - 1, miss_ms,
+                         self.cpu_factor, record=record)
+        routed = self.tables.routed(a, b)
+        dense = (b - a) * layer_ms
+        missed = k * L * (routed - tr.fill.mass) * miss_ms
+        ms = dense + missed + tr.host_ms
+        return np.where(tr.feasible, ms, np.inf), tr, routed, dense, missed
+
+
+def plan_placement(spec: ModelSpec, devices: list[DeviceSpec], profile=None, objective: str = "latency",
+                   split="auto", trunk: str | TrunkPolicy = "auto", handoff_ms: float = DEFAULT_HANDOFF_MS,
+                   min_layers: int | list[int] = 1, mass: str = "curve", cpu_factor: float = DEFAULT_CPU_FACTOR,
+                   method: str = "auto") -> Plan:
+    t0 = time.perf_counter()
+    from planner.profile import Profile
+
+    L, S = spec.n_layers, len(devices)
+    if S < 1:
+        raise PlacementError("no devices to place the model on")
+    if objective not in ("latency", "throughput"):
+        raise PlacementError(f"objective {objective!r}: use latency or throughput")
+    if profile is None:
+        profile = Profile.uniform(L, spec.n_experts)
+    profile.check_model(L, spec.n_experts)
+    mins = [int(min_layers)] * S if np.isscalar(min_layers) else [int(x) for x in min_layers]
+    if len(mins) != S or min(mins) < 1:
+        raise PlacementError(f"min_layers must be >= 1 for each of the {S} stages")
+    policy = trunk if isinstance(trunk, TrunkPolicy) else TrunkPolicy.parse(trunk, L)
+    ctx = _Context(spec, devices, profile, mass, cpu_factor, policy)
+    given = parse_split(split, L, S)
+
+    if given is not None:
+        bounds = [0] + given + [L]
+        method_used, scored = "explicit", 1
+    else:
+        total = n_placements(L, mins)
+        if total == 0:
+            raise PlacementError(f"{L} layers cannot give {S} stages at least {mins} layers each")
+        # Every (stage, a, b) a placement can use.
+        lo_a = np.concatenate([[0], np.cumsum(mins)[:-1]])
+        hi_b = L - (np.cumsum(mins[::-1])[::-1] - mins)
+        st, aa, bb = [], [], []
+        for i in range(S):
+            a_rng = [0] if i == 0 else range(lo_a[i], hi_b[i] - mins[i] + 1)
+            for a in a_rng:
+                b_rng = [L] if i == S - 1 else range(a + mins[i], hi_b[i] + 1)
+                for b in b_rng:
+                    st.append(i), aa.append(a), bb.append(b)
+        st, aa, bb = np.array(st), np.array(aa), np.array(bb)
+        ms = ctx.price(st, aa, bb)[0]
+        C = np.full((S, L + 1, L + 1), np.inf)
+        C[st, aa, bb] = ms
+        if not np.isfinite(ms).any():
+            raise PlacementError("no placement fits: an explicit --trunk list needs more VRAM than a card has")
+        if method == "auto":
+            method = "enumeration" if S <= ENUMERATE_MAX_STAGES else "dp"
+        if method == "enumeration":
+            bounds = _best_enumerated(C, L, mins, objective)
+        elif method == "dp":
+            bounds = _best_dp(C, L, S, objective)
+        else:
+            raise PlacementError(f"search method {method!r}: use auto, enumeration or dp")
+        if bounds is None:
+            raise PlacementError("no placement fits the devices (every candidate needs more VRAM than a card has)")
+        method_used, scored = method, total
+
+    plan = _build_plan(ctx, bounds, objective, method_used, scored, handoff_ms, mass)
+    plan.search_ms = (time.perf_counter() - t0) * 1e3
+    return plan
+
+
+def _best_enumerated(C, L, mins, objective):
+    K = enumerate_boundaries(L, mins)
+    S = len(mins)
+    parts = np.stack([C[i, K[:, i], K[:, i + 1]] for i in range(S)], axis=1)
+    total = parts.sum(axis=1)
+    if objective == "throughput":
+        worst = parts.max(axis=1)
+        best = worst.min()
+        total = np.where(worst <= best, total, np.inf)
+    j = int(np.argmin(total))
+    return None if not np.isfinite(total[j]) else [int(x) for x in K[j]]
+
+
+def _dp(C, L, S, combine):
+    """best[i][b]: best score of stages 0..i covering layers [0, b); arg[i][b]: where stage i starts."""
+    best = C[0, 0].copy()
+    args = [np.zeros(L + 1, dtype=np.int64)]
+    for i in range(1, S):
+        M = combine(best[:, None], C[i])
+        args.append(np.argmin(M, axis=0))
+        best = M[args[-1], np.arange(L + 1)]
+    if not np.isfinite(best[L]):
+        return None, None
+    bounds = [L]
+    for i in range(S - 1, 0, -1):
+        bounds.append(int(args[i][bounds[-1]]))
+    return best[L], [0] + bounds[::-1]
+
+
+def _best_dp(C, L, S, objective):
+    if objective == "throughput":
+        worst, _ = _dp(C, L, S, np.maximum)
+        if worst is None:
+            return None
+        # Among placements whose slowest stage is that fast, the quickest step.
+        C = np.where(C <= worst, C, np.inf)
+    return _dp(C, L, S, np.add)[1]
+
+
+def _build_plan(ctx, bounds, objective, method, scored, handoff_ms, mass_mode) -> Plan:
+    S, L = len(ctx.devices), ctx.spec.n_layers
+    st = np.arange(S)
+    aa, bb = np.array(bounds[:-1]), np.array(bounds[1:])
+    ms, tr, routed, dense, missed = ctx.price(st, aa, bb, record=True)
+    if not np.isfinite(ms).all():
+        bad = int(np.flatnonzero(~np.isfinite(ms))[0])
+        raise PlacementError(f"stage {bad} ({ctx.devices[bad].name}) cannot hold the trunk --trunk "
+                             f"{ctx.policy.text!r} puts on it: {ctx.devices[bad].free_bytes / GIB:.2f} GiB free")
+    stages = []
+    for i in range(S):
+        held = ctx.layers[:int(tr.fill.stop[i])]
+        ranks = np.flatnonzero((held >= aa[i]) & (held < bb[i]))
+        pairs = [ctx.profile.pairs[r] for r in ranks]
+        per_layer = np.bincount(held[ranks] - aa[i], minlength=bb[i] - aa[i]).tolist()
+        blobs = ctx.spec.expert_bytes[aa[i]:bb[i]]
+        room = int(tr.room[i])
+        slots = per_layer_slots(room // max(blobs), blobs) if room >= max(blobs) else None
+        stages.append(StagePlan(
+            index=i, device=ctx.devices[i].name, first_layer=int(aa[i]), end_layer=int(bb[i]),
+            free_bytes=int(ctx.devices[i].free_bytes), trunk_bytes=int(tr.trunk_bytes[i]), expert_room=room,
+            held_pairs=pairs, held_bytes=int(tr.fill.bytes[i]), held_mass=float(tr.fill.mass[i]),
+            routed_mass=float(routed[i]), dense_ms=float(dense[i]), miss_ms=float(missed[i]),
+            host_trunk_ms=float(tr.host_ms[i]), stage_ms=float(ms[i]), trunk=tr.decisions[i], slots=slots,
+            held_per_layer=per_layer))
+    predicted = float(ms.sum()) + (S - 1) * handoff_ms
+    return Plan(objective=objective, method=method, split=list(zip(bounds[:-1], bounds[1:])),
+                predicted_ms=predicted, slowest_stage_ms=float(ms.max()), placements_scored=scored, stages=stages,
+                n_pairs=len(ctx.profile.pairs), mass_mode=mass_mode, trunk_mode=ctx.policy.text,
+                handoff_ms=handoff_ms)

@@ -1,0 +1,68 @@
+"""What the planner needs to know about a model: sizes, not weights."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stages.errors import PlacementError
+
+
+@dataclass
+class TrunkBytes:
+    embedding: int = 0  # token embedding: stage 0
+    head: int = 0  # output norm + lm_head: the last stage
+    layers: list[int] = field(default_factory=list)  # per layer: attention, norms, router, shared expert
+
+
+@dataclass
+class ModelSpec:
+    n_layers: int
+    n_experts: int
+    n_experts_used: int  # k: experts routed per token per layer
+    expert_bytes: list[int]  # bytes of one routed expert of each layer, as stored in a slot
+    trunk_bytes: TrunkBytes
+
+    def __post_init__(self):
+        L = self.n_layers
+        if L <= 0 or self.n_experts <= 0 or not 0 < self.n_experts_used <= self.n_experts:
+            raise PlacementError(f"model spec: need n_layers > 0, n_experts > 0 and 0 < k <= n_experts "
+                                 f"(got {L}, {self.n_experts}, {self.n_experts_used})")
+        if len(self.expert_bytes) != L:
+            raise PlacementError(f"model spec: expert_bytes has {len(self.expert_bytes)} entries for {L} layers")
+        if any(b <= 0 for b in self.expert_bytes):
+            raise PlacementError("model spec: every layer needs expert_bytes > 0 (the planner places routed experts)")
+        if not self.trunk_bytes.layers:
+            self.trunk_bytes.layers = [0] * L
+        if len(self.trunk_bytes.layers) != L:
+            raise PlacementError(f"model spec: trunk_bytes.layers has {len(self.trunk_bytes.layers)} "
+                                 f"entries for {L} layers")
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "spec") -> "ModelSpec":
+        try:
+            tb = d.get("trunk_bytes") or {}
+            return cls(
+                n_layers=int(d["n_layers"]), n_experts=int(d["n_experts"]),
+                n_experts_used=int(d["n_experts_used"]),
+                expert_bytes=[int(x) for x in d["expert_bytes"]],
+                trunk_bytes=TrunkBytes(int(tb.get("embedding", 0)), int(tb.get("head", 0)),
+                                       [int(x) for x in tb.get("layers", [])]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlacementError(f"{where}: malformed model spec ({exc!r}); expected {{\"n_layers\", "
+                                 "\"n_experts\", \"n_experts_used\", \"expert_bytes\": [...], "
+                                 "\"trunk_bytes\": {\"embedding\", \"head\", \"layers\": [...]}}") from None
+
+    @classmethod
+    def from_json(cls, path) -> "ModelSpec":
+        try:
+            d = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise PlacementError(f"cannot read model spec {path}: {exc}") from None
+        return cls.from_dict(d, where=str(path))
+
+    def to_dict(self) -> dict:
+        return {"n_layers": self.n_layers, "n_experts": self.n_experts,
+                "n_experts_used": self.n_experts_used, "expert_bytes": list(self.expert_bytes),
+                "trunk_bytes": {"embedding": self.trunk_bytes.embedding, "head": self.trunk_bytes.head,
+                                "layers": list(self.trunk_bytes.layers)}}
