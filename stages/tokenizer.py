@@ -1,0 +1,140 @@
+"""The tokeniser and chat template a GGUF carries in its own metadata.
+
+A GGUF has no tokenizer.json: it stores llama.cpp's `tokenizer.ggml.*` keys (model type, tokens,
+merges or scores, token types, special ids) and `tokenizer.chat_template`. transformers already
+knows how to turn those into a `tokenizers` fast tokenizer (its GGUF converter), so we hand it
+the metadata and keep only the backend `tokenizers.Tokenizer`. The chat template is rendered with
+transformers' own jinja2 renderer, so the prompt text is what `apply_chat_template` would give.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from stages.errors import GGUFError
+
+# Tokens llama.cpp treats as end-of-generation when a vocabulary has them (its EOG set), besides
+# the file's eos id: an instruct model ends its turn with <|im_end|> but a base-style continuation
+# may end with <|endoftext|>.
+_END_OF_GENERATION_TEXTS = (
+    "<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|end_of_text|>",
+    "</s>", "<|return|>", "<|call|>", "<EOT>",
+)
+
+
+def read_tokenizer_metadata(path: str | Path) -> dict[str, Any]:
+    """The `tokenizer.*` keys and `general.architecture` of a GGUF, as Python values."""
+    from stages.gguf_file import read_gguf_header
+
+    metadata = read_gguf_header(path).metadata
+    return {k: v for k, v in metadata.items() if k.startswith("tokenizer.") or k == "general.architecture"}
+
+
+@dataclass
+class Tokenizer:
+    backend: Any  # tokenizers.Tokenizer
+    bos_id: int | None
+    eos_id: int | None
+    add_bos: bool
+    chat_template: str | None
+    end_ids: frozenset[int] = field(default_factory=frozenset)  # any of these ends a generation
+    special_ids: frozenset[int] = field(default_factory=frozenset)
+
+    # -- construction ---------------------------------------------------------------------------
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> "Tokenizer":
+        return cls.from_metadata(read_tokenizer_metadata(path), source=str(path))
+
+    @classmethod
+    def from_metadata(cls, metadata: dict[str, Any], source: str = "GGUF") -> "Tokenizer":
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
+            GGUF_TOKENIZER_MAPPING,
+            convert_gguf_tokenizer,
+        )
+
+        if "tokenizer.ggml.tokens" not in metadata or "tokenizer.ggml.model" not in metadata:
+            raise GGUFError(f"{source}: no tokenizer in the GGUF metadata (tokenizer.ggml.model / tokens missing)")
+        tok_dict = {
+            name: metadata[f"tokenizer.{key}"]
+            for key, name in GGUF_TOKENIZER_MAPPING["tokenizer"].items()
+            if f"tokenizer.{key}" in metadata
+        }
+        model_type = tok_dict["tokenizer_type"]
+        try:
+            backend, _ = convert_gguf_tokenizer(metadata.get("general.architecture", "llama"), tok_dict)
+        except ValueError as exc:
+            raise GGUFError(f"{source}: {exc}") from exc
+        if model_type == "llama" and metadata.get("tokenizer.ggml.add_space_prefix", True):
+            _always_prefix_space(backend)
+
+        tokens: list[str] = list(tok_dict["tokens"])
+        token_types = list(metadata.get("tokenizer.ggml.token_type") or [])
+        bos_id = metadata.get("tokenizer.ggml.bos_token_id")
+        eos_id = metadata.get("tokenizer.ggml.eos_token_id")
+        # llama.cpp adds BOS to a sentencepiece vocabulary unless the file says otherwise.
+        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", model_type == "llama"))
+        # CONTROL (3) tokens are special: they never appear in decoded text.
+        special = frozenset(i for i, t in enumerate(token_types) if t == 3)
+        end_ids = {i for i, tok in enumerate(tokens) if tok in _END_OF_GENERATION_TEXTS and i in special}
+        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+            if metadata.get(key) is not None:
+                end_ids.add(int(metadata[key]))
+        return cls(
+            backend=backend,
+            bos_id=None if bos_id is None else int(bos_id),
+            eos_id=None if eos_id is None else int(eos_id),
+            add_bos=add_bos,
+            chat_template=metadata.get("tokenizer.chat_template"),
+            end_ids=frozenset(end_ids),
+            special_ids=special,
+        )
+
+    # -- use ------------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
+        """Token ids of `text`; special tokens written in the text (e.g. <|im_start|>) stay whole."""
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
+            if not ids or ids[0] != self.bos_id:  # a chat template may already start with BOS
+                ids = [self.bos_id] + ids
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """The prompt text for a conversation, rendered as transformers' apply_chat_template does."""
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        if not self.chat_template:
+            raise GGUFError("this GGUF has no tokenizer.chat_template; run without --chat")
+        bos = self.backend.id_to_token(self.bos_id) if self.bos_id is not None else ""
+        eos = self.backend.id_to_token(self.eos_id) if self.eos_id is not None else ""
+        rendered, _ = render_jinja_template(
+            conversations=[messages],
+            chat_template=self.chat_template,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=bos,
+            eos_token=eos,
+        )
+        return rendered[0]
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        return self.encode(self.apply_chat_template(messages))
+
+
+
+def _always_prefix_space(backend: Any) -> None:
+    """sentencepiece and llama.cpp put "▁" before the text even when it already starts with a space
+    ("  hi" -> "▁▁▁hi"); the `Metaspace` pre-tokenizer transformers' converter uses skips it then
+    ("▁▁hi"), which gives the model a token sequence it never saw. A normalizer does it the SPM way."""
+    from tokenizers import normalizers
+
+    backend.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
+    )
+    backend.pre_tokenizer = None

@@ -1,0 +1,121 @@
+"""The tokeniser built from a GGUF's own metadata matches the references: transformers' GGUF
+tokenizer for SmolLM2 (byte-level BPE) and sentencepiece itself for an SPM vocabulary."""
+from __future__ import annotations
+
+import io
+
+import pytest
+
+from stages.tokenizer import Tokenizer
+
+TEXTS = [
+    "Hello world!",
+    "In 2024, π≈3.14159 — naïve café, 日本語のテキスト, emoji 🙂👍🏽 and Ελληνικά.",
+    "def f(x):\n    return x**2  # square\n\n\t\ttabs and\r\nCRLF",
+    "  leading spaces, trailing spaces  ",
+    "<|im_start|>user\nspecial tokens stay whole<|im_end|>\n",
+    "",
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2(smollm2_dense_path):
+    from transformers import AutoTokenizer
+
+    ours = Tokenizer.from_gguf(smollm2_dense_path)
+    theirs = AutoTokenizer.from_pretrained(str(smollm2_dense_path.parent), gguf_file=smollm2_dense_path.name)
+    return ours, theirs
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_smollm2_encode_decode_match_transformers(smollm2, text):
+    ours, theirs = smollm2
+    ids = ours.encode(text)
+    assert ids == theirs.encode(text, add_special_tokens=False)
+    assert ours.decode(ids) == theirs.decode(ids, skip_special_tokens=True)
+    if "<|" not in text:
+        assert ours.decode(ids) == text  # byte-level BPE round-trips any text
+
+
+def test_smollm2_special_ids(smollm2):
+    ours, _ = smollm2
+    assert ours.encode("<|im_start|>") == [1]
+    assert ours.bos_id == 1 and ours.eos_id == 2 and not ours.add_bos
+    # <|im_end|> ends a chat turn, <|endoftext|> a document: both end a generation (llama.cpp's EOG set).
+    assert ours.end_ids == {0, 2}
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": "What is 2+2?"}],
+        [
+            {"role": "system", "content": "Answer briefly."},
+            {"role": "user", "content": "Name a colour."},
+            {"role": "assistant", "content": "Blue."},
+            {"role": "user", "content": "Another?"},
+        ],
+    ],
+)
+def test_smollm2_chat_template_matches_transformers(smollm2, messages):
+    ours, theirs = smollm2
+    text = ours.apply_chat_template(messages)
+    assert text == theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text.endswith("<|im_start|>assistant\n")
+    assert ours.encode_chat(messages) == theirs.apply_chat_template(messages, add_generation_prompt=True)["input_ids"]
+
+
+def _spm_metadata():
+    """A tiny sentencepiece BPE vocabulary trained here, stored as llama.cpp's converter stores
+    one (tokens, scores, token types, special ids), with llama's normalisation (none)."""
+    spm = pytest.importorskip("sentencepiece")
+    corpus = (
+        "The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with a step.\n"
+        "To be, or not to be, that is the question. Hello world, hello moeray! Numbers 12345 and 3.14.\n"
+        "Café naïve résumé. Pack my box with five dozen liquor jugs.\n"
+    ) * 20
+    model = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus.splitlines()), model_writer=model, vocab_size=400, model_type="bpe",
+        byte_fallback=True, character_coverage=1.0, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, split_digits=True, minloglevel=2,
+    )
+    sp = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    n = sp.get_piece_size()
+
+    def token_type(i):  # llama.cpp's LLAMA_TOKEN_TYPE_*
+        return 2 if sp.is_unknown(i) else 3 if sp.is_control(i) else 6 if sp.is_byte(i) else 1
+
+    metadata = {
+        "general.architecture": "llama",
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": [sp.id_to_piece(i) for i in range(n)],
+        "tokenizer.ggml.scores": [sp.get_score(i) for i in range(n)],
+        "tokenizer.ggml.token_type": [token_type(i) for i in range(n)],
+        "tokenizer.ggml.bos_token_id": sp.bos_id(),
+        "tokenizer.ggml.eos_token_id": sp.eos_id(),
+        "tokenizer.ggml.unknown_token_id": sp.unk_id(),
+    }
+    return sp, metadata
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["The quick brown fox", "Hello world, hello moeray!", "  two leading spaces", "日本語 🙂 unseen",
+     "Numbers 12345\nnew line", "x"],
+)
+def test_spm_matches_sentencepiece(text):
+    sp, metadata = _spm_metadata()
+    tok = Tokenizer.from_metadata(metadata)
+    ids = tok.encode(text)
+    # llama.cpp adds BOS to an SPM vocabulary that does not say otherwise; sentencepiece never does.
+    assert ids == [sp.bos_id()] + sp.encode(text)
+    assert tok.decode(ids) == sp.decode(ids) == text
+    assert tok.end_ids == {sp.eos_id()}
+
+
+def test_missing_tokenizer_is_a_clear_error():
+    from stages.errors import GGUFError
+
+    with pytest.raises(GGUFError, match="no tokenizer"):
+        Tokenizer.from_metadata({"general.architecture": "llama"}, source="x.gguf")
