@@ -115,8 +115,8 @@ class _Cursor:
 def _tensor_nbytes(path: str, name: str, dims: tuple[int, ...], ggml_type: GGMLQuantizationType) -> int:
     block, type_size = GGML_QUANT_SIZES[ggml_type]
     n = int(np.prod(dims, dtype=np.int64)) if dims else 1
-    if dims and dims[-1] % block:
-        raise TensorShapeError(f"{path}: tensor '{name}' has a row of {dims[-1]} values, not a multiple "
+    if dims and dims[0] % block:  # dims are innermost first: the row is dims[0]
+        raise TensorShapeError(f"{path}: tensor '{name}' has a row of {dims[0]} values, not a multiple "
                                f"of the {ggml_type.name} block size {block}; the file is corrupt")
     return n // block * type_size
 
