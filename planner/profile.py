@@ -77,15 +77,25 @@ class Profile:
         L, E = c.shape
         flat = c.T.reshape(-1)  # interleaved order: index e*L + l
         order = np.argsort(-flat, kind="stable")
-        pairs = [(int(i % L), int(i // L)) for i in order]
-        return cls(L, E, pairs, [int(flat[i]) for i in order])
+        arr = np.stack([order % L, order // L], axis=1).astype(np.int64)
+        prof = cls(L, E, list(map(tuple, arr.tolist())), flat[order].tolist())
+        prof.__dict__["_pairs_array"] = arr
+        return prof
 
     # --- arrays the planner computes with ------------------------------------------
+    # The ranking as an [T, 2] int array, built once (treat `pairs` as immutable).
+    def pairs_array(self) -> np.ndarray:
+        arr = self.__dict__.get("_pairs_array")
+        if arr is None:
+            arr = np.array(self.pairs, dtype=np.int64).reshape(-1, 2)
+            self.__dict__["_pairs_array"] = arr
+        return arr
+
     def layers_array(self) -> np.ndarray:
-        return np.fromiter((l for l, _ in self.pairs), dtype=np.int64, count=len(self.pairs))
+        return self.pairs_array()[:, 0]
 
     def experts_array(self) -> np.ndarray:
-        return np.fromiter((e for _, e in self.pairs), dtype=np.int64, count=len(self.pairs))
+        return self.pairs_array()[:, 1]
 
     def count_table(self) -> np.ndarray | None:
         if self.counts is None:

@@ -11,7 +11,6 @@ pass (planner.fill.RangeTables), into a table C[i][a, b]. Then:
 """
 from __future__ import annotations
 
-import itertools
 import math
 import time
 from dataclasses import dataclass, field
@@ -40,7 +39,7 @@ class StagePlan:
     free_bytes: int
     trunk_bytes: int  # trunk placed on the card
     expert_room: int  # free_bytes - trunk_bytes
-    held_pairs: list  # (layer, expert) in rank order
+    held_pairs: np.ndarray  # [n, 2] (layer, expert) rows in rank order
     held_bytes: int
     held_mass: float
     routed_mass: float
@@ -141,15 +140,27 @@ def n_placements(n_layers: int, min_layers: list[int]) -> int:
     return math.comb(free + len(min_layers) - 1, len(min_layers) - 1) if free >= 0 else 0
 
 
+def combinations(n: int, r: int) -> np.ndarray:
+    """All r-subsets of range(n) as sorted rows, in lexicographic order (numpy, no Python loop per row)."""
+    c = np.zeros((1, 0), dtype=np.int64)
+    for col in range(r):
+        start = c[:, -1] + 1 if col else np.zeros(1, dtype=np.int64)
+        stop = n - (r - 1 - col)  # leave room for the columns still to come
+        counts = np.maximum(stop - start, 0)
+        rows = np.repeat(np.arange(len(c)), counts)
+        offs = np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+        c = np.hstack([c[rows], (np.repeat(start, counts) + offs)[:, None]])
+    return c
+
+
 def enumerate_boundaries(n_layers: int, min_layers: list[int]) -> np.ndarray:
     """All placements as an [N, S+1] array of boundaries 0 = k_0 < ... < k_S = L (stars and bars)."""
     S = len(min_layers)
     F = n_layers - sum(min_layers)
     if F < 0:
         return np.zeros((0, S + 1), dtype=np.int64)
-    N = math.comb(F + S - 1, S - 1)
-    c = np.fromiter(itertools.chain.from_iterable(itertools.combinations(range(F + S - 1), S - 1)),
-                    dtype=np.int64, count=N * (S - 1)).reshape(N, S - 1)
+    c = combinations(F + S - 1, S - 1)
+    N = len(c)
     M = np.cumsum(min_layers)[:-1]
     k = c - np.arange(S - 1) + M
     return np.hstack([np.zeros((N, 1), dtype=np.int64), k, np.full((N, 1), n_layers, dtype=np.int64)])
@@ -248,14 +259,15 @@ def plan_placement(spec: ModelSpec, devices: list[DeviceSpec], profile=None, obj
         # Every (stage, a, b) a placement can use.
         lo_a = np.concatenate([[0], np.cumsum(mins)[:-1]])
         hi_b = L - (np.cumsum(mins[::-1])[::-1] - mins)
+        A, B = np.meshgrid(np.arange(L + 1), np.arange(L + 1), indexing="ij")
         st, aa, bb = [], [], []
         for i in range(S):
-            a_rng = [0] if i == 0 else range(lo_a[i], hi_b[i] - mins[i] + 1)
-            for a in a_rng:
-                b_rng = [L] if i == S - 1 else range(a + mins[i], hi_b[i] + 1)
-                for b in b_rng:
-                    st.append(i), aa.append(a), bb.append(b)
-        st, aa, bb = np.array(st), np.array(aa), np.array(bb)
+            ok = (A >= lo_a[i]) & (B - A >= mins[i]) & (B <= hi_b[i])
+            ok &= (A == 0) if i == 0 else True
+            ok &= (B == L) if i == S - 1 else True
+            ia, ib = np.nonzero(ok)
+            st.append(np.full(ia.size, i)), aa.append(ia), bb.append(ib)
+        st, aa, bb = np.concatenate(st), np.concatenate(aa), np.concatenate(bb)
         ms = ctx.price(st, aa, bb)[0]
         C = np.full((S, L + 1, L + 1), np.inf)
         C[st, aa, bb] = ms
@@ -330,7 +342,7 @@ def _build_plan(ctx, bounds, objective, method, scored, handoff_ms, mass_mode) -
     for i in range(S):
         held = ctx.layers[:int(tr.fill.stop[i])]
         ranks = np.flatnonzero((held >= aa[i]) & (held < bb[i]))
-        pairs = [ctx.profile.pairs[r] for r in ranks]
+        pairs = ctx.profile.pairs_array()[ranks]
         per_layer = np.bincount(held[ranks] - aa[i], minlength=bb[i] - aa[i]).tolist()
         blobs = ctx.spec.expert_bytes[aa[i]:bb[i]]
         room = int(tr.room[i])

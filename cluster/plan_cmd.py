@@ -1,0 +1,85 @@
+"""`moeray plan`: the placement search for a model and a set of devices, without loading weights.
+
+The model comes from a GGUF (only its header and tensor directory are read, so a header-only
+file works) or from a --spec JSON; the devices from --devices (SIZE[:LAYER_MS[:MISS_MS]], ...)
+or --devices-json. Torch-free: planner/ is numpy only and the GGUF header reader is too.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from planner.devices import load_devices_json, parse_devices
+from planner.profile import Profile
+from planner.search import DEFAULT_CPU_FACTOR, DEFAULT_HANDOFF_MS, plan_placement
+from planner.spec import ModelSpec, TrunkBytes
+from stages.errors import PlacementError
+
+
+def add_arguments(p) -> None:
+    p.add_argument("model", nargs="?", help="MODEL.gguf (a header-only copy is enough)")
+    p.add_argument("--spec", help='model sizes as JSON: {"n_layers", "n_experts", "n_experts_used", '
+                                  '"expert_bytes": [...], "trunk_bytes": {"embedding", "head", "layers": [...]}}')
+    p.add_argument("--devices", help="free VRAM per stage in pipeline order, e.g. 12GiB,12GiB,8GiB,8GiB; "
+                                     "each item SIZE[:LAYER_MS[:MISS_MS]]")
+    p.add_argument("--devices-json", help='[{"name", "free_bytes", "layer_ms", "miss_ms"}, ...]')
+    p.add_argument("--profile", help="routing profile: moeray msgpack, Strata STRP or colibri heat file")
+    p.add_argument("--stages-objective", choices=("latency", "throughput"), default="latency",
+                   help="latency: fastest decode step (sum over stages); throughput: fastest slowest stage")
+    p.add_argument("--split", default="auto", help="auto, or K=14,31,41 (first layer of stages 1..S-1) to score a given split")
+    p.add_argument("--trunk", default="auto", help="auto, off, or e.g. head=gpu,embed=cpu,layers=0-20+30-47")
+    p.add_argument("--mass", choices=("curve", "counts"), default="curve",
+                   help="curve: H(f)=1-(1-f)^b (MOERAY_SPLIT_COVER_B, default 3); counts: the profile's measured shares")
+    p.add_argument("--handoff-ms", type=float, default=DEFAULT_HANDOFF_MS, help="time of one stage-to-stage hop")
+    p.add_argument("--cpu-factor", type=float, default=DEFAULT_CPU_FACTOR,
+                   help="host bytes read per card byte of an expert (2 for an int8 host copy of an int4 slot)")
+    p.add_argument("--min-layers", default="1", help="minimum layers per stage: N, or one per stage (2,1,1,1)")
+    p.add_argument("--method", choices=("auto", "enumeration", "dp"), default="auto",
+                   help="auto: enumeration up to 4 stages, the exact DP beyond")
+    p.add_argument("--json", metavar="PATH", help="write the plan as JSON (- for stdout)")
+    p.add_argument("--plot", metavar="PNG", help="draw the plan (needs matplotlib: moeray[plot])")
+
+
+def spec_from_gguf(path: str) -> ModelSpec:
+    from stages.gguf_file import read_gguf_header  # torch-free
+
+    h = read_gguf_header(path)
+    cfg = h.config
+    if not cfg.n_experts:
+        raise PlacementError(f"{path}: a dense model (no routed experts); there is no expert cache to place")
+    tb = h.trunk_bytes()
+    return ModelSpec(cfg.n_layers, cfg.n_experts, cfg.n_experts_used,
+                     [h.expert_bytes(i) for i in range(cfg.n_layers)],
+                     TrunkBytes(int(tb["embedding"]), int(tb["head"]), [int(x) for x in tb["layers"]]))
+
+
+def run(args) -> int:
+    if bool(args.model) == bool(args.spec):
+        raise PlacementError("give a MODEL.gguf or --spec model.json (one of them)")
+    spec = spec_from_gguf(args.model) if args.model else ModelSpec.from_json(args.spec)
+    if bool(args.devices) == bool(args.devices_json):
+        raise PlacementError("give --devices 12GiB,8GiB,... or --devices-json devices.json (one of them)")
+    devices = parse_devices(args.devices) if args.devices else load_devices_json(args.devices_json)
+    profile = Profile.load(args.profile, spec.n_layers, spec.n_experts) if args.profile else None
+    try:
+        mins = [int(x) for x in str(args.min_layers).split(",")]
+    except ValueError:
+        raise PlacementError(f"--min-layers {args.min_layers!r}: a number or one number per stage") from None
+    plan = plan_placement(spec, devices, profile, objective=args.stages_objective, split=args.split,
+                          trunk=args.trunk, handoff_ms=args.handoff_ms, min_layers=mins[0] if len(mins) == 1 else mins,
+                          mass=args.mass, cpu_factor=args.cpu_factor, method=args.method)
+    out = sys.stderr if args.json == "-" else sys.stdout
+    for line in plan.lines():
+        print(line, file=out)
+    if args.json:
+        text = json.dumps(plan.to_json(), indent=1)
+        if args.json == "-":
+            print(text)
+        else:
+            with open(args.json, "w") as f:
+                f.write(text + "\n")
+    if args.plot:
+        from planner.report import plot_plan
+
+        plot_plan(plan, args.plot)
+    return 0
