@@ -8,7 +8,6 @@ tensor directory, which is what `moeray plan` is given for models too big to cop
 """
 from __future__ import annotations
 
-import mmap
 import os
 import struct
 from dataclasses import dataclass, field
@@ -71,14 +70,23 @@ _STRING, _ARRAY = 8, 9
 
 
 class _Cursor:
-    def __init__(self, buf, path: str):
-        self.buf, self.pos, self.path = buf, 0, path
+    """Reads the header straight from the file, pulling more bytes as the parse needs them (a
+    header with a big tokenizer is megabytes; the tensor data behind it is never read)."""
+
+    def __init__(self, f, path: str, size: int):
+        self.f, self.path, self.size = f, path, size
+        self.buf, self.pos = b"", 0
 
     def need(self, n: int) -> None:
-        if self.pos + n > len(self.buf):
+        if self.pos + n <= len(self.buf):
+            return
+        if self.pos + n > self.size:
             raise TruncatedGGUFError(
-                f"{self.path}: the file ends inside its GGUF header (at byte {len(self.buf)}); "
+                f"{self.path}: the file ends inside its GGUF header (at byte {self.size}); "
                 "it was cut short while copying or downloading; fetch it again")
+        want = max(self.pos + n - len(self.buf), len(self.buf), 1 << 20)
+        self.f.seek(len(self.buf))
+        self.buf += self.f.read(want)
 
     def unpack(self, fmt: str):
         n = struct.calcsize(fmt)
@@ -115,16 +123,17 @@ class _Cursor:
 def _tensor_nbytes(path: str, name: str, dims: tuple[int, ...], ggml_type: GGMLQuantizationType) -> int:
     block, type_size = GGML_QUANT_SIZES[ggml_type]
     n = int(np.prod(dims, dtype=np.int64)) if dims else 1
-    if dims and dims[0] % block:  # dims are innermost first: the row is dims[0]
+    if dims and dims[0] % block:  # dims are innermost first: dims[0] is the row
         raise TensorShapeError(f"{path}: tensor '{name}' has a row of {dims[0]} values, not a multiple "
                                f"of the {ggml_type.name} block size {block}; the file is corrupt")
     return n // block * type_size
 
 
-def _parse(buf, path: str, size_on_disk: int) -> GGUFHeader:
-    cur = _Cursor(buf, path)
-    if len(buf) < 4 or bytes(buf[:4]) != GGUF_MAGIC:
-        head = bytes(buf[:4])
+def _parse(f, path: str, size: int) -> GGUFHeader:
+    cur = _Cursor(f, path, size)
+    cur.need(min(4, size))
+    if size < 4 or cur.buf[:4] != GGUF_MAGIC:
+        head = cur.buf[:4]
         raise NotGGUFError(f"{path}: not a GGUF file (starts with {head!r}, expected b'GGUF'); "
                            "pass a .gguf model (convert safetensors with llama.cpp's convert_hf_to_gguf.py)")
     cur.pos = 4
@@ -181,8 +190,7 @@ def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
         size = os.fstat(f.fileno()).st_size
         if size == 0:
             raise NotGGUFError(f"{path}: not a GGUF file (it is empty)")
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-            return _parse(memoryview(mm), path, size)
+        return _parse(f, path, size)
 
 
 def write_header_only(src: str | os.PathLike, dst: str | os.PathLike) -> int:
