@@ -193,7 +193,8 @@ def parse_split(split, n_layers: int, n_stages: int) -> list[int] | None:
         ks = [int(x) for x in split]
     if len(ks) != n_stages - 1:
         raise PlacementError(f"--split {split!r}: {n_stages} stages need {n_stages - 1} boundaries, got {len(ks)}")
-    if not all(0 < x < y for x, y in zip([0] + ks, ks + [n_layers])) or (ks and ks[-1] >= n_layers):
+    full = [0] + ks + [n_layers]
+    if not all(x < y for x, y in zip(full[:-1], full[1:])):
         raise PlacementError(f"--split {split!r}: boundaries must rise strictly inside 1..{n_layers - 1}")
     return ks
 
