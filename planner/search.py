@@ -22,7 +22,7 @@ from planner.fill import RangeTables
 from planner.mass import pair_mass
 from planner.slots import GIB, SlotLayout, per_layer_slots
 from planner.spec import ModelSpec
-from planner.trunk import TrunkPolicy, expert_read_probability, place_trunk
+from planner.trunk import TrunkPolicy, expert_read_probability, fmt_bytes, place_trunk
 from stages.errors import PlacementError
 
 DEFAULT_HANDOFF_MS = 1.0  # one stage-to-stage hop (a Ray call carrying a hidden vector)
@@ -103,13 +103,13 @@ class Plan:
         out = [self.startup_line()]
         for s in self.stages:
             out.append(f"stage {s.index} ({s.device}): layers {s.first_layer}-{s.end_layer - 1}, "
-                       f"{s.stage_ms:.2f} ms, trunk {s.trunk_bytes / GIB:.2f} GiB, expert room "
-                       f"{s.expert_room / GIB:.2f} GiB holds {len(s.held_pairs)} pairs "
+                       f"{s.stage_ms:.2f} ms, trunk {fmt_bytes(s.trunk_bytes)}, expert room "
+                       f"{fmt_bytes(s.expert_room)} holds {len(s.held_pairs)} pairs "
                        f"({100 * s.held_mass / max(s.routed_mass, 1e-300):.1f}% of its routed mass)")
             for d in s.trunk:
-                out.append(f"[place] stage {s.index}: {d['component']} ({d['bytes'] / (1 << 20):.1f} MiB) -> "
+                out.append(f"[place] stage {s.index}: {d['component']} ({fmt_bytes(d['bytes'])}) -> "
                            f"{'gpu' if d['on_card'] else 'cpu'}: {d['why']}; expert room "
-                           f"{d['expert_room_after'] / GIB:.2f} GiB")
+                           f"{fmt_bytes(d['expert_room_after'])}")
             if s.slots is not None:
                 out.append(f"[slots] stage {s.index}: {s.slots.message}")
         return out + self.notes

@@ -34,6 +34,13 @@ from stages.errors import PlacementError
 MIB = 1 << 20
 
 
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
 @dataclass
 class TrunkPolicy:
     mode: str = "auto"  # auto | off | explicit
@@ -195,8 +202,8 @@ def place_trunk(tables, spec, policy: TrunkPolicy, a, b, free, first, last, miss
             for q in np.flatnonzero(act):
                 why = ("too big for the card" if not fits[q] else
                        "room no expert would use" if spare[q] or out_all[q] == 0 else
-                       f"saves {value * nbytes[q] / MIB:.1f} MiB/token, the {out_all[q]} experts it pushes out "
-                       f"save {lost_all[q] / MIB:.1f} MiB/token (p_marginal "
+                       f"saves {fmt_bytes(value * nbytes[q])}/token, the {out_all[q]} experts it pushes out "
+                       f"save {fmt_bytes(lost_all[q])}/token (p_marginal "
                        f"{lost_all[q] / max(cpu_factor * (f.bytes[q] - _after_bytes(after, need, q)), 1.0):.2f})")
                 decisions[q].append(_decision(label, lay[q], nbytes[q], bool(put[q]), why,
                                               room[q] - (nbytes[q] if put[q] else 0.0)))
