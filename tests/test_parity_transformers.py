@@ -1,0 +1,119 @@
+"""moeray's logits equal transformers' on tiny random models written to GGUF by moeray's writer.
+
+F32: moeray on the file vs transformers on the original model. F16 / Q8_0: vs transformers on
+the weights dequantised from the same file (so the comparison measures the engine, not the
+rounding). Tolerance: max |difference| <= 1e-4 * max |logit|, float32 all the way.
+For qwen2moe / qwen3moe, transformers' own GGUF loader also reads moeray's file.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stages.gguf_writer import dequantized_state_dict, write_gguf
+from stages.model import load_model
+from tiny_models import (
+    EXPERT_FFN,
+    HEAD_DIM,
+    SHARED_FFN,
+    tiny_llama,
+    tiny_mixtral,
+    tiny_qwen2moe,
+    tiny_qwen3moe,
+    token_ids,
+)
+
+RTOL = 1e-4  # of the largest |logit|
+
+MODELS = {
+    "llama": tiny_llama,
+    "mixtral": tiny_mixtral,
+    "qwen2moe": tiny_qwen2moe,
+    "qwen2moe-normtopk": lambda: tiny_qwen2moe(norm_topk_prob=True),
+    "qwen3moe": tiny_qwen3moe,
+}
+FILE_TYPES = ("F32", "F16", "Q8_0")
+IDS = token_ids(20)
+
+
+def _assert_close(got: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    assert got.shape == ref.shape, what
+    scale = ref.abs().max().item()
+    diff = (got - ref).abs().max().item()
+    assert diff <= RTOL * scale, f"{what}: max |diff| {diff:.3g} > {RTOL} * max |logit| {scale:.3g}"
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    """(name, file type) -> (path of the GGUF, transformers model holding the file's weights)."""
+    root = tmp_path_factory.mktemp("parity")
+    out = {}
+    for name, build in MODELS.items():
+        model = build()
+        for ft in FILE_TYPES:
+            path = write_gguf(model, root / f"{name}-{ft}.gguf", ft)
+            if ft == "F32":
+                ref = model  # the original weights, untouched
+            else:
+                ref = build()
+                ref.load_state_dict(dequantized_state_dict(path, ref))
+            out[name, ft] = (path, ref)
+    return out
+
+
+def _hf_logits(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("ft", FILE_TYPES)
+@pytest.mark.parametrize("name", list(MODELS))
+def test_logits_match_transformers(cases, name, ft):
+    path, ref = cases[name, ft]
+    got = load_model(path).logits_all(IDS)
+    _assert_close(got, _hf_logits(ref, IDS), f"{name} {ft}")
+
+
+@pytest.mark.parametrize("ft", ("F32", "Q8_0"))
+@pytest.mark.parametrize("name", list(MODELS))
+def test_prefill_then_decode_matches_transformers(cases, name, ft):
+    """A chunked prefill then single-token steps reproduce transformers' logits at those positions."""
+    path, ref = cases[name, ft]
+    engine = load_model(path)
+    want = _hf_logits(ref, IDS)
+    kv = engine.new_kv_cache(max_seqs=2, max_len=32)
+    slot = 1  # not slot 0: the slot a sequence lives in must not matter
+    got = [engine.step([IDS[:9]], [slot], kv)[0], engine.step([IDS[9:14]], [slot], kv)[0]]
+    for t in range(14, len(IDS)):
+        got.append(engine.step([[IDS[t]]], [slot], kv)[0])
+    positions = [8, 13, *range(14, len(IDS))]
+    _assert_close(torch.stack(got), want[positions], f"{name} {ft} prefill+decode")
+
+
+def _transformers_gguf_model(path, name: str):
+    """transformers' GGUF loader on moeray's file, told what its metadata mapping ignores."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    # transformers maps neither expert_feed_forward_length nor (for qwen2moe) key_length,
+    # expert_shared_feed_forward_length and expert_weights_norm; llama.cpp reads them all.
+    config.moe_intermediate_size = EXPERT_FFN
+    if name.startswith("qwen2moe"):
+        config.head_dim = HEAD_DIM
+        config.shared_expert_intermediate_size = SHARED_FFN
+        config.norm_topk_prob = name.endswith("normtopk")
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config,
+                                                 dtype=torch.float32, attn_implementation="eager")
+    return model.eval()
+
+
+@pytest.mark.parametrize("name,ft", [("qwen2moe", "F32"), ("qwen2moe-normtopk", "Q8_0"),
+                                     ("qwen3moe", "F32"), ("qwen3moe", "Q8_0")])
+def test_transformers_gguf_loader_reads_moerays_file(cases, name, ft):
+    path, ref = cases[name, ft]
+    loaded = _transformers_gguf_model(path, name)
+    if name == "qwen3moe":  # read from attention.key_length, not told
+        assert loaded.config.head_dim == HEAD_DIM
+    hf = _hf_logits(loaded, IDS)
+    _assert_close(hf, _hf_logits(ref, IDS), f"{name} {ft}: transformers-from-GGUF vs dequantised weights")
+    _assert_close(load_model(path).logits_all(IDS), hf, f"{name} {ft}: moeray vs transformers-from-GGUF")
