@@ -201,3 +201,11 @@ def test_refuses_an_architecture_it_cannot_write(tmp_path):
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50, n_positions=16))
     with pytest.raises(ValueError, match="cannot write 'gpt2'"):
         write_gguf(model, tmp_path / "x.gguf")
+
+
+def test_rows_that_do_not_fill_q8_0_blocks_fall_back_to_f16():
+    """As llama.cpp's converter does on QuantError: a 72-wide row cannot be cut into 32-blocks."""
+    from stages.gguf_writer import tensor_type
+
+    assert tensor_type("blk.0.attn_q.weight", np.zeros((64, 72), np.float32), QT.Q8_0) == QT.F16
+    assert tensor_type("blk.0.attn_q.weight", np.zeros((72, 64), np.float32), QT.Q8_0) == QT.Q8_0

@@ -117,3 +117,32 @@ def test_transformers_gguf_loader_reads_moerays_file(cases, name, ft):
     hf = _hf_logits(loaded, IDS)
     _assert_close(hf, _hf_logits(ref, IDS), f"{name} {ft}: transformers-from-GGUF vs dequantised weights")
     _assert_close(load_model(path).logits_all(IDS), hf, f"{name} {ft}: moeray vs transformers-from-GGUF")
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen2moe"])
+def test_batched_sequences_of_different_lengths_match_transformers(cases, name):
+    """Three sequences of different lengths prefilled in one step, then decoded together: each gets
+    the logits transformers computes for it alone (no attention leaks across packed sequences)."""
+    path, ref = cases[name, "F32"]
+    engine = load_model(path)
+    seqs = [token_ids(11, seed=1), token_ids(4, seed=2), token_ids(8, seed=3)]
+    prompt = [s[:-3] for s in seqs]  # 8, 1 and 5 tokens
+    kv = engine.new_kv_cache(max_seqs=4, max_len=16)
+    slots = [2, 0, 3]
+    steps = [engine.step(prompt, slots, kv)]
+    for j in (3, 2, 1):
+        steps.append(engine.step([[s[-j]] for s in seqs], slots, kv))
+    got = torch.stack(steps, dim=1)  # [seq, step, vocab]
+    for i, s in enumerate(seqs):
+        want = _hf_logits(ref, s)[len(s) - 4:]
+        _assert_close(got[i], want, f"{name} sequence {i} (length {len(s)}) in a batch")
+
+
+def test_tied_embeddings_use_token_embd_as_head(tmp_path):
+    """A tied model is written without output.weight; the head must reuse token_embd."""
+    import gguf
+
+    model = tiny_llama(tie_word_embeddings=True)
+    path = write_gguf(model, tmp_path / "tied.gguf", "F32")
+    assert "output.weight" not in {t.name for t in gguf.GGUFReader(path).tensors}
+    _assert_close(load_model(path).logits_all(IDS), _hf_logits(model, IDS), "tied llama")
