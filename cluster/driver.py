@@ -88,6 +88,8 @@ class StageGroup:
     actors: list[Any] = field(default_factory=list)
     pg: Any = None
     reports: list[dict] = field(default_factory=list)
+    load_args: list[tuple] = field(default_factory=list)  # per stage, to reload it after a restart
+    hung: set = field(default_factory=set)
     _actor_opts: dict = field(default_factory=dict)
 
     def start(self) -> "StageGroup":
@@ -142,6 +144,75 @@ class StageGroup:
         port = _get(self.actors[0].free_port.remote(), self.timeout_s, "connect")
         _get([a.connect.remote(addr, port, timeout_s) for a in self.actors], self.timeout_s + timeout_s, "connect")
 
+    def where(self, i: int) -> str:
+        """'simulated device 2 (8.00 MiB on CPU) on 192.0.2.2' -- for error messages."""
+        if i < len(self.reports):
+            d = self.reports[i]["device"]
+            return f"{d['name']} on {d['node_ip'] or d['hostname']}"
+        return "not probed yet"
+
+    def load(self, path: str, ranges: list[tuple[int, int]], max_seqs: int, max_len: int,
+             progress=None, trunk_on_card: list[int] | None = None) -> list[dict]:
+        """Each stage loads only its layer range; `progress(stage, report)` as each one finishes."""
+        import ray
+
+        trunk_on_card = trunk_on_card or [0] * len(ranges)
+        self.load_args = [(path, a, b, max_seqs, max_len, t) for (a, b), t in zip(ranges, trunk_on_card)]
+        refs = [a.load.remote(*args) for a, args in zip(self.actors, self.load_args)]
+        index = {ref: i for i, ref in enumerate(refs)}
+        out: list[dict | None] = [None] * len(refs)
+        pending, deadline = list(refs), time.monotonic() + self.timeout_s
+        while pending:  # bounded: every pass waits at most until the deadline
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                late = [index[r] for r in pending]
+                raise StageFailedError(f"stages {late} did not finish loading within {self.timeout_s:.0f} s")
+            i = index[done[0]]
+            out[i] = _get(done[0], 1.0, "load", [i])
+            if progress is not None:
+                progress(i, out[i])
+        return out  # type: ignore[return-value]
+
+    def mark_hung(self, i: int) -> None:
+        """A stage stopped answering: kill it so its peers' waits end, and restart it in recover()."""
+        import ray
+
+        self.hung.add(i)
+        ray.kill(self.actors[i], no_restart=True)
+
+    def alive(self, timeout_s: float = 5.0) -> list[bool]:
+        import ray
+
+        refs = [a.ping.remote() for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        ok = []
+        for i, ref in enumerate(refs):
+            try:
+                ok.append(ref in ready and i not in self.hung and ray.get(ref, timeout=0.1) > 0)
+            except Exception:  # noqa: BLE001 - a dead actor raises here
+                ok.append(False)
+        return ok
+
+    def recover(self) -> list[int]:
+        """Restart every stage that died or hung (same bundle, same layers), then re-form the
+        process group among all stages. Returns the restarted stages."""
+        import ray
+
+        dead = [i for i, ok in enumerate(self.alive()) if not ok]
+        for i in dead:
+            try:
+                ray.kill(self.actors[i], no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+            self.actors[i] = self._spawn(i)
+        self.hung.clear()
+        if dead:
+            _get([self.actors[i].ping.remote() for i in dead], self.timeout_s, "restart", dead)
+            if self.load_args:
+                _get([self.actors[i].load.remote(*self.load_args[i]) for i in dead], self.timeout_s, "reload", dead)
+        self.connect()
+        return dead
+
     def link_check(self, rows: int, hidden: int, reps: int = 50) -> dict[str, Any]:
         out = _get([a.link_check.remote(rows, hidden, reps) for a in self.actors], self.timeout_s, "link check")
         return out[-1]
@@ -161,3 +232,132 @@ class StageGroup:
             except Exception:
                 pass
             self.pg = None
+
+
+# ---------------------------------------------------------------- probe -> plan -> load -> wire
+
+
+@dataclass
+class LaunchOptions:
+    n_stages: int = 4
+    simulate: list[int] | None = None  # byte budgets of simulated CPU devices, one per stage
+    strategy: str = "PACK"
+    objective: str = "latency"  # planner objective: latency | throughput
+    split: str = "auto"  # or "K=8,15,23"
+    trunk: str = "auto"
+    profile: str | None = None  # routing profile for the planner (hottest pairs first)
+    max_seqs: int = 16  # KV slots per stage
+    max_len: int = 1024  # tokens per sequence
+    torch_threads: int | None = None
+    timeout_s: float = 120.0
+    address: str | None = None  # join this Ray cluster instead of starting one
+
+
+@dataclass
+class Launched:
+    path: str
+    group: StageGroup
+    reports: list[dict]
+    plan: Any  # planner.search.Plan, or None for a dense model
+    ranges: list[tuple[int, int]]
+    handoff_ms: float
+    lines: list[str]
+
+    def pipeline(self):
+        from cluster.engine import RayPipeline
+
+        return RayPipeline(self.group)
+
+    def shutdown(self) -> None:
+        self.group.shutdown()
+
+
+def kv_bytes_per_layer(config, max_seqs: int, max_len: int) -> int:
+    """KV cache of one layer: k and v, float32, [max_seqs, n_kv_heads, max_len, head_dim] each."""
+    return 2 * max_seqs * config.n_kv_heads * max_len * config.head_dim * 4
+
+
+def plan_from_reports(header, reports: list[dict], opts: LaunchOptions, handoff_ms: float):
+    """The planner over what the actors reported. Returns (plan or None, ranges, lines).
+
+    The planner wants each card's bytes net of the KV cache, which depends on the layers the
+    plan gives it: the first pass reserves KV for an even share of the layers, the second
+    re-prices the chosen split with each stage's exact KV (the split is kept).
+    """
+    from planner.devices import DeviceSpec
+    from planner.search import parse_split, plan_placement, proportional_split
+
+    cfg, S, L = header.config, len(reports), header.config.n_layers
+    kv_layer = kv_bytes_per_layer(cfg, opts.max_seqs, opts.max_len)
+
+    def devices(layers_per_stage: list[int]) -> list:
+        out = []
+        for r, n in zip(reports, layers_per_stage):
+            net = r["device"]["free_bytes"] - n * kv_layer
+            if net < 0:
+                raise PlacementError(
+                    f"stage {r['stage']}: the KV cache of {n} layers ({n * kv_layer} bytes for {opts.max_seqs} "
+                    f"sequences of {opts.max_len} tokens) does not fit in {r['device']['name']}; lower "
+                    "--max-seqs or --max-len")
+            out.append(DeviceSpec(f"stage {r['stage']} {r['device']['name']}", net, r["layer_ms"], r["miss_ms"]))
+        return out
+
+    if not cfg.is_moe:  # no experts to place: split by layer speed (or as given)
+        devs = devices([-(-L // S)] * S)
+        ks = parse_split(opts.split, L, S) or proportional_split(L, devs)
+        bounds = [0] + list(ks) + [L]
+        ranges = list(zip(bounds[:-1], bounds[1:]))
+        return None, ranges, [f"layer split (dense model, by measured layer speed): K={','.join(map(str, ks))}"]
+    from cluster.plan_cmd import spec_from_gguf
+    from planner.profile import Profile
+
+    spec = spec_from_gguf(header.path)
+    profile = Profile.load(opts.profile, L, cfg.n_experts) if opts.profile else None
+    kw = dict(objective=opts.objective, trunk=opts.trunk, handoff_ms=handoff_ms)
+    first = plan_placement(spec, devices([-(-L // S)] * S), profile, split=opts.split, **kw)
+    plan = plan_placement(spec, devices([b - a for a, b in first.split]), profile,
+                          split=first.boundaries or "auto", **kw)
+    plan.placements_scored, plan.method = first.placements_scored, first.method
+    return plan, [tuple(x) for x in plan.split], plan.lines()
+
+
+def launch(path: str, opts: LaunchOptions = LaunchOptions(), log=print) -> Launched:
+    """Probe -> plan -> load -> wire. `log` gets every line a user should see at startup."""
+    from stages.gguf_file import read_gguf_header
+
+    ensure_ray(opts.address)
+    header = read_gguf_header(path)
+    lines: list[str] = []
+
+    def say(line: str) -> None:
+        lines.append(line)
+        log(line)
+
+    group = StageGroup(opts.n_stages, opts.simulate, opts.strategy, opts.torch_threads, opts.timeout_s)
+    group.start()
+    try:
+        reports = group.probe(path)
+        for r in reports:
+            d = r["device"]
+            say(f"stage {r['stage']}: {d['name']} on {d['node_ip']}, {d['free_bytes'] / 2**20:.0f} MiB free of "
+                f"{d['total_bytes'] / 2**20:.0f} MiB ({d['memory_source']}), measured {r['layer_ms']:.3f} ms per "
+                f"layer, {r['miss_ms']:.3f} ms per missed expert")
+        group.connect()
+        hop = group.link_check(1, header.config.hidden, reps=20)
+        handoff_ms = hop["ms_per_pass"] / max(1, opts.n_stages - 1)
+        say(f"stage links: {handoff_ms:.3f} ms per hop for a decode activation (measured)")
+        plan, ranges, plan_lines = plan_from_reports(header, reports, opts, handoff_ms)
+        for line in plan_lines:
+            say(line)
+
+        def progress(i: int, rep: dict) -> None:
+            a, b = rep["layers"]
+            say(f"loaded stage {i}: layers {a}-{b - 1} in {rep['load_s']:.1f} s, "
+                f"{rep['free_bytes'] / 2**20:.1f} MiB left on its device")
+
+        trunk_on_card = [int(s.trunk_bytes) for s in plan.stages] if plan is not None else [0] * len(ranges)
+        group.load(path, ranges, opts.max_seqs, opts.max_len, progress, trunk_on_card)
+    except BaseException:
+        group.shutdown()
+        raise
+    return Launched(path, group, reports, plan, ranges, handoff_ms, lines)

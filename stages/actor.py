@@ -16,9 +16,31 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from stages.device import DeviceInfo, DeviceMemory, measure_speed, probe_device
+from stages.errors import MoerayError
+
+
+@dataclass
+class StepBatch:
+    """One micro-batch of one engine step, as a stage sees it.
+
+    Every stage gets the same slots and token counts (each builds its own positions from its own
+    KV lengths); only stage 0 gets the token ids and only the last stage the sampling params.
+    """
+    step_id: int
+    slots: list[int]
+    n_new: list[int]  # new tokens per sequence: a prefill chunk or 1
+    fresh: list[bool]  # this chunk starts a new sequence in its slot: reset KV and sampler first
+    tokens: list[list[int]] | None = None  # stage 0 only
+    sample: list[Any] | None = None  # last stage only: SamplingParams per sequence, None = no token wanted yet
+
+    def for_stage(self, stage: int, n_stages: int) -> "StepBatch":
+        return StepBatch(self.step_id, self.slots, self.n_new, self.fresh,
+                         self.tokens if stage == 0 else None,
+                         self.sample if stage == n_stages - 1 else None)
 
 
 def file_fingerprint(path: str, n_samples: int = 16, block: int = 1 << 16) -> dict[str, Any]:
@@ -35,6 +57,17 @@ def file_fingerprint(path: str, n_samples: int = 16, block: int = 1 << 16) -> di
             f.seek(off)
             h.update(f.read(block))
     return {"size": size, "sha256_sampled": h.hexdigest()}
+
+
+def _resident_bytes(model) -> int:
+    """Bytes of the tensors a StageModel holds (shared storages, such as a tied head, counted once)."""
+    seen, total = set(), 0
+    for t in list(model.buffers()) + list(model.parameters()):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in seen:
+            seen.add(ptr)
+            total += t.untyped_storage().nbytes()
+    return total
 
 
 class StageActor:
@@ -94,6 +127,82 @@ class StageActor:
 
     def ping(self) -> int:
         return os.getpid()
+
+    # ---------------------------------------------------------------- loading and running
+
+    def load(self, path: str, first: int, end: int, max_seqs: int, max_len: int,
+             trunk_on_card: int | None = None) -> dict[str, Any]:
+        """Load layers [first, end) (+ embedding / head at the ends) and allocate the KV cache,
+        charging both to this device's budget (a simulated device refuses what does not fit).
+
+        `trunk_on_card` is the trunk the plan put on the card, in the bytes the planner priced
+        (as stored in the GGUF); None charges the resident size of everything loaded. Routed
+        experts are not loaded: they stay in the file mapping until a step uses them.
+        """
+        from stages.model import StageModel
+
+        t = time.perf_counter()
+        self.model = None
+        self.memory = DeviceMemory(self.device, self.stage)
+        model = StageModel.from_gguf(path, (first, end), device=self.device.torch_device)
+        kv = model.new_kv_cache(max_seqs, max_len)
+        self.memory.reserve(f"KV cache ({max_seqs} x {max_len} tokens)", kv.nbytes())
+        resident = _resident_bytes(model)
+        self.memory.reserve(f"trunk of layers {first}-{end - 1}", resident if trunk_on_card is None else trunk_on_card)
+        self.model, self.kv = model, kv
+        self.generators: dict[int, Any] = {}
+        self.hidden = model.config.hidden
+        return {"stage": self.stage, "layers": (first, end), "load_s": time.perf_counter() - t,
+                "placed": dict(self.memory.parts), "free_bytes": self.memory.free,
+                "host_resident_bytes": resident}
+
+    def step(self, batch: StepBatch) -> list[int | None] | None:
+        """Run one micro-batch through this stage. The last stage returns a token per sequence
+        (None where the sequence is still mid-prompt); the others send their activations on."""
+        if self.model is None:
+            raise MoerayError(f"stage {self.stage}: step before load")
+        first, last = self.stage == 0, self.stage == self.n_stages - 1
+        n_rows = sum(batch.n_new)
+        sent = False
+        try:
+            for slot, fresh in zip(batch.slots, batch.fresh):
+                if fresh:
+                    self.kv.reset(slot)
+            self.kv.check_room(batch.slots, batch.n_new)
+            x = self.model.embed(batch.tokens) if first else self.link.recv(n_rows, self.hidden)
+            meta = self.model.batch_meta(batch.n_new, batch.slots, self.kv)
+            x = self.model.run_layers(x, meta, self.kv)
+            if not last:
+                sent = True
+                self.link.send(x)
+                return None
+            return self._sample(batch, x, meta)
+        except Exception:
+            if not last and not sent and self.link is not None:
+                try:  # let the stages after this one fail this step now instead of timing out
+                    self.link.send_failure(n_rows, self.hidden)
+                except Exception:
+                    pass
+            raise
+
+    def _sample(self, batch: StepBatch, x, meta) -> list[int | None]:
+        from stages.sampling import sample
+
+        for slot, fresh in zip(batch.slots, batch.fresh):
+            if fresh:  # a new sequence in this slot: its sampler starts from its own seed
+                self.generators.pop(slot, None)
+        want = [i for i, p in enumerate(batch.sample) if p is not None]
+        out: list[int | None] = [None] * len(batch.slots)
+        if want:
+            logits = self.model.head(x[meta.last_index[want]])
+            for i in want:
+                if batch.slots[i] not in self.generators:
+                    self.generators[batch.slots[i]] = batch.sample[i].new_generator()
+            toks = sample(logits, [batch.sample[i] for i in want],
+                          [self.generators[batch.slots[i]] for i in want])
+            for i, tok in zip(want, toks):
+                out[i] = tok
+        return out
 
     # ---------------------------------------------------------------- transport micro-benchmarks
 
