@@ -1,0 +1,217 @@
+"""ExpertCache: slot layouts, the profile fill, the byte budget, counters, and identical output
+whatever the cache holds."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from cache.attach import attach_cache, detach_cache
+from cache.budget import BudgetExceededError, ByteBudget, device_budget
+from cache.expert_cache import ExpertCache
+from cache.residency import CacheCore, Slots
+from planner.profile import Profile
+from planner.slots import per_layer_slots
+from stages.gguf_writer import write_gguf
+from stages.model import load_model, StageModel
+from stages.moe import HostExperts
+from tiny_models import tiny_mixtral, token_ids
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    # Tiny matmuls on a shared 2-core machine: torch's intra-op threads only contend (30x slower).
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory):
+    """Mixtral-style tiny model: 3 layers, 6 experts, top-2."""
+    return write_gguf(tiny_mixtral(), tmp_path_factory.mktemp("cache") / "tiny-mixtral.gguf", "F16")
+
+
+def greedy(model: StageModel, prompt: list[int], n_new: int) -> list[int]:
+    kv = model.new_kv_cache(1, len(prompt) + n_new)
+    logits = model.step([prompt], [0], kv)
+    out = []
+    for _ in range(n_new):
+        tok = int(logits[0].argmax())
+        out.append(tok)
+        logits = model.step([[tok]], [0], kv)
+    return out
+
+
+def counts_profile(n_layers: int, n_experts: int, seed: int = 0) -> Profile:
+    rng = np.random.default_rng(seed)
+    return Profile.from_counts(rng.integers(0, 1000, size=(n_layers, n_experts)))
+
+
+# -- slot layouts ---------------------------------------------------------------------------------
+
+def test_per_layer_slots_are_layer_ranges_and_fall_back_to_uniform():
+    blobs = [300, 100, 200]                       # bytes per expert of layers 0, 1, 2
+    layout = per_layer_slots(7, blobs)            # 7 slots of 300 = 2100 bytes -> q = 2100 // 600 = 3
+    slots = Slots.from_layout(layout)
+    assert (slots.per_layer, slots.quota, slots.n_slots) == (True, 3, 9)
+    core = CacheCore(0, 3, 8, blobs, slots, ByteBudget(layout.bytes_after), "static")
+    # Every layer's hottest pairs land in its own range layer*q + n.
+    core.fill([(1, 5), (1, 2), (0, 7), (2, 0), (1, 1), (1, 0), (2, 3)])
+    assert sorted(core.lookup(1, e) for e in (5, 2, 1)) == [3, 4, 5]
+    assert core.lookup(1, 0) is None              # layer 1 was full: the walk stopped there
+    assert core.lookup(0, 7) in range(0, 3)
+    assert core.lookup(2, 0) in range(6, 9)
+    assert core.budget.used == 300 + 3 * 100 + 200
+    # One copy of every layer does not fit: uniform slots of the largest blob.
+    fallback = per_layer_slots(1, blobs)
+    assert Slots.from_layout(fallback) == Slots(False, 0, 1)
+    assert "uniform" in fallback.message
+
+
+def test_expert_cache_layouts_on_a_model(tiny_path):
+    model = load_model(tiny_path)
+    host = HostExperts(model.gguf)
+    blob = ExpertCache(host, 0, 3, ByteBudget(0)).held_bytes[0]
+    per_layer = ExpertCache(host, 0, 3, ByteBudget(7 * blob), layout="per-layer")
+    assert (per_layer.slots.per_layer, per_layer.slots.quota, per_layer.slots.n_slots) == (True, 2, 6)
+    assert "2 per layer" in per_layer.layout_message
+    fallback = ExpertCache(host, 0, 3, ByteBudget(2 * blob), layout="per-layer")
+    assert fallback.slots == Slots(False, 0, 2)
+    glob = ExpertCache(host, 0, 3, ByteBudget(7 * blob + blob - 1))
+    assert glob.slots == Slots(False, 0, 7)
+    # Bytes held per slot (float32 compute format) against the expert's GGUF bytes (F16 here).
+    assert glob.held_bytes == [2 * g for g in glob.gguf_bytes]
+
+
+# -- fill -------------------------------------------------------------------------------------------
+
+def test_fill_takes_the_hottest_pairs_of_the_stage_in_rank_order(tiny_path):
+    model = StageModel.from_gguf(tiny_path, layers=(1, 3))
+    prof = counts_profile(3, 6)
+    cache = attach_cache(model, None, prof, "static", n_slots=5)
+    in_range = [p for p in prof.pairs if 1 <= p[0] < 3]
+    assert cache.filled_pairs == in_range[:5]
+    assert sorted(cache.core.resident_pairs()) == sorted(in_range[:5])
+    assert all(cache.lookup(l, e) is not None for l, e in in_range[:5])
+    assert all(cache.lookup(l, e) is None for l, e in in_range[5:])
+
+
+def test_per_layer_fill_skips_a_full_layer_and_keeps_walking(tiny_path):
+    model = load_model(tiny_path)
+    # Layer 0 is hottest everywhere, so a global fill would give it every slot.
+    counts = np.array([[900, 800, 700, 600, 500, 400], [90, 80, 70, 60, 50, 40], [9, 8, 7, 6, 5, 4]])
+    host = HostExperts(model.gguf)
+    blob = ExpertCache(host, 0, 3, ByteBudget(0)).held_bytes[0]
+    glob = ExpertCache(host, 0, 3, ByteBudget(6 * blob))
+    glob.fill(Profile.from_counts(counts))
+    assert glob.core.resident_pairs() == [(0, e) for e in range(6)]
+    per = ExpertCache(host, 0, 3, ByteBudget(6 * blob), layout="per-layer")
+    per.fill(Profile.from_counts(counts))
+    assert per.core.resident_pairs() == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+
+
+def test_fill_stops_at_the_first_pair_without_room():
+    # Global slots, a byte budget that runs out first: the 60-byte pair does not fit and nothing
+    # after it is taken, though the later 10-byte pair would have fitted.
+    core = CacheCore(0, 2, 4, [60, 10], Slots(False, 0, 4), ByteBudget(100), "static")
+    n = core.fill([(1, 0), (0, 0), (1, 1), (0, 1), (1, 2)])
+    assert n == 3 and core.resident_pairs() == [(0, 0), (1, 0), (1, 1)]
+    assert core.budget.used == 80
+
+
+def test_a_profile_for_another_model_is_refused(tiny_path):
+    from stages.errors import ProfileError
+
+    model = load_model(tiny_path)
+    with pytest.raises(ProfileError, match="layers"):
+        attach_cache(model, None, Profile.uniform(30, 6), "static", n_slots=2)
+
+
+# -- budget -----------------------------------------------------------------------------------------
+
+def test_budget_refuses_to_overrun():
+    b = ByteBudget(100)
+    b.charge(60)
+    with pytest.raises(BudgetExceededError):
+        b.charge(41)
+    assert b.used == 60
+    b.release(60)
+    assert b.used == 0 and b.peak == 60
+    with pytest.raises(Exception):
+        device_budget("cpu", None)               # a CPU budget must be given
+
+
+@pytest.mark.parametrize("policy", ["static", "adaptive", "lru"])
+def test_budget_holds_and_counters_add_up_while_generating(tiny_path, policy):
+    model = load_model(tiny_path)
+    prof = counts_profile(3, 6, seed=4)
+    blob = ExpertCache(HostExperts(model.gguf), 0, 3, ByteBudget(0)).held_bytes[0]
+    budget = 5 * blob + 123                       # 5 slots and change
+    cache = attach_cache(model, budget, prof, policy)
+    cache.core.policy.swap_every = 2              # swap often, so the budget is tested under churn
+    prompt = token_ids(12)
+    n_new = 24
+    greedy(model, prompt, n_new)
+    tokens = len(prompt) + n_new                  # greedy() feeds every new token back
+    for s in cache.layer_stats():
+        assert s.lookups == tokens * 2
+        assert s.hits + s.misses == s.lookups
+    held = sum(w.numel() * w.element_size() for ws in cache._weights.values() for w in ws)
+    assert cache.budget.used == held == cache.core.n_resident * blob
+    assert cache.budget.peak <= budget
+    if policy != "static":
+        assert 0 < cache.core.copies <= cache.core.steps      # at most one copy per step
+    else:
+        assert cache.core.copies == 0
+
+
+# -- same output whatever the cache -------------------------------------------------------------------
+
+def test_identical_greedy_output_across_cache_sizes_and_policies(tiny_path):
+    prompt = token_ids(10)
+    ref_model = load_model(tiny_path)
+    reference = greedy(ref_model, prompt, 16)
+    prof = counts_profile(3, 6, seed=1)
+    for policy in ("static", "adaptive", "lru"):
+        for n_slots in (0, 5, 18):                # empty, some, every expert
+            model = load_model(tiny_path)
+            cache = attach_cache(model, None, prof, policy, n_slots=n_slots)
+            assert greedy(model, prompt, 16) == reference, (policy, n_slots)
+            if n_slots == 18:
+                assert cache.hit_rate() == 1.0
+            if n_slots == 0:
+                assert cache.hit_rate() == 0.0
+            assert cache.served_from_slot + cache.served_from_host > 0
+
+
+def _default_model(request):
+    try:
+        return request.getfixturevalue("default_model_path")
+    except pytest.FixtureLookupError:
+        from stages.default_model import default_model_path
+
+        return default_model_path(quiet=True)
+
+
+@pytest.mark.slow
+def test_default_model_same_tokens_with_no_some_and_all_experts_cached(request):
+    path = _default_model(request)
+    prompt = [1, 504, 3458, 282, 4649, 314, 253, 1789, 30]     # fixed token ids
+    n_new = 4
+    model = load_model(path)
+    outputs = {}
+    for n_slots in (0, 40, 240):                               # 30 layers x 8 experts = 240
+        cache = attach_cache(model, None, None, "static", n_slots=n_slots)
+        outputs[n_slots] = greedy(model, prompt, n_new)
+        tokens = len(prompt) + n_new
+        assert all(s.lookups == 2 * tokens for s in cache.layer_stats())
+        assert cache.core.n_resident == n_slots
+        if n_slots == 240:
+            assert cache.hit_rate() == 1.0
+        detach_cache(model)
+        del cache
+    assert outputs[0] == outputs[40] == outputs[240]
