@@ -113,3 +113,16 @@ class RangeTables:
         tot = base + taken
         return Fill(stop=np.minimum(kb * blk + j, self.n_pairs), bytes=tot[:, self.W],
                     count=np.rint(tot[:, self.C]).astype(np.int64), mass=tot[:, self.M], value=tot[:, self.V])
+
+    def bytes_before(self, a, b, rank) -> np.ndarray:
+        """Bytes of the range's pairs ranked before `rank` (no stop rule: what a prefix costs)."""
+        a = np.asarray(a, dtype=np.int64)
+        b = np.asarray(b, dtype=np.int64)
+        rank = np.asarray(rank, dtype=np.int64)
+        kb = np.minimum(rank // self.block, self.n_blocks - 1)
+        j = rank - kb * self.block
+        lays = self.lay_blk[kb]
+        inr = (lays >= a[:, None]) & (lays < b[:, None]) & (np.arange(self.block)[None, :] < j[:, None])
+        stride = self.n_layers + 1
+        base = self.Gw_flat[kb * stride + b] - self.Gw_flat[kb * stride + a]
+        return base + np.where(inr, self.data_blk[kb, :, self.W], 0.0).sum(axis=1)

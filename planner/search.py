@@ -22,7 +22,7 @@ from planner.fill import RangeTables
 from planner.mass import pair_mass
 from planner.slots import GIB, SlotLayout, per_layer_slots
 from planner.spec import ModelSpec
-from planner.trunk import TrunkPolicy, expert_read_probability, fmt_bytes, place_trunk
+from planner.trunk import TrunkPolicy, TrunkPricer, expert_read_probability, fmt_bytes
 from stages.errors import PlacementError
 
 DEFAULT_HANDOFF_MS = 1.0  # one stage-to-stage hop (a Ray call carrying a hidden vector)
@@ -206,26 +206,32 @@ class _Context:
         self.spec, self.devices, self.profile, self.policy, self.cpu_factor = spec, devices, profile, policy, cpu_factor
         self.layers = profile.layers_array()
         self.mass = pair_mass(profile, mass)
-        value = None
-        if policy.mode == "auto":
-            p = expert_read_probability(profile, spec.n_experts_used)
-            value = p * np.asarray(spec.expert_bytes, dtype=np.float64)[self.layers]
-        self.tables = RangeTables(self.layers, spec.expert_bytes, self.mass, value)
+        self.p_e = expert_read_probability(profile, spec.n_experts_used)
+        self.tables = RangeTables(self.layers, spec.expert_bytes, self.mass)
+        self.pricer = TrunkPricer(self.tables, spec, policy, self.p_e, self.layers, cpu_factor)
 
-    def price(self, stage, a, b, record=False):
+    def price(self, stage, a, b):
         """Stage time of many (stage, a, b) questions, and the trunk and fill behind it."""
         devs = self.devices
         S, L, k = len(devs), self.spec.n_layers, self.spec.n_experts_used
-        free = np.array([devs[i].free_bytes for i in range(S)], dtype=np.float64)[stage]
+        free = np.array([d.free_bytes for d in devs], dtype=np.float64)[stage]
         layer_ms = np.array([d.layer_ms for d in devs])[stage]
         miss_ms = np.array([d.miss_ms for d in devs])[stage]
-        tr = place_trunk(self.tables, self.spec, self.policy, a, b, free, stage == 0, stage == S - 1, miss_ms,
-                         self.cpu_factor, record=record)
+        first, last = stage == 0, stage == S - 1
+        # The fill and the trunk depend on (free bytes, first?, last?, a, b) only: cards of one
+        # size share their answers, and the stage's speeds are applied afterwards.
+        key = np.stack([free, first, last, a, b], axis=1)
+        uniq, inv = np.unique(key, axis=0, return_inverse=True)
+        inv = inv.reshape(-1)
+        tr = self.pricer.price(uniq[:, 3].astype(np.int64), uniq[:, 4].astype(np.int64), uniq[:, 0],
+                               uniq[:, 1] > 0, uniq[:, 2] > 0, np.ones(len(uniq)))
         routed = self.tables.routed(a, b)
+        held = tr.fill.mass[inv]
         dense = (b - a) * layer_ms
-        missed = k * L * (routed - tr.fill.mass) * miss_ms
-        ms = dense + missed + tr.host_ms
-        return np.where(tr.feasible, ms, np.inf), tr, routed, dense, missed
+        missed = k * L * (routed - held) * miss_ms
+        host = tr.host_ms[inv] * miss_ms  # priced with miss_ms = 1 above
+        ms = dense + missed + host
+        return np.where(tr.feasible[inv], ms, np.inf), tr, inv, routed, dense, missed, host
 
 
 def plan_placement(spec: ModelSpec, devices: list[DeviceSpec], profile=None, objective: str = "latency",
@@ -334,26 +340,29 @@ def _build_plan(ctx, bounds, objective, method, scored, handoff_ms, mass_mode) -
     S, L = len(ctx.devices), ctx.spec.n_layers
     st = np.arange(S)
     aa, bb = np.array(bounds[:-1]), np.array(bounds[1:])
-    ms, tr, routed, dense, missed = ctx.price(st, aa, bb, record=True)
+    ms, tr, inv, routed, dense, missed, host = ctx.price(st, aa, bb)
     if not np.isfinite(ms).all():
         bad = int(np.flatnonzero(~np.isfinite(ms))[0])
         raise PlacementError(f"stage {bad} ({ctx.devices[bad].name}) cannot hold the trunk --trunk "
                              f"{ctx.policy.text!r} puts on it: {ctx.devices[bad].free_bytes / GIB:.2f} GiB free")
     stages = []
     for i in range(S):
-        held = ctx.layers[:int(tr.fill.stop[i])]
+        u = inv[i]
+        held = ctx.layers[:int(tr.fill.stop[u])]
         ranks = np.flatnonzero((held >= aa[i]) & (held < bb[i]))
         pairs = ctx.profile.pairs_array()[ranks]
         per_layer = np.bincount(held[ranks] - aa[i], minlength=bb[i] - aa[i]).tolist()
         blobs = ctx.spec.expert_bytes[aa[i]:bb[i]]
-        room = int(tr.room[i])
+        room = int(tr.room[u])
         slots = per_layer_slots(room // max(blobs), blobs) if room >= max(blobs) else None
+        decisions = ctx.pricer.decisions(int(aa[i]), int(bb[i]), ctx.devices[i].free_bytes, i == 0, i == S - 1,
+                                         ctx.layers, ctx.p_e)
         stages.append(StagePlan(
             index=i, device=ctx.devices[i].name, first_layer=int(aa[i]), end_layer=int(bb[i]),
-            free_bytes=int(ctx.devices[i].free_bytes), trunk_bytes=int(tr.trunk_bytes[i]), expert_room=room,
-            held_pairs=pairs, held_bytes=int(tr.fill.bytes[i]), held_mass=float(tr.fill.mass[i]),
+            free_bytes=int(ctx.devices[i].free_bytes), trunk_bytes=int(tr.trunk_bytes[u]), expert_room=room,
+            held_pairs=pairs, held_bytes=int(tr.fill.bytes[u]), held_mass=float(tr.fill.mass[u]),
             routed_mass=float(routed[i]), dense_ms=float(dense[i]), miss_ms=float(missed[i]),
-            host_trunk_ms=float(tr.host_ms[i]), stage_ms=float(ms[i]), trunk=tr.decisions[i], slots=slots,
+            host_trunk_ms=float(host[i]), stage_ms=float(ms[i]), trunk=decisions, slots=slots,
             held_per_layer=per_layer))
     predicted = float(ms.sum()) + (S - 1) * handoff_ms
     return Plan(objective=objective, method=method, split=list(zip(bounds[:-1], bounds[1:])),

@@ -110,14 +110,6 @@ def expert_read_probability(profile, k: int) -> np.ndarray:
 
 
 @dataclass
-class Component:
-    label: str
-    layer: int  # -1 for the embedding and the head
-    bytes: int
-    value: float  # bytes saved per byte on the card
-
-
-@dataclass
 class TrunkResult:
     """Per question (stage, a, b): the expert room left and what that room holds."""
     room: np.ndarray
@@ -125,105 +117,136 @@ class TrunkResult:
     host_ms: np.ndarray  # time of the components left on the host
     fill: object  # fill.Fill for `room`
     feasible: np.ndarray
-    decisions: list  # per question: list of dicts (only when record=True)
 
 
-def place_trunk(tables, spec, policy: TrunkPolicy, a, b, free, first, last, miss_ms, cpu_factor: float,
-                record: bool = False) -> TrunkResult:
-    """Decide the trunk of many (stage, a, b) questions at once, in component order:
-    head (last stage), layers a..b-1, embedding (first stage)."""
-    a = np.asarray(a, dtype=np.int64)
-    b = np.asarray(b, dtype=np.int64)
-    room = np.asarray(free, dtype=np.float64).copy()
-    first = np.asarray(first, dtype=bool)
-    last = np.asarray(last, dtype=bool)
-    miss_ms = np.asarray(miss_ms, dtype=np.float64)
-    Q, L = len(a), spec.n_layers
-    blob = np.asarray(spec.expert_bytes, dtype=np.float64)
-    tb = spec.trunk_bytes
-    layer_bytes = np.asarray(tb.layers, dtype=np.float64)
-    placed = np.zeros(Q)
-    host = np.zeros(Q)
-    decisions: list = [[] for _ in range(Q)] if record else []
-    if policy.mode == "off":
-        f = tables.query(a, b, room)
-        return TrunkResult(room, placed, host, f, np.ones(Q, dtype=bool), decisions)
+class TrunkPricer:
+    """Trunk decisions for many (stage, a, b) questions at once.
 
-    # (label, layer per question, bytes per question, value, host ms/byte per question, active)
-    steps = [("head", np.full(Q, -1), np.full(Q, float(tb.head)), 1.0,
-              miss_ms / (cpu_factor * blob[L - 1]), last)]
-    for j in range(int((b - a).max(initial=0))):
-        lay = np.minimum(a + j, L - 1)
-        steps.append(("layer", lay, layer_bytes[lay], 1.0, miss_ms / (cpu_factor * blob[lay]), a + j < b))
-    steps.append(("embed", np.full(Q, -1), np.full(Q, float(tb.embedding)), 0.0, np.zeros(Q), first))
+    auto: the held experts worth at least a dense byte (cpu_factor*p_e >= 1) are protected:
+    the run of them at the head of the range's ranking (with p_e falling along the ranking, as
+    it does when the ranking is by heat, that is all of them). The trunk takes the rest of the
+    room, so it only ever pushes out experts worth less than itself: the head first (the
+    last stage), then the layers' trunks in order while they fit; then the experts fill what
+    is left with the stop rule, and the embedding (value 0) takes room no expert would use.
+    """
 
-    if policy.mode == "explicit":
-        for label, lay, nbytes, _, per_byte, active in steps:
-            if label == "head":
-                want = np.full(Q, policy.head)
-            elif label == "embed":
-                want = np.full(Q, policy.embed)
+    def __init__(self, tables, spec, policy: TrunkPolicy, p_e, layer_of_rank, cpu_factor: float):
+        L = spec.n_layers
+        self.tables, self.spec, self.policy, self.cf = tables, spec, policy, cpu_factor
+        blob = np.asarray(spec.expert_bytes, dtype=np.float64)
+        tl = np.asarray(spec.trunk_bytes.layers, dtype=np.float64)
+        self.layer_prefix = np.concatenate([[0.0], np.cumsum(tl)])
+        # host time of a layer's trunk = miss_ms * tl / (cf * blob): keep the factor of miss_ms
+        self.host_prefix = np.concatenate([[0.0], np.cumsum(tl / (cpu_factor * blob))])
+        self.head_host = spec.trunk_bytes.head / (cpu_factor * blob[L - 1])
+        if policy.mode == "explicit":
+            want = np.zeros(L)
+            want[sorted(policy.layers)] = 1.0
+            self.want_prefix = np.concatenate([[0.0], np.cumsum(tl * want)])
+            self.want_host_prefix = np.concatenate([[0.0], np.cumsum(tl * want / (cpu_factor * blob))])
+        if policy.mode == "auto":
+            T = len(layer_of_rank)
+            cold = cpu_factor * np.asarray(p_e) < 1.0
+            first_cold = np.full(L, T, dtype=np.int64)
+            idx = np.flatnonzero(cold)
+            np.minimum.at(first_cold, layer_of_rank[idx], idx)
+            # first_cold_range[a, b] = first cold rank among layers [a, b)
+            fc = np.full((L + 1, L + 1), T, dtype=np.int64)
+            for a in range(L):
+                fc[a, a + 1:] = np.minimum.accumulate(first_cold[a:])
+            self.first_cold_range = fc
+
+    def price(self, a, b, free, first, last, miss_ms) -> TrunkResult:
+        a = np.asarray(a, dtype=np.int64)
+        b = np.asarray(b, dtype=np.int64)
+        free = np.asarray(free, dtype=np.float64)
+        first = np.asarray(first, dtype=bool)
+        last = np.asarray(last, dtype=bool)
+        miss_ms = np.asarray(miss_ms, dtype=np.float64)
+        tb, mode = self.spec.trunk_bytes, self.policy.mode
+        Q = len(a)
+        if mode == "off":
+            return TrunkResult(free, np.zeros(Q), np.zeros(Q), self.tables.query(a, b, free), np.ones(Q, dtype=bool))
+        if mode == "explicit":
+            head = np.where(last & self.policy.head, float(tb.head), 0.0)
+            emb = np.where(first & self.policy.embed, float(tb.embedding), 0.0)
+            placed = head + emb + self.want_prefix[b] - self.want_prefix[a]
+            host_units = (np.where(last & ~np.array(self.policy.head), self.head_host, 0.0)
+                          + (self.host_prefix[b] - self.host_prefix[a]) - (self.want_host_prefix[b] - self.want_host_prefix[a]))
+            room = free - placed
+            f = self.tables.query(a, b, np.maximum(room, 0.0))
+            return TrunkResult(room, placed, miss_ms * host_units, f, room >= 0)
+        # auto
+        r_cold = self.first_cold_range[a, b]
+        hot = self.tables.bytes_before(a, b, r_cold)
+        # Hot experts that do not all fit: the card holds only experts that outrank the trunk,
+        # and the trunk gets the room their stop rule leaves.
+        crowded = hot > free
+        f_full = None
+        if crowded.any():
+            i = np.flatnonzero(crowded)
+            f_full = self.tables.query(a[i], b[i], free[i])
+            hot[i] = f_full.bytes
+        budget = free - hot
+        head_on = last & (tb.head > 0) & (tb.head <= budget)
+        budget = budget - np.where(head_on, float(tb.head), 0.0)
+        # layers a, a+1, ... while they fit: a prefix, like the expert fill
+        end = np.searchsorted(self.layer_prefix, self.layer_prefix[a] + budget, side="right") - 1
+        n_end = np.clip(end, a, b)
+        placed = np.where(head_on, float(tb.head), 0.0) + self.layer_prefix[n_end] - self.layer_prefix[a]
+        room = free - placed
+        f = self.tables.query(a, b, room)
+        emb_on = first & (tb.embedding > 0) & (room - f.bytes >= tb.embedding)
+        placed = placed + np.where(emb_on, float(tb.embedding), 0.0)
+        room = room - np.where(emb_on, float(tb.embedding), 0.0)
+        host_units = np.where(last & ~head_on, self.head_host, 0.0) + self.host_prefix[b] - self.host_prefix[n_end]
+        self._last = dict(head_on=head_on, n_end=n_end, emb_on=emb_on, r_cold=r_cold, hot=hot)
+        return TrunkResult(room, placed, miss_ms * host_units, f, np.ones(Q, dtype=bool))
+
+    def decisions(self, a, b, free, first, last, profile_pairs_layers, p_e) -> list[dict]:
+        """The [place] decisions of one stage, with the numbers behind them (one range, plain loop)."""
+        from planner.fill import fill_ranks
+
+        tb, mode, cf = self.spec.trunk_bytes, self.policy.mode, self.cf
+        blob = self.spec.expert_bytes
+        comps = []
+        if last and tb.head > 0:
+            comps.append(("lm_head", -1, tb.head, 1.0))
+        comps += [(f"layer {l} trunk", l, tb.layers[l], 1.0) for l in range(a, b) if tb.layers[l] > 0]
+        if first and tb.embedding > 0:
+            comps.append(("embedding", -1, tb.embedding, 0.0))
+        if mode == "off" or not comps:
+            return []
+        res = self.price([a], [b], [free], [first], [last], [0.0])
+        out, room = [], float(free)
+        for name, layer, nbytes, value in comps:
+            if mode == "explicit":
+                on = (self.policy.head if name == "lm_head" else self.policy.embed if name == "embedding"
+                      else layer in self.policy.layers)
+                why = "as written"
             else:
-                want = np.isin(lay, list(policy.layers))
-            on = active & want & (nbytes > 0)
-            room -= np.where(on, nbytes, 0.0)
-            placed += np.where(on, nbytes, 0.0)
-            host += np.where(active & ~want, nbytes * per_byte, 0.0)
-            if record:
-                for q in np.flatnonzero(active & (nbytes > 0)):
-                    decisions[q].append(_decision(label, lay[q], nbytes[q], bool(on[q]), "as written", room[q]))
-        feasible = room >= 0
-        f = tables.query(a, b, np.maximum(room, 0.0))
-        return TrunkResult(room, placed, host, f, feasible, decisions)
-
-    f = tables.query(a, b, room)
-    for label, lay, nbytes, value, per_byte, active in steps:
-        act = active & (nbytes > 0)
-        if not act.any():
-            continue
-        fits = act & (nbytes <= room)
-        # Nothing held is pushed out when the fill leaves this much room unused: the stop rank stays.
-        spare = fits & (f.bytes <= room - nbytes)
-        need = np.flatnonzero(fits & ~spare)
-        put = spare.copy()
-        after = None
-        if need.size:
-            after = tables.query(a[need], b[need], room[need] - nbytes[need])
-            pushed_out = f.count[need] - after.count
-            lost = cpu_factor * (f.value[need] - after.value)  # bytes/token the displaced experts saved
-            win = (pushed_out == 0) | (value * nbytes[need] > lost)
-            put[need] = win
-        if record:
-            lost_all = np.zeros(Q)
-            out_all = np.zeros(Q, dtype=np.int64)
-            if need.size:
-                lost_all[need] = lost
-                out_all[need] = pushed_out
-            for q in np.flatnonzero(act):
-                why = ("too big for the card" if not fits[q] else
-                       "room no expert would use" if spare[q] or out_all[q] == 0 else
-                       f"saves {fmt_bytes(value * nbytes[q])}/token, the {out_all[q]} experts it pushes out "
-                       f"save {fmt_bytes(lost_all[q])}/token (p_marginal "
-                       f"{lost_all[q] / max(cpu_factor * (f.bytes[q] - _after_bytes(after, need, q)), 1.0):.2f})")
-                decisions[q].append(_decision(label, lay[q], nbytes[q], bool(put[q]), why,
-                                              room[q] - (nbytes[q] if put[q] else 0.0)))
-        if need.size:
-            won = need[win]
-            sub = np.flatnonzero(win)
-            f.stop[won], f.bytes[won], f.count[won] = after.stop[sub], after.bytes[sub], after.count[sub]
-            f.mass[won], f.value[won] = after.mass[sub], after.value[sub]
-        room -= np.where(put, nbytes, 0.0)
-        placed += np.where(put, nbytes, 0.0)
-        host += np.where(act & ~put, nbytes * per_byte, 0.0)
-    return TrunkResult(room, placed, host, f, np.ones(Q, dtype=bool), decisions)
-
-
-def _after_bytes(after, need, q):
-    i = np.searchsorted(need, q)
-    return after.bytes[i] if after is not None and i < len(need) and need[i] == q else 0.0
-
-
-def _decision(label, layer, nbytes, on_card, why, room_after) -> dict:
-    name = "lm_head" if label == "head" else "embedding" if label == "embed" else f"layer {int(layer)} trunk"
-    return {"component": name, "layer": int(layer), "bytes": int(nbytes), "on_card": on_card, "why": why,
-            "expert_room_after": int(room_after)}
+                st = self._last
+                on = bool(st["head_on"][0] if name == "lm_head" else st["emb_on"][0] if name == "embedding"
+                          else layer < st["n_end"][0])
+                before = fill_ranks(room, a, b, profile_pairs_layers, blob)
+                after = fill_ranks(room - nbytes, a, b, profile_pairs_layers, blob) if nbytes <= room else before[:0]
+                out_ranks = before[len(after):]
+                if nbytes > room:
+                    why = "too big for the card"
+                elif on and out_ranks.size == 0:
+                    why = "room no expert would use"
+                elif on:
+                    p = float(p_e[out_ranks].max())
+                    why = (f"saves {fmt_bytes(value * nbytes)}/token; the {out_ranks.size} experts it pushes out are "
+                           f"worth {cf:g}*p = {cf * p:.2f} per byte at most (p_marginal {p:.2f})")
+                else:
+                    kept = before[before < st["r_cold"][0]]
+                    p = float(p_e[kept[-1]]) if kept.size else 0.0
+                    why = (f"the experts it would push out are worth more per byte: {cf:g}*p = {cf * p:.2f} >= "
+                           f"{value:g} (p_marginal {p:.2f})" if value > 0 else
+                           "read one row per token: only room no expert would use")
+            if on:
+                room -= nbytes
+            out.append({"component": name, "layer": int(layer), "bytes": int(nbytes), "on_card": bool(on),
+                        "why": why, "expert_room_after": int(room)})
+        return out
