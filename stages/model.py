@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from stages.config import ModelConfig
 from stages.errors import MoerayError
 from stages.gguf_file import GGUFFile, is_routed_expert
 from stages.kv_cache import KVCache
