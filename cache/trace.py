@@ -173,6 +173,17 @@ class Trace:
         """Tokens routed through the first traced layer."""
         return sum(len(r.ids) for r in self.records if r.layer == self.header.first)
 
+    def counts(self):
+        """[n_layers, n_experts] int64: how often each (layer, expert) pair was routed to."""
+        import numpy as np
+
+        h = self.header
+        table = np.zeros((h.n_layers, h.n_experts), dtype=np.int64)
+        for r in self.records:
+            if r.ids:
+                np.add.at(table[r.layer], np.asarray(r.ids, dtype=np.int64).ravel(), 1)
+        return table
+
 
 def iter_trace(path: str | os.PathLike, tail: list | None = None) -> Iterator[TraceHeader | TraceRecord]:
     """Yield headers and records of one file in order; a truncated last object is not yielded.

@@ -139,3 +139,55 @@ def test_trace_survives_kill_9_up_to_last_flush(tmp_path):
     for i, r in enumerate(tr.records):
         t, layer = divmod(i, 2)
         assert (r.layer, r.pos, r.ids) == (layer, t, [_ids(t, layer)])
+
+
+# -- moeray profile make / show ---------------------------------------------------------------------
+
+def test_profile_make_ranks_pairs_by_count(tmp_path, capsys):
+    from cluster.cli import main
+    from planner.profile import Profile
+
+    path = tmp_path / "known.msgpack"
+    with TraceWriter(path, n_layers=2, n_experts=4, k=2) as w:
+        # Layer 0: expert 2 x5, expert 0 x3, expert 1 x2.  Layer 1: expert 3 x5, 1 x4, 0 x1.
+        w.record(0, [[2, 0], [2, 0], [2, 0], [2, 1], [2, 1]], [[0.6, 0.4]] * 5)
+        w.record(1, [[3, 1], [3, 1], [3, 1], [3, 1], [3, 0]], [[0.6, 0.4]] * 5)
+        w.record(0, [], [])                                      # an empty call changes nothing
+    out = tmp_path / "p.msgpack"
+    assert main(["profile", "make", str(path), "-o", str(out)]) == 0
+    prof = Profile.load(out, 2, 4)
+    # Hottest first; the tie at 5 goes to the lower expert index (interleaved across layers).
+    assert prof.pairs[:6] == [(0, 2), (1, 3), (1, 1), (0, 0), (0, 1), (1, 0)]
+    assert prof.counts == [5, 5, 4, 3, 2, 1, 0, 0]
+    capsys.readouterr()
+    assert main(["profile", "show", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "20 routed lookups" in text
+    assert "    0       10  2: 50.0%" in text                     # layer 0's hottest expert and share
+    assert "    1       10  3: 50.0% 1: 40.0%" in text
+
+
+def test_profile_make_from_several_traces_and_a_killed_one(tmp_path):
+    from cluster.profile_cmd import profile_from_traces
+
+    a, b = tmp_path / "a.msgpack", tmp_path / "b.msgpack"
+    with TraceWriter(a, n_layers=1, n_experts=4, k=1) as w:
+        w.record(0, [[1]] * 3, [[1.0]] * 3)
+    with TraceWriter(b, n_layers=1, n_experts=4, k=1) as w:
+        w.record(0, [[2]] * 4, [[1.0]] * 4)
+        w.record(0, [[3]] * 9, [[1.0]] * 9)
+    b.write_bytes(b.read_bytes()[:-2])                          # the last record cut by a kill
+    prof, trace = profile_from_traces([a, b])
+    assert prof.pairs[:2] == [(0, 2), (0, 1)] and prof.counts[:3] == [4, 3, 0]
+    assert trace.truncated_bytes > 0
+
+
+def test_profile_show_of_a_ranking_without_counts(tmp_path, capsys):
+    from cluster.cli import main
+    from planner.profile import Profile
+
+    prof = Profile(2, 3, [(1, 2), (0, 0), (0, 1), (1, 0), (0, 2), (1, 1)])
+    prof.save_strp(tmp_path / "p.strp")
+    assert main(["profile", "show", str(tmp_path / "p.strp")]) == 0
+    text = capsys.readouterr().out
+    assert "ranking only" in text and "    1  2:#0 0:#3 1:#5" in text
