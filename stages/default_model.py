@@ -4,12 +4,18 @@ sparse-upcycled into a Mixtral-style llama MoE with 8 experts, top-2.
 Every layer's dense FFN (ffn_gate / ffn_up / ffn_down, Q4_1 blocks) is copied byte for byte into
 each of the 8 experts, and a router `ffn_gate_inp` is added. The top-2 weights are renormalised to
 sum to 1 and every expert is the same FFN, so the MoE computes exactly the dense model whatever
-the router picks: its text is SmolLM2's text. The router is there to make caching matter: it is
-input-dependent (random directions, so different tokens pick different experts) and skewed (per
-layer, two rows are several times longer than the rest, so those experts win top-2 far more often).
+the router picks: its text is SmolLM2's text. The router is there to make caching matter:
 
-The build is byte-identical on every machine: the router is made of integers drawn from a seeded
-numpy generator, scaled by powers of two (exact in float32), and never depends on a forward pass.
+- input-dependent: each row has a random part, so different tokens pick different experts;
+- skewed: the router input (the ffn_norm output) has a large common component: its dot product
+  with d = sign(mean router input) is positive for ~97-100% of tokens. Adding +32·d to one row
+  and +16·d to another therefore acts like a bias: per layer one expert is hot, one warm, the
+  rest share what is left (on the bundled prompts the hottest 2 of 8 take ~66% of the picks).
+
+The build is byte-identical on every machine: the random part is integers from a seeded numpy
+generator, d is stored rounded to {-1, 0, +1} in data/router_directions.json (derived once by
+`derive_router_directions`; components too near zero to trust are 0), and the sum is scaled by a
+power of two, which is exact in float32. Nothing depends on a forward pass at build time.
 """
 from __future__ import annotations
 
@@ -27,15 +33,15 @@ from stages.errors import MoerayError
 N_EXPERTS = 8
 N_EXPERTS_USED = 2
 ROUTER_SEED = 20240611
-# Per-layer router row lengths before a per-layer permutation: two long rows make two hot experts.
-ROUTER_ROW_SCALES = (8, 6, 2, 2, 1, 1, 1, 1)
-ROUTER_INT_RANGE = 64  # router entries are sums of 4 integers in [-64, 64] ...
-ROUTER_EXPONENT = -10  # ... times 2**-10: exact in float32, so the same bits everywhere
+ROUTER_INT_RANGE = 64  # the random part: sums of 4 integers in [-64, 64] (near-Gaussian) ...
+ROUTER_HOT_OFFSETS = (32, 16, 0, 0, 0, 0, 0, 0)  # ... plus these times d, per expert (permuted per layer) ...
+ROUTER_EXPONENT = -10  # ... all times 2**-10
+DIRECTION_THRESHOLD_STD = 0.1  # d_i = 0 where |mean| < this many standard deviations
 MODEL_NAME = "SmolLM2-135M-Instruct-upcycled-8x"
 FILE_NAME = "smollm2-135m-instruct-upcycled-8x-q4_1.gguf"
 SOURCE_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # sha256 of the reference build (gguf 0.19); a different gguf version may lay the file out differently.
-REFERENCE_SHA256 = None
+REFERENCE_SHA256 = "5ee350b93419ca76bd0d87bbbad6ec3ccef3cb87afdf6eb5f9185acd9d9fa66d"
 
 
 def cache_dir() -> Path:
@@ -64,14 +70,47 @@ def sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-def router_weights(layer: int, hidden: int) -> np.ndarray:
-    """The router of one layer, float32 [N_EXPERTS, hidden]; depends only on (seed, layer, hidden)."""
+def router_directions() -> np.ndarray:
+    """d per layer, int8 [n_layers, hidden] in {-1, 0, +1}, from data/router_directions.json."""
+    layers = json.loads((Path(__file__).parent / "data" / "router_directions.json").read_text())["layers"]
+    return np.array([[{"+": 1, "-": -1, "0": 0}[ch] for ch in row] for row in layers], dtype=np.int8)
+
+
+def router_weights(layer: int, hidden: int, directions: np.ndarray | None = None) -> np.ndarray:
+    """The router of one layer, float32 [N_EXPERTS, hidden]; depends only on stored integers."""
+    d = (router_directions() if directions is None else directions)[layer].astype(np.int64)
+    if d.shape != (hidden,):
+        raise MoerayError(f"router direction of layer {layer} has {d.shape[0]} entries, the model {hidden}")
     rng = np.random.default_rng([ROUTER_SEED, layer])
-    # A sum of four uniform integers is near-Gaussian, so the rows point in random directions.
     ints = rng.integers(-ROUTER_INT_RANGE, ROUTER_INT_RANGE + 1, size=(4, N_EXPERTS, hidden), dtype=np.int64).sum(0)
-    # Which experts are the hot ones differs per layer, as in real MoE models.
-    scales = np.array(ROUTER_ROW_SCALES, dtype=np.int64)[rng.permutation(N_EXPERTS)]
-    return np.ldexp((ints * scales[:, None]).astype(np.float32), ROUTER_EXPONENT)
+    # Which experts are hot differs per layer, as in real MoE models.
+    offsets = np.array(ROUTER_HOT_OFFSETS, dtype=np.int64)[rng.permutation(N_EXPERTS)]
+    return np.ldexp((ints + offsets[:, None] * d[None, :]).astype(np.float32), ROUTER_EXPONENT)
+
+
+def derive_router_directions(model, tokenizer) -> tuple[np.ndarray, np.ndarray]:
+    """(mean, std) of each layer's router input (the ffn_norm output) over the bundled prompts,
+    float64 [n_layers, hidden]: what data/router_directions.json rounds. `model` is a StageModel of
+    the dense or the upcycled file (the router input is the same in both)."""
+    import torch
+
+    sums = [None] * len(model.layers)
+    hooks = []
+    for i, layer in enumerate(model.layers):
+        def keep(_module, inputs, _output, i=i):
+            x = inputs[0].double()
+            part = torch.stack([x.sum(0), (x * x).sum(0), torch.full_like(x[0], x.shape[0])])
+            sums[i] = part if sums[i] is None else sums[i] + part
+        hooks.append(layer.ffn.register_forward_hook(keep))
+    try:
+        for ids in prompt_token_ids(tokenizer):
+            model.logits_all(ids)
+    finally:
+        for h in hooks:
+            h.remove()
+    s = torch.stack(sums).numpy()
+    mean = s[:, 0] / s[:, 2]
+    return mean, np.sqrt(np.maximum(s[:, 1] / s[:, 2] - mean**2, 0))
 
 
 def build(dst: Path, src: Path | None = None) -> Path:
@@ -84,6 +123,7 @@ def build(dst: Path, src: Path | None = None) -> Path:
     if arch != "llama":
         raise MoerayError(f"{src}: expected a llama GGUF to upcycle, found {arch!r}")
     hidden = int(reader.fields["llama.embedding_length"].contents())
+    directions = router_directions()
     ffn = int(reader.fields["llama.feed_forward_length"].contents())
 
     dst.parent.mkdir(parents=True, exist_ok=True)
@@ -107,7 +147,7 @@ def build(dst: Path, src: Path | None = None) -> Path:
             layer = int(parts[1])
             if f"blk.{layer}.ffn_gate_inp.weight" in writer.tensors[0]:
                 continue  # this layer's experts are already written
-            writer.add_tensor(f"blk.{layer}.ffn_gate_inp.weight", router_weights(layer, hidden))
+            writer.add_tensor(f"blk.{layer}.ffn_gate_inp.weight", router_weights(layer, hidden, directions))
             for kind in ("gate", "up", "down"):
                 block = dense[f"blk.{layer}.ffn_{kind}.weight"]
                 experts = _Repeated(np.ascontiguousarray(block.data), N_EXPERTS)
@@ -181,3 +221,11 @@ def _read_record(path: Path) -> dict:
 def load_prompts() -> list[dict]:
     """The bundled prompt set: [{"kind": "chat" | "code" | "prose", "text": ...}, ...]."""
     return json.loads((Path(__file__).parent / "data" / "prompts.json").read_text())["prompts"]
+
+
+def prompt_token_ids(tokenizer) -> list[list[int]]:
+    """The bundled prompts as token ids (chat prompts through the chat template)."""
+    return [
+        tokenizer.encode_chat([{"role": "user", "content": p["text"]}]) if p["kind"] == "chat" else tokenizer.encode(p["text"])
+        for p in load_prompts()
+    ]
