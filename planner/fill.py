@@ -40,52 +40,50 @@ class Fill:
     bytes: np.ndarray
     count: np.ndarray
     mass: np.ndarray
-    value: np.ndarray  # sum of p_e * blob over the held pairs (trunk pricing)
-
-    def take(self, other: "Fill", idx: np.ndarray) -> None:
-        """Overwrite entries `idx` with `other`'s answers (other has one entry per idx)."""
-        for name in ("stop", "bytes", "count", "mass", "value"):
-            getattr(self, name)[idx] = getattr(other, name)
 
 
 class RangeTables:
-    # Per-rank quantities kept side by side so one gather and one cumsum serve all four.
-    W, M, V, C = range(4)
+    # Per-rank quantities, channel-major so that every cumulative sum runs along contiguous memory.
+    W, M, C = range(3)
+    N_CH = 3
 
-    def __init__(self, layer_of_rank, blob_bytes, mass, value=None, block: int = 32):
+    def __init__(self, layer_of_rank, blob_bytes, mass, block: int = 32):
         lay = np.asarray(layer_of_rank, dtype=np.int64)
         T, L = len(lay), len(blob_bytes)
         self.n_pairs, self.n_layers, self.block = T, L, block
         nb = max(1, -(-T // block))
         self.n_blocks = nb
-        pad = nb * block - T
-        data = np.zeros((nb * block, 4))
-        data[:T, self.W] = np.asarray(blob_bytes, dtype=np.float64)[lay]
-        data[:T, self.M] = mass
-        if value is not None:
-            data[:T, self.V] = value
-        data[:T, self.C] = 1.0
+        K = self.N_CH
+        cols = np.zeros((K, nb * block))
+        cols[self.W, :T] = np.asarray(blob_bytes, dtype=np.float64)[lay]
+        cols[self.M, :T] = mass
+        cols[self.C, :T] = 1.0
         # Padding ranks belong to "layer L", which no range [a, b) with b <= L contains.
-        lay_p = np.concatenate([lay, np.full(pad, L, dtype=np.int64)])
+        lay_p = np.full(nb * block, L, dtype=np.int64)
+        lay_p[:T] = lay
         self.lay_blk = lay_p.reshape(nb, block)
-        self.data_blk = data.reshape(nb, block, 4)
-        key = np.repeat(np.arange(nb), block) * (L + 1) + lay_p
-        cols = np.ascontiguousarray(data.T)
-        sums = np.empty((nb, L + 1, 4))
-        for q in range(4):
-            sums[:, :, q] = np.bincount(key, weights=cols[q], minlength=nb * (L + 1)).reshape(nb, L + 1)
-        # G[kb, x] = totals over blocks < kb and layers < x (column L of `sums` is the padding)
-        self.G = np.zeros((nb + 1, L + 1, 4))
-        np.cumsum(sums[:, :L], axis=0, out=self.G[1:, 1:])
-        np.cumsum(self.G[1:, 1:], axis=1, out=self.G[1:, 1:])
-        self.Gw_flat = np.ascontiguousarray(self.G[:, :, self.W]).ravel()
-        self.layer_mass = np.bincount(lay, weights=data[:T, self.M], minlength=L)
+        self.cols_blk = cols.reshape(K, nb, block)
+        key = (np.arange(nb)[:, None] * (L + 1) + self.lay_blk).ravel()
+        # G[ch, kb, x] = totals over blocks < kb and layers < x (layer L of the bincount is the padding)
+        self.G = np.zeros((K, nb + 1, L + 1))
+        for q in range(K):
+            s = np.bincount(key, weights=cols[q], minlength=nb * (L + 1)).reshape(nb, L + 1)
+            g = self.G[q]
+            np.cumsum(s[:, :L], axis=0, out=g[1:, 1:])
+            np.cumsum(g[1:, 1:], axis=1, out=g[1:, 1:])
+        self.Gw_flat = self.G[self.W].ravel()
+        self.layer_mass = np.bincount(lay, weights=cols[self.M, :T], minlength=L)
         self.layer_mass_prefix = np.concatenate([[0.0], np.cumsum(self.layer_mass)])
         self.n_steps = int(np.ceil(np.log2(nb + 1)))
 
     def routed(self, a, b) -> np.ndarray:
         """Routed mass of layers [a, b)."""
         return self.layer_mass_prefix[np.asarray(b)] - self.layer_mass_prefix[np.asarray(a)]
+
+    def _range_totals(self, ch, kb, a, b):
+        stride = self.n_layers + 1
+        g = self.G[ch].ravel()
+        return g[kb * stride + b] - g[kb * stride + a]
 
     def query(self, a, b, room) -> Fill:
         a = np.asarray(a, dtype=np.int64)
@@ -103,16 +101,18 @@ class RangeTables:
             lo = np.where(ok, mid, lo)
             hi = np.where(ok, hi, mid - 1)
         kb = np.minimum(lo, nb - 1)  # kb == nb: everything fits; walk the last block, nothing overflows
+        # Inside block kb: the range's pairs in rank order until the first that does not fit.
         lays = self.lay_blk[kb]
         inr = (lays >= a[:, None]) & (lays < b[:, None])
-        cum = np.cumsum(self.data_blk[kb] * inr[:, :, None], axis=1)
-        base = self.G[kb, b] - self.G[kb, a]
-        over = cum[:, :, self.W] > (room - base[:, self.W])[:, None]
+        base_w = Gw[kb * stride + b] - Gw[kb * stride + a]
+        w = np.where(inr, self.cols_blk[self.W, kb], 0.0)
+        over = np.cumsum(w, axis=1) > (room - base_w)[:, None]
         j = np.where(over.any(axis=1), over.argmax(axis=1), blk)
-        taken = np.where((j > 0)[:, None], cum[np.arange(len(j)), np.maximum(j - 1, 0)], 0.0)
-        tot = base + taken
-        return Fill(stop=np.minimum(kb * blk + j, self.n_pairs), bytes=tot[:, self.W],
-                    count=np.rint(tot[:, self.C]).astype(np.int64), mass=tot[:, self.M], value=tot[:, self.V])
+        take = inr & (np.arange(blk)[None, :] < j[:, None])
+        return Fill(stop=np.minimum(kb * blk + j, self.n_pairs),
+                    bytes=base_w + np.where(take, w, 0.0).sum(axis=1),
+                    count=(np.rint(self._range_totals(self.C, kb, a, b)).astype(np.int64) + take.sum(axis=1)),
+                    mass=self._range_totals(self.M, kb, a, b) + np.where(take, self.cols_blk[self.M, kb], 0.0).sum(axis=1))
 
     def bytes_before(self, a, b, rank) -> np.ndarray:
         """Bytes of the range's pairs ranked before `rank` (no stop rule: what a prefix costs)."""
@@ -123,6 +123,4 @@ class RangeTables:
         j = rank - kb * self.block
         lays = self.lay_blk[kb]
         inr = (lays >= a[:, None]) & (lays < b[:, None]) & (np.arange(self.block)[None, :] < j[:, None])
-        stride = self.n_layers + 1
-        base = self.Gw_flat[kb * stride + b] - self.Gw_flat[kb * stride + a]
-        return base + np.where(inr, self.data_blk[kb, :, self.W], 0.0).sum(axis=1)
+        return self._range_totals(self.W, kb, a, b) + np.where(inr, self.cols_blk[self.W, kb], 0.0).sum(axis=1)

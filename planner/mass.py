@@ -62,5 +62,5 @@ def pair_mass(profile, mode: str = "curve", b: float | None = None) -> np.ndarra
         if profile.counts is None:
             raise ProfileError("--mass counts needs a profile with counts (a moeray profile from traces, "
                                "or a colibri heat file); this one holds a ranking only")
-        return counts_mass(profile.counts)
+        return counts_mass(profile.counts_array())
     raise ValueError(f"unknown mass mode {mode!r}: use 'curve' or 'counts'")

@@ -80,6 +80,7 @@ class Profile:
         arr = np.stack([order % L, order // L], axis=1).astype(np.int64)
         prof = cls(L, E, list(map(tuple, arr.tolist())), flat[order].tolist())
         prof.__dict__["_pairs_array"] = arr
+        prof.__dict__["_counts_array"] = flat[order].astype(np.int64)
         return prof
 
     # --- arrays the planner computes with ------------------------------------------
@@ -89,6 +90,15 @@ class Profile:
         if arr is None:
             arr = np.array(self.pairs, dtype=np.int64).reshape(-1, 2)
             self.__dict__["_pairs_array"] = arr
+        return arr
+
+    def counts_array(self) -> np.ndarray | None:
+        if self.counts is None:
+            return None
+        arr = self.__dict__.get("_counts_array")
+        if arr is None:
+            arr = np.asarray(self.counts, dtype=np.int64)
+            self.__dict__["_counts_array"] = arr
         return arr
 
     def layers_array(self) -> np.ndarray:
@@ -101,7 +111,7 @@ class Profile:
         if self.counts is None:
             return None
         t = np.zeros((self.n_layers, self.n_experts), dtype=np.int64)
-        t[self.layers_array(), self.experts_array()] = self.counts
+        t[self.layers_array(), self.experts_array()] = self.counts_array()
         return t
 
     def check_model(self, n_layers: int | None, n_experts: int | None, where: str = "profile"):

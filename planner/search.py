@@ -206,7 +206,8 @@ class _Context:
         self.spec, self.devices, self.profile, self.policy, self.cpu_factor = spec, devices, profile, policy, cpu_factor
         self.layers = profile.layers_array()
         self.mass = pair_mass(profile, mass)
-        self.p_e = expert_read_probability(profile, spec.n_experts_used)
+        # p_e prices experts against the trunk; with the trunk off nothing needs it
+        self.p_e = expert_read_probability(profile, spec.n_experts_used) if policy.mode == "auto" else None
         self.tables = RangeTables(self.layers, spec.expert_bytes, self.mass)
         self.pricer = TrunkPricer(self.tables, spec, policy, self.p_e, self.layers, cpu_factor)
 
@@ -220,11 +221,11 @@ class _Context:
         first, last = stage == 0, stage == S - 1
         # The fill and the trunk depend on (free bytes, first?, last?, a, b) only: cards of one
         # size share their answers, and the stage's speeds are applied afterwards.
-        key = np.stack([free, first, last, a, b], axis=1)
-        uniq, inv = np.unique(key, axis=0, return_inverse=True)
+        rooms, room_id = np.unique(free, return_inverse=True)
+        key = (((room_id.reshape(-1) * 2 + first) * 2 + last) * (L + 1) + a) * (L + 1) + b
+        uniq, pick, inv = np.unique(key, return_index=True, return_inverse=True)
         inv = inv.reshape(-1)
-        tr = self.pricer.price(uniq[:, 3].astype(np.int64), uniq[:, 4].astype(np.int64), uniq[:, 0],
-                               uniq[:, 1] > 0, uniq[:, 2] > 0, np.ones(len(uniq)))
+        tr = self.pricer.price(a[pick], b[pick], free[pick], first[pick], last[pick], np.ones(len(uniq)))
         routed = self.tables.routed(a, b)
         held = tr.fill.mass[inv]
         dense = (b - a) * layer_ms

@@ -103,7 +103,7 @@ def expert_read_probability(profile, k: int) -> np.ndarray:
     if profile.counts is None:
         return np.full(T, min(1.0, k / profile.n_experts))
     lay = profile.layers_array()
-    c = np.asarray(profile.counts, dtype=np.float64)
+    c = profile.counts_array().astype(np.float64)
     per_layer = np.bincount(lay, weights=c, minlength=profile.n_layers)
     share = np.divide(c, per_layer[lay], out=np.zeros(T), where=per_layer[lay] > 0)
     return np.minimum(1.0, share * k)
@@ -205,8 +205,6 @@ class TrunkPricer:
 
     def decisions(self, a, b, free, first, last, profile_pairs_layers, p_e) -> list[dict]:
         """The [place] decisions of one stage, with the numbers behind them (one range, plain loop)."""
-        from planner.fill import fill_ranks
-
         tb, mode, cf = self.spec.trunk_bytes, self.policy.mode, self.cf
         blob = self.spec.expert_bytes
         comps = []
@@ -217,7 +215,14 @@ class TrunkPricer:
             comps.append(("embedding", -1, tb.embedding, 0.0))
         if mode == "off" or not comps:
             return []
-        res = self.price([a], [b], [free], [first], [last], [0.0])
+        self.price([a], [b], [free], [first], [last], [0.0])
+        # The stage's ranks and their running cost, once: a fill for any room is then a bisection.
+        ranks = np.flatnonzero((profile_pairs_layers >= a) & (profile_pairs_layers < b))
+        cost = np.cumsum(np.asarray(blob, dtype=np.float64)[profile_pairs_layers[ranks]])
+
+        def fill(r):
+            return ranks[: int(np.searchsorted(cost, r, side="right"))]
+
         out, room = [], float(free)
         for name, layer, nbytes, value in comps:
             if mode == "explicit":
@@ -228,8 +233,8 @@ class TrunkPricer:
                 st = self._last
                 on = bool(st["head_on"][0] if name == "lm_head" else st["emb_on"][0] if name == "embedding"
                           else layer < st["n_end"][0])
-                before = fill_ranks(room, a, b, profile_pairs_layers, blob)
-                after = fill_ranks(room - nbytes, a, b, profile_pairs_layers, blob) if nbytes <= room else before[:0]
+                before = fill(room)
+                after = fill(room - nbytes) if nbytes <= room else before[:0]
                 out_ranks = before[len(after):]
                 if nbytes > room:
                     why = "too big for the card"
