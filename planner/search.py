@@ -299,16 +299,28 @@ def plan_placement(spec: ModelSpec, devices: list[DeviceSpec], profile=None, obj
 
 
 def _best_enumerated(C, L, mins, objective):
-    K = enumerate_boundaries(L, mins)
+    """Score every placement: the scores of all boundary tuples (k_1, ..., k_{S-1}) as one
+    (L+1)^(S-1) array built by broadcasting the stage tables (inf where a tuple is not a
+    placement), then the best in lexicographic order of the boundaries."""
     S = len(mins)
-    parts = np.stack([C[i, K[:, i], K[:, i + 1]] for i in range(S)], axis=1)
-    total = parts.sum(axis=1)
+    if S == 1:
+        return [0, L] if np.isfinite(C[0, 0, L]) else None
+    # total[k_1, ..., k_{S-1}] = C0[0, k_1] + C1[k_1, k_2] + ... + C_{S-1}[k_{S-1}, L]
+    total = C[0, 0]
+    worst = C[0, 0]
+    for i in range(1, S):
+        step = C[i] if i < S - 1 else C[i][:, L]
+        shape = (1,) * (i - 1) + step.shape
+        step = step.reshape(shape)
+        total = total[..., None] + step if i < S - 1 else total + step
+        if objective == "throughput":
+            worst = np.maximum(worst[..., None], step) if i < S - 1 else np.maximum(worst, step)
     if objective == "throughput":
-        worst = parts.max(axis=1)
-        best = worst.min()
-        total = np.where(worst <= best, total, np.inf)
+        total = np.where(worst <= worst.min(), total, np.inf)
     j = int(np.argmin(total))
-    return None if not np.isfinite(total[j]) else [int(x) for x in K[j]]
+    if not np.isfinite(total.flat[j]):
+        return None
+    return [0] + [int(x) for x in np.unravel_index(j, total.shape)] + [L]
 
 
 def _dp(C, L, S, combine):
