@@ -268,6 +268,22 @@ class Launched:
 
         return RayPipeline(self.group)
 
+    def stage_stats(self) -> list[dict]:
+        return _get([a.stats.remote() for a in self.group.actors], self.group.timeout_s, "stats")
+
+    def stage_stat_lines(self) -> list[str]:
+        out = []
+        for s in self.stage_stats():
+            a, b = s["layers"]
+            line = (f"stage {s['stage']} ({s['device']} on {s['node_ip']}): layers {a}-{b - 1}, {s['steps']} steps, "
+                    f"{1e3 * s['step_s'] / max(1, s['steps']):.1f} ms per step (incl. waiting for the stage before)")
+            c = s["cache"]
+            if c:
+                line += (f", expert cache {c.get('hits', 0)} hits of {c.get('lookups', 0)} lookups "
+                         f"({100 * c.get('hit_rate', 0.0):.1f}%)")
+            out.append(line)
+        return out
+
     def shutdown(self) -> None:
         self.group.shutdown()
 

@@ -150,6 +150,7 @@ class StageActor:
         resident = _resident_bytes(model)
         self.memory.reserve(f"trunk of layers {first}-{end - 1}", resident if trunk_on_card is None else trunk_on_card)
         self.model, self.kv = model, kv
+        self.steps, self.step_s, self.tokens_in = 0, 0.0, 0
         self.generators: dict[int, Any] = {}
         self.hidden = model.config.hidden
         return {"stage": self.stage, "layers": (first, end), "load_s": time.perf_counter() - t,
@@ -164,6 +165,9 @@ class StageActor:
         first, last = self.stage == 0, self.stage == self.n_stages - 1
         n_rows = sum(batch.n_new)
         sent = False
+        t0 = time.perf_counter()
+        self.steps += 1
+        self.tokens_in += n_rows
         try:
             for slot, fresh in zip(batch.slots, batch.fresh):
                 if fresh:
@@ -184,6 +188,22 @@ class StageActor:
                 except Exception:
                     pass
             raise
+        finally:
+            self.step_s += time.perf_counter() - t0
+
+    def stats(self) -> dict[str, Any]:
+        """This stage's live numbers: layers, device bytes, steps, time in steps (incl. waiting for
+        the previous stage's activations), and its expert cache's lookups and hits when it has one."""
+        out = {"stage": self.stage, "device": self.device.name, "node_ip": self.device.node_ip,
+               "layers": None, "placed": dict(self.memory.parts), "free_bytes": self.memory.free,
+               "steps": 0, "step_s": 0.0, "tokens_in": 0, "cache": None}
+        if self.model is not None:
+            out.update(layers=(self.model.first, self.model.end), steps=self.steps, step_s=self.step_s,
+                       tokens_in=self.tokens_in)
+            cache = getattr(self.model.expert_source, "stats", None)
+            if callable(cache):
+                out["cache"] = cache()
+        return out
 
     def _sample(self, batch: StepBatch, x, meta) -> list[int | None]:
         from stages.sampling import sample

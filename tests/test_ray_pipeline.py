@@ -19,7 +19,7 @@ MiB = 1 << 20
 BUDGETS = [48 * MiB, 48 * MiB, 32 * MiB, 32 * MiB]  # "12GiB,12GiB,8GiB,8GiB" scaled to a 450 MB model
 MAX_SEQS, MAX_LEN = 4, 64
 # Different lengths, so prefill chunks, decodes and padding all mix in one micro-batch.
-PROMPTS = [[1, 504, 3575, 282, 4649, 314], [1] + list(range(20, 39)), [1, 9]]
+PROMPTS = [[504, 3575, 282, 4649, 314], [1] + list(range(20, 39)), [1, 9]]  # [0]: 'The capital of France is'
 N_NEW = 5
 
 
@@ -103,3 +103,19 @@ def test_killing_a_stage_fails_requests_clearly_and_the_next_one_succeeds(launch
     assert failed_after < 60
     again = eng.generate([PROMPTS[0]], SamplingParams(max_tokens=N_NEW, ignore_eos=True), timeout_s=300)
     assert again[0].output == reference[0]
+
+
+def test_moeray_run_prints_plan_text_speed_and_stages(launched, reference, default_model_path, capsys):
+    from cluster.cli import main
+    from stages.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_gguf(default_model_path)
+    assert tok.encode("The capital of France is") == PROMPTS[0]
+    rc = main(["run", str(default_model_path), "--stages", "2", "--simulate-devices", "96MiB,96MiB",
+               "--prompt", "The capital of France is", "--max-tokens", "3", "--max-seqs", "2", "--max-len", "32"])
+    out, err = capsys.readouterr()
+    assert rc == 0
+    assert out.strip() == tok.decode(reference[0][:3]).strip()
+    assert "layer split auto: K=" in err
+    assert "tok/s" in err
+    assert "stage 1 (simulated device 1 (96.00 MiB on CPU)" in err
