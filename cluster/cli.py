@@ -16,6 +16,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "logits": ("cluster.logits_cmd", "write float32 logits for every position (parity checks)"),
     "plan": ("cluster.plan_cmd", "run the placement search for a model and a set of devices"),
     "profile": ("cluster.profile_cmd", "make a routing profile from traces, or show one"),
+    "run": ("cluster.run_cmd", "run prompts through the model on pipeline stages (Ray actors)"),
 }
 
 
