@@ -7,7 +7,14 @@ with probability p_e (its heat share within its layer times k, capped at 1; k/E 
 counts) and its host copy reads `cpu_factor` times its card bytes: value cpu_factor*p_e per
 byte. A component goes on the card when the experts it would push out of the cache (the
 coldest held ones) are worth less than it; room that no expert would use always goes to the
-trunk.
+trunk. Concretely (TrunkPricer): the held experts worth at least a dense byte are protected,
+the trunk takes the rest of the room (head, then the layers in order while they fit), the
+experts fill what is left with the stop rule, and the embedding takes leftover room. That is
+O(1) fills per (stage, a, b), so the search prices the trunk inside every range.
+
+p_e follows the issue/seed (heat share x k, or k/E) rather than the mass the cost model
+uses, so with `auto` a little more VRAM can, rarely, predict a slightly slower step (the trunk
+takes room the H curve values more than k/E does); with `off` the prediction is monotone.
 
 Modes: `auto` (default); `off` (the planner places no trunk: free_bytes is taken to be net of
 it, as the seeds' engines do, and no trunk time is priced); or an explicit list obeyed as
