@@ -92,8 +92,13 @@ def run_bench(paths: list[Path], sizes: list[int], layout: str, profile_from: st
     L, E, T = h.n_layers, h.n_experts, h.n_layers * h.n_experts
     if profile_from == "all":
         fit, score = traces, traces
-    else:
+    elif profile_from == "half":
         fit, score = traces[0::2], traces[1::2]
+    else:   # one kind of prompt profiles, the other kinds are served: a shift of the routing
+        fit = [t for t in traces if profile_from in Path(t.paths[0]).name]
+        score = [t for t in traces if profile_from not in Path(t.paths[0]).name]
+        if not fit or not score:
+            raise SystemExit(f"--profile-from {profile_from}: no traces named *{profile_from}* (or only those)")
     prof = Profile.from_counts(sum(t.counts() for t in fit))
     session = concat(score)
     curve, counts = pair_mass(prof, "curve"), pair_mass(prof, "counts")
@@ -125,7 +130,24 @@ def run_bench(paths: list[Path], sizes: list[int], layout: str, profile_from: st
             "rows": rows}
 
 
+def slot_bytes_report() -> dict:
+    """Bytes one slot holds (float32 compute format) against the expert's bytes in the GGUF."""
+    import numpy as np
+
+    from stages.default_model import default_model_path
+    from stages.gguf_file import read_gguf_header
+
+    h = read_gguf_header(default_model_path(quiet=True))
+    held = sum(int(np.prod(h.tensors[f"blk.0.ffn_{k}_exps.weight"].shape[1:])) * 4 for k in ("gate", "up", "down"))
+    gguf_type = h.tensors["blk.0.ffn_gate_exps.weight"].ggml_type.name
+    return {"slot_bytes": held, "gguf_expert_bytes": int(h.expert_bytes(0)), "gguf_type": gguf_type}
+
+
 def print_table(res: dict) -> None:
+    if "slot" in res:
+        s = res["slot"]
+        print(f"one slot holds {s['slot_bytes']:,} bytes (float32) per expert; the GGUF stores it in "
+              f"{s['gguf_expert_bytes']:,} bytes ({s['gguf_type']}), {s['slot_bytes'] / s['gguf_expert_bytes']:.1f}x")
     print(f"default model ({res['model']}), {res['layout']} slots; profile from "
           f"{len(res['traces_profiled'])} prompts, replayed {len(res['traces_replayed'])} prompts "
           f"({res['replayed_tokens']} tokens, {res['replayed_lookups']} lookups)")
@@ -153,14 +175,17 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads when recording")
     ap.add_argument("--sizes", default="8,16,24,32,48,64,96,128,160,200", help="cache sizes in slots")
     ap.add_argument("--layout", choices=("global", "per-layer"), default="global")
-    ap.add_argument("--profile-from", choices=("half", "all"), default="half",
-                    help="half: profile the even prompts, replay the odd ones; all: in-sample")
+    ap.add_argument("--profile-from", choices=("half", "all", "chat", "code", "prose"), default="half",
+                    help="half: profile the even prompts, replay the odd ones; all: in-sample; "
+                         "chat/code/prose: profile that kind, replay the others (a routing shift)")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = ap.parse_args(argv)
     paths = [Path(p) for p in args.traces] if args.traces else record(Path(args.trace_dir), args.max_tokens, args.threads)
     if args.profile_from == "half" and len(paths) < 2:
         ap.error("--profile-from half needs at least two traces")
     res = run_bench(paths, [int(s) for s in args.sizes.split(",")], args.layout, args.profile_from)
+    if not args.traces:
+        res["slot"] = slot_bytes_report()
     print_table(res)
     if args.json:
         Path(args.json).write_text(json.dumps(res, indent=1) + "\n")

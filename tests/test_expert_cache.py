@@ -215,3 +215,26 @@ def test_default_model_same_tokens_with_no_some_and_all_experts_cached(request):
         detach_cache(model)
         del cache
     assert outputs[0] == outputs[40] == outputs[240]
+
+
+@pytest.mark.parametrize("policy", ["static", "adaptive", "lru"])
+def test_replay_of_the_recorded_trace_counts_what_the_live_cache_counted(tiny_path, tmp_path, policy):
+    from cache.replay import replay
+    from cache.trace import read_trace
+
+    model = load_model(tiny_path)
+    seen = []
+    model.routing_hook = lambda layer, ids, w: seen.append(layer)     # an earlier hook keeps running
+    trace_path = tmp_path / "live.trace"
+    cache = attach_cache(model, None, counts_profile(3, 6, seed=2), policy, record_routing=trace_path, n_slots=4)
+    cache.core.policy.swap_every = 2
+    greedy(model, token_ids(9), 20)
+    cache.close()
+    assert len(seen) == 3 * 21
+    trace = read_trace(trace_path)
+    r = replay(trace, policy, cache.slots, cache.filled_pairs, swap_every=2)
+    assert list(r.lookups) == list(cache.core.lookups)
+    assert list(r.hits) == list(cache.core.hits)
+    assert r.copies == cache.core.copies
+    detach_cache(model)
+    assert isinstance(model.expert_source, HostExperts)
