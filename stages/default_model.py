@@ -185,7 +185,8 @@ def default_model_path(rebuild: bool = False, quiet: bool = False) -> Path:
     """The upcycled default model, built into the cache directory on first use.
 
     A sidecar JSON records the file's sha256, size and mtime, so later calls check the file without
-    hashing 450 MB each time; a file that does not match its record is rebuilt.
+    hashing 450 MB each time; a file that does not match its record, or was made by another
+    version of this builder, is rebuilt.
     """
     path = cache_dir() / FILE_NAME
     record = _read_record(path)
@@ -193,6 +194,7 @@ def default_model_path(rebuild: bool = False, quiet: bool = False) -> Path:
     fresh = (
         not rebuild
         and stat is not None
+        and record.get("recipe") == _recipe()
         and record.get("size") == stat.st_size
         and record.get("mtime_ns") == stat.st_mtime_ns
     )
@@ -201,7 +203,7 @@ def default_model_path(rebuild: bool = False, quiet: bool = False) -> Path:
             print(f"moeray: building the default model {MODEL_NAME} into {path} ...", file=sys.stderr)
         build(path)
         stat = path.stat()
-        record = {"sha256": sha256_of(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+        record = {"sha256": sha256_of(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "recipe": _recipe()}
         _sidecar(path).write_text(json.dumps(record))
     if not quiet:
         note = ""
@@ -209,6 +211,13 @@ def default_model_path(rebuild: bool = False, quiet: bool = False) -> Path:
             note = f" (differs from the reference build {REFERENCE_SHA256[:12]}...: another gguf version?)"
         print(f"moeray: default model {path} sha256 {record['sha256']}{note}", file=sys.stderr)
     return path
+
+
+def _recipe() -> str:
+    """Changes whenever the build could: this module or the stored router directions."""
+    h = hashlib.sha256(Path(__file__).read_bytes())
+    h.update((Path(__file__).parent / "data" / "router_directions.json").read_bytes())
+    return h.hexdigest()[:16]
 
 
 def _read_record(path: Path) -> dict:
