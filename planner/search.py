@@ -221,11 +221,15 @@ class _Context:
         first, last = stage == 0, stage == S - 1
         # The fill and the trunk depend on (free bytes, first?, last?, a, b) only: cards of one
         # size share their answers, and the stage's speeds are applied afterwards.
-        rooms, room_id = np.unique(free, return_inverse=True)
-        key = (((room_id.reshape(-1) * 2 + first) * 2 + last) * (L + 1) + a) * (L + 1) + b
-        uniq, pick, inv = np.unique(key, return_index=True, return_inverse=True)
-        inv = inv.reshape(-1)
-        tr = self.pricer.price(a[pick], b[pick], free[pick], first[pick], last[pick], np.ones(len(uniq)))
+        middle = [d.free_bytes for d in devs[1:-1]]
+        if len(set(middle)) == len(middle) or len(stage) <= S:
+            pick = inv = np.arange(len(a))  # no two questions can be the same
+        else:
+            rooms, room_id = np.unique(free, return_inverse=True)
+            key = (((room_id.reshape(-1) * 2 + first) * 2 + last) * (L + 1) + a) * (L + 1) + b
+            _, pick, inv = np.unique(key, return_index=True, return_inverse=True)
+            inv = inv.reshape(-1)
+        tr = self.pricer.price(a[pick], b[pick], free[pick], first[pick], last[pick], np.ones(len(pick)))
         routed = self.tables.routed(a, b)
         held = tr.fill.mass[inv]
         dense = (b - a) * layer_ms
@@ -368,7 +372,7 @@ def _build_plan(ctx, bounds, objective, method, scored, handoff_ms, mass_mode) -
         blobs = ctx.spec.expert_bytes[aa[i]:bb[i]]
         room = int(tr.room[u])
         slots = per_layer_slots(room // max(blobs), blobs) if room >= max(blobs) else None
-        decisions = ctx.pricer.decisions(int(aa[i]), int(bb[i]), ctx.devices[i].free_bytes, i == 0, i == S - 1,
+        decisions = ctx.pricer.decisions(u, int(aa[i]), int(bb[i]), ctx.devices[i].free_bytes, i == 0, i == S - 1,
                                          ctx.layers, ctx.p_e)
         stages.append(StagePlan(
             index=i, device=ctx.devices[i].name, first_layer=int(aa[i]), end_layer=int(bb[i]),

@@ -140,7 +140,7 @@ class TrunkPricer:
     def __init__(self, tables, spec, policy: TrunkPolicy, p_e, layer_of_rank, cpu_factor: float):
         L = spec.n_layers
         self.tables, self.spec, self.policy, self.cf = tables, spec, policy, cpu_factor
-        blob = np.asarray(spec.expert_bytes, dtype=np.float64)
+        blob = self.blob = np.asarray(spec.expert_bytes, dtype=np.float64)
         tl = np.asarray(spec.trunk_bytes.layers, dtype=np.float64)
         self.layer_prefix = np.concatenate([[0.0], np.cumsum(tl)])
         # host time of a layer's trunk = miss_ms * tl / (cf * blob): keep the factor of miss_ms
@@ -210,10 +210,11 @@ class TrunkPricer:
         self._last = dict(head_on=head_on, n_end=n_end, emb_on=emb_on, r_cold=r_cold, hot=hot)
         return TrunkResult(room, placed, miss_ms * host_units, f, np.ones(Q, dtype=bool))
 
-    def decisions(self, a, b, free, first, last, profile_pairs_layers, p_e) -> list[dict]:
-        """The [place] decisions of one stage, with the numbers behind them (one range, plain loop)."""
+    def decisions(self, q, a, b, free, first, last, profile_pairs_layers, p_e) -> list[dict]:
+        """The [place] decisions of question q of the last price() call (one stage's range), with
+        the numbers behind them."""
         tb, mode, cf = self.spec.trunk_bytes, self.policy.mode, self.cf
-        blob = self.spec.expert_bytes
+        blob = self.blob
         comps = []
         if last and tb.head > 0:
             comps.append(("lm_head", -1, tb.head, 1.0))
@@ -222,10 +223,10 @@ class TrunkPricer:
             comps.append(("embedding", -1, tb.embedding, 0.0))
         if mode == "off" or not comps:
             return []
-        self.price([a], [b], [free], [first], [last], [0.0])
+        st = {k: v[q:q + 1] for k, v in self._last.items()} if mode == "auto" else {}
         # The stage's ranks and their running cost, once: a fill for any room is then a bisection.
         ranks = np.flatnonzero((profile_pairs_layers >= a) & (profile_pairs_layers < b))
-        cost = np.cumsum(np.asarray(blob, dtype=np.float64)[profile_pairs_layers[ranks]])
+        cost = np.cumsum(blob[profile_pairs_layers[ranks]])
 
         def fill(r):
             return ranks[: int(np.searchsorted(cost, r, side="right"))]
@@ -237,7 +238,6 @@ class TrunkPricer:
                       else layer in self.policy.layers)
                 why = "as written"
             else:
-                st = self._last
                 on = bool(st["head_on"][0] if name == "lm_head" else st["emb_on"][0] if name == "embedding"
                           else layer < st["n_end"][0])
                 before = fill(room)
