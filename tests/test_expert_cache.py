@@ -2,7 +2,6 @@
 whatever the cache holds."""
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
