@@ -53,7 +53,10 @@ class ByteBudget:
 
 def device_budget(device: str, budget_bytes: int | None = None, reserve_bytes: int = 512 << 20) -> ByteBudget:
     """The budget for `device`: `budget_bytes` if given (a simulated budget on CPU, or a cap on
-    CUDA), else on CUDA what the device has free now minus `reserve_bytes`."""
+    CUDA), else on CUDA what the device has free now minus `reserve_bytes`. A negative budget (a
+    stage whose KV and trunk already take more than its share) is an empty cache, not an error."""
+    if budget_bytes is not None:
+        budget_bytes = max(0, int(budget_bytes))
     if device.startswith("cuda"):
         import torch
 
