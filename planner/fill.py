@@ -89,6 +89,22 @@ class RangeTables:
         a = np.asarray(a, dtype=np.int64)
         b = np.asarray(b, dtype=np.int64)
         room = np.asarray(room, dtype=np.float64)
+        # A range whose every pair fits needs no search: it holds all of it.
+        nb, stride = self.n_blocks, self.n_layers + 1
+        all_w = self.Gw_flat[nb * stride + b] - self.Gw_flat[nb * stride + a]
+        full = all_w <= room
+        if not full.any():
+            return self._search(a, b, room)
+        out = Fill(stop=np.full(a.shape, self.n_pairs, dtype=np.int64), bytes=all_w,
+                   count=np.rint(self._range_totals(self.C, np.full(a.shape, nb), a, b)).astype(np.int64),
+                   mass=self._range_totals(self.M, np.full(a.shape, nb), a, b))
+        part = np.flatnonzero(~full)
+        if part.size:
+            f = self._search(a[part], b[part], room[part])
+            out.stop[part], out.bytes[part], out.count[part], out.mass[part] = f.stop, f.bytes, f.count, f.mass
+        return out
+
+    def _search(self, a, b, room) -> Fill:
         nb, blk, stride = self.n_blocks, self.block, self.n_layers + 1
         Gw = self.Gw_flat
         # Largest block boundary kb whose bytes still fit: kb = 0 always does (0 <= room).
