@@ -354,7 +354,7 @@ def _best_dp(C, L, S, objective):
 
 
 def _build_plan(ctx, bounds, objective, method, scored, handoff_ms, mass_mode) -> Plan:
-    S, L = len(ctx.devices), ctx.spec.n_layers
+    S = len(ctx.devices)
     st = np.arange(S)
     aa, bb = np.array(bounds[:-1]), np.array(bounds[1:])
     ms, tr, inv, routed, dense, missed, host = ctx.price(st, aa, bb)
