@@ -41,6 +41,10 @@ from stages.errors import PlacementError
 MIB = 1 << 20
 
 
+def fmt_p(p: float) -> str:
+    return f"{p:.2f}" if p >= 0.01 or p == 0 else f"{p:.2g}"
+
+
 def fmt_bytes(n: float) -> str:
     for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
         if abs(n) >= size:
@@ -250,12 +254,12 @@ class TrunkPricer:
                 elif on:
                     p = float(p_e[out_ranks].max())
                     why = (f"saves {fmt_bytes(value * nbytes)}/token; the {out_ranks.size} experts it pushes out are "
-                           f"worth {cf:g}*p = {cf * p:.2f} per byte at most (p_marginal {p:.2f})")
+                           f"worth {cf:g}*p = {fmt_p(cf * p)} per byte at most (p_marginal {fmt_p(p)})")
                 else:
                     kept = before[before < st["r_cold"][0]]
                     p = float(p_e[kept[-1]]) if kept.size else 0.0
-                    why = (f"the experts it would push out are worth more per byte: {cf:g}*p = {cf * p:.2f} >= "
-                           f"{value:g} (p_marginal {p:.2f})" if value > 0 else
+                    why = (f"the experts it would push out are worth more per byte: {cf:g}*p = {fmt_p(cf * p)} >= "
+                           f"{value:g} (p_marginal {fmt_p(p)})" if value > 0 else
                            "read one row per token: only room no expert would use")
             if on:
                 room -= nbytes
