@@ -1,0 +1,59 @@
+"""`moeray generate` and `moeray logits` as a user runs them: subprocesses, real models."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+
+def moeray(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "cluster.cli", *map(str, args)], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_generate_streams_text_then_speed_and_memory(smollm2_dense_path):
+    r = moeray("generate", smollm2_dense_path, "--chat", "--prompt", "What is the capital of France?",
+               "--max-tokens", "12")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "prefill:" in r.stderr and "tok/s" in r.stderr and "decode:" in r.stderr
+    assert "memory:" in r.stderr
+
+
+def test_generate_stop_string_and_seeded_sampling(smollm2_dense_path):
+    args = ["generate", smollm2_dense_path, "--prompt", "def fibonacci(n):", "--max-tokens", "16",
+            "--temperature", "0.9", "--top-k", "40", "--top-p", "0.95", "--seed", "3", "--stop", "return"]
+    a = moeray(*args)
+    assert a.returncode == 0, a.stderr
+    assert a.stdout.strip() and "return" not in a.stdout
+
+
+def test_logits_writes_float32_for_every_position(smollm2_dense_path, tmp_path):
+    out = tmp_path / "out.npy"
+    r = moeray("logits", smollm2_dense_path, "--tokens", "1 4093 198 19556", "-o", out)
+    assert r.returncode == 0, r.stderr
+    logits = np.load(out)
+    assert logits.dtype == np.float32 and logits.shape == (4, 49152)
+    assert np.isfinite(logits).all()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "no/such/model.gguf", "--prompt", "hi"], "no such file"),
+        (["logits", "no/such/model.gguf", "--tokens", "1 2", "-o", "x.npy"], "no such file"),
+        (["generate", "{bad}", "--prompt", "hi"], "not a GGUF"),
+        (["generate", "{bad}", "--prompt", "hi", "--temperature", "-1"], "temperature"),
+        (["logits", "{bad}", "--tokens", "1 x", "-o", "x.npy"], "--tokens"),
+    ],
+)
+def test_errors_are_one_clean_line(tmp_path, args, message):
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"this is not a gguf file" * 10)
+    r = moeray(*[a.replace("{bad}", str(bad)) for a in args], timeout=60)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in r.stderr
