@@ -152,12 +152,12 @@ class StageGroup:
         return "not probed yet"
 
     def load(self, path: str, ranges: list[tuple[int, int]], max_seqs: int, max_len: int,
-             progress=None, trunk_on_card: list[int] | None = None) -> list[dict]:
+             progress=None, trunk_on_card: list[int] | None = None, profile: str | None = None) -> list[dict]:
         """Each stage loads only its layer range; `progress(stage, report)` as each one finishes."""
         import ray
 
         trunk_on_card = trunk_on_card or [0] * len(ranges)
-        self.load_args = [(path, a, b, max_seqs, max_len, t) for (a, b), t in zip(ranges, trunk_on_card)]
+        self.load_args = [(path, a, b, max_seqs, max_len, t, profile) for (a, b), t in zip(ranges, trunk_on_card)]
         refs = [a.load.remote(*args) for a, args in zip(self.actors, self.load_args)]
         index = {ref: i for i, ref in enumerate(refs)}
         out: list[dict | None] = [None] * len(refs)
@@ -244,7 +244,9 @@ class LaunchOptions:
     strategy: str = "PACK"
     objective: str = "latency"  # planner objective: latency | throughput
     split: str = "auto"  # or "K=8,15,23"
-    trunk: str = "auto"
+    # A stage keeps its whole trunk on its device (StageModel has no host-side trunk path yet),
+    # so the planner is told exactly that instead of being free to place pieces on the host.
+    trunk: str = "head=gpu,embed=gpu,layers=all"
     profile: str | None = None  # routing profile for the planner (hottest pairs first)
     max_seqs: int = 16  # KV slots per stage
     max_len: int = 1024  # tokens per sequence
@@ -293,6 +295,38 @@ def kv_bytes_per_layer(config, max_seqs: int, max_len: int) -> int:
     return 2 * max_seqs * config.n_kv_heads * max_len * config.head_dim * 4
 
 
+def held_spec(header):
+    """The planner's ModelSpec in the bytes a stage really holds on its device.
+
+    moeray computes in float32: a cached expert slot and the trunk on the card are float32
+    copies, not the GGUF's quantised bytes (which `moeray plan` prices). Placing with stored
+    bytes would promise caches 6x fuller than they can be for a Q4 model.
+    """
+    import math
+
+    from planner.spec import ModelSpec, TrunkBytes
+    from stages.gguf_file import is_routed_expert
+
+    cfg = header.config
+    f32 = {name: 4 * math.prod(t.shape) for name, t in header.tensors.items()}
+    layers, experts = [0] * cfg.n_layers, [0] * cfg.n_layers
+    emb = head = 0
+    for name, n in f32.items():
+        if name.startswith("blk."):
+            i = int(name.split(".")[1])
+            if is_routed_expert(name):
+                experts[i] += n // cfg.n_experts
+            else:
+                layers[i] += n
+        elif name == "token_embd.weight":
+            emb += n
+        elif name in ("output.weight", "output_norm.weight"):
+            head += n
+    if cfg.tie_embeddings:
+        head += emb
+    return ModelSpec(cfg.n_layers, cfg.n_experts, cfg.n_experts_used, experts, TrunkBytes(emb, head, layers))
+
+
 def plan_from_reports(header, reports: list[dict], opts: LaunchOptions, handoff_ms: float):
     """The planner over what the actors reported. Returns (plan or None, ranges, lines).
 
@@ -324,10 +358,9 @@ def plan_from_reports(header, reports: list[dict], opts: LaunchOptions, handoff_
         bounds = [0] + list(ks) + [L]
         ranges = list(zip(bounds[:-1], bounds[1:]))
         return None, ranges, [f"layer split (dense model, by measured layer speed): K={','.join(map(str, ks))}"]
-    from cluster.plan_cmd import spec_from_gguf
     from planner.profile import Profile
 
-    spec = spec_from_gguf(header.path)
+    spec = held_spec(header)
     profile = Profile.load(opts.profile, L, cfg.n_experts) if opts.profile else None
     kw = dict(objective=opts.objective, trunk=opts.trunk, handoff_ms=handoff_ms)
     first = plan_placement(spec, devices([-(-L // S)] * S), profile, split=opts.split, **kw)
@@ -368,11 +401,12 @@ def launch(path: str, opts: LaunchOptions = LaunchOptions(), log=print) -> Launc
 
         def progress(i: int, rep: dict) -> None:
             a, b = rep["layers"]
-            say(f"loaded stage {i}: layers {a}-{b - 1} in {rep['load_s']:.1f} s, "
+            cache = f", expert cache {rep['cache_resident']} experts in {rep['cache_slots']} slots" if rep["cache_slots"] else ""
+            say(f"loaded stage {i}: layers {a}-{b - 1} in {rep['load_s']:.1f} s{cache}, "
                 f"{rep['free_bytes'] / 2**20:.1f} MiB left on its device")
 
         trunk_on_card = [int(s.trunk_bytes) for s in plan.stages] if plan is not None else [0] * len(ranges)
-        group.load(path, ranges, opts.max_seqs, opts.max_len, progress, trunk_on_card)
+        group.load(path, ranges, opts.max_seqs, opts.max_len, progress, trunk_on_card, opts.profile)
     except BaseException:
         group.shutdown()
         raise

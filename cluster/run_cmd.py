@@ -1,4 +1,4 @@
-"""`moeray run [MODEL.gguf] --stages 4 [--simulate-devices 96MiB,...] --prompt TEXT ...`
+"""`moeray run [MODEL.gguf] --stages 4 [--simulate-devices 256MiB,...] --prompt TEXT ...`
 
 Runs the whole product path once: Ray stage actors probe their devices, the planner places
 the model over what they reported, each stage loads its layers, and the pipelined engine
@@ -12,8 +12,9 @@ import sys
 import time
 
 # With no GPU and no --simulate-devices, the default model runs on four simulated cards
-# scaled to it (it is 450 MB; the caches then hold part of each stage's experts).
-DEFAULT_SIMULATED = "96MiB,96MiB,64MiB,64MiB"
+# scaled to it: in float32 its trunk is ~330 MB and its 240 experts ~2.5 GB, so the caches
+# hold a part of each stage's experts, as they would on real cards with a large model.
+DEFAULT_SIMULATED = "256MiB,256MiB,192MiB,192MiB"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -22,7 +23,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn with the chat template")
     p.add_argument("--stages", type=int, default=4, help="pipeline stages, one device each (default 4)")
     p.add_argument("--simulate-devices", metavar="SIZES",
-                   help="run the stages on CPU devices with these byte budgets, e.g. 48MiB,48MiB,32MiB,32MiB")
+                   help="run the stages on CPU devices with these byte budgets, e.g. 256MiB,256MiB,192MiB,192MiB")
     p.add_argument("--spread", action="store_true", help="place stages on different nodes (SPREAD), not PACK")
     p.add_argument("--address", help="join this Ray cluster (default: start a local one)")
     p.add_argument("--objective", choices=("latency", "throughput"), default="latency")

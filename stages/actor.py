@@ -131,13 +131,16 @@ class StageActor:
     # ---------------------------------------------------------------- loading and running
 
     def load(self, path: str, first: int, end: int, max_seqs: int, max_len: int,
-             trunk_on_card: int | None = None) -> dict[str, Any]:
+             trunk_on_card: int | None = None, profile: str | None = None,
+             cache_policy: str = "static") -> dict[str, Any]:
         """Load layers [first, end) (+ embedding / head at the ends) and allocate the KV cache,
         charging both to this device's budget (a simulated device refuses what does not fit).
 
         `trunk_on_card` is the trunk the plan put on the card, in the bytes the planner priced
         (as stored in the GGUF); None charges the resident size of everything loaded. Routed
-        experts are not loaded: they stay in the file mapping until a step uses them.
+        experts are not loaded: they stay in the file mapping, and what is left of the device
+        after KV and trunk becomes this stage's expert cache, filled hottest-first from `profile`
+        (a path every node can read; None = uniform).
         """
         from stages.model import StageModel
 
@@ -149,13 +152,21 @@ class StageActor:
         self.memory.reserve(f"KV cache ({max_seqs} x {max_len} tokens)", kv.nbytes())
         resident = _resident_bytes(model)
         self.memory.reserve(f"trunk of layers {first}-{end - 1}", resident if trunk_on_card is None else trunk_on_card)
+        cache = None
+        if model.config.is_moe:
+            from cache.attach import attach_cache
+
+            cache = attach_cache(model, self.memory.free, profile, cache_policy, layout="per-layer")
+            self.memory.reserve(f"expert cache ({cache.slots.n_slots} slots)", cache.budget.capacity)
         self.model, self.kv = model, kv
         self.steps, self.step_s, self.tokens_in = 0, 0.0, 0
         self.generators: dict[int, Any] = {}
         self.hidden = model.config.hidden
         return {"stage": self.stage, "layers": (first, end), "load_s": time.perf_counter() - t,
                 "placed": dict(self.memory.parts), "free_bytes": self.memory.free,
-                "host_resident_bytes": resident}
+                "host_resident_bytes": resident,
+                "cache_slots": cache.slots.n_slots if cache else 0,
+                "cache_resident": cache.core.n_resident if cache else 0}
 
     def step(self, batch: StepBatch) -> list[int | None] | None:
         """Run one micro-batch through this stage. The last stage returns a token per sequence

@@ -16,7 +16,8 @@ from cluster.engine import Engine, EngineConfig  # noqa: E402
 from stages.sampling import SamplingParams  # noqa: E402
 
 MiB = 1 << 20
-BUDGETS = [48 * MiB, 48 * MiB, 32 * MiB, 32 * MiB]  # "12GiB,12GiB,8GiB,8GiB" scaled to a 450 MB model
+# "12GiB,12GiB,8GiB,8GiB" scaled to the default model (float32 trunk ~330 MB, experts ~2.5 GB)
+BUDGETS = [160 * MiB, 160 * MiB, 144 * MiB, 144 * MiB]
 MAX_SEQS, MAX_LEN = 4, 64
 # Different lengths, so prefill chunks, decodes and padding all mix in one micro-batch.
 PROMPTS = [[504, 3575, 282, 4649, 314], [1] + list(range(20, 39)), [1, 9]]  # [0]: 'The capital of France is'
@@ -111,11 +112,11 @@ def test_moeray_run_prints_plan_text_speed_and_stages(launched, reference, defau
 
     tok = Tokenizer.from_gguf(default_model_path)
     assert tok.encode("The capital of France is") == PROMPTS[0]
-    rc = main(["run", str(default_model_path), "--stages", "2", "--simulate-devices", "96MiB,96MiB",
+    rc = main(["run", str(default_model_path), "--stages", "2", "--simulate-devices", "288MiB,288MiB",
                "--prompt", "The capital of France is", "--max-tokens", "3", "--max-seqs", "2", "--max-len", "32"])
     out, err = capsys.readouterr()
     assert rc == 0
     assert out.strip() == tok.decode(reference[0][:3]).strip()
     assert "layer split auto: K=" in err
     assert "tok/s" in err
-    assert "stage 1 (simulated device 1 (96.00 MiB on CPU)" in err
+    assert "stage 1 (simulated device 1 (288.00 MiB on CPU)" in err
