@@ -120,3 +120,17 @@ def test_moeray_run_prints_plan_text_speed_and_stages(launched, reference, defau
     assert "layer split auto: K=" in err
     assert "tok/s" in err
     assert "stage 1 (simulated device 1 (288.00 MiB on CPU)" in err
+
+
+def test_a_step_past_its_deadline_is_reported_and_the_stage_restarted(launched, reference):
+    # A deadline no step can meet stands in for a stage that hangs: the engine must not wait on
+    # it, must name the stage it is stuck on, stop it, and serve again after the restart.
+    eng = Engine(launched.pipeline(), EngineConfig(max_seqs=MAX_SEQS, max_len=MAX_LEN, token_budget=12,
+                                                   prefill_chunk=8, micro_batches=1, step_timeout_s=0.001))
+    req = eng.add(PROMPTS[0], SamplingParams(max_tokens=N_NEW, ignore_eos=True))
+    with pytest.raises(StageFailedError, match=r"stage \d .* did not finish a step within"):
+        eng.run([req], timeout_s=120)
+    assert req.status == "failed"
+    again = _engine(launched).generate([PROMPTS[0]], SamplingParams(max_tokens=N_NEW, ignore_eos=True),
+                                       timeout_s=300)
+    assert again[0].output == reference[0]
