@@ -343,7 +343,7 @@ def plan_from_reports(header, reports: list[dict], opts: LaunchOptions, handoff_
     def devices(layers_per_stage: list[int]) -> list:
         out = []
         for r, n in zip(reports, layers_per_stage):
-            net = r["device"]["free_bytes"] - n * kv_layer
+            net = r["device"]["free_bytes"] - r["device"]["reserve_bytes"] - n * kv_layer
             if net < 0:
                 raise PlacementError(
                     f"stage {r['stage']}: the KV cache of {n} layers ({n * kv_layer} bytes for {opts.max_seqs} "

@@ -94,6 +94,10 @@ class StageActor:
         header = read_gguf_header(path)
         t = time.perf_counter()
         speed = measure_speed(header, self.device.torch_device)
+        if self.device.kind == "cuda":
+            import torch
+
+            torch.cuda.empty_cache()  # hand the timing's scratch back before reading free memory
         self.device = probe_device(self.simulated_budget, index=self.stage)  # free memory now, after timing
         self.memory = DeviceMemory(self.device, self.stage)
         return {

@@ -31,6 +31,8 @@ import numpy as np
 from stages.errors import MoerayError
 
 GiB = 1 << 30
+# Kept free on a real card for the CUDA context's growth, activations and allocator slack.
+CUDA_RESERVE_BYTES = 512 << 20
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
           "mib": 1 << 20, "g": GiB, "gb": 1000**3, "gib": GiB, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40}
 
@@ -74,6 +76,7 @@ class DeviceInfo:
     torch_device: str  # what tensors are moved to: "cuda:0", "cpu"
     pci_bus_id: str = ""
     memory_source: str = ""  # "nvml" | "torch.cuda.mem_get_info" | "simulated budget"
+    reserve_bytes: int = 0  # of free_bytes, kept back for scratch (0 on a simulated device)
     node_id: str = ""
     node_ip: str = ""
     hostname: str = field(default_factory=socket.gethostname)
@@ -118,7 +121,8 @@ def probe_cuda(ordinal: int = 0) -> DeviceInfo:
         free, total = torch.cuda.mem_get_info(ordinal)
         name, source = torch.cuda.get_device_name(ordinal), "torch.cuda.mem_get_info"
     return DeviceInfo(kind="cuda", name=name, total_bytes=int(total), free_bytes=int(free),
-                      torch_device=f"cuda:{ordinal}", pci_bus_id=bus_id, memory_source=source)
+                      torch_device=f"cuda:{ordinal}", pci_bus_id=bus_id, memory_source=source,
+                      reserve_bytes=min(CUDA_RESERVE_BYTES, int(free)))
 
 
 def simulated_device(budget_bytes: int, index: int = 0) -> DeviceInfo:
@@ -173,14 +177,14 @@ class DeviceMemory:
 
     @property
     def free(self) -> int:
-        return self.info.free_bytes - self.used
+        return self.info.free_bytes - self.info.reserve_bytes - self.used
 
     def reserve(self, what: str, n_bytes: int) -> None:
         n_bytes = int(n_bytes)
         if n_bytes > self.free:
             raise DeviceBudgetError(
                 f"stage {self.stage}: {what} needs {format_bytes(n_bytes)} but {self.info.name} has only "
-                f"{format_bytes(self.free)} left of {format_bytes(self.info.free_bytes)} "
+                f"{format_bytes(self.free)} left of {format_bytes(self.info.free_bytes - self.info.reserve_bytes)} "
                 f"(already placed: {', '.join(f'{k} {format_bytes(v)}' for k, v in self.parts.items()) or 'nothing'})")
         self.parts[what] = self.parts.get(what, 0) + n_bytes
 

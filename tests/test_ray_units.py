@@ -94,3 +94,34 @@ def test_speed_probe_at_the_models_dimensions(smollm2_path):
     header.config = cfg
     assert measure_miss_ms(header, reps=3, budget_s=0.5) > 0
     assert measure_layer_ms(cfg, reps=5, budget_s=0.5) > 0
+
+
+def _reports(budgets, layer_ms=(1.0, 1.0), miss_ms=0.5):
+    return [{"stage": i, "layer_ms": layer_ms[i % len(layer_ms)], "miss_ms": miss_ms,
+             "device": {"name": f"sim{i}", "free_bytes": b, "reserve_bytes": 0}} for i, b in enumerate(budgets)]
+
+
+def test_plan_prices_what_a_stage_holds_from_the_reported_budgets(default_model_path):
+    from cluster.driver import LaunchOptions, held_spec, kv_bytes_per_layer, plan_from_reports
+    from stages.errors import PlacementError
+
+    header = read_gguf_header(default_model_path)
+    cfg = header.config
+    spec = held_spec(header)
+    # A slot holds an expert's three float32 matrices, not its Q4_1 bytes.
+    assert spec.expert_bytes == [3 * cfg.expert_ffn_dim * cfg.hidden * 4] * cfg.n_layers
+    assert spec.trunk_bytes.embedding == cfg.vocab_size * cfg.hidden * 4
+
+    opts = LaunchOptions(2, max_seqs=2, max_len=32)
+    budgets = [300 * MiB, 200 * MiB]
+    plan, ranges, lines = plan_from_reports(header, _reports(budgets), opts, handoff_ms=0.2)
+    kv = kv_bytes_per_layer(cfg, 2, 32)
+    assert ranges[0][0] == 0 and ranges[-1][1] == cfg.n_layers and ranges[0][1] == ranges[1][0]
+    assert [s.free_bytes for s in plan.stages] == [b - (e - a) * kv for b, (a, e) in zip(budgets, ranges)]
+    assert lines[0].startswith("layer split auto: K=")
+    # More room on one card moves layers (and cache) to it.
+    plan2, ranges2, _ = plan_from_reports(header, _reports([600 * MiB, 200 * MiB]), opts, handoff_ms=0.2)
+    assert ranges2[0][1] >= ranges[0][1] and plan2.held_pairs >= plan.held_pairs
+    # A card that cannot hold its layers' KV cache is named.
+    with pytest.raises(PlacementError, match="stage 1: the KV cache"):
+        plan_from_reports(header, _reports([300 * MiB, 1 * MiB]), LaunchOptions(2, max_seqs=8, max_len=512), 0.2)
