@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")
+    sys.stdout.flush()
     s = generator.stats
     print(
         f"prefill: {s.prefill_tokens} tokens in {s.prefill_s:.2f} s ({s.prefill_tok_s:.1f} tok/s); "
