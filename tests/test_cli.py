@@ -57,3 +57,15 @@ def test_errors_are_one_clean_line(tmp_path, args, message):
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0] and "Traceback" not in r.stderr
+
+
+def test_default_model_is_used_when_no_model_given(default_model_path, smollm2_dense_path, tmp_path):
+    tokens = "1 4093 198 19556 905"
+    r = moeray("logits", "--tokens", tokens, "-o", tmp_path / "moe.npy")
+    assert r.returncode == 0, r.stderr
+    assert str(default_model_path) in r.stderr  # it says which file, with its sha256
+    assert moeray("logits", smollm2_dense_path, "--tokens", tokens, "-o", tmp_path / "dense.npy").returncode == 0
+    moe, dense = np.load(tmp_path / "moe.npy"), np.load(tmp_path / "dense.npy")
+    # The upcycled MoE computes the dense FFN (identical experts, renormalised top-2 weights that
+    # sum to 1 up to float32 rounding), so its logits are the dense model's up to rounding.
+    assert np.abs(moe - dense).max() <= 1e-4 * np.abs(dense).max()
