@@ -1,0 +1,201 @@
+"""Drives an Engine from one background thread and feeds each request's asyncio queue.
+
+The Engine is not thread-safe and its step() blocks (it waits on the stages), so it lives on one
+thread: HTTP handlers never touch it, they post commands (add, abort) to an inbox that the
+thread drains before every step. After each step the thread hands every request its new tokens
+through `loop.call_soon_threadsafe`, so the event loop never waits on the engine. Every wait is
+bounded: the thread sleeps at most `idle_wait_s` when there is no work, and a consumer's wait
+for its next tokens has a deadline.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+from stages.errors import MoerayError
+from stages.sampling import SamplingParams
+
+
+class OverloadedError(MoerayError):
+    """Too many requests waiting for a KV slot: the caller should retry later (HTTP 429)."""
+
+
+class EngineDownError(MoerayError):
+    """The engine thread stopped or the pipeline failed (HTTP 503)."""
+
+
+@dataclass
+class Finished:
+    reason: Optional[str]  # "stop" | "length" | "abort" | None on error
+    error: Optional[str] = None
+
+
+@dataclass
+class Stream:
+    """One request as its HTTP handler sees it: token lists, then one Finished, on `queue`."""
+    prompt: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    req: Any = None  # the engine's Request, set on the engine thread
+    sent: int = 0  # tokens of req.output already handed over
+    done: bool = False
+    t_submit: float = field(default_factory=time.perf_counter)
+    t_last: Optional[float] = None  # when the last token was handed over (inter-token latency)
+
+    def _put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    async def next(self, timeout_s: float):
+        """The next item: a list of new token ids, or Finished. Raises TimeoutError past the deadline."""
+        return await asyncio.wait_for(self.queue.get(), timeout_s)
+
+
+class EngineLoop:
+    def __init__(self, engine, max_waiting: int = 64, idle_wait_s: float = 0.05,
+                 on_tokens: Optional[Callable[[Stream, int, float], None]] = None):
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self.idle_wait_s = idle_wait_s
+        self.on_tokens = on_tokens  # (stream, n_new, now) after a delivery, for metrics
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending = 0  # adds posted but not yet taken by the thread
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._streams: list[Stream] = []
+        self._thread = threading.Thread(target=self._run, name="moeray-engine-loop", daemon=True)
+        self.fatal: Optional[str] = None  # set when the thread died: the server answers 503
+        self.last_failure: Optional[str] = None  # the last stage failure (the engine recovered)
+        self.counts = {"running": 0, "waiting": 0}
+
+    # ---------------------------------------------------------------- called from the event loop
+
+    def start(self) -> "EngineLoop":
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.fatal is None
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams) -> Stream:
+        if not self.alive:
+            raise EngineDownError(f"the engine is not running: {self.fatal or 'stopped'}")
+        with self._lock:
+            waiting = self.counts["waiting"] + self._pending
+            if waiting >= self.max_waiting:
+                raise OverloadedError(
+                    f"{waiting} requests are already waiting for a slot (limit {self.max_waiting}); retry later")
+            self._pending += 1
+        stream = Stream(list(prompt), params, asyncio.get_running_loop())
+        self._inbox.put(("add", stream))
+        self._wake.set()
+        return stream
+
+    def abort(self, stream: Stream) -> None:
+        """The client went away or has what it wants (a stop string): free its sequence."""
+        if not stream.done:
+            self._inbox.put(("abort", stream))
+            self._wake.set()
+
+    # ---------------------------------------------------------------- the engine thread
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_inbox()
+                if self.engine.has_work():
+                    self._step()
+                else:
+                    self._wake.wait(self.idle_wait_s)
+                    self._wake.clear()
+        except BaseException as exc:  # noqa: BLE001 - reported to every client, then 503s
+            self.fatal = f"{exc.__class__.__name__}: {exc}"
+            traceback.print_exc()
+        finally:
+            reason = self.fatal or "the server is shutting down"
+            for s in self._streams:
+                self._finish(s, Finished(None, reason))
+            self._streams.clear()
+            while True:  # requests posted after the end get the same answer
+                try:
+                    op, s = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if op == "add":
+                    self._finish(s, Finished(None, reason))
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                op, s = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if op == "add":
+                with self._lock:
+                    self._pending -= 1
+                if s.done:
+                    continue
+                try:
+                    s.req = self.engine.add(s.prompt, s.params)
+                except MoerayError as exc:
+                    self._finish(s, Finished(None, str(exc)))
+                    continue
+                self._streams.append(s)
+            elif op == "abort" and not s.done:
+                if s.req is not None and not s.req.done:
+                    self.engine.abort(s.req)
+                self._finish(s, Finished("abort"))
+                if s in self._streams:
+                    self._streams.remove(s)
+        self._count()
+
+    def _step(self) -> None:
+        from cluster.driver import StageFailedError
+
+        try:
+            self.engine.step()
+        except StageFailedError as exc:
+            # The engine failed its running requests and restarted the stage; waiting ones go on.
+            self.last_failure = str(exc)
+        self._deliver()
+        self._count()
+
+    def _deliver(self) -> None:
+        now = time.perf_counter()
+        still = []
+        for s in self._streams:
+            req = s.req
+            new = req.output[s.sent:]
+            if new:
+                s.sent += len(new)
+                s._put(list(new))
+                if self.on_tokens is not None:
+                    self.on_tokens(s, len(new), now)
+                s.t_last = now
+            if req.status == "failed":
+                self._finish(s, Finished(None, req.error or "the pipeline failed"))
+            elif req.done:
+                self._finish(s, Finished(req.finish_reason))
+            else:
+                still.append(s)
+        self._streams = still
+
+    def _finish(self, s: Stream, item: Finished) -> None:
+        if not s.done:
+            s.done = True
+            s._put(item)
+
+    def _count(self) -> None:
+        self.counts = {"running": len(self.engine.running), "waiting": len(self.engine.waiting)}

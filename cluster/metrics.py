@@ -1,0 +1,138 @@
+"""moeray's metrics, exported through Ray (`ray.util.metrics`) to Prometheus and Grafana.
+
+Low cardinality on purpose: the only tags are `model`, `stage` and `node` (a handful of
+values each, never a request id or a prompt). Ray exports every metric with a `ray_` prefix
+(and counters with a `_total` suffix); `exported_name` gives the name a dashboard queries.
+
+Stage counters are cumulative in the stage actors (`StageActor.stats()`); a poller adds the
+difference since its last look, so the exported counter equals the stage's own count. A stage
+that restarted starts from zero again: its new count is the difference.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Callable, Optional
+
+# name -> (kind, description). Tags: STAGE_TAGS for moeray_stage_*, ENGINE_TAGS for the rest.
+METRICS: dict[str, tuple[str, str]] = {
+    "moeray_stage_expert_lookups": ("counter", "routed (layer, expert) lookups in a stage's expert cache"),
+    "moeray_stage_expert_hits": ("counter", "lookups served from the expert cache on the device"),
+    "moeray_stage_expert_misses": ("counter", "lookups computed from host RAM (not cached)"),
+    "moeray_stage_steps": ("counter", "micro-batch steps a stage ran"),
+    "moeray_stage_step_seconds": ("counter", "seconds a stage spent in steps (incl. waiting for the stage before)"),
+    "moeray_stage_resident_experts": ("gauge", "experts resident in a stage's cache"),
+    "moeray_stage_cache_slots": ("gauge", "expert slots of a stage's cache"),
+    "moeray_stage_cache_bytes": ("gauge", "device bytes a stage's expert cache holds"),
+    "moeray_stage_first_layer": ("gauge", "first layer of a stage's range"),
+    "moeray_stage_last_layer": ("gauge", "last layer of a stage's range"),
+    "moeray_tokens_generated": ("counter", "output tokens handed to clients"),
+    "moeray_requests_running": ("gauge", "sequences holding a KV slot"),
+    "moeray_requests_waiting": ("gauge", "sequences waiting for a KV slot"),
+    "moeray_time_to_first_token_seconds": ("histogram", "request arrival to its first token"),
+    "moeray_inter_token_latency_seconds": ("histogram", "time between two deliveries of a request's tokens"),
+}
+STAGE_TAGS = ("model", "stage", "node")
+ENGINE_TAGS = ("model",)
+LATENCY_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+
+_STAGE_COUNTERS = {  # metric -> how to read it from StageActor.stats()
+    "moeray_stage_expert_lookups": lambda s: (s["cache"] or {}).get("lookups", 0),
+    "moeray_stage_expert_hits": lambda s: (s["cache"] or {}).get("hits", 0),
+    "moeray_stage_expert_misses": lambda s: (s["cache"] or {}).get("misses", 0),
+    "moeray_stage_steps": lambda s: s["steps"],
+    "moeray_stage_step_seconds": lambda s: s["step_s"],
+}
+_STAGE_GAUGES = {
+    "moeray_stage_resident_experts": lambda s: (s["cache"] or {}).get("resident", 0),
+    "moeray_stage_cache_slots": lambda s: (s["cache"] or {}).get("slots", 0),
+    "moeray_stage_cache_bytes": lambda s: (s["cache"] or {}).get("used_bytes", 0),
+    "moeray_stage_first_layer": lambda s: s["layers"][0] if s["layers"] else -1,
+    "moeray_stage_last_layer": lambda s: s["layers"][1] - 1 if s["layers"] else -1,
+}
+
+
+def exported_name(name: str) -> str:
+    """The name Prometheus sees: Ray adds `ray_`, and counters end in `_total`."""
+    kind = METRICS[name][0]
+    return f"ray_{name}" + ("_total" if kind == "counter" else "")
+
+
+class Metrics:
+    def __init__(self, model: str):
+        from ray.util.metrics import Counter, Gauge, Histogram
+
+        self.model = model
+        self.m = {}
+        for name, (kind, desc) in METRICS.items():
+            tags = STAGE_TAGS if name.startswith("moeray_stage_") else ENGINE_TAGS
+            if kind == "counter":
+                self.m[name] = Counter(name, desc, tag_keys=tags)
+            elif kind == "gauge":
+                self.m[name] = Gauge(name, desc, tag_keys=tags)
+            else:
+                self.m[name] = Histogram(name, desc, boundaries=LATENCY_BOUNDARIES, tag_keys=tags)
+        self._seen: dict[tuple[str, int], float] = {}  # (metric, stage) -> last cumulative value
+        self._tags = {"model": model}
+        self._lock = threading.Lock()
+
+    # ---------------------------------------------------------------- engine side
+
+    def tokens(self, n: int, ttft_s: Optional[float], itl_s: Optional[float]) -> None:
+        self.m["moeray_tokens_generated"].inc(n, self._tags)
+        if ttft_s is not None:
+            self.m["moeray_time_to_first_token_seconds"].observe(ttft_s, self._tags)
+        if itl_s is not None:
+            self.m["moeray_inter_token_latency_seconds"].observe(itl_s, self._tags)
+
+    def queue(self, running: int, waiting: int) -> None:
+        self.m["moeray_requests_running"].set(running, self._tags)
+        self.m["moeray_requests_waiting"].set(waiting, self._tags)
+
+    # ---------------------------------------------------------------- stage side
+
+    def stages(self, stats: list[dict]) -> None:
+        """Export what the stages report (their cumulative counters, their gauges)."""
+        with self._lock:
+            for s in stats:
+                tags = {"model": self.model, "stage": str(s["stage"]), "node": str(s.get("node_ip") or "local")}
+                for name, read in _STAGE_COUNTERS.items():
+                    value = float(read(s))
+                    last = self._seen.get((name, s["stage"]), 0.0)
+                    delta = value - last if value >= last else value  # a restarted stage counts from 0
+                    if delta > 0:
+                        self.m[name].inc(delta, tags)
+                    self._seen[name, s["stage"]] = value
+                for name, read in _STAGE_GAUGES.items():
+                    self.m[name].set(float(read(s)), tags)
+
+
+class Poller:
+    """Every `interval_s`, read the stages' stats and the engine's queue into the metrics."""
+
+    def __init__(self, metrics: Metrics, read_stages: Callable[[], list[dict]],
+                 read_queue: Callable[[], tuple[int, int]], interval_s: float = 2.0):
+        self.metrics, self.read_stages, self.read_queue = metrics, read_stages, read_queue
+        self.interval_s = interval_s
+        self.last_error: Optional[str] = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="moeray-metrics", daemon=True)
+
+    def start(self) -> "Poller":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+
+    def poll_once(self) -> None:
+        self.metrics.queue(*self.read_queue())
+        self.metrics.stages(self.read_stages())
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            try:
+                self.poll_once()
+                self.last_error = None
+            except Exception as exc:  # noqa: BLE001 - a stage restarting; try again next time
+                self.last_error = f"{exc.__class__.__name__}: {exc}"

@@ -1,0 +1,554 @@
+"""The OpenAI-compatible HTTP server: a FastAPI app over the engine, deployed with Ray Serve.
+
+Who owns what: the Serve deployment (one replica) owns everything behind it. Its constructor
+runs the driver (probe -> plan -> load -> wire, `cluster.driver.launch`), so the stage actors
+are its children, then starts the engine thread and the metrics poller. Restarting the
+deployment (or `moeray serve` itself) therefore rebuilds the whole pipeline from the model
+file, and a replica that dies takes its stages with it: nothing is left half-wired. Within a
+run, a stage that dies is restarted by the engine (RayPipeline.recover) and the server goes on.
+
+`Service` is that owner without Serve (tests and `--local` use it with a one-process
+pipeline); `build_app(service)` makes the FastAPI app; `deployment(options)` wraps both for
+`serve.run`.
+
+Routes: POST /v1/chat/completions, POST /v1/completions (JSON or SSE streams), GET /v1/models,
+GET /health, GET /v1/stages. Errors use OpenAI's shape {"error": {"message", "type", "param",
+"code"}}: 400 malformed JSON / wrong field types / prompt over the context / max_tokens out of
+range, 401 bad API key, 404 unknown model, 429 too many waiting, 503 engine down, 504 a
+request that got no token within its deadline.
+"""
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import AsyncIterator, Optional
+
+from fastapi import Request
+
+from cluster import openai_schema as oa
+from cluster.engine_loop import EngineDownError, EngineLoop, Finished, OverloadedError, Stream
+from stages.errors import MoerayError
+from stages.sampling import SamplingParams, StopStringStream
+
+DEFAULT_MAX_TOKENS = 256  # when a request gives none (capped by the room its prompt leaves)
+
+
+@dataclass
+class ServeOptions:
+    model: Optional[str] = None  # GGUF path; None = the embedded default model
+    model_name: Optional[str] = None  # the id clients send; default: the file's stem
+    local: bool = False  # one process, no stage actors (LocalPipeline)
+    n_stages: int = 4
+    simulate: Optional[list[int]] = None  # simulated device budgets (CPU), one per stage
+    strategy: str = "PACK"
+    split: str = "auto"
+    objective: str = "latency"
+    profile: Optional[str] = None
+    torch_threads: Optional[int] = None
+    max_seqs: int = 16
+    max_len: int = 512
+    token_budget: int = 128
+    prefill_chunk: int = 64
+    micro_batches: int = 2
+    step_timeout_s: float = 60.0
+    max_waiting: int = 64  # requests queued for a slot before 429
+    api_key: Optional[str] = None
+    metrics_interval_s: float = 2.0
+    local_budget: int = 4 << 30  # --local: bytes of the one simulated device (holds every expert
+    # of the default model); LocalPipeline's own default (no budget) sizes a cache it cannot allocate
+    launch_timeout_s: float = 300.0
+
+
+# ---------------------------------------------------------------- the owner of the engine
+
+
+class Service:
+    """Model, tokenizer, pipeline, engine thread and metrics of one server."""
+
+    def __init__(self, opts: ServeOptions, log=print):
+        from cluster.engine import Engine, EngineConfig, LocalPipeline
+        from cluster.generate_cmd import resolve_model
+        from stages.gguf_file import read_gguf_header
+        from stages.tokenizer import Tokenizer
+
+        self.opts = opts
+        self.path = resolve_model(opts.model)
+        if opts.model_name:
+            self.model_name = opts.model_name
+        elif opts.model is None:
+            from stages.default_model import MODEL_NAME
+
+            self.model_name = MODEL_NAME
+        else:
+            self.model_name = Path(self.path).stem
+        header = read_gguf_header(self.path)
+        self.context = min(opts.max_len, header.config.context_length)
+        self.tokenizer = Tokenizer.from_metadata(header.metadata, source=self.path)
+        self.created = oa.now()
+        self.launched = None
+        self.lines: list[str] = []
+        if opts.local:
+            if opts.torch_threads:
+                import torch
+
+                torch.set_num_threads(opts.torch_threads)
+            self.local = LocalPipeline(self.path, opts.max_seqs, self.context, opts.local_budget)
+            pipeline = self.local
+            self.lines.append(f"one process: layers 0-{header.config.n_layers - 1} on {self.local.stage.device.name}")
+        else:
+            from cluster.driver import LaunchOptions, launch
+
+            self.launched = launch(self.path, LaunchOptions(
+                n_stages=opts.n_stages, simulate=opts.simulate, strategy=opts.strategy, objective=opts.objective,
+                split=opts.split, profile=opts.profile, max_seqs=opts.max_seqs, max_len=self.context,
+                torch_threads=opts.torch_threads, timeout_s=opts.launch_timeout_s), log=self._log(log))
+            pipeline = self.launched.pipeline()
+        self.engine = Engine(pipeline, EngineConfig(
+            max_seqs=opts.max_seqs, max_len=self.context, token_budget=opts.token_budget,
+            prefill_chunk=opts.prefill_chunk, micro_batches=opts.micro_batches,
+            step_timeout_s=opts.step_timeout_s), eos_ids=self.tokenizer.end_ids)
+        self.metrics = self.poller = None
+        try:
+            from cluster.metrics import Metrics, Poller
+
+            self.metrics = Metrics(self.model_name)
+            self.poller = Poller(self.metrics, self.stage_stats, lambda: (self.loop.counts["running"],
+                                                                          self.loop.counts["waiting"]),
+                                 opts.metrics_interval_s)
+        except ImportError:  # no Ray: serve without metrics
+            pass
+        self.loop = EngineLoop(self.engine, max_waiting=opts.max_waiting, on_tokens=self._on_tokens).start()
+        if self.poller is not None:
+            self.poller.start()
+
+    def _log(self, log):
+        def say(line: str) -> None:
+            self.lines.append(line)
+            if log is not None:
+                log(line)
+        return say
+
+    def _on_tokens(self, s: Stream, n: int, now: float) -> None:
+        if self.metrics is None:
+            return
+        ttft = now - s.t_submit if s.t_last is None else None
+        itl = None if s.t_last is None else (now - s.t_last) / n
+        self.metrics.tokens(n, ttft, itl)
+
+    def stage_stats(self, timeout_s: float = 10.0) -> list[dict]:
+        """Each stage's live numbers (StageActor.stats), with a deadline."""
+        if self.launched is None:
+            return [self.local.stage.stats()]
+        import ray
+
+        return ray.get([a.stats.remote() for a in self.launched.group.actors], timeout=timeout_s)
+
+    def stages_report(self) -> dict:
+        stats = self.stage_stats()
+        for s in stats:
+            if s.get("cache"):
+                s["cache"].pop("per_layer", None)  # per-layer rows: ask the stage; this is the summary
+        return {
+            "model": self.model_name, "path": self.path, "context": self.context,
+            "plan": self.lines, "stages": stats,
+            "engine": {**self.loop.counts, **self.engine.stats, "max_seqs": self.opts.max_seqs,
+                       "alive": self.loop.alive, "last_failure": self.loop.last_failure},
+        }
+
+    def close(self) -> None:
+        if self.poller is not None:
+            self.poller.stop()
+        self.loop.stop()
+        if self.launched is not None:
+            self.launched.shutdown()
+
+
+# ---------------------------------------------------------------- errors
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self):
+        from fastapi.responses import JSONResponse
+
+        body = oa.ErrorResponse(error=oa.ErrorBody(message=self.message, type=self.type, param=self.param,
+                                                   code=self.code))
+        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
+        return JSONResponse(body.model_dump(), status_code=self.status, headers=headers)
+
+
+def _validation_error(exc) -> APIError:
+    errors = exc.errors()
+    first = errors[0] if errors else {}
+    if first.get("type") == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "),
+                        code="invalid_json")
+    loc = [str(p) for p in first.get("loc", []) if p != "body"]
+    param = ".".join(loc) or None
+    msg = first.get("msg", "invalid request")
+    if param is None and first.get("type") in ("model_attributes_type", "dict_type"):
+        return APIError(400, "the request body must be a JSON object", code="invalid_json")
+    return APIError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
+
+
+# ---------------------------------------------------------------- one request, as text
+
+
+@dataclass
+class Prepared:
+    prompt: list[int]
+    params: SamplingParams
+    max_tokens: int
+
+
+def prepare(service: Service, body: oa._Request, prompt: list[int]) -> Prepared:
+    """Check the model, the prompt length and max_tokens; build the sampling params."""
+    if body.model != service.model_name:
+        raise APIError(404, f"the model '{body.model}' does not exist; this server serves '{service.model_name}'",
+                       param="model", code="model_not_found")
+    if not prompt:
+        raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
+    room = service.context - len(prompt)
+    if room < 1:
+        raise APIError(400, f"this model's context is {service.context} tokens; the prompt has {len(prompt)} "
+                       "tokens, which leaves no room for a completion", param="messages"
+                       if isinstance(body, oa.ChatCompletionRequest) else "prompt", code="context_length_exceeded")
+    wanted = body.wanted_tokens()
+    param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    if wanted is None:
+        wanted = min(DEFAULT_MAX_TOKENS, room)
+    elif wanted < 1:
+        raise APIError(400, f"{param} must be at least 1, got {wanted}", param=param, code="invalid_value")
+    elif wanted > room:
+        raise APIError(400, f"{param} is {wanted}, but this model's context is {service.context} tokens and the "
+                       f"prompt has {len(prompt)}: at most {room} can be generated", param=param,
+                       code="context_length_exceeded")
+    if not service.tokenizer.vocab_size > max(prompt) >= 0 or min(prompt) < 0:
+        raise APIError(400, f"token ids must be in [0, {service.tokenizer.vocab_size})", param="prompt",
+                       code="invalid_value")
+    try:
+        params = SamplingParams(max_tokens=wanted, temperature=float(body.temperature or 0.0),
+                                top_p=float(body.top_p if body.top_p is not None else 1.0),
+                                seed=body.seed, stop=body.stop_strings())
+    except ValueError as exc:
+        raise APIError(400, str(exc), code="invalid_value") from None
+    return Prepared(prompt, params, wanted)
+
+
+@dataclass
+class Outcome:
+    text: str = ""
+    finish_reason: Optional[str] = None
+    completion_tokens: int = 0
+    done: bool = False
+
+
+async def text_deltas(service: Service, prep: Prepared, outcome: Outcome) -> AsyncIterator[str]:
+    """Text as it is released (stop strings and end tokens handled as `moeray generate` does);
+    `outcome` holds the finish reason and token count when it ends. A consumer that stops early
+    (a client that went away) frees the sequence."""
+    try:
+        stream = service.loop.submit(prep.prompt, prep.params)
+    except OverloadedError as exc:
+        raise APIError(429, str(exc), type_="rate_limit_error", code="overloaded") from None
+    except EngineDownError as exc:
+        raise APIError(503, str(exc), type_="server_error", code="engine_unavailable") from None
+    text = StopStringStream(service.tokenizer, prep.params.stop)
+    end_ids, ignore_eos = service.tokenizer.end_ids, prep.params.ignore_eos
+    # The first token waits for a slot and a prefill; later ones for a step or two.
+    deadline_s = max(30.0, 3 * service.opts.step_timeout_s)
+    try:
+        while not outcome.done:
+            try:
+                item = await stream.next(deadline_s)
+            except asyncio.TimeoutError:
+                raise APIError(504, f"no token within {deadline_s:.0f} s; the request was cancelled",
+                               type_="server_error", code="timeout") from None
+            if isinstance(item, Finished):
+                if item.error is not None:
+                    raise APIError(503, f"the request failed: {item.error}", type_="server_error",
+                                   code="pipeline_failed")
+                delta = text.finish()
+                outcome.finish_reason = "stop" if item.reason == "stop" else item.reason
+                outcome.done = True
+                if delta:
+                    yield delta
+                break
+            for tok in item:
+                outcome.completion_tokens += 1
+                if tok in end_ids and not ignore_eos:
+                    delta, outcome.finish_reason = text.finish(), "stop"
+                else:
+                    delta = text.push(tok)
+                    if text.stopped:
+                        outcome.finish_reason = "stop"
+                    elif outcome.completion_tokens >= prep.max_tokens:
+                        delta += text.finish()
+                        outcome.finish_reason = "length"
+                if delta:
+                    yield delta
+                if outcome.finish_reason is not None:
+                    outcome.done = True
+                    break
+    finally:
+        outcome.text = text.text
+        # Done here (stop string) or gone (client left, error): the engine drops the sequence.
+        service.loop.abort(stream)
+
+
+# ---------------------------------------------------------------- the app
+
+
+def _sse(obj) -> str:
+    data = obj if isinstance(obj, str) else obj.model_dump_json(exclude_none=False)
+    return f"data: {data}\n\n"
+
+
+def build_app(service: Service):
+    from fastapi import FastAPI
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    app = FastAPI(title="moeray", description="OpenAI-compatible endpoint over a pipeline of MoE stages")
+    api_key = service.opts.api_key
+
+    @app.exception_handler(APIError)
+    async def _api_error(_request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request, exc):
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_request, exc):
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return APIError(exc.status_code, str(exc.detail), type_=type_).response()
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        if api_key and request.url.path.startswith("/v1/"):
+            given = request.headers.get("authorization", "")
+            token = given[7:].strip() if given[:7].lower() == "bearer " else ""
+            if not hmac.compare_digest(token.encode(), api_key.encode()):
+                return APIError(401, "incorrect API key provided" if token else "no API key provided "
+                                "(send 'Authorization: Bearer KEY')", code="invalid_api_key").response()
+        return await call_next(request)
+
+    def usage(prompt_tokens: int, out: Outcome) -> oa.Usage:
+        return oa.Usage(prompt_tokens=prompt_tokens, completion_tokens=out.completion_tokens,
+                        total_tokens=prompt_tokens + out.completion_tokens)
+
+    async def collect(request: Request, prep: Prepared, out: Outcome) -> str:
+        """A whole completion; stops (and frees the sequence) if the client disconnects."""
+        parts: list[str] = []
+        gen = text_deltas(service, prep, out)
+        next_part = None
+        try:
+            while True:
+                next_part = asyncio.ensure_future(gen.__anext__())
+                while True:
+                    done, _ = await asyncio.wait({next_part}, timeout=0.5)
+                    if done:
+                        break
+                    if await request.is_disconnected():
+                        raise asyncio.CancelledError("client disconnected")
+                try:
+                    parts.append(next_part.result())
+                except StopAsyncIteration:
+                    return "".join(parts)
+        finally:
+            if next_part is not None and not next_part.done():
+                next_part.cancel()
+                try:
+                    await next_part
+                except BaseException:  # noqa: BLE001 - its own cancellation
+                    pass
+            await gen.aclose()
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: oa.ChatCompletionRequest, request: Request):
+        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
+                    for m in body.messages]
+        try:
+            prompt = service.tokenizer.encode_chat(messages)
+        except MoerayError as exc:
+            raise APIError(400, str(exc), param="messages") from None
+        prep = prepare(service, body, prompt)
+        rid, created, out = oa.new_id("chatcmpl"), oa.now(), Outcome()
+        if not body.stream:
+            text = await collect(request, prep, out)
+            return oa.ChatCompletion(id=rid, created=created, model=service.model_name, choices=[
+                oa.ChatChoice(message=oa.ResponseMessage(content=text), finish_reason=out.finish_reason)],
+                usage=usage(len(prompt), out))
+        gen = text_deltas(service, prep, out)
+        first = await _first_or_error(gen)
+
+        def chunk(delta: oa.Delta, finish=None, use=None) -> str:
+            return _sse(oa.ChatCompletionChunk(id=rid, created=created, model=service.model_name, choices=[
+                oa.ChatChunkChoice(delta=delta, finish_reason=finish)], usage=use))
+
+        async def events():
+            try:
+                yield chunk(oa.Delta(role="assistant", content=""))
+                async for delta in _chain(first, gen):
+                    yield chunk(oa.Delta(content=delta))
+                yield chunk(oa.Delta(), out.finish_reason, usage(len(prompt), out))
+                if body.include_usage_in_stream():
+                    yield _sse(oa.ChatCompletionChunk(id=rid, created=created, model=service.model_name,
+                                                      choices=[], usage=usage(len(prompt), out)))
+            except APIError as exc:
+                yield _sse(json.dumps({"error": {"message": exc.message, "type": exc.type, "code": exc.code}}))
+            finally:
+                await gen.aclose()
+            yield _sse("[DONE]")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.post("/v1/completions")
+    async def completions(body: oa.CompletionRequest, request: Request):
+        prompt = service.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        prep = prepare(service, body, prompt)
+        rid, created, out = oa.new_id("cmpl"), oa.now(), Outcome()
+        if not body.stream:
+            text = await collect(request, prep, out)
+            return oa.Completion(id=rid, created=created, model=service.model_name, choices=[
+                oa.CompletionChoice(text=text, finish_reason=out.finish_reason)], usage=usage(len(prompt), out))
+        gen = text_deltas(service, prep, out)
+        first = await _first_or_error(gen)
+
+        def chunk(text: str, finish=None, use=None) -> str:
+            return _sse(oa.Completion(id=rid, created=created, model=service.model_name, choices=[
+                oa.CompletionChoice(text=text, finish_reason=finish)], usage=use))
+
+        async def events():
+            try:
+                async for delta in _chain(first, gen):
+                    yield chunk(delta)
+                yield chunk("", out.finish_reason, usage(len(prompt), out))
+                if body.include_usage_in_stream():
+                    yield _sse(oa.Completion(id=rid, created=created, model=service.model_name, choices=[],
+                                             usage=usage(len(prompt), out)))
+            except APIError as exc:
+                yield _sse(json.dumps({"error": {"message": exc.message, "type": exc.type, "code": exc.code}}))
+            finally:
+                await gen.aclose()
+            yield _sse("[DONE]")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    @app.get("/v1/models")
+    async def models():
+        return oa.ModelList(data=[oa.ModelCard(id=service.model_name, created=service.created)])
+
+    @app.get("/health")
+    async def health():
+        if not service.loop.alive:
+            return APIError(503, f"the engine is not running: {service.loop.fatal}", type_="server_error",
+                            code="engine_unavailable").response()
+        return {"status": "ok", "model": service.model_name, **service.loop.counts}
+
+    @app.get("/v1/stages")
+    async def stages():
+        try:
+            return JSONResponse(await asyncio.to_thread(service.stages_report))
+        except Exception as exc:  # noqa: BLE001 - a stage not answering right now
+            raise APIError(503, f"the stages did not report: {exc}", type_="server_error",
+                           code="stages_unavailable") from None
+
+    return app
+
+
+_NOTHING = object()
+
+
+async def _first_or_error(gen: AsyncIterator[str]):
+    """Wait for the first delta before the 200 goes out, so errors that happen before any text
+    (overload, a failed pipeline) still get their own HTTP status."""
+    try:
+        return await gen.__anext__()
+    except StopAsyncIteration:
+        return _NOTHING
+    except BaseException:
+        await gen.aclose()
+        raise
+
+
+async def _chain(first, gen: AsyncIterator[str]) -> AsyncIterator[str]:
+    if first is not _NOTHING:
+        yield first
+        async for delta in gen:
+            yield delta
+
+
+# ---------------------------------------------------------------- Ray Serve
+
+
+class MoerayServer:
+    """The Serve replica: builds the Service (driver included) in its constructor."""
+
+    def __init__(self, opts_dict: dict):
+        self.service = Service(ServeOptions(**opts_dict), log=print)
+
+    def __serve_build_asgi_app__(self):
+        return build_app(self.service)
+
+    def check_health(self) -> None:
+        if not self.service.loop.alive:
+            raise RuntimeError(f"the engine is not running: {self.service.loop.fatal}")
+
+    def __del__(self):
+        try:
+            self.service.close()
+        except Exception:  # noqa: BLE001 - best effort at teardown
+            pass
+
+
+def deployment(opts: ServeOptions):
+    """The Serve application: one replica that owns the driver and the engine. It reserves no
+    CPU (the stages do the work; on a 2-core host a whole-CPU replica would starve them)."""
+    from ray import serve
+
+    cls = serve.ingress()(MoerayServer)
+    dep = serve.deployment(
+        cls, name="moeray", num_replicas=1, ray_actor_options={"num_cpus": 0},
+        # Requests beyond the engine's waiting limit must reach it to get their 429.
+        max_ongoing_requests=opts.max_seqs + opts.max_waiting + 16,
+        health_check_period_s=10, health_check_timeout_s=30, graceful_shutdown_timeout_s=5)
+    return dep.bind(asdict(opts))
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_ready(url: str, timeout_s: float = 60.0, api_key: Optional[str] = None) -> dict:
+    """Poll GET {url}/health until it answers 200 (bounded)."""
+    import urllib.request
+
+    deadline, last = time.monotonic() + timeout_s, None
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=5) as r:
+                return json.loads(r.read())
+        except Exception as exc:  # noqa: BLE001 - not up yet
+            last = exc
+            time.sleep(0.5)
+    raise MoerayError(f"{url} did not become ready within {timeout_s:.0f} s ({last})")
+
+
+__all__ = ["ServeOptions", "Service", "build_app", "deployment", "MoerayServer", "free_port", "wait_ready",
+           "APIError"]
