@@ -103,8 +103,8 @@ def derive_router_directions(model, tokenizer) -> tuple[np.ndarray, np.ndarray]:
             sums[i] = part if sums[i] is None else sums[i] + part
         hooks.append(layer.ffn.register_forward_hook(keep))
     try:
-        for ids in prompt_token_ids(tokenizer):
-            model.logits_all(ids)
+        prompts = prompt_token_ids(tokenizer)  # one batched prefill of all prompts
+        model.step(prompts, list(range(len(prompts))), model.new_kv_cache(len(prompts), max(map(len, prompts))))
     finally:
         for h in hooks:
             h.remove()
