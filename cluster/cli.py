@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("cluster.plan_cmd", "run the placement search for a model and a set of devices"),
     "profile": ("cluster.profile_cmd", "make a routing profile from traces, or show one"),
     "run": ("cluster.run_cmd", "run prompts through the model on pipeline stages (Ray actors)"),
+    "serve": ("cluster.serve_cmd", "serve the model over an OpenAI-compatible HTTP API (Ray Serve)"),
 }
 
 

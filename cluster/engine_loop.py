@@ -72,7 +72,7 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="moeray-engine-loop", daemon=True)
         self.fatal: Optional[str] = None  # set when the thread died: the server answers 503
         self.last_failure: Optional[str] = None  # the last stage failure (the engine recovered)
-        self.counts = {"running": 0, "waiting": 0}
+        self.counts = {"running": 0, "waiting": 0, "free_slots": engine.n_free_slots}
 
     # ---------------------------------------------------------------- called from the event loop
 
@@ -93,10 +93,12 @@ class EngineLoop:
         if not self.alive:
             raise EngineDownError(f"the engine is not running: {self.fatal or 'stopped'}")
         with self._lock:
-            waiting = self.counts["waiting"] + self._pending
-            if waiting >= self.max_waiting:
+            # Requests that would have to wait for a KV slot if this one were taken too.
+            queued = self.counts["waiting"] + self._pending - self.counts["free_slots"]
+            if queued >= self.max_waiting:
                 raise OverloadedError(
-                    f"{waiting} requests are already waiting for a slot (limit {self.max_waiting}); retry later")
+                    f"all {self.counts['running'] + self.counts['free_slots']} sequence slots are busy and "
+                    f"{max(queued, 0)} requests are already waiting (limit {self.max_waiting}); retry later")
             self._pending += 1
         stream = Stream(list(prompt), params, asyncio.get_running_loop())
         self._inbox.put(("add", stream))
@@ -198,4 +200,5 @@ class EngineLoop:
             s._put(item)
 
     def _count(self) -> None:
-        self.counts = {"running": len(self.engine.running), "waiting": len(self.engine.waiting)}
+        self.counts = {"running": len(self.engine.running), "waiting": len(self.engine.waiting),
+                       "free_slots": self.engine.n_free_slots}

@@ -1,0 +1,144 @@
+"""`moeray serve [MODEL.gguf]`: the OpenAI-compatible endpoint on a Ray cluster.
+
+Starts a local Ray cluster (or joins one with --address), deploys the Serve app whose replica
+runs the driver (probe -> plan -> load -> wire), prints the plan, the URL and a curl to paste,
+then serves until Ctrl-C. With no model it serves the embedded default model on 4 simulated
+stages (no GPUs needed). Stop and start it again to reload: the replica owns the stages.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", help="GGUF file (default: the embedded upcycled SmolLM2 MoE)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("MOERAY_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $MOERAY_API_KEY, else none)")
+    p.add_argument("--model-name", help="the model id clients send (default: the file's name)")
+    p.add_argument("--stages", type=int, default=4, help="pipeline stages, one device each (default 4)")
+    p.add_argument("--simulate-devices", metavar="SIZES",
+                   help="CPU devices with these byte budgets, e.g. 256MiB,256MiB,192MiB,192MiB")
+    p.add_argument("--local", action="store_true", help="the whole model in the Serve replica, no stage actors")
+    p.add_argument("--spread", action="store_true", help="place stages on different nodes (SPREAD), not PACK")
+    p.add_argument("--address", help="join this Ray cluster (default: start a local one)")
+    p.add_argument("--objective", choices=("latency", "throughput"), default="latency")
+    p.add_argument("--split", default="auto", help="auto, or K=8,15,23: the first layer of stages 1..S-1")
+    p.add_argument("--profile", help="routing profile for the planner and the caches")
+    p.add_argument("--max-seqs", type=int, default=16, help="sequences running at once (KV slots)")
+    p.add_argument("--max-len", type=int, default=512, help="context: prompt + output tokens per sequence")
+    p.add_argument("--max-waiting", type=int, default=64, help="requests queued for a slot before 429")
+    p.add_argument("--micro-batches", type=int, default=2)
+    p.add_argument("--prefill-chunk", type=int, default=64)
+    p.add_argument("--token-budget", type=int, default=128, help="new tokens per micro-batch step")
+    p.add_argument("--step-timeout", type=float, default=60.0, help="seconds before a step counts as hung")
+    p.add_argument("--metrics-export-port", type=int, default=8080,
+                   help="Prometheus port of the local Ray node (when this command starts Ray)")
+    p.add_argument("--dashboard", action="store_true", help="start the Ray dashboard with the local cluster")
+    p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the server")
+
+
+def options_from_args(args: argparse.Namespace):
+    """ServeOptions from the command line (checked here, before Ray starts)."""
+    from cluster.cli import CLIError
+    from cluster.run_cmd import DEFAULT_SIMULATED
+    from cluster.serve_app import ServeOptions
+    from stages.device import parse_sizes
+
+    if args.stages < 1:
+        raise CLIError("--stages must be >= 1")
+    if args.max_seqs < args.micro_batches:
+        raise CLIError("--max-seqs must be >= --micro-batches")
+    sim = args.simulate_devices
+    if not args.local and sim is None and not _has_gpus():
+        if args.stages > 4:
+            raise CLIError("no GPUs here: pass --simulate-devices with one size per stage")
+        sim = ",".join(DEFAULT_SIMULATED.split(",")[: args.stages])
+        print(f"moeray serve: no GPUs in the cluster, simulating {sim}", file=sys.stderr)
+    return ServeOptions(
+        model=args.model, model_name=args.model_name, local=args.local, n_stages=args.stages,
+        simulate=parse_sizes(sim) if sim else None, strategy="SPREAD" if args.spread else "PACK",
+        split=args.split, objective=args.objective, profile=args.profile,
+        torch_threads=1 if (sim or args.local) else None, max_seqs=args.max_seqs, max_len=args.max_len,
+        token_budget=args.token_budget, prefill_chunk=args.prefill_chunk, micro_batches=args.micro_batches,
+        step_timeout_s=args.step_timeout, max_waiting=args.max_waiting, api_key=args.api_key or None)
+
+
+def start_ray(address: str | None, metrics_port: int, dashboard: bool) -> None:
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    import ray
+
+    if ray.is_initialized():
+        return
+    if address:
+        ray.init(address=address, logging_level="WARNING")
+    else:
+        ray.init(include_dashboard=dashboard, _metrics_export_port=metrics_port, logging_level="WARNING")
+
+
+def start_server(opts, host: str, port: int, ready_timeout_s: float = 600.0) -> str:
+    """Deploy the app on the running Ray cluster; returns its URL once /health answers."""
+    from ray import serve
+
+    from cluster.serve_app import deployment, wait_ready
+
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(deployment(opts), name="moeray", route_prefix="/")
+    url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
+    wait_ready(url, ready_timeout_s)
+    return url
+
+
+def stages_report(url: str, api_key: str | None, timeout_s: float = 30.0) -> dict:
+    import urllib.request
+
+    req = urllib.request.Request(f"{url}/v1/stages")
+    if api_key:
+        req.add_header("Authorization", f"Bearer {api_key}")
+    with urllib.request.urlopen(req, timeout=timeout_s) as r:
+        return json.loads(r.read())
+
+
+def curl_example(url: str, model: str, api_key: str | None) -> str:
+    auth = ' -H "Authorization: Bearer $MOERAY_API_KEY"' if api_key else ""
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                       "max_tokens": 32})
+    return f"curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
+
+
+def run(args: argparse.Namespace) -> int:
+    start_ray(args.address, args.metrics_export_port, args.dashboard)
+    opts = options_from_args(args)
+    print("moeray serve: deploying (probe -> plan -> load -> wire) ...", file=sys.stderr)
+    from ray import serve
+
+    try:
+        url = start_server(opts, args.host, args.port, args.ready_timeout)
+        report = stages_report(url, opts.api_key)
+        for line in report["plan"]:
+            print(line)
+        print(f"serving {report['model']} at {url}/v1 (context {report['context']} tokens)")
+        if not args.address:
+            print(f"Ray metrics (Prometheus): http://127.0.0.1:{args.metrics_export_port}/metrics")
+        print(curl_example(url, report["model"], opts.api_key))
+        sys.stdout.flush()
+        while True:  # serve until Ctrl-C
+            time.sleep(3600)
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            import ray
+
+            ray.shutdown()
+
+
+def _has_gpus() -> bool:
+    import ray
+
+    return ray.cluster_resources().get("GPU", 0) >= 1

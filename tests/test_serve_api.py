@@ -1,0 +1,273 @@
+"""`moeray serve` as a client sees it: one live Ray Serve server on the default model (two
+simulated stages as Ray actors, caches big enough to hold every expert so 16 requests at batch
+stay fast on 2 cores), the official `openai` client, raw HTTP for the error cases, and Ray's
+own Prometheus export for the hit-rate metrics.
+
+One server for the whole module: starting Ray, Serve and the stages is the slow part.
+"""
+from __future__ import annotations
+
+import concurrent.futures as cf
+import http.client
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+ray = pytest.importorskip("ray")
+openai = pytest.importorskip("openai")
+
+from cluster.metrics import exported_name  # noqa: E402
+from cluster.serve_app import ServeOptions, free_port  # noqa: E402
+
+MiB = 1 << 20
+KEY = "test-key-123"
+CONTEXT = 128
+CHAT_Q = "What is the capital of France?"
+N_CHAT = 8
+
+
+@pytest.fixture(scope="module")
+def generate_reference(default_model_path):
+    """`moeray generate` on the same prompt, started now so it runs while the server comes up."""
+    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "generate", str(default_model_path), "--chat",
+                             "--prompt", CHAT_Q, "--max-tokens", str(N_CHAT)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    yield proc
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def server(default_model_path, generate_reference):
+    from ray import serve
+
+    from cluster.serve_cmd import start_ray, start_server, stages_report
+
+    metrics_port = free_port()
+    start_ray(None, metrics_port, dashboard=False)
+    opts = ServeOptions(model=str(default_model_path), model_name="moeray-test", n_stages=2,
+                        simulate=[1600 * MiB, 1600 * MiB], torch_threads=1, max_seqs=16, max_len=CONTEXT,
+                        prefill_chunk=32, token_budget=128, max_waiting=4, api_key=KEY, metrics_interval_s=0.5,
+                        step_timeout_s=60)
+    try:
+        url = start_server(opts, "127.0.0.1", free_port(), ready_timeout_s=240)
+        report = stages_report(url, KEY)
+        yield {"url": url, "metrics_port": metrics_port, "report": report}
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server["url"] + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def post(server, path: str, body, key: str | None = KEY, raw: bool = False, timeout: float = 60):
+    """(status, parsed JSON body, headers) of a POST; `raw` sends `body` as the bytes given."""
+    host, port = server["url"].removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    conn.request("POST", path, body=body if raw else json.dumps(body), headers=headers)
+    r = conn.getresponse()
+    data = r.read()
+    conn.close()
+    return r.status, json.loads(data), dict(r.getheaders())
+
+
+def get(server, path: str, key: str | None = KEY):
+    req = urllib.request.Request(server["url"] + path)
+    if key:
+        req.add_header("Authorization", f"Bearer {key}")
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+# ---------------------------------------------------------------- the openai client
+
+
+def test_plan_models_and_health(server, client):
+    report = server["report"]
+    assert report["model"] == "moeray-test" and report["context"] == CONTEXT
+    assert any(line.startswith("layer split") for line in report["plan"])
+    assert [s["stage"] for s in report["stages"]] == [0, 1]
+    assert report["stages"][0]["layers"][0] == 0 and report["stages"][1]["layers"][1] == 30
+    assert [m.id for m in client.models.list().data] == ["moeray-test"]
+    assert get(server, "/health", key=None)["status"] == "ok"
+
+
+def test_chat_greedy_equals_moeray_generate(client, generate_reference):
+    r = client.chat.completions.create(model="moeray-test", messages=[{"role": "user", "content": CHAT_Q}],
+                                       max_tokens=N_CHAT, temperature=0)
+    out, err = generate_reference.communicate(timeout=240)
+    assert generate_reference.returncode == 0, err
+    assert r.choices[0].message.content == out.rstrip("\n")
+    assert "Paris" in r.choices[0].message.content
+    assert r.usage.prompt_tokens > 10 and r.usage.completion_tokens <= N_CHAT
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_chat_stream_gives_the_same_text_and_usage(client):
+    kw = dict(model="moeray-test", messages=[{"role": "user", "content": CHAT_Q}], max_tokens=N_CHAT)
+    whole = client.chat.completions.create(**kw).choices[0].message.content
+    chunks = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes in (["stop"], ["length"])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 1
+
+
+def test_completion_stream_stop_string_and_length(client):
+    kw = dict(model="moeray-test", prompt="The capital of France is", max_tokens=6)
+    plain = client.completions.create(**kw)
+    assert plain.choices[0].finish_reason == "length" and plain.usage.completion_tokens == 6
+    assert plain.choices[0].text.startswith(" Paris")
+    stopped = client.completions.create(**kw, stop=["."])
+    assert stopped.choices[0].text == plain.choices[0].text.split(".")[0]
+    assert stopped.choices[0].finish_reason == "stop"
+    streamed = list(client.completions.create(**kw, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == plain.choices[0].text
+    assert streamed[-1].choices[0].finish_reason == "length" and streamed[-1].usage.completion_tokens == 6
+
+
+def test_seeded_sampling_repeats(client):
+    kw = dict(model="moeray-test", prompt="Once upon a time", max_tokens=6, temperature=0.9, top_p=0.95, seed=7)
+    a, b = (client.completions.create(**kw).choices[0].text for _ in range(2))
+    assert a == b and a
+
+
+def test_16_concurrent_requests_each_get_their_text_alone(client):
+    prompts = [f"{w} is" for w in ("Water", "Fire", "The sun", "A cat", "Python", "Music", "London", "Gold",
+                                   "The moon", "Paris", "A tree", "Coffee", "Snow", "Rome", "A book", "Ice")]
+
+    def one(p):
+        return client.completions.create(model="moeray-test", prompt=p, max_tokens=4).choices[0].text
+
+    alone = [one(p) for p in prompts]
+    with cf.ThreadPoolExecutor(16) as ex:
+        together = list(ex.map(one, prompts))
+    assert together == alone
+    assert len(set(alone)) > 8  # different prompts, different texts
+
+
+# ---------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize("body,status,code,words", [
+    (b'{"model": "moeray-test", "prompt": ', 400, "invalid_json", "not valid JSON"),
+    (b'[1, 2]', 400, "invalid_json", "JSON object"),
+    ({"model": "moeray-test", "prompt": "hi", "max_tokens": "5"}, 400, "invalid_value", "max_tokens"),
+    ({"model": "moeray-test", "prompt": "hi", "temperature": "hot"}, 400, "invalid_value", "temperature"),
+    ({"model": "moeray-test", "prompt": "hi", "top_p": 1.5}, 400, "invalid_value", "top_p"),
+    ({"model": "moeray-test", "prompt": "hi", "n": 2}, 400, "invalid_value", "n"),
+    ({"model": "moeray-test"}, 400, "invalid_value", "prompt"),
+    ({"model": "gpt-4", "prompt": "hi"}, 404, "model_not_found", "gpt-4"),
+    ({"model": "moeray-test", "prompt": "hi", "max_tokens": 0}, 400, "invalid_value", "at least 1"),
+    ({"model": "moeray-test", "prompt": "hi", "max_tokens": CONTEXT}, 400, "context_length_exceeded", "at most"),
+    ({"model": "moeray-test", "prompt": "word " * CONTEXT}, 400, "context_length_exceeded", "context"),
+])
+def test_error_cases_get_their_status_and_message(server, body, status, code, words):
+    got, data, _ = post(server, "/v1/completions", body, raw=isinstance(body, bytes))
+    assert got == status, data
+    err = data["error"]
+    assert err["code"] == code and words in err["message"] and err["type"]
+
+
+def test_chat_errors_and_unknown_route(server):
+    got, data, _ = post(server, "/v1/chat/completions", {"model": "moeray-test", "messages": []})
+    assert got == 400 and data["error"]["param"] == "messages"
+    got, data, _ = post(server, "/v1/chat/completions",
+                        {"model": "moeray-test", "messages": [{"role": "user", "content": "x " * CONTEXT}]})
+    assert got == 400 and data["error"]["code"] == "context_length_exceeded"
+    got, data, _ = post(server, "/v1/nothing", {})
+    assert got == 404 and "error" in data
+
+
+def test_wrong_or_missing_api_key_gets_401(server):
+    body = {"model": "moeray-test", "prompt": "hi", "max_tokens": 1}
+    for key in ("wrong-key", None, KEY + "x"):
+        got, data, _ = post(server, "/v1/completions", body, key=key)
+        assert got == 401 and data["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server["url"] + "/v1", api_key="nope", max_retries=0).models.list()
+
+
+def test_overload_gets_429_with_a_reason(server):
+    """16 slots and 4 waiting places: of 28 requests at once, some are turned away, the rest finish."""
+    body = {"model": "moeray-test", "prompt": "Tell me a long story about", "max_tokens": 16}
+    with cf.ThreadPoolExecutor(28) as ex:
+        results = list(ex.map(lambda _: post(server, "/v1/completions", body, timeout=120), range(28)))
+    statuses = sorted(s for s, _, _ in results)
+    assert set(statuses) == {200, 429}, statuses
+    assert statuses.count(200) >= 16
+    refused = next(d for s, d, _ in results if s == 429)
+    assert refused["error"]["code"] == "overloaded" and "waiting" in refused["error"]["message"]
+    assert next(h for s, _, h in results if s == 429).get("retry-after") == "1"
+
+
+def test_client_that_disconnects_frees_its_sequence(server):
+    before = get(server, "/v1/stages")["engine"]["decode_tokens"]
+    host, port = server["url"].removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps({
+        "model": "moeray-test", "prompt": "List every number:", "max_tokens": 100, "stream": True}),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"})
+    r = conn.getresponse()
+    assert r.status == 200
+    assert r.readline().startswith(b"data: ")  # the first token arrived: it is running
+    conn.sock.close()
+    conn.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        engine = get(server, "/v1/stages")["engine"]
+        if engine["running"] == 0 and engine["waiting"] == 0:
+            break
+        time.sleep(0.2)
+    assert engine["running"] == 0 and engine["waiting"] == 0
+    assert engine["decode_tokens"] - before < 90  # freed long before its 100 tokens
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def _scrape(port: int) -> dict[tuple[str, str], float]:
+    """(metric, stage) -> value summed over the exporting workers, from Ray's Prometheus endpoint."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out: dict[tuple[str, str], float] = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name.startswith("ray_moeray_stage_"):
+                key = (s.name, s.labels.get("stage", ""))
+                out[key] = out.get(key, 0.0) + s.value
+    return out
+
+
+def test_stage_hit_rates_on_the_ray_metrics_endpoint_match_v1_stages(server, client):
+    client.completions.create(model="moeray-test", prompt="The capital of France is", max_tokens=3)
+    names = {k: exported_name(f"moeray_stage_expert_{k}") for k in ("lookups", "hits", "misses")}
+    deadline, seen, want = time.monotonic() + 45, {}, None
+    while time.monotonic() < deadline:  # the export lags the stages by a poll and a report period
+        stages = get(server, "/v1/stages")["stages"]
+        want = {(names[k], str(s["stage"])): float(s["cache"][k]) for s in stages for k in names}
+        seen = _scrape(server["metrics_port"])
+        # A counter that never moved (no misses on a stage that caches all its experts) is not
+        # exported at all, as with any Prometheus counter: absent reads as 0.
+        if all(seen.get(k, 0.0) == v for k, v in want.items()):
+            break
+        time.sleep(1.0)
+    assert {k: seen.get(k, 0.0) for k in want} == want
+    for s in stages:
+        assert 0 < s["cache"]["hits"] <= s["cache"]["lookups"]
+        assert seen[(exported_name("moeray_stage_cache_slots"), str(s["stage"]))] == s["cache"]["slots"]
+        assert seen[(exported_name("moeray_stage_first_layer"), str(s["stage"]))] == s["layers"][0]
