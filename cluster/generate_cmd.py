@@ -8,6 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from stages.errors import MoerayError
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="GGUF file (default: the embedded upcycled SmolLM2 MoE)")
@@ -20,6 +22,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", default=[], metavar="STR", help="stop before this text (repeatable)")
     p.add_argument("--rebuild", action="store_true", help="rebuild the embedded default model first")
+    c = p.add_argument_group("expert cache (hits from slots on the device, misses from the host copy)")
+    c.add_argument("--cache-budget", default="auto", metavar="SIZE",
+                   help="bytes the expert cache may hold, e.g. 1GiB or 0 (no cache). auto: on CUDA all free VRAM "
+                        "less a reserve; on CPU 1GiB, a simulated budget enforced byte for byte (default auto)")
+    c.add_argument("--expert-cache", type=int, default=None, metavar="N",
+                   help="at most N slots of the largest expert (within --cache-budget)")
+    c.add_argument("--cache-policy", choices=("static", "adaptive", "lru"), default="static",
+                   help="static: the profile fill; adaptive: decayed heat, swaps with hysteresis; lru")
+    c.add_argument("--cache-layout", choices=("global", "per-layer"), default="global",
+                   help="per-layer: each layer's slots at its own blob size (slot layer*q+n)")
+    c.add_argument("--profile", metavar="FILE", help="routing profile (moeray msgpack, Strata STRP or colibri heat)")
+    c.add_argument("--record-routing", metavar="FILE", help="append every routing decision to this msgpack trace")
 
 
 def resolve_model(path: str | None, rebuild: bool = False) -> str:
@@ -36,7 +50,6 @@ def resolve_model(path: str | None, rebuild: bool = False) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stages.errors import MoerayError
     from stages.sampling import SamplingParams
 
     # Parameter errors before the (slow) load.
@@ -57,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
     gguf = GGUFFile(path)  # validates the whole file before anything is loaded
     tokenizer = Tokenizer.from_metadata(gguf.metadata, source=path)
     model = load_model(gguf)
+    cache, trace = _attach_cache(model, args)
     prompt = tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tokenizer.encode(args.prompt)
 
     generator = Generator(model, tokenizer)
@@ -72,7 +86,47 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     print(_format_memory(memory_report(model)), file=sys.stderr)
+    if cache is not None:
+        print(_format_cache(cache.stats()), file=sys.stderr)
+        cache.close()
+    elif trace is not None:
+        trace.close()
     return 0
+
+
+# On CPU the "device" is host RAM: a 1 GiB budget of float32 slots holds ~100 of the default
+# model's 240 experts, enough to show the cache at work without taking the machine's memory.
+CPU_DEFAULT_CACHE = 1 << 30
+
+
+def _attach_cache(model, args):
+    """(ExpertCache or None, bare TraceWriter or None) as the flags ask. A budget of 0 runs every
+    expert from the host copy; --record-routing still records."""
+    from cache.attach import attach_cache, attach_trace
+    from stages.device import parse_size
+
+    if not model.config.is_moe:
+        if args.record_routing:
+            raise MoerayError(f"{model.gguf.path}: a dense model has no routing to record")
+        return None, None
+    if args.cache_budget == "auto":
+        budget = None if str(model.device).startswith("cuda") else CPU_DEFAULT_CACHE
+    elif args.cache_budget.strip() == "0":
+        budget = 0
+    else:
+        budget = parse_size(args.cache_budget)
+    if budget == 0 and args.expert_cache is None:
+        trace = attach_trace(model, args.record_routing) if args.record_routing else None
+        return None, trace
+    cache = attach_cache(model, budget, args.profile, args.cache_policy, args.record_routing,
+                         layout=args.cache_layout, n_slots=args.expert_cache)
+    return cache, None
+
+
+def _format_cache(st: dict) -> str:
+    return (f"expert cache: {st['resident']} experts resident in {st['slots']} slots ({st['layout_message']}), "
+            f"{st['used_bytes'] / 2**20:.0f} of {st['budget_bytes'] / 2**20:.0f} MiB; "
+            f"{st['hits']} hits / {st['lookups']} lookups ({100 * st['hit_rate']:.1f}%), policy {st['policy']}")
 
 
 def _format_memory(report: dict) -> str:

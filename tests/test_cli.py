@@ -1,6 +1,7 @@
 """`moeray generate` and `moeray logits` as a user runs them: subprocesses, real models."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -69,3 +70,21 @@ def test_default_model_is_used_when_no_model_given(default_model_path, smollm2_d
     # The upcycled MoE computes the dense FFN (identical experts, renormalised top-2 weights that
     # sum to 1 up to float32 rounding), so its logits are the dense model's up to rounding.
     assert np.abs(moe - dense).max() <= 1e-4 * np.abs(dense).max()
+
+
+def test_generate_cache_flags_same_text_and_recorded_routing_makes_a_profile(default_model_path, tmp_path):
+    """A run from the host copy only (--cache-budget 0) records its routing; the profile made from
+    it fills a small adaptive cache that then hits, and the greedy text is the same either way."""
+    trace, profile = tmp_path / "run.trace", tmp_path / "profile.msgpack"
+    common = ["generate", default_model_path, "--chat", "--prompt", "What is the capital of France?",
+              "--max-tokens", "8"]
+    cold = moeray(*common, "--cache-budget", "0", "--record-routing", trace)
+    assert cold.returncode == 0, cold.stderr
+    assert "expert cache:" not in cold.stderr and trace.stat().st_size > 0
+    made = moeray("profile", "make", trace, "-o", profile)
+    assert made.returncode == 0, made.stderr
+    warm = moeray(*common, "--cache-budget", "300MiB", "--profile", profile, "--cache-policy", "adaptive")
+    assert warm.returncode == 0, warm.stderr
+    assert warm.stdout == cold.stdout and "Paris" in warm.stdout
+    hits, lookups = map(int, re.search(r"expert cache: .*; (\d+) hits / (\d+) lookups", warm.stderr).groups())
+    assert 0 < hits <= lookups
