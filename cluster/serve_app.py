@@ -497,7 +497,11 @@ class MoerayServer:
     """The Serve replica: builds the Service (driver included) in its constructor."""
 
     def __init__(self, opts_dict: dict):
-        self.service = Service(ServeOptions(**opts_dict), log=print)
+        import sys
+
+        # Progress goes to stderr (Ray forwards it to `moeray serve`'s stderr as it happens);
+        # `moeray serve` prints the clean plan on stdout once the server is up.
+        self.service = Service(ServeOptions(**opts_dict), log=lambda line: print(line, file=sys.stderr, flush=True))
 
     def __serve_build_asgi_app__(self):
         return build_app(self.service)
@@ -523,7 +527,9 @@ def deployment(opts: ServeOptions):
         cls, name="moeray", num_replicas=1, ray_actor_options={"num_cpus": 0},
         # Requests beyond the engine's waiting limit must reach it to get their 429.
         max_ongoing_requests=opts.max_seqs + opts.max_waiting + 16,
-        health_check_period_s=10, health_check_timeout_s=30, graceful_shutdown_timeout_s=5)
+        health_check_period_s=10, health_check_timeout_s=30, graceful_shutdown_timeout_s=5,
+        # A constructor that fails (no placement fits, a bad file) fails the same way again.
+        max_constructor_retry_count=1)
     return dep.bind(asdict(opts))
 
 

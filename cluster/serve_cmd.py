@@ -10,8 +10,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import time
+
+from stages.errors import MoerayError
+
+# With no GPU, the default model is served on four simulated cards sized for serving: 16
+# sequences of 512 tokens take ~380 MB of KV cache over the 30 layers, the float32 trunk ~330 MB,
+# and the caches then hold about half of the 2.4 GB of experts (the hot half: most lookups hit).
+DEFAULT_SIMULATED = "640MiB,640MiB,512MiB,512MiB"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -46,7 +54,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def options_from_args(args: argparse.Namespace):
     """ServeOptions from the command line (checked here, before Ray starts)."""
     from cluster.cli import CLIError
-    from cluster.run_cmd import DEFAULT_SIMULATED
     from cluster.serve_app import ServeOptions
     from stages.device import parse_sizes
 
@@ -88,10 +95,25 @@ def start_server(opts, host: str, port: int, ready_timeout_s: float = 600.0) -> 
     from cluster.serve_app import deployment, wait_ready
 
     serve.start(http_options={"host": host, "port": port})
-    serve.run(deployment(opts), name="moeray", route_prefix="/")
+    try:
+        serve.run(deployment(opts), name="moeray", route_prefix="/")
+    except RuntimeError as exc:
+        raise MoerayError(f"the server did not start: {_root_cause(exc)}") from None
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
     wait_ready(url, ready_timeout_s)
     return url
+
+
+def _root_cause(exc: Exception) -> str:
+    """The replica's own error (e.g. 'PlacementError: no placement fits ...'), not Serve's wrapper."""
+    from ray import serve
+
+    try:
+        message = serve.status().applications["moeray"].deployments["moeray"].message
+    except Exception:  # noqa: BLE001 - fall back to Serve's message
+        message = ""
+    lines = [ln.strip() for ln in message.splitlines() if re.match(r"^\s*[\w.]+(Error|Exception): ", ln)]
+    return lines[-1] if lines else str(exc)
 
 
 def stages_report(url: str, api_key: str | None, timeout_s: float = 30.0) -> dict:
@@ -112,6 +134,10 @@ def curl_example(url: str, model: str, api_key: str | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    import signal
+
+    # `kill PID` shuts down as Ctrl-C does: Serve, the stages and the local Ray go with it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     start_ray(args.address, args.metrics_export_port, args.dashboard)
     opts = options_from_args(args)
     print("moeray serve: deploying (probe -> plan -> load -> wire) ...", file=sys.stderr)

@@ -1,5 +1,5 @@
-"""`moeray serve` as a client sees it: one live Ray Serve server on the default model (two
-simulated stages as Ray actors, caches big enough to hold every expert so 16 requests at batch
+"""`moeray serve` as a client sees it: one live server started with the real command on the
+default model (Ray Serve over two simulated stages as Ray actors, caches big enough to hold every expert so 16 requests at batch
 stay fast on 2 cores), the official `openai` client, raw HTTP for the error cases, and Ray's
 own Prometheus export for the hit-rate metrics.
 
@@ -10,8 +10,10 @@ from __future__ import annotations
 import concurrent.futures as cf
 import http.client
 import json
+import shutil
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 
@@ -21,7 +23,7 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
 from cluster.metrics import exported_name  # noqa: E402
-from cluster.serve_app import ServeOptions, free_port  # noqa: E402
+from cluster.serve_app import free_port  # noqa: E402
 
 MiB = 1 << 20
 KEY = "test-key-123"
@@ -44,23 +46,32 @@ def generate_reference(default_model_path):
 
 @pytest.fixture(scope="module")
 def server(default_model_path, generate_reference):
-    from ray import serve
-
-    from cluster.serve_cmd import start_ray, start_server, stages_report
-
-    metrics_port = free_port()
-    start_ray(None, metrics_port, dashboard=False)
-    opts = ServeOptions(model=str(default_model_path), model_name="moeray-test", n_stages=2,
-                        simulate=[1600 * MiB, 1600 * MiB], torch_threads=1, max_seqs=16, max_len=CONTEXT,
-                        prefill_chunk=32, token_budget=128, max_waiting=4, api_key=KEY, metrics_interval_s=0.5,
-                        step_timeout_s=60)
+    """`moeray serve` as a user starts it, in a subprocess; stopped with SIGTERM at the end."""
+    port, metrics_port = free_port(), free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cluster.cli", "serve", str(default_model_path), "--stages", "2",
+         "--simulate-devices", "1600MiB,1600MiB", "--max-seqs", "16", "--max-len", str(CONTEXT),
+         "--max-waiting", "4", "--prefill-chunk", "32", "--model-name", "moeray-test", "--port", str(port),
+         "--metrics-export-port", str(metrics_port), "--api-key", KEY, "--ready-timeout", "240"],
+        stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    lines: list[str] = []
+    reader = threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True)  # until it exits
+    reader.start()
+    deadline = time.monotonic() + 300
+    while not any(line.startswith("curl ") for line in lines):
+        assert proc.poll() is None, f"moeray serve exited with {proc.returncode}: {lines}"
+        assert time.monotonic() < deadline, f"moeray serve not up in 300 s: {lines}"
+        time.sleep(0.5)
+    url = f"http://127.0.0.1:{port}"
     try:
-        url = start_server(opts, "127.0.0.1", free_port(), ready_timeout_s=240)
-        report = stages_report(url, KEY)
-        yield {"url": url, "metrics_port": metrics_port, "report": report}
+        yield {"url": url, "metrics_port": metrics_port, "report": get({"url": url}, "/v1/stages"), "lines": lines}
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
 
 @pytest.fixture(scope="module")
@@ -91,6 +102,20 @@ def get(server, path: str, key: str | None = KEY):
 
 
 # ---------------------------------------------------------------- the openai client
+
+
+def test_serve_prints_the_plan_the_url_and_a_curl_that_works(server):
+    out = server["lines"]
+    assert any(line.startswith("layer split") for line in out)
+    assert any(line.startswith("loaded stage 1: layers") for line in out)
+    assert f"serving moeray-test at {server['url']}/v1 (context {CONTEXT} tokens)\n" in out
+    curl = next(line for line in out if line.startswith("curl "))
+    assert "$MOERAY_API_KEY" in curl and KEY not in curl  # the key is never printed
+    if shutil.which("curl") is None:
+        pytest.skip("no curl here")
+    r = subprocess.run(["bash", "-c", curl], env={"MOERAY_API_KEY": KEY, "PATH": "/usr/bin:/bin"},
+                       capture_output=True, text=True, timeout=120)
+    assert "Paris" in json.loads(r.stdout)["choices"][0]["message"]["content"]
 
 
 def test_plan_models_and_health(server, client):
