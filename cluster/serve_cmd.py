@@ -78,6 +78,11 @@ def options_from_args(args: argparse.Namespace):
 
 def start_ray(address: str | None, metrics_port: int, dashboard: bool) -> None:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    # Serve's HTTP proxy must answer a readiness check in 5 s by default; on a small machine busy
+    # loading a model it can miss three in a row and be killed. The processes a local cluster starts
+    # inherit these, so they take effect from ray.init on.
+    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
+    os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "30")
     import ray
 
     if ray.is_initialized():
