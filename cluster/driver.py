@@ -295,12 +295,14 @@ def kv_bytes_per_layer(config, max_seqs: int, max_len: int) -> int:
     return 2 * max_seqs * config.n_kv_heads * max_len * config.head_dim * 4
 
 
-def held_spec(header):
+def held_spec(header, kv_bytes_per_layer: int = 0):
     """The planner's ModelSpec in the bytes a stage really holds on its device.
 
     moeray computes in float32: a cached expert slot and the trunk on the card are float32
     copies, not the GGUF's quantised bytes (which `moeray plan` prices). Placing with stored
-    bytes would promise caches 6x fuller than they can be for a Q4 model.
+    bytes would promise caches 6x fuller than they can be for a Q4 model. A layer's KV cache is
+    on the card with its trunk whatever the split, so it is priced as part of that layer's trunk:
+    the search then charges every candidate range exactly the KV it would allocate.
     """
     import math
 
@@ -309,7 +311,7 @@ def held_spec(header):
 
     cfg = header.config
     f32 = {name: 4 * math.prod(t.shape) for name, t in header.tensors.items()}
-    layers, experts = [0] * cfg.n_layers, [0] * cfg.n_layers
+    layers, experts = [kv_bytes_per_layer] * cfg.n_layers, [0] * cfg.n_layers
     emb = head = 0
     for name, n in f32.items():
         if name.startswith("blk."):
@@ -330,43 +332,38 @@ def held_spec(header):
 def plan_from_reports(header, reports: list[dict], opts: LaunchOptions, handoff_ms: float):
     """The planner over what the actors reported. Returns (plan or None, ranges, lines).
 
-    The planner wants each card's bytes net of the KV cache, which depends on the layers the
-    plan gives it: the first pass reserves KV for an even share of the layers, the second
-    re-prices the chosen split with each stage's exact KV (the split is kept).
+    Each card offers its free bytes less its reserve; the trunk the stage holds (all of it:
+    StageModel computes the trunk on its own device) and the KV cache of its layers are charged
+    per candidate range inside the search, so a split is never chosen that its KV cannot fit.
     """
     from planner.devices import DeviceSpec
     from planner.search import parse_split, plan_placement, proportional_split
 
     cfg, S, L = header.config, len(reports), header.config.n_layers
     kv_layer = kv_bytes_per_layer(cfg, opts.max_seqs, opts.max_len)
-
-    def devices(layers_per_stage: list[int]) -> list:
-        out = []
-        for r, n in zip(reports, layers_per_stage):
-            net = r["device"]["free_bytes"] - r["device"]["reserve_bytes"] - n * kv_layer
-            if net < 0:
-                raise PlacementError(
-                    f"stage {r['stage']}: the KV cache of {n} layers ({n * kv_layer} bytes for {opts.max_seqs} "
-                    f"sequences of {opts.max_len} tokens) does not fit in {r['device']['name']}; lower "
-                    "--max-seqs or --max-len")
-            out.append(DeviceSpec(f"stage {r['stage']} {r['device']['name']}", net, r["layer_ms"], r["miss_ms"]))
-        return out
+    devs = [DeviceSpec(f"stage {r['stage']} {r['device']['name']}",
+                       r["device"]["free_bytes"] - r["device"]["reserve_bytes"], r["layer_ms"], r["miss_ms"])
+            for r in reports]
+    kv_hint = (f"the KV cache takes {kv_layer} bytes per layer for {opts.max_seqs} sequences of {opts.max_len} "
+               "tokens: lower --max-seqs or --max-len, or add stages")
 
     if not cfg.is_moe:  # no experts to place: split by layer speed (or as given)
-        devs = devices([-(-L // S)] * S)
         ks = parse_split(opts.split, L, S) or proportional_split(L, devs)
         bounds = [0] + list(ks) + [L]
+        for r, d, a, b in zip(reports, devs, bounds[:-1], bounds[1:]):
+            if (b - a) * kv_layer > d.free_bytes:
+                raise PlacementError(f"stage {r['stage']}: {r['device']['name']} cannot hold layers {a}-{b - 1}; {kv_hint}")
         ranges = list(zip(bounds[:-1], bounds[1:]))
         return None, ranges, [f"layer split (dense model, by measured layer speed): K={','.join(map(str, ks))}"]
     from planner.profile import Profile
 
-    spec = held_spec(header)
+    spec = held_spec(header, kv_layer)
     profile = Profile.load(opts.profile, L, cfg.n_experts) if opts.profile else None
-    kw = dict(objective=opts.objective, trunk=opts.trunk, handoff_ms=handoff_ms)
-    first = plan_placement(spec, devices([-(-L // S)] * S), profile, split=opts.split, **kw)
-    plan = plan_placement(spec, devices([b - a for a, b in first.split]), profile,
-                          split=first.boundaries or "auto", **kw)
-    plan.placements_scored, plan.method = first.placements_scored, first.method
+    try:
+        plan = plan_placement(spec, devs, profile, split=opts.split, objective=opts.objective, trunk=opts.trunk,
+                              handoff_ms=handoff_ms)
+    except PlacementError as exc:
+        raise PlacementError(f"{exc}; {kv_hint}") from None
     return plan, [tuple(x) for x in plan.split], plan.lines()
 
 

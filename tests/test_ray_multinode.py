@@ -9,19 +9,7 @@ ray = pytest.importorskip("ray")
 from cluster.driver import DEVICE_RESOURCE, LaunchOptions, launch  # noqa: E402
 from cluster.engine import Engine, EngineConfig  # noqa: E402
 from stages.sampling import SamplingParams  # noqa: E402
-
-
-class MemoExperts:
-    """The reference model's experts, each dequantised once (the same tensors, just not redone
-    on every step: the uncached host path makes the reference the slowest part of the test)."""
-
-    def __init__(self, source):
-        self.source, self.memo = source, {}
-
-    def get(self, layer: int, expert: int):
-        if (layer, expert) not in self.memo:
-            self.memo[layer, expert] = self.source.get(layer, expert)
-        return self.memo[layer, expert]
+from memo_experts import MemoExperts  # noqa: E402
 
 MiB = 1 << 20
 PROMPTS = [[504, 3575, 282, 4649, 314], [1, 9, 33]]

@@ -117,11 +117,24 @@ def test_plan_prices_what_a_stage_holds_from_the_reported_budgets(default_model_
     plan, ranges, lines = plan_from_reports(header, _reports(budgets), opts, handoff_ms=0.2)
     kv = kv_bytes_per_layer(cfg, 2, 32)
     assert ranges[0][0] == 0 and ranges[-1][1] == cfg.n_layers and ranges[0][1] == ranges[1][0]
-    assert [s.free_bytes for s in plan.stages] == [b - (e - a) * kv for b, (a, e) in zip(budgets, ranges)]
+    assert [s.free_bytes for s in plan.stages] == budgets
+    # Each stage is charged its whole float32 trunk and the KV cache of exactly its layers.
+    for s, (a, e) in zip(plan.stages, ranges):
+        own = sum(spec.trunk_bytes.layers[a:e]) + (e - a) * kv
+        own += spec.trunk_bytes.embedding if a == 0 else 0
+        own += spec.trunk_bytes.head if e == cfg.n_layers else 0
+        assert s.trunk_bytes == own and s.expert_room == s.free_bytes - own
     assert lines[0].startswith("layer split auto: K=")
     # More room on one card moves layers (and cache) to it.
     plan2, ranges2, _ = plan_from_reports(header, _reports([600 * MiB, 200 * MiB]), opts, handoff_ms=0.2)
     assert ranges2[0][1] >= ranges[0][1] and plan2.held_pairs >= plan.held_pairs
     # A card that cannot hold its layers' KV cache is named.
-    with pytest.raises(PlacementError, match="stage 1: the KV cache"):
+    with pytest.raises(PlacementError, match="KV cache takes .* lower --max-seqs or --max-len"):
         plan_from_reports(header, _reports([300 * MiB, 1 * MiB]), LaunchOptions(2, max_seqs=8, max_len=512), 0.2)
+    # A split whose stage would need more layers' KV than it has room for is never chosen, even
+    # when the small card is five times faster per layer and would like more of them.
+    big = LaunchOptions(2, max_seqs=16, max_len=256)
+    kv_big = kv_bytes_per_layer(cfg, 16, 256)
+    plan3, ranges3, _ = plan_from_reports(header, _reports([400 * MiB, 150 * MiB], layer_ms=(1.0, 0.2)), big, 0.2)
+    for s, (a, e) in zip(plan3.stages, ranges3):
+        assert (e - a) * kv_big < s.trunk_bytes <= s.free_bytes
