@@ -1,4 +1,4 @@
-# Two commands on a fresh clone:  `make demo` (main job on the embedded model)  and  `make test`.
+# Two commands on a fresh clone:  `make demo` (moeray serve on the embedded model)  and  `make test`.
 # Both create and fill .venv when it is missing.
 PYTHON ?= python3
 VENV   ?= .venv
@@ -6,7 +6,7 @@ PY      = $(VENV)/bin/python
 # CPU build from this machine's local wheel; GPU users: make TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: venv demo test bench clean
+.PHONY: venv demo generate test clean
 
 venv: $(VENV)/.installed
 
@@ -20,6 +20,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 demo: venv
+	$(VENV)/bin/moeray serve
+
+generate: venv
 	$(VENV)/bin/moeray generate --chat --prompt "What is the capital of France?" --max-tokens 48
 
 test: venv

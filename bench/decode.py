@@ -33,22 +33,35 @@ def prompt_ids(tokenizer, n_tokens: int, index: int) -> list[int]:
     return ids[:n_tokens]
 
 
-def bench_moeray(path: str, batch_sizes, n_prompt: int, n_decode: int) -> list[dict]:
+def bench_moeray(path: str, batch_sizes, n_prompt: int, n_decode: int, caches=("0", "all")) -> list[dict]:
+    """One row per (expert cache, batch). Cache "0": every routed expert is dequantised from the
+    GGUF mapping when used (the host path a miss takes); "all": every expert is resident in a
+    float32 slot (the case of a card with room for the whole model); a size such as "1GiB" is a
+    simulated budget filled from a uniform profile."""
+    from cache.attach import attach_cache, detach_cache
+    from stages.device import parse_size
     from stages.generate import Generator
     from stages.model import load_model
     from stages.sampling import SamplingParams
     from stages.tokenizer import Tokenizer
 
     model, tokenizer = load_model(path), Tokenizer.from_gguf(path)
-    gen = Generator(model, tokenizer)
     params = SamplingParams(max_tokens=n_decode + 1, ignore_eos=True)  # +1: the first token comes from prefill
-    gen.generate([prompt_ids(tokenizer, 16, 0)], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
     rows = []
-    for b in batch_sizes:
-        gen.generate([prompt_ids(tokenizer, n_prompt, i) for i in range(b)], params)
-        s = gen.stats
-        rows.append({"engine": "moeray", "batch": b, "prefill_tok_s": s.prefill_tok_s, "decode_tok_s": s.decode_tok_s,
-                     "prefill_tokens": s.prefill_tokens, "decode_tokens": s.decode_tokens})
+    for cache in caches if model.config.is_moe else ("0",):
+        if cache != "0":
+            budget = 1 << 62 if cache == "all" else parse_size(cache)
+            n_slots = model.config.n_layers * model.config.n_experts if cache == "all" else None
+            attach_cache(model, budget, n_slots=n_slots)
+        gen = Generator(model, tokenizer)
+        gen.generate([prompt_ids(tokenizer, 16, 0)], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        for b in batch_sizes:
+            gen.generate([prompt_ids(tokenizer, n_prompt, i) for i in range(b)], params)
+            s = gen.stats
+            rows.append({"engine": "moeray", "cache": cache, "batch": b, "prefill_tok_s": s.prefill_tok_s,
+                         "decode_tok_s": s.decode_tok_s, "prefill_tokens": s.prefill_tokens,
+                         "decode_tokens": s.decode_tokens})
+        detach_cache(model)
     return rows
 
 
@@ -75,7 +88,7 @@ def bench_llama_cpp(path: str, threads: int, n_prompt: int, n_decode: int) -> li
         llm.eval([token])
         token = int(llm.scores[llm.n_tokens - 1].argmax())
     decode_s = time.perf_counter() - t0
-    return [{"engine": "llama.cpp", "batch": 1, "prefill_tok_s": n_prompt / prefill_s, "decode_tok_s": n_decode / decode_s,
+    return [{"engine": "llama.cpp", "cache": "-", "batch": 1, "prefill_tok_s": n_prompt / prefill_s, "decode_tok_s": n_decode / decode_s,
              "prefill_tokens": n_prompt, "decode_tokens": n_decode}]
 
 
@@ -86,6 +99,8 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--decode-tokens", type=int, default=32)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--caches", default="0,all",
+                    help="moeray expert caches to run: 0 (host path only), all (every expert resident), or sizes")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
@@ -101,7 +116,7 @@ def main() -> int:
 
         path = str(default_model_path())
 
-    rows = bench_moeray(path, args.batch, args.prompt_tokens, args.decode_tokens)
+    rows = bench_moeray(path, args.batch, args.prompt_tokens, args.decode_tokens, args.caches.split(","))
     rows += bench_llama_cpp(path, threads, args.prompt_tokens, args.decode_tokens)
     reference = {r["batch"]: r for r in rows if r["engine"] == "llama.cpp"}
     for r in rows:
@@ -112,11 +127,11 @@ def main() -> int:
 
     print(f"model {Path(path).name}, {threads} threads, {args.prompt_tokens} prompt tokens, "
           f"{args.decode_tokens} decode tokens per sequence, {platform.processor() or platform.machine()}")
-    print(f"{'engine':<10} {'batch':>5} {'prefill tok/s':>14} {'decode tok/s':>13} {'prefill x':>10} {'decode x':>9}")
+    print(f"{'engine':<10} {'cache':>6} {'batch':>5} {'prefill tok/s':>14} {'decode tok/s':>13} {'prefill x':>10} {'decode x':>9}")
     for r in rows:
         px = f"{r['prefill_vs_llama_cpp']:.2f}" if "prefill_vs_llama_cpp" in r else "-"
         dx = f"{r['decode_vs_llama_cpp']:.2f}" if "decode_vs_llama_cpp" in r else "-"
-        print(f"{r['engine']:<10} {r['batch']:>5} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f} {px:>10} {dx:>9}")
+        print(f"{r['engine']:<10} {r['cache']:>6} {r['batch']:>5} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f} {px:>10} {dx:>9}")
     if not reference:
         print("llama.cpp: not measured (pip install llama-cpp-python, i.e. the `llamacpp` extra)")
     if args.json:
