@@ -74,7 +74,7 @@ def bench_llama_cpp(path: str, threads: int, n_prompt: int, n_decode: int) -> li
     from stages.tokenizer import Tokenizer
 
     llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=n_prompt + n_decode + 8,
-                n_batch=max(n_prompt, 8), verbose=False)
+                n_batch=max(n_prompt, 8), logits_all=True, verbose=False)
     ids = prompt_ids(Tokenizer.from_gguf(path), n_prompt, 0)
     llm.reset()
     llm.eval(ids[:16])  # warm-up

@@ -402,7 +402,10 @@ def launch(path: str, opts: LaunchOptions = LaunchOptions(), log=print) -> Launc
             say(f"loaded stage {i}: layers {a}-{b - 1} in {rep['load_s']:.1f} s{cache}, "
                 f"{rep['free_bytes'] / 2**20:.1f} MiB left on its device")
 
-        trunk_on_card = [int(s.trunk_bytes) for s in plan.stages] if plan is not None else [0] * len(ranges)
+        # The plan's trunk includes its layers' KV cache (see held_spec); the actor charges the KV itself.
+        kv_layer = kv_bytes_per_layer(header.config, opts.max_seqs, opts.max_len)
+        trunk_on_card = ([int(s.trunk_bytes) - s.n_layers * kv_layer for s in plan.stages] if plan is not None
+                         else [0] * len(ranges))
         group.load(path, ranges, opts.max_seqs, opts.max_len, progress, trunk_on_card, opts.profile)
     except BaseException:
         group.shutdown()

@@ -75,6 +75,13 @@ def test_stages_report_their_own_budgets_and_the_plan_uses_them(launched):
         assert s.free_bytes == r["device"]["free_bytes"] - r["device"]["reserve_bytes"]
         assert s.n_layers * kv_layer < s.trunk_bytes <= s.free_bytes
     assert launched.lines[-1].startswith("loaded stage") or any(l.startswith("loaded stage") for l in launched.lines)
+    # Each stage holds what the plan priced: its trunk plus its layers' KV cache, the rest is expert cache.
+    for st, s in zip(launched.stage_stats(), plan.stages):
+        placed = st["placed"]
+        kv = next(v for k, v in placed.items() if k.startswith("KV cache"))
+        trunk = next(v for k, v in placed.items() if k.startswith("trunk"))
+        assert kv == s.n_layers * kv_layer and kv + trunk == s.trunk_bytes
+        assert st["cache"]["budget_bytes"] == s.expert_room
     assert any(l.startswith("layer split auto: K=") for l in launched.lines)
 
 
