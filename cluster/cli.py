@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from stages.errors import MoerayError  # torch-free
+
 # name -> (module, one-line help). Add a subcommand by adding a line here.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("cluster.generate_cmd", "generate text from a prompt in one process"),
@@ -21,8 +23,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-class CLIError(Exception):
-    """A user-facing error: printed as one line, exit status 2, no traceback."""
+class CLIError(MoerayError):
+    """A user-facing error about the command line: printed as one line, exit status 2, no traceback.
+    A MoerayError, so it is caught as one even when this module also runs as __main__
+    (`python -m cluster.cli`), where a second copy of this class exists."""
 
 
 def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, str | None]:
@@ -51,9 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # noqa: BLE001 - user-facing errors become one clear line
-        from stages.errors import MoerayError  # torch-free
-
-        if isinstance(exc, (MoerayError, CLIError, FileNotFoundError)):
+        if isinstance(exc, (MoerayError, FileNotFoundError)):
             print(f"moeray {args.command}: error: {exc}", file=sys.stderr)
             return 2
         raise

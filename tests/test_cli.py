@@ -49,6 +49,7 @@ def test_logits_writes_float32_for_every_position(smollm2_dense_path, tmp_path):
         (["generate", "{bad}", "--prompt", "hi"], "not a GGUF"),
         (["generate", "{bad}", "--prompt", "hi", "--temperature", "-1"], "temperature"),
         (["logits", "{bad}", "--tokens", "1 x", "-o", "x.npy"], "--tokens"),
+        (["run", "--stages", "0", "--prompt", "hi"], "--stages must be >= 1"),
     ],
 )
 def test_errors_are_one_clean_line(tmp_path, args, message):
