@@ -397,22 +397,15 @@ def build_app(service: Service):
             return _sse(oa.ChatCompletionChunk(id=rid, created=created, model=service.model_name, choices=[
                 oa.ChatChunkChoice(delta=delta, finish_reason=finish)], usage=use))
 
-        async def events():
-            try:
-                yield chunk(oa.Delta(role="assistant", content=""))
-                async for delta in _chain(first, gen):
-                    yield chunk(oa.Delta(content=delta))
-                yield chunk(oa.Delta(), out.finish_reason, usage(len(prompt), out))
-                if body.include_usage_in_stream():
-                    yield _sse(oa.ChatCompletionChunk(id=rid, created=created, model=service.model_name,
-                                                      choices=[], usage=usage(len(prompt), out)))
-            except APIError as exc:
-                yield _sse(json.dumps({"error": {"message": exc.message, "type": exc.type, "code": exc.code}}))
-            finally:
-                await gen.aclose()
-            yield _sse("[DONE]")
+        def closing():
+            yield chunk(oa.Delta(), out.finish_reason, usage(len(prompt), out))
+            if body.include_usage_in_stream():
+                yield _sse(oa.ChatCompletionChunk(id=rid, created=created, model=service.model_name,
+                                                  choices=[], usage=usage(len(prompt), out)))
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        events = _events(first, gen, lambda delta: chunk(oa.Delta(content=delta)), closing,
+                         opening=chunk(oa.Delta(role="assistant", content="")))
+        return StreamingResponse(events, media_type="text/event-stream")
 
     @app.post("/v1/completions")
     async def completions(body: oa.CompletionRequest, request: Request):
@@ -430,21 +423,13 @@ def build_app(service: Service):
             return _sse(oa.Completion(id=rid, created=created, model=service.model_name, choices=[
                 oa.CompletionChoice(text=text, finish_reason=finish)], usage=use))
 
-        async def events():
-            try:
-                async for delta in _chain(first, gen):
-                    yield chunk(delta)
-                yield chunk("", out.finish_reason, usage(len(prompt), out))
-                if body.include_usage_in_stream():
-                    yield _sse(oa.Completion(id=rid, created=created, model=service.model_name, choices=[],
-                                             usage=usage(len(prompt), out)))
-            except APIError as exc:
-                yield _sse(json.dumps({"error": {"message": exc.message, "type": exc.type, "code": exc.code}}))
-            finally:
-                await gen.aclose()
-            yield _sse("[DONE]")
+        def closing():
+            yield chunk("", out.finish_reason, usage(len(prompt), out))
+            if body.include_usage_in_stream():
+                yield _sse(oa.Completion(id=rid, created=created, model=service.model_name, choices=[],
+                                         usage=usage(len(prompt), out)))
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return StreamingResponse(_events(first, gen, chunk, closing), media_type="text/event-stream")
 
     @app.get("/v1/models")
     async def models():
@@ -488,6 +473,24 @@ async def _chain(first, gen: AsyncIterator[str]) -> AsyncIterator[str]:
         yield first
         async for delta in gen:
             yield delta
+
+
+async def _events(first, gen: AsyncIterator[str], text_chunk, closing, opening: str | None = None):
+    """The SSE body of a streamed response: the opening chunk, one chunk per text delta, then the
+    closing chunks (finish reason, usage), read once the text is done. An error after the 200 went
+    out travels in the stream as an OpenAI error object; the stream always ends with [DONE]."""
+    try:
+        if opening is not None:
+            yield opening
+        async for delta in _chain(first, gen):
+            yield text_chunk(delta)
+        for line in closing():
+            yield line
+    except APIError as exc:
+        yield _sse(json.dumps({"error": {"message": exc.message, "type": exc.type, "code": exc.code}}))
+    finally:
+        await gen.aclose()
+    yield _sse("[DONE]")
 
 
 # ---------------------------------------------------------------- Ray Serve
