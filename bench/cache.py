@@ -25,25 +25,25 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from cache.replay import belady, replay  # noqa: E402
-from cache.residency import Slots  # noqa: E402
-from cache.trace import Trace, read_trace  # noqa: E402
-from planner.fill import fill_stage  # noqa: E402
-from planner.mass import pair_mass  # noqa: E402
-from planner.profile import Profile  # noqa: E402
-from planner.slots import per_layer_slots  # noqa: E402
+from moeray.cache.replay import belady, replay  # noqa: E402
+from moeray.cache.residency import Slots  # noqa: E402
+from moeray.cache.trace import Trace, read_trace  # noqa: E402
+from moeray.planner.fill import fill_stage  # noqa: E402
+from moeray.planner.mass import pair_mass  # noqa: E402
+from moeray.planner.profile import Profile  # noqa: E402
+from moeray.planner.slots import per_layer_slots  # noqa: E402
 
 
 def record(trace_dir: Path, max_tokens: int, threads: int) -> list[Path]:
     """Greedy runs of every bundled prompt with routing recorded; returns the trace paths."""
     import torch
 
-    from cache.attach import attach_cache
-    from stages.default_model import default_model_path, load_prompts
-    from stages.generate import Generator
-    from stages.model import load_model
-    from stages.sampling import SamplingParams
-    from stages.tokenizer import Tokenizer
+    from moeray.cache.attach import attach_cache
+    from moeray.stages.default_model import default_model_path, load_prompts
+    from moeray.stages.generate import Generator
+    from moeray.stages.model import load_model
+    from moeray.stages.sampling import SamplingParams
+    from moeray.stages.tokenizer import Tokenizer
 
     torch.set_num_threads(threads)
     path = default_model_path(quiet=True)
@@ -63,7 +63,7 @@ def record(trace_dir: Path, max_tokens: int, threads: int) -> list[Path]:
             continue
         tmp = out.with_suffix(".partial")
         tmp.unlink(missing_ok=True)
-        from cache.trace import TraceWriter
+        from moeray.cache.trace import TraceWriter
 
         cache.trace_writer = TraceWriter(tmp, n_layers=cfg.n_layers, n_experts=cfg.n_experts,
                                          k=cfg.n_experts_used, first=0, end=cfg.n_layers)
@@ -134,8 +134,8 @@ def slot_bytes_report() -> dict:
     """Bytes one slot holds (float32 compute format) against the expert's bytes in the GGUF."""
     import numpy as np
 
-    from stages.default_model import default_model_path
-    from stages.gguf_file import read_gguf_header
+    from moeray.stages.default_model import default_model_path
+    from moeray.stages.gguf_file import read_gguf_header
 
     h = read_gguf_header(default_model_path(quiet=True))
     held = sum(int(np.prod(h.tensors[f"blk.0.ffn_{k}_exps.weight"].shape[1:])) * 4 for k in ("gate", "up", "down"))

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def prompt_ids(tokenizer, n_tokens: int, index: int) -> list[int]:
     """A prompt of exactly n_tokens made from the bundled prompts, different for each index."""
-    from stages.default_model import load_prompts
+    from moeray.stages.default_model import load_prompts
 
     prompts = load_prompts()
     ids: list[int] = []
@@ -38,12 +38,12 @@ def bench_moeray(path: str, batch_sizes, n_prompt: int, n_decode: int, caches=("
     GGUF mapping when used (the host path a miss takes); "all": every expert is resident in a
     float32 slot (the case of a card with room for the whole model); a size such as "1GiB" is a
     simulated budget filled from a uniform profile."""
-    from cache.attach import attach_cache, detach_cache
-    from stages.device import parse_size
-    from stages.generate import Generator
-    from stages.model import load_model
-    from stages.sampling import SamplingParams
-    from stages.tokenizer import Tokenizer
+    from moeray.cache.attach import attach_cache, detach_cache
+    from moeray.stages.device import parse_size
+    from moeray.stages.generate import Generator
+    from moeray.stages.model import load_model
+    from moeray.stages.sampling import SamplingParams
+    from moeray.stages.tokenizer import Tokenizer
 
     model, tokenizer = load_model(path), Tokenizer.from_gguf(path)
     params = SamplingParams(max_tokens=n_decode + 1, ignore_eos=True)  # +1: the first token comes from prefill
@@ -71,7 +71,7 @@ def bench_llama_cpp(path: str, threads: int, n_prompt: int, n_decode: int) -> li
         from llama_cpp import Llama
     except ImportError:
         return []
-    from stages.tokenizer import Tokenizer
+    from moeray.stages.tokenizer import Tokenizer
 
     llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=n_prompt + n_decode + 8,
                 n_batch=max(n_prompt, 8), logits_all=True, verbose=False)
@@ -112,7 +112,7 @@ def main() -> int:
     if args.model:
         path = args.model
     else:
-        from stages.default_model import default_model_path
+        from moeray.stages.default_model import default_model_path
 
         path = str(default_model_path())
 

@@ -23,7 +23,7 @@ MiB = 1 << 20
 
 def decode_tok_s(engine, batch: int, n_tokens: int, prompt_len: int = 8) -> dict:
     """Run `batch` prompts for `n_tokens` each; decode tok/s over the window where all decode."""
-    from stages.sampling import SamplingParams
+    from moeray.stages.sampling import SamplingParams
 
     prompts = [[1] + [(17 * i + 3 * j) % 4000 + 100 for j in range(prompt_len - 1)] for i in range(batch)]
     t0 = time.perf_counter()
@@ -78,11 +78,11 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
 
-    from cluster.driver import LaunchOptions, launch
-    from cluster.engine import Engine, EngineConfig, LocalPipeline
-    from cluster.generate_cmd import resolve_model
-    from stages.device import parse_sizes
-    from stages.gguf_file import read_gguf_header
+    from moeray.cluster.driver import LaunchOptions, launch
+    from moeray.cluster.engine import Engine, EngineConfig, LocalPipeline
+    from moeray.cluster.generate_cmd import resolve_model
+    from moeray.stages.device import parse_sizes
+    from moeray.stages.gguf_file import read_gguf_header
 
     path = resolve_model(args.model)
     batches = [int(b) for b in args.batches.split(",")]

@@ -23,10 +23,10 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from planner.devices import DeviceSpec  # noqa: E402
-from planner.profile import Profile  # noqa: E402
-from planner.search import plan_placement  # noqa: E402
-from planner.spec import ModelSpec, TrunkBytes  # noqa: E402
+from moeray.planner.devices import DeviceSpec  # noqa: E402
+from moeray.planner.profile import Profile  # noqa: E402
+from moeray.planner.search import plan_placement  # noqa: E402
+from moeray.planner.spec import ModelSpec, TrunkBytes  # noqa: E402
 
 GIB = 1 << 30
 STRATA_MS = 14.0

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import os
 
-from cache.budget import device_budget
-from cache.expert_cache import ExpertCache, slot_bytes
-from cache.trace import TraceWriter
-from stages.moe import HostExperts
+from moeray.cache.budget import device_budget
+from moeray.cache.expert_cache import ExpertCache, slot_bytes
+from moeray.cache.trace import TraceWriter
+from moeray.stages.moe import HostExperts
 
 
 def load_profile(profile, n_layers: int, n_experts: int):
     """A planner Profile from a Profile, a path (moeray, Strata STRP or colibri heat), or None (uniform)."""
-    from planner.profile import Profile
+    from moeray.planner.profile import Profile
 
     if profile is None:
         return Profile.uniform(n_layers, n_experts)

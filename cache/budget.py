@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stages.errors import MoerayError
+from moeray.errors import MoerayError
 
 
 class BudgetExceededError(MoerayError):

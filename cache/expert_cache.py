@@ -19,11 +19,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from cache.budget import ByteBudget
-from cache.residency import CacheCore, Slots
-from stages.errors import ProfileError
-from stages.gguf_file import EXPERT_KINDS
-from stages.moe import HostExperts
+from moeray.cache.budget import ByteBudget
+from moeray.cache.residency import CacheCore, Slots
+from moeray.errors import ProfileError
+from moeray.stages.gguf_file import EXPERT_KINDS
+from moeray.stages.moe import HostExperts
 
 LAYOUTS = ("global", "per-layer")
 COMPUTE_DTYPE = torch.float32
@@ -73,7 +73,7 @@ class ExpertCache:
         n_uniform = budget.capacity // max_blob
         self.layout_message = f"{n_uniform} uniform slots of {max_blob} bytes"
         if layout == "per-layer":
-            from planner.slots import per_layer_slots
+            from moeray.planner.slots import per_layer_slots
 
             plan = per_layer_slots(n_uniform, self.held_bytes)
             slots = Slots.from_layout(plan)
@@ -115,7 +115,7 @@ class ExpertCache:
         """Fill the slots from `profile` (planner.profile.Profile) by the planner's stop rule:
         walk the pairs hottest first, take this stage's layers, stop at the first that does not
         fit. With per-layer slots each layer takes its own hottest `quota` pairs."""
-        from planner.fill import fill_stage
+        from moeray.planner.fill import fill_stage
 
         cfg = self.config
         profile.check_model(cfg.n_layers, cfg.n_experts)

@@ -14,9 +14,9 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from cache.budget import ByteBudget
-from cache.residency import CacheCore, Slots
-from cache.trace import Trace
+from moeray.cache.budget import ByteBudget
+from moeray.cache.residency import CacheCore, Slots
+from moeray.cache.trace import Trace
 
 
 @dataclass

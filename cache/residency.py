@@ -33,14 +33,14 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from cache.budget import ByteBudget
+from moeray.cache.budget import ByteBudget
 
 POLICIES = ("static", "adaptive", "lru")
 
 
 @dataclass(frozen=True)
 class Slots:
-    """The slot layout of one stage (from planner.slots.per_layer_slots or a plain global pool)."""
+    """The slot layout of one stage (from moeray.planner.slots.per_layer_slots or a plain global pool)."""
     per_layer: bool
     quota: int          # slots per layer when per_layer, else 0
     n_slots: int        # total slots

@@ -25,7 +25,7 @@ from typing import Iterator, Sequence
 
 import msgpack
 
-from stages.errors import MoerayError
+from moeray.errors import MoerayError
 
 FORMAT = "moeray-trace"
 VERSION = 1

@@ -10,23 +10,23 @@ import argparse
 import importlib
 import sys
 
-from stages.errors import MoerayError  # torch-free
+from moeray.errors import MoerayError  # torch-free
 
 # name -> (module, one-line help). Add a subcommand by adding a line here.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "generate": ("cluster.generate_cmd", "generate text from a prompt in one process"),
-    "logits": ("cluster.logits_cmd", "write float32 logits for every position (parity checks)"),
-    "plan": ("cluster.plan_cmd", "run the placement search for a model and a set of devices"),
-    "profile": ("cluster.profile_cmd", "make a routing profile from traces, or show one"),
-    "run": ("cluster.run_cmd", "run prompts through the model on pipeline stages (Ray actors)"),
-    "serve": ("cluster.serve_cmd", "serve the model over an OpenAI-compatible HTTP API (Ray Serve)"),
+    "generate": ("moeray.cluster.generate_cmd", "generate text from a prompt in one process"),
+    "logits": ("moeray.cluster.logits_cmd", "write float32 logits for every position (parity checks)"),
+    "plan": ("moeray.cluster.plan_cmd", "run the placement search for a model and a set of devices"),
+    "profile": ("moeray.cluster.profile_cmd", "make a routing profile from traces, or show one"),
+    "run": ("moeray.cluster.run_cmd", "run prompts through the model on pipeline stages (Ray actors)"),
+    "serve": ("moeray.cluster.serve_cmd", "serve the model over an OpenAI-compatible HTTP API (Ray Serve)"),
 }
 
 
 class CLIError(MoerayError):
     """A user-facing error about the command line: printed as one line, exit status 2, no traceback.
     A MoerayError, so it is caught as one even when this module also runs as __main__
-    (`python -m cluster.cli`), where a second copy of this class exists."""
+    (`python -m moeray.cluster.cli`), where a second copy of this class exists."""
 
 
 def build_parser(argv: list[str]) -> tuple[argparse.ArgumentParser, str | None]:

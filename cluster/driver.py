@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from stages.errors import MoerayError, PlacementError
+from moeray.errors import MoerayError, PlacementError
 
 DEVICE_RESOURCE = "moeray_device"  # declare it on nodes (ray start --resources) to stand in for GPUs
 SIM_CPU = 0.01  # what a simulated stage reserves: stages must not hold whole cores (2-core hosts)
@@ -117,7 +117,7 @@ class StageGroup:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from stages.actor import StageActor
+        from moeray.stages.actor import StageActor
 
         budget = None if self.simulate is None else self.simulate[i]
         return ray.remote(StageActor).options(
@@ -266,7 +266,7 @@ class Launched:
     lines: list[str]
 
     def pipeline(self):
-        from cluster.engine import RayPipeline
+        from moeray.cluster.engine import RayPipeline
 
         return RayPipeline(self.group)
 
@@ -306,8 +306,8 @@ def held_spec(header, kv_bytes_per_layer: int = 0):
     """
     import math
 
-    from planner.spec import ModelSpec, TrunkBytes
-    from stages.gguf_file import is_routed_expert
+    from moeray.planner.spec import ModelSpec, TrunkBytes
+    from moeray.stages.gguf_file import is_routed_expert
 
     cfg = header.config
     f32 = {name: 4 * math.prod(t.shape) for name, t in header.tensors.items()}
@@ -336,8 +336,8 @@ def plan_from_reports(header, reports: list[dict], opts: LaunchOptions, handoff_
     StageModel computes the trunk on its own device) and the KV cache of its layers are charged
     per candidate range inside the search, so a split is never chosen that its KV cannot fit.
     """
-    from planner.devices import DeviceSpec
-    from planner.search import parse_split, plan_placement, proportional_split
+    from moeray.planner.devices import DeviceSpec
+    from moeray.planner.search import parse_split, plan_placement, proportional_split
 
     cfg, S, L = header.config, len(reports), header.config.n_layers
     kv_layer = kv_bytes_per_layer(cfg, opts.max_seqs, opts.max_len)
@@ -355,7 +355,7 @@ def plan_from_reports(header, reports: list[dict], opts: LaunchOptions, handoff_
                 raise PlacementError(f"stage {r['stage']}: {r['device']['name']} cannot hold layers {a}-{b - 1}; {kv_hint}")
         ranges = list(zip(bounds[:-1], bounds[1:]))
         return None, ranges, [f"layer split (dense model, by measured layer speed): K={','.join(map(str, ks))}"]
-    from planner.profile import Profile
+    from moeray.planner.profile import Profile
 
     spec = held_spec(header, kv_layer)
     profile = Profile.load(opts.profile, L, cfg.n_experts) if opts.profile else None
@@ -369,7 +369,7 @@ def plan_from_reports(header, reports: list[dict], opts: LaunchOptions, handoff_
 
 def launch(path: str, opts: LaunchOptions = LaunchOptions(), log=print) -> Launched:
     """Probe -> plan -> load -> wire. `log` gets every line a user should see at startup."""
-    from stages.gguf_file import read_gguf_header
+    from moeray.stages.gguf_file import read_gguf_header
 
     ensure_ray(opts.address)
     header = read_gguf_header(path)

@@ -21,10 +21,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol, Sequence
 
-from cluster.driver import StageFailedError
-from stages.actor import StepBatch
-from stages.errors import MoerayError
-from stages.sampling import SamplingParams
+from moeray.cluster.driver import StageFailedError
+from moeray.stages.actor import StepBatch
+from moeray.errors import MoerayError
+from moeray.stages.sampling import SamplingParams
 
 
 @dataclass
@@ -239,11 +239,11 @@ class LocalPipeline:
     n_stages = 1
 
     def __init__(self, path: str, max_seqs: int, max_len: int, simulated_budget: int | None = None):
-        from stages.actor import StageActor
+        from moeray.stages.actor import StageActor
 
         budget = simulated_budget if simulated_budget is not None else 1 << 62
         self.stage = StageActor(0, 1, budget)
-        from stages.gguf_file import read_gguf_header
+        from moeray.stages.gguf_file import read_gguf_header
 
         n_layers = read_gguf_header(path).config.n_layers
         self.load_report = self.stage.load(path, 0, n_layers, max_seqs, max_len)
@@ -318,7 +318,7 @@ def _blame(errors: list[tuple[int, Exception]], group) -> StageFailedError:
     whose error is its own (not the 'failed upstream' the stages after it report)."""
     from ray.exceptions import RayActorError
 
-    from stages.transport import TransportError
+    from moeray.stages.transport import TransportError
 
     for i, exc in errors:
         if isinstance(exc, RayActorError):

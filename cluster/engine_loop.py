@@ -17,8 +17,8 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
-from stages.errors import MoerayError
-from stages.sampling import SamplingParams
+from moeray.errors import MoerayError
+from moeray.stages.sampling import SamplingParams
 
 
 class OverloadedError(MoerayError):
@@ -164,7 +164,7 @@ class EngineLoop:
         self._count()
 
     def _step(self) -> None:
-        from cluster.driver import StageFailedError
+        from moeray.cluster.driver import StageFailedError
 
         try:
             self.engine.step()

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from stages.errors import MoerayError
+from moeray.errors import MoerayError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -41,7 +41,7 @@ def resolve_model(path: str | None, rebuild: bool = False) -> str:
     from pathlib import Path
 
     if path is None:
-        from stages.default_model import default_model_path
+        from moeray.stages.default_model import default_model_path
 
         return str(default_model_path(rebuild=rebuild))
     if not Path(path).is_file():
@@ -50,7 +50,7 @@ def resolve_model(path: str | None, rebuild: bool = False) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from stages.sampling import SamplingParams
+    from moeray.stages.sampling import SamplingParams
 
     # Parameter errors before the (slow) load.
     try:
@@ -62,10 +62,10 @@ def run(args: argparse.Namespace) -> int:
         raise MoerayError(str(exc)) from None
     path = resolve_model(args.model, args.rebuild)
 
-    from stages.gguf_file import GGUFFile
-    from stages.generate import Generator
-    from stages.model import load_model, memory_report
-    from stages.tokenizer import Tokenizer
+    from moeray.stages.gguf_file import GGUFFile
+    from moeray.stages.generate import Generator
+    from moeray.stages.model import load_model, memory_report
+    from moeray.stages.tokenizer import Tokenizer
 
     gguf = GGUFFile(path)  # validates the whole file before anything is loaded
     tokenizer = Tokenizer.from_metadata(gguf.metadata, source=path)
@@ -102,8 +102,8 @@ CPU_DEFAULT_CACHE = 1 << 30
 def _attach_cache(model, args):
     """(ExpertCache or None, bare TraceWriter or None) as the flags ask. A budget of 0 runs every
     expert from the host copy; --record-routing still records."""
-    from cache.attach import attach_cache, attach_trace
-    from stages.device import parse_size
+    from moeray.cache.attach import attach_cache, attach_trace
+    from moeray.stages.device import parse_size
 
     if not model.config.is_moe:
         if args.record_routing:

@@ -12,7 +12,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def parse_tokens(text: str) -> list[int]:
-    from stages.errors import MoerayError
+    from moeray.errors import MoerayError
 
     try:
         ids = [int(t) for t in text.replace(",", " ").split()]
@@ -26,13 +26,13 @@ def parse_tokens(text: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from cluster.generate_cmd import resolve_model
-    from stages.errors import MoerayError
+    from moeray.cluster.generate_cmd import resolve_model
+    from moeray.errors import MoerayError
 
     ids = parse_tokens(args.tokens)
     path = resolve_model(args.model)
 
-    from stages.model import load_model
+    from moeray.stages.model import load_model
 
     model = load_model(path)
     vocab = model.config.vocab_size

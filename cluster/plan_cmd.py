@@ -9,11 +9,11 @@ from __future__ import annotations
 import json
 import sys
 
-from planner.devices import load_devices_json, parse_devices
-from planner.profile import Profile
-from planner.search import DEFAULT_CPU_FACTOR, DEFAULT_HANDOFF_MS, plan_placement
-from planner.spec import ModelSpec, TrunkBytes
-from stages.errors import PlacementError
+from moeray.planner.devices import load_devices_json, parse_devices
+from moeray.planner.profile import Profile
+from moeray.planner.search import DEFAULT_CPU_FACTOR, DEFAULT_HANDOFF_MS, plan_placement
+from moeray.planner.spec import ModelSpec, TrunkBytes
+from moeray.errors import PlacementError
 
 
 def add_arguments(p) -> None:
@@ -41,7 +41,7 @@ def add_arguments(p) -> None:
 
 
 def spec_from_gguf(path: str) -> ModelSpec:
-    from stages.gguf_file import read_gguf_header  # torch-free
+    from moeray.stages.gguf_file import read_gguf_header  # torch-free
 
     h = read_gguf_header(path)
     cfg = h.config
@@ -79,7 +79,7 @@ def run(args) -> int:
             with open(args.json, "w") as f:
                 f.write(text + "\n")
     if args.plot:
-        from planner.report import plot_plan
+        from moeray.planner.report import plot_plan
 
         plot_plan(plan, args.plot)
     return 0

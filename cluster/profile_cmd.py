@@ -12,9 +12,9 @@ import sys
 
 import numpy as np
 
-from planner.mass import H, cover_b
-from planner.profile import Profile
-from stages.errors import ProfileError
+from moeray.planner.mass import H, cover_b
+from moeray.planner.profile import Profile
+from moeray.errors import ProfileError
 
 CURVE_FRACTIONS = (0.01, 0.05, 0.1, 0.2, 0.25, 0.5, 0.75, 1.0)
 
@@ -45,7 +45,7 @@ def run(args) -> int:
 
 
 def profile_from_traces(paths) -> tuple[Profile, "object"]:
-    from cache.trace import read_trace
+    from moeray.cache.trace import read_trace
 
     trace = read_trace(paths)
     counts = trace.counts()

@@ -43,9 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from cluster.cli import CLIError
-    from stages.device import parse_sizes
-    from stages.sampling import SamplingParams
+    from moeray.cluster.cli import CLIError
+    from moeray.stages.device import parse_sizes
+    from moeray.stages.sampling import SamplingParams
 
     try:
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -62,11 +62,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"moeray run: no GPUs in the cluster, simulating {sim}", file=sys.stderr)
     simulate = parse_sizes(sim) if sim else None
 
-    from cluster.driver import LaunchOptions, launch
-    from cluster.engine import Engine, EngineConfig
-    from cluster.generate_cmd import resolve_model
-    from stages.gguf_file import GGUFFile
-    from stages.tokenizer import Tokenizer
+    from moeray.cluster.driver import LaunchOptions, launch
+    from moeray.cluster.engine import Engine, EngineConfig
+    from moeray.cluster.generate_cmd import resolve_model
+    from moeray.stages.gguf_file import GGUFFile
+    from moeray.stages.tokenizer import Tokenizer
 
     path = resolve_model(args.model)
     gguf = GGUFFile(path)  # validate the whole file before any actor starts
@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _has_gpus(address: str | None) -> bool:
-    from cluster.driver import ensure_ray
+    from moeray.cluster.driver import ensure_ray
 
     ensure_ray(address)
     import ray

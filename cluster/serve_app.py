@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: a FastAPI app over the engine, deployed with Ray Serve.
 
 Who owns what: the Serve deployment (one replica) owns everything behind it. Its constructor
-runs the driver (probe -> plan -> load -> wire, `cluster.driver.launch`), so the stage actors
+runs the driver (probe -> plan -> load -> wire, `moeray.cluster.driver.launch`), so the stage actors
 are its children, then starts the engine thread and the metrics poller. Restarting the
 deployment (or `moeray serve` itself) therefore rebuilds the whole pipeline from the model
 file, and a replica that dies takes its stages with it: nothing is left half-wired. Within a
@@ -29,10 +29,10 @@ from typing import AsyncIterator, Optional
 
 from fastapi import Request
 
-from cluster import openai_schema as oa
-from cluster.engine_loop import EngineDownError, EngineLoop, Finished, OverloadedError, Stream
-from stages.errors import MoerayError
-from stages.sampling import SamplingParams, StopStringStream
+from moeray.cluster import openai_schema as oa
+from moeray.cluster.engine_loop import EngineDownError, EngineLoop, Finished, OverloadedError, Stream
+from moeray.errors import MoerayError
+from moeray.stages.sampling import SamplingParams, StopStringStream
 
 DEFAULT_MAX_TOKENS = 256  # when a request gives none (capped by the room its prompt leaves)
 
@@ -70,17 +70,17 @@ class Service:
     """Model, tokenizer, pipeline, engine thread and metrics of one server."""
 
     def __init__(self, opts: ServeOptions, log=print):
-        from cluster.engine import Engine, EngineConfig, LocalPipeline
-        from cluster.generate_cmd import resolve_model
-        from stages.gguf_file import read_gguf_header
-        from stages.tokenizer import Tokenizer
+        from moeray.cluster.engine import Engine, EngineConfig, LocalPipeline
+        from moeray.cluster.generate_cmd import resolve_model
+        from moeray.stages.gguf_file import read_gguf_header
+        from moeray.stages.tokenizer import Tokenizer
 
         self.opts = opts
         self.path = resolve_model(opts.model)
         if opts.model_name:
             self.model_name = opts.model_name
         elif opts.model is None:
-            from stages.default_model import MODEL_NAME
+            from moeray.stages.default_model import MODEL_NAME
 
             self.model_name = MODEL_NAME
         else:
@@ -100,7 +100,7 @@ class Service:
             pipeline = self.local
             self.lines.append(f"one process: layers 0-{header.config.n_layers - 1} on {self.local.stage.device.name}")
         else:
-            from cluster.driver import LaunchOptions, launch
+            from moeray.cluster.driver import LaunchOptions, launch
 
             self.launched = launch(self.path, LaunchOptions(
                 n_stages=opts.n_stages, simulate=opts.simulate, strategy=opts.strategy, objective=opts.objective,
@@ -113,7 +113,7 @@ class Service:
             step_timeout_s=opts.step_timeout_s), eos_ids=self.tokenizer.end_ids)
         self.metrics = self.poller = None
         try:
-            from cluster.metrics import Metrics, Poller
+            from moeray.cluster.metrics import Metrics, Poller
 
             self.metrics = Metrics(self.model_name)
             self.poller = Poller(self.metrics, self.stage_stats, lambda: (self.loop.counts["running"],

@@ -14,7 +14,7 @@ import re
 import sys
 import time
 
-from stages.errors import MoerayError
+from moeray.errors import MoerayError
 
 # With no GPU, the default model is served on four simulated cards sized for serving: 16
 # sequences of 512 tokens take ~380 MB of KV cache over the 30 layers, the float32 trunk ~330 MB,
@@ -53,9 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def options_from_args(args: argparse.Namespace):
     """ServeOptions from the command line (checked here, before Ray starts)."""
-    from cluster.cli import CLIError
-    from cluster.serve_app import ServeOptions
-    from stages.device import parse_sizes
+    from moeray.cluster.cli import CLIError
+    from moeray.cluster.serve_app import ServeOptions
+    from moeray.stages.device import parse_sizes
 
     if args.stages < 1:
         raise CLIError("--stages must be >= 1")
@@ -97,7 +97,7 @@ def start_server(opts, host: str, port: int, ready_timeout_s: float = 600.0) -> 
     """Deploy the app on the running Ray cluster; returns its URL once /health answers."""
     from ray import serve
 
-    from cluster.serve_app import deployment, wait_ready
+    from moeray.cluster.serve_app import deployment, wait_ready
 
     serve.start(http_options={"host": host, "port": port})
     try:

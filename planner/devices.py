@@ -6,7 +6,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from stages.errors import PlacementError
+from moeray.errors import PlacementError
 
 # Used when only sizes are given (`--devices 12GiB,8GiB`): a plausible mid-range card.
 DEFAULT_LAYER_MS = 1.0

@@ -12,7 +12,7 @@ import os
 
 import numpy as np
 
-from stages.errors import ProfileError
+from moeray.errors import ProfileError
 
 DEFAULT_COVER_B = 3.0
 COVER_B_ENV = "MOERAY_SPLIT_COVER_B"

@@ -20,7 +20,7 @@ from pathlib import Path
 import msgpack
 import numpy as np
 
-from stages.errors import ProfileError
+from moeray.errors import ProfileError
 
 MOERAY_FORMAT = "moeray-profile"
 STRP_MAGIC = b"STRP"

@@ -1,7 +1,7 @@
 """A plan as a picture: per stage, layers, trunk bytes, cache bytes and held mass (matplotlib optional)."""
 from __future__ import annotations
 
-from stages.errors import MoerayError
+from moeray.errors import MoerayError
 
 GIB = 1 << 30
 

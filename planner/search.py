@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from planner.devices import DeviceSpec
-from planner.fill import RangeTables
-from planner.mass import pair_mass
-from planner.slots import GIB, SlotLayout, per_layer_slots
-from planner.spec import ModelSpec
-from planner.trunk import TrunkPolicy, TrunkPricer, expert_read_probability, fmt_bytes
-from stages.errors import PlacementError
+from moeray.planner.devices import DeviceSpec
+from moeray.planner.fill import RangeTables
+from moeray.planner.mass import pair_mass
+from moeray.planner.slots import GIB, SlotLayout, per_layer_slots
+from moeray.planner.spec import ModelSpec
+from moeray.planner.trunk import TrunkPolicy, TrunkPricer, expert_read_probability, fmt_bytes
+from moeray.errors import PlacementError
 
 DEFAULT_HANDOFF_MS = 1.0  # one stage-to-stage hop (a Ray call carrying a hidden vector)
 DEFAULT_CPU_FACTOR = 1.0  # moeray's host copy of an expert is the same GGUF bytes as the card's
@@ -244,7 +244,7 @@ def plan_placement(spec: ModelSpec, devices: list[DeviceSpec], profile=None, obj
                    min_layers: int | list[int] = 1, mass: str = "curve", cpu_factor: float = DEFAULT_CPU_FACTOR,
                    method: str = "auto") -> Plan:
     t0 = time.perf_counter()
-    from planner.profile import Profile
+    from moeray.planner.profile import Profile
 
     L, S = spec.n_layers, len(devices)
     if S < 1:

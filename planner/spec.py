@@ -5,7 +5,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stages.errors import PlacementError
+from moeray.errors import PlacementError
 
 
 @dataclass

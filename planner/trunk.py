@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from stages.errors import PlacementError
+from moeray.errors import PlacementError
 
 MIB = 1 << 20
 

@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from stages.device import DeviceInfo, DeviceMemory, measure_speed, probe_device
-from stages.errors import MoerayError
+from moeray.stages.device import DeviceInfo, DeviceMemory, measure_speed, probe_device
+from moeray.errors import MoerayError
 
 
 @dataclass
@@ -89,7 +89,7 @@ class StageActor:
 
     def probe(self, path: str) -> dict[str, Any]:
         """Everything the planner needs from this stage, measured here, before any weight is loaded."""
-        from stages.gguf_file import read_gguf_header
+        from moeray.stages.gguf_file import read_gguf_header
 
         header = read_gguf_header(path)
         t = time.perf_counter()
@@ -116,14 +116,14 @@ class StageActor:
         return ray.util.get_node_ip_address()
 
     def free_port(self) -> int:
-        from stages.transport import free_port
+        from moeray.stages.transport import free_port
 
         return free_port()
 
     # ---------------------------------------------------------------- wiring
 
     def connect(self, master_addr: str, master_port: int, timeout_s: float = 30.0) -> int:
-        from stages.transport import StageLink
+        from moeray.stages.transport import StageLink
 
         backend = "nccl" if self.device.kind == "cuda" else "gloo"
         self.link = StageLink(master_addr, master_port, self.stage, self.n_stages, timeout_s, backend)
@@ -146,7 +146,7 @@ class StageActor:
         after KV and trunk becomes this stage's expert cache, filled hottest-first from `profile`
         (a path every node can read; None = uniform).
         """
-        from stages.model import StageModel
+        from moeray.stages.model import StageModel
 
         t = time.perf_counter()
         self.model = None
@@ -158,7 +158,7 @@ class StageActor:
         self.memory.reserve(f"trunk of layers {first}-{end - 1}", resident if trunk_on_card is None else trunk_on_card)
         cache = None
         if model.config.is_moe:
-            from cache.attach import attach_cache
+            from moeray.cache.attach import attach_cache
 
             cache = attach_cache(model, self.memory.free, profile, cache_policy, layout="per-layer")
             self.memory.reserve(f"expert cache ({cache.slots.n_slots} slots)", cache.budget.capacity)
@@ -221,7 +221,7 @@ class StageActor:
         return out
 
     def _sample(self, batch: StepBatch, x, meta) -> list[int | None]:
-        from stages.sampling import sample
+        from moeray.stages.sampling import sample
 
         for slot, fresh in zip(batch.slots, batch.fresh):
             if fresh:  # a new sequence in this slot: its sampler starts from its own seed

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from stages.errors import GGUFError, UnsupportedArchitectureError
+from moeray.errors import GGUFError, UnsupportedArchitectureError
 
 SUPPORTED_ARCHS = ("llama", "qwen2moe", "qwen3moe")
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from stages.errors import MoerayError
+from moeray.errors import MoerayError
 
 N_EXPERTS = 8
 N_EXPERTS_USED = 2

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from stages.errors import MoerayError
+from moeray.errors import MoerayError
 
 GiB = 1 << 30
 # Kept free on a real card for the CUDA context's growth, activations and allocator slack.
@@ -295,7 +295,7 @@ def measure_miss_ms(header, reps: int = 20, budget_s: float = 1.0) -> float:
     """
     import torch
 
-    from stages.quant import dequantize  # the same dequantiser the host expert path uses
+    from moeray.stages.quant import dequantize  # the same dequantiser the host expert path uses
 
     slabs = _expert_slabs(header)
     if slabs is None:

@@ -9,8 +9,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from stages.errors import MoerayError
-from stages.sampling import SamplingParams, StopStringStream, sample
+from moeray.errors import MoerayError
+from moeray.stages.sampling import SamplingParams, StopStringStream, sample
 
 
 @dataclass

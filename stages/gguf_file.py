@@ -16,8 +16,8 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from stages.config import ModelConfig, config_from_metadata
-from stages.errors import (GGUFError, MissingTensorError, NotGGUFError, TensorShapeError,
+from moeray.stages.config import ModelConfig, config_from_metadata
+from moeray.errors import (GGUFError, MissingTensorError, NotGGUFError, TensorShapeError,
                            TruncatedGGUFError, UnsupportedQuantError)
 
 GGUF_MAGIC = b"GGUF"

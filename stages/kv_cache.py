@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from stages.errors import MoerayError
+from moeray.errors import MoerayError
 
 
 class KVCacheFullError(MoerayError):

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from stages.config import ModelConfig
-from stages.kv_cache import KVCache
+from moeray.stages.config import ModelConfig
+from moeray.stages.kv_cache import KVCache
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

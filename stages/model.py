@@ -13,12 +13,12 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from stages.errors import MoerayError
-from stages.gguf_file import GGUFFile, is_routed_expert
-from stages.kv_cache import KVCache
-from stages.layers import Attention, BatchMeta, RoPE, make_batch_meta, rms_norm
-from stages.moe import DenseFFN, ExpertSource, HostExperts, MoEBlock
-from stages.quant import dequantize
+from moeray.errors import MoerayError
+from moeray.stages.gguf_file import GGUFFile, is_routed_expert
+from moeray.stages.kv_cache import KVCache
+from moeray.stages.layers import Attention, BatchMeta, RoPE, make_batch_meta, rms_norm
+from moeray.stages.moe import DenseFFN, ExpertSource, HostExperts, MoEBlock
+from moeray.stages.quant import dequantize
 
 
 class TransformerLayer(torch.nn.Module):

@@ -11,9 +11,9 @@ from typing import Callable, Protocol
 import torch
 import torch.nn.functional as F
 
-from stages.config import ModelConfig
-from stages.gguf_file import EXPERT_KINDS, GGUFFile
-from stages.quant import dequantize
+from moeray.stages.config import ModelConfig
+from moeray.stages.gguf_file import EXPERT_KINDS, GGUFFile
+from moeray.stages.quant import dequantize
 
 RoutingHook = Callable[[int, torch.Tensor, torch.Tensor], None]
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from stages.errors import GGUFError
+from moeray.errors import GGUFError
 
 # Tokens llama.cpp treats as end-of-generation when a vocabulary has them (its EOG set), besides
 # the file's eos id: an instruct model ends its turn with <|im_end|> but a base-style continuation
@@ -25,7 +25,7 @@ _END_OF_GENERATION_TEXTS = (
 
 def read_tokenizer_metadata(path: str | Path) -> dict[str, Any]:
     """The `tokenizer.*` keys and `general.architecture` of a GGUF, as Python values."""
-    from stages.gguf_file import read_gguf_header
+    from moeray.stages.gguf_file import read_gguf_header
 
     metadata = read_gguf_header(path).metadata
     return {k: v for k, v in metadata.items() if k.startswith("tokenizer.") or k == "general.architecture"}

@@ -18,7 +18,7 @@ import socket
 import torch
 import torch.distributed as dist
 
-from stages.errors import MoerayError
+from moeray.errors import MoerayError
 
 OK, FAILED = 0.0, 1.0
 

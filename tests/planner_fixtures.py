@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from planner.devices import DeviceSpec
-from planner.profile import Profile
-from planner.spec import ModelSpec, TrunkBytes
+from moeray.planner.devices import DeviceSpec
+from moeray.planner.profile import Profile
+from moeray.planner.spec import ModelSpec, TrunkBytes
 
 GIB = 1 << 30
 

@@ -11,7 +11,7 @@ import pytest
 
 def moeray(*args, timeout=300):
     return subprocess.run(
-        [sys.executable, "-m", "cluster.cli", *map(str, args)], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "moeray.cluster.cli", *map(str, args)], capture_output=True, text=True, timeout=timeout
     )
 
 

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from stages import default_model as dm
-from stages.gguf_file import GGUFFile
+from moeray.stages import default_model as dm
+from moeray.stages.gguf_file import GGUFFile
 
 
 class DedupExperts:
@@ -33,21 +33,21 @@ class DedupExperts:
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_dense_path):
-    from stages.tokenizer import Tokenizer
+    from moeray.stages.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(smollm2_dense_path)
 
 
 @pytest.fixture(scope="module")
 def dense(smollm2_dense_path):
-    from stages.model import load_model
+    from moeray.stages.model import load_model
 
     return load_model(smollm2_dense_path)
 
 
 @pytest.fixture(scope="module")
 def moe(default_model_path):
-    from stages.model import load_model
+    from moeray.stages.model import load_model
 
     model = load_model(default_model_path)
     model.expert_source = DedupExperts(model.expert_source)
@@ -84,8 +84,8 @@ def test_experts_are_the_dense_ffn_bytes(default_model_path, smollm2_dense_path)
 
 
 def test_moe_greedy_text_equals_dense(dense, moe, tokenizer):
-    from stages.generate import Generator
-    from stages.sampling import SamplingParams
+    from moeray.stages.generate import Generator
+    from moeray.stages.sampling import SamplingParams
 
     prompts = [p for p in dm.prompt_token_ids(tokenizer)][::4][:3]  # a chat, a code and a prose prompt
     params = SamplingParams(max_tokens=32, ignore_eos=True)

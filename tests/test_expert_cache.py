@@ -7,15 +7,15 @@ import numpy as np
 import pytest
 import torch
 
-from cache.attach import attach_cache, detach_cache
-from cache.budget import BudgetExceededError, ByteBudget, device_budget
-from cache.expert_cache import ExpertCache
-from cache.residency import CacheCore, Slots
-from planner.profile import Profile
-from planner.slots import per_layer_slots
-from stages.gguf_writer import write_gguf
-from stages.model import load_model, StageModel
-from stages.moe import HostExperts
+from moeray.cache.attach import attach_cache, detach_cache
+from moeray.cache.budget import BudgetExceededError, ByteBudget, device_budget
+from moeray.cache.expert_cache import ExpertCache
+from moeray.cache.residency import CacheCore, Slots
+from moeray.planner.profile import Profile
+from moeray.planner.slots import per_layer_slots
+from moeray.stages.gguf_writer import write_gguf
+from moeray.stages.model import load_model, StageModel
+from moeray.stages.moe import HostExperts
 from tiny_models import tiny_mixtral, token_ids
 
 
@@ -123,7 +123,7 @@ def test_fill_stops_at_the_first_pair_without_room():
 
 
 def test_a_profile_for_another_model_is_refused(tiny_path):
-    from stages.errors import ProfileError
+    from moeray.errors import ProfileError
 
     model = load_model(tiny_path)
     with pytest.raises(ProfileError, match="layers"):
@@ -191,7 +191,7 @@ def _default_model(request):
     try:
         return request.getfixturevalue("default_model_path")
     except pytest.FixtureLookupError:
-        from stages.default_model import default_model_path
+        from moeray.stages.default_model import default_model_path
 
         return default_model_path(quiet=True)
 
@@ -218,8 +218,8 @@ def test_default_model_same_tokens_with_no_some_and_all_experts_cached(request):
 
 @pytest.mark.parametrize("policy", ["static", "adaptive", "lru"])
 def test_replay_of_the_recorded_trace_counts_what_the_live_cache_counted(tiny_path, tmp_path, policy):
-    from cache.replay import replay
-    from cache.trace import read_trace
+    from moeray.cache.replay import replay
+    from moeray.cache.trace import read_trace
 
     model = load_model(tiny_path)
     seen = []

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from stages.errors import MoerayError
-from stages.gguf_file import GGUFFile
-from stages.model import StageModel, load_model, memory_report
+from moeray.errors import MoerayError
+from moeray.stages.gguf_file import GGUFFile
+from moeray.stages.model import StageModel, load_model, memory_report
 from test_gguf_file import smollm2_path, tiny_config, write_synthetic_gguf
 
 ARCHS = ["llama", "qwen2moe", "qwen3moe"]

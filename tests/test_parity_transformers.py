@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.gguf_writer import dequantized_state_dict, write_gguf
-from stages.model import load_model
+from moeray.stages.gguf_writer import dequantized_state_dict, write_gguf
+from moeray.stages.model import load_model
 from tiny_models import (
     EXPERT_FFN,
     HEAD_DIM,

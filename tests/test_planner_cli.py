@@ -6,8 +6,8 @@ import sys
 import numpy as np
 import pytest
 
-from cluster.cli import main
-from planner.profile import Profile
+from moeray.cluster.cli import main
+from moeray.planner.profile import Profile
 
 GIB = 1 << 30
 
@@ -103,12 +103,12 @@ def tiny_moe_gguf(path, L=3, E=4, k=2, H=64, F=32, V=128):
 
 
 def test_plan_from_a_header_only_gguf_without_torch(tmp_path):
-    from stages.gguf_file import write_header_only
+    from moeray.stages.gguf_file import write_header_only
 
     tiny_moe_gguf(tmp_path / "m.gguf")
     write_header_only(tmp_path / "m.gguf", tmp_path / "head.gguf")
     assert (tmp_path / "head.gguf").stat().st_size < (tmp_path / "m.gguf").stat().st_size
-    code = ("import sys, json; from cluster.cli import main; "
+    code = ("import sys, json; from moeray.cluster.cli import main; "
             f"rc = main(['plan', {str(tmp_path / 'head.gguf')!r}, '--devices', '60KiB,40KiB', '--json', "
             f"{str(tmp_path / 'plan.json')!r}]); "
             "assert 'torch' not in sys.modules and 'ray' not in sys.modules, 'heavy import'; sys.exit(rc)")

@@ -1,10 +1,10 @@
 import numpy as np
 import pytest
 
-from planner.mass import H, COVER_B_ENV, counts_mass, curve_mass, pair_mass
-from planner.profile import Profile
-from planner.slots import per_layer_slots
-from stages.errors import ProfileError
+from moeray.planner.mass import H, COVER_B_ENV, counts_mass, curve_mass, pair_mass
+from moeray.planner.profile import Profile
+from moeray.planner.slots import per_layer_slots
+from moeray.errors import ProfileError
 
 
 def test_seed_H_values():

@@ -7,13 +7,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from planner.devices import DeviceSpec
-from planner.fill import RangeTables, fill_ranks, fill_stage
-from planner.mass import curve_mass, pair_mass
-from planner.profile import Profile
-from planner.search import (enumerate_boundaries, n_placements, plan_placement, proportional_split)
-from planner.spec import ModelSpec, TrunkBytes
-from stages.errors import PlacementError
+from moeray.planner.devices import DeviceSpec
+from moeray.planner.fill import RangeTables, fill_ranks, fill_stage
+from moeray.planner.mass import curve_mass, pair_mass
+from moeray.planner.profile import Profile
+from moeray.planner.search import (enumerate_boundaries, n_placements, plan_placement, proportional_split)
+from moeray.planner.spec import ModelSpec, TrunkBytes
+from moeray.errors import PlacementError
 
 from planner_fixtures import cards_12_12_8_8, moe_48x512, skewed_profile
 

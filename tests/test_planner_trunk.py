@@ -2,12 +2,12 @@
 import numpy as np
 import pytest
 
-from planner.devices import DeviceSpec
-from planner.profile import Profile
-from planner.search import plan_placement
-from planner.spec import ModelSpec, TrunkBytes
-from planner.trunk import TrunkPolicy
-from stages.errors import PlacementError
+from moeray.planner.devices import DeviceSpec
+from moeray.planner.profile import Profile
+from moeray.planner.search import plan_placement
+from moeray.planner.spec import ModelSpec, TrunkBytes
+from moeray.planner.trunk import TrunkPolicy
+from moeray.errors import PlacementError
 
 BLOB = 100
 

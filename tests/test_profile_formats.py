@@ -4,8 +4,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from planner.profile import HEAT_MAGIC, Profile
-from stages.errors import ProfileError
+from moeray.planner.profile import HEAT_MAGIC, Profile
+from moeray.errors import ProfileError
 
 
 def test_uniform_profile_interleaves_layers():

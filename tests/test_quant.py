@@ -9,7 +9,7 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as reference
 from gguf.quants import quantize
 
-from stages.quant import dequantize
+from moeray.stages.quant import dequantize
 from test_gguf_file import smollm2_path
 
 SHAPE = (48, 512)  # two K-quant super-blocks per row
@@ -55,7 +55,7 @@ def test_k_quants_match_reference_on_random_blocks(qtype):
 
 @pytest.mark.parametrize("name", ["token_embd.weight", "blk.7.ffn_down.weight", "blk.29.attn_k.weight"])
 def test_matches_reference_on_smollm2_tensors(name):
-    from stages.gguf_file import GGUFFile
+    from moeray.stages.gguf_file import GGUFFile
     g = GGUFFile(smollm2_path())
     info = g.tensors[name]
     raw = g.raw(name)

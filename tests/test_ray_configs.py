@@ -15,7 +15,7 @@ pytest.importorskip("jsonschema")
 
 from ray.autoscaler._private.util import prepare_config, validate_config  # noqa: E402
 
-from cluster.metrics import METRICS, exported_name  # noqa: E402
+from moeray.cluster.metrics import METRICS, exported_name  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent.parent / "ray_configs"
 CLUSTER_FILES = ["onprem-gpu.yaml", "aws-gpu.yaml"]

@@ -6,9 +6,9 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from cluster.driver import DEVICE_RESOURCE, LaunchOptions, launch  # noqa: E402
-from cluster.engine import Engine, EngineConfig  # noqa: E402
-from stages.sampling import SamplingParams  # noqa: E402
+from moeray.cluster.driver import DEVICE_RESOURCE, LaunchOptions, launch  # noqa: E402
+from moeray.cluster.engine import Engine, EngineConfig  # noqa: E402
+from moeray.stages.sampling import SamplingParams  # noqa: E402
 from memo_experts import MemoExperts  # noqa: E402
 
 MiB = 1 << 20
@@ -31,7 +31,7 @@ def cluster():
 def test_stages_on_distinct_nodes_give_the_one_process_tokens(cluster, default_model_path):
     import torch
 
-    from stages.model import load_model
+    from moeray.stages.model import load_model
 
     _, workers = cluster
     opts = LaunchOptions(2, simulate=[320 * MiB, 320 * MiB], strategy="SPREAD", torch_threads=1,

@@ -11,9 +11,9 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from cluster.driver import LaunchOptions, StageFailedError, kv_bytes_per_layer, launch  # noqa: E402
-from cluster.engine import Engine, EngineConfig  # noqa: E402
-from stages.sampling import SamplingParams  # noqa: E402
+from moeray.cluster.driver import LaunchOptions, StageFailedError, kv_bytes_per_layer, launch  # noqa: E402
+from moeray.cluster.engine import Engine, EngineConfig  # noqa: E402
+from moeray.stages.sampling import SamplingParams  # noqa: E402
 from memo_experts import MemoExperts  # noqa: E402
 
 MiB = 1 << 20
@@ -40,7 +40,7 @@ def reference(default_model_path):
     """Greedy tokens from the whole model in this process, one prompt at a time (no engine)."""
     import torch
 
-    from stages.model import load_model
+    from moeray.stages.model import load_model
 
     model = load_model(str(default_model_path))
     model.expert_source = MemoExperts(model.expert_source)
@@ -86,7 +86,7 @@ def test_stages_report_their_own_budgets_and_the_plan_uses_them(launched):
 
 
 def _config(launched):
-    from stages.gguf_file import read_gguf_header
+    from moeray.stages.gguf_file import read_gguf_header
 
     return read_gguf_header(launched.path).config
 
@@ -117,8 +117,8 @@ def test_killing_a_stage_fails_requests_clearly_and_the_next_one_succeeds(launch
 
 
 def test_moeray_run_prints_plan_text_speed_and_stages(launched, reference, default_model_path, capsys):
-    from cluster.cli import main
-    from stages.tokenizer import Tokenizer
+    from moeray.cluster.cli import main
+    from moeray.stages.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(default_model_path)
     assert tok.encode("The capital of France is") == PROMPTS[0]

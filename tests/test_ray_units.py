@@ -6,11 +6,11 @@ import os
 
 import pytest
 
-from stages.actor import file_fingerprint
-from stages.device import (DeviceBudgetError, DeviceMemory, measure_layer_ms, measure_miss_ms, parse_size,
+from moeray.stages.actor import file_fingerprint
+from moeray.stages.device import (DeviceBudgetError, DeviceMemory, measure_layer_ms, measure_miss_ms, parse_size,
                            parse_sizes, probe_device)
-from stages.errors import MoerayError
-from stages.gguf_file import TensorInfo, read_gguf_header
+from moeray.errors import MoerayError
+from moeray.stages.gguf_file import TensorInfo, read_gguf_header
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -102,8 +102,8 @@ def _reports(budgets, layer_ms=(1.0, 1.0), miss_ms=0.5):
 
 
 def test_plan_prices_what_a_stage_holds_from_the_reported_budgets(default_model_path):
-    from cluster.driver import LaunchOptions, held_spec, kv_bytes_per_layer, plan_from_reports
-    from stages.errors import PlacementError
+    from moeray.cluster.driver import LaunchOptions, held_spec, kv_bytes_per_layer, plan_from_reports
+    from moeray.errors import PlacementError
 
     header = read_gguf_header(default_model_path)
     cfg = header.config

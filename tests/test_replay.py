@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from cache.replay import _belady_hits, belady, replay
-from cache.residency import Slots
-from cache.trace import Trace, TraceHeader, TraceRecord
+from moeray.cache.replay import _belady_hits, belady, replay
+from moeray.cache.residency import Slots
+from moeray.cache.trace import Trace, TraceHeader, TraceRecord
 
 
 def make_trace(steps: list[list[list[int]]], n_experts: int = 8, k: int = 2) -> Trace:

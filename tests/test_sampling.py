@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stages.generate import Generator
-from stages.sampling import SamplingParams, StopStringStream, filtered_probs, sample
+from moeray.stages.generate import Generator
+from moeray.stages.sampling import SamplingParams, StopStringStream, filtered_probs, sample
 
 torch.manual_seed(0)
 LOGITS = torch.randn(3, 50) * 3
@@ -96,7 +96,7 @@ def test_earliest_of_several_stop_strings_wins():
 
 
 def test_partial_utf8_is_held_back(smollm2_dense_path):
-    from stages.tokenizer import Tokenizer
+    from moeray.stages.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(smollm2_dense_path)
     text = "ok 🙂🙂 done"

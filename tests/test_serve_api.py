@@ -22,8 +22,8 @@ import pytest
 ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
-from cluster.metrics import exported_name  # noqa: E402
-from cluster.serve_app import free_port  # noqa: E402
+from moeray.cluster.metrics import exported_name  # noqa: E402
+from moeray.cluster.serve_app import free_port  # noqa: E402
 
 MiB = 1 << 20
 KEY = "test-key-123"
@@ -35,7 +35,7 @@ N_CHAT = 8
 @pytest.fixture(scope="module")
 def generate_reference(default_model_path):
     """`moeray generate` on the same prompt, started now so it runs while the server comes up."""
-    proc = subprocess.Popen([sys.executable, "-m", "cluster.cli", "generate", str(default_model_path), "--chat",
+    proc = subprocess.Popen([sys.executable, "-m", "moeray.cluster.cli", "generate", str(default_model_path), "--chat",
                              "--prompt", CHAT_Q, "--max-tokens", str(N_CHAT)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     yield proc
@@ -49,7 +49,7 @@ def server(default_model_path, generate_reference):
     """`moeray serve` as a user starts it, in a subprocess; stopped with SIGTERM at the end."""
     port, metrics_port = free_port(), free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "cluster.cli", "serve", str(default_model_path), "--stages", "2",
+        [sys.executable, "-m", "moeray.cluster.cli", "serve", str(default_model_path), "--stages", "2",
          "--simulate-devices", "1600MiB,1600MiB", "--max-seqs", "16", "--max-len", str(CONTEXT),
          "--max-waiting", "4", "--prefill-chunk", "32", "--model-name", "moeray-test", "--port", str(port),
          "--metrics-export-port", str(metrics_port), "--api-key", KEY, "--ready-timeout", "240"],

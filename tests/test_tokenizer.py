@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from stages.tokenizer import Tokenizer
+from moeray.stages.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world!",
@@ -115,7 +115,7 @@ def test_spm_matches_sentencepiece(text):
 
 
 def test_missing_tokenizer_is_a_clear_error():
-    from stages.errors import GGUFError
+    from moeray.errors import GGUFError
 
     with pytest.raises(GGUFError, match="no tokenizer"):
         Tokenizer.from_metadata({"general.architecture": "llama"}, source="x.gguf")

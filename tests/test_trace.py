@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cache.trace import TraceError, TraceWriter, iter_trace, read_trace
+from moeray.cache.trace import TraceError, TraceWriter, iter_trace, read_trace
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -105,7 +105,7 @@ def test_traces_of_different_models_do_not_mix(tmp_path):
 
 WRITER = textwrap.dedent("""
     import sys, time
-    from cache.trace import TraceWriter
+    from moeray.cache.trace import TraceWriter
     w = TraceWriter(sys.argv[1], n_layers=2, n_experts=8, k=2, chunk_bytes=256)
     t = 0
     while True:
@@ -144,8 +144,8 @@ def test_trace_survives_kill_9_up_to_last_flush(tmp_path):
 # -- moeray profile make / show ---------------------------------------------------------------------
 
 def test_profile_make_ranks_pairs_by_count(tmp_path, capsys):
-    from cluster.cli import main
-    from planner.profile import Profile
+    from moeray.cluster.cli import main
+    from moeray.planner.profile import Profile
 
     path = tmp_path / "known.msgpack"
     with TraceWriter(path, n_layers=2, n_experts=4, k=2) as w:
@@ -168,7 +168,7 @@ def test_profile_make_ranks_pairs_by_count(tmp_path, capsys):
 
 
 def test_profile_make_from_several_traces_and_a_killed_one(tmp_path):
-    from cluster.profile_cmd import profile_from_traces
+    from moeray.cluster.profile_cmd import profile_from_traces
 
     a, b = tmp_path / "a.msgpack", tmp_path / "b.msgpack"
     with TraceWriter(a, n_layers=1, n_experts=4, k=1) as w:
@@ -183,8 +183,8 @@ def test_profile_make_from_several_traces_and_a_killed_one(tmp_path):
 
 
 def test_profile_show_of_a_ranking_without_counts(tmp_path, capsys):
-    from cluster.cli import main
-    from planner.profile import Profile
+    from moeray.cluster.cli import main
+    from moeray.planner.profile import Profile
 
     prof = Profile(2, 3, [(1, 2), (0, 0), (0, 1), (1, 0), (0, 2), (1, 1)])
     prof.save_strp(tmp_path / "p.strp")
