@@ -140,3 +140,23 @@ class RangeTables:
         lays = self.lay_blk[kb]
         inr = (lays >= a[:, None]) & (lays < b[:, None]) & (np.arange(self.block)[None, :] < j[:, None])
         return self._range_totals(self.W, kb, a, b) + np.where(inr, self.cols_blk[self.W, kb], 0.0).sum(axis=1)
+
+
+def slot_fill_ranks(layer_of_rank, first_layer: int, end_layer: int, slots) -> np.ndarray:
+    """Global ranks of the pairs a stage's expert cache holds after its profile fill, for its real
+    slot layout (planner.slots.SlotLayout, or None for no slots): per-layer slots take each layer's
+    hottest `quota` pairs, uniform slots the range's hottest `n_slots` (ExpertCache.fill's rule).
+    The stop-rule fill above prices a range; this is what the runtime then holds, so a stage's
+    predicted hit rate is the mass of these ranks."""
+    lay = np.asarray(layer_of_rank)
+    ranks = np.flatnonzero((lay >= first_layer) & (lay < end_layer))
+    if slots is None or slots.n_slots <= 0:
+        return ranks[:0]
+    if not slots.per_layer:
+        return ranks[: slots.n_slots]
+    own = lay[ranks]
+    by_layer = np.argsort(own, kind="stable")  # grouped by layer, rank order inside each group
+    grouped = own[by_layer]
+    place = np.empty(len(ranks), dtype=np.int64)
+    place[by_layer] = np.arange(len(ranks)) - np.searchsorted(grouped, grouped, side="left")
+    return ranks[place < slots.quota]

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moeray.planner.devices import DeviceSpec
-from moeray.planner.fill import RangeTables
-from moeray.planner.mass import pair_mass
+from moeray.planner.fill import RangeTables, slot_fill_ranks
+from moeray.planner.mass import MassModel, mass_model
 from moeray.planner.slots import GIB, SlotLayout, per_layer_slots
 from moeray.planner.spec import ModelSpec
 from moeray.planner.trunk import TrunkPolicy, TrunkPricer, expert_read_probability, fmt_bytes
@@ -50,10 +50,18 @@ class StagePlan:
     trunk: list  # decisions
     slots: SlotLayout | None
     held_per_layer: list
+    slot_pairs: int = 0  # pairs its slots hold after the profile fill (what the runtime holds)
+    slot_mass: float = 0.0
 
     @property
     def n_layers(self) -> int:
         return self.end_layer - self.first_layer
+
+    @property
+    def predicted_hit_rate(self) -> float:
+        """Share of this stage's lookups its cache should serve: the mass its slots hold over the
+        mass routed to its layers (with counts: the hit rate on the profiled routing)."""
+        return self.slot_mass / self.routed_mass if self.routed_mass > 0 else 0.0
 
 
 @dataclass
@@ -71,6 +79,7 @@ class Plan:
     handoff_ms: float
     search_ms: float = 0.0
     notes: list = field(default_factory=list)
+    mass: MassModel | None = None
 
     @property
     def boundaries(self) -> list[int]:
@@ -111,7 +120,10 @@ class Plan:
                            f"{'gpu' if d['on_card'] else 'cpu'}: {d['why']}; expert room "
                            f"{fmt_bytes(d['expert_room_after'])}")
             if s.slots is not None:
-                out.append(f"[slots] stage {s.index}: {s.slots.message}")
+                out.append(f"[slots] stage {s.index}: {s.slots.message}; they hold {s.slot_pairs} pairs: "
+                           f"predicted hit rate {100 * s.predicted_hit_rate:.1f}%")
+        if self.mass is not None:
+            out.append(self.mass.line())
         return out + self.notes
 
     def to_json(self) -> dict:
@@ -122,6 +134,8 @@ class Plan:
             "held_pairs": self.held_pairs, "n_pairs": self.n_pairs, "held_mass": self.held_mass,
             "routed_mass": self.routed_mass, "mass": self.mass_mode, "trunk": self.trunk_mode,
             "handoff_ms": self.handoff_ms, "search_ms": self.search_ms,
+            "mass_b": self.mass.b if self.mass else None, "mass_b_source": self.mass.source if self.mass else None,
+            "profile_picks": self.mass.picks if self.mass else 0,
             "stages": [{
                 "device": s.device, "layers": [s.first_layer, s.end_layer], "free_bytes": s.free_bytes,
                 "trunk_bytes": s.trunk_bytes, "expert_room": s.expert_room, "held_pairs": len(s.held_pairs),
@@ -130,6 +144,7 @@ class Plan:
                 "miss_ms": s.miss_ms, "host_trunk_ms": s.host_trunk_ms, "trunk_decisions": s.trunk,
                 "slots_per_layer": s.slots.quota if s.slots else 0,
                 "slots": s.slots.n_slots if s.slots else 0,
+                "slot_pairs": s.slot_pairs, "predicted_hit_rate": s.predicted_hit_rate,
             } for s in self.stages],
         }
 
@@ -202,10 +217,11 @@ def parse_split(split, n_layers: int, n_stages: int) -> list[int] | None:
 class _Context:
     """Everything priced once per (model, devices, profile)."""
 
-    def __init__(self, spec, devices, profile, mass, cpu_factor, policy):
+    def __init__(self, spec, devices, profile, mass: MassModel, cpu_factor, policy):
         self.spec, self.devices, self.profile, self.policy, self.cpu_factor = spec, devices, profile, policy, cpu_factor
         self.layers = profile.layers_array()
-        self.mass = pair_mass(profile, mass)
+        self.mass_model = mass
+        self.mass = mass.pair_mass(profile)
         # p_e prices experts against the trunk; with the trunk off nothing needs it
         self.p_e = expert_read_probability(profile, spec.n_experts_used) if policy.mode == "auto" else None
         self.tables = RangeTables(self.layers, spec.expert_bytes, self.mass)
@@ -241,7 +257,7 @@ class _Context:
 
 def plan_placement(spec: ModelSpec, devices: list[DeviceSpec], profile=None, objective: str = "latency",
                    split="auto", trunk: str | TrunkPolicy = "auto", handoff_ms: float = DEFAULT_HANDOFF_MS,
-                   min_layers: int | list[int] = 1, mass: str = "curve", cpu_factor: float = DEFAULT_CPU_FACTOR,
+                   min_layers: int | list[int] = 1, mass: str = "auto", cpu_factor: float = DEFAULT_CPU_FACTOR,
                    method: str = "auto") -> Plan:
     t0 = time.perf_counter()
     from moeray.planner.profile import Profile
@@ -251,6 +267,9 @@ def plan_placement(spec: ModelSpec, devices: list[DeviceSpec], profile=None, obj
         raise PlacementError("no devices to place the model on")
     if objective not in ("latency", "throughput"):
         raise PlacementError(f"objective {objective!r}: use latency or throughput")
+    # Decided before a missing profile becomes the uniform ranking: without one the caches hold
+    # arbitrary experts, and the mass must say so (planner.mass.mass_model).
+    mass_used = mass_model(profile, mass)
     if profile is None:
         profile = Profile.uniform(L, spec.n_experts)
     profile.check_model(L, spec.n_experts)
@@ -258,7 +277,7 @@ def plan_placement(spec: ModelSpec, devices: list[DeviceSpec], profile=None, obj
     if len(mins) != S or min(mins) < 1:
         raise PlacementError(f"min_layers must be >= 1 for each of the {S} stages")
     policy = trunk if isinstance(trunk, TrunkPolicy) else TrunkPolicy.parse(trunk, L)
-    ctx = _Context(spec, devices, profile, mass, cpu_factor, policy)
+    ctx = _Context(spec, devices, profile, mass_used, cpu_factor, policy)
     given = parse_split(split, L, S)
 
     if given is not None:
@@ -297,7 +316,7 @@ def plan_placement(spec: ModelSpec, devices: list[DeviceSpec], profile=None, obj
             raise PlacementError("no placement fits the devices (every candidate needs more VRAM than a card has)")
         method_used, scored = method, total
 
-    plan = _build_plan(ctx, bounds, objective, method_used, scored, handoff_ms, mass)
+    plan = _build_plan(ctx, bounds, objective, method_used, scored, handoff_ms, mass_used.mode)
     plan.search_ms = (time.perf_counter() - t0) * 1e3
     return plan
 
@@ -372,6 +391,7 @@ def _build_plan(ctx, bounds, objective, method, scored, handoff_ms, mass_mode) -
         blobs = ctx.spec.expert_bytes[aa[i]:bb[i]]
         room = int(tr.room[u])
         slots = per_layer_slots(room // max(blobs), blobs) if room >= max(blobs) else None
+        in_slots = slot_fill_ranks(ctx.layers, int(aa[i]), int(bb[i]), slots)
         decisions = ctx.pricer.decisions(u, int(aa[i]), int(bb[i]), ctx.devices[i].free_bytes, i == 0, i == S - 1,
                                          ctx.layers, ctx.p_e)
         stages.append(StagePlan(
@@ -380,9 +400,9 @@ def _build_plan(ctx, bounds, objective, method, scored, handoff_ms, mass_mode) -
             held_pairs=pairs, held_bytes=int(tr.fill.bytes[u]), held_mass=float(tr.fill.mass[u]),
             routed_mass=float(routed[i]), dense_ms=float(dense[i]), miss_ms=float(missed[i]),
             host_trunk_ms=float(host[i]), stage_ms=float(ms[i]), trunk=decisions, slots=slots,
-            held_per_layer=per_layer))
+            held_per_layer=per_layer, slot_pairs=int(in_slots.size), slot_mass=float(ctx.mass[in_slots].sum())))
     predicted = float(ms.sum()) + (S - 1) * handoff_ms
     return Plan(objective=objective, method=method, split=list(zip(bounds[:-1], bounds[1:])),
                 predicted_ms=predicted, slowest_stage_ms=float(ms.max()), placements_scored=scored, stages=stages,
                 n_pairs=len(ctx.profile.pairs), mass_mode=mass_mode, trunk_mode=ctx.policy.text,
-                handoff_ms=handoff_ms)
+                handoff_ms=handoff_ms, mass=ctx.mass_model)
