@@ -40,7 +40,7 @@ def bench_moeray(path: str, batch_sizes, n_prompt: int, n_decode: int, caches=("
     simulated budget filled from a uniform profile."""
     from moeray.cache.attach import attach_cache, detach_cache
     from moeray.stages.device import parse_size
-    from moeray.stages.generate import Generator
+    from moeray.cluster.engine import Generator
     from moeray.stages.model import load_model
     from moeray.stages.sampling import SamplingParams
     from moeray.stages.tokenizer import Tokenizer

@@ -78,9 +78,9 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
 
-    from moeray.cluster.driver import LaunchOptions, launch
-    from moeray.cluster.engine import Engine, EngineConfig, LocalPipeline
-    from moeray.cluster.generate_cmd import resolve_model
+    from moeray.cluster.config import EngineConfig, LaunchOptions, resolve_model
+    from moeray.cluster.driver import launch
+    from moeray.cluster.engine import Engine, LocalPipeline
     from moeray.stages.device import parse_sizes
     from moeray.stages.gguf_file import read_gguf_header
 
@@ -94,7 +94,7 @@ def main(argv=None) -> int:
               "stages": args.stages, "devices": args.simulate_devices, "rows": rows}
 
     if not args.skip_local:
-        local = LocalPipeline(path, max_seqs, max_len, simulated_budget=sum(sizes))
+        local = LocalPipeline.from_file(path, max_seqs, max_len, simulated_budget=sum(sizes))
         for b in batches:
             eng = Engine(local, EngineConfig(max_seqs=max_seqs, max_len=max_len, token_budget=256,
                                              prefill_chunk=64, micro_batches=1))
@@ -102,8 +102,8 @@ def main(argv=None) -> int:
             print(rows[-1], file=sys.stderr)
         del local
 
-    launched = launch(path, LaunchOptions(args.stages, simulate=sizes, torch_threads=1, max_seqs=max_seqs,
-                                          max_len=max_len, timeout_s=300), log=lambda l: print(l, file=sys.stderr))
+    launched = launch(path, LaunchOptions(args.stages, simulate=sizes, torch_threads=1, timeout_s=300),
+                      EngineConfig(max_seqs=max_seqs, max_len=max_len), log=lambda l: print(l, file=sys.stderr))
     try:
         result["plan"] = launched.plan.startup_line() if launched.plan is not None else launched.lines[-1]
         result["hops"] = hop_costs(launched, hidden, args.hop_reps)

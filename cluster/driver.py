@@ -9,23 +9,23 @@
 4. Load: each actor loads only its layer range; KV cache allocated.
 5. Wire: the stages join one process group (activations go stage to stage over it).
 
-Every remote wait has a timeout: a stage that hangs is reported by name, never waited on forever.
+Every remote wait goes through cluster/remote.py (one deadline, errors that name the stage): a
+stage that hangs is reported by name, never waited on forever. RayPipeline, the engine's view of
+the wired stages, is here too: the driver owns the stages, the engine only calls submit/result.
 """
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from moeray.cluster.config import EngineConfig, LaunchOptions
+from moeray.cluster.remote import StageFailedError, StagesLate, as_ready, error_of, gather, gather_one
 from moeray.errors import MoerayError, PlacementError
+from moeray.stages.actor import LoadReport, ProbeReport, StageStats, StepBatch
 
 DEVICE_RESOURCE = "moeray_device"  # declare it on nodes (ray start --resources) to stand in for GPUs
 SIM_CPU = 0.01  # what a simulated stage reserves: stages must not hold whole cores (2-core hosts)
-
-
-class StageFailedError(MoerayError):
-    """A stage actor died, raised, or did not answer in time."""
 
 
 def ensure_ray(address: str | None = None) -> None:
@@ -52,31 +52,6 @@ def stage_resources(simulated: bool) -> tuple[dict[str, float], dict[str, Any]]:
     return {"CPU": SIM_CPU}, {"num_cpus": SIM_CPU}
 
 
-def _get(refs, timeout_s: float, what: str, stages: list[int] | None = None):
-    """ray.get with a deadline; a dead or slow stage becomes a StageFailedError that names it."""
-    import ray
-    from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-
-    single = not isinstance(refs, list)
-    refs_l = [refs] if single else refs
-    stages = stages if stages is not None else list(range(len(refs_l)))
-    out = []
-    deadline = time.monotonic() + timeout_s
-    for i, ref in zip(stages, refs_l):
-        try:
-            out.append(ray.get(ref, timeout=max(0.0, deadline - time.monotonic())))
-        except GetTimeoutError as exc:
-            raise StageFailedError(f"stage {i}: {what} did not finish within {timeout_s:.0f} s") from exc
-        except RayActorError as exc:
-            raise StageFailedError(f"stage {i}: its actor died during {what} ({exc.__class__.__name__})") from exc
-        except RayTaskError as exc:
-            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-            if isinstance(cause, MoerayError):
-                raise type(cause)(str(cause)) from exc
-            raise StageFailedError(f"stage {i}: {what} failed: {cause}") from exc
-    return out[0] if single else out
-
-
 @dataclass
 class StageGroup:
     """The stage actors of one pipeline and the placement group that pins them."""
@@ -87,7 +62,7 @@ class StageGroup:
     timeout_s: float = 120.0
     actors: list[Any] = field(default_factory=list)
     pg: Any = None
-    reports: list[dict] = field(default_factory=list)
+    reports: list[ProbeReport] = field(default_factory=list)
     load_args: list[tuple] = field(default_factory=list)  # per stage, to reload it after a restart
     hung: set = field(default_factory=set)
     _actor_opts: dict = field(default_factory=dict)
@@ -110,7 +85,7 @@ class StageGroup:
                 f"could not reserve {self.n_stages} x {bundle} ({self.strategy}) within {self.timeout_s:.0f} s; "
                 f"the cluster has {ray.available_resources()}") from exc
         self.actors = [self._spawn(i) for i in range(self.n_stages)]
-        _get([a.ping.remote() for a in self.actors], self.timeout_s, "start")
+        gather([a.ping.remote() for a in self.actors], self.timeout_s, "start")
         return self
 
     def _spawn(self, i: int):
@@ -125,53 +100,41 @@ class StageGroup:
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
         ).remote(i, self.n_stages, budget, self.torch_threads)
 
-    def probe(self, path: str) -> list[dict]:
+    def probe(self, path: str) -> list[ProbeReport]:
         """Each actor's report (device, budget, node, speeds); checks every node sees the same file."""
-        self.reports = _get([a.probe.remote(path) for a in self.actors], self.timeout_s, "probe")
-        ref = self.reports[0]["file"]
+        self.reports = gather([a.probe.remote(path) for a in self.actors], self.timeout_s, "probe")
+        ref = self.reports[0].file
         for r in self.reports[1:]:
-            if r["file"] != ref:
+            if r.file != ref:
                 raise MoerayError(
-                    f"{path} differs between nodes: stage 0 on {self.reports[0]['device']['node_ip']} sees "
-                    f"{ref['size']} bytes (sampled sha256 {ref['sha256_sampled'][:12]}), stage {r['stage']} on "
-                    f"{r['device']['node_ip']} sees {r['file']['size']} bytes ({r['file']['sha256_sampled'][:12]}); "
+                    f"{path} differs between nodes: stage 0 on {self.reports[0].device.node_ip} sees "
+                    f"{ref.size} bytes (sampled sha256 {ref.sha256_sampled[:12]}), stage {r.stage} on "
+                    f"{r.device.node_ip} sees {r.file.size} bytes ({r.file.sha256_sampled[:12]}); "
                     "copy the same file to every node")
         return self.reports
 
     def connect(self, timeout_s: float = 30.0) -> None:
         """(Re-)form the stages' process group; stage 0's node hosts the rendezvous."""
-        addr = _get(self.actors[0].node_ip.remote(), self.timeout_s, "connect")
-        port = _get(self.actors[0].free_port.remote(), self.timeout_s, "connect")
-        _get([a.connect.remote(addr, port, timeout_s) for a in self.actors], self.timeout_s + timeout_s, "connect")
+        addr = gather_one(self.actors[0].node_ip.remote(), self.timeout_s, "connect")
+        port = gather_one(self.actors[0].free_port.remote(), self.timeout_s, "connect")
+        gather([a.connect.remote(addr, port, timeout_s) for a in self.actors], self.timeout_s + timeout_s, "connect")
 
     def where(self, i: int) -> str:
         """'simulated device 2 (8.00 MiB on CPU) on 192.0.2.2' -- for error messages."""
         if i < len(self.reports):
-            d = self.reports[i]["device"]
-            return f"{d['name']} on {d['node_ip'] or d['hostname']}"
+            d = self.reports[i].device
+            return f"{d.name} on {d.node_ip or d.hostname}"
         return "not probed yet"
 
     def load(self, path: str, ranges: list[tuple[int, int]], max_seqs: int, max_len: int,
-             progress=None, trunk_on_card: list[int] | None = None, profile: str | None = None) -> list[dict]:
+             progress=None, trunk_on_card: list[int] | None = None, profile: str | None = None,
+             cache_policy: str = "static") -> list[LoadReport]:
         """Each stage loads only its layer range; `progress(stage, report)` as each one finishes."""
-        import ray
-
         trunk_on_card = trunk_on_card or [0] * len(ranges)
-        self.load_args = [(path, a, b, max_seqs, max_len, t, profile) for (a, b), t in zip(ranges, trunk_on_card)]
+        self.load_args = [(path, a, b, max_seqs, max_len, t, profile, cache_policy)
+                          for (a, b), t in zip(ranges, trunk_on_card)]
         refs = [a.load.remote(*args) for a, args in zip(self.actors, self.load_args)]
-        index = {ref: i for i, ref in enumerate(refs)}
-        out: list[dict | None] = [None] * len(refs)
-        pending, deadline = list(refs), time.monotonic() + self.timeout_s
-        while pending:  # bounded: every pass waits at most until the deadline
-            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not done:
-                late = [index[r] for r in pending]
-                raise StageFailedError(f"stages {late} did not finish loading within {self.timeout_s:.0f} s")
-            i = index[done[0]]
-            out[i] = _get(done[0], 1.0, "load", [i])
-            if progress is not None:
-                progress(i, out[i])
-        return out  # type: ignore[return-value]
+        return gather(refs, self.timeout_s, "loading", progress=progress)
 
     def mark_hung(self, i: int) -> None:
         """A stage stopped answering: kill it so its peers' waits end, and restart it in recover()."""
@@ -181,16 +144,13 @@ class StageGroup:
         ray.kill(self.actors[i], no_restart=True)
 
     def alive(self, timeout_s: float = 5.0) -> list[bool]:
-        import ray
-
-        refs = [a.ping.remote() for a in self.actors]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        ok = []
-        for i, ref in enumerate(refs):
-            try:
-                ok.append(ref in ready and i not in self.hung and ray.get(ref, timeout=0.1) > 0)
-            except Exception:  # noqa: BLE001 - a dead actor raises here
-                ok.append(False)
+        """Which stages answer a ping in time (a hung one does not count, even if it answers)."""
+        ok = [False] * len(self.actors)
+        try:
+            for i, ref in as_ready([a.ping.remote() for a in self.actors], timeout_s):
+                ok[i] = i not in self.hung and error_of(ref) is None
+        except StagesLate:
+            pass
         return ok
 
     def recover(self) -> list[int]:
@@ -207,14 +167,14 @@ class StageGroup:
             self.actors[i] = self._spawn(i)
         self.hung.clear()
         if dead:
-            _get([self.actors[i].ping.remote() for i in dead], self.timeout_s, "restart", dead)
+            gather([self.actors[i].ping.remote() for i in dead], self.timeout_s, "restart", dead)
             if self.load_args:
-                _get([self.actors[i].load.remote(*self.load_args[i]) for i in dead], self.timeout_s, "reload", dead)
+                gather([self.actors[i].load.remote(*self.load_args[i]) for i in dead], self.timeout_s, "reload", dead)
         self.connect()
         return dead
 
     def link_check(self, rows: int, hidden: int, reps: int = 50) -> dict[str, Any]:
-        out = _get([a.link_check.remote(rows, hidden, reps) for a in self.actors], self.timeout_s, "link check")
+        out = gather([a.link_check.remote(rows, hidden, reps) for a in self.actors], self.timeout_s, "link check")
         return out[-1]
 
     def shutdown(self) -> None:
@@ -238,48 +198,28 @@ class StageGroup:
 
 
 @dataclass
-class LaunchOptions:
-    n_stages: int = 4
-    simulate: list[int] | None = None  # byte budgets of simulated CPU devices, one per stage
-    strategy: str = "PACK"
-    objective: str = "latency"  # planner objective: latency | throughput
-    split: str = "auto"  # or "K=8,15,23"
-    # A stage keeps its whole trunk on its device (StageModel has no host-side trunk path yet),
-    # so the planner is told exactly that instead of being free to place pieces on the host.
-    trunk: str = "head=gpu,embed=gpu,layers=all"
-    profile: str | None = None  # routing profile for the planner (hottest pairs first)
-    max_seqs: int = 16  # KV slots per stage
-    max_len: int = 1024  # tokens per sequence
-    torch_threads: int | None = None
-    timeout_s: float = 120.0
-    address: str | None = None  # join this Ray cluster instead of starting one
-
-
-@dataclass
 class Launched:
     path: str
     group: StageGroup
-    reports: list[dict]
+    reports: list[ProbeReport]
     plan: Any  # planner.search.Plan, or None for a dense model
     ranges: list[tuple[int, int]]
     handoff_ms: float
     lines: list[str]
 
-    def pipeline(self):
-        from moeray.cluster.engine import RayPipeline
-
+    def pipeline(self) -> "RayPipeline":
         return RayPipeline(self.group)
 
-    def stage_stats(self) -> list[dict]:
-        return _get([a.stats.remote() for a in self.group.actors], self.group.timeout_s, "stats")
+    def stage_stats(self, timeout_s: float | None = None) -> list[StageStats]:
+        return gather([a.stats.remote() for a in self.group.actors], timeout_s or self.group.timeout_s, "stats")
 
     def stage_stat_lines(self) -> list[str]:
         out = []
         for s in self.stage_stats():
-            a, b = s["layers"]
-            line = (f"stage {s['stage']} ({s['device']} on {s['node_ip']}): layers {a}-{b - 1}, {s['steps']} steps, "
-                    f"{1e3 * s['step_s'] / max(1, s['steps']):.1f} ms per step (incl. waiting for the stage before)")
-            c = s["cache"]
+            a, b = s.layers
+            line = (f"stage {s.stage} ({s.device} on {s.node_ip}): layers {a}-{b - 1}, {s.steps} steps, "
+                    f"{1e3 * s.step_s / max(1, s.steps):.1f} ms per step (incl. waiting for the stage before)")
+            c = s.cache
             if c:
                 line += (f", expert cache {c.get('hits', 0)} hits of {c.get('lookups', 0)} lookups "
                          f"({100 * c.get('hit_rate', 0.0):.1f}%)")
@@ -329,22 +269,23 @@ def held_spec(header, kv_bytes_per_layer: int = 0):
     return ModelSpec(cfg.n_layers, cfg.n_experts, cfg.n_experts_used, experts, TrunkBytes(emb, head, layers))
 
 
-def plan_from_reports(header, reports: list[dict], opts: LaunchOptions, handoff_ms: float):
+def plan_from_reports(header, reports: list[ProbeReport], opts: LaunchOptions, engine: EngineConfig,
+                      handoff_ms: float):
     """The planner over what the actors reported. Returns (plan or None, ranges, lines).
 
     Each card offers its free bytes less its reserve; the trunk the stage holds (all of it:
-    StageModel computes the trunk on its own device) and the KV cache of its layers are charged
-    per candidate range inside the search, so a split is never chosen that its KV cannot fit.
+    StageModel computes the trunk on its own device) and the KV cache of its layers
+    (`engine.max_seqs` sequences of `engine.max_len` tokens) are charged per candidate range
+    inside the search, so a split is never chosen that its KV cannot fit.
     """
     from moeray.planner.devices import DeviceSpec
     from moeray.planner.search import parse_split, plan_placement, proportional_split
 
     cfg, S, L = header.config, len(reports), header.config.n_layers
-    kv_layer = kv_bytes_per_layer(cfg, opts.max_seqs, opts.max_len)
-    devs = [DeviceSpec(f"stage {r['stage']} {r['device']['name']}",
-                       r["device"]["free_bytes"] - r["device"]["reserve_bytes"], r["layer_ms"], r["miss_ms"])
-            for r in reports]
-    kv_hint = (f"the KV cache takes {kv_layer} bytes per layer for {opts.max_seqs} sequences of {opts.max_len} "
+    kv_layer = kv_bytes_per_layer(cfg, engine.max_seqs, engine.max_len)
+    devs = [DeviceSpec(f"stage {r.stage} {r.device.name}", r.device.free_bytes - r.device.reserve_bytes,
+                       r.layer_ms, r.miss_ms) for r in reports]
+    kv_hint = (f"the KV cache takes {kv_layer} bytes per layer for {engine.max_seqs} sequences of {engine.max_len} "
                "tokens: lower --max-seqs or --max-len, or add stages")
 
     if not cfg.is_moe:  # no experts to place: split by layer speed (or as given)
@@ -352,7 +293,7 @@ def plan_from_reports(header, reports: list[dict], opts: LaunchOptions, handoff_
         bounds = [0] + list(ks) + [L]
         for r, d, a, b in zip(reports, devs, bounds[:-1], bounds[1:]):
             if (b - a) * kv_layer > d.free_bytes:
-                raise PlacementError(f"stage {r['stage']}: {r['device']['name']} cannot hold layers {a}-{b - 1}; {kv_hint}")
+                raise PlacementError(f"stage {r.stage}: {r.device.name} cannot hold layers {a}-{b - 1}; {kv_hint}")
         ranges = list(zip(bounds[:-1], bounds[1:]))
         return None, ranges, [f"layer split (dense model, by measured layer speed): K={','.join(map(str, ks))}"]
     from moeray.planner.profile import Profile
@@ -367,8 +308,10 @@ def plan_from_reports(header, reports: list[dict], opts: LaunchOptions, handoff_
     return plan, [tuple(x) for x in plan.split], plan.lines()
 
 
-def launch(path: str, opts: LaunchOptions = LaunchOptions(), log=print) -> Launched:
-    """Probe -> plan -> load -> wire. `log` gets every line a user should see at startup."""
+def launch(path: str, opts: LaunchOptions = LaunchOptions(), engine: EngineConfig = EngineConfig(),
+           log=print) -> Launched:
+    """Probe -> plan -> load -> wire, with KV caches for the engine's `max_seqs` x `max_len`.
+    `log` gets every line a user should see at startup."""
     from moeray.stages.gguf_file import read_gguf_header
 
     ensure_ray(opts.address)
@@ -384,30 +327,96 @@ def launch(path: str, opts: LaunchOptions = LaunchOptions(), log=print) -> Launc
     try:
         reports = group.probe(path)
         for r in reports:
-            d = r["device"]
-            say(f"stage {r['stage']}: {d['name']} on {d['node_ip']}, {d['free_bytes'] / 2**20:.0f} MiB free of "
-                f"{d['total_bytes'] / 2**20:.0f} MiB ({d['memory_source']}), measured {r['layer_ms']:.3f} ms per "
-                f"layer, {r['miss_ms']:.3f} ms per missed expert")
+            say(_probe_line(r))
         group.connect()
         hop = group.link_check(1, header.config.hidden, reps=20)
         handoff_ms = hop["ms_per_pass"] / max(1, opts.n_stages - 1)
         say(f"stage links: {handoff_ms:.3f} ms per hop for a decode activation (measured)")
-        plan, ranges, plan_lines = plan_from_reports(header, reports, opts, handoff_ms)
+        plan, ranges, plan_lines = plan_from_reports(header, reports, opts, engine, handoff_ms)
         for line in plan_lines:
             say(line)
-
-        def progress(i: int, rep: dict) -> None:
-            a, b = rep["layers"]
-            cache = f", expert cache {rep['cache_resident']} experts in {rep['cache_slots']} slots" if rep["cache_slots"] else ""
-            say(f"loaded stage {i}: layers {a}-{b - 1} in {rep['load_s']:.1f} s{cache}, "
-                f"{rep['free_bytes'] / 2**20:.1f} MiB left on its device")
-
         # The plan's trunk includes its layers' KV cache (see held_spec); the actor charges the KV itself.
-        kv_layer = kv_bytes_per_layer(header.config, opts.max_seqs, opts.max_len)
+        kv_layer = kv_bytes_per_layer(header.config, engine.max_seqs, engine.max_len)
         trunk_on_card = ([int(s.trunk_bytes) - s.n_layers * kv_layer for s in plan.stages] if plan is not None
                          else [0] * len(ranges))
-        group.load(path, ranges, opts.max_seqs, opts.max_len, progress, trunk_on_card, opts.profile)
+        group.load(path, ranges, engine.max_seqs, engine.max_len, lambda i, rep: say(_load_line(rep)),
+                   trunk_on_card, opts.profile, opts.cache_policy)
     except BaseException:
         group.shutdown()
         raise
     return Launched(path, group, reports, plan, ranges, handoff_ms, lines)
+
+
+def _probe_line(r: ProbeReport) -> str:
+    d = r.device
+    return (f"stage {r.stage}: {d.name} on {d.node_ip}, {d.free_bytes / 2**20:.0f} MiB free of "
+            f"{d.total_bytes / 2**20:.0f} MiB ({d.memory_source}), measured {r.layer_ms:.3f} ms per "
+            f"layer, {r.miss_ms:.3f} ms per missed expert")
+
+
+def _load_line(rep: LoadReport) -> str:
+    a, b = rep.layers
+    cache = f", expert cache {rep.cache_resident} experts in {rep.cache_slots} slots" if rep.cache_slots else ""
+    return (f"loaded stage {rep.stage}: layers {a}-{b - 1} in {rep.load_s:.1f} s{cache}, "
+            f"{rep.free_bytes / 2**20:.1f} MiB left on its device")
+
+
+# ---------------------------------------------------------------- the engine's view of the stages
+
+
+class RayPipeline:
+    """Stages as Ray actors: every stage gets the step at once (stage 0 the token ids, the last
+    stage the sampling params); activations flow over their process group; the last stage's
+    sampled tokens come back."""
+
+    def __init__(self, group: StageGroup):
+        self.group = group
+        self.n_stages = group.n_stages
+
+    def submit(self, batch: StepBatch) -> list:
+        return [a.step.remote(batch.for_stage(i, self.n_stages)) for i, a in enumerate(self.group.actors)]
+
+    def result(self, handle: list, timeout_s: float) -> list[int | None]:
+        import ray
+
+        # Results as they come, so a stage that died or raised is reported at once, not after the
+        # stages behind it give up waiting for its activations.
+        try:
+            for _stage, ref in as_ready(handle, timeout_s):
+                if error_of(ref) is not None:
+                    raise self._root_cause(handle)
+        except StagesLate as late:
+            stuck = late.stages[0]
+            self.group.mark_hung(stuck)
+            raise StageFailedError(
+                f"stage {stuck} ({self.group.where(stuck)}) did not finish a step within {timeout_s:.0f} s; "
+                "it was stopped and will be restarted") from None
+        return ray.get(handle[-1], timeout=1.0)
+
+    def recover(self) -> None:
+        self.group.recover()
+
+    def _root_cause(self, handle: list) -> StageFailedError:
+        """Among a step's per-stage errors: a dead actor first, else the earliest stage whose error
+        is its own (not the 'failed upstream' the stages after it report). The other stages get a
+        moment to report too: the root cause is often not the first to come back."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        from moeray.stages.transport import TransportError
+
+        ray.wait(handle, num_returns=len(handle), timeout=2.0)
+        errors = [(i, exc) for i, ref in enumerate(handle) if (exc := error_of(ref)) is not None]
+        where = self.group.where
+        for i, exc in errors:
+            if isinstance(exc, RayActorError):
+                return StageFailedError(f"stage {i} ({where(i)}) died during a step; "
+                                        "the requests it was serving failed, the stage is being restarted")
+        for i, exc in errors:
+            cause = getattr(exc, "cause", None) or exc
+            if isinstance(cause, MoerayError) and not isinstance(cause, TransportError):
+                return StageFailedError(f"stage {i}: {cause}")
+            if not isinstance(cause, TransportError):
+                return StageFailedError(f"stage {i} ({where(i)}) failed a step: {cause!r}")
+        i, exc = errors[0]
+        return StageFailedError(f"stage {i} ({where(i)}): {getattr(exc, 'cause', None) or exc}")

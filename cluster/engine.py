@@ -1,17 +1,24 @@
-"""The pipelined engine: continuous batching over a pipeline of stages.
+"""The engine: the one generation loop of moeray (`moeray generate`, `moeray run`, `moeray serve`).
+
+    Engine.step():  scheduler.schedule(lane) ──▶ pipeline.submit(batch)      for every idle lane
+                    pipeline.result(oldest)  ──▶ scheduler.postprocess(step, tokens)
 
 Requests wait until a KV slot is free, then run. Each running request belongs to one of
 `micro_batches` lanes; every lane has at most one step in flight, so with M lanes up to M
-micro-batches move down the pipeline at once and the stages work on different ones at the
-same time (stage 0 embeds lane 1 while stage 3 samples lane 0). A lane's step packs one decode
-token per decoding request, then prompt chunks (at most `prefill_chunk` tokens of a prompt per
-step, chunked prefill) until the step's `token_budget` is spent, so a long prompt never stalls
-the decodes that share its lane.
+micro-batches move down the pipeline at once and the stages work on different ones at the same
+time (stage 0 embeds lane 1 while stage 3 samples lane 0). A lane's step packs one decode token
+per decoding request, then prompt chunks (at most `prefill_chunk` tokens of a prompt per step,
+chunked prefill) until the step's `token_budget` is spent, so a long prompt never stalls the
+decodes that share its lane.
 
-The engine talks to a pipeline through three calls (submit, result, recover): RayPipeline runs
-the stages as Ray actors, LocalPipeline runs a whole model in this process (the reference and
-the one-stage baseline). Every wait has a deadline: a step that does not come back in
-`step_timeout_s` is reported with the stage it is stuck on.
+`Scheduler.postprocess` owns every finish rule: the end token, the length, and stop strings,
+which it finds in the text it detokenises as tokens arrive (`Request.text`: released text only,
+never a partial stop string or character). Callers forward that text; none of them decodes.
+
+A pipeline is three calls (submit, result, recover): RayPipeline (cluster/driver.py) runs the
+stages as Ray actors; LocalPipeline runs a whole model in this process. A step that does not
+come back within `step_timeout_s` is reported with the stage it is stuck on; a stage failure
+fails every running request (their KV state is gone) and the pipeline restarts the stage.
 """
 from __future__ import annotations
 
@@ -19,22 +26,13 @@ import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
-from moeray.cluster.driver import StageFailedError
-from moeray.stages.actor import StepBatch
+from moeray.cluster.config import EngineConfig
+from moeray.cluster.remote import StageFailedError
 from moeray.errors import MoerayError
-from moeray.stages.sampling import SamplingParams
-
-
-@dataclass
-class EngineConfig:
-    max_seqs: int = 16  # KV slots: requests running at once
-    max_len: int = 1024  # prompt + output tokens per request
-    token_budget: int = 256  # new tokens per micro-batch step
-    prefill_chunk: int = 128  # prompt tokens of one request per step
-    micro_batches: int = 2  # lanes: steps in flight at once
-    step_timeout_s: float = 60.0
+from moeray.stages.actor import StepBatch
+from moeray.stages.sampling import SamplingParams, StopStringStream
 
 
 @dataclass
@@ -43,21 +41,165 @@ class Request:
     prompt: list[int]
     params: SamplingParams
     max_new: int  # params.max_tokens capped by the KV length
-    output: list[int] = field(default_factory=list)
+    detok: Optional[StopStringStream] = None  # None: an engine without a tokenizer (token ids only)
+    output: list[int] = field(default_factory=list)  # every sampled token, the end token included
     status: str = "waiting"  # waiting | running | finished | failed
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    error: str | None = None
+    finish_reason: Optional[str] = None  # "stop" (end token or stop string) | "length" | "abort"
+    error: Optional[str] = None
     slot: int = -1
     lane: int = -1
     fed: int = 0  # prompt tokens handed to the pipeline so far
     busy: bool = False  # in a micro-batch that is in flight
     t_arrive: float = field(default_factory=time.perf_counter)
-    t_first: float | None = None
-    t_done: float | None = None
+    t_first: Optional[float] = None
+    t_done: Optional[float] = None
 
     @property
     def done(self) -> bool:
         return self.status in ("finished", "failed")
+
+    @property
+    def text(self) -> str:
+        """The text released so far (final once done); grows only by appending."""
+        return self.detok.text if self.detok is not None else ""
+
+
+@dataclass
+class Row:
+    """One request's part of a step."""
+    req: Request
+    tokens: list[int]  # a prompt chunk, or the last sampled token
+    fresh: bool  # the prompt's first chunk: the slot's KV and sampler start over
+    sample: bool  # the prompt is fully fed with this row: a token comes back
+
+
+@dataclass
+class ScheduledStep:
+    id: int
+    lane: int
+    rows: list[Row]  # in slot order: a lane's neighbouring slots read the KV cache as one view
+
+    def batch(self) -> StepBatch:
+        return StepBatch(self.id, [r.req.slot for r in self.rows], [len(r.tokens) for r in self.rows],
+                         [r.fresh for r in self.rows], [r.tokens for r in self.rows],
+                         [r.req.params if r.sample else None for r in self.rows])
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    failures: int = 0
+
+
+class Scheduler:
+    """Who runs (KV slots, lanes), what each step feeds, and when a request is done."""
+
+    def __init__(self, config: EngineConfig, eos_ids: Sequence[int] = ()):
+        self.config = config
+        self.eos_ids = frozenset(eos_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Each lane owns a contiguous range of KV slots, and a micro-batch lists its slots in
+        # order: a lane whose requests hold neighbouring slots reads the KV cache as one view.
+        m, n = config.micro_batches, config.max_seqs
+        self.lane_slots = [list(range(lane * n // m, (lane + 1) * n // m)) for lane in range(m)]
+        self._steps = itertools.count()
+        self.stats = EngineStats()
+
+    @property
+    def n_free_slots(self) -> int:
+        return sum(len(s) for s in self.lane_slots)
+
+    def admit(self) -> None:
+        """Waiting requests take free slots, each in the lane with the most room."""
+        while self.waiting and any(self.lane_slots):
+            req = self.waiting.popleft()
+            req.lane = max(range(len(self.lane_slots)), key=lambda lane: len(self.lane_slots[lane]))
+            free = self.lane_slots[req.lane]
+            req.slot = free.pop(free.index(min(free)))
+            req.status = "running"
+            self.running.append(req)
+
+    def schedule(self, lane: int) -> Optional[ScheduledStep]:
+        """The lane's next step: decodes first (what users wait on between tokens), then prompt
+        chunks, within the token budget. None when the lane has nothing to run."""
+        budget = self.config.token_budget
+        members = [r for r in self.running if r.lane == lane and not r.busy and not r.done]
+        rows = []
+        for r in members:
+            if r.fed == len(r.prompt) and budget >= 1:
+                rows.append(Row(r, [r.output[-1]], fresh=False, sample=True))
+                budget -= 1
+        n_decode = len(rows)
+        for r in members:
+            if r.fed < len(r.prompt) and budget >= 1:
+                n = min(self.config.prefill_chunk, len(r.prompt) - r.fed, budget)
+                rows.append(Row(r, r.prompt[r.fed:r.fed + n], fresh=r.fed == 0, sample=r.fed + n == len(r.prompt)))
+                r.fed += n
+                budget -= n
+        if not rows:
+            return None
+        rows.sort(key=lambda row: row.req.slot)
+        self.stats.decode_tokens += n_decode
+        self.stats.prefill_tokens += sum(len(row.tokens) for row in rows) - n_decode
+        for row in rows:
+            row.req.busy = True
+        return ScheduledStep(next(self._steps), lane, rows)
+
+    def postprocess(self, step: ScheduledStep, tokens: Sequence[Optional[int]]) -> None:
+        """Hand each row its sampled token and apply the finish rules."""
+        self.stats.steps += 1
+        now = time.perf_counter()
+        for row, tok in zip(step.rows, tokens):
+            req = row.req
+            req.busy = False
+            if req.done:  # aborted while its step was in flight: the slot is free now
+                self._release(req)
+            elif tok is not None:  # None: the row was a prompt chunk with more to come
+                self._append(req, tok, now)
+
+    def _append(self, req: Request, tok: int, now: float) -> None:
+        if req.t_first is None:
+            req.t_first = now
+        req.output.append(tok)
+        if tok in self.eos_ids and not req.params.ignore_eos:
+            if req.detok is not None:
+                req.detok.finish()  # the end token itself is not text
+            self.finish(req, "stop")
+            return
+        if req.detok is not None:
+            req.detok.push(tok)
+            if req.detok.stopped:  # a stop string: the text ends before it
+                self.finish(req, "stop")
+                return
+        if len(req.output) >= req.max_new:
+            if req.detok is not None:
+                req.detok.finish()
+            self.finish(req, "length")
+
+    def finish(self, req: Request, reason: str) -> None:
+        req.status, req.finish_reason, req.t_done = "finished", reason, time.perf_counter()
+        if not req.busy:
+            self._release(req)
+
+    def abort(self, req: Request) -> None:
+        if req.status == "waiting":
+            self.waiting.remove(req)
+        if not req.done:
+            self.finish(req, "abort")
+
+    def fail_running(self, message: str) -> None:
+        """Every running request lost its KV state; waiting ones are untouched."""
+        for req in list(self.running):
+            req.status, req.error, req.busy, req.t_done = "failed", message, False, time.perf_counter()
+            self._release(req)
+
+    def _release(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+            self.lane_slots[req.lane].append(req.slot)
 
 
 class Pipeline(Protocol):
@@ -65,27 +207,19 @@ class Pipeline(Protocol):
 
     def submit(self, batch: StepBatch) -> Any: ...
 
-    def result(self, handle: Any, timeout_s: float) -> list[int | None]: ...
+    def result(self, handle: Any, timeout_s: float) -> list[Optional[int]]: ...
 
     def recover(self) -> None: ...
 
 
 class Engine:
-    def __init__(self, pipeline: Pipeline, config: EngineConfig = EngineConfig(), eos_ids: Sequence[int] = ()):
-        self.pipeline, self.config = pipeline, config
-        self.eos_ids = frozenset(eos_ids)
-        self.waiting: deque[Request] = deque()
-        self.running: list[Request] = []
-        if config.micro_batches < 1 or config.max_seqs < config.micro_batches:
-            raise MoerayError(f"need 1 <= micro_batches ({config.micro_batches}) <= max_seqs ({config.max_seqs})")
-        # Each lane owns a contiguous range of KV slots, and a micro-batch lists its slots in
-        # order: a lane whose requests hold neighbouring slots reads the KV cache as one view.
-        m = config.micro_batches
-        self.lane_slots = [list(range(l * config.max_seqs // m, (l + 1) * config.max_seqs // m)) for l in range(m)]
-        self.in_flight: deque[tuple[Any, StepBatch, list[Request]]] = deque()
+    def __init__(self, pipeline: Pipeline, config: EngineConfig = EngineConfig(), tokenizer=None):
+        """`tokenizer` (anything with decode() and end_ids) gives requests their text, end tokens and
+        stop strings; without one the engine works in token ids (no end token, no stop strings)."""
+        self.pipeline, self.config, self.tokenizer = pipeline, config, tokenizer
+        self.scheduler = Scheduler(config, tokenizer.end_ids if tokenizer is not None else ())
+        self.in_flight: deque[tuple[ScheduledStep, Any]] = deque()
         self._ids = itertools.count()
-        self._steps = itertools.count()
-        self.stats = {"steps": 0, "decode_tokens": 0, "prefill_tokens": 0, "failures": 0}
 
     # ---------------------------------------------------------------- requests
 
@@ -97,20 +231,32 @@ class Engine:
         if room < 1:
             raise MoerayError(f"prompt of {len(prompt)} tokens leaves no room in the engine's "
                               f"max_len of {self.config.max_len} tokens")
-        req = Request(next(self._ids), prompt, params, min(params.max_tokens, room))
-        self.waiting.append(req)
+        if params.stop and self.tokenizer is None:
+            raise MoerayError("stop strings need an engine with a tokenizer")
+        detok = StopStringStream(self.tokenizer, params.stop) if self.tokenizer is not None else None
+        req = Request(next(self._ids), prompt, params, min(params.max_tokens, room), detok)
+        self.scheduler.waiting.append(req)
         return req
 
     def abort(self, req: Request) -> None:
         """Stop a request (a client went away); its slot frees once no step of it is in flight."""
-        if req.status == "waiting":
-            self.waiting.remove(req)
-        if not req.done:
-            self._finish(req, "abort")
+        self.scheduler.abort(req)
+
+    @property
+    def waiting(self) -> deque[Request]:
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Request]:
+        return self.scheduler.running
+
+    @property
+    def stats(self) -> EngineStats:
+        return self.scheduler.stats
 
     @property
     def n_free_slots(self) -> int:
-        return sum(len(s) for s in self.lane_slots)
+        return self.scheduler.n_free_slots
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.in_flight)
@@ -119,35 +265,20 @@ class Engine:
 
     def step(self) -> None:
         """Admit, fill every idle lane with a micro-batch, then take the oldest result."""
-        self._admit()
-        busy_lanes = {reqs[0].lane for _, _, reqs in self.in_flight}
+        self.scheduler.admit()
+        busy = {s.lane for s, _ in self.in_flight}
         for lane in range(self.config.micro_batches):
-            if lane not in busy_lanes:
-                self._launch(lane)
+            if lane not in busy and (step := self.scheduler.schedule(lane)) is not None:
+                self.in_flight.append((step, self.pipeline.submit(step.batch())))
         if not self.in_flight:
             return
-        handle, batch, reqs = self.in_flight.popleft()
+        step, handle = self.in_flight.popleft()
         try:
             tokens = self.pipeline.result(handle, self.config.step_timeout_s)
         except StageFailedError as exc:
             self._fail_all(exc)
             raise
-        self.stats["steps"] += 1
-        now = time.perf_counter()
-        for req, tok in zip(reqs, tokens):
-            req.busy = False
-            if req.done:  # aborted while in flight: free its slot now
-                self._release(req)
-                continue
-            if tok is None:
-                continue
-            if req.t_first is None:
-                req.t_first = now
-            req.output.append(tok)
-            if tok in self.eos_ids and not req.params.ignore_eos:
-                self._finish(req, "stop")
-            elif len(req.output) >= req.max_new:
-                self._finish(req, "length")
+        self.scheduler.postprocess(step, tokens)
 
     def run(self, reqs: Sequence[Request], timeout_s: float = 600.0) -> list[Request]:
         """Step until these requests are done (others keep running alongside)."""
@@ -162,173 +293,141 @@ class Engine:
                  timeout_s: float = 600.0) -> list[Request]:
         return self.run([self.add(p, params) for p in prompts], timeout_s)
 
-    # ---------------------------------------------------------------- internals
-
-    def _admit(self) -> None:
-        while self.waiting and any(self.lane_slots):
-            req = self.waiting.popleft()
-            req.lane = max(range(len(self.lane_slots)), key=lambda l: len(self.lane_slots[l]))
-            free = self.lane_slots[req.lane]
-            req.slot = free.pop(free.index(min(free)))
-            req.status = "running"
-            self.running.append(req)
-
-    def _launch(self, lane: int) -> None:
-        budget = self.config.token_budget
-        reqs, n_new, tokens, fresh, sample = [], [], [], [], []
-        members = [r for r in self.running if r.lane == lane and not r.busy and not r.done]
-        # Decodes first: one token each, they are what users wait on between tokens.
-        for r in members:
-            if r.fed == len(r.prompt) and budget >= 1:
-                reqs.append(r), n_new.append(1), tokens.append([r.output[-1]]), fresh.append(False)
-                sample.append(r.params)
-                budget -= 1
-        for r in members:
-            if r.fed < len(r.prompt) and budget >= 1:
-                n = min(self.config.prefill_chunk, len(r.prompt) - r.fed, budget)
-                reqs.append(r), n_new.append(n), tokens.append(r.prompt[r.fed:r.fed + n])
-                fresh.append(r.fed == 0)
-                r.fed += n
-                sample.append(r.params if r.fed == len(r.prompt) else None)
-                budget -= n
-        if not reqs:
-            return
-        order = sorted(range(len(reqs)), key=lambda i: reqs[i].slot)
-        reqs, n_new, tokens, fresh, sample = ([xs[i] for i in order] for xs in (reqs, n_new, tokens, fresh, sample))
-        for r in reqs:
-            r.busy = True
-        batch = StepBatch(next(self._steps), [r.slot for r in reqs], n_new, fresh, tokens, sample)
-        n_decode = sum(1 for f, n, s in zip(fresh, n_new, sample) if n == 1 and s is not None and not f)
-        self.stats["decode_tokens"] += n_decode
-        self.stats["prefill_tokens"] += sum(n_new) - n_decode
-        self.in_flight.append((self.pipeline.submit(batch), batch, reqs))
-
-    def _finish(self, req: Request, reason: str) -> None:
-        req.status, req.finish_reason, req.t_done = "finished", reason, time.perf_counter()
-        if not req.busy:
-            self._release(req)
-
-    def _release(self, req: Request) -> None:
-        if req in self.running:
-            self.running.remove(req)
-            self.lane_slots[req.lane].append(req.slot)
-
     def _fail_all(self, exc: Exception) -> None:
-        """A stage failed: every running request lost its KV state. Fail them, drain what is still
-        in flight (bounded), and let the pipeline restart what died; waiting requests stay."""
-        self.stats["failures"] += 1
-        msg = str(exc)
-        for _handle, _batch, _reqs in list(self.in_flight):
+        """A stage failed: drain what is still in flight (bounded, those steps are lost with it),
+        fail every running request, and let the pipeline restart what died."""
+        self.stats.failures += 1
+        for _step, handle in self.in_flight:
             try:
-                self.pipeline.result(_handle, min(10.0, self.config.step_timeout_s))
-            except Exception:  # noqa: BLE001 - these steps are lost with the stage
+                self.pipeline.result(handle, min(10.0, self.config.step_timeout_s))
+            except Exception:  # noqa: BLE001 - lost with the stage
                 pass
         self.in_flight.clear()
-        for req in list(self.running):
-            req.status, req.error, req.busy, req.t_done = "failed", msg, False, time.perf_counter()
-            self._release(req)
+        self.scheduler.fail_running(str(exc))
         self.pipeline.recover()
 
 
-# ---------------------------------------------------------------- pipelines
+# ---------------------------------------------------------------- one-process pipelines
 
 
 class LocalPipeline:
-    """The whole model in this process, one stage: the reference and the one-stage baseline."""
+    """The whole model in this process, one stage. `from_file` loads it as a StageActor does (a
+    device budget, an expert cache): `moeray serve --local`. `from_model` runs a model already
+    loaded (its cache attached by the caller): `moeray generate`."""
 
     n_stages = 1
 
-    def __init__(self, path: str, max_seqs: int, max_len: int, simulated_budget: int | None = None):
-        from moeray.stages.actor import StageActor
+    def __init__(self, stage):
+        self.stage = stage  # a StageActor or a StageRunner: step(StepBatch) -> tokens
+        self.load_report = None
 
-        budget = simulated_budget if simulated_budget is not None else 1 << 62
-        self.stage = StageActor(0, 1, budget)
+    @classmethod
+    def from_file(cls, path: str, max_seqs: int, max_len: int, simulated_budget: int | None = None,
+                  profile: str | None = None, cache_policy: str = "static") -> "LocalPipeline":
+        from moeray.stages.actor import StageActor
         from moeray.stages.gguf_file import read_gguf_header
 
+        stage = StageActor(0, 1, simulated_budget if simulated_budget is not None else 1 << 62)
+        pipe = cls(stage)
         n_layers = read_gguf_header(path).config.n_layers
-        self.load_report = self.stage.load(path, 0, n_layers, max_seqs, max_len)
+        pipe.load_report = stage.load(path, 0, n_layers, max_seqs, max_len, profile=profile, cache_policy=cache_policy)
+        return pipe
+
+    @classmethod
+    def from_model(cls, model, max_seqs: int, max_len: int) -> "LocalPipeline":
+        from moeray.stages.actor import StageRunner
+
+        return cls(StageRunner(model, model.new_kv_cache(max_seqs, max_len)))
 
     def submit(self, batch: StepBatch) -> Any:
-        return self.stage.step(batch)
+        return self.stage.step(batch)  # done when it returns: the handle is the result
 
-    def result(self, handle: Any, timeout_s: float) -> list[int | None]:
+    def result(self, handle: Any, timeout_s: float) -> list[Optional[int]]:
         return handle
 
     def recover(self) -> None:
         pass
 
 
-class RayPipeline:
-    """Stages as Ray actors: every stage gets the step at once; activations flow over their
-    process group; the last stage's sampled tokens come back."""
-
-    def __init__(self, group):
-        self.group = group
-        self.n_stages = group.n_stages
-
-    def submit(self, batch: StepBatch) -> Any:
-        return [a.step.remote(batch.for_stage(i, self.n_stages)) for i, a in enumerate(self.group.actors)]
-
-    def result(self, handle: Any, timeout_s: float) -> list[int | None]:
-        import ray
-        from ray.exceptions import RayActorError, RayTaskError
-
-        # Take results as they come, so a stage that died or raised is reported at once, not
-        # after the stages behind it give up waiting for its activations.
-        index = {ref: i for i, ref in enumerate(handle)}
-        pending, deadline = list(handle), time.monotonic() + timeout_s
-        while pending:
-            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
-            if not ready:
-                stuck = min(index[r] for r in pending)
-                self.group.mark_hung(stuck)
-                raise StageFailedError(
-                    f"stage {stuck} ({self.group.where(stuck)}) did not finish a step within {timeout_s:.0f} s; "
-                    "it was stopped and will be restarted")
-            errors = []
-            if any(_failed(ref) for ref in ready) and pending:
-                # Give the other stages a moment to report too: the root cause is the earliest.
-                more, pending = ray.wait(pending, num_returns=len(pending), timeout=2.0)
-                ready = ready + more
-            for ref in ready:
-                try:
-                    ray.get(ref, timeout=1.0)
-                except (RayActorError, RayTaskError) as exc:
-                    errors.append((index[ref], exc))
-            if errors:
-                raise _blame(errors, self.group)
-        return ray.get(handle[-1], timeout=1.0)
-
-    def recover(self) -> None:
-        self.group.recover()
+# ---------------------------------------------------------------- whole requests in one process
 
 
-def _failed(ref) -> bool:
-    import ray
-
-    try:
-        ray.get(ref, timeout=0)
-        return False
-    except Exception:  # noqa: BLE001 - an error result (or, with timeout 0, one not ready: not ours)
-        return True
+@dataclass
+class Completion:
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)  # every sampled token, the end token included
+    text: str = ""
+    finish_reason: Optional[str] = None  # "stop" (end token or stop string) | "length"
 
 
-def _blame(errors: list[tuple[int, Exception]], group) -> StageFailedError:
-    """The root cause among a step's per-stage errors: a dead actor first, else the earliest stage
-    whose error is its own (not the 'failed upstream' the stages after it report)."""
-    from ray.exceptions import RayActorError
+@dataclass
+class GenerationStats:
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0  # until every prompt has its first token
+    decode_tokens: int = 0  # tokens fed through decode steps, summed over sequences
+    decode_s: float = 0.0
 
-    from moeray.stages.transport import TransportError
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prefill_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
 
-    for i, exc in errors:
-        if isinstance(exc, RayActorError):
-            return StageFailedError(f"stage {i} ({group.where(i)}) died during a step; "
-                                    "the requests it was serving failed, the stage is being restarted")
-    for i, exc in errors:
-        cause = getattr(exc, "cause", None) or exc
-        if not isinstance(cause, TransportError):
-            if isinstance(cause, MoerayError):
-                return StageFailedError(f"stage {i}: {cause}")
-            return StageFailedError(f"stage {i} ({group.where(i)}) failed a step: {cause!r}")
-    i, exc = errors[0]
-    return StageFailedError(f"stage {i} ({group.where(i)}): {getattr(exc, 'cause', None) or exc}")
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+class Generator:
+    """The engine over a model loaded in this process (`moeray generate`, benchmarks, tests): every
+    prompt runs to completion in one batch, with a KV cache sized for exactly these prompts."""
+
+    def __init__(self, model, tokenizer, config: EngineConfig = EngineConfig()):
+        self.model, self.tokenizer, self.config = model, tokenizer, config
+        self.stats = GenerationStats()  # of the last run
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
+                 on_text: Optional[Callable[[int, str], None]] = None) -> list[Completion]:
+        """Run all prompts (token ids) to completion, with one SamplingParams for all or one each;
+        `on_text(i, delta)` as prompt i's text is released."""
+        reqs = list(self._run(prompts, params, on_text))
+        return [Completion(r.prompt, list(r.output), r.text, r.finish_reason) for r in reqs]
+
+    def stream(self, prompt: Sequence[int], params: SamplingParams = SamplingParams()) -> Iterator[str]:
+        """Text deltas of one prompt as they are released; `self.stats` is filled when it ends."""
+        deltas: list[str] = []
+        for _ in self._run([prompt], params, lambda _i, d: deltas.append(d), live=True):
+            yield from deltas
+            deltas.clear()
+
+    def _run(self, prompts, params, on_text, live: bool = False) -> Iterator[Request]:
+        """Steps the engine; yields after every step when `live`, else every request at the end."""
+        params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        if len(params) != len(prompts):
+            raise MoerayError(f"{len(prompts)} prompts but {len(params)} sampling params")
+        context = self.model.config.context_length
+        for p in prompts:
+            if len(p) >= context:
+                raise MoerayError(f"prompt of {len(p)} tokens does not fit the context of {context}")
+        max_len = min(context, max((len(p) + q.max_tokens for p, q in zip(prompts, params)), default=1))
+        cfg = EngineConfig(max_seqs=max(1, len(prompts)), max_len=max_len, token_budget=self.config.token_budget,
+                           prefill_chunk=self.config.prefill_chunk, micro_batches=1)
+        engine = Engine(LocalPipeline.from_model(self.model, cfg.max_seqs, max_len), cfg, self.tokenizer)
+        reqs = [engine.add(p, q) for p, q in zip(prompts, params)]
+        sent = [0] * len(reqs)
+        t0 = t_prefilled = time.perf_counter()
+        while not all(r.done for r in reqs):
+            prefilling = any(r.t_first is None for r in reqs)
+            engine.step()
+            if prefilling:
+                t_prefilled = time.perf_counter()
+            for i, r in enumerate(reqs):
+                if on_text is not None and len(r.text) > sent[i]:
+                    on_text(i, r.text[sent[i]:])
+                    sent[i] = len(r.text)
+            if live:
+                yield reqs[0]
+        st = engine.stats
+        self.stats = GenerationStats(st.prefill_tokens, t_prefilled - t0, st.decode_tokens,
+                                     time.perf_counter() - t_prefilled)
+        if not live:
+            yield from reqs

@@ -2,8 +2,10 @@
 
 The Engine is not thread-safe and its step() blocks (it waits on the stages), so it lives on one
 thread: HTTP handlers never touch it, they post commands (add, abort) to an inbox that the
-thread drains before every step. After each step the thread hands every request its new tokens
-through `loop.call_soon_threadsafe`, so the event loop never waits on the engine. Every wait is
+thread drains before every step. After each step the thread hands every request its new text (a
+Delta: the text the engine released, and how many tokens it took) through
+`loop.call_soon_threadsafe`, so the event loop never waits on the engine. The engine decides
+when a request is finished (end token, length, stop string); the server only forwards. Every wait is
 bounded: the thread sleeps at most `idle_wait_s` when there is no work, and a consumer's wait
 for its next tokens has a deadline.
 """
@@ -17,6 +19,7 @@ import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
+from moeray.cluster.remote import StageFailedError
 from moeray.errors import MoerayError
 from moeray.stages.sampling import SamplingParams
 
@@ -30,6 +33,12 @@ class EngineDownError(MoerayError):
 
 
 @dataclass
+class Delta:
+    text: str  # newly released text ("" while held back: a possible stop string, a partial character)
+    n_tokens: int  # tokens generated since the last Delta
+
+
+@dataclass
 class Finished:
     reason: Optional[str]  # "stop" | "length" | "abort" | None on error
     error: Optional[str] = None
@@ -37,13 +46,14 @@ class Finished:
 
 @dataclass
 class Stream:
-    """One request as its HTTP handler sees it: token lists, then one Finished, on `queue`."""
+    """One request as its HTTP handler sees it: Deltas, then one Finished, on `queue`."""
     prompt: list[int]
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     req: Any = None  # the engine's Request, set on the engine thread
-    sent: int = 0  # tokens of req.output already handed over
+    sent_tokens: int = 0  # of req.output, already handed over
+    sent_chars: int = 0  # of req.text, already handed over
     done: bool = False
     t_submit: float = field(default_factory=time.perf_counter)
     t_last: Optional[float] = None  # when the last token was handed over (inter-token latency)
@@ -52,7 +62,7 @@ class Stream:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
     async def next(self, timeout_s: float):
-        """The next item: a list of new token ids, or Finished. Raises TimeoutError past the deadline."""
+        """The next item: a Delta or Finished. Raises TimeoutError past the deadline."""
         return await asyncio.wait_for(self.queue.get(), timeout_s)
 
 
@@ -164,8 +174,6 @@ class EngineLoop:
         self._count()
 
     def _step(self) -> None:
-        from moeray.cluster.driver import StageFailedError
-
         try:
             self.engine.step()
         except StageFailedError as exc:
@@ -179,12 +187,13 @@ class EngineLoop:
         still = []
         for s in self._streams:
             req = s.req
-            new = req.output[s.sent:]
-            if new:
-                s.sent += len(new)
-                s._put(list(new))
+            n_new = len(req.output) - s.sent_tokens
+            if n_new:
+                text = req.text[s.sent_chars:]
+                s.sent_tokens, s.sent_chars = len(req.output), len(req.text)
+                s._put(Delta(text, n_new))
                 if self.on_tokens is not None:
-                    self.on_tokens(s, len(new), now)
+                    self.on_tokens(s, n_new, now)
                 s.t_last = now
             if req.status == "failed":
                 self._finish(s, Finished(None, req.error or "the pipeline failed"))

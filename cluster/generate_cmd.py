@@ -1,25 +1,31 @@
 """`moeray generate [MODEL.gguf] --prompt TEXT ...`: stream a completion from one process.
 
 Text goes to stdout as it is generated; the timing and memory lines go to stderr, so
-`moeray generate ... > out.txt` captures only the text.
+`moeray generate ... > out.txt` captures only the text. The text comes from the same engine as
+`moeray serve` (cluster/engine.py) over a one-process pipeline: same scheduling, same finish rules.
 """
 from __future__ import annotations
 
 import argparse
 import sys
 
+from moeray.cluster.config import CACHE_POLICIES, LaunchOptions, resolve_model
 from moeray.errors import MoerayError
+from moeray.stages.sampling import SamplingParams
+
+__all__ = ["add_arguments", "run", "resolve_model"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = SamplingParams
     p.add_argument("model", nargs="?", help="GGUF file (default: the embedded upcycled SmolLM2 MoE)")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the model's chat template")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=0, help="0 = off")
-    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
+    p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy (default)")
+    p.add_argument("--top-k", type=int, default=d.top_k, help="0 = off")
+    p.add_argument("--top-p", type=float, default=d.top_p, help="1 = off")
+    p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--stop", action="append", default=[], metavar="STR", help="stop before this text (repeatable)")
     p.add_argument("--rebuild", action="store_true", help="rebuild the embedded default model first")
     c = p.add_argument_group("expert cache (hits from slots on the device, misses from the host copy)")
@@ -28,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "less a reserve; on CPU 1GiB, a simulated budget enforced byte for byte (default auto)")
     c.add_argument("--expert-cache", type=int, default=None, metavar="N",
                    help="at most N slots of the largest expert (within --cache-budget)")
-    c.add_argument("--cache-policy", choices=("static", "adaptive", "lru"), default="static",
+    c.add_argument("--cache-policy", choices=CACHE_POLICIES, default=LaunchOptions.cache_policy,
                    help="static: the profile fill; adaptive: decayed heat, swaps with hysteresis; lru")
     c.add_argument("--cache-layout", choices=("global", "per-layer"), default="global",
                    help="per-layer: each layer's slots at its own blob size (slot layer*q+n)")
@@ -36,22 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     c.add_argument("--record-routing", metavar="FILE", help="append every routing decision to this msgpack trace")
 
 
-def resolve_model(path: str | None, rebuild: bool = False) -> str:
-    """The GGUF to run: the given file, or the embedded default model (built on first use)."""
-    from pathlib import Path
-
-    if path is None:
-        from moeray.stages.default_model import default_model_path
-
-        return str(default_model_path(rebuild=rebuild))
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"{path}: no such file")
-    return path
-
-
 def run(args: argparse.Namespace) -> int:
-    from moeray.stages.sampling import SamplingParams
-
     # Parameter errors before the (slow) load.
     try:
         params = SamplingParams(
@@ -62,8 +53,8 @@ def run(args: argparse.Namespace) -> int:
         raise MoerayError(str(exc)) from None
     path = resolve_model(args.model, args.rebuild)
 
+    from moeray.cluster.engine import Generator
     from moeray.stages.gguf_file import GGUFFile
-    from moeray.stages.generate import Generator
     from moeray.stages.model import load_model, memory_report
     from moeray.stages.tokenizer import Tokenizer
 

@@ -26,7 +26,7 @@ def parse_tokens(text: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     import numpy as np
 
-    from moeray.cluster.generate_cmd import resolve_model
+    from moeray.cluster.config import resolve_model
     from moeray.errors import MoerayError
 
     ids = parse_tokens(args.tokens)

@@ -35,19 +35,19 @@ STAGE_TAGS = ("model", "stage", "node")
 ENGINE_TAGS = ("model",)
 LATENCY_BOUNDARIES = [0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 
-_STAGE_COUNTERS = {  # metric -> how to read it from StageActor.stats()
-    "moeray_stage_expert_lookups": lambda s: (s["cache"] or {}).get("lookups", 0),
-    "moeray_stage_expert_hits": lambda s: (s["cache"] or {}).get("hits", 0),
-    "moeray_stage_expert_misses": lambda s: (s["cache"] or {}).get("misses", 0),
-    "moeray_stage_steps": lambda s: s["steps"],
-    "moeray_stage_step_seconds": lambda s: s["step_s"],
+_STAGE_COUNTERS = {  # metric -> how to read it from a StageStats (StageActor.stats())
+    "moeray_stage_expert_lookups": lambda s: (s.cache or {}).get("lookups", 0),
+    "moeray_stage_expert_hits": lambda s: (s.cache or {}).get("hits", 0),
+    "moeray_stage_expert_misses": lambda s: (s.cache or {}).get("misses", 0),
+    "moeray_stage_steps": lambda s: s.steps,
+    "moeray_stage_step_seconds": lambda s: s.step_s,
 }
 _STAGE_GAUGES = {
-    "moeray_stage_resident_experts": lambda s: (s["cache"] or {}).get("resident", 0),
-    "moeray_stage_cache_slots": lambda s: (s["cache"] or {}).get("slots", 0),
-    "moeray_stage_cache_bytes": lambda s: (s["cache"] or {}).get("used_bytes", 0),
-    "moeray_stage_first_layer": lambda s: s["layers"][0] if s["layers"] else -1,
-    "moeray_stage_last_layer": lambda s: s["layers"][1] - 1 if s["layers"] else -1,
+    "moeray_stage_resident_experts": lambda s: (s.cache or {}).get("resident", 0),
+    "moeray_stage_cache_slots": lambda s: (s.cache or {}).get("slots", 0),
+    "moeray_stage_cache_bytes": lambda s: (s.cache or {}).get("used_bytes", 0),
+    "moeray_stage_first_layer": lambda s: s.layers[0] if s.layers else -1,
+    "moeray_stage_last_layer": lambda s: s.layers[1] - 1 if s.layers else -1,
 }
 
 
@@ -90,18 +90,18 @@ class Metrics:
 
     # ---------------------------------------------------------------- stage side
 
-    def stages(self, stats: list[dict]) -> None:
-        """Export what the stages report (their cumulative counters, their gauges)."""
+    def stages(self, stats: list) -> None:
+        """Export what the stages report (StageStats: their cumulative counters, their gauges)."""
         with self._lock:
             for s in stats:
-                tags = {"model": self.model, "stage": str(s["stage"]), "node": str(s.get("node_ip") or "local")}
+                tags = {"model": self.model, "stage": str(s.stage), "node": str(s.node_ip or "local")}
                 for name, read in _STAGE_COUNTERS.items():
                     value = float(read(s))
-                    last = self._seen.get((name, s["stage"]), 0.0)
+                    last = self._seen.get((name, s.stage), 0.0)
                     delta = value - last if value >= last else value  # a restarted stage counts from 0
                     if delta > 0:
                         self.m[name].inc(delta, tags)
-                    self._seen[name, s["stage"]] = value
+                    self._seen[name, s.stage] = value
                 for name, read in _STAGE_GAUGES.items():
                     self.m[name].set(float(read(s)), tags)
 
@@ -109,7 +109,7 @@ class Metrics:
 class Poller:
     """Every `interval_s`, read the stages' stats and the engine's queue into the metrics."""
 
-    def __init__(self, metrics: Metrics, read_stages: Callable[[], list[dict]],
+    def __init__(self, metrics: Metrics, read_stages: Callable[[], list],
                  read_queue: Callable[[], tuple[int, int]], interval_s: float = 2.0):
         self.metrics, self.read_stages, self.read_queue = metrics, read_stages, read_queue
         self.interval_s = interval_s

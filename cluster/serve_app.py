@@ -9,7 +9,8 @@ run, a stage that dies is restarted by the engine (RayPipeline.recover) and the 
 
 `Service` is that owner without Serve (tests and `--local` use it with a one-process
 pipeline); `build_app(service)` makes the FastAPI app; `deployment(options)` wraps both for
-`serve.run`.
+`serve.run`. The server forwards text: the engine detokenises, finds stop strings and end
+tokens, and finishes requests (cluster/engine.py, Scheduler.postprocess).
 
 Routes: POST /v1/chat/completions, POST /v1/completions (JSON or SSE streams), GET /v1/models,
 GET /health, GET /v1/stages. Errors use OpenAI's shape {"error": {"message", "type", "param",
@@ -20,47 +21,23 @@ request that got no token within its deadline.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator, Optional
 
 from fastapi import Request
 
 from moeray.cluster import openai_schema as oa
+from moeray.cluster.config import ServeOptions, resolve_model
 from moeray.cluster.engine_loop import EngineDownError, EngineLoop, Finished, OverloadedError, Stream
 from moeray.errors import MoerayError
-from moeray.stages.sampling import SamplingParams, StopStringStream
+from moeray.stages.sampling import SamplingParams
 
 DEFAULT_MAX_TOKENS = 256  # when a request gives none (capped by the room its prompt leaves)
-
-
-@dataclass
-class ServeOptions:
-    model: Optional[str] = None  # GGUF path; None = the embedded default model
-    model_name: Optional[str] = None  # the id clients send; default: the file's stem
-    local: bool = False  # one process, no stage actors (LocalPipeline)
-    n_stages: int = 4
-    simulate: Optional[list[int]] = None  # simulated device budgets (CPU), one per stage
-    strategy: str = "PACK"
-    split: str = "auto"
-    objective: str = "latency"
-    profile: Optional[str] = None
-    torch_threads: Optional[int] = None
-    max_seqs: int = 16
-    max_len: int = 512
-    token_budget: int = 128
-    prefill_chunk: int = 64
-    micro_batches: int = 2
-    step_timeout_s: float = 60.0
-    max_waiting: int = 64  # requests queued for a slot before 429
-    api_key: Optional[str] = None
-    metrics_interval_s: float = 2.0
-    local_budget: int = 4 << 30  # --local: bytes of the one simulated device (holds every expert
-    # of the default model); LocalPipeline's own default (no budget) sizes a cache it cannot allocate
-    launch_timeout_s: float = 300.0
 
 
 # ---------------------------------------------------------------- the owner of the engine
@@ -70,8 +47,7 @@ class Service:
     """Model, tokenizer, pipeline, engine thread and metrics of one server."""
 
     def __init__(self, opts: ServeOptions, log=print):
-        from moeray.cluster.engine import Engine, EngineConfig, LocalPipeline
-        from moeray.cluster.generate_cmd import resolve_model
+        from moeray.cluster.engine import Engine, LocalPipeline
         from moeray.stages.gguf_file import read_gguf_header
         from moeray.stages.tokenizer import Tokenizer
 
@@ -86,31 +62,27 @@ class Service:
         else:
             self.model_name = Path(self.path).stem
         header = read_gguf_header(self.path)
-        self.context = min(opts.max_len, header.config.context_length)
+        self.context = min(opts.engine.max_len, header.config.context_length)
+        engine_cfg = dataclasses.replace(opts.engine, max_len=self.context)
         self.tokenizer = Tokenizer.from_metadata(header.metadata, source=self.path)
         self.created = oa.now()
         self.launched = None
         self.lines: list[str] = []
         if opts.local:
-            if opts.torch_threads:
+            if opts.launch.torch_threads:
                 import torch
 
-                torch.set_num_threads(opts.torch_threads)
-            self.local = LocalPipeline(self.path, opts.max_seqs, self.context, opts.local_budget)
+                torch.set_num_threads(opts.launch.torch_threads)
+            self.local = LocalPipeline.from_file(self.path, engine_cfg.max_seqs, self.context, opts.local_budget,
+                                                 opts.launch.profile, opts.launch.cache_policy)
             pipeline = self.local
             self.lines.append(f"one process: layers 0-{header.config.n_layers - 1} on {self.local.stage.device.name}")
         else:
-            from moeray.cluster.driver import LaunchOptions, launch
+            from moeray.cluster.driver import launch
 
-            self.launched = launch(self.path, LaunchOptions(
-                n_stages=opts.n_stages, simulate=opts.simulate, strategy=opts.strategy, objective=opts.objective,
-                split=opts.split, profile=opts.profile, max_seqs=opts.max_seqs, max_len=self.context,
-                torch_threads=opts.torch_threads, timeout_s=opts.launch_timeout_s), log=self._log(log))
+            self.launched = launch(self.path, opts.launch, engine_cfg, log=self._log(log))
             pipeline = self.launched.pipeline()
-        self.engine = Engine(pipeline, EngineConfig(
-            max_seqs=opts.max_seqs, max_len=self.context, token_budget=opts.token_budget,
-            prefill_chunk=opts.prefill_chunk, micro_batches=opts.micro_batches,
-            step_timeout_s=opts.step_timeout_s), eos_ids=self.tokenizer.end_ids)
+        self.engine = Engine(pipeline, engine_cfg, self.tokenizer)
         self.metrics = self.poller = None
         try:
             from moeray.cluster.metrics import Metrics, Poller
@@ -139,24 +111,24 @@ class Service:
         itl = None if s.t_last is None else (now - s.t_last) / n
         self.metrics.tokens(n, ttft, itl)
 
-    def stage_stats(self, timeout_s: float = 10.0) -> list[dict]:
-        """Each stage's live numbers (StageActor.stats), with a deadline."""
+    def stage_stats(self, timeout_s: float = 10.0):
+        """Each stage's live numbers (StageActor.stats: StageStats), with a deadline."""
         if self.launched is None:
             return [self.local.stage.stats()]
-        import ray
-
-        return ray.get([a.stats.remote() for a in self.launched.group.actors], timeout=timeout_s)
+        return self.launched.stage_stats(timeout_s)
 
     def stages_report(self) -> dict:
-        stats = self.stage_stats()
+        """GET /v1/stages: the records become JSON here, at the edge."""
+        stats = [dataclasses.asdict(s) for s in self.stage_stats()]
         for s in stats:
             if s.get("cache"):
                 s["cache"].pop("per_layer", None)  # per-layer rows: ask the stage; this is the summary
         return {
             "model": self.model_name, "path": self.path, "context": self.context,
             "plan": self.lines, "stages": stats,
-            "engine": {**self.loop.counts, **self.engine.stats, "max_seqs": self.opts.max_seqs,
-                       "alive": self.loop.alive, "last_failure": self.loop.last_failure},
+            "engine": {**self.loop.counts, **dataclasses.asdict(self.engine.stats),
+                       "max_seqs": self.opts.engine.max_seqs, "alive": self.loop.alive,
+                       "last_failure": self.loop.last_failure},
         }
 
     def close(self) -> None:
@@ -252,21 +224,19 @@ class Outcome:
 
 
 async def text_deltas(service: Service, prep: Prepared, outcome: Outcome) -> AsyncIterator[str]:
-    """Text as it is released (stop strings and end tokens handled as `moeray generate` does);
-    `outcome` holds the finish reason and token count when it ends. A consumer that stops early
-    (a client that went away) frees the sequence."""
+    """The request's text as the engine releases it; `outcome` holds the finish reason and token
+    count when it ends. A consumer that stops early (a client that went away) frees the sequence."""
     try:
         stream = service.loop.submit(prep.prompt, prep.params)
     except OverloadedError as exc:
         raise APIError(429, str(exc), type_="rate_limit_error", code="overloaded") from None
     except EngineDownError as exc:
         raise APIError(503, str(exc), type_="server_error", code="engine_unavailable") from None
-    text = StopStringStream(service.tokenizer, prep.params.stop)
-    end_ids, ignore_eos = service.tokenizer.end_ids, prep.params.ignore_eos
     # The first token waits for a slot and a prefill; later ones for a step or two.
-    deadline_s = max(30.0, 3 * service.opts.step_timeout_s)
+    deadline_s = max(30.0, 3 * service.opts.engine.step_timeout_s)
+    parts: list[str] = []
     try:
-        while not outcome.done:
+        while True:
             try:
                 item = await stream.next(deadline_s)
             except asyncio.TimeoutError:
@@ -276,32 +246,15 @@ async def text_deltas(service: Service, prep: Prepared, outcome: Outcome) -> Asy
                 if item.error is not None:
                     raise APIError(503, f"the request failed: {item.error}", type_="server_error",
                                    code="pipeline_failed")
-                delta = text.finish()
-                outcome.finish_reason = "stop" if item.reason == "stop" else item.reason
-                outcome.done = True
-                if delta:
-                    yield delta
-                break
-            for tok in item:
-                outcome.completion_tokens += 1
-                if tok in end_ids and not ignore_eos:
-                    delta, outcome.finish_reason = text.finish(), "stop"
-                else:
-                    delta = text.push(tok)
-                    if text.stopped:
-                        outcome.finish_reason = "stop"
-                    elif outcome.completion_tokens >= prep.max_tokens:
-                        delta += text.finish()
-                        outcome.finish_reason = "length"
-                if delta:
-                    yield delta
-                if outcome.finish_reason is not None:
-                    outcome.done = True
-                    break
+                outcome.finish_reason, outcome.done = item.reason, True
+                return
+            outcome.completion_tokens += item.n_tokens
+            if item.text:
+                parts.append(item.text)
+                yield item.text
     finally:
-        outcome.text = text.text
-        # Done here (stop string) or gone (client left, error): the engine drops the sequence.
-        service.loop.abort(stream)
+        outcome.text = "".join(parts)
+        service.loop.abort(stream)  # gone early (client left, error): the engine drops the sequence
 
 
 # ---------------------------------------------------------------- the app
@@ -499,12 +452,12 @@ async def _events(first, gen: AsyncIterator[str], text_chunk, closing, opening: 
 class MoerayServer:
     """The Serve replica: builds the Service (driver included) in its constructor."""
 
-    def __init__(self, opts_dict: dict):
+    def __init__(self, opts: ServeOptions):
         import sys
 
         # Progress goes to stderr (Ray forwards it to `moeray serve`'s stderr as it happens);
         # `moeray serve` prints the clean plan on stdout once the server is up.
-        self.service = Service(ServeOptions(**opts_dict), log=lambda line: print(line, file=sys.stderr, flush=True))
+        self.service = Service(opts, log=lambda line: print(line, file=sys.stderr, flush=True))
 
     def __serve_build_asgi_app__(self):
         return build_app(self.service)
@@ -529,19 +482,11 @@ def deployment(opts: ServeOptions):
     dep = serve.deployment(
         cls, name="moeray", num_replicas=1, ray_actor_options={"num_cpus": 0},
         # Requests beyond the engine's waiting limit must reach it to get their 429.
-        max_ongoing_requests=opts.max_seqs + opts.max_waiting + 16,
+        max_ongoing_requests=opts.engine.max_seqs + opts.max_waiting + 16,
         health_check_period_s=10, health_check_timeout_s=30, graceful_shutdown_timeout_s=5,
         # A constructor that fails (no placement fits, a bad file) fails the same way again.
         max_constructor_retry_count=1)
-    return dep.bind(asdict(opts))
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return dep.bind(opts)
 
 
 def wait_ready(url: str, timeout_s: float = 60.0, api_key: Optional[str] = None) -> dict:
@@ -559,5 +504,5 @@ def wait_ready(url: str, timeout_s: float = 60.0, api_key: Optional[str] = None)
     raise MoerayError(f"{url} did not become ready within {timeout_s:.0f} s ({last})")
 
 
-__all__ = ["ServeOptions", "Service", "build_app", "deployment", "MoerayServer", "free_port", "wait_ready",
+__all__ = ["ServeOptions", "Service", "build_app", "deployment", "MoerayServer", "wait_ready",
            "APIError"]

@@ -14,12 +14,9 @@ import re
 import sys
 import time
 
+from moeray.cluster.config import (ServeOptions, add_engine_arguments, add_launch_arguments, engine_config_from_args,
+                                   launch_options_from_args, simulated_devices)
 from moeray.errors import MoerayError
-
-# With no GPU, the default model is served on four simulated cards sized for serving: 16
-# sequences of 512 tokens take ~380 MB of KV cache over the 30 layers, the float32 trunk ~330 MB,
-# and the caches then hold about half of the 2.4 GB of experts (the hot half: most lookups hit).
-DEFAULT_SIMULATED = "640MiB,640MiB,512MiB,512MiB"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -29,51 +26,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("MOERAY_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $MOERAY_API_KEY, else none)")
     p.add_argument("--model-name", help="the model id clients send (default: the file's name)")
-    p.add_argument("--stages", type=int, default=4, help="pipeline stages, one device each (default 4)")
-    p.add_argument("--simulate-devices", metavar="SIZES",
-                   help="CPU devices with these byte budgets, e.g. 256MiB,256MiB,192MiB,192MiB")
     p.add_argument("--local", action="store_true", help="the whole model in the Serve replica, no stage actors")
-    p.add_argument("--spread", action="store_true", help="place stages on different nodes (SPREAD), not PACK")
-    p.add_argument("--address", help="join this Ray cluster (default: start a local one)")
-    p.add_argument("--objective", choices=("latency", "throughput"), default="latency")
-    p.add_argument("--split", default="auto", help="auto, or K=8,15,23: the first layer of stages 1..S-1")
-    p.add_argument("--profile", help="routing profile for the planner and the caches")
-    p.add_argument("--max-seqs", type=int, default=16, help="sequences running at once (KV slots)")
-    p.add_argument("--max-len", type=int, default=512, help="context: prompt + output tokens per sequence")
-    p.add_argument("--max-waiting", type=int, default=64, help="requests queued for a slot before 429")
-    p.add_argument("--micro-batches", type=int, default=2)
-    p.add_argument("--prefill-chunk", type=int, default=64)
-    p.add_argument("--token-budget", type=int, default=128, help="new tokens per micro-batch step")
-    p.add_argument("--step-timeout", type=float, default=60.0, help="seconds before a step counts as hung")
+    p.add_argument("--max-waiting", type=int, default=ServeOptions.max_waiting,
+                   help=f"requests queued for a slot before 429 (default {ServeOptions.max_waiting})")
+    add_launch_arguments(p)
+    add_engine_arguments(p)
     p.add_argument("--metrics-export-port", type=int, default=8080,
                    help="Prometheus port of the local Ray node (when this command starts Ray)")
     p.add_argument("--dashboard", action="store_true", help="start the Ray dashboard with the local cluster")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the server")
 
 
-def options_from_args(args: argparse.Namespace):
-    """ServeOptions from the command line (checked here, before Ray starts)."""
+def options_from_args(args: argparse.Namespace) -> ServeOptions:
+    """ServeOptions from the command line (checked here, before the replica starts)."""
     from moeray.cluster.cli import CLIError
-    from moeray.cluster.serve_app import ServeOptions
-    from moeray.stages.device import parse_sizes
 
     if args.stages < 1:
         raise CLIError("--stages must be >= 1")
-    if args.max_seqs < args.micro_batches:
-        raise CLIError("--max-seqs must be >= --micro-batches")
-    sim = args.simulate_devices
-    if not args.local and sim is None and not _has_gpus():
-        if args.stages > 4:
-            raise CLIError("no GPUs here: pass --simulate-devices with one size per stage")
-        sim = ",".join(DEFAULT_SIMULATED.split(",")[: args.stages])
-        print(f"moeray serve: no GPUs in the cluster, simulating {sim}", file=sys.stderr)
-    return ServeOptions(
-        model=args.model, model_name=args.model_name, local=args.local, n_stages=args.stages,
-        simulate=parse_sizes(sim) if sim else None, strategy="SPREAD" if args.spread else "PACK",
-        split=args.split, objective=args.objective, profile=args.profile,
-        torch_threads=1 if (sim or args.local) else None, max_seqs=args.max_seqs, max_len=args.max_len,
-        token_budget=args.token_budget, prefill_chunk=args.prefill_chunk, micro_batches=args.micro_batches,
-        step_timeout_s=args.step_timeout, max_waiting=args.max_waiting, api_key=args.api_key or None)
+    engine = engine_config_from_args(args)
+    sim = None if args.local else simulated_devices(args, _has_gpus(), "serve")
+    launch = launch_options_from_args(args, sim)
+    if args.local:
+        launch.torch_threads = 1
+    return ServeOptions(model=args.model, model_name=args.model_name, local=args.local, launch=launch, engine=engine,
+                        max_waiting=args.max_waiting, api_key=args.api_key or None)
 
 
 def start_ray(address: str | None, metrics_port: int, dashboard: bool) -> None:

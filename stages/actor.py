@@ -6,18 +6,19 @@ Life of a stage:
                          dimensions, and the file's size and sampled hash as this node sees it.
   2. `connect(...)`     join the stages' process group (activations go stage to stage over it).
   3. `load(...)`        load only layers [first, end) (+ embedding / head), allocate the KV cache.
-  4. `step(batch)`      run one micro-batch through this stage's layers.
+  4. `step(batch)`      run one micro-batch through this stage's layers (StageRunner).
 
 The class is plain Python; the driver wraps it with `ray.remote` when it spawns stages, so
-unit tests can also drive it in-process.
+unit tests can also drive it in-process. What it reports (ProbeReport, LoadReport, StageStats)
+are dataclasses: the driver reads fields, the HTTP API turns them into JSON at its edge.
 """
 from __future__ import annotations
 
 import hashlib
 import os
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Optional
 
 from moeray.stages.device import DeviceInfo, DeviceMemory, measure_speed, probe_device
 from moeray.errors import MoerayError
@@ -43,7 +44,52 @@ class StepBatch:
                          self.sample if stage == n_stages - 1 else None)
 
 
-def file_fingerprint(path: str, n_samples: int = 16, block: int = 1 << 16) -> dict[str, Any]:
+@dataclass(frozen=True)
+class FileFingerprint:
+    size: int
+    sha256_sampled: str
+
+
+@dataclass
+class ProbeReport:
+    """What a stage tells the planner before any weight is loaded."""
+    stage: int
+    pid: int
+    device: DeviceInfo
+    layer_ms: float  # measured ms per dense layer at the model's dimensions
+    miss_ms: float  # measured ms per expert computed from the host copy
+    measure_s: float
+    file: FileFingerprint  # the model file as this node sees it
+
+
+@dataclass
+class LoadReport:
+    stage: int
+    layers: tuple[int, int]  # [first, end)
+    load_s: float
+    placed: dict[str, int]  # device bytes by what holds them (KV cache, trunk, expert cache)
+    free_bytes: int  # left on the device after loading
+    host_resident_bytes: int
+    cache_slots: int = 0
+    cache_resident: int = 0
+
+
+@dataclass
+class StageStats:
+    """A stage's live numbers; `cache` is its expert cache's own report (None: no cache)."""
+    stage: int
+    device: str
+    node_ip: str
+    layers: Optional[tuple[int, int]] = None  # None before load
+    placed: dict[str, int] = field(default_factory=dict)
+    free_bytes: int = 0
+    steps: int = 0
+    step_s: float = 0.0  # time in steps, incl. waiting for the previous stage's activations
+    tokens_in: int = 0
+    cache: Optional[dict[str, Any]] = None
+
+
+def file_fingerprint(path: str, n_samples: int = 16, block: int = 1 << 16) -> FileFingerprint:
     """Size and a sampled sha256 (head, tail and evenly spaced blocks) of a file.
 
     A full hash of a 100 GB model would take minutes per node; sampled blocks catch a
@@ -56,7 +102,50 @@ def file_fingerprint(path: str, n_samples: int = 16, block: int = 1 << 16) -> di
         for off in offsets:
             f.seek(off)
             h.update(f.read(block))
-    return {"size": size, "sha256_sampled": h.hexdigest()}
+    return FileFingerprint(size, h.hexdigest())
+
+
+class StageRunner:
+    """One stage's compute over its model and KV cache: start a micro-batch (reset the slots of new
+    sequences, check KV room), run the layers, and, on the last stage, sample one token per
+    sequence that wants one. StageActor runs it between a receive and a send; a one-process
+    pipeline (moeray generate) runs the whole model with it: embed, layers, sample."""
+
+    def __init__(self, model, kv):
+        self.model, self.kv = model, kv
+        self.generators: dict[int, Any] = {}  # slot -> the torch.Generator of its sequence
+
+    def begin(self, batch: StepBatch):
+        for slot, fresh in zip(batch.slots, batch.fresh):
+            if fresh:  # a new sequence in this slot: empty KV, a sampler from its own seed
+                self.kv.reset(slot)
+                self.generators.pop(slot, None)
+        self.kv.check_room(batch.slots, batch.n_new)
+        return self.model.batch_meta(batch.n_new, batch.slots, self.kv)
+
+    def layers(self, x, meta):
+        return self.model.run_layers(x, meta, self.kv)
+
+    def sample(self, batch: StepBatch, x, meta) -> list[int | None]:
+        """A token per sequence whose params ask for one (its prompt is fully fed), else None."""
+        from moeray.stages.sampling import sample
+
+        want = [i for i, p in enumerate(batch.sample) if p is not None]
+        out: list[int | None] = [None] * len(batch.slots)
+        if want:
+            logits = self.model.head(x[meta.last_index[want]])
+            for i in want:
+                if batch.slots[i] not in self.generators:
+                    self.generators[batch.slots[i]] = batch.sample[i].new_generator()
+            toks = sample(logits, [batch.sample[i] for i in want], [self.generators[batch.slots[i]] for i in want])
+            for i, tok in zip(want, toks):
+                out[i] = tok
+        return out
+
+    def step(self, batch: StepBatch) -> list[int | None]:
+        """The whole model in this process: embed, every layer, sample."""
+        meta = self.begin(batch)
+        return self.sample(batch, self.layers(self.model.embed(batch.tokens), meta), meta)
 
 
 def _resident_bytes(model) -> int:
@@ -87,7 +176,7 @@ class StageActor:
 
     # ---------------------------------------------------------------- before loading
 
-    def probe(self, path: str) -> dict[str, Any]:
+    def probe(self, path: str) -> ProbeReport:
         """Everything the planner needs from this stage, measured here, before any weight is loaded."""
         from moeray.stages.gguf_file import read_gguf_header
 
@@ -100,15 +189,8 @@ class StageActor:
             torch.cuda.empty_cache()  # hand the timing's scratch back before reading free memory
         self.device = probe_device(self.simulated_budget, index=self.stage)  # free memory now, after timing
         self.memory = DeviceMemory(self.device, self.stage)
-        return {
-            "stage": self.stage,
-            "pid": os.getpid(),
-            "device": self.device.to_dict(),
-            "layer_ms": speed.layer_ms,
-            "miss_ms": speed.miss_ms,
-            "measure_s": time.perf_counter() - t,
-            "file": file_fingerprint(path),
-        }
+        return ProbeReport(self.stage, os.getpid(), self.device, speed.layer_ms, speed.miss_ms,
+                           time.perf_counter() - t, file_fingerprint(path))
 
     def node_ip(self) -> str:
         import ray
@@ -136,7 +218,7 @@ class StageActor:
 
     def load(self, path: str, first: int, end: int, max_seqs: int, max_len: int,
              trunk_on_card: int | None = None, profile: str | None = None,
-             cache_policy: str = "static") -> dict[str, Any]:
+             cache_policy: str = "static") -> LoadReport:
         """Load layers [first, end) (+ embedding / head at the ends) and allocate the KV cache,
         charging both to this device's budget (a simulated device refuses what does not fit).
 
@@ -144,7 +226,7 @@ class StageActor:
         (as stored in the GGUF); None charges the resident size of everything loaded. Routed
         experts are not loaded: they stay in the file mapping, and what is left of the device
         after KV and trunk becomes this stage's expert cache, filled hottest-first from `profile`
-        (a path every node can read; None = uniform).
+        (a path every node can read; None = uniform) and kept by `cache_policy`.
         """
         from moeray.stages.model import StageModel
 
@@ -162,15 +244,12 @@ class StageActor:
 
             cache = attach_cache(model, self.memory.free, profile, cache_policy, layout="per-layer")
             self.memory.reserve(f"expert cache ({cache.slots.n_slots} slots)", cache.budget.capacity)
-        self.model, self.kv = model, kv
+        self.model, self.runner = model, StageRunner(model, kv)
         self.steps, self.step_s, self.tokens_in = 0, 0.0, 0
-        self.generators: dict[int, Any] = {}
         self.hidden = model.config.hidden
-        return {"stage": self.stage, "layers": (first, end), "load_s": time.perf_counter() - t,
-                "placed": dict(self.memory.parts), "free_bytes": self.memory.free,
-                "host_resident_bytes": resident,
-                "cache_slots": cache.slots.n_slots if cache else 0,
-                "cache_resident": cache.core.n_resident if cache else 0}
+        return LoadReport(self.stage, (first, end), time.perf_counter() - t, dict(self.memory.parts),
+                          self.memory.free, resident, cache.slots.n_slots if cache else 0,
+                          cache.core.n_resident if cache else 0)
 
     def step(self, batch: StepBatch) -> list[int | None] | None:
         """Run one micro-batch through this stage. The last stage returns a token per sequence
@@ -184,18 +263,14 @@ class StageActor:
         self.steps += 1
         self.tokens_in += n_rows
         try:
-            for slot, fresh in zip(batch.slots, batch.fresh):
-                if fresh:
-                    self.kv.reset(slot)
-            self.kv.check_room(batch.slots, batch.n_new)
+            meta = self.runner.begin(batch)
             x = self.model.embed(batch.tokens) if first else self.link.recv(n_rows, self.hidden)
-            meta = self.model.batch_meta(batch.n_new, batch.slots, self.kv)
-            x = self.model.run_layers(x, meta, self.kv)
+            x = self.runner.layers(x, meta)
             if not last:
                 sent = True
                 self.link.send(x)
                 return None
-            return self._sample(batch, x, meta)
+            return self.runner.sample(batch, x, meta)
         except Exception:
             if not last and not sent and self.link is not None:
                 try:  # let the stages after this one fail this step now instead of timing out
@@ -206,37 +281,17 @@ class StageActor:
         finally:
             self.step_s += time.perf_counter() - t0
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> StageStats:
         """This stage's live numbers: layers, device bytes, steps, time in steps (incl. waiting for
         the previous stage's activations), and its expert cache's lookups and hits when it has one."""
-        out = {"stage": self.stage, "device": self.device.name, "node_ip": self.device.node_ip,
-               "layers": None, "placed": dict(self.memory.parts), "free_bytes": self.memory.free,
-               "steps": 0, "step_s": 0.0, "tokens_in": 0, "cache": None}
+        out = StageStats(self.stage, self.device.name, self.device.node_ip, placed=dict(self.memory.parts),
+                         free_bytes=self.memory.free)
         if self.model is not None:
-            out.update(layers=(self.model.first, self.model.end), steps=self.steps, step_s=self.step_s,
-                       tokens_in=self.tokens_in)
+            out.layers, out.steps, out.step_s, out.tokens_in = ((self.model.first, self.model.end), self.steps,
+                                                                 self.step_s, self.tokens_in)
             cache = getattr(self.model.expert_source, "stats", None)
             if callable(cache):
-                out["cache"] = cache()
-        return out
-
-    def _sample(self, batch: StepBatch, x, meta) -> list[int | None]:
-        from moeray.stages.sampling import sample
-
-        for slot, fresh in zip(batch.slots, batch.fresh):
-            if fresh:  # a new sequence in this slot: its sampler starts from its own seed
-                self.generators.pop(slot, None)
-        want = [i for i, p in enumerate(batch.sample) if p is not None]
-        out: list[int | None] = [None] * len(batch.slots)
-        if want:
-            logits = self.model.head(x[meta.last_index[want]])
-            for i in want:
-                if batch.slots[i] not in self.generators:
-                    self.generators[batch.slots[i]] = batch.sample[i].new_generator()
-            toks = sample(logits, [batch.sample[i] for i in want],
-                          [self.generators[batch.slots[i]] for i in want])
-            for i, tok in zip(want, toks):
-                out[i] = tok
+                out.cache = cache()
         return out
 
     # ---------------------------------------------------------------- transport micro-benchmarks

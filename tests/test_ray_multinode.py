@@ -6,10 +6,10 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from moeray.cluster.driver import DEVICE_RESOURCE, LaunchOptions, launch  # noqa: E402
-from moeray.cluster.engine import Engine, EngineConfig  # noqa: E402
+from moeray.cluster.config import EngineConfig, LaunchOptions  # noqa: E402
+from moeray.cluster.driver import DEVICE_RESOURCE, launch  # noqa: E402
+from moeray.cluster.engine import Engine  # noqa: E402
 from moeray.stages.sampling import SamplingParams  # noqa: E402
-from memo_experts import MemoExperts  # noqa: E402
 
 MiB = 1 << 20
 PROMPTS = [[504, 3575, 282, 4649, 314], [1, 9, 33]]
@@ -34,11 +34,10 @@ def test_stages_on_distinct_nodes_give_the_one_process_tokens(cluster, default_m
     from moeray.stages.model import load_model
 
     _, workers = cluster
-    opts = LaunchOptions(2, simulate=[320 * MiB, 320 * MiB], strategy="SPREAD", torch_threads=1,
-                         max_seqs=2, max_len=32, timeout_s=180)
-    launched = launch(str(default_model_path), opts, log=lambda line: None)
+    opts = LaunchOptions(2, simulate=[320 * MiB, 320 * MiB], strategy="SPREAD", torch_threads=1, timeout_s=180)
+    launched = launch(str(default_model_path), opts, EngineConfig(max_seqs=2, max_len=32), log=lambda line: None)
     try:
-        nodes = [r["device"]["node_id"] for r in launched.reports]
+        nodes = [r.device.node_id for r in launched.reports]
         assert len(set(nodes)) == 2
         assert set(nodes) == {w.node_id for w in workers}  # the head node has no device resource
         eng = Engine(launched.pipeline(), EngineConfig(max_seqs=2, max_len=32, token_budget=8, prefill_chunk=4,
@@ -48,7 +47,6 @@ def test_stages_on_distinct_nodes_give_the_one_process_tokens(cluster, default_m
     finally:
         launched.shutdown()
     model = load_model(str(default_model_path))
-    model.expert_source = MemoExperts(model.expert_source)
     want = []
     for prompt in PROMPTS:
         kv, feed, toks = model.new_kv_cache(1, 32), prompt, []

@@ -11,10 +11,11 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from moeray.cluster.driver import LaunchOptions, StageFailedError, kv_bytes_per_layer, launch  # noqa: E402
-from moeray.cluster.engine import Engine, EngineConfig  # noqa: E402
+from moeray.cluster.config import EngineConfig, LaunchOptions  # noqa: E402
+from moeray.cluster.driver import kv_bytes_per_layer, launch  # noqa: E402
+from moeray.cluster.engine import Engine  # noqa: E402
+from moeray.cluster.remote import StageFailedError  # noqa: E402
 from moeray.stages.sampling import SamplingParams  # noqa: E402
-from memo_experts import MemoExperts  # noqa: E402
 
 MiB = 1 << 20
 # "12GiB,12GiB,8GiB,8GiB" scaled to the default model (float32 trunk ~330 MB, experts ~2.5 GB)
@@ -28,8 +29,8 @@ N_NEW = 5
 @pytest.fixture(scope="module")
 def launched(default_model_path):
     lines = []
-    opts = LaunchOptions(4, simulate=BUDGETS, torch_threads=1, max_seqs=MAX_SEQS, max_len=MAX_LEN, timeout_s=180)
-    out = launch(str(default_model_path), opts, log=lines.append)
+    opts = LaunchOptions(4, simulate=BUDGETS, torch_threads=1, timeout_s=180)
+    out = launch(str(default_model_path), opts, EngineConfig(max_seqs=MAX_SEQS, max_len=MAX_LEN), log=lines.append)
     yield out
     out.shutdown()
     ray.shutdown()
@@ -43,7 +44,6 @@ def reference(default_model_path):
     from moeray.stages.model import load_model
 
     model = load_model(str(default_model_path))
-    model.expert_source = MemoExperts(model.expert_source)
     out = []
     for prompt in PROMPTS:
         kv = model.new_kv_cache(1, MAX_LEN)
@@ -62,26 +62,28 @@ def _engine(launched) -> Engine:
 
 def test_stages_report_their_own_budgets_and_the_plan_uses_them(launched):
     reports, plan = launched.reports, launched.plan
-    assert [r["device"]["free_bytes"] for r in reports] == BUDGETS
-    assert len({r["pid"] for r in reports}) == 4
+    assert [r.device.free_bytes for r in reports] == BUDGETS
+    assert len({r.pid for r in reports}) == 4
     for r in reports:
-        assert r["device"]["kind"] == "simulated" and r["layer_ms"] > 0 and r["miss_ms"] > 0
-        assert r["device"]["node_id"] == ray.get_runtime_context().get_node_id()
+        assert r.device.kind == "simulated" and r.layer_ms > 0 and r.miss_ms > 0
+        assert r.device.node_id == ray.get_runtime_context().get_node_id()
     kv_layer = kv_bytes_per_layer(_config(launched), MAX_SEQS, MAX_LEN)
     assert [tuple(x) for x in plan.split] == launched.ranges
     assert launched.ranges[0][0] == 0 and launched.ranges[-1][1] == 30
     for r, s in zip(reports, plan.stages):
         # The planner saw what the actor reported; the KV cache of the layers it got is charged with its trunk.
-        assert s.free_bytes == r["device"]["free_bytes"] - r["device"]["reserve_bytes"]
+        assert s.free_bytes == r.device.free_bytes - r.device.reserve_bytes
         assert s.n_layers * kv_layer < s.trunk_bytes <= s.free_bytes
     assert launched.lines[-1].startswith("loaded stage") or any(l.startswith("loaded stage") for l in launched.lines)
-    # Each stage holds what the plan priced: its trunk plus its layers' KV cache, the rest is expert cache.
+    # Each stage holds what the plan priced: its trunk plus its layers' KV cache, the rest is expert
+    # cache, kept by the launch's cache policy.
     for st, s in zip(launched.stage_stats(), plan.stages):
-        placed = st["placed"]
+        placed = st.placed
         kv = next(v for k, v in placed.items() if k.startswith("KV cache"))
         trunk = next(v for k, v in placed.items() if k.startswith("trunk"))
         assert kv == s.n_layers * kv_layer and kv + trunk == s.trunk_bytes
-        assert st["cache"]["budget_bytes"] == s.expert_room
+        assert st.cache["budget_bytes"] == s.expert_room
+        assert st.cache["policy"] == LaunchOptions.cache_policy
     assert any(l.startswith("layer split auto: K=") for l in launched.lines)
 
 
@@ -95,7 +97,7 @@ def test_four_stages_give_the_one_process_greedy_tokens(launched, reference):
     eng = _engine(launched)
     reqs = eng.generate(PROMPTS, SamplingParams(max_tokens=N_NEW, ignore_eos=True), timeout_s=300)
     assert [r.output for r in reqs] == reference
-    assert eng.stats["failures"] == 0
+    assert eng.stats.failures == 0
 
 
 def test_killing_a_stage_fails_requests_clearly_and_the_next_one_succeeds(launched, reference):

@@ -75,7 +75,7 @@ def test_fingerprint_tells_files_apart(tmp_path):
     c.write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one flipped bit in the tail block
     assert file_fingerprint(str(a)) == file_fingerprint(str(b))
     assert file_fingerprint(str(a)) != file_fingerprint(str(c))
-    assert file_fingerprint(str(a))["size"] == 3 << 20
+    assert file_fingerprint(str(a)).size == 3 << 20
 
 
 def test_speed_probe_at_the_models_dimensions(smollm2_path):
@@ -97,12 +97,16 @@ def test_speed_probe_at_the_models_dimensions(smollm2_path):
 
 
 def _reports(budgets, layer_ms=(1.0, 1.0), miss_ms=0.5):
-    return [{"stage": i, "layer_ms": layer_ms[i % len(layer_ms)], "miss_ms": miss_ms,
-             "device": {"name": f"sim{i}", "free_bytes": b, "reserve_bytes": 0}} for i, b in enumerate(budgets)]
+    from moeray.stages.actor import FileFingerprint, ProbeReport
+    from moeray.stages.device import simulated_device
+
+    return [ProbeReport(i, 0, simulated_device(b, i), layer_ms[i % len(layer_ms)], miss_ms, 0.0,
+                        FileFingerprint(0, "")) for i, b in enumerate(budgets)]
 
 
 def test_plan_prices_what_a_stage_holds_from_the_reported_budgets(default_model_path):
-    from moeray.cluster.driver import LaunchOptions, held_spec, kv_bytes_per_layer, plan_from_reports
+    from moeray.cluster.config import EngineConfig, LaunchOptions
+    from moeray.cluster.driver import held_spec, kv_bytes_per_layer, plan_from_reports
     from moeray.errors import PlacementError
 
     header = read_gguf_header(default_model_path)
@@ -112,9 +116,9 @@ def test_plan_prices_what_a_stage_holds_from_the_reported_budgets(default_model_
     assert spec.expert_bytes == [3 * cfg.expert_ffn_dim * cfg.hidden * 4] * cfg.n_layers
     assert spec.trunk_bytes.embedding == cfg.vocab_size * cfg.hidden * 4
 
-    opts = LaunchOptions(2, max_seqs=2, max_len=32)
+    opts, small = LaunchOptions(2), EngineConfig(max_seqs=2, max_len=32)
     budgets = [300 * MiB, 200 * MiB]
-    plan, ranges, lines = plan_from_reports(header, _reports(budgets), opts, handoff_ms=0.2)
+    plan, ranges, lines = plan_from_reports(header, _reports(budgets), opts, small, handoff_ms=0.2)
     kv = kv_bytes_per_layer(cfg, 2, 32)
     assert ranges[0][0] == 0 and ranges[-1][1] == cfg.n_layers and ranges[0][1] == ranges[1][0]
     assert [s.free_bytes for s in plan.stages] == budgets
@@ -126,15 +130,16 @@ def test_plan_prices_what_a_stage_holds_from_the_reported_budgets(default_model_
         assert s.trunk_bytes == own and s.expert_room == s.free_bytes - own
     assert lines[0].startswith("layer split auto: K=")
     # More room on one card moves layers (and cache) to it.
-    plan2, ranges2, _ = plan_from_reports(header, _reports([600 * MiB, 200 * MiB]), opts, handoff_ms=0.2)
+    plan2, ranges2, _ = plan_from_reports(header, _reports([600 * MiB, 200 * MiB]), opts, small, handoff_ms=0.2)
     assert ranges2[0][1] >= ranges[0][1] and plan2.held_pairs >= plan.held_pairs
     # A card that cannot hold its layers' KV cache is named.
     with pytest.raises(PlacementError, match="KV cache takes .* lower --max-seqs or --max-len"):
-        plan_from_reports(header, _reports([300 * MiB, 1 * MiB]), LaunchOptions(2, max_seqs=8, max_len=512), 0.2)
+        plan_from_reports(header, _reports([300 * MiB, 1 * MiB]), opts, EngineConfig(max_seqs=8, max_len=512), 0.2)
     # A split whose stage would need more layers' KV than it has room for is never chosen, even
     # when the small card is five times faster per layer and would like more of them.
-    big = LaunchOptions(2, max_seqs=16, max_len=256)
+    big = EngineConfig(max_seqs=16, max_len=256)
     kv_big = kv_bytes_per_layer(cfg, 16, 256)
-    plan3, ranges3, _ = plan_from_reports(header, _reports([400 * MiB, 150 * MiB], layer_ms=(1.0, 0.2)), big, 0.2)
+    plan3, ranges3, _ = plan_from_reports(header, _reports([400 * MiB, 150 * MiB], layer_ms=(1.0, 0.2)), opts, big,
+                                          0.2)
     for s, (a, e) in zip(plan3.stages, ranges3):
         assert (e - a) * kv_big < s.trunk_bytes <= s.free_bytes

@@ -1,11 +1,10 @@
-"""Sampling (greedy, temperature, top-k, top-p, seeds), stop strings on streamed text, and the
-generation loop's bookkeeping (EOS, stop strings, max_tokens, batching, streaming)."""
+"""Sampling (greedy, temperature, top-k, top-p, seeds) and stop strings on streamed text. The
+generation loop's finish rules and scheduling are tests/test_engine.py's."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from moeray.stages.generate import Generator
 from moeray.stages.sampling import SamplingParams, StopStringStream, filtered_probs, sample
 
 torch.manual_seed(0)
@@ -104,60 +103,3 @@ def test_partial_utf8_is_held_back(smollm2_dense_path):
     deltas = [s.push(i) for i in tok.encode(text)] + [s.finish()]
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == text
-
-
-class ScriptedModel:
-    """A model whose next token is the next character of a script: enough to test the loop's
-    bookkeeping (prefill chunks, slots, batching) without weights. Slot i follows script i."""
-
-    class config:
-        context_length = 64
-
-    def __init__(self, scripts):
-        self.scripts = scripts
-        self.calls = []
-
-    def new_kv_cache(self, max_seqs, max_len):
-        return {"len": [0] * max_seqs, "max_len": max_len}
-
-    def step(self, tokens, slots, kv):
-        self.calls.append([len(t) for t in tokens])
-        out = torch.full((len(slots), 256), -1e9)
-        for row, (t, slot) in enumerate(zip(tokens, slots)):
-            kv["len"][slot] += len(t)
-            assert kv["len"][slot] <= kv["max_len"]
-            script = self.scripts[slot]
-            pos = kv["len"][slot] - self.prompt_len[slot]
-            out[row, ord(script[pos]) if 0 <= pos < len(script) else 0] = 0.0
-        return out
-
-
-def _generator(scripts, prompts, chunk=4):
-    model = ScriptedModel(scripts)
-    model.prompt_len = [len(p) for p in prompts]
-    return Generator(model, CharTokenizer(), prefill_chunk=chunk), model
-
-
-def test_generate_batches_eos_stop_and_length():
-    prompts = [[ord(c) for c in "0123456789"], [ord(c) for c in "ab"], [ord(c) for c in "xyz"]]
-    gen, model = _generator(["hello", "stop here: STOP more", "abcdefghij"], prompts)
-    streamed = {0: "", 1: "", 2: ""}
-    out = gen.generate(
-        prompts,
-        [SamplingParams(max_tokens=20), SamplingParams(stop=("STOP",)), SamplingParams(max_tokens=4)],
-        on_text=lambda i, d: streamed.__setitem__(i, streamed[i] + d),
-    )
-    assert [c.text for c in out] == ["hello", "stop here: ", "abcd"]
-    assert [c.finish_reason for c in out] == ["stop", "stop", "length"]
-    assert out[0].token_ids[-1] == 0 and len(out[2].token_ids) == 4
-    assert [streamed[i] for i in range(3)] == [c.text for c in out]
-    # Prefill: chunks of <= 4 tokens, all prompts in the same steps while they last.
-    assert model.calls[:3] == [[4, 2, 3], [4], [2]]
-    assert gen.stats.prefill_tokens == 15
-
-
-def test_stream_yields_text_and_ignore_eos_runs_to_max_tokens():
-    gen, _ = _generator(["hi"], [[65]])
-    assert "".join(gen.stream([65], SamplingParams())) == "hi"
-    out = gen.generate([[65]], SamplingParams(max_tokens=5, ignore_eos=True))[0]
-    assert out.finish_reason == "length" and len(out.token_ids) == 5

@@ -23,7 +23,7 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
 from moeray.cluster.metrics import exported_name  # noqa: E402
-from moeray.cluster.serve_app import free_port  # noqa: E402
+from moeray.stages.transport import free_port  # noqa: E402
 
 MiB = 1 << 20
 KEY = "test-key-123"

@@ -1,0 +1,149 @@
+"""The one config tree: every default of the engine, the launch and the server lives here, once.
+
+    ServeOptions ─┬─ launch: LaunchOptions   (stages, placement, expert caches: read by the driver)
+                  └─ engine: EngineConfig    (KV slots, context, step packing: read by the engine)
+
+`moeray serve`, `moeray run` and `moeray generate` build their flags from these dataclasses
+(`add_engine_arguments`, `add_launch_arguments`), so a flag's default is the field's default
+and a change here changes every command.
+"""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from typing import Optional
+
+from moeray.errors import MoerayError
+
+CACHE_POLICIES = ("static", "adaptive", "lru")
+
+# With no GPU, the stages run on these simulated cards, sized for the default model: 16 sequences
+# of 512 tokens take ~380 MB of KV cache over its 30 layers, the float32 trunk ~330 MB, and the
+# caches then hold about half of the 2.4 GB of experts (the hot half: most lookups hit).
+DEFAULT_SIMULATED = "640MiB,640MiB,512MiB,512MiB"
+
+
+@dataclass
+class EngineConfig:
+    max_seqs: int = 16  # KV slots: requests running at once
+    max_len: int = 512  # prompt + output tokens per request (capped by the model's context)
+    token_budget: int = 128  # new tokens per micro-batch step
+    prefill_chunk: int = 64  # prompt tokens of one request per step
+    micro_batches: int = 2  # lanes: steps in flight at once
+    step_timeout_s: float = 60.0  # a step slower than this counts as a hung stage
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.micro_batches <= self.max_seqs:
+            raise MoerayError(f"need 1 <= micro_batches ({self.micro_batches}) <= max_seqs ({self.max_seqs})")
+        for name in ("max_len", "token_budget", "prefill_chunk"):
+            if getattr(self, name) < 1:
+                raise MoerayError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+
+@dataclass
+class LaunchOptions:
+    n_stages: int = 4
+    simulate: Optional[list[int]] = None  # byte budgets of simulated CPU devices, one per stage
+    strategy: str = "PACK"  # placement group strategy: PACK | SPREAD
+    objective: str = "latency"  # planner objective: latency | throughput
+    split: str = "auto"  # or "K=8,15,23"
+    # A stage keeps its whole trunk on its device (StageModel has no host-side trunk path yet),
+    # so the planner is told exactly that instead of being free to place pieces on the host.
+    trunk: str = "head=gpu,embed=gpu,layers=all"
+    profile: Optional[str] = None  # routing profile: the planner's heat and the caches' fill
+    cache_policy: str = "static"  # every stage's expert cache: static | adaptive | lru
+    torch_threads: Optional[int] = None
+    timeout_s: float = 300.0  # probe, load, connect: a stage slower than this is reported
+    address: Optional[str] = None  # join this Ray cluster instead of starting one
+
+    def __post_init__(self) -> None:
+        if self.cache_policy not in CACHE_POLICIES:
+            raise MoerayError(f"cache policy '{self.cache_policy}' is not one of {', '.join(CACHE_POLICIES)}")
+
+
+@dataclass
+class ServeOptions:
+    model: Optional[str] = None  # GGUF path; None = the embedded default model
+    model_name: Optional[str] = None  # the id clients send; default: the file's stem
+    local: bool = False  # one process, no stage actors (LocalPipeline)
+    launch: LaunchOptions = field(default_factory=LaunchOptions)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    max_waiting: int = 64  # requests queued for a slot before 429
+    api_key: Optional[str] = None
+    metrics_interval_s: float = 2.0
+    # --local: bytes of the one simulated device (holds every expert of the default model)
+    local_budget: int = 4 << 30
+
+
+def resolve_model(path: str | None, rebuild: bool = False) -> str:
+    """The GGUF to run: the given file, or the embedded default model (built on first use)."""
+    from pathlib import Path
+
+    if path is None:
+        from moeray.stages.default_model import default_model_path
+
+        return str(default_model_path(rebuild=rebuild))
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path}: no such file")
+    return path
+
+
+# ---------------------------------------------------------------- command-line flags
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    d = EngineConfig
+    g = p.add_argument_group("engine")
+    g.add_argument("--max-seqs", type=int, default=d.max_seqs, help=f"sequences running at once (KV slots; default {d.max_seqs})")
+    g.add_argument("--max-len", type=int, default=d.max_len, help=f"prompt + output tokens per sequence (default {d.max_len})")
+    g.add_argument("--micro-batches", type=int, default=d.micro_batches, help=f"micro-batches in flight (default {d.micro_batches})")
+    g.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, help=f"prompt tokens per request per step (default {d.prefill_chunk})")
+    g.add_argument("--token-budget", type=int, default=d.token_budget, help=f"new tokens per micro-batch step (default {d.token_budget})")
+    g.add_argument("--step-timeout", type=float, default=d.step_timeout_s,
+                   help=f"seconds before a step counts as hung (default {d.step_timeout_s:.0f})")
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(max_seqs=args.max_seqs, max_len=args.max_len, token_budget=args.token_budget,
+                        prefill_chunk=args.prefill_chunk, micro_batches=args.micro_batches,
+                        step_timeout_s=args.step_timeout)
+
+
+def add_launch_arguments(p: argparse.ArgumentParser) -> None:
+    d = LaunchOptions
+    g = p.add_argument_group("stages and placement")
+    g.add_argument("--stages", type=int, default=d.n_stages, help=f"pipeline stages, one device each (default {d.n_stages})")
+    g.add_argument("--simulate-devices", metavar="SIZES",
+                   help="CPU devices with these byte budgets, e.g. 256MiB,256MiB,192MiB,192MiB "
+                        f"(default with no GPU: {DEFAULT_SIMULATED}, the first --stages of them)")
+    g.add_argument("--spread", action="store_true", help="place stages on different nodes (SPREAD), not PACK")
+    g.add_argument("--address", help="join this Ray cluster (default: start a local one)")
+    g.add_argument("--objective", choices=("latency", "throughput"), default=d.objective)
+    g.add_argument("--split", default=d.split, help="auto, or K=8,15,23: the first layer of stages 1..S-1")
+    g.add_argument("--profile", metavar="PATH", default=d.profile,
+                   help="routing profile for the planner and the stages' expert caches")
+    g.add_argument("--cache-policy", choices=CACHE_POLICIES, default=d.cache_policy,
+                   help="the stages' expert caches: static (the profile fill), adaptive (decayed heat, swaps "
+                        f"with hysteresis) or lru (default {d.cache_policy})")
+
+
+def launch_options_from_args(args: argparse.Namespace, simulate: Optional[list[int]]) -> LaunchOptions:
+    return LaunchOptions(n_stages=args.stages, simulate=simulate, strategy="SPREAD" if args.spread else "PACK",
+                         objective=args.objective, split=args.split, profile=args.profile,
+                         cache_policy=args.cache_policy, torch_threads=1 if simulate else None,
+                         address=args.address)
+
+
+def simulated_devices(args: argparse.Namespace, has_gpus: bool, command: str) -> Optional[list[int]]:
+    """The simulated budgets to run on: --simulate-devices, else with no GPU the default cards."""
+    import sys
+
+    from moeray.stages.device import parse_sizes
+
+    sim = args.simulate_devices
+    if sim is None and not has_gpus:
+        if args.stages > len(DEFAULT_SIMULATED.split(",")):
+            raise MoerayError("no GPUs here: pass --simulate-devices with one size per stage")
+        sim = ",".join(DEFAULT_SIMULATED.split(",")[: args.stages])
+        print(f"moeray {command}: no GPUs in the cluster, simulating {sim}", file=sys.stderr)
+    return parse_sizes(sim) if sim else None
