@@ -4,12 +4,14 @@
    prose) through the default model, greedy, one prompt after another, with its routing
    recorded to one trace file per prompt (kept in --trace-dir and reused on later runs).
 2. Profile: `moeray profile make` on the traces of the even-numbered prompts (the profile
-   never sees the routing it is scored on; --profile-from all scores in-sample).
+   never sees the routing it is scored on; --profile-from all scores in-sample; --profile-from
+   none fills in expert-index order, as a stage with no profile does, and replays every prompt).
 3. Replay the odd-numbered prompts' traces, one serving session in prompt order, through caches
    of several sizes: static (the profile fill), adaptive (colibri's heat rule), lru (one copy per
    step, as the live cache), lru with unlimited copies (classic LRU), and Belady's offline
    optimum; and print beside them the held mass the planner predicts for the same fill: by its
-   H curve (what the placement search assumes without counts) and by the profile's counts.
+   H curve (b fitted to the profile's counts; b = 1, the uniform share, with no profile) and by
+   the profile's counts.
 
     .venv/bin/python bench/cache.py                     # record (first run only) and replay
     .venv/bin/python bench/cache.py --json cache.json   # also write the numbers
@@ -29,51 +31,46 @@ from moeray.cache.replay import belady, replay  # noqa: E402
 from moeray.cache.residency import Slots  # noqa: E402
 from moeray.cache.trace import Trace, read_trace  # noqa: E402
 from moeray.planner.fill import fill_stage  # noqa: E402
-from moeray.planner.mass import pair_mass  # noqa: E402
+from moeray.planner.mass import mass_model  # noqa: E402
 from moeray.planner.profile import Profile  # noqa: E402
 from moeray.planner.slots import per_layer_slots  # noqa: E402
 
 
 def record(trace_dir: Path, max_tokens: int, threads: int) -> list[Path]:
-    """Greedy runs of every bundled prompt with routing recorded; returns the trace paths."""
+    """Greedy runs of every bundled prompt, one at a time, with routing recorded; returns the trace
+    paths. Recorded as the default model's profile is (stages/default_profile.py): every expert of
+    a layer is the same FFN, so each layer computes one expert; the routing is the model's own."""
     import torch
 
-    from moeray.cache.attach import attach_cache
-    from moeray.stages.default_model import default_model_path, load_prompts
-    from moeray.stages.generate import Generator
+    from moeray.cache.attach import routing_trace
+    from moeray.stages.default_model import default_model_path, load_prompts, prompt_token_ids
+    from moeray.stages.default_profile import _OneExpertPerLayer, greedy
+    from moeray.stages.gguf_file import GGUFFile
     from moeray.stages.model import load_model
-    from moeray.stages.sampling import SamplingParams
+    from moeray.stages.moe import HostExperts
     from moeray.stages.tokenizer import Tokenizer
 
     torch.set_num_threads(threads)
-    path = default_model_path(quiet=True)
-    model = load_model(path)
-    tok = Tokenizer.from_gguf(path)
-    prompts = load_prompts()
+    gguf = GGUFFile(default_model_path(quiet=True))
+    cfg = gguf.config
+    tok = Tokenizer.from_metadata(gguf.metadata, source=str(gguf.path))
+    experts = _OneExpertPerLayer(HostExperts(gguf), None)
+    model = load_model(gguf, experts=experts)
     trace_dir.mkdir(parents=True, exist_ok=True)
-    cfg = model.config
-    # Every expert in a slot: recording is ~4x faster than dequantising misses, and the routing
-    # (and the text) are the same whatever the cache holds.
-    cache = attach_cache(model, None, None, "static", n_slots=cfg.n_layers * cfg.n_experts)
     paths = []
-    for i, p in enumerate(prompts):
+    for i, (p, ids) in enumerate(zip(load_prompts(), prompt_token_ids(tok))):
         out = trace_dir / f"{i:02d}-{p['kind']}.trace"
         paths.append(out)
         if out.exists():
             continue
         tmp = out.with_suffix(".partial")
         tmp.unlink(missing_ok=True)
-        from moeray.cache.trace import TraceWriter
-
-        cache.trace_writer = TraceWriter(tmp, n_layers=cfg.n_layers, n_experts=cfg.n_experts,
-                                         k=cfg.n_experts_used, first=0, end=cfg.n_layers)
-        ids = tok.encode_chat([{"role": "user", "content": p["text"]}]) if p["kind"] == "chat" else tok.encode(p["text"])
+        experts.on_route = routing_trace(tmp, cfg, 0, cfg.n_layers)
         t0 = time.perf_counter()
-        done = Generator(model, tok).generate([ids], SamplingParams(max_tokens=max_tokens))[0]
-        cache.trace_writer.close()
-        cache.trace_writer = None
+        n_new = greedy(model, [ids], max_tokens, tok.end_ids)
+        experts.on_route.close()
         os.replace(tmp, out)
-        print(f"recorded {out.name}: {len(ids)} prompt + {len(done.token_ids)} new tokens "
+        print(f"recorded {out.name}: {len(ids)} prompt + {n_new} new tokens "
               f"in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
     return paths
 
@@ -92,6 +89,8 @@ def run_bench(paths: list[Path], sizes: list[int], layout: str, profile_from: st
     L, E, T = h.n_layers, h.n_experts, h.n_layers * h.n_experts
     if profile_from == "all":
         fit, score = traces, traces
+    elif profile_from == "none":
+        fit, score = [], traces
     elif profile_from == "half":
         fit, score = traces[0::2], traces[1::2]
     else:   # one kind of prompt profiles, the other kinds are served: a shift of the routing
@@ -99,9 +98,16 @@ def run_bench(paths: list[Path], sizes: list[int], layout: str, profile_from: st
         score = [t for t in traces if profile_from not in Path(t.paths[0]).name]
         if not fit or not score:
             raise SystemExit(f"--profile-from {profile_from}: no traces named *{profile_from}* (or only those)")
-    prof = Profile.from_counts(sum(t.counts() for t in fit))
+    if fit:
+        prof = Profile.from_counts(sum(t.counts() for t in fit))
+        curve_model = mass_model(prof, "curve")
+        counts = mass_model(prof, "counts").pair_mass(prof)
+    else:   # what a stage without a profile fills: the interleaved index order, arbitrary experts
+        prof = Profile.uniform(L, E)
+        curve_model = mass_model(None, "curve")
+        counts = curve_model.pair_mass(prof)
     session = concat(score)
-    curve, counts = pair_mass(prof, "curve"), pair_mass(prof, "counts")
+    curve = curve_model.pair_mass(prof)
     rank = {p: r for r, p in enumerate(prof.pairs)}
     rows = []
     for n in sizes:
@@ -125,6 +131,7 @@ def run_bench(paths: list[Path], sizes: list[int], layout: str, profile_from: st
         row["belady"] = belady(session, slots).hit_rate
         rows.append(row)
     return {"model": f"{L} layers x {E} experts, top-{h.k}", "layout": layout, "profile_from": profile_from,
+            "curve_b": curve_model.b, "curve_b_source": curve_model.source,
             "traces_profiled": [str(t.paths[0]) for t in fit], "traces_replayed": [str(t.paths[0]) for t in score],
             "replayed_tokens": session.n_tokens, "replayed_lookups": sum(len(r.ids) * h.k for r in session.records),
             "rows": rows}
@@ -150,7 +157,8 @@ def print_table(res: dict) -> None:
               f"{s['gguf_expert_bytes']:,} bytes ({s['gguf_type']}), {s['slot_bytes'] / s['gguf_expert_bytes']:.1f}x")
     print(f"default model ({res['model']}), {res['layout']} slots; profile from "
           f"{len(res['traces_profiled'])} prompts, replayed {len(res['traces_replayed'])} prompts "
-          f"({res['replayed_tokens']} tokens, {res['replayed_lookups']} lookups)")
+          f"({res['replayed_tokens']} tokens, {res['replayed_lookups']} lookups); H curve b={res['curve_b']:.2f} "
+          f"({res['curve_b_source']})")
     head = (f"{'slots':>5} {'held':>6} | {'pred H':>7} {'pred cnt':>8} | {'static':>7} {'adaptive':>8} "
             f"{'lru':>7} {'lru inf':>7} {'belady':>7} | {'swaps':>5} {'lru cp':>6}")
     print(head)
@@ -161,7 +169,7 @@ def print_table(res: dict) -> None:
               f"{100 * r['lru']:>6.1f}% {100 * r['lru_inf']:>6.1f}% {100 * r['belady']:>6.1f}% | "
               f"{r['adaptive_copies']:>5} {r['lru_copies']:>6}")
     print("held: slots as a share of all pairs; pred H / pred cnt: the planner's predicted held mass "
-          "for the static fill (H curve b=3 / profile counts); the rest: measured hit rates in replay; "
+          "for the static fill (H curve / profile counts); the rest: measured hit rates in replay; "
           "swaps / lru cp: expert copies made by adaptive / lru (at most one per step)")
 
 
@@ -175,9 +183,10 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1, help="torch threads when recording")
     ap.add_argument("--sizes", default="8,16,24,32,48,64,96,128,160,200", help="cache sizes in slots")
     ap.add_argument("--layout", choices=("global", "per-layer"), default="global")
-    ap.add_argument("--profile-from", choices=("half", "all", "chat", "code", "prose"), default="half",
-                    help="half: profile the even prompts, replay the odd ones; all: in-sample; "
-                         "chat/code/prose: profile that kind, replay the others (a routing shift)")
+    ap.add_argument("--profile-from", choices=("half", "all", "none", "chat", "code", "prose"), default="half",
+                    help="half: profile the even prompts, replay the odd ones; all: in-sample; none: no profile "
+                         "(index-order fill), replay all; chat/code/prose: profile that kind, replay the others "
+                         "(a routing shift)")
     ap.add_argument("--json", metavar="PATH", help="write the results as JSON")
     args = ap.parse_args(argv)
     paths = [Path(p) for p in args.traces] if args.traces else record(Path(args.trace_dir), args.max_tokens, args.threads)

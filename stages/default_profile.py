@@ -1,0 +1,137 @@
+"""The embedded default model's routing profile: which of its experts are hot.
+
+The planner prices a cache by the routed mass it holds, and a cache is filled from a profile;
+without one the caches hold arbitrary experts. For the embedded model moeray measures its routing
+once: greedy runs of the bundled prompts (stages/data/prompts.json) as one batch, every routing
+decision recorded through the trace writer (cache/trace.py), counted into a moeray profile. The
+trace and the profile lie beside the model in $MOERAY_CACHE_DIR with a sidecar record of what they
+were made from (the model's sha256, the prompts, this module), and are recorded again when any of
+those changes or a file is missing. The recording is deterministic: greedy, fixed prompts, fixed
+order.
+
+`default_profile_for(model_path)` is the one call the commands make when the user gave no
+--profile: the profile for the embedded model, None for any other model.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+from pathlib import Path
+
+from moeray.errors import MoerayError
+from moeray.stages.default_model import FILE_NAME, _read_record, _sidecar, load_prompts, prompt_token_ids
+
+PROFILE_NAME = FILE_NAME.removesuffix(".gguf") + ".profile.msgpack"
+TRACE_NAME = FILE_NAME.removesuffix(".gguf") + ".routing.trace"
+MAX_TOKENS = 32  # new tokens per prompt: with the prompts, ~690 routed tokens per layer
+
+
+class _OneExpertPerLayer:
+    """The upcycled model's experts, computed once per layer: every expert of a layer is the same
+    FFN bytes (the build copies them; checked here), so sum_r w_r * expert_r(x) equals
+    expert_0(x) * sum_r w_r, which is what this returns. Recording then costs one expert per layer
+    per step instead of up to 8; the router and its decisions are untouched and all go to
+    `on_route`."""
+
+    def __init__(self, host, on_route):
+        self.host, self.on_route, self.checked = host, on_route, set()
+
+    def forward(self, layer, x, ids, weights):
+        if layer not in self.checked:
+            from moeray.stages.gguf_file import EXPERT_KINDS
+
+            gguf = self.host.gguf
+            for kind in EXPERT_KINDS:
+                first = bytes(gguf.expert_raw(layer, kind, 0))
+                if any(bytes(gguf.expert_raw(layer, kind, e)) != first for e in range(1, gguf.config.n_experts)):
+                    raise MoerayError(f"{gguf.path}: the experts of layer {layer} differ; "
+                                      "this is not the upcycled default model")
+            self.checked.add(layer)
+        self.on_route(layer, ids, weights)
+        return self.host.weights(layer, 0)(x) * weights.sum(-1, keepdim=True).to(x.dtype)
+
+
+def greedy(model, prompts: list[list[int]], max_tokens: int, end_ids) -> int:
+    """All prompts as one batch: one prefill step, then greedy decode steps until every sequence
+    has `max_tokens` new tokens or an end token (what an engine does, without one). Returns the
+    tokens generated."""
+    import torch
+
+    n_new = 0
+    with torch.inference_mode():
+        kv = model.new_kv_cache(len(prompts), max(map(len, prompts)) + max_tokens)
+        live = list(range(len(prompts)))
+        nxt = model.step(prompts, live, kv).argmax(-1).tolist()
+        n_new += len(nxt)
+        for _ in range(max_tokens - 1):
+            keep = [(i, t) for i, t in zip(live, nxt) if t not in end_ids]
+            if not keep:
+                break
+            live = [i for i, _ in keep]
+            nxt = model.step([[t] for _, t in keep], live, kv).argmax(-1).tolist()
+            n_new += len(nxt)
+    return n_new
+
+
+def record_profile(model_path, dst, max_tokens: int = MAX_TOKENS, quiet: bool = False) -> Path:
+    """Run the bundled prompts greedily through `model_path` (the upcycled default model), record
+    every routing decision to a trace beside `dst`, and write the profile (pair counts, hottest
+    first) to `dst`. Both files are replaced atomically."""
+    from moeray.cache.attach import routing_trace
+    from moeray.cache.trace import read_trace
+    from moeray.planner.profile import Profile
+    from moeray.stages.gguf_file import GGUFFile
+    from moeray.stages.model import load_model
+    from moeray.stages.moe import HostExperts
+    from moeray.stages.tokenizer import Tokenizer
+
+    dst = Path(dst)
+    if not quiet:
+        print(f"moeray: recording the default model's routing profile into {dst} "
+              f"({len(load_prompts())} bundled prompts, {max_tokens} tokens each) ...", file=sys.stderr)
+    gguf = GGUFFile(model_path)
+    cfg = gguf.config
+    tok = Tokenizer.from_metadata(gguf.metadata, source=str(model_path))
+    trace = dst.with_name(TRACE_NAME)
+    tmp_trace = trace.with_name(trace.name + f".tmp{os.getpid()}")
+    tmp_trace.unlink(missing_ok=True)
+    writer = routing_trace(tmp_trace, cfg, 0, cfg.n_layers)
+    try:
+        model = load_model(gguf, experts=_OneExpertPerLayer(HostExperts(gguf), writer))
+        greedy(model, prompt_token_ids(tok), max_tokens, tok.end_ids)
+    finally:
+        writer.close()
+    profile = Profile.from_counts(read_trace(tmp_trace).counts())
+    tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
+    profile.save(tmp)
+    os.replace(tmp_trace, trace)
+    os.replace(tmp, dst)
+    return dst
+
+
+def profile_inputs(model_path: Path) -> dict:
+    """What the profile depends on: the model file, the prompts, and how it is recorded."""
+    rec, stat = _read_record(model_path), model_path.stat()
+    checked = rec.get("size") == stat.st_size and rec.get("mtime_ns") == stat.st_mtime_ns
+    data = Path(__file__).parent / "data"
+    return {"model": rec["sha256"] if checked else f"{stat.st_size}:{stat.st_mtime_ns}",
+            "prompts": hashlib.sha256((data / "prompts.json").read_bytes()).hexdigest()[:16],
+            "recorder": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16],
+            "max_tokens": MAX_TOKENS}
+
+
+def default_profile_for(model_path, rebuild: bool = False, quiet: bool = False) -> Path | None:
+    """The routing profile to use for `model_path` when the user gave none: for the embedded
+    default model, its profile beside it (recorded first if missing or made from other inputs);
+    None for any other model, whose routing moeray cannot know before it runs."""
+    path = Path(model_path)
+    if path.name != FILE_NAME or not path.is_file():
+        return None
+    dst = path.with_name(PROFILE_NAME)
+    want = profile_inputs(path)
+    if rebuild or not dst.is_file() or not dst.with_name(TRACE_NAME).is_file() or _read_record(dst) != want:
+        record_profile(path, dst, quiet=quiet)
+        _sidecar(dst).write_text(json.dumps(want))
+    return dst
