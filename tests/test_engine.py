@@ -4,6 +4,8 @@ abort while a step is in flight, a stage failure failing every running request; 
 tree behind every command's flags; and the one-process Generator against a plain greedy loop."""
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from moeray.cluster.config import EngineConfig, LaunchOptions, ServeOptions
@@ -33,8 +35,8 @@ class ScriptedPipeline:
 
     n_stages = 1
 
-    def __init__(self, scripts: dict[str, str], fail_at: int | None = None):
-        self.scripts, self.fail_at = scripts, fail_at
+    def __init__(self, scripts: dict[str, str], fail_at: int | None = None, delay_s: float = 0.0):
+        self.scripts, self.fail_at, self.delay_s = scripts, fail_at, delay_s
         self.batches, self.in_flight, self.max_in_flight, self.recovered = [], set(), 0, 0
         self.slot_script: dict[int, tuple[str, int]] = {}
         self.kv_len: dict[int, int] = {}
@@ -46,6 +48,7 @@ class ScriptedPipeline:
         return batch
 
     def result(self, batch, timeout_s):
+        time.sleep(self.delay_s)
         self.in_flight.discard(batch.step_id)
         if batch.step_id == self.fail_at:
             raise StageFailedError(f"stage 0 died during step {batch.step_id}")
@@ -229,3 +232,40 @@ def test_generator_greedy_equals_a_plain_model_loop_and_streams_the_same_text(tm
     assert [streamed[i] for i in range(2)] == [c.text for c in got]
     assert gen.stats.prefill_tokens == 13 and gen.stats.decode_tokens == 10
     assert "".join(gen.stream(prompts[1], SamplingParams(max_tokens=6, ignore_eos=True))) == got[1].text
+
+
+# ---------------------------------------------------------------- the server's engine thread
+
+
+def test_the_engine_thread_forwards_the_engines_text_and_frees_what_the_client_drops():
+    import asyncio
+
+    from moeray.cluster.engine_loop import EngineLoop, Finished
+
+    eng, pipe = engine({"a": "hello STOP more", "b": "abcdefghijklmnop"}, max_seqs=2)
+    pipe.delay_s = 0.02  # a step takes a while, as on real stages: the abort lands mid-generation
+    loop = EngineLoop(eng, idle_wait_s=0.01).start()
+
+    async def read(stream, n_items=None):
+        text, n_tokens, items = "", 0, 0
+        while n_items is None or items < n_items:
+            item = await stream.next(10)
+            if isinstance(item, Finished):
+                return text, n_tokens, item
+            text, n_tokens, items = text + item.text, n_tokens + item.n_tokens, items + 1
+        return text, n_tokens, None
+
+    async def main():
+        done = await read(loop.submit(ids("a"), SamplingParams(stop=("STOP",))))
+        dropped = loop.submit(ids("b"), SamplingParams(max_tokens=16))
+        first = await read(dropped, 1)
+        loop.abort(dropped)
+        return done, first, await read(dropped)
+
+    try:
+        (text, n, end), (first_text, _, _), (_, _, dropped_end) = asyncio.run(main())
+    finally:
+        loop.stop()
+    assert (text, n, end.reason) == ("hello ", len("hello STOP"), "stop")  # the server decodes nothing
+    assert first_text.startswith("a") and dropped_end.reason == "abort"
+    assert not eng.running and eng.n_free_slots == 2
