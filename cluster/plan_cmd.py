@@ -23,13 +23,16 @@ def add_arguments(p) -> None:
     p.add_argument("--devices", help="free VRAM per stage in pipeline order, e.g. 12GiB,12GiB,8GiB,8GiB; "
                                      "each item SIZE[:LAYER_MS[:MISS_MS]]")
     p.add_argument("--devices-json", help='[{"name", "free_bytes", "layer_ms", "miss_ms"}, ...]')
-    p.add_argument("--profile", help="routing profile: moeray msgpack, Strata STRP or colibri heat file")
+    p.add_argument("--profile", help="routing profile: moeray msgpack, Strata STRP or colibri heat file "
+                                     "(default for the embedded default model: its recorded profile)")
     p.add_argument("--stages-objective", choices=("latency", "throughput"), default="latency",
                    help="latency: fastest decode step (sum over stages); throughput: fastest slowest stage")
     p.add_argument("--split", default="auto", help="auto, or K=14,31,41 (first layer of stages 1..S-1) to score a given split")
     p.add_argument("--trunk", default="auto", help="auto, off, or e.g. head=gpu,embed=cpu,layers=0-20+30-47")
-    p.add_argument("--mass", choices=("curve", "counts"), default="curve",
-                   help="curve: H(f)=1-(1-f)^b (MOERAY_SPLIT_COVER_B, default 3); counts: the profile's measured shares")
+    p.add_argument("--mass", choices=("auto", "curve", "counts"), default="auto",
+                   help="counts: the profile's measured shares; curve: H(f)=1-(1-f)^b, b fitted to the profile's "
+                        "counts (MOERAY_SPLIT_COVER_B overrides; no profile: b=1, the uniform share); "
+                        "auto (default): counts when the profile has them")
     p.add_argument("--handoff-ms", type=float, default=DEFAULT_HANDOFF_MS, help="time of one stage-to-stage hop")
     p.add_argument("--cpu-factor", type=float, default=DEFAULT_CPU_FACTOR,
                    help="host bytes read per card byte of an expert (2 for an int8 host copy of an int4 slot)")
@@ -40,16 +43,22 @@ def add_arguments(p) -> None:
     p.add_argument("--plot", metavar="PNG", help="draw the plan (needs matplotlib: moeray[plot])")
 
 
-def spec_from_gguf(path: str) -> ModelSpec:
-    from moeray.stages.gguf_file import read_gguf_header  # torch-free
+def spec_from_gguf(path: str, route: str | None = None) -> ModelSpec:
+    """The model's sizes as a stage holds them: the GGUF's own blocks (float32 vectors and
+    routers) on the quantised routes, float32 on the exact one (MOERAY_ROUTE=exact) - the same
+    pricing as the driver's, from stages/gguf_file.held_bytes."""
+    import os
 
+    from moeray.stages.gguf_file import expert_bytes, read_gguf_header, trunk_bytes  # torch-free
+
+    route = route or ("exact" if os.environ.get("MOERAY_ROUTE", "").strip().lower() == "exact" else "quantised")
     h = read_gguf_header(path)
     cfg = h.config
     if not cfg.n_experts:
         raise PlacementError(f"{path}: a dense model (no routed experts); there is no expert cache to place")
-    tb = h.trunk_bytes()
+    tb = trunk_bytes(h.tensors, cfg, route)
     return ModelSpec(cfg.n_layers, cfg.n_experts, cfg.n_experts_used,
-                     [h.expert_bytes(i) for i in range(cfg.n_layers)],
+                     [expert_bytes(h.tensors, i, route) for i in range(cfg.n_layers)],
                      TrunkBytes(int(tb["embedding"]), int(tb["head"]), [int(x) for x in tb["layers"]]))
 
 
@@ -60,7 +69,14 @@ def run(args) -> int:
     if bool(args.devices) == bool(args.devices_json):
         raise PlacementError("give --devices 12GiB,8GiB,... or --devices-json devices.json (one of them)")
     devices = parse_devices(args.devices) if args.devices else load_devices_json(args.devices_json)
-    profile = Profile.load(args.profile, spec.n_layers, spec.n_experts) if args.profile else None
+    profile_path = args.profile
+    if profile_path is None and args.model:
+        from moeray.stages.default_profile import default_profile_for  # torch only if it must be recorded
+
+        profile_path = default_profile_for(args.model)
+        if profile_path is not None:
+            print(f"profile: {profile_path} (the default model's recorded routing)", file=sys.stderr)
+    profile = Profile.load(profile_path, spec.n_layers, spec.n_experts) if profile_path else None
     try:
         mins = [int(x) for x in str(args.min_layers).split(",")]
     except ValueError:

@@ -12,7 +12,7 @@ import sys
 
 import numpy as np
 
-from moeray.planner.mass import H, cover_b
+from moeray.planner.mass import H, mass_model
 from moeray.planner.profile import Profile
 from moeray.errors import ProfileError
 
@@ -66,8 +66,8 @@ def make(paths, output) -> int:
     return 0
 
 
-def mass_curve(prof: Profile) -> list[tuple[int, float, float | None]]:
-    """(held pairs n, H(n/T), measured share of the hottest n or None) at CURVE_FRACTIONS."""
+def mass_curve(prof: Profile, b: float) -> list[tuple[int, float, float | None]]:
+    """(held pairs n, H(n/T) with exponent b, measured share of the hottest n or None) at CURVE_FRACTIONS."""
     T = len(prof.pairs)
     cum = None
     if prof.counts is not None and sum(prof.counts) > 0:
@@ -78,7 +78,7 @@ def mass_curve(prof: Profile) -> list[tuple[int, float, float | None]]:
         if n in done:
             continue
         done.add(n)
-        out.append((n, float(H(n / T)), None if cum is None else float(cum[n - 1])))
+        out.append((n, float(H(n / T, b)), None if cum is None else float(cum[n - 1])))
     return out
 
 
@@ -109,10 +109,12 @@ def describe(prof: Profile, top: int = 4) -> list[str]:
         for l in range(L):
             experts = sorted(range(E), key=lambda e: rank[(l, e)])[:top]
             lines.append(f"{l:>5}  " + " ".join(f"{e}:#{rank[(l, e)]}" for e in experts))
-    b = cover_b()
+    mm = mass_model(prof, "curve")
+    b = mm.b
+    lines.append(mm.line())
     lines.append(f"mass curve: share of the routed mass held by the hottest n of {T} pairs")
-    lines.append(f"{'n':>8} {'fraction':>9} {'H(f) b=' + format(b, 'g'):>10} {'measured':>9}")
-    for n, h, m in mass_curve(prof):
+    lines.append(f"{'n':>8} {'fraction':>9} {'H(f) b=' + format(b, '.2f'):>10} {'measured':>9}")
+    for n, h, m in mass_curve(prof, b):
         lines.append(f"{n:>8} {100 * n / T:>8.1f}% {100 * h:>9.1f}% "
                      f"{'-' if m is None else format(100 * m, '.1f') + '%':>9}")
     return lines
@@ -144,7 +146,8 @@ def plot_profile(prof: Profile, path) -> None:
     ax0.set_xlabel("layer")
     ax0.set_ylabel("expert")
     f = np.arange(T + 1) / T
-    ax1.plot(100 * f, 100 * H(f), label=f"H(f) = 1-(1-f)^{cover_b():g}", color="#888")
+    b = mass_model(prof, "curve").b
+    ax1.plot(100 * f, 100 * H(f, b), label=f"H(f) = 1-(1-f)^{b:.2f}", color="#888")
     if prof.counts is not None and sum(prof.counts) > 0:
         cum = np.concatenate([[0.0], np.cumsum(prof.counts) / float(sum(prof.counts))])
         ax1.plot(100 * f, 100 * cum, label="measured (counts)", color="#c33")

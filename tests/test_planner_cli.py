@@ -119,3 +119,34 @@ def test_plan_from_a_header_only_gguf_without_torch(tmp_path):
     one_expert = 3 * 32 * 64 * 4  # gate + up + down rows of one expert, F32
     held = sum(s["held_bytes"] for s in doc["stages"])
     assert held % one_expert == 0 and held // one_expert == doc["held_pairs"]
+
+
+def test_plan_of_the_default_model_uses_its_recorded_profile_without_torch(default_model_path):
+    """`moeray plan` on the embedded model prices with its recorded profile (counts, fitted b) and
+    stays torch-free once the profile exists; any other model without --profile gets the uniform share."""
+    from moeray.stages.default_profile import default_profile_for
+
+    profile = default_profile_for(default_model_path, quiet=True)  # recorded here if it is missing
+    code = ("import sys; from moeray.cluster.cli import main; "
+            f"rc = main(['plan', {str(default_model_path)!r}, '--devices', '60MiB,60MiB,60MiB,60MiB']); "
+            "assert 'torch' not in sys.modules, 'heavy import'; sys.exit(rc)")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    picks = sum(Profile.load(profile).counts)
+    assert str(profile) in res.stderr
+    assert res.stdout.splitlines()[-1].startswith(f"mass: the profile's measured counts ({picks} routed picks); "
+                                                  "mass curve: b=")
+    assert res.stdout.splitlines()[-1].endswith(f"fitted from {picks} routed picks")
+    assert "predicted hit rate" in res.stdout
+
+
+def test_plan_without_a_profile_predicts_the_uniform_share(tmp_path, capsys):
+    write_spec(tmp_path / "m.json")
+    assert main(["plan", "--spec", str(tmp_path / "m.json"), "--devices", "60MB,30MB", "--json", "-"]) == 0
+    out = capsys.readouterr()
+    doc = json.loads(out.out)
+    assert doc["mass_b_source"] == "uniform" and "b=1 (no profile" in out.err
+    for s in doc["stages"]:
+        n_pairs = (s["layers"][1] - s["layers"][0]) * 16
+        assert s["held_mass"] / s["routed_mass"] == pytest.approx(s["held_pairs"] / n_pairs)
+        assert s["predicted_hit_rate"] == pytest.approx(s["slot_pairs"] / n_pairs)
