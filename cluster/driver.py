@@ -231,42 +231,32 @@ class Launched:
 
 
 def kv_bytes_per_layer(config, max_seqs: int, max_len: int) -> int:
-    """KV cache of one layer: k and v, float32, [max_seqs, n_kv_heads, max_len, head_dim] each."""
-    return 2 * max_seqs * config.n_kv_heads * max_len * config.head_dim * 4
+    """KV cache of one layer, as the stage allocates it."""
+    from moeray.stages.kv_cache import kv_cache_bytes
+
+    return kv_cache_bytes(config, 1, max_seqs, max_len)
 
 
-def held_spec(header, kv_bytes_per_layer: int = 0):
+def held_spec(header, kv_bytes_per_layer: int = 0, route: str | None = None):
     """The planner's ModelSpec in the bytes a stage really holds on its device.
 
-    moeray computes in float32: a cached expert slot and the trunk on the card are float32
-    copies, not the GGUF's quantised bytes (which `moeray plan` prices). Placing with stored
-    bytes would promise caches 6x fuller than they can be for a Q4 model. A layer's KV cache is
-    on the card with its trunk whatever the split, so it is priced as part of that layer's trunk:
-    the search then charges every candidate range exactly the KV it would allocate.
+    On the quantised routes a slot and the trunk hold the GGUF's own blocks (float32 only for
+    vectors and routers), on the exact route float32 copies: `held_bytes` in stages/gguf_file.py
+    prices both, and the stage is charged the same numbers. A layer's KV cache is on the card with
+    its trunk whatever the split, so it is priced as part of that layer's trunk: the search then
+    charges every candidate range exactly the KV it would allocate.
     """
-    import math
-
     from moeray.planner.spec import ModelSpec, TrunkBytes
-    from moeray.stages.gguf_file import is_routed_expert
+    from moeray.stages.gguf_file import expert_bytes, trunk_bytes
+    from moeray.stages.qmatmul import current_route
 
+    route = route or current_route()
     cfg = header.config
-    f32 = {name: 4 * math.prod(t.shape) for name, t in header.tensors.items()}
-    layers, experts = [kv_bytes_per_layer] * cfg.n_layers, [0] * cfg.n_layers
-    emb = head = 0
-    for name, n in f32.items():
-        if name.startswith("blk."):
-            i = int(name.split(".")[1])
-            if is_routed_expert(name):
-                experts[i] += n // cfg.n_experts
-            else:
-                layers[i] += n
-        elif name == "token_embd.weight":
-            emb += n
-        elif name in ("output.weight", "output_norm.weight"):
-            head += n
-    if cfg.tie_embeddings:
-        head += emb
-    return ModelSpec(cfg.n_layers, cfg.n_experts, cfg.n_experts_used, experts, TrunkBytes(emb, head, layers))
+    t = trunk_bytes(header.tensors, cfg, route)
+    layers = [kv_bytes_per_layer + n for n in t["layers"]]
+    experts = [expert_bytes(header.tensors, l, route) for l in range(cfg.n_layers)]
+    return ModelSpec(cfg.n_layers, cfg.n_experts, cfg.n_experts_used, experts,
+                     TrunkBytes(t["embedding"], t["head"], layers))
 
 
 def plan_from_reports(header, reports: list[ProbeReport], opts: LaunchOptions, engine: EngineConfig,

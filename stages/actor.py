@@ -148,17 +148,6 @@ class StageRunner:
         return self.sample(batch, self.layers(self.model.embed(batch.tokens), meta), meta)
 
 
-def _resident_bytes(model) -> int:
-    """Bytes of the tensors a StageModel holds (shared storages, such as a tied head, counted once)."""
-    seen, total = set(), 0
-    for t in list(model.buffers()) + list(model.parameters()):
-        ptr = t.untyped_storage().data_ptr()
-        if ptr not in seen:
-            seen.add(ptr)
-            total += t.untyped_storage().nbytes()
-    return total
-
-
 class StageActor:
     def __init__(self, stage: int, n_stages: int, simulated_budget: int | None = None,
                  torch_threads: int | None = None):
@@ -178,11 +167,10 @@ class StageActor:
 
     def probe(self, path: str) -> ProbeReport:
         """Everything the planner needs from this stage, measured here, before any weight is loaded."""
-        from moeray.stages.gguf_file import read_gguf_header
+        from moeray.stages.gguf_file import GGUFFile
 
-        header = read_gguf_header(path)
         t = time.perf_counter()
-        speed = measure_speed(header, self.device.torch_device)
+        speed = measure_speed(GGUFFile(path), self.device.torch_device)
         if self.device.kind == "cuda":
             import torch
 
@@ -228,22 +216,38 @@ class StageActor:
         after KV and trunk becomes this stage's expert cache, filled hottest-first from `profile`
         (a path every node can read; None = uniform) and kept by `cache_policy`.
         """
-        from moeray.stages.model import StageModel
+        from moeray.stages.gguf_file import GGUFFile
+        from moeray.stages.kv_cache import kv_cache_bytes
+        from moeray.stages.model import StageModel, stage_trunk_bytes
+        from moeray.stages.moe import HostExperts
 
         t = time.perf_counter()
         self.model = None
         self.memory = DeviceMemory(self.device, self.stage)
-        model = StageModel.from_gguf(path, (first, end), device=self.device.torch_device)
-        kv = model.new_kv_cache(max_seqs, max_len)
-        self.memory.reserve(f"KV cache ({max_seqs} x {max_len} tokens)", kv.nbytes())
-        resident = _resident_bytes(model)
-        self.memory.reserve(f"trunk of layers {first}-{end - 1}", resident if trunk_on_card is None else trunk_on_card)
-        cache = None
-        if model.config.is_moe:
-            from moeray.cache.attach import attach_cache
+        gguf = GGUFFile(path)
+        cfg = gguf.config
+        # Charge KV and trunk from the header first: what is left is the expert cache's budget, and
+        # the MoE blocks are built with that cache in front of the host copy.
+        self.memory.reserve(f"KV cache ({max_seqs} x {max_len} tokens)",
+                            kv_cache_bytes(cfg, end - first, max_seqs, max_len))
+        trunk = stage_trunk_bytes(gguf, first, end)
+        self.memory.reserve(f"trunk of layers {first}-{end - 1}", trunk if trunk_on_card is None else trunk_on_card)
+        experts = cache = HostExperts(gguf)
+        if cfg.is_moe:
+            from moeray.cache.attach import build_cache
 
-            cache = attach_cache(model, self.memory.free, profile, cache_policy, layout="per-layer")
+            cache = build_cache(experts, first, end, self.device.torch_device, self.memory.free, profile,
+                                cache_policy, layout="per-layer")
             self.memory.reserve(f"expert cache ({cache.slots.n_slots} slots)", cache.budget.capacity)
+            experts = cache
+        else:
+            cache = None
+        model = StageModel(gguf, first, end, self.device.torch_device, experts)
+        resident = model.trunk_bytes()
+        if resident > trunk:  # the header's price is the runtime's size by construction; say so if not
+            raise MoerayError(f"stage {self.stage}: the trunk of layers {first}-{end - 1} holds {resident} bytes, "
+                              f"{trunk} were charged")
+        kv = model.new_kv_cache(max_seqs, max_len)
         self.model, self.runner = model, StageRunner(model, kv)
         self.steps, self.step_s, self.tokens_in = 0, 0.0, 0
         self.hidden = model.config.hidden

@@ -11,14 +11,13 @@ card's real free memory, not from a label.
   `DeviceMemory.reserve` enforces it, so a plan that overfills a simulated card fails the same
   way a real one would (earlier, and with a clearer message).
 
-`measure_speed` times a synthetic layer with the model's real dimensions on the device: the
-planner's `layer_ms` (one decode token through attention + router + the experts a token uses,
-all resident) and `miss_ms` (one routed expert computed on the host from its quantised bytes,
-which is what a cache miss costs).
+`measure_speed` times one real layer of the model, loaded on the device and run by the serving
+code: the planner's `layer_ms` (one decode token through attention + router + the experts a token
+uses, all resident) and `miss_ms` (one routed expert computed on the host from its quantised
+bytes, which is what a cache miss costs).
 """
 from __future__ import annotations
 
-import os
 import re
 import socket
 import statistics
@@ -26,7 +25,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
 
 from moeray.errors import MoerayError
 
@@ -217,108 +215,62 @@ def _median_ms(fn, reps: int, budget_s: float, sync) -> float:
     return statistics.median(times)
 
 
-def measure_layer_ms(config, device: str = "cpu", context: int = 256, reps: int = 50,
+def measure_layer_ms(gguf, device: str = "cpu", context: int = 256, reps: int = 50,
                      budget_s: float = 1.0) -> float:
-    """Median ms of one decode token through one synthetic layer of this model's shape.
-
-    Random float32 weights of the real sizes; attention reads `context` cached positions.
-    For an MoE layer the token's k experts count as resident (hits): misses are `miss_ms`.
-    """
+    """Median ms of one decode token through one real layer of this model (a middle one), run by
+    the code that serves: its trunk loaded on `device`, attention reading `context` cached
+    positions, and for an MoE layer every expert resident in a cache slot (hits; misses are
+    `miss_ms`)."""
     import torch
+
+    from moeray.stages.model import StageModel
+    from moeray.stages.moe import HostExperts
+
+    cfg = gguf.config
+    layer = cfg.n_layers // 2
+    experts = None
+    if cfg.is_moe:
+        from moeray.cache.attach import build_cache
+
+        experts = build_cache(HostExperts(gguf), layer, layer + 1, device, None, n_slots=cfg.n_experts)
+    model = StageModel(gguf, layer, layer + 1, device, experts)
+    kv = model.new_kv_cache(1, context + 1)
+    x = torch.randn(1, cfg.hidden, generator=torch.Generator().manual_seed(0)).to(device)
+
+    def step():
+        kv.lengths[0] = context  # the same cached context every time
+        model.run_layers(x, model.batch_meta([1], [0], kv), kv)
 
     dev = torch.device(device)
-    gen = torch.Generator(device="cpu").manual_seed(0)
-
-    def w(*shape):
-        return (torch.randn(*shape, generator=gen) * 0.02).to(dev)
-
-    H, nh, nkv, hd = config.hidden, config.n_heads, config.n_kv_heads, config.head_dim
-    wq, wk, wv, wo = w(nh * hd, H), w(nkv * hd, H), w(nkv * hd, H), w(H, nh * hd)
-    kc, vc = w(1, nkv, context, hd), w(1, nkv, context, hd)
-    norm = torch.ones(H, device=dev)
-    if config.is_moe:
-        router = w(config.n_experts, H)
-        F = config.expert_ffn_dim
-        ffns = [(w(F, H), w(F, H), w(H, F)) for _ in range(config.n_experts_used)]
-        if config.shared_expert_ffn_dim:
-            S = config.shared_expert_ffn_dim
-            ffns.append((w(S, H), w(S, H), w(H, S)))
-    else:
-        router = None
-        F = config.ffn_dim
-        ffns = [(w(F, H), w(F, H), w(H, F))] if F else []
-    x = w(1, H)
-    rep = nh // nkv
-
-    def rms(t):
-        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + 1e-6) * norm
-
-    def layer():
-        h = rms(x)
-        q = (h @ wq.T).view(1, nh, 1, hd)
-        k_new = (h @ wk.T).view(1, nkv, 1, hd)
-        v_new = (h @ wv.T).view(1, nkv, 1, hd)
-        k = torch.cat([kc, k_new], 2).repeat_interleave(rep, 1)
-        v = torch.cat([vc, v_new], 2).repeat_interleave(rep, 1)
-        a = torch.nn.functional.scaled_dot_product_attention(q, k, v)
-        h2 = x + a.reshape(1, nh * hd) @ wo.T
-        g = rms(h2)
-        if router is not None:
-            torch.topk(torch.softmax(g @ router.T, -1), config.n_experts_used)
-        out = h2
-        for wg, wu, wd in ffns:
-            out = out + (torch.nn.functional.silu(g @ wg.T) * (g @ wu.T)) @ wd.T
-        return out
-
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     with torch.inference_mode():
-        return _median_ms(layer, reps, budget_s, sync)
+        return _median_ms(step, reps, budget_s, sync)
 
 
-def _expert_slabs(header) -> list[tuple[Any, tuple[int, int], int, int]] | None:
-    """(ggml_type, shape of one expert, file offset of expert 0, bytes per expert) for gate, up, down of layer 0."""
-    out = []
-    for kind in ("gate", "up", "down"):
-        t = header.tensors.get(f"blk.0.ffn_{kind}_exps.weight")
-        if t is None:
-            return None
-        n_exp = t.shape[0]
-        out.append((t.ggml_type, tuple(t.shape[1:]), t.offset, t.n_bytes // n_exp))
-    return out
-
-
-def measure_miss_ms(header, reps: int = 20, budget_s: float = 1.0) -> float:
-    """Median ms to compute one routed expert for one token on the host from its stored bytes.
-
-    Uses the expert's real bytes when the file holds them (a header-only file gets random
-    bytes of the same quantisation, which costs the same to dequantise). 0.0 for a dense model.
-    """
+def measure_miss_ms(gguf, reps: int = 20, budget_s: float = 1.0) -> float:
+    """Median ms to compute one routed expert for one token on the host from its stored bytes
+    (the host path a miss takes: HostExperts on the file mapping). 0.0 for a dense model."""
     import torch
 
-    from moeray.stages.quant import dequantize  # the same dequantiser the host expert path uses
+    from moeray.stages.moe import HostExperts
 
-    slabs = _expert_slabs(header)
-    if slabs is None:
+    cfg = gguf.config
+    if not cfg.is_moe:
         return 0.0
-    size = os.path.getsize(header.path)
-    rng = np.random.default_rng(0)
-    raws = []
-    for qtype, shape, offset, n in slabs:
-        if offset + n <= size:
-            raws.append((np.memmap(header.path, dtype=np.uint8, mode="r", offset=offset, shape=(n,)), qtype, shape))
-        else:
-            raws.append((rng.integers(0, 256, n, dtype=np.uint8), qtype, shape))
-    x = torch.randn(1, header.config.hidden)
+    host = HostExperts(gguf)
+    layer = cfg.n_layers // 2
+    x = torch.randn(1, cfg.hidden, generator=torch.Generator().manual_seed(0))
+    expert = iter(range(1 << 62))
 
-    def miss():
-        wg, wu, wd = (dequantize(r, q, s) for r, q, s in raws)
-        return (torch.nn.functional.silu(x @ wg.T) * (x @ wu.T)) @ wd.T
+    def miss():  # a different expert each time, as misses are: the mapping is read, not the CPU cache
+        return host.weights(layer, next(expert) % cfg.n_experts)(x)
 
     with torch.inference_mode():
         return _median_ms(miss, reps, budget_s, lambda: None)
 
 
-def measure_speed(header, device: str = "cpu") -> SpeedReport:
+def measure_speed(gguf, device: str = "cpu") -> SpeedReport:
+    """layer_ms and miss_ms of a GGUFFile (the whole file: the real layer is loaded and run)."""
     ctx = 256
-    return SpeedReport(layer_ms=measure_layer_ms(header.config, device, context=ctx),
-                       miss_ms=measure_miss_ms(header), context=ctx)
+    return SpeedReport(layer_ms=measure_layer_ms(gguf, device, context=ctx),
+                       miss_ms=measure_miss_ms(gguf), context=ctx)

@@ -351,32 +351,68 @@ def is_routed_expert(name: str) -> bool:
     return name.endswith("_exps.weight")
 
 
-def trunk_bytes(tensors: dict[str, TensorInfo], cfg: ModelConfig) -> dict:
-    """Stored bytes of everything that is not a routed expert: the embedding, the head (output_norm +
+def tensor_role(name: str) -> tuple[str, int | None]:
+    """Where a tensor belongs: ("expert", layer), ("layer", layer) for a layer's dense trunk,
+    ("embedding", None), ("head", None) or ("other", None). The one classifier the loader, the
+    memory report and the planner's pricing share."""
+    if name.startswith("blk."):
+        layer = int(name.split(".")[1])
+        return ("expert" if is_routed_expert(name) else "layer"), layer
+    if name == "token_embd.weight":
+        return "embedding", None
+    if name in ("output.weight", "output_norm.weight"):
+        return "head", None
+    return "other", None
+
+
+def held_as_float(name: str, t: TensorInfo) -> bool:
+    """Vectors (norms, biases) and routers are held as float32 copies: they are small and the
+    router's softmax wants full precision. Everything else is held in its stored block form."""
+    return len(t.shape) == 1 or ".ffn_gate_inp" in name
+
+
+def held_bytes(name: str, t: TensorInfo, route: str | None = "quantised") -> int:
+    """Bytes a stage's copy of a tensor holds: its stored bytes (route None: as in the file), the
+    stored bytes on the quantised routes except float32 vectors and routers, float32 on the exact
+    route (the debugging route dequantises everything once)."""
+    if route is None:
+        return t.n_bytes
+    n = 1
+    for d in t.shape:
+        n *= d
+    if route == "exact" or held_as_float(name, t):
+        return 4 * n
+    return t.n_bytes
+
+
+def trunk_bytes(tensors: dict[str, TensorInfo], cfg: ModelConfig, route: str | None = None) -> dict:
+    """Bytes of everything that is not a routed expert: the embedding, the head (output_norm +
     output, or output_norm + token_embd when tied, since the last stage must then hold a copy of the
-    embedding matrix), and each layer's dense part (attention, norms, router, shared expert)."""
+    embedding matrix), and each layer's dense part (attention, norms, router, shared expert).
+    route None: as stored in the file; else as a stage holds them on that route (`held_bytes`)."""
     layers = [0] * cfg.n_layers
     emb = head = 0
     for name, t in tensors.items():
-        if is_routed_expert(name):
-            continue
-        if name.startswith("blk."):
-            i = int(name.split(".")[1])
-            if i < cfg.n_layers:
-                layers[i] += t.n_bytes
-        elif name == "token_embd.weight":
-            emb += t.n_bytes
-        elif name in ("output.weight", "output_norm.weight"):
-            head += t.n_bytes
+        role, layer = tensor_role(name)
+        n = held_bytes(name, t, route)
+        if role == "layer" and layer < cfg.n_layers:
+            layers[layer] += n
+        elif role == "embedding":
+            emb += n
+        elif role == "head":
+            head += n
     if cfg.tie_embeddings:
         head += emb
     return {"embedding": emb, "head": head, "layers": layers}
 
 
-def expert_bytes(tensors: dict[str, TensorInfo], layer: int) -> int:
+def expert_bytes(tensors: dict[str, TensorInfo], layer: int, route: str | None = None) -> int:
+    """Bytes of one routed expert of `layer` as stored (route None or a quantised route: a slot
+    holds exactly these bytes) or as float32 (the exact route)."""
     total = 0
     for kind in EXPERT_KINDS:
-        t = tensors.get(f"blk.{layer}.ffn_{kind}_exps.weight")
+        name = f"blk.{layer}.ffn_{kind}_exps.weight"
+        t = tensors.get(name)
         if t is not None:
-            total += t.n_bytes // t.shape[0]
+            total += held_bytes(name, t, route) // t.shape[0]
     return total

@@ -10,6 +10,12 @@ class KVCacheFullError(MoerayError):
     """A sequence would grow past the KV cache's max_len."""
 
 
+def kv_cache_bytes(config, n_layers: int, max_seqs: int, max_len: int, itemsize: int = 4) -> int:
+    """Bytes the KV cache of `n_layers` layers allocates: k and v of [max_seqs, n_kv_heads,
+    max_len, head_dim] each, float32 by default. The driver prices it with this same formula."""
+    return 2 * n_layers * max_seqs * config.n_kv_heads * max_len * config.head_dim * itemsize
+
+
 class KVCache:
     """k/v per layer of the stage: [max_seqs, n_kv_heads, max_len, head_dim]; `lengths[slot]` tokens held.
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from moeray.stages.config import ModelConfig
 from moeray.stages.kv_cache import KVCache
+from moeray.stages.qmatmul import QMatrix
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -106,13 +107,13 @@ class Attention(torch.nn.Module):
     """GQA self-attention with fused qkv projection, optional qkv bias (qwen2moe) and per-head q/k
     RMSNorm (qwen3moe)."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, w_qkv: torch.Tensor, b_qkv: torch.Tensor | None,
-                 w_o: torch.Tensor, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None):
+    def __init__(self, cfg: ModelConfig, layer: int, w_qkv: list[QMatrix], b_qkv: torch.Tensor | None,
+                 w_o: QMatrix, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None):
         super().__init__()
         self.cfg, self.layer = cfg, layer
-        self.register_buffer("w_qkv", w_qkv, persistent=False)
+        self.w_qkv = w_qkv  # [q; k; v] as one matrix, or three where their block types differ
+        self.w_o = w_o
         self.register_buffer("b_qkv", b_qkv, persistent=False)
-        self.register_buffer("w_o", w_o, persistent=False)
         self.register_buffer("q_norm", q_norm, persistent=False)
         self.register_buffer("k_norm", k_norm, persistent=False)
         self.q_out = cfg.n_heads * cfg.head_dim
@@ -122,7 +123,9 @@ class Attention(torch.nn.Module):
                 cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         cfg = self.cfg
         N, D = x.shape[0], cfg.head_dim
-        qkv = F.linear(x, self.w_qkv, self.b_qkv)
+        qkv = self.w_qkv[0](x) if len(self.w_qkv) == 1 else torch.cat([w(x) for w in self.w_qkv], dim=1)
+        if self.b_qkv is not None:
+            qkv = qkv + self.b_qkv
         q = qkv[:, :self.q_out].view(N, cfg.n_heads, D)
         k = qkv[:, self.q_out:self.q_out + self.kv_out].view(N, cfg.n_kv_heads, D)
         v = qkv[:, self.q_out + self.kv_out:].view(N, cfg.n_kv_heads, D)
@@ -158,4 +161,4 @@ class Attention(torch.nn.Module):
             out = out.reshape(N, self.q_out)
         else:
             out = out[meta.seq_of_token, meta.off_of_token].reshape(N, self.q_out)
-        return F.linear(out, self.w_o)
+        return self.w_o(out)

@@ -1,23 +1,23 @@
 """StageModel: layers [first, end) of a GGUF model, the unit a pipeline stage runs.
 
-The trunk (attention, norms, router, shared expert, dense FFN, embedding, head) is dequantised to
-contiguous float32 at load. Routed experts stay quantised in the file mapping and come from
-`expert_source` when a step uses them. Only the tensors of the requested layers are read.
+The trunk (attention, norms, router, shared expert, dense FFN, embedding, head) is copied onto the
+stage's device in its stored block form (`QMatrix`); only vectors and the router are float32.
+Routed experts stay in the file mapping; each MoE block computes them through the `Experts` the
+model is built with (the host copy, or an expert cache in front of it). Only the tensors of the
+requested layers are read.
 """
 from __future__ import annotations
 
 import os
-from typing import Callable
 
 import torch
-import torch.nn.functional as F
-from gguf import GGMLQuantizationType
 
 from moeray.errors import MoerayError
-from moeray.stages.gguf_file import GGUFFile, is_routed_expert
+from moeray.stages.gguf_file import GGUFFile, tensor_role, trunk_bytes
 from moeray.stages.kv_cache import KVCache
 from moeray.stages.layers import Attention, BatchMeta, RoPE, make_batch_meta, rms_norm
-from moeray.stages.moe import DenseFFN, ExpertSource, HostExperts, MoEBlock
+from moeray.stages.moe import DenseFFN, Experts, HostExperts, MoEBlock
+from moeray.stages.qmatmul import QMatrix, announce, current_route
 from moeray.stages.quant import dequantize
 
 
@@ -33,7 +33,8 @@ class TransformerLayer(torch.nn.Module):
 class StageModel(torch.nn.Module):
     """Layers [first, end) of a GGUF model; embedding if first == 0; final norm + lm_head if end == n_layers."""
 
-    def __init__(self, gguf: GGUFFile, first: int, end: int, device: str | torch.device = "cpu"):
+    def __init__(self, gguf: GGUFFile, first: int, end: int, device: str | torch.device = "cpu",
+                 experts: Experts | None = None, route: str | None = None):
         super().__init__()
         cfg = gguf.config
         if not 0 <= first < end <= cfg.n_layers:
@@ -43,57 +44,82 @@ class StageModel(torch.nn.Module):
         self.device = torch.device(device)
         self.has_embedding, self.has_head = first == 0, end == cfg.n_layers
         self.rope = RoPE(cfg.head_dim, cfg.rope_theta, cfg.rope_style, cfg.rope_scale, device=self.device)
-        self.expert_source: ExpertSource = HostExperts(gguf)
-        self.routing_hook: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+        self.route = route or current_route()
+        announce(self.route, self.device)
+        self.experts: Experts = experts if experts is not None else HostExperts(gguf, self.route)
 
-        self.register_buffer("tok_embd", self._load("token_embd.weight") if self.has_embedding else None,
-                             persistent=False)
+        self.tok_embd = self._matrix("token_embd.weight") if self.has_embedding else None
         self.layers = torch.nn.ModuleList(self._load_layer(i) for i in range(first, end))
         self.register_buffer("out_norm", None, persistent=False)
-        self.register_buffer("w_out", None, persistent=False)
+        self.w_out = None
         if self.has_head:
-            self.out_norm = self._load("output_norm.weight")
+            self.out_norm = self._vector("output_norm.weight")
             if cfg.tie_embeddings:
-                self.w_out = self.tok_embd if self.tok_embd is not None else self._load("token_embd.weight")
+                self.w_out = self.tok_embd if self.tok_embd is not None else self._matrix("token_embd.weight")
             else:
-                self.w_out = self._load("output.weight")
+                self.w_out = self._matrix("output.weight")
 
     # --- loading ---------------------------------------------------------------------------
 
-    def _load(self, name: str) -> torch.Tensor:
+    def _vector(self, name: str) -> torch.Tensor:
+        """Norm weights, biases, routers: small, float32, an owned copy (never the read-only mapping)."""
         info = self.gguf.info(name)
-        t = dequantize(self.gguf.raw(name), info.ggml_type, info.shape)
-        if info.ggml_type == GGMLQuantizationType.F32:
-            t = t.clone()  # a view of the read-only mapping otherwise
-        return t.to(self.device).contiguous()
+        return dequantize(self.gguf.raw(name), info.ggml_type, info.shape).to(self.device, copy=True).contiguous()
+
+    def _matrix(self, name: str) -> QMatrix:
+        """A weight matrix copied onto the device in its stored block form."""
+        info = self.gguf.info(name)
+        return QMatrix.from_raw(self.gguf.raw(name), info.ggml_type, info.shape, self.route, device=self.device)
 
     def _load_layer(self, i: int) -> TransformerLayer:
-        cfg, p, ld = self.config, f"blk.{i}.", self._load
-        w_qkv = torch.cat((ld(p + "attn_q.weight"), ld(p + "attn_k.weight"), ld(p + "attn_v.weight")))
+        cfg, p, m, v = self.config, f"blk.{i}.", self._matrix, self._vector
+        qkv = [m(p + "attn_q.weight"), m(p + "attn_k.weight"), m(p + "attn_v.weight")]
+        fused = QMatrix.cat_rows(qkv)  # one matmul when q, k and v share a block type
         b_qkv = None
         if cfg.qkv_bias:
-            b_qkv = torch.cat((ld(p + "attn_q.bias"), ld(p + "attn_k.bias"), ld(p + "attn_v.bias")))
-        q_norm = ld(p + "attn_q_norm.weight") if cfg.qk_norm else None
-        k_norm = ld(p + "attn_k_norm.weight") if cfg.qk_norm else None
-        attn = Attention(cfg, i, w_qkv, b_qkv, ld(p + "attn_output.weight"), q_norm, k_norm)
+            b_qkv = torch.cat((v(p + "attn_q.bias"), v(p + "attn_k.bias"), v(p + "attn_v.bias")))
+        q_norm = v(p + "attn_q_norm.weight") if cfg.qk_norm else None
+        k_norm = v(p + "attn_k_norm.weight") if cfg.qk_norm else None
+        attn = Attention(cfg, i, [fused] if fused is not None else qkv, b_qkv, m(p + "attn_output.weight"),
+                         q_norm, k_norm)
         if cfg.is_moe:
             shared = gate = None
             if cfg.shared_expert_ffn_dim:
-                shared = DenseFFN(torch.cat((ld(p + "ffn_gate_shexp.weight"), ld(p + "ffn_up_shexp.weight"))),
-                                  ld(p + "ffn_down_shexp.weight"))
-                gate = ld(p + "ffn_gate_inp_shexp.weight").reshape(-1)
-            ffn = MoEBlock(cfg, i, ld(p + "ffn_gate_inp.weight"), shared, gate)
+                shared = DenseFFN(m(p + "ffn_gate_shexp.weight"), m(p + "ffn_up_shexp.weight"),
+                                  m(p + "ffn_down_shexp.weight"))
+                gate = v(p + "ffn_gate_inp_shexp.weight").reshape(-1)
+            ffn = MoEBlock(cfg, i, v(p + "ffn_gate_inp.weight"), self.experts, shared, gate)
         else:
-            ffn = DenseFFN(torch.cat((ld(p + "ffn_gate.weight"), ld(p + "ffn_up.weight"))),
-                           ld(p + "ffn_down.weight"))
-        return TransformerLayer(ld(p + "attn_norm.weight"), attn, ld(p + "ffn_norm.weight"), ffn)
+            ffn = DenseFFN(m(p + "ffn_gate.weight"), m(p + "ffn_up.weight"), m(p + "ffn_down.weight"))
+        return TransformerLayer(v(p + "attn_norm.weight"), attn, v(p + "ffn_norm.weight"), ffn)
 
     @classmethod
     def from_gguf(cls, path_or_gguf: str | os.PathLike | GGUFFile, layers: tuple[int, int] | None = None,
-                  device: str | torch.device = "cpu") -> "StageModel":
+                  device: str | torch.device = "cpu", experts: Experts | None = None,
+                  route: str | None = None) -> "StageModel":
         gguf = path_or_gguf if isinstance(path_or_gguf, GGUFFile) else GGUFFile(path_or_gguf)
         first, end = layers if layers is not None else (0, gguf.config.n_layers)
-        return cls(gguf, first, end, device)
+        return cls(gguf, first, end, device, experts, route)
+
+    def matrices(self) -> list[QMatrix]:
+        """Every trunk weight matrix this stage holds, each once (a tied head is the embedding)."""
+        found: dict[int, QMatrix] = {}
+        for w in (self.tok_embd, self.w_out):
+            if w is not None:
+                found[id(w)] = w
+        for module in self.modules():
+            for value in vars(module).values():
+                items = value if isinstance(value, list) else [value]
+                for w in items:
+                    if isinstance(w, QMatrix):
+                        found[id(w)] = w
+        return list(found.values())
+
+    def trunk_bytes(self) -> int:
+        """Bytes the trunk really holds on the device: its matrices plus float vectors."""
+        vectors = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in self.buffers()
+                   if t is not None}
+        return sum(w.nbytes for w in self.matrices()) + sum(vectors.values())
 
     # --- running ---------------------------------------------------------------------------
 
@@ -112,18 +138,17 @@ class StageModel(torch.nn.Module):
             raise MoerayError(f"stage [{self.first}, {self.end}) has no embedding; feed it hidden states")
         if not isinstance(tokens, torch.Tensor):
             tokens = torch.tensor([t for seq in tokens for t in seq], dtype=torch.long)
-        return F.embedding(tokens.to(self.device), self.tok_embd)
+        return self.tok_embd.rows(tokens.to(self.device))
 
     @torch.inference_mode()
     def run_layers(self, hidden: torch.Tensor, meta: BatchMeta, kv: KVCache) -> torch.Tensor:
         """Packed hidden [N, hidden] through this stage's layers; appends the step's k/v to `kv`."""
-        eps, source, hook = self.config.rms_eps, self.expert_source, self.routing_hook
+        eps = self.config.rms_eps
         cos_sin = self.rope.cos_sin(meta.positions)
         x = hidden
         for layer in self.layers:
             x = x + layer.attn(rms_norm(x, layer.attn_norm, eps), meta, kv, self.rope, cos_sin)
-            h = rms_norm(x, layer.ffn_norm, eps)
-            x = x + (layer.ffn(h, source, hook) if isinstance(layer.ffn, MoEBlock) else layer.ffn(h))
+            x = x + layer.ffn(rms_norm(x, layer.ffn_norm, eps))
         kv.advance(meta.slots, meta.n_new)
         return x
 
@@ -132,7 +157,7 @@ class StageModel(torch.nn.Module):
         """Final norm + lm_head: [n, hidden] -> [n, vocab] float32."""
         if not self.has_head:
             raise MoerayError(f"stage [{self.first}, {self.end}) has no head; pass its output to the next stage")
-        return F.linear(rms_norm(hidden, self.out_norm, self.config.rms_eps), self.w_out)
+        return self.w_out(rms_norm(hidden, self.out_norm, self.config.rms_eps))
 
     @torch.inference_mode()
     def step(self, tokens: list[list[int]], slots: list[int], kv: KVCache) -> torch.Tensor:
@@ -155,8 +180,24 @@ class StageModel(torch.nn.Module):
         return self.head(self.run_layers(self.embed([list(token_ids)]), meta, kv))
 
 
-def load_model(path: str | os.PathLike | GGUFFile, device: str | torch.device = "cpu") -> StageModel:
-    return StageModel.from_gguf(path, None, device)
+def stage_trunk_bytes(gguf, first: int, end: int, route: str | None = None) -> int:
+    """Bytes the trunk of layers [first, end) holds on its device on `route`, from the header
+    alone: what a stage is charged before anything is loaded (StageModel.trunk_bytes() measures the
+    same thing after loading)."""
+    route = route or current_route()
+    cfg = gguf.config
+    t = trunk_bytes(gguf.tensors, cfg, route)
+    n = sum(t["layers"][first:end])
+    if first == 0:
+        n += t["embedding"]
+    if end == cfg.n_layers:
+        n += t["head"] - (t["embedding"] if first == 0 and cfg.tie_embeddings else 0)  # one shared matrix
+    return n
+
+
+def load_model(path: str | os.PathLike | GGUFFile, device: str | torch.device = "cpu",
+               experts: Experts | None = None, route: str | None = None) -> StageModel:
+    return StageModel.from_gguf(path, None, device, experts, route)
 
 
 def _rss_bytes() -> int:
@@ -171,21 +212,18 @@ def _rss_bytes() -> int:
 
 
 def memory_report(model: StageModel) -> dict:
-    """What loading cost: the resident float32 trunk, the quantised expert bytes left in the mapping,
-    and what the same layers would take fully dequantised to float32. `process_rss` is the whole
-    process (torch, Python, tokenizer, ...), for context."""
-    seen, trunk = set(), 0
-    for t in model.buffers():
-        if t is not None and t.untyped_storage().data_ptr() not in seen:
-            seen.add(t.untyped_storage().data_ptr())
-            trunk += t.numel() * t.element_size()
+    """What loading cost: the resident trunk (block form), the quantised expert bytes left in the
+    mapping, and what the same layers would take fully dequantised to float32. `process_rss` is the
+    whole process (torch, Python, tokenizer, ...), for context."""
+    trunk = model.trunk_bytes()
     g, cfg = model.gguf, model.config
     expert_q = dequant = stored = 0
     for name, info in g.tensors.items():
-        if name.startswith("blk."):
-            if not model.first <= int(name.split(".")[1]) < model.end:
+        role, layer = tensor_role(name)
+        if layer is not None:
+            if not model.first <= layer < model.end:
                 continue
-        elif name == "token_embd.weight":
+        elif role == "embedding":
             if not (model.has_embedding or (model.has_head and cfg.tie_embeddings)):
                 continue
         elif not model.has_head:
@@ -195,7 +233,24 @@ def memory_report(model: StageModel) -> dict:
             n *= d
         dequant += 4 * n
         stored += info.n_bytes
-        if is_routed_expert(name):
+        if role == "expert":
             expert_q += info.n_bytes
     return {"trunk_resident_bytes": trunk, "experts_quantized_mapped_bytes": expert_q,
             "stored_bytes": stored, "fully_dequantized_bytes": dequant, "process_rss_bytes": _rss_bytes()}
+
+
+def load_cached(path: str | os.PathLike | GGUFFile, layers: tuple[int, int] | None = None,
+                device: str | torch.device = "cpu", route: str | None = None, *, budget_bytes: int | None = None,
+                profile=None, policy: str = "static", record_routing: str | os.PathLike | None = None,
+                layout: str = "global", n_slots: int | None = None, copies_per_step: int | None = 1):
+    """(StageModel, ExpertCache): a stage whose MoE blocks are built with an expert cache of
+    `budget_bytes` (or `n_slots` of the largest expert) in front of the host copy; see
+    moeray.cache.attach.build_cache for the arguments."""
+    from moeray.cache.attach import build_cache
+
+    gguf = path if isinstance(path, GGUFFile) else GGUFFile(path)
+    first, end = layers if layers is not None else (0, gguf.config.n_layers)
+    route = route or current_route()
+    cache = build_cache(HostExperts(gguf, route), first, end, device, budget_bytes, profile, policy,
+                        record_routing, layout=layout, n_slots=n_slots, copies_per_step=copies_per_step)
+    return StageModel(gguf, first, end, device, cache, route), cache

@@ -1,116 +1,154 @@
-"""Feed-forward blocks: the dense SwiGLU FFN and the MoE block with its ExpertSource.
+"""Feed-forward blocks: the dense SwiGLU FFN and the MoE block; both are `forward(h)`.
 
-Routed experts are not part of the trunk: the MoE block asks an ExpertSource for the weights of
-each expert the step uses, once per step. HostExperts dequantises them from the GGUF's mmap'd
-quantised bytes; the cache/ package plugs in a source that serves hot experts from device slots.
+The MoE block routes each token to k experts and hands the routed tokens to the `Experts` it was
+built with. `HostExperts` computes every expert from the GGUF mapping's quantised blocks (the host
+copy); an ExpertCache (moeray.cache) counts each lookup, computes hot experts from its slots and
+passes the rest to the host copy. Weights are `QMatrix`es: quantised blocks, never float32 copies.
 """
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from moeray.stages.config import ModelConfig
-from moeray.stages.gguf_file import EXPERT_KINDS, GGUFFile
-from moeray.stages.quant import dequantize
+from moeray.stages.gguf_file import EXPERT_KINDS, GGUFFile, expert_bytes
+from moeray.stages.qmatmul import QMatrix, current_route, swiglu
 
-RoutingHook = Callable[[int, torch.Tensor, torch.Tensor], None]
+RouteObserver = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, ids [N, k], weights [N, k])
 
 
-class ExpertSource(Protocol):
-    def get(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(w_gate [F, H], w_up [F, H], w_down [H, F]) of one routed expert."""
+class ExpertWeights(NamedTuple):
+    gate: QMatrix  # [F, H]
+    up: QMatrix  # [F, H]
+    down: QMatrix  # [H, F]
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+
+    @property
+    def device(self) -> torch.device:
+        return self.gate.device
+
+    def to(self, device: torch.device | str) -> "ExpertWeights":
+        return ExpertWeights(self.gate.to(device), self.up.to(device), self.down.to(device))
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        """[n, H] -> [n, H]; a host-held expert on a device stage computes on the host."""
+        if self.device != h.device:
+            return swiglu(h.to(self.device), *self).to(h.device)
+        return swiglu(h, *self)
+
+
+# slot_weights(layer, expert) -> the expert's weights in a slot, or None (compute it from the host)
+SlotLookup = Callable[[int, int], "ExpertWeights | None"]
+
+
+class Experts(Protocol):
+    def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, H], ids/weights [N, k] -> Σ_r weights[:, r] · expert_{ids[:, r]}(x), [N, H]."""
         ...
 
 
 class HostExperts:
-    """Experts served from the quantised bytes in the GGUF mapping, dequantised when asked for."""
+    """Every routed expert computed from the quantised blocks in the GGUF mapping (zero-copy views:
+    the mapping is the host copy). `on_route` sees every routing decision (a trace writer)."""
 
-    def __init__(self, gguf: GGUFFile):
-        self.gguf = gguf
-        self.dequantized = 0  # experts dequantised so far (a measure of host work)
+    def __init__(self, gguf: GGUFFile, route: str | None = None, on_route: RouteObserver | None = None):
+        self.gguf, self.config = gguf, gguf.config
+        self.route = route or current_route()
+        self.on_route = on_route
+        self.computed = 0  # experts computed from the host copy so far (a measure of host work)
 
     def info(self, layer: int, kind: str):
         """(ggml_type, per-expert shape) of one kind of expert tensor of a layer."""
         t = self.gguf.info(f"blk.{layer}.ffn_{kind}_exps.weight")
         return t.ggml_type, t.shape[1:]
 
-    def quantized(self, layer: int, expert: int) -> tuple:
-        """The expert's stored bytes (gate, up, down) as uint8 views of the mapping (for slot copies)."""
-        return tuple(self.gguf.expert_raw(layer, kind, expert) for kind in EXPERT_KINDS)
-
-    def get(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        self.dequantized += 1
-        out = []
+    def weights(self, layer: int, expert: int) -> ExpertWeights:
+        parts = []
         for kind in EXPERT_KINDS:
             gtype, shape = self.info(layer, kind)
-            out.append(dequantize(self.gguf.expert_raw(layer, kind, expert), gtype, shape))
-        return tuple(out)
+            parts.append(QMatrix.from_raw(self.gguf.expert_raw(layer, kind, expert), gtype, shape,
+                                          self.route, copy=False))
+        return ExpertWeights(*parts)
 
+    def slot_bytes(self, layer: int) -> int:
+        """Bytes a device copy of one expert of `layer` holds: its GGUF bytes on the quantised
+        routes, float32 on the exact route."""
+        return expert_bytes(self.gguf.tensors, layer, self.route)
 
-def swiglu(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    return F.linear(F.silu(F.linear(x, w_gate)) * F.linear(x, w_up), w_down)
+    def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                slot_weights: SlotLookup | None = None) -> torch.Tensor:
+        if self.on_route is not None:
+            self.on_route(layer, ids, weights)
+        rows = ids.tolist()  # one host sync per layer; the grouping below is plain Python
+        if len(rows) == 1:  # decode of one sequence: x [1, H] through its k experts
+            ys = torch.cat([self._expert(layer, e, slot_weights)(x) for e in rows[0]])  # [k, H]
+            return (weights.view(1, -1) @ ys).view(1, -1)
+        k = len(rows[0])
+        by_expert: dict[int, list[int]] = {}
+        for t, row in enumerate(rows):
+            for r, e in enumerate(row):
+                by_expert.setdefault(e, []).append(t * k + r)  # flat (token, rank) index
+        out = torch.zeros_like(x)
+        flat_weights = weights.reshape(-1)
+        for e in sorted(by_expert):  # a fixed order: the same sum whatever serves each expert
+            picks = torch.tensor(by_expert[e])
+            tok = picks // k
+            y = self._expert(layer, e, slot_weights)(x[tok])  # once per step, for all its tokens
+            out.index_add_(0, tok, y * flat_weights[picks].unsqueeze(1))
+        return out
+
+    def _expert(self, layer: int, expert: int, slot_weights: SlotLookup | None) -> ExpertWeights:
+        w = slot_weights(layer, expert) if slot_weights is not None else None
+        if w is None:
+            self.computed += 1
+            w = self.weights(layer, expert)
+        return w
+
+    def close(self) -> None:
+        close = getattr(self.on_route, "close", None)
+        if close is not None:
+            close()
 
 
 class DenseFFN(torch.nn.Module):
-    """SwiGLU with gate and up fused into one matmul."""
+    """SwiGLU: down(silu(gate h) * up h)."""
 
-    def __init__(self, w_gate_up: torch.Tensor, w_down: torch.Tensor):
+    def __init__(self, gate: QMatrix, up: QMatrix, down: QMatrix):
         super().__init__()
-        self.register_buffer("w_gate_up", w_gate_up, persistent=False)
-        self.register_buffer("w_down", w_down, persistent=False)
-        self.ffn = w_down.shape[1]
+        self.gate, self.up, self.down = gate, up, down
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gu = F.linear(x, self.w_gate_up)
-        return F.linear(F.silu(gu[:, :self.ffn]) * gu[:, self.ffn:], self.w_down)
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return swiglu(h, self.gate, self.up, self.down)
 
 
 class MoEBlock(torch.nn.Module):
     """Router -> softmax -> top-k (-> renormalise) -> experts; plus qwen2moe's gated shared expert."""
 
-    def __init__(self, cfg: ModelConfig, layer: int, w_router: torch.Tensor,
+    def __init__(self, cfg: ModelConfig, layer: int, w_router: torch.Tensor, experts: Experts,
                  shared: DenseFFN | None = None, w_shared_gate: torch.Tensor | None = None):
         super().__init__()
-        self.cfg, self.layer = cfg, layer
-        self.register_buffer("w_router", w_router, persistent=False)
+        self.cfg, self.layer, self.experts = cfg, layer, experts
+        self.register_buffer("w_router", w_router, persistent=False)  # [E, H] float32: small
         self.shared = shared
         self.register_buffer("w_shared_gate", w_shared_gate, persistent=False)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[N, H] -> (expert ids [N, k], weights [N, k]) in rank order."""
-        probs = torch.softmax(F.linear(x, self.w_router), dim=-1, dtype=torch.float32)
+        probs = torch.softmax(F.linear(h, self.w_router), dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.cfg.n_experts_used, dim=-1)
         if self.cfg.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return ids, weights.to(x.dtype)
+        return ids, weights.to(h.dtype)
 
-    def forward(self, x: torch.Tensor, source: ExpertSource, hook: RoutingHook | None = None) -> torch.Tensor:
-        ids, weights = self.route(x)
-        if hook is not None:
-            hook(self.layer, ids, weights)
-        k = ids.shape[1]
-        flat_ids = ids.reshape(-1)
-        order = torch.argsort(flat_ids, stable=True)  # (token, rank) pairs grouped by expert
-        counts = torch.bincount(flat_ids, minlength=self.cfg.n_experts).tolist()
-        token_of = order // k
-        weight_of = weights.reshape(-1)[order]
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, n in enumerate(counts):
-            if n == 0:
-                continue
-            tok = token_of[start:start + n]
-            w_gate, w_up, w_down = source.get(self.layer, expert)  # once per step, for all its tokens
-            h = x[tok]
-            if w_gate.device != x.device:  # a host-held expert on a device stage: compute it on the host
-                y = swiglu(h.to(w_gate.device), w_gate, w_up, w_down).to(x.device)
-            else:
-                y = swiglu(h, w_gate, w_up, w_down)
-            out.index_add_(0, tok, y * weight_of[start:start + n].unsqueeze(1))
-            start += n
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.route(h)
+        out = self.experts.forward(self.layer, h, ids, weights)
         if self.shared is not None:
-            gate = torch.sigmoid(F.linear(x, self.w_shared_gate.view(1, -1)))
-            out = out + gate * self.shared(x)
+            gate = torch.sigmoid(F.linear(h, self.w_shared_gate.view(1, -1)))
+            out = out + gate * self.shared(h)
         return out

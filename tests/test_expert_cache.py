@@ -7,14 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from moeray.cache.attach import attach_cache, detach_cache
 from moeray.cache.budget import BudgetExceededError, ByteBudget, device_budget
 from moeray.cache.expert_cache import ExpertCache
 from moeray.cache.residency import CacheCore, Slots
 from moeray.planner.profile import Profile
 from moeray.planner.slots import per_layer_slots
 from moeray.stages.gguf_writer import write_gguf
-from moeray.stages.model import load_model, StageModel
+from moeray.stages.model import StageModel, load_cached, load_model
 from moeray.stages.moe import HostExperts
 from tiny_models import tiny_mixtral, token_ids
 
@@ -82,16 +81,19 @@ def test_expert_cache_layouts_on_a_model(tiny_path):
     assert fallback.slots == Slots(False, 0, 2)
     glob = ExpertCache(host, 0, 3, ByteBudget(7 * blob + blob - 1))
     assert glob.slots == Slots(False, 0, 7)
-    # Bytes held per slot (float32 compute format) against the expert's GGUF bytes (F16 here).
-    assert glob.held_bytes == [2 * g for g in glob.gguf_bytes]
+    # A slot holds the expert's GGUF bytes (F16 here) on the quantised routes; float32 on the exact one.
+    if host.route == "exact":
+        assert glob.held_bytes == [2 * g for g in glob.gguf_bytes]
+    else:
+        assert glob.held_bytes == glob.gguf_bytes
+    assert ExpertCache(HostExperts(model.gguf, "exact"), 0, 3, ByteBudget(0)).held_bytes == [2 * g for g in glob.gguf_bytes]
 
 
 # -- fill -------------------------------------------------------------------------------------------
 
 def test_fill_takes_the_hottest_pairs_of_the_stage_in_rank_order(tiny_path):
-    model = StageModel.from_gguf(tiny_path, layers=(1, 3))
     prof = counts_profile(3, 6)
-    cache = attach_cache(model, None, prof, "static", n_slots=5)
+    model, cache = load_cached(tiny_path, (1, 3), profile=prof, n_slots=5)
     in_range = [p for p in prof.pairs if 1 <= p[0] < 3]
     assert cache.filled_pairs == in_range[:5]
     assert sorted(cache.core.resident_pairs()) == sorted(in_range[:5])
@@ -125,9 +127,8 @@ def test_fill_stops_at_the_first_pair_without_room():
 def test_a_profile_for_another_model_is_refused(tiny_path):
     from moeray.errors import ProfileError
 
-    model = load_model(tiny_path)
     with pytest.raises(ProfileError, match="layers"):
-        attach_cache(model, None, Profile.uniform(30, 6), "static", n_slots=2)
+        load_cached(tiny_path, profile=Profile.uniform(30, 6), n_slots=2)
 
 
 # -- budget -----------------------------------------------------------------------------------------
@@ -146,11 +147,10 @@ def test_budget_refuses_to_overrun():
 
 @pytest.mark.parametrize("policy", ["static", "adaptive", "lru"])
 def test_budget_holds_and_counters_add_up_while_generating(tiny_path, policy):
-    model = load_model(tiny_path)
     prof = counts_profile(3, 6, seed=4)
-    blob = ExpertCache(HostExperts(model.gguf), 0, 3, ByteBudget(0)).held_bytes[0]
+    blob = ExpertCache(HostExperts(load_model(tiny_path).gguf), 0, 3, ByteBudget(0)).held_bytes[0]
     budget = 5 * blob + 123                       # 5 slots and change
-    cache = attach_cache(model, budget, prof, policy)
+    model, cache = load_cached(tiny_path, budget_bytes=budget, profile=prof, policy=policy)
     cache.core.policy.swap_every = 2              # swap often, so the budget is tested under churn
     prompt = token_ids(12)
     n_new = 24
@@ -159,7 +159,7 @@ def test_budget_holds_and_counters_add_up_while_generating(tiny_path, policy):
     for s in cache.layer_stats():
         assert s.lookups == tokens * 2
         assert s.hits + s.misses == s.lookups
-    held = sum(w.numel() * w.element_size() for ws in cache._weights.values() for w in ws)
+    held = sum(w.nbytes for w in cache._weights.values())
     assert cache.budget.used == held == cache.core.n_resident * blob
     assert cache.budget.peak <= budget
     if policy != "static":
@@ -177,8 +177,7 @@ def test_identical_greedy_output_across_cache_sizes_and_policies(tiny_path):
     prof = counts_profile(3, 6, seed=1)
     for policy in ("static", "adaptive", "lru"):
         for n_slots in (0, 5, 18):                # empty, some, every expert
-            model = load_model(tiny_path)
-            cache = attach_cache(model, None, prof, policy, n_slots=n_slots)
+            model, cache = load_cached(tiny_path, profile=prof, policy=policy, n_slots=n_slots)
             assert greedy(model, prompt, 16) == reference, (policy, n_slots)
             if n_slots == 18:
                 assert cache.hit_rate() == 1.0
@@ -201,18 +200,16 @@ def test_default_model_same_tokens_with_no_some_and_all_experts_cached(request):
     path = _default_model(request)
     prompt = [1, 504, 3458, 282, 4649, 314, 253, 1789, 30]     # fixed token ids
     n_new = 4
-    model = load_model(path)
     outputs = {}
     for n_slots in (0, 40, 240):                               # 30 layers x 8 experts = 240
-        cache = attach_cache(model, None, None, "static", n_slots=n_slots)
+        model, cache = load_cached(path, n_slots=n_slots)
         outputs[n_slots] = greedy(model, prompt, n_new)
         tokens = len(prompt) + n_new
         assert all(s.lookups == 2 * tokens for s in cache.layer_stats())
         assert cache.core.n_resident == n_slots
         if n_slots == 240:
             assert cache.hit_rate() == 1.0
-        detach_cache(model)
-        del cache
+        del cache, model
     assert outputs[0] == outputs[40] == outputs[240]
 
 
@@ -221,19 +218,15 @@ def test_replay_of_the_recorded_trace_counts_what_the_live_cache_counted(tiny_pa
     from moeray.cache.replay import replay
     from moeray.cache.trace import read_trace
 
-    model = load_model(tiny_path)
-    seen = []
-    model.routing_hook = lambda layer, ids, w: seen.append(layer)     # an earlier hook keeps running
     trace_path = tmp_path / "live.trace"
-    cache = attach_cache(model, None, counts_profile(3, 6, seed=2), policy, record_routing=trace_path, n_slots=4)
+    model, cache = load_cached(tiny_path, profile=counts_profile(3, 6, seed=2), policy=policy,
+                               record_routing=trace_path, n_slots=4)
     cache.core.policy.swap_every = 2
     greedy(model, token_ids(9), 20)
     cache.close()
-    assert len(seen) == 3 * 21
     trace = read_trace(trace_path)
+    assert len(trace.records) == 3 * 21               # every call of every layer recorded
     r = replay(trace, policy, cache.slots, cache.filled_pairs, swap_every=2)
     assert list(r.lookups) == list(cache.core.lookups)
     assert list(r.hits) == list(cache.core.hits)
     assert r.copies == cache.core.copies
-    detach_cache(model)
-    assert isinstance(model.expert_source, HostExperts)

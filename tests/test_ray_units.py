@@ -1,7 +1,6 @@
 """Stage-side pieces that need no Ray: sizes, the device ledger, file fingerprints, speed probes."""
 from __future__ import annotations
 
-import dataclasses
 import os
 
 import pytest
@@ -10,7 +9,7 @@ from moeray.stages.actor import file_fingerprint
 from moeray.stages.device import (DeviceBudgetError, DeviceMemory, measure_layer_ms, measure_miss_ms, parse_size,
                            parse_sizes, probe_device)
 from moeray.errors import MoerayError
-from moeray.stages.gguf_file import TensorInfo, read_gguf_header
+from moeray.stages.gguf_file import read_gguf_header
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -78,22 +77,16 @@ def test_fingerprint_tells_files_apart(tmp_path):
     assert file_fingerprint(str(a)).size == 3 << 20
 
 
-def test_speed_probe_at_the_models_dimensions(smollm2_path):
-    header = read_gguf_header(smollm2_path)
-    dense = measure_layer_ms(header.config, reps=5, budget_s=0.5)
-    assert dense > 0
-    assert measure_miss_ms(header) == 0.0  # a dense model has no experts to miss
-    # The same file seen as an 8-expert MoE (its FFN as expert 0 of each slab): a miss now costs
-    # a host dequantise + matmul of a real expert's bytes.
-    cfg = dataclasses.replace(header.config, n_experts=8, n_experts_used=2,
-                              expert_ffn_dim=header.config.ffn_dim, ffn_dim=0)
-    for kind in ("gate", "up", "down"):
-        t = header.tensors[f"blk.0.ffn_{kind}.weight"]
-        header.tensors[f"blk.0.ffn_{kind}_exps.weight"] = TensorInfo(
-            t.name, (8,) + t.shape, t.ggml_type, t.offset, t.n_bytes * 8)
-    header.config = cfg
-    assert measure_miss_ms(header, reps=3, budget_s=0.5) > 0
-    assert measure_layer_ms(cfg, reps=5, budget_s=0.5) > 0
+def test_speed_probe_times_the_real_layer(smollm2_path, default_model_path):
+    from moeray.stages.gguf_file import GGUFFile
+
+    dense = GGUFFile(smollm2_path)
+    assert measure_layer_ms(dense, reps=5, budget_s=0.5) > 0
+    assert measure_miss_ms(dense) == 0.0  # a dense model has no experts to miss
+    # The MoE: a layer with its routed experts resident, and a miss computed from the file's bytes.
+    moe = GGUFFile(default_model_path)
+    assert measure_miss_ms(moe, reps=3, budget_s=0.5) > 0
+    assert measure_layer_ms(moe, reps=5, budget_s=0.5) > 0
 
 
 def _reports(budgets, layer_ms=(1.0, 1.0), miss_ms=0.5):
@@ -111,10 +104,15 @@ def test_plan_prices_what_a_stage_holds_from_the_reported_budgets(default_model_
 
     header = read_gguf_header(default_model_path)
     cfg = header.config
-    spec = held_spec(header)
-    # A slot holds an expert's three float32 matrices, not its Q4_1 bytes.
-    assert spec.expert_bytes == [3 * cfg.expert_ffn_dim * cfg.hidden * 4] * cfg.n_layers
-    assert spec.trunk_bytes.embedding == cfg.vocab_size * cfg.hidden * 4
+    spec = held_spec(header, route="ggml")
+    # A slot holds the expert's Q4_1 blocks (20 bytes per 32 weights), the trunk its stored blocks
+    # (the embedding is Q8_0: 34 bytes per 32); the exact route would hold float32 copies.
+    assert spec.expert_bytes == [3 * cfg.expert_ffn_dim * cfg.hidden // 32 * 20] * cfg.n_layers
+    assert spec.expert_bytes == [header.expert_bytes(l) for l in range(cfg.n_layers)]
+    assert spec.trunk_bytes.embedding == cfg.vocab_size * cfg.hidden // 32 * 34
+    exact = held_spec(header, route="exact")
+    assert exact.expert_bytes == [3 * cfg.expert_ffn_dim * cfg.hidden * 4] * cfg.n_layers
+    assert exact.trunk_bytes.embedding == cfg.vocab_size * cfg.hidden * 4
 
     opts, small = LaunchOptions(2), EngineConfig(max_seqs=2, max_len=32)
     budgets = [300 * MiB, 200 * MiB]
@@ -122,7 +120,7 @@ def test_plan_prices_what_a_stage_holds_from_the_reported_budgets(default_model_
     kv = kv_bytes_per_layer(cfg, 2, 32)
     assert ranges[0][0] == 0 and ranges[-1][1] == cfg.n_layers and ranges[0][1] == ranges[1][0]
     assert [s.free_bytes for s in plan.stages] == budgets
-    # Each stage is charged its whole float32 trunk and the KV cache of exactly its layers.
+    # Each stage is charged its whole trunk and the KV cache of exactly its layers.
     for s, (a, e) in zip(plan.stages, ranges):
         own = sum(spec.trunk_bytes.layers[a:e]) + (e - a) * kv
         own += spec.trunk_bytes.embedding if a == 0 else 0

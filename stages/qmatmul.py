@@ -1,0 +1,302 @@
+"""Quantised matrices: a weight W [N, K] kept in its GGUF block form, multiplied without ever
+expanding it to float32 for good.
+
+A `QMatrix` holds the stored bytes (a view of the file mapping for host experts, an owned copy for
+trunk weights and cache slots) and computes y = x @ W.T by one of three routes:
+
+- "ggml": ggml's CPU kernels (the ones llama.cpp runs) straight on the blocks, through the
+  `ggml-python` binding. Activations are quantised to 8 bits inside, as llama.cpp does, so results
+  differ from float32 by ~5e-3 relative. Fastest on CPU for every block type we meet (KERNELS.md).
+- "dequant": dequantise the blocks on each use (stages/quant.py) and run F.linear. The pure-torch
+  fallback when ggml is not installed, and the route on CUDA devices.
+- "exact": dequantised to float32 once at load (4 bytes a weight). For debugging and for parity
+  tests against float references (`--exact`); never the serving default.
+
+The route is chosen once per process (`set_route`, or MOERAY_ROUTE=ggml|dequant|exact) and logged
+once, so a run always says which kernels it used.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import threading
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from moeray.errors import MoerayError
+from moeray.stages.quant import dequantize
+
+log = logging.getLogger("moeray.kernels")
+
+ROUTES = ("ggml", "dequant", "exact")
+# Types kept as plain float tensors whatever the route: they are tiny (norms, routers, biases) or
+# already a float format a torch matmul reads directly.
+FLOAT_TYPES = frozenset((T.F32, T.F64))
+
+try:  # ggml-python: optional, built from source by the README's set-up (`ggml` extra)
+    from ggml import ggml as _G
+    _GGML_ERROR = None
+except Exception as exc:  # ImportError, or an OSError from a library that does not load
+    _G = None
+    _GGML_ERROR = f"{type(exc).__name__}: {exc}"
+
+
+def ggml_available() -> bool:
+    return _G is not None
+
+
+def default_route() -> str:
+    env = os.environ.get("MOERAY_ROUTE", "").strip().lower()
+    if env:
+        if env not in ROUTES:
+            raise MoerayError(f"MOERAY_ROUTE={env!r}: choose one of {', '.join(ROUTES)}")
+        if env == "ggml" and not ggml_available():
+            raise MoerayError(f"MOERAY_ROUTE=ggml but ggml-python does not load ({_GGML_ERROR}); "
+                              "install it with `make venv` or `pip install '.[ggml]'`")
+        return env
+    return "ggml" if ggml_available() else "dequant"
+
+
+_route: str | None = None
+_announced: set[str] = set()
+
+
+def current_route() -> str:
+    global _route
+    if _route is None:
+        _route = default_route()
+    return _route
+
+
+def set_route(route: str) -> None:
+    """Choose the kernels for every QMatrix made after this call in this process."""
+    global _route
+    if route not in ROUTES:
+        raise MoerayError(f"route {route!r}: choose one of {', '.join(ROUTES)}")
+    if route == "ggml" and not ggml_available():
+        raise MoerayError(f"the ggml route needs ggml-python, which does not load here ({_GGML_ERROR})")
+    _route = route
+
+
+def route_line(route: str, device: torch.device) -> str:
+    if route == "ggml":
+        return "moeray: kernels: ggml (quantised blocks, 8-bit activations) on cpu"
+    if route == "exact":
+        return f"moeray: kernels: exact (float32 copies of every weight, debugging) on {device}"
+    why = "" if device.type != "cpu" or ggml_available() else f"; ggml-python unavailable: {_GGML_ERROR}"
+    return f"moeray: kernels: dequant (torch dequantise per use) on {device}{why}"
+
+
+def announce(route: str, device: torch.device) -> None:
+    """Log the kernel route once per process and device kind."""
+    key = f"{route}:{device.type}"
+    if key not in _announced:
+        _announced.add(key)
+        log.info(route_line(route, device))
+
+
+# --- ggml ------------------------------------------------------------------------------------------
+
+_pool_lock = threading.Lock()
+_pool = None  # (n_threads, threadpool pointer)
+
+
+def _threadpool():
+    """One ggml thread pool per process, as wide as torch's, sleeping between graphs (poll=0) so its
+    threads do not spin against torch's on a small machine."""
+    global _pool
+    n = max(1, torch.get_num_threads())
+    with _pool_lock:
+        if _pool is None or _pool[0] != n:
+            params = _G.ggml_threadpool_params_default(n)
+            params.poll = 0
+            _pool = (n, _G.ggml_threadpool_new(ctypes.byref(params)))
+        return _pool
+
+
+class _Graph:
+    """One ggml compute graph over tensors that own no memory: weights, input and output point at
+    torch storage that is re-assigned on every call, so one graph serves every expert of a shape."""
+
+    def __init__(self, build, n_nodes: int = 16):
+        n_threads, pool = _threadpool()
+        self.n_threads = n_threads
+        size = _G.ggml_tensor_overhead() * n_nodes + _G.ggml_graph_overhead() + 4096
+        self.ctx = _G.ggml_init(_G.ggml_init_params(mem_size=size, mem_buffer=None, no_alloc=True))
+        self.inputs, self.output, scratch = build(self.ctx)
+        self.graph = _G.ggml_new_graph(self.ctx)
+        _G.ggml_build_forward_expand(self.graph, self.output)
+        # Intermediate results get fixed places in one scratch buffer.
+        sizes = [_G.ggml_nbytes(t) for t in scratch]
+        self.scratch = torch.empty(sum(sizes) + 64 * len(sizes), dtype=torch.uint8)
+        off = 0
+        for t, n in zip(scratch, sizes):
+            t.contents.data = self.scratch.data_ptr() + off
+            off += (n + 63) // 64 * 64
+        self.plan = _G.ggml_graph_plan(self.graph, n_threads, pool)
+        self.work = torch.empty(max(1, self.plan.work_size), dtype=torch.uint8)
+        self.plan.work_data = ctypes.cast(self.work.data_ptr(), ctypes.POINTER(ctypes.c_uint8))
+
+    def __call__(self, pointers: list[int], out_ptr: int) -> None:
+        for t, p in zip(self.inputs, pointers):
+            t.contents.data = p
+        self.output.contents.data = out_ptr
+        _G.ggml_graph_compute(self.graph, ctypes.byref(self.plan))
+
+    def __del__(self):
+        if _G is not None and getattr(self, "ctx", None):
+            _G.ggml_free(self.ctx)
+
+
+_graphs: dict[tuple, _Graph] = {}
+
+
+def _graph(key: tuple, build) -> _Graph:
+    g = _graphs.get(key)
+    if g is None or g.n_threads != max(1, torch.get_num_threads()):
+        if len(_graphs) > 4096:  # shapes are few; M varies with batch and prompt chunk
+            _graphs.clear()
+        g = _graphs[key] = _Graph(build)
+    return g
+
+
+def _ggml_linear(w: "QMatrix", x: torch.Tensor) -> torch.Tensor:
+    M, (N, K) = x.shape[0], w.shape
+
+    def build(ctx):
+        wt = _G.ggml_new_tensor_2d(ctx, int(w.ggml_type), K, N)
+        xt = _G.ggml_new_tensor_2d(ctx, _G.GGML_TYPE_F32, K, M)
+        return [wt, xt], _G.ggml_mul_mat(ctx, wt, xt), []
+
+    g = _graph(("linear", int(w.ggml_type), N, K, M), build)
+    out = torch.empty(M, N)
+    g([w.data.data_ptr(), x.data_ptr()], out.data_ptr())
+    return out
+
+
+def _ggml_swiglu(gate: "QMatrix", up: "QMatrix", down: "QMatrix", x: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate x) * up x) as one graph: one call from Python for the three matmuls."""
+    M, (Fd, K), H = x.shape[0], gate.shape, down.shape[0]
+
+    def build(ctx):
+        wg = _G.ggml_new_tensor_2d(ctx, int(gate.ggml_type), K, Fd)
+        wu = _G.ggml_new_tensor_2d(ctx, int(up.ggml_type), K, Fd)
+        wd = _G.ggml_new_tensor_2d(ctx, int(down.ggml_type), Fd, H)
+        xt = _G.ggml_new_tensor_2d(ctx, _G.GGML_TYPE_F32, K, M)
+        g = _G.ggml_mul_mat(ctx, wg, xt)
+        u = _G.ggml_mul_mat(ctx, wu, xt)
+        s = _G.ggml_silu(ctx, g)
+        h = _G.ggml_mul(ctx, s, u)
+        y = _G.ggml_mul_mat(ctx, wd, h)
+        return [wg, wu, wd, xt], y, [g, u, s, h]
+
+    key = ("swiglu", int(gate.ggml_type), int(up.ggml_type), int(down.ggml_type), Fd, K, H, M)
+    g = _graph(key, build)
+    out = torch.empty(M, H)
+    g([gate.data.data_ptr(), up.data.data_ptr(), down.data.data_ptr(), x.data_ptr()], out.data_ptr())
+    return out
+
+
+# --- the matrix ------------------------------------------------------------------------------------
+
+def row_bytes(ggml_type: T, k: int) -> int:
+    block, type_size = GGML_QUANT_SIZES[T(ggml_type)]
+    return k // block * type_size
+
+
+class QMatrix:
+    """W [N, K] in GGUF block form (`data`: uint8 [N * row_bytes]) or, on the exact route, float32."""
+
+    def __init__(self, data: torch.Tensor, ggml_type: T, shape: tuple[int, int], route: str):
+        self.ggml_type, self.shape, self.route = T(ggml_type), (int(shape[0]), int(shape[1])), route
+        if route == "exact" or self.ggml_type in FLOAT_TYPES:
+            self.route = "exact"
+            self.data = data if data.dtype == torch.float32 else dequantize(data, self.ggml_type, self.shape)
+        else:
+            if data.dtype != torch.uint8 or data.numel() != self.shape[0] * row_bytes(self.ggml_type, self.shape[1]):
+                raise ValueError(f"{self.ggml_type.name} {self.shape}: got {data.numel()} bytes")
+            self.data = data
+            if route == "ggml" and data.device.type != "cpu":
+                self.route = "dequant"  # ggml-python runs on the CPU only
+
+    @classmethod
+    def from_raw(cls, raw, ggml_type: T, shape: tuple[int, int], route: str | None = None,
+                 device: torch.device | str = "cpu", copy: bool = True) -> "QMatrix":
+        """From stored bytes (a numpy view of the mapping). copy=False keeps the view (host experts:
+        the mapping is the host copy); otherwise the bytes are copied onto `device`."""
+        route = route or current_route()
+        b = raw if isinstance(raw, torch.Tensor) else _as_tensor(raw)
+        if route == "exact" or T(ggml_type) in FLOAT_TYPES:
+            w = dequantize(b, ggml_type, shape)
+            return cls(w.to(device).clone() if copy or w.device != torch.device(device) else w,
+                       ggml_type, shape, "exact")
+        if copy or torch.device(device).type != "cpu":
+            b = b.to(device=device, copy=True)
+        return cls(b.reshape(-1), ggml_type, shape, route)
+
+    @classmethod
+    def cat_rows(cls, parts: list["QMatrix"]) -> "QMatrix":
+        """[W1; W2; ...] along N: block rows are independent, so their bytes simply concatenate."""
+        first = parts[0]
+        if any(p.ggml_type != first.ggml_type or p.shape[1] != first.shape[1] or p.route != first.route
+               for p in parts):
+            return None
+        n = sum(p.shape[0] for p in parts)
+        return cls(torch.cat([p.data.reshape(-1) if p.route != "exact" else p.data for p in parts]),
+                   first.ggml_type, (n, first.shape[1]), first.route)
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def to(self, device: torch.device | str) -> "QMatrix":
+        """An owned copy on `device` (a cache slot)."""
+        data = self.data.to(device=device, copy=True)
+        return QMatrix(data, self.ggml_type, self.shape, self.route if torch.device(device).type == "cpu"
+                       or self.route == "exact" else "dequant")
+
+    def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        if self.route == "exact":
+            return self.data.to(dtype)
+        return dequantize(self.data, self.ggml_type, self.shape).to(dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W as float32 [len(ids), K] (an embedding lookup reads only those blocks)."""
+        if self.route == "exact":
+            return F.embedding(ids, self.data)
+        per_row = self.data.view(self.shape[0], -1)
+        return dequantize(per_row[ids.to(per_row.device)], self.ggml_type, (ids.numel(), self.shape[1]))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 -> x @ W.T [M, N] float32."""
+        if self.route == "ggml":
+            return _ggml_linear(self, x.contiguous())
+        if self.route == "exact":
+            return F.linear(x, self.data)
+        return F.linear(x, self.dequantize(x.dtype).to(x.device))
+
+    def __repr__(self) -> str:
+        return f"QMatrix({self.ggml_type.name}, {self.shape}, {self.route}, {self.nbytes} B)"
+
+
+def swiglu(x: torch.Tensor, gate: QMatrix, up: QMatrix, down: QMatrix) -> torch.Tensor:
+    """down(silu(gate x) * up x) for x [M, K]."""
+    if gate.route == up.route == down.route == "ggml":
+        return _ggml_swiglu(gate, up, down, x.contiguous())
+    return down(F.silu(gate(x)) * up(x))
+
+
+def _as_tensor(raw) -> torch.Tensor:
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # read-only mapping: never written through
+        return torch.from_numpy(np.asarray(raw))
