@@ -39,7 +39,7 @@ def bench_moeray(path: str, batch_sizes, n_prompt: int, n_decode: int, caches=("
     float32 slot (the case of a card with room for the whole model); a size such as "1GiB" is a
     simulated budget filled from a uniform profile."""
     from moeray.cache.attach import attach_cache, detach_cache
-    from moeray.stages.device import parse_size
+    from moeray.units import parse_size
     from moeray.cluster.engine import Generator
     from moeray.stages.model import load_model
     from moeray.stages.sampling import SamplingParams

@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     from moeray.cluster.config import EngineConfig, LaunchOptions, resolve_model
     from moeray.cluster.driver import launch
     from moeray.cluster.engine import Engine, LocalPipeline
-    from moeray.stages.device import parse_sizes
+    from moeray.units import parse_sizes
     from moeray.stages.gguf_file import read_gguf_header
 
     path = resolve_model(args.model)

@@ -138,7 +138,7 @@ def simulated_devices(args: argparse.Namespace, has_gpus: bool, command: str) ->
     """The simulated budgets to run on: --simulate-devices, else with no GPU the default cards."""
     import sys
 
-    from moeray.stages.device import parse_sizes
+    from moeray.units import parse_sizes
 
     sim = args.simulate_devices
     if sim is None and not has_gpus:

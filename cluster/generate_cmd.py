@@ -94,7 +94,7 @@ def _attach_cache(model, args):
     """(ExpertCache or None, bare TraceWriter or None) as the flags ask. A budget of 0 runs every
     expert from the host copy; --record-routing still records."""
     from moeray.cache.attach import attach_cache, attach_trace
-    from moeray.stages.device import parse_size
+    from moeray.units import parse_size
 
     if not model.config.is_moe:
         if args.record_routing:

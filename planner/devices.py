@@ -2,19 +2,15 @@
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from moeray.errors import PlacementError
+from moeray.units import parse_size
 
 # Used when only sizes are given (`--devices 12GiB,8GiB`): a plausible mid-range card.
 DEFAULT_LAYER_MS = 1.0
 DEFAULT_MISS_MS = 0.5
-
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1 << 10, "m": 1000**2, "mb": 1000**2, "mib": 1 << 20,
-          "g": 1000**3, "gb": 1000**3, "gib": 1 << 30, "t": 1000**4, "tb": 1000**4, "tib": 1 << 40}
-
 
 @dataclass
 class DeviceSpec:
@@ -28,13 +24,6 @@ class DeviceSpec:
             raise PlacementError(f"device {self.name}: free_bytes, layer_ms and miss_ms must be >= 0")
 
 
-def parse_bytes(text: str) -> int:
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise PlacementError(f"cannot read {text!r} as a size: write e.g. 12GiB, 8000MiB, 7.5GB or bytes")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-
-
 def parse_devices(text: str) -> list[DeviceSpec]:
     """`12GiB,12GiB:0.8:0.4,8GiB` -> one device per item: SIZE[:LAYER_MS[:MISS_MS]]."""
     out = []
@@ -46,7 +35,7 @@ def parse_devices(text: str) -> list[DeviceSpec]:
             ms = [float(p) for p in parts[1:]]
         except ValueError:
             raise PlacementError(f"device {item!r}: LAYER_MS and MISS_MS are numbers of milliseconds") from None
-        out.append(DeviceSpec(f"dev{i}", parse_bytes(parts[0]), *ms))
+        out.append(DeviceSpec(f"dev{i}", parse_size(parts[0], PlacementError, allow_zero=True), *ms))
     if not out:
         raise PlacementError("--devices lists no device")
     return out

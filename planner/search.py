@@ -22,7 +22,7 @@ from moeray.planner.fill import RangeTables, slot_fill_ranks
 from moeray.planner.mass import MassModel, mass_model
 from moeray.planner.slots import GIB, SlotLayout, per_layer_slots
 from moeray.planner.spec import ModelSpec
-from moeray.planner.trunk import TrunkPolicy, TrunkPricer, expert_read_probability, fmt_bytes
+from moeray.planner.trunk import TrunkPolicy, TrunkPricer, expert_read_probability, format_bytes
 from moeray.errors import PlacementError
 
 DEFAULT_HANDOFF_MS = 1.0  # one stage-to-stage hop (a Ray call carrying a hidden vector)
@@ -112,13 +112,13 @@ class Plan:
         out = [self.startup_line()]
         for s in self.stages:
             out.append(f"stage {s.index} ({s.device}): layers {s.first_layer}-{s.end_layer - 1}, "
-                       f"{s.stage_ms:.2f} ms, trunk {fmt_bytes(s.trunk_bytes)}, expert room "
-                       f"{fmt_bytes(s.expert_room)} holds {len(s.held_pairs)} pairs "
+                       f"{s.stage_ms:.2f} ms, trunk {format_bytes(s.trunk_bytes)}, expert room "
+                       f"{format_bytes(s.expert_room)} holds {len(s.held_pairs)} pairs "
                        f"({100 * s.held_mass / max(s.routed_mass, 1e-300):.1f}% of its routed mass)")
             for d in s.trunk:
-                out.append(f"[place] stage {s.index}: {d['component']} ({fmt_bytes(d['bytes'])}) -> "
+                out.append(f"[place] stage {s.index}: {d['component']} ({format_bytes(d['bytes'])}) -> "
                            f"{'gpu' if d['on_card'] else 'cpu'}: {d['why']}; expert room "
-                           f"{fmt_bytes(d['expert_room_after'])}")
+                           f"{format_bytes(d['expert_room_after'])}")
             if s.slots is not None:
                 out.append(f"[slots] stage {s.index}: {s.slots.message}; they hold {s.slot_pairs} pairs: "
                            f"predicted hit rate {100 * s.predicted_hit_rate:.1f}%")

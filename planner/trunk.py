@@ -37,19 +37,13 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from moeray.errors import PlacementError
+from moeray.units import format_bytes
 
 MIB = 1 << 20
 
 
 def fmt_p(p: float) -> str:
     return f"{p:.2f}" if p >= 0.01 or p == 0 else f"{p:.2g}"
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 @dataclass
@@ -253,7 +247,7 @@ class TrunkPricer:
                     why = "room no expert would use"
                 elif on:
                     p = float(p_e[out_ranks].max())
-                    why = (f"saves {fmt_bytes(value * nbytes)}/token; the {out_ranks.size} experts it pushes out are "
+                    why = (f"saves {format_bytes(value * nbytes)}/token; the {out_ranks.size} experts it pushes out are "
                            f"worth {cf:g}*p = {fmt_p(cf * p)} per byte at most (p_marginal {fmt_p(p)})")
                 else:
                     kept = before[before < st["r_cold"][0]]

@@ -18,7 +18,6 @@ bytes, which is what a cache miss costs).
 """
 from __future__ import annotations
 
-import re
 import socket
 import statistics
 import time
@@ -27,42 +26,14 @@ from typing import Any
 
 
 from moeray.errors import MoerayError
+from moeray.units import format_bytes
 
-GiB = 1 << 30
 # Kept free on a real card for the CUDA context's growth, activations and allocator slack.
 CUDA_RESERVE_BYTES = 512 << 20
-_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1000, "kib": 1 << 10, "m": 1 << 20, "mb": 1000**2,
-          "mib": 1 << 20, "g": GiB, "gb": 1000**3, "gib": GiB, "t": 1 << 40, "tb": 1000**4, "tib": 1 << 40}
 
 
 class DeviceBudgetError(MoerayError):
     """A stage tried to place more bytes on its device than the device has."""
-
-
-def parse_size(text: str) -> int:
-    """'12GiB' -> 12884901888; '1.5G' and '800MB' work too. Raises MoerayError on anything else."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise MoerayError(f"cannot read device size '{text}': write a number with a unit, e.g. 12GiB, 800MiB")
-    n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    if n <= 0:
-        raise MoerayError(f"device size '{text}' must be positive")
-    return n
-
-
-def parse_sizes(text: str) -> list[int]:
-    """'12GiB,12GiB,8GiB,8GiB' -> four byte budgets (the --simulate-devices argument)."""
-    parts = [p for p in text.split(",") if p.strip()]
-    if not parts:
-        raise MoerayError("--simulate-devices needs at least one size, e.g. 12GiB,8GiB")
-    return [parse_size(p) for p in parts]
-
-
-def format_bytes(n: float) -> str:
-    for unit, size in (("GiB", GiB), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
 
 
 @dataclass

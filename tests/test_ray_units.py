@@ -6,8 +6,8 @@ import os
 import pytest
 
 from moeray.stages.actor import file_fingerprint
-from moeray.stages.device import (DeviceBudgetError, DeviceMemory, measure_layer_ms, measure_miss_ms, parse_size,
-                           parse_sizes, probe_device)
+from moeray.stages.device import DeviceBudgetError, DeviceMemory, measure_layer_ms, measure_miss_ms, probe_device
+from moeray.units import parse_size, parse_sizes
 from moeray.errors import MoerayError
 from moeray.stages.gguf_file import read_gguf_header
 
