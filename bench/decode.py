@@ -33,35 +33,68 @@ def prompt_ids(tokenizer, n_tokens: int, index: int) -> list[int]:
     return ids[:n_tokens]
 
 
-def bench_moeray(path: str, batch_sizes, n_prompt: int, n_decode: int, caches=("0", "all")) -> list[dict]:
-    """One row per (expert cache, batch). Cache "0": every routed expert is dequantised from the
-    GGUF mapping when used (the host path a miss takes); "all": every expert is resident in a
-    float32 slot (the case of a card with room for the whole model); a size such as "1GiB" is a
-    simulated budget filled from a uniform profile."""
-    from moeray.cache.attach import attach_cache, detach_cache
-    from moeray.units import parse_size
+def bytes_per_token(model) -> int:
+    """Weight bytes one decode token of one sequence reads: every trunk matrix once (the head
+    included) and k routed experts per MoE layer, in the form the route holds them."""
+    cfg = model.config
+    n = model.trunk_bytes()
+    if cfg.is_moe:
+        n += cfg.n_experts_used * sum(model.experts.host.slot_bytes(l) if hasattr(model.experts, "host")
+                                      else model.experts.slot_bytes(l) for l in range(model.first, model.end))
+    return n
+
+
+def read_bandwidth_gb_s(n_bytes: int = 512 << 20, reps: int = 5) -> float:
+    """What this machine reads from DRAM with torch's threads: the physical limit of decode."""
+    import torch
+
+    buf = torch.ones(n_bytes // 4)
+    buf.sum()
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t)
+    return n_bytes / best / 1e9
+
+
+def bench_moeray(path: str, batch_sizes, n_prompt: int, n_decode: int, caches=("0", "all"),
+                 route: str | None = None) -> list[dict]:
+    """One row per (expert cache, batch). Cache "0": every routed expert is computed from the GGUF
+    mapping (the host path a miss takes); "all": every expert is resident in a slot (a card with
+    room for the whole model); a size such as "200MiB" is a simulated budget filled uniformly."""
+    from moeray.cluster.config import EngineConfig
     from moeray.cluster.engine import Generator
-    from moeray.stages.model import load_model
+    from moeray.stages.gguf_file import GGUFFile
+    from moeray.stages.model import load_cached, load_model
     from moeray.stages.sampling import SamplingParams
     from moeray.stages.tokenizer import Tokenizer
+    from moeray.units import parse_size
 
-    model, tokenizer = load_model(path), Tokenizer.from_gguf(path)
+    tokenizer = Tokenizer.from_gguf(path)
     params = SamplingParams(max_tokens=n_decode + 1, ignore_eos=True)  # +1: the first token comes from prefill
+    config = EngineConfig(max_seqs=max(batch_sizes), max_len=n_prompt + n_decode + 8, token_budget=512,
+                          prefill_chunk=n_prompt, micro_batches=1)
     rows = []
-    for cache in caches if model.config.is_moe else ("0",):
-        if cache != "0":
-            budget = 1 << 62 if cache == "all" else parse_size(cache)
-            n_slots = model.config.n_layers * model.config.n_experts if cache == "all" else None
-            attach_cache(model, budget, n_slots=n_slots)
-        gen = Generator(model, tokenizer)
+    cfg = GGUFFile(path).config
+    for cache in caches if cfg.is_moe else ("0",):
+        if cache == "0":
+            model = load_model(path, route=route)
+        else:
+            n_slots = cfg.n_layers * cfg.n_experts if cache == "all" else None
+            budget = None if cache == "all" else parse_size(cache)
+            model, _ = load_cached(path, route=route, budget_bytes=budget, n_slots=n_slots)
+        gen = Generator(model, tokenizer, config)
         gen.generate([prompt_ids(tokenizer, 16, 0)], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+        per_token = bytes_per_token(model)
         for b in batch_sizes:
             gen.generate([prompt_ids(tokenizer, n_prompt, i) for i in range(b)], params)
             s = gen.stats
-            rows.append({"engine": "moeray", "cache": cache, "batch": b, "prefill_tok_s": s.prefill_tok_s,
-                         "decode_tok_s": s.decode_tok_s, "prefill_tokens": s.prefill_tokens,
-                         "decode_tokens": s.decode_tokens})
-        detach_cache(model)
+            rows.append({"engine": "moeray", "route": model.route, "cache": cache, "batch": b,
+                         "prefill_tok_s": s.prefill_tok_s, "decode_tok_s": s.decode_tok_s,
+                         "prefill_tokens": s.prefill_tokens, "decode_tokens": s.decode_tokens,
+                         "weight_bytes_per_token": per_token})
+        del gen, model
     return rows
 
 

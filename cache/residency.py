@@ -5,7 +5,7 @@ This is the cache without its tensors (no torch here): `ExpertCache` wraps it wi
 weights on the device, and `cache/replay.py` runs recorded traces through it, so a hit rate
 measured in replay is the hit rate the real cache would count on the same routing.
 
-Slots. A stage covers layers [first, end). Two layouts (seed 002):
+Slots. A stage covers layers [first, end). Two layouts:
   global     n_slots slots of the largest blob, shared by all layers; slot s holds any pair.
   per-layer  every layer gets the same quota q of slots at its own blob size; layer l's slots
              are (l - first)·q + n, n < q, so a slot never holds another layer's blob.
@@ -18,7 +18,7 @@ than the previous call's layer begins a new step. Every policy may copy at most
 one expert copy. Ticks are tokens entering the stage (the first call of each step).
 
 Policies:
-  static    the profile fill, never changed (the seeds' default)
+  static    the profile fill, never changed (Strata's and colibri's default)
   adaptive  decayed heat counters; every `swap_every` ticks the hottest non-resident replaces
             the coldest resident (of the same layer when slots are per-layer) if its heat
             exceeds cold + cold/4 + 4; all heat halves every `decay_every` ticks (colibri's rule)

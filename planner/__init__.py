@@ -5,8 +5,8 @@ mass     the share of routed traffic a ranked pair carries (H curve or measured 
 spec     ModelSpec: layers, experts, k, expert and trunk bytes
 devices  DeviceSpec: free bytes, ms per dense layer, ms per missed expert
 fill     a stage's cache fill with the stop rule, and RangeTables to answer thousands at once
-trunk    which dense pieces go on each card (seed 003), priced inside every range
+trunk    which dense pieces go on each card (value per byte of VRAM), priced inside every range
 search   the layer split: enumeration (S <= 4) and an exact DP (any S), latency or throughput
-slots    per-layer expert slots (seed 002)
+slots    per-layer expert slots (one quota per layer at its own blob size)
 report   --plot
 """

@@ -1,6 +1,6 @@
 """How much of the routed traffic a ranked (layer, expert) pair carries.
 
-The Strata seeds found that hit rate follows the *count* of held pairs almost alone, so
+Strata's measurements found that hit rate follows the *count* of held pairs almost alone, so
 without measured counts the mass of the pair at global rank r is the increment of
 H(f) = 1 - (1 - f)^b over the held fraction: prefixes sum to exactly H(n/T). b = 3 puts
 H(0.8138) at 99.35% (the validated 2-GPU regime) and H(0.59) at 93.2% (92.2% measured).
@@ -120,7 +120,7 @@ class MassModel:
     b      the exponent of H (also reported in counts mode: the curve that fits the counts).
     source where b comes from: "fitted", "env" (MOERAY_SPLIT_COVER_B), "uniform" (no profile:
            the cache holds arbitrary experts, so a held pair carries the average share, b = 1),
-           "default" (a ranking without counts: the seeds' b = 3).
+           "default" (a ranking without counts: b = 3, Strata's fit).
     picks  routed picks the profile counted (0 without counts).
     """
     mode: str

@@ -1,6 +1,6 @@
 """Routing profiles: every (layer, expert) pair of a model ranked hottest first.
 
-Three formats are read, so users of the seeds' engines can bring their data:
+Three formats are read, so users of Strata and colibri can bring their data:
   * moeray:  msgpack {"format": "moeray-profile", "version": 1, "n_layers", "n_experts",
              "pairs": [[layer, expert], ...] hottest first, "counts": [...] optional};
   * Strata:  b"STRP", u32 version=1, n_layers, n_expert, slots, n_ranked; at offset 24,

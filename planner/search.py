@@ -1,6 +1,6 @@
 """Layer-split search: every placement of S contiguous layer ranges, priced exactly.
 
-Cost model (DESIGN.md): one decode step takes
+Cost model: one decode step takes
     sum_i [ (b_i - a_i)*layer_ms[i] + k*L*(routed(a_i, b_i) - held_i)*miss_ms[i] ] + (S-1)*handoff_ms
 (+ the host time of trunk pieces left off the card, when the trunk is priced). A stage's
 fill depends only on (i, a, b), so every (stage, range) is priced once, in one vectorised
@@ -182,7 +182,7 @@ def enumerate_boundaries(n_layers: int, min_layers: list[int]) -> np.ndarray:
 
 
 def proportional_split(n_layers: int, devices: list[DeviceSpec]) -> list[int]:
-    """The guess the seeds replaced: layers in proportion to speed (1/layer_ms), VRAM ignored."""
+    """The guess Strata's search replaced: layers in proportion to speed (1/layer_ms), VRAM ignored."""
     speed = np.array([1.0 / max(d.layer_ms, 1e-9) for d in devices])
     edges = np.rint(np.cumsum(speed) / speed.sum() * n_layers).astype(int)
     bounds, prev = [], 0

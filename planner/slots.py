@@ -1,4 +1,4 @@
-"""Per-layer expert slots (seed 002): spend an N-slot budget on each layer's real blob size.
+"""Per-layer expert slots: spend an N-slot budget on each layer's real blob size.
 
 `--expert-cache N` is a budget of N slots of the largest blob. Every layer gets the same quota
 q, so a layer's slots are the contiguous range `layer*q + n` and each holds exactly that

@@ -1,4 +1,4 @@
-"""Trunk placement (seed 003): which dense pieces of a stage go on its card.
+"""Trunk placement: which dense pieces of a stage go on its card.
 
 Each trunk component is priced in bytes saved on the host's memory bus per token, per byte of
 VRAM. A dense component is read on every token: value 1.0 per byte (the embedding is read one
@@ -17,7 +17,7 @@ uses, so with `auto` a little more VRAM can, rarely, predict a slightly slower s
 takes room the H curve values more than k/E does); with `off` the prediction is monotone.
 
 Modes: `auto` (default); `off` (the planner places no trunk: free_bytes is taken to be net of
-it, as the seeds' engines do, and no trunk time is priced); or an explicit list obeyed as
+it, as Strata and colibri do, and no trunk time is priced); or an explicit list obeyed as
 written and charged to the expert budget:
 
     head=gpu,embed=cpu,layers=0-20+30-47      (ranges inclusive, global layer indices)
@@ -27,8 +27,8 @@ values gpu|cpu for head/embed, all|none|ranges for layers; anything not named st
 
 Time: a component left on the host costs its bytes at the host's speed, which `miss_ms`
 measures: one miss reads cpu_factor*blob[l] host bytes in miss_ms, so a dense byte costs
-miss_ms / (cpu_factor*blob[l]). With `off` nothing of this is added and DESIGN.md's formula
-is exact.
+miss_ms / (cpu_factor*blob[l]). With `off` nothing of this is added and the step-time formula
+in planner/search.py is exact.
 """
 from __future__ import annotations
 

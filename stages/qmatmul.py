@@ -140,12 +140,17 @@ class _Graph:
         self.plan = _G.ggml_graph_plan(self.graph, n_threads, pool)
         self.work = torch.empty(max(1, self.plan.work_size), dtype=torch.uint8)
         self.plan.work_data = ctypes.cast(self.work.data_ptr(), ctypes.POINTER(ctypes.c_uint8))
+        # The structs themselves, resolved once: a call then only writes pointers (decode makes
+        # ~100 calls per token, so Python-side cost matters).
+        self._in = [t.contents for t in self.inputs]
+        self._out = self.output.contents
+        self._plan_ref = ctypes.byref(self.plan)
 
     def __call__(self, pointers: list[int], out_ptr: int) -> None:
-        for t, p in zip(self.inputs, pointers):
-            t.contents.data = p
-        self.output.contents.data = out_ptr
-        _G.ggml_graph_compute(self.graph, ctypes.byref(self.plan))
+        for t, p in zip(self._in, pointers):
+            t.data = p
+        self._out.data = out_ptr
+        _G.ggml_graph_compute(self.graph, self._plan_ref)
 
     def __del__(self):
         if _G is not None and getattr(self, "ctx", None):
