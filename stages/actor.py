@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from moeray.stages.device import DeviceInfo, DeviceMemory, measure_speed, probe_device
+from moeray.stages.device import DeviceInfo, device_ledger, measure_speed, probe_device
 from moeray.errors import MoerayError
 
 
@@ -159,7 +159,7 @@ class StageActor:
         self.stage, self.n_stages = stage, n_stages
         self.simulated_budget = simulated_budget
         self.device: DeviceInfo = probe_device(simulated_budget, index=stage)
-        self.memory = DeviceMemory(self.device, stage)
+        self.memory = device_ledger(self.device, stage)
         self.link = None
         self.model = None
 
@@ -176,7 +176,7 @@ class StageActor:
 
             torch.cuda.empty_cache()  # hand the timing's scratch back before reading free memory
         self.device = probe_device(self.simulated_budget, index=self.stage)  # free memory now, after timing
-        self.memory = DeviceMemory(self.device, self.stage)
+        self.memory = device_ledger(self.device, self.stage)
         return ProbeReport(self.stage, os.getpid(), self.device, speed.layer_ms, speed.miss_ms,
                            time.perf_counter() - t, file_fingerprint(path))
 
@@ -223,22 +223,21 @@ class StageActor:
 
         t = time.perf_counter()
         self.model = None
-        self.memory = DeviceMemory(self.device, self.stage)
+        self.memory = device_ledger(self.device, self.stage)
         gguf = GGUFFile(path)
         cfg = gguf.config
         # Charge KV and trunk from the header first: what is left is the expert cache's budget, and
         # the MoE blocks are built with that cache in front of the host copy.
-        self.memory.reserve(f"KV cache ({max_seqs} x {max_len} tokens)",
-                            kv_cache_bytes(cfg, end - first, max_seqs, max_len))
+        self.memory.charge(kv_cache_bytes(cfg, end - first, max_seqs, max_len), f"KV cache ({max_seqs} x {max_len} tokens)")
         trunk = stage_trunk_bytes(gguf, first, end)
-        self.memory.reserve(f"trunk of layers {first}-{end - 1}", trunk if trunk_on_card is None else trunk_on_card)
+        self.memory.charge(trunk if trunk_on_card is None else trunk_on_card, f"trunk of layers {first}-{end - 1}")
         experts = cache = HostExperts(gguf)
         if cfg.is_moe:
             from moeray.cache.attach import build_cache
 
             cache = build_cache(experts, first, end, self.device.torch_device, self.memory.free, profile,
                                 cache_policy, layout="per-layer")
-            self.memory.reserve(f"expert cache ({cache.slots.n_slots} slots)", cache.budget.capacity)
+            self.memory.charge(cache.budget.capacity, f"expert cache ({cache.slots.n_slots} slots)")
             experts = cache
         else:
             cache = None

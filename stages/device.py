@@ -8,7 +8,7 @@ card's real free memory, not from a label.
   renumbers them again; the bus id is the one name both agree on. torch.cuda.mem_get_info is
   the fallback when NVML is missing or refuses.
 * Simulated: `--simulate-devices 12GiB,8GiB` gives a stage a CPU "device" with a byte budget.
-  `DeviceMemory.reserve` enforces it, so a plan that overfills a simulated card fails the same
+  its byte ledger (`device_ledger`) enforces it, so a plan that overfills a simulated card fails the same
   way a real one would (earlier, and with a clearer message).
 
 `measure_speed` times one real layer of the model, loaded on the device and run by the serving
@@ -30,10 +30,6 @@ from moeray.units import format_bytes
 
 # Kept free on a real card for the CUDA context's growth, activations and allocator slack.
 CUDA_RESERVE_BYTES = 512 << 20
-
-
-class DeviceBudgetError(MoerayError):
-    """A stage tried to place more bytes on its device than the device has."""
 
 
 @dataclass
@@ -127,38 +123,13 @@ def probe_device(simulated_budget: int | None = None, index: int = 0) -> DeviceI
     return info
 
 
-class DeviceMemory:
-    """Accounting of what a stage put on its device, checked against the device's free bytes.
+def device_ledger(info: DeviceInfo, stage: int = 0):
+    """The stage's byte ledger for its device: on a simulated device it IS the memory limit; on
+    CUDA the allocator enforces the real one, and this ledger still fails first, with the
+    component's name, instead of an OOM deep in a matmul."""
+    from moeray.cache.budget import ByteBudget
 
-    On a simulated device this IS the memory limit. On CUDA the allocator enforces the real
-    one; this ledger still fails first, with the component's name, instead of an OOM deep in
-    a matmul.
-    """
-
-    def __init__(self, info: DeviceInfo, stage: int = 0):
-        self.info = info
-        self.stage = stage
-        self.parts: dict[str, int] = {}
-
-    @property
-    def used(self) -> int:
-        return sum(self.parts.values())
-
-    @property
-    def free(self) -> int:
-        return self.info.free_bytes - self.info.reserve_bytes - self.used
-
-    def reserve(self, what: str, n_bytes: int) -> None:
-        n_bytes = int(n_bytes)
-        if n_bytes > self.free:
-            raise DeviceBudgetError(
-                f"stage {self.stage}: {what} needs {format_bytes(n_bytes)} but {self.info.name} has only "
-                f"{format_bytes(self.free)} left of {format_bytes(self.info.free_bytes - self.info.reserve_bytes)} "
-                f"(already placed: {', '.join(f'{k} {format_bytes(v)}' for k, v in self.parts.items()) or 'nothing'})")
-        self.parts[what] = self.parts.get(what, 0) + n_bytes
-
-    def release(self, what: str) -> None:
-        self.parts.pop(what, None)
+    return ByteBudget(max(0, info.free_bytes - info.reserve_bytes), f"stage {stage} ({info.name})")
 
 
 # ---------------------------------------------------------------- speed measurement

@@ -6,7 +6,8 @@ import os
 import pytest
 
 from moeray.stages.actor import file_fingerprint
-from moeray.stages.device import DeviceBudgetError, DeviceMemory, measure_layer_ms, measure_miss_ms, probe_device
+from moeray.cache.budget import BudgetExceededError
+from moeray.stages.device import device_ledger, measure_layer_ms, measure_miss_ms, probe_device
 from moeray.units import parse_size, parse_sizes
 from moeray.errors import MoerayError
 from moeray.stages.gguf_file import read_gguf_header
@@ -35,16 +36,18 @@ def test_sizes_read_like_a_user_writes_them():
 
 
 def test_simulated_device_enforces_its_budget():
-    mem = DeviceMemory(probe_device(100 * MiB, index=2), stage=2)
-    assert mem.info.kind == "simulated" and mem.info.total_bytes == mem.info.free_bytes == 100 * MiB
-    mem.reserve("trunk", 60 * MiB)
-    mem.reserve("kv cache", 30 * MiB)
+    info = probe_device(100 * MiB, index=2)
+    assert info.kind == "simulated" and info.total_bytes == info.free_bytes == 100 * MiB
+    mem = device_ledger(info, stage=2)
+    mem.charge(60 * MiB, "trunk")
+    mem.charge(30 * MiB, "kv cache")
     assert mem.free == 10 * MiB
-    with pytest.raises(DeviceBudgetError, match=r"stage 2: expert slots needs 20\.00 MiB .* 10\.00 MiB left"):
-        mem.reserve("expert slots", 20 * MiB)
+    with pytest.raises(BudgetExceededError,
+                       match=r"stage 2 .*: expert slots needs 20\.00 MiB but only 10\.00 MiB is left .*trunk 60\.00 MiB"):
+        mem.charge(20 * MiB, "expert slots")
     assert mem.used == 90 * MiB  # a refused reservation takes nothing
-    mem.release("kv cache")
-    mem.reserve("expert slots", 20 * MiB)
+    mem.release(30 * MiB, "kv cache")
+    mem.charge(20 * MiB, "expert slots")
 
 
 def test_no_gpu_and_no_budget_is_a_clear_error():
