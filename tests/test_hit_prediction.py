@@ -55,9 +55,8 @@ def setup(default_model_path, tmp_path_factory):
 
     host = HostExperts(gguf)
     spec = held_spec(gguf, kv_bytes_per_layer(cfg, 16, 512))
-    # Priced in the bytes a slot really holds (the driver must price the same, or every stage's
-    # cache holds a different number of experts than its plan says).
-    spec.expert_bytes = [host.slot_bytes(l) for l in range(cfg.n_layers)]
+    # The driver prices a slot in the bytes the cache holds, or no stage holds what its plan says.
+    assert spec.expert_bytes == [host.slot_bytes(l) for l in range(cfg.n_layers)]
     # Four cards, each room for 8 layers' trunk and KV (the first also the embedding, the last the
     # head) and SLOTS_PER_STAGE experts: the caches hold about 3 of each layer's 8 experts.
     tb, room = spec.trunk_bytes, 8 * max(spec.trunk_bytes.layers) + SLOTS_PER_STAGE * max(spec.expert_bytes)
