@@ -16,7 +16,7 @@ the wired stages, is here too: the driver owns the stages, the engine only calls
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from moeray.cluster.config import EngineConfig, LaunchOptions
@@ -211,7 +211,10 @@ class Launched:
         return RayPipeline(self.group)
 
     def stage_stats(self, timeout_s: float | None = None) -> list[StageStats]:
-        return gather([a.stats.remote() for a in self.group.actors], timeout_s or self.group.timeout_s, "stats")
+        stats = gather([a.stats.remote() for a in self.group.actors], timeout_s or self.group.timeout_s, "stats")
+        for s, planned in zip(stats, self.plan.stages if self.plan is not None else []):
+            s.predicted_hit_rate = planned.predicted_hit_rate  # the plan's promise, next to what it measures
+        return stats
 
     def stage_stat_lines(self) -> list[str]:
         out = []
@@ -222,7 +225,9 @@ class Launched:
             c = s.cache
             if c:
                 line += (f", expert cache {c.get('hits', 0)} hits of {c.get('lookups', 0)} lookups "
-                         f"({100 * c.get('hit_rate', 0.0):.1f}%)")
+                         f"({100 * c.get('hit_rate', 0.0):.1f}%")
+                line += "" if s.predicted_hit_rate is None else f", predicted {100 * s.predicted_hit_rate:.1f}%"
+                line += f", {c.get('policy')})"
             out.append(line)
         return out
 
@@ -312,6 +317,13 @@ def launch(path: str, opts: LaunchOptions = LaunchOptions(), engine: EngineConfi
         lines.append(line)
         log(line)
 
+    if opts.profile is None:  # the embedded default model's recorded routing (None for other models)
+        from moeray.stages.default_profile import default_profile_for
+
+        found = default_profile_for(path)
+        if found is not None:
+            opts = replace(opts, profile=str(found))
+            say(f"profile: {found} (the default model's recorded routing)")
     group = StageGroup(opts.n_stages, opts.simulate, opts.strategy, opts.torch_threads, opts.timeout_s)
     group.start()
     try:

@@ -38,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="static: the profile fill; adaptive: decayed heat, swaps with hysteresis; lru")
     c.add_argument("--cache-layout", choices=("global", "per-layer"), default="global",
                    help="per-layer: each layer's slots at its own blob size (slot layer*q+n)")
-    c.add_argument("--profile", metavar="FILE", help="routing profile (moeray msgpack, Strata STRP or colibri heat)")
+    c.add_argument("--profile", metavar="FILE", help="routing profile (moeray msgpack, Strata STRP or colibri "
+                                                     "heat); default for the embedded model: its recorded profile")
     c.add_argument("--record-routing", metavar="FILE", help="append every routing decision to this msgpack trace")
 
 
@@ -52,6 +53,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise MoerayError(str(exc)) from None
     path = resolve_model(args.model, args.rebuild)
+    if args.profile is None:  # the embedded default model's recorded routing (None for other models)
+        from moeray.stages.default_profile import default_profile_for
+
+        args.profile = default_profile_for(path)
 
     from moeray.cluster.engine import Generator
     from moeray.stages.gguf_file import GGUFFile

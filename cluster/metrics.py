@@ -10,8 +10,11 @@ that restarted starts from zero again: its new count is the difference.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from typing import Callable, Optional
+
+log = logging.getLogger("moeray")
 
 # name -> (kind, description). Tags: STAGE_TAGS for moeray_stage_*, ENGINE_TAGS for the rest.
 METRICS: dict[str, tuple[str, str]] = {
@@ -23,6 +26,7 @@ METRICS: dict[str, tuple[str, str]] = {
     "moeray_stage_resident_experts": ("gauge", "experts resident in a stage's cache"),
     "moeray_stage_cache_slots": ("gauge", "expert slots of a stage's cache"),
     "moeray_stage_cache_bytes": ("gauge", "device bytes a stage's expert cache holds"),
+    "moeray_stage_predicted_hit_rate": ("gauge", "the hit rate the plan predicts for a stage's expert cache"),
     "moeray_stage_first_layer": ("gauge", "first layer of a stage's range"),
     "moeray_stage_last_layer": ("gauge", "last layer of a stage's range"),
     "moeray_tokens_generated": ("counter", "output tokens handed to clients"),
@@ -46,6 +50,7 @@ _STAGE_GAUGES = {
     "moeray_stage_resident_experts": lambda s: (s.cache or {}).get("resident", 0),
     "moeray_stage_cache_slots": lambda s: (s.cache or {}).get("slots", 0),
     "moeray_stage_cache_bytes": lambda s: (s.cache or {}).get("used_bytes", 0),
+    "moeray_stage_predicted_hit_rate": lambda s: float("nan") if s.predicted_hit_rate is None else s.predicted_hit_rate,
     "moeray_stage_first_layer": lambda s: s.layers[0] if s.layers else -1,
     "moeray_stage_last_layer": lambda s: s.layers[1] - 1 if s.layers else -1,
 }
@@ -72,6 +77,7 @@ class Metrics:
             else:
                 self.m[name] = Histogram(name, desc, boundaries=LATENCY_BOUNDARIES, tag_keys=tags)
         self._seen: dict[tuple[str, int], float] = {}  # (metric, stage) -> last cumulative value
+        self._warned: set[int] = set()  # stages whose hit rate fell short of the plan (warned once)
         self._tags = {"model": model}
         self._lock = threading.Lock()
 
@@ -104,6 +110,20 @@ class Metrics:
                     self._seen[name, s.stage] = value
                 for name, read in _STAGE_GAUGES.items():
                     self.m[name].set(float(read(s)), tags)
+                self._check_prediction(s)
+
+    def _check_prediction(self, s) -> None:
+        """One warning per stage whose measured hit rate, after 1,000 lookups, is more than 10 points
+        below the plan's: the plan's promise is the product's headline, so a broken one is named."""
+        c, predicted = s.cache or {}, s.predicted_hit_rate
+        if predicted is None or s.stage in self._warned or c.get("lookups", 0) < 1000:
+            return
+        if c["hit_rate"] < predicted - 0.10:
+            self._warned.add(s.stage)
+            log.warning(f"stage {s.stage}: expert cache hits {100 * c['hit_rate']:.1f}% of {c['lookups']} lookups, "
+                        f"the plan predicted {100 * predicted:.1f}%; likely causes: no profile or one recorded on "
+                        f"other traffic (re-plan with --profile from this traffic), or cache policy "
+                        f"{c.get('policy')} (adaptive learns the hot experts)")
 
 
 class Poller:

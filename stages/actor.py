@@ -87,6 +87,7 @@ class StageStats:
     step_s: float = 0.0  # time in steps, incl. waiting for the previous stage's activations
     tokens_in: int = 0
     cache: Optional[dict[str, Any]] = None
+    predicted_hit_rate: Optional[float] = None  # the plan's, set by the driver: shown beside cache["hit_rate"]
 
 
 def file_fingerprint(path: str, n_samples: int = 16, block: int = 1 << 16) -> FileFingerprint:
