@@ -138,22 +138,21 @@ def run_bench(paths: list[Path], sizes: list[int], layout: str, profile_from: st
 
 
 def slot_bytes_report() -> dict:
-    """Bytes one slot holds (float32 compute format) against the expert's bytes in the GGUF."""
-    import numpy as np
-
+    """Bytes one slot holds on this process's kernel route against the expert's bytes in the GGUF."""
     from moeray.stages.default_model import default_model_path
-    from moeray.stages.gguf_file import read_gguf_header
+    from moeray.stages.gguf_file import GGUFFile
+    from moeray.stages.moe import HostExperts
 
-    h = read_gguf_header(default_model_path(quiet=True))
-    held = sum(int(np.prod(h.tensors[f"blk.0.ffn_{k}_exps.weight"].shape[1:])) * 4 for k in ("gate", "up", "down"))
-    gguf_type = h.tensors["blk.0.ffn_gate_exps.weight"].ggml_type.name
-    return {"slot_bytes": held, "gguf_expert_bytes": int(h.expert_bytes(0)), "gguf_type": gguf_type}
+    host = HostExperts(GGUFFile(default_model_path(quiet=True)))
+    gguf_type = host.gguf.info("blk.0.ffn_gate_exps.weight").ggml_type.name
+    return {"slot_bytes": host.slot_bytes(0), "gguf_expert_bytes": int(host.gguf.expert_bytes(0)),
+            "gguf_type": gguf_type, "route": host.route}
 
 
 def print_table(res: dict) -> None:
     if "slot" in res:
         s = res["slot"]
-        print(f"one slot holds {s['slot_bytes']:,} bytes (float32) per expert; the GGUF stores it in "
+        print(f"one slot holds {s['slot_bytes']:,} bytes per expert ({s['route']} route); the GGUF stores it in "
               f"{s['gguf_expert_bytes']:,} bytes ({s['gguf_type']}), {s['slot_bytes'] / s['gguf_expert_bytes']:.1f}x")
     print(f"default model ({res['model']}), {res['layout']} slots; profile from "
           f"{len(res['traces_profiled'])} prompts, replayed {len(res['traces_replayed'])} prompts "
