@@ -16,11 +16,13 @@ from typing import Optional
 from moeray.errors import MoerayError
 
 CACHE_POLICIES = ("static", "adaptive", "lru")
+KERNELS = ("auto", "ggml", "dequant", "exact")
 
 # With no GPU, the stages run on these simulated cards, sized for the default model: 16 sequences
-# of 512 tokens take ~380 MB of KV cache over its 30 layers, the float32 trunk ~330 MB, and the
-# caches then hold about half of the 2.4 GB of experts (the hot half: most lookups hit).
-DEFAULT_SIMULATED = "640MiB,640MiB,512MiB,512MiB"
+# of 512 tokens take 360 MiB of float32 KV cache over its 30 layers, the trunk (its GGUF blocks,
+# the Q8_0 embedding on the first stage and again as the tied head on the last) ~74 MiB, and the
+# caches then hold about half of the 380 MiB of Q4_1 experts (the hot half: most lookups hit).
+DEFAULT_SIMULATED = "176MiB,176MiB,144MiB,144MiB"
 
 
 @dataclass
@@ -58,10 +60,15 @@ class LaunchOptions:
     # when routing shifts, ~19 better with no profile); static | adaptive | lru.
     cache_policy: str = "adaptive"
     torch_threads: Optional[int] = None
+    # Matmul kernels in every stage: ggml (the GGUF blocks, ggml's CPU kernels), dequant (pure
+    # torch, and what CUDA stages run), exact (float32 copies, for debugging); auto: the best one.
+    kernels: str = "auto"
     timeout_s: float = 300.0  # probe, load, connect: a stage slower than this is reported
     address: Optional[str] = None  # join this Ray cluster instead of starting one
 
     def __post_init__(self) -> None:
+        if self.kernels not in KERNELS:
+            raise MoerayError(f"kernels '{self.kernels}' is not one of {', '.join(KERNELS)}")
         if self.cache_policy not in CACHE_POLICIES:
             raise MoerayError(f"cache policy '{self.cache_policy}' is not one of {', '.join(CACHE_POLICIES)}")
 
@@ -130,12 +137,16 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-policy", choices=CACHE_POLICIES, default=d.cache_policy,
                    help="the stages' expert caches: static (the profile fill), adaptive (decayed heat, swaps "
                         f"with hysteresis) or lru (default {d.cache_policy})")
+    g.add_argument("--kernels", choices=KERNELS, default=d.kernels,
+                   help="matmul route of every stage: ggml (quantised blocks, ggml's CPU kernels), dequant "
+                        "(pure torch), exact (float32 copies: debugging, 4 bytes a weight); auto picks the best")
 
 
 def launch_options_from_args(args: argparse.Namespace, simulate: Optional[list[int]]) -> LaunchOptions:
     return LaunchOptions(n_stages=args.stages, simulate=simulate, strategy="SPREAD" if args.spread else "PACK",
                          objective=args.objective, split=args.split, profile=args.profile,
                          cache_policy=args.cache_policy, torch_threads=1 if simulate else None,
+                         kernels=args.kernels,
                          address=args.address)
 
 

@@ -60,6 +60,7 @@ class StageGroup:
     strategy: str = "PACK"
     torch_threads: int | None = None
     timeout_s: float = 120.0
+    route: str | None = None  # kernels: ggml | dequant | exact; None: the best this node has
     actors: list[Any] = field(default_factory=list)
     pg: Any = None
     reports: list[ProbeReport] = field(default_factory=list)
@@ -98,7 +99,7 @@ class StageGroup:
         return ray.remote(StageActor).options(
             name=None, max_restarts=0, **self._actor_opts,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-        ).remote(i, self.n_stages, budget, self.torch_threads)
+        ).remote(i, self.n_stages, budget, self.torch_threads, self.route)
 
     def probe(self, path: str) -> list[ProbeReport]:
         """Each actor's report (device, budget, node, speeds); checks every node sees the same file."""
@@ -324,7 +325,8 @@ def launch(path: str, opts: LaunchOptions = LaunchOptions(), engine: EngineConfi
         if found is not None:
             opts = replace(opts, profile=str(found))
             say(f"profile: {found} (the default model's recorded routing)")
-    group = StageGroup(opts.n_stages, opts.simulate, opts.strategy, opts.torch_threads, opts.timeout_s)
+    group = StageGroup(opts.n_stages, opts.simulate, opts.strategy, opts.torch_threads, opts.timeout_s,
+                       None if opts.kernels == "auto" else opts.kernels)
     group.start()
     try:
         reports = group.probe(path)

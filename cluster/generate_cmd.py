@@ -28,10 +28,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--stop", action="append", default=[], metavar="STR", help="stop before this text (repeatable)")
     p.add_argument("--rebuild", action="store_true", help="rebuild the embedded default model first")
+    p.add_argument("--exact", action="store_true",
+                   help="debugging: dequantise every weight to float32 once (4 bytes a weight) instead of "
+                        "computing from the GGUF's blocks; also MOERAY_ROUTE=exact|dequant|ggml")
     c = p.add_argument_group("expert cache (hits from slots on the device, misses from the host copy)")
     c.add_argument("--cache-budget", default="auto", metavar="SIZE",
                    help="bytes the expert cache may hold, e.g. 1GiB or 0 (no cache). auto: on CUDA all free VRAM "
-                        "less a reserve; on CPU 1GiB, a simulated budget enforced byte for byte (default auto)")
+                        "less a reserve; on CPU 200MiB, a simulated budget enforced byte for byte (default auto)")
     c.add_argument("--expert-cache", type=int, default=None, metavar="N",
                    help="at most N slots of the largest expert (within --cache-budget)")
     c.add_argument("--cache-policy", choices=CACHE_POLICIES, default=LaunchOptions.cache_policy,
@@ -60,13 +63,16 @@ def run(args: argparse.Namespace) -> int:
 
     from moeray.cluster.engine import Generator
     from moeray.stages.gguf_file import GGUFFile
-    from moeray.stages.model import load_model, memory_report
+    from moeray.stages.model import memory_report
     from moeray.stages.tokenizer import Tokenizer
 
     gguf = GGUFFile(path)  # validates the whole file before anything is loaded
     tokenizer = Tokenizer.from_metadata(gguf.metadata, source=path)
-    model = load_model(gguf)
-    cache, trace = _attach_cache(model, args)
+    if getattr(args, "exact", False):
+        from moeray.stages.qmatmul import set_route
+
+        set_route("exact")
+    model, cache = _load_with_experts(gguf, args)
     prompt = tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tokenizer.encode(args.prompt)
 
     generator = Generator(model, tokenizer)
@@ -84,39 +90,41 @@ def run(args: argparse.Namespace) -> int:
     print(_format_memory(memory_report(model)), file=sys.stderr)
     if cache is not None:
         print(_format_cache(cache.stats()), file=sys.stderr)
-        cache.close()
-    elif trace is not None:
-        trace.close()
+    model.experts.close()  # flushes a routing trace
     return 0
 
 
-# On CPU the "device" is host RAM: a 1 GiB budget of float32 slots holds ~100 of the default
-# model's 240 experts, enough to show the cache at work without taking the machine's memory.
-CPU_DEFAULT_CACHE = 1 << 30
+# On CPU the "device" is host RAM: 200 MiB of slots holds ~120 of the default model's 240 Q4_1
+# experts (1.6 MiB each), enough to show the cache at work without taking the machine's memory.
+CPU_DEFAULT_CACHE = 200 << 20
 
 
-def _attach_cache(model, args):
-    """(ExpertCache or None, bare TraceWriter or None) as the flags ask. A budget of 0 runs every
-    expert from the host copy; --record-routing still records."""
-    from moeray.cache.attach import attach_cache, attach_trace
+def _load_with_experts(gguf, args):
+    """(model, ExpertCache or None) as the flags ask: the MoE blocks are built with the cache in
+    front of the host copy. A budget of 0 runs every expert from the host copy; --record-routing
+    still records."""
+    from moeray.cache.attach import build_cache, routing_trace
+    from moeray.stages.model import StageModel
+    from moeray.stages.moe import HostExperts
     from moeray.units import parse_size
 
-    if not model.config.is_moe:
+    cfg = gguf.config
+    if not cfg.is_moe:
         if args.record_routing:
-            raise MoerayError(f"{model.gguf.path}: a dense model has no routing to record")
-        return None, None
+            raise MoerayError(f"{gguf.path}: a dense model has no routing to record")
+        return StageModel(gguf, 0, cfg.n_layers), None
     if args.cache_budget == "auto":
-        budget = None if str(model.device).startswith("cuda") else CPU_DEFAULT_CACHE
+        budget = CPU_DEFAULT_CACHE
     elif args.cache_budget.strip() == "0":
         budget = 0
     else:
         budget = parse_size(args.cache_budget)
     if budget == 0 and args.expert_cache is None:
-        trace = attach_trace(model, args.record_routing) if args.record_routing else None
-        return None, trace
-    cache = attach_cache(model, budget, args.profile, args.cache_policy, args.record_routing,
-                         layout=args.cache_layout, n_slots=args.expert_cache)
-    return cache, None
+        trace = routing_trace(args.record_routing, cfg, 0, cfg.n_layers) if args.record_routing else None
+        return StageModel(gguf, 0, cfg.n_layers, experts=HostExperts(gguf, on_route=trace)), None
+    cache = build_cache(HostExperts(gguf), 0, cfg.n_layers, "cpu", budget, args.profile, args.cache_policy,
+                        args.record_routing, layout=args.cache_layout, n_slots=args.expert_cache)
+    return StageModel(gguf, 0, cfg.n_layers, experts=cache), cache
 
 
 def _format_cache(st: dict) -> str:

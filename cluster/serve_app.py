@@ -73,6 +73,10 @@ class Service:
                 import torch
 
                 torch.set_num_threads(opts.launch.torch_threads)
+            if opts.launch.kernels != "auto":
+                from moeray.stages.qmatmul import set_route
+
+                set_route(opts.launch.kernels)
             self.local = LocalPipeline.from_file(self.path, engine_cfg.max_seqs, self.context, opts.local_budget,
                                                  opts.launch.profile, opts.launch.cache_policy)
             pipeline = self.local

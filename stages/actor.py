@@ -86,6 +86,9 @@ class StageStats:
     steps: int = 0
     step_s: float = 0.0  # time in steps, incl. waiting for the previous stage's activations
     tokens_in: int = 0
+    route: str = ""  # the kernels the stage runs: ggml | dequant | exact
+    trunk_held_bytes: int = 0  # what the trunk really holds on the device ...
+    trunk_gguf_bytes: int = 0  # ... and the same tensors' bytes in the GGUF
     cache: Optional[dict[str, Any]] = None
     predicted_hit_rate: Optional[float] = None  # the plan's, set by the driver: shown beside cache["hit_rate"]
 
@@ -151,12 +154,16 @@ class StageRunner:
 
 class StageActor:
     def __init__(self, stage: int, n_stages: int, simulated_budget: int | None = None,
-                 torch_threads: int | None = None):
+                 torch_threads: int | None = None, route: str | None = None):
         import torch
+
+        from moeray.stages.qmatmul import set_route
 
         if torch_threads:
             # Simulated stages share the host's cores; without this each grabs all of them.
             torch.set_num_threads(torch_threads)
+        if route:  # the kernels of this process: every StageModel it builds uses them
+            set_route(route)
         self.stage, self.n_stages = stage, n_stages
         self.simulated_budget = simulated_budget
         self.device: DeviceInfo = probe_device(simulated_budget, index=stage)
@@ -288,12 +295,16 @@ class StageActor:
     def stats(self) -> StageStats:
         """This stage's live numbers: layers, device bytes, steps, time in steps (incl. waiting for
         the previous stage's activations), and its expert cache's lookups and hits when it has one."""
+        from moeray.stages.model import stage_trunk_bytes
+
         out = StageStats(self.stage, self.device.name, self.device.node_ip, placed=dict(self.memory.parts),
                          free_bytes=self.memory.free)
         if self.model is not None:
             out.layers, out.steps, out.step_s, out.tokens_in = ((self.model.first, self.model.end), self.steps,
                                                                  self.step_s, self.tokens_in)
-            cache = getattr(self.model.expert_source, "stats", None)
+            out.route, out.trunk_held_bytes = self.model.route, self.model.trunk_bytes()
+            out.trunk_gguf_bytes = stage_trunk_bytes(self.model.gguf, self.model.first, self.model.end, route=None)
+            cache = getattr(self.model.experts, "stats", None)
             if callable(cache):
                 out.cache = cache()
         return out

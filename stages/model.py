@@ -180,11 +180,12 @@ class StageModel(torch.nn.Module):
         return self.head(self.run_layers(self.embed([list(token_ids)]), meta, kv))
 
 
-def stage_trunk_bytes(gguf, first: int, end: int, route: str | None = None) -> int:
-    """Bytes the trunk of layers [first, end) holds on its device on `route`, from the header
-    alone: what a stage is charged before anything is loaded (StageModel.trunk_bytes() measures the
-    same thing after loading)."""
-    route = route or current_route()
+def stage_trunk_bytes(gguf, first: int, end: int, route: str | None = "current") -> int:
+    """Bytes the trunk of layers [first, end) holds on its device on `route` (default: this
+    process's), from the header alone: what a stage is charged before anything is loaded
+    (StageModel.trunk_bytes() measures the same after loading). route=None: the GGUF's bytes."""
+    if route == "current":
+        route = current_route()
     cfg = gguf.config
     t = trunk_bytes(gguf.tensors, cfg, route)
     n = sum(t["layers"][first:end])

@@ -16,12 +16,17 @@ def moeray(*args, timeout=300):
 
 
 def test_generate_streams_text_then_speed_and_memory(smollm2_dense_path):
-    r = moeray("generate", smollm2_dense_path, "--chat", "--prompt", "What is the capital of France?",
+    r = moeray("generate", smollm2_dense_path, "--prompt", "The capital of France is", "--max-tokens", "6")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout  # the float32 model's margin here is 2.5 logits: no rounding flips it
+    assert "prefill:" in r.stderr and "tok/s" in r.stderr and "decode:" in r.stderr
+    assert "memory:" in r.stderr
+    # The chat question's first word is a near-tie for this model ("The" 25.33 vs "L" 25.24 in
+    # float32), which 8-bit activations can flip; --exact answers as the float32 model does.
+    r = moeray("generate", smollm2_dense_path, "--chat", "--exact", "--prompt", "What is the capital of France?",
                "--max-tokens", "12")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
-    assert "prefill:" in r.stderr and "tok/s" in r.stderr and "decode:" in r.stderr
-    assert "memory:" in r.stderr
 
 
 def test_generate_stop_string_and_seeded_sampling(smollm2_dense_path):
@@ -63,10 +68,10 @@ def test_errors_are_one_clean_line(tmp_path, args, message):
 
 def test_default_model_is_used_when_no_model_given(default_model_path, smollm2_dense_path, tmp_path):
     tokens = "1 4093 198 19556 905"
-    r = moeray("logits", "--tokens", tokens, "-o", tmp_path / "moe.npy")
+    r = moeray("logits", "--exact", "--tokens", tokens, "-o", tmp_path / "moe.npy")
     assert r.returncode == 0, r.stderr
     assert str(default_model_path) in r.stderr  # it says which file, with its sha256
-    assert moeray("logits", smollm2_dense_path, "--tokens", tokens, "-o", tmp_path / "dense.npy").returncode == 0
+    assert moeray("logits", "--exact", smollm2_dense_path, "--tokens", tokens, "-o", tmp_path / "dense.npy").returncode == 0
     moe, dense = np.load(tmp_path / "moe.npy"), np.load(tmp_path / "dense.npy")
     # The upcycled MoE computes the dense FFN (identical experts, renormalised top-2 weights that
     # sum to 1 up to float32 rounding), so its logits are the dense model's up to rounding.
@@ -77,8 +82,7 @@ def test_generate_cache_flags_same_text_and_recorded_routing_makes_a_profile(def
     """A run from the host copy only (--cache-budget 0) records its routing; the profile made from
     it fills a small adaptive cache that then hits, and the greedy text is the same either way."""
     trace, profile = tmp_path / "run.trace", tmp_path / "profile.msgpack"
-    common = ["generate", default_model_path, "--chat", "--prompt", "What is the capital of France?",
-              "--max-tokens", "8"]
+    common = ["generate", default_model_path, "--prompt", "The capital of France is", "--max-tokens", "8"]
     cold = moeray(*common, "--cache-budget", "0", "--record-routing", trace)
     assert cold.returncode == 0, cold.stderr
     assert "expert cache:" not in cold.stderr and trace.stat().st_size > 0
