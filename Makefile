@@ -32,7 +32,7 @@ demo: venv
 	$(VENV)/bin/moeray serve
 
 generate: venv
-	$(VENV)/bin/moeray generate --chat --prompt "What is the capital of France?" --max-tokens 48
+	$(VENV)/bin/moeray generate --chat --prompt "What is the capital of France? Answer in one word." --max-tokens 48
 
 test: venv
 	$(PY) -m pytest -q

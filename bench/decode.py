@@ -1,8 +1,9 @@
 """Prefill and decode tokens/s of moeray on a GGUF (default: the embedded upcycled SmolLM2 MoE) at
-batch 1 and 8, and of llama.cpp (llama-cpp-python, when installed) on the same file with the same
-thread count, with the ratio.
+batch 1 and 16, and of llama.cpp (llama-cpp-python, when installed) on the same file with the same
+thread count in the same run, with the ratio, the weight bytes a decode token reads and the tok/s
+the machine's measured read bandwidth allows for them.
 
-    python bench/decode.py [--model X.gguf] [--threads N] [--prompt-tokens 128] [--decode-tokens 32] [--json out.json]
+    python bench/decode.py [--model X.gguf] [--threads 2] [--batch 1 16] [--kernels auto] [--json out.json]
 
 Greedy decoding with end tokens ignored, so every run decodes exactly --decode-tokens per sequence.
 Decode tokens/s at batch B counts all B sequences' tokens.
@@ -98,49 +99,105 @@ def bench_moeray(path: str, batch_sizes, n_prompt: int, n_decode: int, caches=("
     return rows
 
 
-def bench_llama_cpp(path: str, threads: int, n_prompt: int, n_decode: int) -> list[dict]:
-    """llama-cpp-python's Llama runs one sequence, so batch 1 only."""
+def _quiet(level, text, user_data):  # llama.cpp logs every context it makes; the table is the output
+    pass
+
+
+try:
+    import llama_cpp as _L
+
+    _QUIET_LLAMA_LOG = _L.llama_log_callback(_quiet)  # kept referenced: C holds the pointer
+except ImportError:
+    _QUIET_LLAMA_LOG = None
+
+
+def bench_llama_cpp(path: str, threads: int, batch_sizes, n_prompt: int, n_decode: int) -> list[dict]:
+    """llama.cpp (llama-cpp-python's bindings of llama.h) on the same file with the same threads:
+    B sequences prefilled in one batch, then decoded together greedily, B tokens per llama_decode
+    (what llama-batched-bench does). End tokens are ignored, as on moeray's side."""
     try:
-        from llama_cpp import Llama
+        import llama_cpp as L
     except ImportError:
         return []
+    import ctypes
+
+    import numpy as np
+
     from moeray.stages.tokenizer import Tokenizer
 
-    llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=n_prompt + n_decode + 8,
-                n_batch=max(n_prompt, 8), logits_all=True, verbose=False)
-    ids = prompt_ids(Tokenizer.from_gguf(path), n_prompt, 0)
-    llm.reset()
-    llm.eval(ids[:16])  # warm-up
-    llm.reset()
-    t0 = time.perf_counter()
-    llm.eval(ids)
-    prefill_s = time.perf_counter() - t0
-    token = int(llm.scores[llm.n_tokens - 1].argmax())
-    t0 = time.perf_counter()
-    for _ in range(n_decode):
-        llm.eval([token])
-        token = int(llm.scores[llm.n_tokens - 1].argmax())
-    decode_s = time.perf_counter() - t0
-    return [{"engine": "llama.cpp", "cache": "-", "batch": 1, "prefill_tok_s": n_prompt / prefill_s, "decode_tok_s": n_decode / decode_s,
-             "prefill_tokens": n_prompt, "decode_tokens": n_decode}]
+    tokenizer = Tokenizer.from_gguf(path)
+    L.llama_log_set(_QUIET_LLAMA_LOG, ctypes.c_void_p())
+    L.llama_backend_init()
+    mparams = L.llama_model_default_params()
+    model = L.llama_model_load_from_file(path.encode(), mparams)
+    n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(model))
+    rows = []
+    for b in batch_sizes:
+        cparams = L.llama_context_default_params()
+        cparams.n_seq_max, cparams.kv_unified = b, True
+        cparams.n_ctx = b * (n_prompt + n_decode + 16)
+        cparams.n_batch = cparams.n_ubatch = max(b * n_prompt, 512)
+        cparams.n_threads = cparams.n_threads_batch = threads
+        ctx = L.llama_init_from_model(model, cparams)
+        batch = L.llama_batch_init(b * n_prompt, 0, b)
+
+        def decode(seqs: list[list[int]], start: int) -> list[int]:
+            """Append seqs[i] to sequence i (positions from start); greedy next token of each."""
+            n, last = 0, []
+            for i, toks in enumerate(seqs):
+                for j, t in enumerate(toks):
+                    batch.token[n], batch.pos[n], batch.n_seq_id[n] = t, start + j, 1
+                    batch.seq_id[n][0] = i
+                    batch.logits[n] = j == len(toks) - 1
+                    n += 1
+                last.append(n - 1)
+            batch.n_tokens = n
+            if L.llama_decode(ctx, batch) != 0:
+                raise RuntimeError("llama_decode failed")
+            out = []
+            for k in last:
+                logits = np.ctypeslib.as_array(ctypes.cast(L.llama_get_logits_ith(ctx, k), ctypes.POINTER(ctypes.c_float)),
+                                               shape=(n_vocab,))
+                out.append(int(logits.argmax()))
+            return out
+
+        decode([prompt_ids(tokenizer, 16, 0)], 0)  # warm-up
+        L.llama_memory_clear(L.llama_get_memory(ctx), True)
+        prompts = [prompt_ids(tokenizer, n_prompt, i) for i in range(b)]
+        t0 = time.perf_counter()
+        nxt = decode(prompts, 0)
+        prefill_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for step in range(n_decode):
+            nxt = decode([[t] for t in nxt], n_prompt + step)
+        decode_s = time.perf_counter() - t0
+        rows.append({"engine": "llama.cpp", "route": "ggml", "cache": "-", "batch": b,
+                     "prefill_tok_s": b * n_prompt / prefill_s, "decode_tok_s": b * n_decode / decode_s,
+                     "prefill_tokens": b * n_prompt, "decode_tokens": b * n_decode})
+        L.llama_batch_free(batch)
+        L.llama_free(ctx)
+    L.llama_model_free(model)
+    return rows
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="GGUF file (default: the embedded default model)")
-    ap.add_argument("--threads", type=int, default=None, help="CPU threads for both engines (default: torch's)")
-    ap.add_argument("--prompt-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2, help="CPU threads for both engines (default 2)")
+    ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--decode-tokens", type=int, default=32)
-    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--caches", default="0,all",
                     help="moeray expert caches to run: 0 (host path only), all (every expert resident), or sizes")
+    ap.add_argument("--kernels", choices=("auto", "ggml", "dequant", "exact"), default="auto",
+                    help="moeray's matmul route (auto: ggml when installed)")
+    ap.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp reference")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
     import torch
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
     if args.model:
         path = args.model
@@ -149,26 +206,38 @@ def main() -> int:
 
         path = str(default_model_path())
 
-    rows = bench_moeray(path, args.batch, args.prompt_tokens, args.decode_tokens, args.caches.split(","))
-    rows += bench_llama_cpp(path, threads, args.prompt_tokens, args.decode_tokens)
+    route = None if args.kernels == "auto" else args.kernels
+    rows = bench_moeray(path, args.batch, args.prompt_tokens, args.decode_tokens, args.caches.split(","), route)
+    if not args.no_llama_cpp:
+        rows += bench_llama_cpp(path, threads, args.batch, args.prompt_tokens, args.decode_tokens)
+    bandwidth = read_bandwidth_gb_s()
     reference = {r["batch"]: r for r in rows if r["engine"] == "llama.cpp"}
     for r in rows:
         ref = reference.get(r["batch"])
         if r["engine"] == "moeray" and ref:
             r["prefill_vs_llama_cpp"] = r["prefill_tok_s"] / ref["prefill_tok_s"]
             r["decode_vs_llama_cpp"] = r["decode_tok_s"] / ref["decode_tok_s"]
+        if r.get("weight_bytes_per_token") and r["batch"] == 1:
+            # One sequence reads every weight it uses once per token: the bandwidth bound.
+            r["bandwidth_bound_tok_s"] = bandwidth * 1e9 / r["weight_bytes_per_token"]
 
     print(f"model {Path(path).name}, {threads} threads, {args.prompt_tokens} prompt tokens, "
-          f"{args.decode_tokens} decode tokens per sequence, {platform.processor() or platform.machine()}")
-    print(f"{'engine':<10} {'cache':>6} {'batch':>5} {'prefill tok/s':>14} {'decode tok/s':>13} {'prefill x':>10} {'decode x':>9}")
+          f"{args.decode_tokens} decode tokens per sequence, {platform.processor() or platform.machine()}, "
+          f"torch {torch.backends.cpu.get_cpu_capability()}, read bandwidth {bandwidth:.1f} GB/s")
+    print(f"{'engine':<10} {'kernels':>8} {'cache':>6} {'batch':>5} {'prefill tok/s':>14} {'decode tok/s':>13} "
+          f"{'prefill x':>10} {'decode x':>9} {'MB/token':>9} {'bound tok/s':>12}")
     for r in rows:
         px = f"{r['prefill_vs_llama_cpp']:.2f}" if "prefill_vs_llama_cpp" in r else "-"
         dx = f"{r['decode_vs_llama_cpp']:.2f}" if "decode_vs_llama_cpp" in r else "-"
-        print(f"{r['engine']:<10} {r['cache']:>6} {r['batch']:>5} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f} {px:>10} {dx:>9}")
-    if not reference:
+        mb = f"{r['weight_bytes_per_token'] / 1e6:.0f}" if r.get("weight_bytes_per_token") else "-"
+        bound = f"{r['bandwidth_bound_tok_s']:.0f}" if "bandwidth_bound_tok_s" in r else "-"
+        print(f"{r['engine']:<10} {r['route']:>8} {r['cache']:>6} {r['batch']:>5} {r['prefill_tok_s']:>14.1f} "
+              f"{r['decode_tok_s']:>13.1f} {px:>10} {dx:>9} {mb:>9} {bound:>12}")
+    if not reference and not args.no_llama_cpp:
         print("llama.cpp: not measured (pip install llama-cpp-python, i.e. the `llamacpp` extra)")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": path, "threads": threads, "cpu_count": os.cpu_count(),
+                                               "read_bandwidth_gb_s": bandwidth,
                                                "prompt_tokens": args.prompt_tokens,
                                                "decode_tokens": args.decode_tokens, "rows": rows}, indent=2))
     return 0

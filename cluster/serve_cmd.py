@@ -109,7 +109,7 @@ def stages_report(url: str, api_key: str | None, timeout_s: float = 30.0) -> dic
 
 def curl_example(url: str, model: str, api_key: str | None) -> str:
     auth = ' -H "Authorization: Bearer $MOERAY_API_KEY"' if api_key else ""
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "What is the capital of France? Answer in one word."}],
                        "max_tokens": 32})
     return f"curl -s {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} -d '{body}'"
 

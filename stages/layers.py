@@ -126,18 +126,25 @@ class Attention(torch.nn.Module):
         qkv = self.w_qkv[0](x) if len(self.w_qkv) == 1 else torch.cat([w(x) for w in self.w_qkv], dim=1)
         if self.b_qkv is not None:
             qkv = qkv + self.b_qkv
-        q = qkv[:, :self.q_out].view(N, cfg.n_heads, D)
-        k = qkv[:, self.q_out:self.q_out + self.kv_out].view(N, cfg.n_kv_heads, D)
         v = qkv[:, self.q_out + self.kv_out:].view(N, cfg.n_kv_heads, D)
-        if self.q_norm is not None:
-            q = rms_norm(q, self.q_norm, cfg.rms_eps)
-            k = rms_norm(k, self.k_norm, cfg.rms_eps)
         cos, sin = cos_sin
-        q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+        if self.q_norm is None:  # q and k rotated as one [N, heads + kv_heads, D] tensor: half the ops
+            qk = rope.apply(qkv[:, :self.q_out + self.kv_out].view(N, cfg.n_heads + cfg.n_kv_heads, D), cos, sin)
+            q, k = qk[:, :cfg.n_heads], qk[:, cfg.n_heads:]
+        else:
+            q = rms_norm(qkv[:, :self.q_out].view(N, cfg.n_heads, D), self.q_norm, cfg.rms_eps)
+            k = rms_norm(qkv[:, self.q_out:self.q_out + self.kv_out].view(N, cfg.n_kv_heads, D), self.k_norm,
+                         cfg.rms_eps)
+            q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
 
         k_cache, v_cache = kv.layer(self.layer)
-        k_cache[meta.slot_of_token, :, meta.positions] = k
-        v_cache[meta.slot_of_token, :, meta.positions] = v
+        if N == 1:  # one decode token: plain indexing, no index tensors
+            slot, pos = meta.slots[0], meta.starts[0]
+            k_cache[slot, :, pos] = k[0]
+            v_cache[slot, :, pos] = v[0]
+        else:
+            k_cache[meta.slot_of_token, :, meta.positions] = k
+            v_cache[meta.slot_of_token, :, meta.positions] = v
         if meta.slot_view is not None:
             keys = k_cache[meta.slot_view, :, :meta.keys_max]
             values = v_cache[meta.slot_view, :, :meta.keys_max]

@@ -28,7 +28,7 @@ from moeray.stages.transport import free_port  # noqa: E402
 MiB = 1 << 20
 KEY = "test-key-123"
 CONTEXT = 128
-CHAT_Q = "What is the capital of France?"
+CHAT_Q = "What is the capital of France? Answer in one word."
 N_CHAT = 8
 
 
