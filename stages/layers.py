@@ -17,7 +17,8 @@ from moeray.stages.qmatmul import QMatrix
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
+    """x * rsqrt(mean(x^2) + eps) * weight over the last dim (torch's op: fewer calls than spelling it out)."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 @dataclass
@@ -88,14 +89,20 @@ class RoPE:
         self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device)
                                          / head_dim))
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[N] positions -> cos, sin of shape [N, 1, D/2] (broadcast over heads)."""
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """[N] positions -> cos, sin of shape [N, 1, D/2] (broadcast over heads), and for the
+        "normal" style the same rotation as complex numbers cos + i·sin (made once per step)."""
         angles = (positions.to(torch.float64) / self.scale).unsqueeze(-1) * self.inv_freq
-        return angles.cos().float().unsqueeze(1), angles.sin().float().unsqueeze(1)
+        cos, sin = angles.cos().float().unsqueeze(1), angles.sin().float().unsqueeze(1)
+        return cos, sin, torch.complex(cos, sin) if self.style == "normal" else None
 
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              rot: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, heads, D]."""
         if self.style == "normal":
+            if rot is not None:  # adjacent pairs are complex numbers: one multiply rotates them all
+                pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))  # [N, heads, D/2]
+                return torch.view_as_real(pairs * rot).flatten(-2)
             x0, x1 = x[..., 0::2], x[..., 1::2]
             return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
         half = self.head_dim // 2
@@ -120,22 +127,22 @@ class Attention(torch.nn.Module):
         self.kv_out = cfg.n_kv_heads * cfg.head_dim
 
     def forward(self, x: torch.Tensor, meta: BatchMeta, kv: KVCache, rope: RoPE,
-                cos_sin: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+                cos_sin: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
         cfg = self.cfg
         N, D = x.shape[0], cfg.head_dim
         qkv = self.w_qkv[0](x) if len(self.w_qkv) == 1 else torch.cat([w(x) for w in self.w_qkv], dim=1)
         if self.b_qkv is not None:
             qkv = qkv + self.b_qkv
         v = qkv[:, self.q_out + self.kv_out:].view(N, cfg.n_kv_heads, D)
-        cos, sin = cos_sin
+        cos, sin, rot = cos_sin
         if self.q_norm is None:  # q and k rotated as one [N, heads + kv_heads, D] tensor: half the ops
-            qk = rope.apply(qkv[:, :self.q_out + self.kv_out].view(N, cfg.n_heads + cfg.n_kv_heads, D), cos, sin)
+            qk = rope.apply(qkv[:, :self.q_out + self.kv_out].view(N, cfg.n_heads + cfg.n_kv_heads, D), cos, sin, rot)
             q, k = qk[:, :cfg.n_heads], qk[:, cfg.n_heads:]
         else:
             q = rms_norm(qkv[:, :self.q_out].view(N, cfg.n_heads, D), self.q_norm, cfg.rms_eps)
             k = rms_norm(qkv[:, self.q_out:self.q_out + self.kv_out].view(N, cfg.n_kv_heads, D), self.k_norm,
                          cfg.rms_eps)
-            q, k = rope.apply(q, cos, sin), rope.apply(k, cos, sin)
+            q, k = rope.apply(q, cos, sin, rot), rope.apply(k, cos, sin, rot)
 
         k_cache, v_cache = kv.layer(self.layer)
         if N == 1:  # one decode token: plain indexing, no index tensors
