@@ -13,18 +13,7 @@ from moeray.cluster.engine import Engine, Generator
 from moeray.cluster.remote import StageFailedError
 from moeray.errors import MoerayError
 from moeray.stages.sampling import SamplingParams
-
-
-class CharTokenizer:
-    """One token per character (id = code point), decode = join; 0 is the end token."""
-
-    end_ids = frozenset({0})
-
-    def encode(self, text):
-        return [ord(c) for c in text]
-
-    def decode(self, ids):
-        return "".join(chr(i) for i in ids if i)
+from fakes import CharTokenizer
 
 
 class ScriptedPipeline:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moeray.stages.sampling import SamplingParams, StopStringStream, filtered_probs, sample
+from fakes import CharTokenizer
 
 torch.manual_seed(0)
 LOGITS = torch.randn(3, 50) * 3
@@ -54,18 +55,6 @@ def test_bad_params_are_rejected():
     for kwargs in ({"temperature": -1}, {"top_p": 0}, {"top_k": -1}, {"max_tokens": 0}):
         with pytest.raises(ValueError):
             SamplingParams(**kwargs)
-
-
-class CharTokenizer:
-    """One token per character (id = code point), decode = join; 0 is the end token."""
-
-    end_ids = frozenset({0})
-
-    def encode(self, text):
-        return [ord(c) for c in text]
-
-    def decode(self, ids):
-        return "".join(chr(i) for i in ids if i)
 
 
 def _stream(text, stop):
