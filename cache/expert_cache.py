@@ -164,6 +164,7 @@ class ExpertCache:
             "held_bytes_per_slot": self.held_bytes, "gguf_bytes_per_expert": self.gguf_bytes,
             "lookups": int(c.lookups.sum()), "hits": int(c.hits.sum()), "misses": int(c.misses.sum()),
             "hit_rate": c.hit_rate(), "copies": c.copies, "steps": c.steps, "ticks": c.ticks,
+            "routed": self.core.routed.tolist(),  # [layer - first][expert] picks: the stage's live profile
             "per_layer": [{"layer": s.layer, "lookups": s.lookups, "hits": s.hits, "misses": s.misses,
                            "resident": s.resident} for s in self.layer_stats()],
         }

@@ -77,6 +77,7 @@ class CacheCore:
         else:
             self._free = [list(range(slots.n_slots - 1, -1, -1))]
         self.lookups = np.zeros(nl, dtype=np.int64)
+        self.routed = np.zeros((nl, n_experts), dtype=np.int64)  # picks per (layer, expert): a live profile
         self.hits = np.zeros(nl, dtype=np.int64)
         self.misses = np.zeros(nl, dtype=np.int64)
         self.ticks = 0
@@ -185,6 +186,7 @@ class CacheCore:
         i = layer - self.first
         self.policy.touch(layer, ids)
         n = ids.size
+        self.routed[i] += np.bincount(ids.ravel(), minlength=self.n_experts)
         hit = int((self.slot_of[i, ids.ravel()] >= 0).sum()) if self.policy.counts_vectorised else self.policy.last_hits
         self.lookups[i] += n
         self.hits[i] += hit
@@ -193,6 +195,7 @@ class CacheCore:
 
     def reset_counters(self) -> None:
         self.lookups[:] = 0
+        self.routed[:] = 0
         self.hits[:] = 0
         self.misses[:] = 0
 

@@ -24,6 +24,10 @@ def add_arguments(p) -> None:
     make = sub.add_parser("make", help="build a profile with counts from routing traces")
     make.add_argument("traces", nargs="+", metavar="TRACE", help="trace files (moeray generate --record-routing)")
     make.add_argument("-o", "--output", required=True, help="profile to write (moeray msgpack)")
+    rec = sub.add_parser("record", help="a profile from what a running `moeray serve` has routed so far")
+    rec.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
+    rec.add_argument("--api-key", default=None, help="the server's API key (default: $MOERAY_API_KEY)")
+    rec.add_argument("-o", "--output", required=True, help="profile to write (moeray msgpack)")
     show = sub.add_parser("show", help="per-layer heat and the mass curve of a profile")
     show.add_argument("profile", help="moeray msgpack, Strata STRP or colibri heat file")
     show.add_argument("--top", type=int, default=4, help="hottest experts to list per layer")
@@ -33,6 +37,8 @@ def add_arguments(p) -> None:
 def run(args) -> int:
     if args.profile_command == "make":
         return make(args.traces, args.output)
+    if args.profile_command == "record":
+        return record(args.url, args.output, args.api_key)
     if args.profile_command == "show":
         prof = Profile.load(args.profile)
         for line in describe(prof, top=args.top):
@@ -41,7 +47,7 @@ def run(args) -> int:
             plot_profile(prof, args.plot)
             print(f"wrote {args.plot}")
         return 0
-    raise ProfileError("moeray profile: choose an action: make or show")
+    raise ProfileError("moeray profile: choose an action: make, record or show")
 
 
 def profile_from_traces(paths) -> tuple[Profile, "object"]:
@@ -167,3 +173,44 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(prog="moeray profile")
     add_arguments(parser)
     sys.exit(run(parser.parse_args()))
+
+
+def record(url: str, output, api_key: str | None = None) -> int:
+    """GET /v1/admin/profile: the picks every stage has counted since it started, as a profile with
+    counts. Serve -> record -> `moeray serve --profile` (or `moeray plan --profile`) re-plans with
+    the traffic really served."""
+    import json
+    import os
+    import urllib.error
+    import urllib.request
+
+    key = api_key or os.environ.get("MOERAY_API_KEY")
+    req = urllib.request.Request(url.rstrip("/") + "/v1/admin/profile",
+                                 headers={"Authorization": f"Bearer {key}"} if key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            data = r.read()
+    except urllib.error.HTTPError as exc:
+        try:
+            why = json.loads(exc.read())["error"]["message"]
+        except Exception:  # noqa: BLE001 - not the server's JSON error: say the status
+            why = exc.reason
+        raise ProfileError(f"{url}: HTTP {exc.code}: {why}") from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise ProfileError(f"{url}: cannot reach the server ({exc})") from None
+    prof = _profile_from_bytes(data, url)
+    prof.save(output)
+    print(f"wrote {output}: {int(sum(prof.counts))} routed picks over {prof.n_layers} layers x {prof.n_experts} experts")
+    return 0
+
+
+def _profile_from_bytes(data: bytes, where: str) -> Profile:
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".msgpack") as f:
+        f.write(data)
+        f.flush()
+        try:
+            return Profile.load(f.name)
+        except ProfileError as exc:
+            raise ProfileError(f"{where} sent no moeray profile: {exc}") from None

@@ -13,7 +13,7 @@ pipeline); `build_app(service)` makes the FastAPI app; `deployment(options)` wra
 tokens, and finishes requests (cluster/engine.py, Scheduler.postprocess).
 
 Routes: POST /v1/chat/completions, POST /v1/completions (JSON or SSE streams), GET /v1/models,
-GET /health, GET /v1/stages. Errors use OpenAI's shape {"error": {"message", "type", "param",
+GET /health, GET /v1/stages, GET /v1/admin/profile (the routing served so far, as a profile). Errors use OpenAI's shape {"error": {"message", "type", "param",
 "code"}}: 400 malformed JSON / wrong field types / prompt over the context / max_tokens out of
 range, 401 bad API key, 404 unknown model, 429 too many waiting, 503 engine down, 504 a
 request that got no token within its deadline.
@@ -63,6 +63,7 @@ class Service:
             self.model_name = Path(self.path).stem
         header = read_gguf_header(self.path)
         self.context = min(opts.engine.max_len, header.config.context_length)
+        self.header_config = header.config
         engine_cfg = dataclasses.replace(opts.engine, max_len=self.context)
         self.tokenizer = Tokenizer.from_metadata(header.metadata, source=self.path)
         self.created = oa.now()
@@ -121,12 +122,30 @@ class Service:
             return [self.local.stage.stats()]
         return self.launched.stage_stats(timeout_s)
 
+    def live_profile(self) -> bytes:
+        """GET /v1/admin/profile: every stage's routed picks per (layer, expert) since it started,
+        as one moeray profile with counts: re-plan (`--profile`) with the traffic really served."""
+        import numpy as np
+
+        from moeray.planner.profile import Profile
+
+        cfg = self.header_config
+        counts = np.zeros((cfg.n_layers, cfg.n_experts), dtype=np.int64)
+        for st in self.stage_stats():
+            if st.cache and st.cache.get("routed"):
+                first, end = st.cache["layers"]
+                counts[first:end] += np.asarray(st.cache["routed"], dtype=np.int64)
+        if counts.sum() == 0:
+            raise MoerayError("no routing decisions yet: serve some requests first")
+        return Profile.from_counts(counts).to_bytes()
+
     def stages_report(self) -> dict:
         """GET /v1/stages: the records become JSON here, at the edge."""
         stats = [dataclasses.asdict(s) for s in self.stage_stats()]
         for s in stats:
             if s.get("cache"):
                 s["cache"].pop("per_layer", None)  # per-layer rows: ask the stage; this is the summary
+                s["cache"].pop("routed", None)  # the per-expert table: GET /v1/admin/profile
         return {
             "model": self.model_name, "path": self.path, "context": self.context,
             "plan": self.lines, "stages": stats,
@@ -272,7 +291,7 @@ def _sse(obj) -> str:
 def build_app(service: Service):
     from fastapi import FastAPI
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     app = FastAPI(title="moeray", description="OpenAI-compatible endpoint over a pipeline of MoE stages")
@@ -398,6 +417,18 @@ def build_app(service: Service):
             return APIError(503, f"the engine is not running: {service.loop.fatal}", type_="server_error",
                             code="engine_unavailable").response()
         return {"status": "ok", "model": service.model_name, **service.loop.counts}
+
+    @app.get("/v1/admin/profile")
+    async def live_profile():
+        try:
+            data = await asyncio.to_thread(service.live_profile)
+        except MoerayError as exc:
+            raise APIError(409, str(exc), type_="invalid_request_error", code="no_routing_yet") from None
+        except Exception as exc:  # noqa: BLE001 - a stage not answering right now
+            raise APIError(503, f"the stages did not report: {exc}", type_="server_error",
+                           code="stages_unavailable") from None
+        return Response(content=data, media_type="application/msgpack",
+                        headers={"Content-Disposition": 'attachment; filename="profile.msgpack"'})
 
     @app.get("/v1/stages")
     async def stages():

@@ -139,13 +139,17 @@ class Profile:
         prof.check_model(n_layers, n_experts, where=f"profile {path}")
         return prof
 
-    def save(self, path) -> None:
-        """Write the moeray msgpack format."""
+    def to_bytes(self) -> bytes:
+        """The moeray msgpack format."""
         doc = {"format": MOERAY_FORMAT, "version": 1, "n_layers": self.n_layers,
                "n_experts": self.n_experts, "pairs": [[l, e] for l, e in self.pairs]}
         if self.counts is not None:
             doc["counts"] = list(self.counts)
-        Path(path).write_bytes(msgpack.packb(doc))
+        return msgpack.packb(doc)
+
+    def save(self, path) -> None:
+        """Write the moeray msgpack format."""
+        Path(path).write_bytes(self.to_bytes())
 
     def save_strp(self, path, n_ranked: int | None = None, slots: int = 0) -> None:
         """Write Strata's STRP format (ranks only; the counts are lost)."""

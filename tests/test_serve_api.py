@@ -296,3 +296,30 @@ def test_stage_hit_rates_on_the_ray_metrics_endpoint_match_v1_stages(server, cli
         assert 0 < s["cache"]["hits"] <= s["cache"]["lookups"]
         assert seen[(exported_name("moeray_stage_cache_slots"), str(s["stage"]))] == s["cache"]["slots"]
         assert seen[(exported_name("moeray_stage_first_layer"), str(s["stage"]))] == s["layers"][0]
+
+
+def test_live_profile_counts_what_the_stages_routed_and_re_plans(server, client, tmp_path, default_model_path):
+    """Serve -> `moeray profile record` -> a profile whose counts are the stages' lookups, which
+    `moeray plan` takes as it takes a recorded one."""
+    from moeray.planner.profile import Profile
+
+    client.completions.create(model="moeray-test", prompt="The capital of France is", max_tokens=3)
+    out = tmp_path / "served.msgpack"
+    r = subprocess.run([sys.executable, "-m", "moeray.cluster.cli", "profile", "record", "--url", server["url"],
+                        "--api-key", KEY, "-o", str(out)], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    lookups = sum(s["cache"]["lookups"] for s in get(server, "/v1/stages")["stages"])
+    prof = Profile.load(out)
+    assert (prof.n_layers, prof.n_experts) == (30, 8)
+    # every pick counted once; requests may land between the two reads, never fewer picks than counted
+    assert 0 < sum(prof.counts) <= lookups
+    plan = subprocess.run([sys.executable, "-m", "moeray.cluster.cli", "plan", str(default_model_path),
+                           "--devices", "120MiB,120MiB", "--profile", str(out)], capture_output=True, text=True,
+                          timeout=120)
+    assert plan.returncode == 0, plan.stderr
+    assert "fitted from" in plan.stdout
+    # without the key: the same 401 as every /v1 route
+    bad = subprocess.run([sys.executable, "-m", "moeray.cluster.cli", "profile", "record", "--url", server["url"],
+                          "--api-key", "wrong", "-o", str(tmp_path / "x.msgpack")], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "HTTP 401" in bad.stderr and "Traceback" not in bad.stderr
