@@ -71,7 +71,8 @@ def test_dashboard_queries_name_metrics_moeray_defines():
     # The latency histograms and the stage counters behind the hit rate all have panels.
     assert {exported_name("moeray_time_to_first_token_seconds"),
             exported_name("moeray_inter_token_latency_seconds"),
-            exported_name("moeray_stage_expert_hits"), exported_name("moeray_stage_expert_lookups")} <= used
+            exported_name("moeray_stage_expert_hits"), exported_name("moeray_stage_expert_lookups"),
+            exported_name("moeray_stage_predicted_hit_rate")} <= used
 
 
 def test_dashboard_has_a_hit_rate_panel_per_stage():
