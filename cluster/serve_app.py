@@ -78,8 +78,14 @@ class Service:
                 from moeray.stages.qmatmul import set_route
 
                 set_route(opts.launch.kernels)
+            profile = opts.launch.profile
+            if profile is None:  # the embedded default model's recorded routing, as the driver uses
+                from moeray.stages.default_profile import default_profile_for
+
+                found = default_profile_for(self.path)
+                profile = None if found is None else str(found)
             self.local = LocalPipeline.from_file(self.path, engine_cfg.max_seqs, self.context, opts.local_budget,
-                                                 opts.launch.profile, opts.launch.cache_policy)
+                                                 profile, opts.launch.cache_policy)
             pipeline = self.local
             self.lines.append(f"one process: layers 0-{header.config.n_layers - 1} on {self.local.stage.device.name}")
         else:
