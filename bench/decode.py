@@ -40,8 +40,7 @@ def bytes_per_token(model) -> int:
     cfg = model.config
     n = model.trunk_bytes()
     if cfg.is_moe:
-        n += cfg.n_experts_used * sum(model.experts.host.slot_bytes(l) if hasattr(model.experts, "host")
-                                      else model.experts.slot_bytes(l) for l in range(model.first, model.end))
+        n += cfg.n_experts_used * sum(model.experts.slot_bytes(l) for l in range(model.first, model.end))
     return n
 
 

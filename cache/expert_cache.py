@@ -118,6 +118,10 @@ class ExpertCache:
         self.filled_pairs = pairs[:n]
         return n
 
+    def slot_bytes(self, layer: int) -> int:
+        """Bytes one slot of `layer` holds (as HostExperts.slot_bytes)."""
+        return self.held_bytes[layer - self.first]
+
     # -- Experts -----------------------------------------------------------------------------------
     def lookup(self, layer: int, expert: int) -> int | None:
         return self.core.lookup(layer, expert)

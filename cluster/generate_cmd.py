@@ -103,8 +103,8 @@ def _load_with_experts(gguf, args):
     """(model, ExpertCache or None) as the flags ask: the MoE blocks are built with the cache in
     front of the host copy. A budget of 0 runs every expert from the host copy; --record-routing
     still records."""
-    from moeray.cache.attach import build_cache, routing_trace
-    from moeray.stages.model import StageModel
+    from moeray.cache.attach import routing_trace
+    from moeray.stages.model import StageModel, load_cached
     from moeray.stages.moe import HostExperts
     from moeray.units import parse_size
 
@@ -122,9 +122,8 @@ def _load_with_experts(gguf, args):
     if budget == 0 and args.expert_cache is None:
         trace = routing_trace(args.record_routing, cfg, 0, cfg.n_layers) if args.record_routing else None
         return StageModel(gguf, 0, cfg.n_layers, experts=HostExperts(gguf, on_route=trace)), None
-    cache = build_cache(HostExperts(gguf), 0, cfg.n_layers, "cpu", budget, args.profile, args.cache_policy,
-                        args.record_routing, layout=args.cache_layout, n_slots=args.expert_cache)
-    return StageModel(gguf, 0, cfg.n_layers, experts=cache), cache
+    return load_cached(gguf, budget_bytes=budget, profile=args.profile, policy=args.cache_policy,
+                       record_routing=args.record_routing, layout=args.cache_layout, n_slots=args.expert_cache)
 
 
 def _format_cache(st: dict) -> str:

@@ -239,7 +239,7 @@ class StageActor:
         self.memory.charge(kv_cache_bytes(cfg, end - first, max_seqs, max_len), f"KV cache ({max_seqs} x {max_len} tokens)")
         trunk = stage_trunk_bytes(gguf, first, end)
         self.memory.charge(trunk if trunk_on_card is None else trunk_on_card, f"trunk of layers {first}-{end - 1}")
-        experts = cache = HostExperts(gguf)
+        experts, cache = HostExperts(gguf), None
         if cfg.is_moe:
             from moeray.cache.attach import build_cache
 
@@ -247,8 +247,6 @@ class StageActor:
                                 cache_policy, layout="per-layer")
             self.memory.charge(cache.budget.capacity, f"expert cache ({cache.slots.n_slots} slots)")
             experts = cache
-        else:
-            cache = None
         model = StageModel(gguf, first, end, self.device.torch_device, experts)
         resident = model.trunk_bytes()
         if resident > trunk:  # the header's price is the runtime's size by construction; say so if not
@@ -256,6 +254,8 @@ class StageActor:
                               f"{trunk} were charged")
         kv = model.new_kv_cache(max_seqs, max_len)
         self.model, self.runner = model, StageRunner(model, kv)
+        # Fixed once loaded: measured here, not again on every stats poll.
+        self.trunk_bytes = (resident, stage_trunk_bytes(gguf, first, end, route=None))
         self.steps, self.step_s, self.tokens_in = 0, 0.0, 0
         self.hidden = model.config.hidden
         return LoadReport(self.stage, (first, end), time.perf_counter() - t, dict(self.memory.parts),
@@ -295,15 +295,12 @@ class StageActor:
     def stats(self) -> StageStats:
         """This stage's live numbers: layers, device bytes, steps, time in steps (incl. waiting for
         the previous stage's activations), and its expert cache's lookups and hits when it has one."""
-        from moeray.stages.model import stage_trunk_bytes
-
         out = StageStats(self.stage, self.device.name, self.device.node_ip, placed=dict(self.memory.parts),
                          free_bytes=self.memory.free)
         if self.model is not None:
             out.layers, out.steps, out.step_s, out.tokens_in = ((self.model.first, self.model.end), self.steps,
                                                                  self.step_s, self.tokens_in)
-            out.route, out.trunk_held_bytes = self.model.route, self.model.trunk_bytes()
-            out.trunk_gguf_bytes = stage_trunk_bytes(self.model.gguf, self.model.first, self.model.end, route=None)
+            out.route, (out.trunk_held_bytes, out.trunk_gguf_bytes) = self.model.route, self.trunk_bytes
             cache = getattr(self.model.experts, "stats", None)
             if callable(cache):
                 out.cache = cache()

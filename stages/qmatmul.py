@@ -22,13 +22,12 @@ import logging
 import os
 import threading
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from moeray.errors import MoerayError
-from moeray.stages.quant import dequantize
+from moeray.stages.quant import as_uint8_tensor, dequantize
 
 log = logging.getLogger("moeray.kernels")
 
@@ -49,15 +48,19 @@ def ggml_available() -> bool:
     return _G is not None
 
 
+def _checked(route: str, where: str) -> str:
+    if route not in ROUTES:
+        raise MoerayError(f"{where}={route!r}: choose one of {', '.join(ROUTES)}")
+    if route == "ggml" and not ggml_available():
+        raise MoerayError(f"{where}=ggml needs ggml-python, which does not load here ({_GGML_ERROR}); "
+                          "install it with `make venv` or `pip install '.[ggml]'`")
+    return route
+
+
 def default_route() -> str:
     env = os.environ.get("MOERAY_ROUTE", "").strip().lower()
     if env:
-        if env not in ROUTES:
-            raise MoerayError(f"MOERAY_ROUTE={env!r}: choose one of {', '.join(ROUTES)}")
-        if env == "ggml" and not ggml_available():
-            raise MoerayError(f"MOERAY_ROUTE=ggml but ggml-python does not load ({_GGML_ERROR}); "
-                              "install it with `make venv` or `pip install '.[ggml]'`")
-        return env
+        return _checked(env, "MOERAY_ROUTE")
     return "ggml" if ggml_available() else "dequant"
 
 
@@ -75,11 +78,7 @@ def current_route() -> str:
 def set_route(route: str) -> None:
     """Choose the kernels for every QMatrix made after this call in this process."""
     global _route
-    if route not in ROUTES:
-        raise MoerayError(f"route {route!r}: choose one of {', '.join(ROUTES)}")
-    if route == "ggml" and not ggml_available():
-        raise MoerayError(f"the ggml route needs ggml-python, which does not load here ({_GGML_ERROR})")
-    _route = route
+    _route = _checked(route, "route")
 
 
 def route_line(route: str, device: torch.device) -> str:
@@ -264,25 +263,24 @@ class QMatrix:
         """From stored bytes (a numpy view of the mapping). copy=False keeps the view (host experts:
         the mapping is the host copy); otherwise the bytes are copied onto `device`."""
         route = route or current_route()
-        b = raw if isinstance(raw, torch.Tensor) else _as_tensor(raw)
+        b = as_uint8_tensor(raw)
         if route == "exact" or T(ggml_type) in FLOAT_TYPES:
-            w = dequantize(b, ggml_type, shape)
-            return cls(w.to(device).clone() if copy or w.device != torch.device(device) else w,
-                       ggml_type, shape, "exact")
+            w = dequantize(b, ggml_type, shape)  # F32: still a view of the mapping
+            return cls(w.to(device, copy=copy), ggml_type, shape, "exact")
         if copy or torch.device(device).type != "cpu":
             b = b.to(device=device, copy=True)
         return cls(b.reshape(-1), ggml_type, shape, route)
 
     @classmethod
-    def cat_rows(cls, parts: list["QMatrix"]) -> "QMatrix":
-        """[W1; W2; ...] along N: block rows are independent, so their bytes simply concatenate."""
+    def cat_rows(cls, parts: list["QMatrix"]) -> "QMatrix | None":
+        """[W1; W2; ...] along N: block rows are independent, so their bytes simply concatenate
+        (None when the parts differ in block type or route)."""
         first = parts[0]
         if any(p.ggml_type != first.ggml_type or p.shape[1] != first.shape[1] or p.route != first.route
                for p in parts):
             return None
         n = sum(p.shape[0] for p in parts)
-        return cls(torch.cat([p.data.reshape(-1) if p.route != "exact" else p.data for p in parts]),
-                   first.ggml_type, (n, first.shape[1]), first.route)
+        return cls(torch.cat([p.data for p in parts]), first.ggml_type, (n, first.shape[1]), first.route)
 
     @property
     def nbytes(self) -> int:
@@ -294,9 +292,7 @@ class QMatrix:
 
     def to(self, device: torch.device | str) -> "QMatrix":
         """An owned copy on `device` (a cache slot)."""
-        data = self.data.to(device=device, copy=True)
-        return QMatrix(data, self.ggml_type, self.shape, self.route if torch.device(device).type == "cpu"
-                       or self.route == "exact" else "dequant")
+        return QMatrix(self.data.to(device=device, copy=True), self.ggml_type, self.shape, self.route)
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         if self.route == "exact":
@@ -328,10 +324,3 @@ def swiglu(x: torch.Tensor, gate: QMatrix, up: QMatrix, down: QMatrix) -> torch.
         return _ggml_swiglu(gate, up, down, x.contiguous())
     return down(F.silu(gate(x)) * up(x))
 
-
-def _as_tensor(raw) -> torch.Tensor:
-    import warnings
-
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # read-only mapping: never written through
-        return torch.from_numpy(np.asarray(raw))

@@ -94,7 +94,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
 _FAST = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}
 
 
-def _as_uint8_tensor(raw) -> torch.Tensor:
+def as_uint8_tensor(raw) -> torch.Tensor:
     if isinstance(raw, torch.Tensor):
         return raw
     with warnings.catch_warnings():
@@ -106,7 +106,7 @@ def _as_uint8_tensor(raw) -> torch.Tensor:
 def dequantize(raw: np.ndarray | torch.Tensor, ggml_type: T, shape: tuple[int, ...]) -> torch.Tensor:
     """Quantised bytes -> float32 tensor of `shape` (numpy order). Equal to gguf.quants.dequantize."""
     ggml_type = T(ggml_type)
-    b = _as_uint8_tensor(raw)
+    b = as_uint8_tensor(raw)
     if ggml_type == T.F32:
         return b.view(torch.float32).reshape(shape)
     if ggml_type == T.F16:
