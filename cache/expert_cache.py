@@ -159,11 +159,13 @@ class ExpertCache:
 
     def stats(self) -> dict:
         c = self.core
+        if self.trace_writer is not None:  # a polled stage's trace stays current with its counters
+            self.trace_writer.flush()
         return {
             "layers": [self.first, self.end], "policy": self.policy,
             "layout": "per-layer" if self.slots.per_layer else "global",
             "layout_message": self.layout_message,
-            "slots": self.slots.n_slots, "resident": c.n_resident,
+            "slots": self.slots.n_slots, "quota": self.slots.quota, "resident": c.n_resident,
             "budget_bytes": self.budget.capacity, "used_bytes": self.budget.used, "peak_bytes": self.budget.peak,
             "held_bytes_per_slot": self.held_bytes, "gguf_bytes_per_expert": self.gguf_bytes,
             "lookups": int(c.lookups.sum()), "hits": int(c.hits.sum()), "misses": int(c.misses.sum()),

@@ -65,6 +65,9 @@ class LaunchOptions:
     kernels: str = "auto"
     timeout_s: float = 300.0  # probe, load, connect: a stage slower than this is reported
     address: Optional[str] = None  # join this Ray cluster instead of starting one
+    # Every stage appends its routing to DIR/stage<i>.trace (a folder each node can write), so a
+    # served run can be replayed offline against other policies and Belady's optimum.
+    record_routing: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.kernels not in KERNELS:
@@ -140,14 +143,17 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kernels", choices=KERNELS, default=d.kernels,
                    help="matmul route of every stage: ggml (quantised blocks, ggml's CPU kernels), dequant "
                         "(pure torch), exact (float32 copies: debugging, 4 bytes a weight); auto picks the best")
+    g.add_argument("--record-routing", metavar="DIR", default=d.record_routing,
+                   help="every stage appends its routing decisions to DIR/stage<i>.trace (replay them with "
+                        "bench/cache.py or bench/serve_hits.py)")
 
 
 def launch_options_from_args(args: argparse.Namespace, simulate: Optional[list[int]]) -> LaunchOptions:
     return LaunchOptions(n_stages=args.stages, simulate=simulate, strategy="SPREAD" if args.spread else "PACK",
                          objective=args.objective, split=args.split, profile=args.profile,
                          cache_policy=args.cache_policy, torch_threads=1 if simulate else None,
-                         kernels=args.kernels,
-                         address=args.address)
+                         kernels=args.kernels, address=args.address,
+                         record_routing=args.record_routing)
 
 
 def simulated_devices(args: argparse.Namespace, has_gpus: bool, command: str) -> Optional[list[int]]:

@@ -137,6 +137,13 @@ class StageGroup:
         refs = [a.load.remote(*args) for a, args in zip(self.actors, self.load_args)]
         return gather(refs, self.timeout_s, "loading", progress=progress)
 
+    def record_routing(self, folder: str) -> None:
+        """Every stage appends its routing to folder/stage<i>.trace."""
+        import os
+
+        gather([a.record_routing.remote(os.path.join(os.path.abspath(folder), f"stage{i}.trace"))
+                for i, a in enumerate(self.actors)], self.timeout_s, "starting the routing trace")
+
     def mark_hung(self, i: int) -> None:
         """A stage stopped answering: kill it so its peers' waits end, and restart it in recover()."""
         import ray
@@ -279,8 +286,9 @@ def plan_from_reports(header, reports: list[ProbeReport], opts: LaunchOptions, e
 
     cfg, S, L = header.config, len(reports), header.config.n_layers
     kv_layer = kv_bytes_per_layer(cfg, engine.max_seqs, engine.max_len)
+    speeds, speed_lines = shared_host_speeds(reports)
     devs = [DeviceSpec(f"stage {r.stage} {r.device.name}", r.device.free_bytes - r.device.reserve_bytes,
-                       r.layer_ms, r.miss_ms) for r in reports]
+                       layer_ms, miss_ms) for r, (layer_ms, miss_ms) in zip(reports, speeds)]
     kv_hint = (f"the KV cache takes {kv_layer} bytes per layer for {engine.max_seqs} sequences of {engine.max_len} "
                "tokens: lower --max-seqs or --max-len, or add stages")
 
@@ -291,7 +299,7 @@ def plan_from_reports(header, reports: list[ProbeReport], opts: LaunchOptions, e
             if (b - a) * kv_layer > d.free_bytes:
                 raise PlacementError(f"stage {r.stage}: {r.device.name} cannot hold layers {a}-{b - 1}; {kv_hint}")
         ranges = list(zip(bounds[:-1], bounds[1:]))
-        return None, ranges, [f"layer split (dense model, by measured layer speed): K={','.join(map(str, ks))}"]
+        return None, ranges, speed_lines + [f"layer split (dense model, by measured layer speed): K={','.join(map(str, ks))}"]
     from moeray.planner.profile import Profile
 
     spec = held_spec(header, kv_layer)
@@ -301,7 +309,35 @@ def plan_from_reports(header, reports: list[ProbeReport], opts: LaunchOptions, e
                               handoff_ms=handoff_ms)
     except PlacementError as exc:
         raise PlacementError(f"{exc}; {kv_hint}") from None
-    return plan, [tuple(x) for x in plan.split], plan.lines()
+    return plan, [tuple(x) for x in plan.split], speed_lines + plan.lines()
+
+
+def shared_host_speeds(reports: list[ProbeReport]) -> tuple[list[tuple[float, float]], list[str]]:
+    """(layer_ms, miss_ms) per stage for the planner, and a line for each adjustment.
+
+    Simulated devices on one node are the same CPU cores: their timings differ only by noise
+    (another stage loading, another process), and a planner that believes a 3x gap gives one card
+    a single layer and wastes its room. They are planned with the median of their measurements.
+    """
+    import statistics
+
+    speeds = [(r.layer_ms, r.miss_ms) for r in reports]
+    lines = []
+    by_node: dict[str, list[int]] = {}
+    for i, r in enumerate(reports):
+        if r.device.kind == "simulated" and r.device.node_ip:  # an unknown node is not known to be shared
+            by_node.setdefault(r.device.node_ip, []).append(i)
+    for node, idx in by_node.items():
+        if len(idx) < 2:
+            continue
+        layer_ms = statistics.median(reports[i].layer_ms for i in idx)
+        miss_ms = statistics.median(reports[i].miss_ms for i in idx)
+        for i in idx:
+            speeds[i] = (layer_ms, miss_ms)
+        lines.append(f"simulated devices {', '.join(str(reports[i].stage) for i in idx)} share the CPU of {node}: "
+                     f"planned with the median of their timings, {layer_ms:.3f} ms per layer, "
+                     f"{miss_ms:.3f} ms per missed expert")
+    return speeds, lines
 
 
 def launch(path: str, opts: LaunchOptions = LaunchOptions(), engine: EngineConfig = EngineConfig(),
@@ -345,6 +381,9 @@ def launch(path: str, opts: LaunchOptions = LaunchOptions(), engine: EngineConfi
                          else [0] * len(ranges))
         group.load(path, ranges, engine.max_seqs, engine.max_len, lambda i, rep: say(_load_line(rep)),
                    trunk_on_card, opts.profile, opts.cache_policy)
+        if opts.record_routing:
+            group.record_routing(opts.record_routing)
+            say(f"recording every stage's routing to {opts.record_routing}/stage<i>.trace")
     except BaseException:
         group.shutdown()
         raise

@@ -336,10 +336,16 @@ def _best_enumerated(C, L, mins, objective):
         shape = (1,) * (i - 1) + step.shape
         step = step.reshape(shape)
         total = total[..., None] + step if i < S - 1 else total + step
-        if objective == "throughput":
-            worst = np.maximum(worst[..., None], step) if i < S - 1 else np.maximum(worst, step)
+        worst = np.maximum(worst[..., None], step) if i < S - 1 else np.maximum(worst, step)
     if objective == "throughput":
         total = np.where(worst <= worst.min(), total, np.inf)
+    else:
+        # Equal steps (e.g. every expert fits anywhere): the most even one, so micro-batches in
+        # flight do not all queue behind one overloaded stage.
+        best = total.min()
+        if np.isfinite(best):
+            tied = total <= best * (1 + 1e-9) + 1e-12
+            total = np.where(tied & (worst <= worst[tied].min()), total, np.inf)
     j = int(np.argmin(total))
     if not np.isfinite(total.flat[j]):
         return None

@@ -292,6 +292,19 @@ class StageActor:
         finally:
             self.step_s += time.perf_counter() - t0
 
+    def record_routing(self, path: str) -> None:
+        """Append every routing decision of this stage's expert cache to the trace file `path`
+        (flushed whenever stats are polled), so served traffic can be replayed offline."""
+        from moeray.cache.attach import routing_trace
+
+        cache = self.model.experts if self.model is not None else None
+        if not hasattr(cache, "trace_writer"):
+            raise MoerayError(f"stage {self.stage}: no expert cache loaded, nothing to record")
+        if cache.trace_writer is not None:
+            cache.trace_writer.close()
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        cache.trace_writer = routing_trace(path, self.model.config, self.model.first, self.model.end)
+
     def stats(self) -> StageStats:
         """This stage's live numbers: layers, device bytes, steps, time in steps (incl. waiting for
         the previous stage's activations), and its expert cache's lookups and hits when it has one."""

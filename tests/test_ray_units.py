@@ -144,3 +144,23 @@ def test_plan_prices_what_a_stage_holds_from_the_reported_budgets(default_model_
                                           0.2)
     for s, (a, e) in zip(plan3.stages, ranges3):
         assert (e - a) * kv_big < s.trunk_bytes <= s.free_bytes
+
+
+def test_simulated_cards_on_one_node_are_planned_at_one_speed():
+    # Four simulated cards are the same CPU cores: a 3x gap in their timings is noise, and a planner
+    # that believed it gave one card a single layer and left its room unused. A real card keeps its own.
+    from dataclasses import replace
+
+    from moeray.cluster.driver import shared_host_speeds
+
+    reports = _reports([100 * MiB] * 4, layer_ms=(3.8, 1.4, 2.0, 1.5))
+    for r in reports:
+        r.device = replace(r.device, node_ip="10.0.0.1")
+    speeds, lines = shared_host_speeds(reports)
+    assert speeds == [(1.75, 0.5)] * 4
+    assert lines == ["simulated devices 0, 1, 2, 3 share the CPU of 10.0.0.1: planned with the median of "
+                     "their timings, 1.750 ms per layer, 0.500 ms per missed expert"]
+    reports[3].device = replace(reports[3].device, kind="cuda", node_ip="10.0.0.1")
+    reports[2].device = replace(reports[2].device, node_ip="10.0.0.2")  # alone on its node
+    speeds, _ = shared_host_speeds(reports)
+    assert speeds == [(pytest.approx(2.6), 0.5)] * 2 + [(2.0, 0.5), (1.5, 0.5)]
