@@ -1,0 +1,195 @@
+"""GET /dashboard, the live page of the stages, in a real headless Chromium against a real
+`moeray serve` (tests/live_dashboard_server.py); the API key as a browser passes it; the stage
+actors as the Ray dashboard names them.
+
+The browser test writes a screenshot: to $MOERAY_DASHBOARD_SCREENSHOT when set (the README's copy:
+MOERAY_DASHBOARD_SCREENSHOT=docs/dashboard.png), else to the test's temporary folder.
+"""
+from __future__ import annotations
+
+import http.client
+import os
+import re
+import threading
+import time
+import urllib.parse
+from pathlib import Path
+
+import pytest
+
+from headless_chromium import Chromium, chromium_binary
+from live_dashboard_server import KEY, MODEL, N_STAGES, complete, get
+
+pytest_plugins = ["live_dashboard_server"]
+
+PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colours are"]
+
+
+def request(url: str, method: str, path: str, headers: dict | None = None, body: bytes | None = None):
+    u = urllib.parse.urlsplit(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        r = conn.getresponse()
+        return r.status, dict(r.getheaders()), r.read().decode(errors="replace")
+    finally:
+        conn.close()
+
+
+# ---------------------------------------------------------------- the API key, as a browser passes it
+
+
+def test_the_page_wants_the_key_and_keeps_it_in_a_cookie_that_opens_only_the_stage_numbers(dashboard_server):
+    url = dashboard_server["url"]
+    status, _, body = request(url, "GET", "/dashboard")
+    assert status == 401 and "/dashboard?key=" in body  # says how to open it
+    status, _, body = request(url, "GET", "/dashboard?key=wrong")
+    assert status == 401 and "not this server's" in body
+
+    status, headers, _ = request(url, "GET", f"/dashboard?key={KEY}")
+    assert status == 303 and headers["location"] == "/dashboard"  # the key leaves the address bar
+    cookie = headers["set-cookie"]
+    assert cookie.startswith(f"moeray_key={KEY};") and "HttpOnly" in cookie and "SameSite=strict" in cookie
+    jar = {"Cookie": f"moeray_key={KEY}"}
+    status, headers, body = request(url, "GET", "/dashboard", jar)
+    assert status == 200 and headers["content-type"].startswith("text/html") and "dashboard.js" in body
+    status, _, body = request(url, "GET", "/v1/stages", jar)
+    assert status == 200 and f'"model":"{MODEL}"' in body.replace(" ", "")
+
+    # A wrong cookie is refused, and the cookie opens nothing but the stage numbers.
+    assert request(url, "GET", "/v1/stages", {"Cookie": "moeray_key=wrong"})[0] == 401
+    assert request(url, "GET", "/v1/models", jar)[0] == 401
+    status, _, body = request(url, "POST", "/v1/completions", {**jar, "Content-Type": "application/json"},
+                              b'{"model": "%s", "prompt": "Hi", "max_tokens": 1}' % MODEL.encode())
+    assert status == 401 and "Authorization: Bearer" in body
+
+
+def test_the_chart_library_is_served_by_the_server_itself(dashboard_server):
+    url = dashboard_server["url"]
+    status, headers, body = request(url, "GET", "/dashboard/static/uPlot.iife.min.js")
+    assert status == 200 and "javascript" in headers["content-type"] and "uPlot" in body[:200]
+    status, _, body = request(url, "GET", "/dashboard/static/uPlot.LICENSE")
+    assert status == 200 and "MIT License" in body
+    assert request(url, "GET", "/dashboard/static/no-such.js")[0] == 404
+
+
+# ---------------------------------------------------------------- the page in a real browser
+
+
+@pytest.fixture(scope="module")
+def chromium(tmp_path_factory):
+    binary = chromium_binary()
+    if binary is None:
+        pytest.skip("no chromium binary (Debian: apt-get install chromium; .ci/run installs it as root)")
+    pytest.importorskip("websockets")
+    browser = Chromium(binary, tmp_path_factory.mktemp("chromium-profile"))
+    yield browser
+    browser.close()
+
+
+def _traffic(url: str, stop: threading.Event, errors: list) -> None:
+    i = 0
+    while not stop.is_set():
+        try:
+            complete(url, PROMPTS[i % len(PROMPTS)], max_tokens=6)
+        except Exception as exc:  # noqa: BLE001 - reported by the test
+            errors.append(repr(exc))
+            return
+        i += 1
+
+
+def test_the_page_draws_one_series_per_stage_in_chromium_without_console_errors(dashboard_server, chromium,
+                                                                                tmp_path):
+    url = dashboard_server["url"]
+    stop, errors = threading.Event(), []
+    driver = threading.Thread(target=_traffic, args=(url, stop, errors), daemon=True)
+    driver.start()
+    try:
+        page = chromium.open(f"{url}/dashboard?key={KEY}&every=1")
+        # Enough polls under traffic that every stage has a measured hit rate and a step time.
+        deadline, state = time.monotonic() + 120, None
+        while time.monotonic() < deadline:
+            state = page.evaluate("""(() => { const d = window.moerayDashboard; return d && {
+                polls: d.polls, failures: d.failures, lastError: d.lastError, n: d.nStages,
+                hit: d.rows.hit.map(r => r.filter(v => v != null).length),
+                step: d.rows.step.map(r => r.filter(v => v != null).length) }; })()""")
+            if state and state["polls"] >= 4 and all(state["hit"]) and all(state["step"]) and len(state["hit"]) == N_STAGES:
+                break
+            time.sleep(1.0)
+    finally:
+        stop.set()
+        driver.join(120)
+    assert not errors, errors
+    assert state and state["n"] == N_STAGES and all(state["hit"]) and all(state["step"]), state
+    assert state["lastError"] is None, state
+
+    charts = page.evaluate("""Object.fromEntries(Object.entries(window.moerayDashboard.charts).map(
+        ([k, c]) => [k, c.series.slice(1).map(s => s.label)]))""")
+    per_stage = [f"stage {i}" for i in range(N_STAGES)]
+    assert charts["hit"] == [f"stage {i} {what}" for i in range(N_STAGES) for what in ("measured", "predicted")]
+    for name in ("tps", "step", "kv"):
+        assert charts[name] == per_stage, (name, charts[name])
+    # Each chart is drawn: a canvas per chart, a legend row per series.
+    assert page.evaluate("document.querySelectorAll('figure canvas').length") == 4
+    assert page.evaluate("document.querySelectorAll('#chart-hit .u-legend .u-series').length") == 1 + 2 * N_STAGES
+
+    # The layer split and the table say what /v1/stages says.
+    report = get(url, "/v1/stages")
+    split = page.evaluate("[...document.querySelectorAll('#split div')].map(d => d.textContent)")
+    assert split == [f"stage {s['stage']}: layers {s['layers'][0]}-{s['layers'][1] - 1}" for s in report["stages"]]
+    assert page.evaluate("document.querySelectorAll('#stages tr').length") == 1 + N_STAGES
+    kv_reported = any("kv" in s or "kv_blocks_used" in s for s in report["stages"])
+    if not kv_reported:  # until the stages report KV blocks the chart says so
+        assert "n/a" in page.evaluate("document.getElementById('kv-note').textContent")
+    predicted = page.evaluate("window.moerayDashboard.rows.predicted.map(r => r[r.length - 1])")
+    assert predicted == pytest.approx([s["predicted_hit_rate"] for s in report["stages"]])
+
+    page.drain()
+    assert page.console_errors() == []
+    origin = url + "/"
+    foreign = [u for u in page.requested_urls() if not u.startswith(origin) and not u.startswith("data:")]
+    assert foreign == []  # no CDN: the page works offline
+
+    out = Path(os.environ.get("MOERAY_DASHBOARD_SCREENSHOT") or tmp_path / "dashboard.png")
+    png = page.screenshot(out)
+    page.close()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size < 200_000
+
+
+# ---------------------------------------------------------------- the stage actors in the Ray dashboard
+
+
+def test_serve_prints_the_ray_dashboard_and_page_urls(dashboard_server):
+    lines, port = dashboard_server["lines"], dashboard_server["ray_dashboard_port"]
+    assert dashboard_server["ray_dashboard"] == f"http://127.0.0.1:{port}", lines
+    assert f"live stage page: {dashboard_server['url']}/dashboard?key=$MOERAY_API_KEY\n" in lines
+
+
+def test_the_ray_dashboard_names_each_stage_actor(dashboard_server):
+    from ray.util.state import list_actors
+
+    address = dashboard_server["ray_dashboard"]
+    deadline, actors = time.monotonic() + 60, []
+    while time.monotonic() < deadline:
+        actors = list_actors(address=address, filters=[("class_name", "=", "StageActor"), ("state", "=", "ALIVE")],
+                             detail=True, timeout=20)
+        if len(actors) == N_STAGES:
+            break
+        time.sleep(1.0)
+    names = sorted(a.repr_name for a in actors)
+    assert len(names) == N_STAGES, names
+    for i, name in enumerate(names):
+        assert re.fullmatch(rf"StageActor\(stage={i}/{N_STAGES}, device=simulated device {i} \(.+\)\)", name), name
+
+
+def test_a_stage_repr_carries_its_layers_and_live_hit_rate(default_model_path):
+    """In process (what a log line or ray.get(actor.describe.remote()) shows after loading)."""
+    from moeray.stages.actor import StageActor, StepBatch
+
+    stage = StageActor(0, 1, simulated_budget=150 << 20, torch_threads=1)
+    assert repr(stage).startswith("StageActor(stage=0/1, device=simulated device 0")
+    stage.load(str(default_model_path), 0, 30, 1, 32)
+    stage.step(StepBatch(0, [0], [6], [True], tokens=[[1, 504, 3458, 282, 4649, 314]], sample=[None]))
+    cache = stage.stats().cache
+    assert 0 < cache["hits"] < cache["lookups"]
+    assert stage.describe() == f"StageActor(stage=0/1, layers=0-29, hit={100 * cache['hit_rate']:.0f}%)"
