@@ -8,6 +8,7 @@ messages, exceptions, network requests) for the test to inspect. Every wait is b
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import shutil
 import subprocess
@@ -36,7 +37,8 @@ class Page:
     def __init__(self, ws_url: str):
         from websockets.sync.client import connect
 
-        self.ws = connect(ws_url, max_size=None, open_timeout=20)
+        self._stack = contextlib.ExitStack()
+        self.ws = self._stack.enter_context(connect(ws_url, max_size=None, open_timeout=20))
         self.events: list[dict] = []
         self._id = 0
 
@@ -110,7 +112,7 @@ class Page:
         return data
 
     def close(self) -> None:
-        self.ws.close()
+        self._stack.close()
 
 
 class Chromium:

@@ -20,9 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from live_dashboard_server import MODEL, N_STAGES, complete, get
-
-pytest_plugins = ["live_dashboard_server"]
+pytest_plugins = ["live_dashboard_server"]  # the session's one `moeray serve --dashboard --api-key ...`
+MODEL = "moeray-dash"  # the name that server serves under (checked below)
 
 DASHBOARD = Path(__file__).resolve().parent.parent / "ray_configs" / "moeray-dashboard.json"
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
@@ -40,7 +39,7 @@ def prometheus(dashboard_server, tmp_path_factory):
     config.write_text(
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
         "scrape_configs:\n  - job_name: ray\n    static_configs:\n"
-        f"      - targets: ['127.0.0.1:{dashboard_server['metrics_port']}']\n")
+        f"      - targets: ['127.0.0.1:{dashboard_server.metrics_port}']\n")
     port = free_port()
     proc = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={root / 'data'}",
                              f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1h"],
@@ -92,7 +91,7 @@ def dashboard_queries() -> tuple[list[str], set[str]]:
 
 def concrete(expr: str, window: str) -> str:
     """A panel's query as Grafana sends it: this server's model, every stage, a rate window."""
-    return expr.replace("$model", re.escape(MODEL)).replace("$stage", ".*").replace("$__rate_interval", window)
+    return expr.replace("$model", MODEL).replace("$stage", ".*").replace("$__rate_interval", window)
 
 
 def settled(api: str, server: dict, timeout_s: float = 60.0) -> tuple[dict, float]:
@@ -100,7 +99,7 @@ def settled(api: str, server: dict, timeout_s: float = 60.0) -> tuple[dict, floa
     (no traffic meanwhile); returns those stage numbers and the timestamp of that scrape."""
     deadline, last = time.monotonic() + timeout_s, None
     while time.monotonic() < deadline:
-        stages = {str(s["stage"]): s for s in get(server["url"], "/v1/stages")["stages"]}
+        stages = {str(s["stage"]): s for s in server.get("/v1/stages")["stages"]}
         samples = {}
         for what in ("hits", "lookups"):
             for r in query(api, f'ray_moeray_stage_expert_{what}_total{{model="{MODEL}"}}[5s]'):
@@ -119,17 +118,18 @@ def settled(api: str, server: dict, timeout_s: float = 60.0) -> tuple[dict, floa
 
 
 def test_every_dashboard_series_exists_and_the_hit_rate_query_equals_v1_stages(dashboard_server, prometheus):
-    url, api = dashboard_server["url"], prometheus
-    complete(url, PROMPTS[0], max_tokens=4)
+    api = prometheus
+    assert dashboard_server.model == MODEL
+    dashboard_server.complete(PROMPTS[0], max_tokens=4)
     before, t0 = settled(api, dashboard_server)
     for p in PROMPTS:
-        complete(url, p, max_tokens=8)
+        dashboard_server.complete(p, max_tokens=8)
     after, t1 = settled(api, dashboard_server)
     assert t1 > t0
 
     # Every series a panel names exists, for this model, and per stage where it is a stage metric.
     exprs, names = dashboard_queries()
-    stages = {str(i) for i in range(N_STAGES)}
+    stages = {str(i) for i in range(dashboard_server.n_stages)}
     for name in sorted(names):
         found = series(api, name)
         assert found, f"{name}: the dashboard queries it, Prometheus has no such series"

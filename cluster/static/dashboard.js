@@ -11,7 +11,8 @@
   const color = (i) => COLORS[i % COLORS.length];
   const $ = (id) => document.getElementById(id);
 
-  const state = { polls: 0, failures: 0, lastError: null, nStages: 0, charts: {}, t: [], rows: {}, prev: null };
+  const state = { polls: 0, failures: 0, lastError: null, nStages: 0, charts: {}, t: [], prev: null,
+                  rows: { hit: [], predicted: [], tps: [], step: [], kv: [] } };
   window.moerayDashboard = state;
 
   // KV use as a fraction, or null when the server does not report it. Accepts a per-stage `kv`
