@@ -17,6 +17,7 @@ from __future__ import annotations
 import hmac
 from pathlib import Path
 from typing import Optional
+from urllib.parse import urlencode
 
 from fastapi import Request  # at module level: FastAPI resolves the route's annotations here
 
@@ -81,8 +82,9 @@ def add_dashboard(app, api_key: Optional[str]) -> None:
         if given is not None:
             if not _same(given, api_key):
                 return _refusal(401, "That API key is not this server's.")
-            # Keep the key out of the address bar and the history from here on.
-            out = RedirectResponse("/dashboard", status_code=303)
+            # Keep the key out of the address bar and the history from here on (other options stay).
+            rest = urlencode([(k, v) for k, v in request.query_params.multi_items() if k != "key"])
+            out = RedirectResponse("/dashboard" + (f"?{rest}" if rest else ""), status_code=303)
             out.set_cookie(COOKIE, given, httponly=True, samesite="strict", secure=request.url.scheme == "https")
             return out
         header = request.headers.get("authorization", "")

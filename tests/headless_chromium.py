@@ -119,7 +119,7 @@ class Chromium:
     """`chromium --headless` with a private profile; `open(url)` gives a Page with the console,
     log and network domains on."""
 
-    def __init__(self, binary: str, profile_dir: Path, width: int = 1280, height: int = 900, timeout_s: float = 60.0):
+    def __init__(self, binary: str, profile_dir: Path, width: int = 1280, height: int = 800, timeout_s: float = 60.0):
         self.width, self.height = width, height
         self.proc = subprocess.Popen(
             [binary, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",

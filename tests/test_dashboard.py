@@ -52,6 +52,7 @@ def test_the_page_wants_the_key_and_keeps_it_in_a_cookie_that_opens_only_the_sta
     assert status == 303 and headers["location"] == "/dashboard"  # the key leaves the address bar
     cookie = headers["set-cookie"]
     assert cookie.startswith(f"moeray_key={key};") and "HttpOnly" in cookie and "SameSite=strict" in cookie
+    assert request(url, "GET", f"/dashboard?every=5&key={key}")[1]["location"] == "/dashboard?every=5"
     jar = {"Cookie": f"moeray_key={key}"}
     status, headers, body = request(url, "GET", "/dashboard", jar)
     assert status == 200 and headers["content-type"].startswith("text/html") and "dashboard.js" in body
@@ -115,7 +116,7 @@ def test_the_page_draws_one_series_per_stage_in_chromium_without_console_errors(
                 polls: d.polls, failures: d.failures, lastError: d.lastError, n: d.nStages,
                 hit: d.rows.hit.map(r => r.filter(v => v != null).length),
                 step: d.rows.step.map(r => r.filter(v => v != null).length) }; })()""")
-            if state and state["n"] == n_stages and state["polls"] >= 4 and all(state["hit"]) and all(state["step"]):
+            if state and state["n"] == n_stages and state["polls"] >= 8 and all(state["hit"]) and all(state["step"]):
                 break
             time.sleep(1.0)
     finally:
@@ -124,6 +125,7 @@ def test_the_page_draws_one_series_per_stage_in_chromium_without_console_errors(
     assert not errors, errors
     assert state and state["n"] == n_stages and all(state["hit"]) and all(state["step"]), state
     assert state["lastError"] is None, state
+    assert page.evaluate("location.search") == "?every=1"  # the key left the address bar, the options stayed
 
     charts = page.evaluate("""Object.fromEntries(Object.entries(window.moerayDashboard.charts).map(
         ([k, c]) => [k, c.series.slice(1).map(s => s.label)]))""")
