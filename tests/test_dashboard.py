@@ -76,6 +76,19 @@ def test_the_chart_library_is_served_by_the_server_itself(dashboard_server):
     assert request(url, "GET", "/dashboard/static/no-such.js")[0] == 404
 
 
+def test_without_an_api_key_the_page_is_open_like_the_rest():
+    """The route alone, on a bare app (no server needed): no key, no cookie, the page itself."""
+    from fastapi import FastAPI
+    from starlette.testclient import TestClient
+
+    from moeray.cluster.dashboard import add_dashboard
+
+    app = FastAPI()
+    add_dashboard(app, None)
+    r = TestClient(app).get("/dashboard?key=anything", follow_redirects=False)
+    assert r.status_code == 200 and "set-cookie" not in r.headers and "dashboard.js" in r.text
+
+
 # ---------------------------------------------------------------- the page in a real browser
 
 
@@ -101,7 +114,7 @@ def _traffic(server, stop: threading.Event, errors: list) -> None:
         i += 1
 
 
-def test_the_page_draws_one_series_per_stage_in_chromium_without_console_errors(dashboard_server, chromium,
+def test_the_page_draws_one_series_per_stage_in_chromium_without_console_errors(chromium, dashboard_server,
                                                                                 tmp_path):
     url, n_stages = dashboard_server.url, dashboard_server.n_stages
     stop, errors = threading.Event(), []

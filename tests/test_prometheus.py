@@ -28,11 +28,13 @@ PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
 
 
 @pytest.fixture(scope="module")
-def prometheus(dashboard_server, tmp_path_factory):
+def prometheus(request, tmp_path_factory):
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.skip("no prometheus binary (Debian: apt-get install prometheus; .ci/run installs it as root)")
     from moeray.stages.transport import free_port
+
+    dashboard_server = request.getfixturevalue("dashboard_server")  # started only when Prometheus is here
 
     root = tmp_path_factory.mktemp("prometheus")
     config = root / "prometheus.yml"
@@ -117,7 +119,7 @@ def settled(api: str, server: dict, timeout_s: float = 60.0) -> tuple[dict, floa
     pytest.fail(f"Prometheus did not catch up with /v1/stages in {timeout_s:.0f} s: {last}")
 
 
-def test_every_dashboard_series_exists_and_the_hit_rate_query_equals_v1_stages(dashboard_server, prometheus):
+def test_every_dashboard_series_exists_and_the_hit_rate_query_equals_v1_stages(prometheus, dashboard_server):
     api = prometheus
     assert dashboard_server.model == MODEL
     dashboard_server.complete(PROMPTS[0], max_tokens=4)
