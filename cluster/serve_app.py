@@ -444,6 +444,9 @@ def build_app(service: Service):
             raise APIError(503, f"the stages did not report: {exc}", type_="server_error",
                            code="stages_unavailable") from None
 
+    from moeray.cluster.dashboard import add_dashboard
+
+    add_dashboard(app, api_key)  # GET /dashboard: the live page of the stages (after _auth: see there)
     return app
 
 

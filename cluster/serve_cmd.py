@@ -33,7 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
     p.add_argument("--metrics-export-port", type=int, default=8080,
                    help="Prometheus port of the local Ray node (when this command starts Ray)")
-    p.add_argument("--dashboard", action="store_true", help="start the Ray dashboard with the local cluster")
+    p.add_argument("--dashboard", action="store_true",
+                   help="start the Ray dashboard with the local cluster and print its URL (stage actors, logs, metrics)")
+    p.add_argument("--dashboard-port", type=int, default=8265, help="port of that Ray dashboard (default 8265)")
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the server")
 
 
@@ -52,7 +54,8 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
                         max_waiting=args.max_waiting, api_key=args.api_key or None)
 
 
-def start_ray(address: str | None, metrics_port: int, dashboard: bool) -> None:
+def start_ray(address: str | None, metrics_port: int, dashboard: bool, dashboard_port: int = 8265) -> str | None:
+    """Start a local Ray (or join `address`); returns the Ray dashboard's URL when one runs."""
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     # Serve's HTTP proxy must answer a readiness check in 5 s by default; on a small machine busy
     # loading a model it can miss three in a row and be killed. The processes a local cluster starts
@@ -62,11 +65,14 @@ def start_ray(address: str | None, metrics_port: int, dashboard: bool) -> None:
     import ray
 
     if ray.is_initialized():
-        return
+        return None
     if address:
-        ray.init(address=address, logging_level="WARNING")
+        ctx = ray.init(address=address, logging_level="WARNING")
     else:
-        ray.init(include_dashboard=dashboard, _metrics_export_port=metrics_port, logging_level="WARNING")
+        ctx = ray.init(include_dashboard=dashboard, dashboard_port=dashboard_port, _metrics_export_port=metrics_port,
+                       logging_level="WARNING")
+    url = getattr(ctx, "dashboard_url", None)
+    return f"http://{url}" if url and not url.startswith("http") else url or None
 
 
 def start_server(opts, host: str, port: int, ready_timeout_s: float = 600.0) -> str:
@@ -119,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
 
     # `kill PID` shuts down as Ctrl-C does: Serve, the stages and the local Ray go with it.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    start_ray(args.address, args.metrics_export_port, args.dashboard)
+    ray_dashboard = start_ray(args.address, args.metrics_export_port, args.dashboard, args.dashboard_port)
     opts = options_from_args(args)
     print("moeray serve: deploying (probe -> plan -> load -> wire) ...", file=sys.stderr)
     from ray import serve
@@ -132,6 +138,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"serving {report['model']} at {url}/v1 (context {report['context']} tokens)")
         if not args.address:
             print(f"Ray metrics (Prometheus): http://127.0.0.1:{args.metrics_export_port}/metrics")
+        if ray_dashboard:
+            print(f"Ray dashboard (stage actors, logs, metrics): {ray_dashboard}")
+        elif args.dashboard:
+            print("moeray serve: the Ray dashboard did not start (it needs ray[default]; see Ray's log)", file=sys.stderr)
+        print(f"live stage page: {url}/dashboard" + ("?key=$MOERAY_API_KEY" if opts.api_key else ""))
         print(curl_example(url, report["model"], opts.api_key))
         sys.stdout.flush()
         while True:  # serve until Ctrl-C

@@ -171,6 +171,28 @@ class StageActor:
         self.link = None
         self.model = None
 
+    def __repr__(self) -> str:
+        """Who this stage is, e.g. `StageActor(stage=1/4, layers=7-16, hit=93%)`.
+
+        Ray records an actor's repr once, when its constructor returns: that is the name the Ray
+        dashboard's actor table and the `(StageActor(stage=1/4, ...) pid=...)` log prefix show, so
+        there it names the stage and its device (layers are planned after the probe). Read later
+        (ray.get(actor.describe.remote()), logs, tests) it carries the live layers and hit rate.
+        """
+        parts = [f"stage={self.stage}/{self.n_stages}"]
+        if self.model is None:
+            parts.append(f"device={self.device.name}")
+        else:
+            parts.append(f"layers={self.model.first}-{self.model.end - 1}")
+            hit_rate = getattr(self.model.experts, "hit_rate", None)
+            if callable(hit_rate):
+                parts.append(f"hit={100 * hit_rate():.0f}%")
+        return f"StageActor({', '.join(parts)})"
+
+    def describe(self) -> str:
+        """repr(self), for callers on the other side of Ray (whose handles repr as ActorHandle)."""
+        return repr(self)
+
     # ---------------------------------------------------------------- before loading
 
     def probe(self, path: str) -> ProbeReport:
