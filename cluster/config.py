@@ -65,6 +65,7 @@ class LaunchOptions:
     kernels: str = "auto"
     timeout_s: float = 300.0  # probe, load, connect: a stage slower than this is reported
     address: Optional[str] = None  # join this Ray cluster instead of starting one
+    verbose_plan: bool = False  # print every trunk decision and slot layout, not only the departures
 
     def __post_init__(self) -> None:
         if self.kernels not in KERNELS:
@@ -140,13 +141,15 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kernels", choices=KERNELS, default=d.kernels,
                    help="matmul route of every stage: ggml (quantised blocks, ggml's CPU kernels), dequant "
                         "(pure torch), exact (float32 copies: debugging, 4 bytes a weight); auto picks the best")
+    g.add_argument("--verbose", action="store_true",
+                   help="print the plan's every trunk decision and slot layout, not only those that depart from the default")
 
 
 def launch_options_from_args(args: argparse.Namespace, simulate: Optional[list[int]]) -> LaunchOptions:
     return LaunchOptions(n_stages=args.stages, simulate=simulate, strategy="SPREAD" if args.spread else "PACK",
                          objective=args.objective, split=args.split, profile=args.profile,
                          cache_policy=args.cache_policy, torch_threads=1 if simulate else None,
-                         kernels=args.kernels,
+                         kernels=args.kernels, verbose_plan=getattr(args, "verbose", False),
                          address=args.address)
 
 

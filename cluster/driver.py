@@ -301,7 +301,7 @@ def plan_from_reports(header, reports: list[ProbeReport], opts: LaunchOptions, e
                               handoff_ms=handoff_ms)
     except PlacementError as exc:
         raise PlacementError(f"{exc}; {kv_hint}") from None
-    return plan, [tuple(x) for x in plan.split], plan.lines()
+    return plan, [tuple(x) for x in plan.split], plan.lines(verbose=opts.verbose_plan)
 
 
 def launch(path: str, opts: LaunchOptions = LaunchOptions(), engine: EngineConfig = EngineConfig(),
