@@ -43,7 +43,14 @@ def _asks_nothing(value: Any, neutral: tuple) -> bool:
     return value is None or any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
 
 
+def _printable(name: str) -> str:
+    """A client's parameter name as an error can quote it: a lone surrogate (valid in JSON) cannot
+    travel through pydantic's Rust core or UTF-8, so it is written as its escape."""
+    return name.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 def _shown(name: str) -> str:
+    name = _printable(name)
     return name if len(name) <= 64 else name[:61] + "..."
 
 
@@ -86,7 +93,7 @@ class _Request(BaseModel):
             if name not in cls.unsupported:
                 raise PydanticCustomError(
                     "unknown_parameter", "unknown parameter '{shown}': /v1/{endpoint} has no such parameter; "
-                    "remove it", {"param": name, "shown": _shown(name), "endpoint": cls.endpoint})
+                    "remove it", {"param": _printable(name), "shown": _shown(name), "endpoint": cls.endpoint})
             neutral = cls.unsupported[name]
             if not _asks_nothing(value, neutral):
                 allowed = " or ".join(json.dumps(n) for n in neutral)
