@@ -181,7 +181,6 @@ def curl_example(url: str, model: str, api_key: str | None) -> str:
 
 def run(args: argparse.Namespace) -> int:
     check_ports(args)
-    opts = None
     try:
         start_ray(args.address, args.metrics_export_port, args.dashboard)
         stop_on_signals()
@@ -201,14 +200,14 @@ def run(args: argparse.Namespace) -> int:
     except Stop as stop:
         print(f"moeray serve: {stop}: shutting down Serve, the stages and Ray ...", file=sys.stderr, flush=True)
     finally:
-        shutdown(args.address)
+        shutdown()
     print("moeray serve: stopped", file=sys.stderr)
     return 0
 
 
-def shutdown(address: str | None) -> None:
+def shutdown() -> None:
     """Serve (its replica owns the stage actors and closes them), then this driver's Ray: the
-    local cluster when this command started it."""
+    local cluster when this command started it, the connection when it joined one (--address)."""
     import ray
 
     if not ray.is_initialized():
