@@ -68,6 +68,7 @@ class LaunchOptions:
     # Every stage appends its routing to DIR/stage<i>.trace (a folder each node can write), so a
     # served run can be replayed offline against other policies and Belady's optimum.
     record_routing: Optional[str] = None
+    verbose_plan: bool = False  # print every trunk decision and slot layout, not only the departures
 
     def __post_init__(self) -> None:
         if self.kernels not in KERNELS:
@@ -146,14 +147,16 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--record-routing", metavar="DIR", default=d.record_routing,
                    help="every stage appends its routing decisions to DIR/stage<i>.trace (replay them with "
                         "bench/cache.py or bench/serve_hits.py)")
+    g.add_argument("--verbose", action="store_true",
+                   help="print the plan's every trunk decision and slot layout, not only those that depart from the default")
 
 
 def launch_options_from_args(args: argparse.Namespace, simulate: Optional[list[int]]) -> LaunchOptions:
     return LaunchOptions(n_stages=args.stages, simulate=simulate, strategy="SPREAD" if args.spread else "PACK",
                          objective=args.objective, split=args.split, profile=args.profile,
                          cache_policy=args.cache_policy, torch_threads=1 if simulate else None,
-                         kernels=args.kernels, address=args.address,
-                         record_routing=args.record_routing)
+                         kernels=args.kernels, verbose_plan=getattr(args, "verbose", False),
+                         address=args.address, record_routing=args.record_routing)
 
 
 def simulated_devices(args: argparse.Namespace, has_gpus: bool, command: str) -> Optional[list[int]]:

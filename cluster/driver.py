@@ -309,7 +309,7 @@ def plan_from_reports(header, reports: list[ProbeReport], opts: LaunchOptions, e
                               handoff_ms=handoff_ms)
     except PlacementError as exc:
         raise PlacementError(f"{exc}; {kv_hint}") from None
-    return plan, [tuple(x) for x in plan.split], speed_lines + plan.lines()
+    return plan, [tuple(x) for x in plan.split], speed_lines + plan.lines(verbose=opts.verbose_plan)
 
 
 def shared_host_speeds(reports: list[ProbeReport]) -> tuple[list[tuple[float, float]], list[str]]:

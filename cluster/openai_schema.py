@@ -1,35 +1,109 @@
 """The OpenAI HTTP API's request and response bodies, as pydantic models.
 
-Only what moeray implements is declared; unknown fields are ignored (as OpenAI's own server
-does with fields it does not know), but a declared field with the wrong type is an error.
-Strict types where OpenAI is strict: `max_tokens: "10"` or `temperature: "hot"` are rejected,
-not coerced.
+Every request parameter either does what it asks or is a 400 naming it, never ignored: what
+moeray implements is declared as a field; OpenAI's parameters that it does not implement are
+listed in UNSUPPORTED with the values that ask for nothing (a client library may send one at
+its default); any other name is unknown (OpenAI's own server rejects those too). Strict types
+where OpenAI is strict: `max_tokens: "10"` or `temperature: "hot"` are rejected, not coerced.
 """
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from typing import Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator,
+                      model_validator)
+from pydantic_core import PydanticCustomError
 
 Number = Union[StrictInt, StrictFloat]
+INT64 = dict(ge=-(1 << 63), le=(1 << 63) - 1)
+
+# ---------------------------------------------------------------- which parameters moeray does
+
+# OpenAI's parameters that moeray does not implement, with the values that ask for nothing
+# (null always does). Anything else is a 400 naming the parameter. Chat and completions share
+# the first table; each endpoint adds its own.
+_UNSUPPORTED_BOTH: dict[str, tuple] = {
+    "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},),
+}
+UNSUPPORTED_CHAT: dict[str, tuple] = {
+    **_UNSUPPORTED_BOTH, "store": (False,), "modalities": (["text"],), "audio": (), "prediction": (),
+    "reasoning_effort": (), "verbosity": (), "web_search_options": (), "service_tier": ("auto", "default"),
+    "parallel_tool_calls": (True,), "functions": (), "function_call": (),
+}
+UNSUPPORTED_COMPLETIONS: dict[str, tuple] = {**_UNSUPPORTED_BOTH, "best_of": (1,), "echo": (False,), "suffix": ()}
+# Implemented on branch i12a (issue 12, items 2-4), which declares them as fields: accepted here
+# until that merge, which deletes this line.
+PENDING: frozenset[str] = frozenset({"logprobs", "top_logprobs", "response_format", "tools", "tool_choice"})
+
+
+def _asks_nothing(value: Any, neutral: tuple) -> bool:
+    return value is None or any(value == n and isinstance(value, bool) == isinstance(n, bool) for n in neutral)
+
+
+def _printable(name: str) -> str:
+    """A client's parameter name as an error can quote it: a lone surrogate (valid in JSON) cannot
+    travel through pydantic's Rust core or UTF-8, so it is written as its escape."""
+    return name.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _shown(name: str) -> str:
+    name = _printable(name)
+    return name if len(name) <= 64 else name[:61] + "..."
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: Optional[StrictBool] = None
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore")  # no extra field gets past _only_what_moeray_does
+    unsupported: ClassVar[dict[str, tuple]] = {}
+    endpoint: ClassVar[str] = ""
 
     model: StrictStr
     max_tokens: Optional[StrictInt] = None
     max_completion_tokens: Optional[StrictInt] = None  # the newer name of max_tokens (chat)
     temperature: Optional[Number] = Field(default=None, ge=0, le=2)
     top_p: Optional[Number] = Field(default=None, gt=0, le=1)
-    seed: Optional[StrictInt] = None
+    seed: Optional[StrictInt] = Field(default=None, **INT64)
     stop: Optional[Union[StrictStr, list[StrictStr]]] = None
     n: StrictInt = Field(default=1, ge=1, le=1)  # moeray returns one choice per request
     stream: StrictBool = False
-    stream_options: Optional[dict] = None  # {"include_usage": true}
+    stream_options: Optional[StreamOptions] = None
+    # Tags for OpenAI's own abuse monitoring, storage and prompt caching: by their definition they
+    # do not change the response, so they are accepted and change nothing here either.
     user: Optional[StrictStr] = None
+    safety_identifier: Optional[StrictStr] = None
+    prompt_cache_key: Optional[StrictStr] = None
+    metadata: Optional[dict[StrictStr, StrictStr]] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _only_what_moeray_does(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        for name, value in data.items():
+            if name in cls.model_fields or name in PENDING:
+                continue
+            if name not in cls.unsupported:
+                raise PydanticCustomError(
+                    "unknown_parameter", "unknown parameter '{shown}': /v1/{endpoint} has no such parameter; "
+                    "remove it", {"param": _printable(name), "shown": _shown(name), "endpoint": cls.endpoint})
+            neutral = cls.unsupported[name]
+            if not _asks_nothing(value, neutral):
+                allowed = " or ".join(json.dumps(n) for n in neutral)
+                raise PydanticCustomError(
+                    "unsupported_parameter", "'{param}' is not supported by this server; leave it out"
+                    + (" or send {allowed}" if neutral else ""), {"param": name, "allowed": allowed})
+        if data.get("stream_options") is not None and data.get("stream") is not True:
+            raise PydanticCustomError("invalid_value", "'stream_options' is only allowed when 'stream' is true",
+                                      {"param": "stream_options"})
+        return data
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -40,7 +114,7 @@ class _Request(BaseModel):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def include_usage_in_stream(self) -> bool:
-        return bool(self.stream_options and self.stream_options.get("include_usage"))
+        return bool(self.stream_options and self.stream_options.include_usage)
 
 
 class ChatMessage(BaseModel):
@@ -49,20 +123,40 @@ class ChatMessage(BaseModel):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[StrictStr, list[dict], None] = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, content):
+        """The list-of-parts form: text parts only (the model reads text); an image or audio part is
+        a 400, not dropped."""
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type")
+            if kind != "text":
+                raise PydanticCustomError("unsupported_value", "a content part of type {kind} is not supported: "
+                                          "this model reads text parts only", {"kind": repr(kind)})
+            if not isinstance(part.get("text"), str):
+                raise PydanticCustomError("invalid_value", "a text content part needs 'text', a string", {})
+        return content
+
     def text(self) -> str:
-        """The message's text; OpenAI's list-of-parts form keeps its text parts."""
+        """The message's text; OpenAI's list-of-parts form is the concatenation of its text parts."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(str(p.get("text", "")) for p in self.content if p.get("type") == "text")
+        return "".join(p["text"] for p in self.content)
 
 
 class ChatCompletionRequest(_Request):
+    unsupported: ClassVar[dict[str, tuple]] = UNSUPPORTED_CHAT
+    endpoint: ClassVar[str] = "chat/completions"
+
     messages: list[ChatMessage] = Field(min_length=1)
 
 
 class CompletionRequest(_Request):
+    unsupported: ClassVar[dict[str, tuple]] = UNSUPPORTED_COMPLETIONS
+    endpoint: ClassVar[str] = "completions"
+
     prompt: Union[StrictStr, list[StrictInt]]  # text, or token ids
 
 

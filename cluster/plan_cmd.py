@@ -1,8 +1,10 @@
 """`moeray plan`: the placement search for a model and a set of devices, without loading weights.
 
 The model comes from a GGUF (only its header and tensor directory are read, so a header-only
-file works) or from a --spec JSON; the devices from --devices (SIZE[:LAYER_MS[:MISS_MS]], ...)
-or --devices-json. Torch-free: planner/ is numpy only and the GGUF header reader is too.
+file works), from a --spec JSON, or, given neither, is the embedded default model as for every
+other command; the devices from --devices (SIZE[:LAYER_MS[:MISS_MS]], ...) or --devices-json.
+Torch-free: planner/ is numpy only and the GGUF header reader is too (building the default model
+the first time, or recording its profile, is the exception).
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ from moeray.errors import PlacementError
 
 
 def add_arguments(p) -> None:
-    p.add_argument("model", nargs="?", help="MODEL.gguf (a header-only copy is enough)")
+    p.add_argument("model", nargs="?", help="MODEL.gguf (a header-only copy is enough; default: the embedded "
+                                            "upcycled SmolLM2 MoE, unless --spec is given)")
     p.add_argument("--spec", help='model sizes as JSON: {"n_layers", "n_experts", "n_experts_used", '
                                   '"expert_bytes": [...], "trunk_bytes": {"embedding", "head", "layers": [...]}}')
     p.add_argument("--devices", help="free VRAM per stage in pipeline order, e.g. 12GiB,12GiB,8GiB,8GiB; "
@@ -39,6 +42,8 @@ def add_arguments(p) -> None:
     p.add_argument("--min-layers", default="1", help="minimum layers per stage: N, or one per stage (2,1,1,1)")
     p.add_argument("--method", choices=("auto", "enumeration", "dp"), default="auto",
                    help="auto: enumeration up to 4 stages, the exact DP beyond")
+    p.add_argument("--verbose", action="store_true",
+                   help="print every trunk decision and slot layout, not only those that depart from the default")
     p.add_argument("--json", metavar="PATH", help="write the plan as JSON (- for stdout)")
     p.add_argument("--plot", metavar="PNG", help="draw the plan (needs matplotlib: moeray[plot])")
 
@@ -63,11 +68,15 @@ def spec_from_gguf(path: str, route: str | None = None) -> ModelSpec:
 
 
 def run(args) -> int:
-    if bool(args.model) == bool(args.spec):
-        raise PlacementError("give a MODEL.gguf or --spec model.json (one of them)")
-    spec = spec_from_gguf(args.model) if args.model else ModelSpec.from_json(args.spec)
+    if args.model and args.spec:
+        raise PlacementError("give a MODEL.gguf or --spec model.json, not both")
     if bool(args.devices) == bool(args.devices_json):
         raise PlacementError("give --devices 12GiB,8GiB,... or --devices-json devices.json (one of them)")
+    if not args.spec:
+        from moeray.cluster.config import resolve_model  # torch-free; builds the default model once
+
+        args.model = resolve_model(args.model)
+    spec = spec_from_gguf(args.model) if args.model else ModelSpec.from_json(args.spec)
     devices = parse_devices(args.devices) if args.devices else load_devices_json(args.devices_json)
     profile_path = args.profile
     if profile_path is None and args.model:
@@ -85,7 +94,7 @@ def run(args) -> int:
                           trunk=args.trunk, handoff_ms=args.handoff_ms, min_layers=mins[0] if len(mins) == 1 else mins,
                           mass=args.mass, cpu_factor=args.cpu_factor, method=args.method)
     out = sys.stderr if args.json == "-" else sys.stdout
-    for line in plan.lines():
+    for line in plan.lines(verbose=args.verbose):
         print(line, file=out)
     if args.json:
         text = json.dumps(plan.to_json(), indent=1)

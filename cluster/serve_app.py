@@ -14,9 +14,10 @@ tokens, and finishes requests (cluster/engine.py, Scheduler.postprocess).
 
 Routes: POST /v1/chat/completions, POST /v1/completions (JSON or SSE streams), GET /v1/models,
 GET /health, GET /v1/stages, GET /v1/admin/profile (the routing served so far, as a profile). Errors use OpenAI's shape {"error": {"message", "type", "param",
-"code"}}: 400 malformed JSON / wrong field types / prompt over the context / max_tokens out of
-range, 401 bad API key, 404 unknown model, 429 too many waiting, 503 engine down, 504 a
-request that got no token within its deadline.
+"code"}}: 400 malformed JSON / wrong field types / a parameter moeray does not do (named in
+"param") / prompt over the context / max_tokens out of range, 401 bad API key, 404 unknown model,
+429 too many waiting, 503 engine down, 504 a request that got no token within its deadline. An
+error nobody foresaw is still that shape (500, "internal_error") and the server goes on.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import AsyncIterator, Optional
 
 from fastapi import Request
+from jinja2.exceptions import TemplateError
 
 from moeray.cluster import openai_schema as oa
 from moeray.cluster.config import ServeOptions, resolve_model
@@ -178,12 +180,19 @@ class APIError(Exception):
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
 
     def response(self):
-        from fastapi.responses import JSONResponse
+        from fastapi.responses import Response
 
         body = oa.ErrorResponse(error=oa.ErrorBody(message=self.message, type=self.type, param=self.param,
                                                    code=self.code))
         headers = {"Retry-After": "1"} if self.status in (429, 503) else None
-        return JSONResponse(body.model_dump(), status_code=self.status, headers=headers)
+        # ASCII JSON: a message or param may quote what the client sent, lone surrogates included,
+        # which UTF-8 cannot carry; escaped, it goes back as the client wrote it.
+        return Response(json.dumps(body.model_dump(), ensure_ascii=True), status_code=self.status,
+                        headers=headers, media_type="application/json")
+
+
+# Errors raised by openai_schema's own checks: their code is their type, their ctx names the parameter.
+_SCHEMA_ERRORS = ("unknown_parameter", "unsupported_parameter", "unsupported_value", "invalid_value")
 
 
 def _validation_error(exc) -> APIError:
@@ -195,6 +204,10 @@ def _validation_error(exc) -> APIError:
     loc = [str(p) for p in first.get("loc", []) if p != "body"]
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid request")
+    if first.get("type") in _SCHEMA_ERRORS:
+        param = (first.get("ctx") or {}).get("param", param)
+        return APIError(400, msg if param is None or param in msg else f"{param}: {msg}", param=param,
+                        code=first["type"])
     if param is None and first.get("type") in ("model_attributes_type", "dict_type"):
         return APIError(400, "the request body must be a JSON object", code="invalid_json")
     return APIError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
@@ -316,6 +329,13 @@ def build_app(service: Service):
         type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return APIError(exc.status_code, str(exc.detail), type_=type_).response()
 
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        """A bug, not the client's fault: still OpenAI's shape, logged with its traceback, and the
+        server goes on (Starlette answers with this, then re-raises for the log)."""
+        return APIError(500, f"internal error while serving {request.url.path}: {type(exc).__name__}: {exc}",
+                        type_="server_error", code="internal_error").response()
+
     @app.middleware("http")
     async def _auth(request: Request, call_next):
         if api_key and request.url.path.startswith("/v1/"):
@@ -365,6 +385,9 @@ def build_app(service: Service):
             prompt = service.tokenizer.encode_chat(messages)
         except MoerayError as exc:
             raise APIError(400, str(exc), param="messages") from None
+        except TemplateError as exc:  # the template's own raise_exception(...): roles out of order, ...
+            raise APIError(400, f"the model's chat template rejected the messages: {exc}", param="messages",
+                           code="invalid_value") from None
         prep = prepare(service, body, prompt)
         rid, created, out = oa.new_id("chatcmpl"), oa.now(), Outcome()
         if not body.stream:
@@ -485,6 +508,9 @@ async def _events(first, gen: AsyncIterator[str], text_chunk, closing, opening: 
             yield line
     except APIError as exc:
         yield _sse(json.dumps({"error": {"message": exc.message, "type": exc.type, "code": exc.code}}))
+    except Exception as exc:  # noqa: BLE001 - a bug after the 200 went out: still an error event, then [DONE]
+        yield _sse(json.dumps({"error": {"message": f"internal error: {type(exc).__name__}: {exc}",
+                                         "type": "server_error", "code": "internal_error"}}))
     finally:
         await gen.aclose()
     yield _sse("[DONE]")

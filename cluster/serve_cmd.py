@@ -2,15 +2,22 @@
 
 Starts a local Ray cluster (or joins one with --address), deploys the Serve app whose replica
 runs the driver (probe -> plan -> load -> wire), prints the plan, the URL and a curl to paste,
-then serves until Ctrl-C. With no model it serves the embedded default model on 4 simulated
-stages (no GPUs needed). Stop and start it again to reload: the replica owns the stages.
+then serves until Ctrl-C or `kill` (SIGINT, SIGTERM: Serve, the stages and the local Ray are shut
+down in order, exit 0). With no model it serves the embedded default model on 4 simulated stages
+(no GPUs needed). Stop and start it again to reload: the replica owns the stages.
+
+Its HTTP port and, when it starts Ray, the metrics port are checked before Ray starts: a port in
+use is one line naming the flag that changes it (exit 2), not a Ray node that times out.
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import re
+import signal
+import socket
 import sys
 import time
 
@@ -32,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_launch_arguments(p)
     add_engine_arguments(p)
     p.add_argument("--metrics-export-port", type=int, default=8080,
-                   help="Prometheus port of the local Ray node (when this command starts Ray)")
+                   help="Prometheus port of the local Ray node (when this command starts Ray); 0: a free one")
     p.add_argument("--dashboard", action="store_true",
                    help="start the Ray dashboard with the local cluster and print its URL (stage actors, logs, metrics)")
     p.add_argument("--dashboard-port", type=int, default=8265, help="port of that Ray dashboard (default 8265)")
@@ -52,6 +59,66 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         launch.torch_threads = 1
     return ServeOptions(model=args.model, model_name=args.model_name, local=args.local, launch=launch, engine=engine,
                         max_waiting=args.max_waiting, api_key=args.api_key or None)
+
+
+def check_ports(args: argparse.Namespace) -> None:
+    """Fail in one line, before Ray starts, when a port this command needs is in use: Ray would
+    otherwise wait minutes for a node whose metrics agent cannot bind, then print a traceback.
+    `--metrics-export-port 0` becomes a free port here."""
+    from moeray.cluster.cli import CLIError
+
+    wanted = [("--port", args.host, args.port)]
+    if not args.address:  # joining a cluster: its nodes export their own metrics
+        if args.metrics_export_port == 0:
+            from moeray.stages.transport import free_port
+
+            args.metrics_export_port = free_port()
+        wanted.append(("--metrics-export-port", "", args.metrics_export_port))
+        if args.dashboard:
+            wanted.append(("--dashboard-port", "", args.dashboard_port))
+    for flag, host, port in wanted:
+        if not 0 < port < 65536:
+            raise CLIError(f"{flag} {port}: a port is a number from 1 to 65535")
+        problem = _port_problem(host, port)
+        if problem:
+            raise CLIError(f"{flag} {port}: {problem}; stop what holds it or pass another {flag}")
+
+
+def _port_problem(host: str, port: int) -> str | None:
+    """Why (host, port) cannot be listened on, or None. SO_REUSEADDR as the servers set it, so a
+    port still in TIME_WAIT after the last run counts as free, one somebody listens on does not."""
+    try:
+        family = socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as exc:
+        return f"cannot resolve the address {host!r} ({exc.strerror})"
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return f"port {port} is already in use" + (f" on {host}" if host else "")
+            return f"cannot listen on {host or '*'}:{port} ({exc.strerror})"
+    return None
+
+
+class Stop(BaseException):
+    """SIGTERM or SIGINT: leave the serving loop (or the start-up) and shut down in order. Not an
+    Exception, so no `except Exception` on the way (Ray's or ours) swallows it."""
+
+
+def stop_on_signals() -> None:
+    """`kill PID` and Ctrl-C stop the server the same way. Installed after ray.init, which puts its
+    own SIGTERM handlers in (a C++ one that prints a stack trace and aborts); a second signal
+    during the shutdown is ignored, so the shutdown finishes."""
+
+    def handler(signum, _frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise Stop(signal.Signals(signum).name)
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
 
 
 def start_ray(address: str | None, metrics_port: int, dashboard: bool, dashboard_port: int = 8265) -> str | None:
@@ -121,16 +188,12 @@ def curl_example(url: str, model: str, api_key: str | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import signal
-
-    # `kill PID` shuts down as Ctrl-C does: Serve, the stages and the local Ray go with it.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    ray_dashboard = start_ray(args.address, args.metrics_export_port, args.dashboard, args.dashboard_port)
-    opts = options_from_args(args)
-    print("moeray serve: deploying (probe -> plan -> load -> wire) ...", file=sys.stderr)
-    from ray import serve
-
+    check_ports(args)
     try:
+        ray_dashboard = start_ray(args.address, args.metrics_export_port, args.dashboard, args.dashboard_port)
+        stop_on_signals()
+        opts = options_from_args(args)
+        print("moeray serve: deploying (probe -> plan -> load -> wire) ...", file=sys.stderr)
         url = start_server(opts, args.host, args.port, args.ready_timeout)
         report = stages_report(url, opts.api_key)
         for line in report["plan"]:
@@ -145,15 +208,31 @@ def run(args: argparse.Namespace) -> int:
         print(f"live stage page: {url}/dashboard" + ("?key=$MOERAY_API_KEY" if opts.api_key else ""))
         print(curl_example(url, report["model"], opts.api_key))
         sys.stdout.flush()
-        while True:  # serve until Ctrl-C
+        while True:  # serve until SIGINT / SIGTERM
             time.sleep(3600)
+    except Stop as stop:
+        print(f"moeray serve: {stop}: shutting down Serve, the stages and Ray ...", file=sys.stderr, flush=True)
     finally:
-        try:
-            serve.shutdown()
-        finally:
-            import ray
+        shutdown()
+    print("moeray serve: stopped", file=sys.stderr)
+    return 0
 
-            ray.shutdown()
+
+def shutdown() -> None:
+    """Serve (its replica owns the stage actors and closes them), then this driver's Ray: the
+    local cluster when this command started it, the connection when it joined one (--address)."""
+    import ray
+
+    if not ray.is_initialized():
+        return
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        from ray import serve
+
+        serve.shutdown()
+    finally:
+        ray.shutdown()
 
 
 def _has_gpus() -> bool:

@@ -8,5 +8,5 @@ fill     a stage's cache fill with the stop rule, and RangeTables to answer thou
 trunk    which dense pieces go on each card (value per byte of VRAM), priced inside every range
 search   the layer split: enumeration (S <= 4) and an exact DP (any S), latency or throughput
 slots    per-layer expert slots (one quota per layer at its own blob size)
-report   --plot
+report   the plan as text (short, --verbose) and --plot
 """

@@ -22,7 +22,7 @@ from moeray.planner.fill import RangeTables, slot_fill_ranks
 from moeray.planner.mass import MassModel, mass_model
 from moeray.planner.slots import GIB, SlotLayout, per_layer_slots
 from moeray.planner.spec import ModelSpec
-from moeray.planner.trunk import TrunkPolicy, TrunkPricer, expert_read_probability, format_bytes
+from moeray.planner.trunk import TrunkPolicy, TrunkPricer, expert_read_probability
 from moeray.errors import PlacementError
 
 DEFAULT_HANDOFF_MS = 1.0  # one stage-to-stage hop (a Ray call carrying a hidden vector)
@@ -108,23 +108,12 @@ class Plan:
         return (f"{head}: K={k} - predicted {self.predicted_ms:.1f} ms per decode step{obj}; the caches hold "
                 f"{self.held_pairs} of {self.n_pairs} profiled pairs (~{100 * share:.1f}% of the routed mass), {tail}")
 
-    def lines(self) -> list[str]:
-        out = [self.startup_line()]
-        for s in self.stages:
-            out.append(f"stage {s.index} ({s.device}): layers {s.first_layer}-{s.end_layer - 1}, "
-                       f"{s.stage_ms:.2f} ms, trunk {format_bytes(s.trunk_bytes)}, expert room "
-                       f"{format_bytes(s.expert_room)} holds {len(s.held_pairs)} pairs "
-                       f"({100 * s.held_mass / max(s.routed_mass, 1e-300):.1f}% of its routed mass)")
-            for d in s.trunk:
-                out.append(f"[place] stage {s.index}: {d['component']} ({format_bytes(d['bytes'])}) -> "
-                           f"{'gpu' if d['on_card'] else 'cpu'}: {d['why']}; expert room "
-                           f"{format_bytes(d['expert_room_after'])}")
-            if s.slots is not None:
-                out.append(f"[slots] stage {s.index}: {s.slots.message}; they hold {s.slot_pairs} pairs: "
-                           f"predicted hit rate {100 * s.predicted_hit_rate:.1f}%")
-        if self.mass is not None:
-            out.append(self.mass.line())
-        return out + self.notes
+    def lines(self, verbose: bool = False) -> list[str]:
+        """The plan as text: one line per stage and per departure from the default; `verbose`:
+        every trunk decision and slot layout (planner/report.py)."""
+        from moeray.planner.report import plan_lines
+
+        return plan_lines(self, verbose)
 
     def to_json(self) -> dict:
         return {

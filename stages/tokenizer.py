@@ -8,6 +8,7 @@ transformers' own jinja2 renderer, so the prompt text is what `apply_chat_templa
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -96,8 +97,11 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
-        """Token ids of `text`; special tokens written in the text (e.g. <|im_start|>) stay whole."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        """Token ids of `text`; special tokens written in the text (e.g. <|im_start|>) stay whole.
+        A lone UTF-16 surrogate (valid in JSON as "\\ud800", or from an undecodable byte in argv)
+        is not a character and `tokenizers` refuses the whole string: it becomes U+FFFD, as any
+        UTF-8 encoder that replaces errors would write it."""
+        ids = self.backend.encode(without_lone_surrogates(text), add_special_tokens=False).ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             if not ids or ids[0] != self.bos_id:  # a chat template may already start with BOS
                 ids = [self.bos_id] + ids
@@ -126,6 +130,15 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
         return self.encode(self.apply_chat_template(messages))
 
+
+
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def without_lone_surrogates(text: str) -> str:
+    """`text` with every lone surrogate code point replaced by U+FFFD (a str holds a surrogate only
+    when it is unpaired: json.loads joins a valid pair into one code point)."""
+    return _LONE_SURROGATE.sub("\ufffd", text)
 
 
 def _always_prefix_space(backend: Any) -> None:

@@ -22,7 +22,7 @@ def write_spec(path, L=8, E=16, k=2, blob=1_000_000, trunk=500_000):
 def test_plan_from_spec_writes_json(tmp_path, capsys):
     write_spec(tmp_path / "m.json")
     Profile.from_counts(np.random.default_rng(0).integers(0, 100, (8, 16))).save(tmp_path / "p.msgpack")
-    rc = main(["plan", "--spec", str(tmp_path / "m.json"), "--devices", "60MB:0.5:0.2,30MB:1:0.2",
+    rc = main(["plan", "--spec", str(tmp_path / "m.json"), "--devices", "60MB:0.5:0.2,30MB:1:0.2", "--verbose",
                "--profile", str(tmp_path / "p.msgpack"), "--json", str(tmp_path / "plan.json"), "--mass", "counts"])
     assert rc == 0
     out = capsys.readouterr().out
@@ -150,3 +150,56 @@ def test_plan_without_a_profile_predicts_the_uniform_share(tmp_path, capsys):
         n_pairs = (s["layers"][1] - s["layers"][0]) * 16
         assert s["held_mass"] / s["routed_mass"] == pytest.approx(s["held_pairs"] / n_pairs)
         assert s["predicted_hit_rate"] == pytest.approx(s["slot_pairs"] / n_pairs)
+
+
+def test_the_plan_reads_at_a_glance_and_verbose_keeps_every_decision(tmp_path, capsys):
+    """One line per stage and one per departure from the default (runs of layers merged);
+    --verbose prints every trunk decision and slot layout as before."""
+    L = 12
+    (tmp_path / "m.json").write_text(json.dumps({
+        "n_layers": L, "n_experts": 3, "n_experts_used": 2, "expert_bytes": [1_000_000] * L,
+        "trunk_bytes": {"embedding": 2_000_000, "head": 2_000_000, "layers": [500_000] * L}}))
+    args = ["plan", "--spec", str(tmp_path / "m.json"), "--devices", "12MB,12MB,8MB", "--cpu-factor", "2",
+            "--split", "K=4,8"]
+    assert main(args) == 0
+    short = capsys.readouterr().out.splitlines()
+    stage_lines = [ln for ln in short if ln.startswith("stage ")]
+    assert [ln.split()[:5] for ln in stage_lines] == [["stage", "0", "dev0", "layers", "0-3"],
+                                                     ["stage", "1", "dev1", "layers", "4-7"],
+                                                     ["stage", "2", "dev2", "layers", "8-11"]]
+    for ln in stage_lines:  # device, layers, trunk, slots, predicted hit rate, predicted ms
+        assert "trunk " in ln and " slots (" in ln and "predicted hit rate" in ln and ln.endswith(" ms")
+    # every layer trunk is worth less than the experts it would push out (2*p = 1.33 >= 1): off the
+    # card, one line per stage's run of layers, plus the head and the embedding
+    place = [ln for ln in short if ln.startswith("[place]")]
+    assert len(place) == 5
+    assert "[place] stage 1: layers 4-7 trunks (1.91 MiB) -> cpu: layer 4: the experts it would push out" in place[2]
+    assert any(ln.startswith("[place] stage 2: lm_head (1.91 MiB) -> cpu:") for ln in place)
+    assert len(short) == 1 + 3 + 5 + 1  # the split, the stages, the departures, the mass line
+    assert main(args + ["--verbose"]) == 0
+    verbose = capsys.readouterr().out.splitlines()
+    assert sum(ln.startswith("[place] stage 1: layer ") for ln in verbose) == 4
+    assert sum(ln.startswith("[slots] stage") for ln in verbose) == 3
+    assert verbose[0] == short[0] and verbose[-1] == short[-1]
+
+
+def test_plan_with_no_model_plans_the_default_model(default_model_path):
+    """`moeray plan --devices ...` with no MODEL is the embedded default model, as for every other
+    command: the same plan as naming its file, short (a stage a line), and still torch-free."""
+    from moeray.stages.default_profile import default_profile_for
+
+    default_profile_for(default_model_path, quiet=True)  # recorded here if it is missing
+    devices = ["--devices", "60MiB,60MiB,60MiB,60MiB"]
+    code = ("import sys; from moeray.cluster.cli import main; rc = main(sys.argv[1:]); "
+            "assert 'torch' not in sys.modules, 'heavy import'; sys.exit(rc)")
+    bare = subprocess.run([sys.executable, "-c", code, "plan", *devices], capture_output=True, text=True, timeout=120)
+    assert bare.returncode == 0, bare.stderr
+    named = subprocess.run([sys.executable, "-c", code, "plan", str(default_model_path), *devices],
+                           capture_output=True, text=True, timeout=120)
+    assert named.returncode == 0, named.stderr
+    assert bare.stdout == named.stdout
+    lines = bare.stdout.splitlines()
+    assert lines[0].startswith("layer split auto: K=")
+    assert sum(ln.startswith("stage ") for ln in lines) == 4
+    assert len(lines) <= 10  # 30 layers, 4 stages: no per-layer lines
+    assert str(default_model_path) in bare.stderr  # it says which model it planned

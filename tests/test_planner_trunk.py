@@ -31,7 +31,8 @@ def test_fits_is_placed_and_the_budget_shrinks_by_exactly_the_trunk():
     assert verdict(st, "lm_head") and verdict(st, "layer 0 trunk") and verdict(st, "layer 1 trunk")
     assert st.trunk_bytes == 1200 and st.expert_room == 10_000 - 1200
     assert st.host_trunk_ms == 0.0
-    assert any(line.startswith("[place] stage 0: lm_head (") for line in plan.lines())
+    assert any(line.startswith("[place] stage 0: lm_head (") for line in plan.lines(verbose=True))
+    assert not any(line.startswith("[place]") for line in plan.lines())  # all on the card: the default
 
 
 def test_too_big_stays_on_the_host_and_costs_host_time():

@@ -119,3 +119,15 @@ def test_missing_tokenizer_is_a_clear_error():
 
     with pytest.raises(GGUFError, match="no tokenizer"):
         Tokenizer.from_metadata({"general.architecture": "llama"}, source="x.gguf")
+
+
+def test_a_lone_surrogate_is_read_as_the_replacement_character(smollm2_dense_path):
+    """"\\ud800" is valid JSON and a Python str can hold it (argv's undecodable bytes arrive as
+    "\\udcff"), but it is no character: `tokenizers` refused the whole text (the server's 500).
+    It is read as U+FFFD, the character a replacing UTF-8 encoder writes, and the rest is intact."""
+    tok = Tokenizer.from_gguf(smollm2_dense_path)
+    for text, read_as in (("a\ud800b", "a\ufffdb"), ("\udfff", "\ufffd"), ("x\udcff y \ud83d", "x\ufffd y \ufffd")):
+        assert tok.encode(text) == tok.encode(read_as)
+    assert tok.decode(tok.encode("a\ud800b")) == "a\ufffdb"
+    chat = tok.encode_chat([{"role": "user", "content": "\ud800"}])
+    assert chat == tok.encode_chat([{"role": "user", "content": "\ufffd"}])
