@@ -30,6 +30,7 @@ class _Request(BaseModel):
     stream: StrictBool = False
     stream_options: Optional[dict] = None  # {"include_usage": true}
     user: Optional[StrictStr] = None
+    response_format: Optional["ResponseFormat"] = None  # structured output (stages/grammar.py)
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -43,11 +44,54 @@ class _Request(BaseModel):
         return bool(self.stream_options and self.stream_options.get("include_usage"))
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: StrictStr = Field(min_length=1, max_length=64)
+    description: Optional[StrictStr] = None
+    schema_: Union[dict, StrictBool, None] = Field(default=None, alias="schema")
+    strict: Optional[StrictBool] = None
+
+
+class ResponseFormat(BaseModel):
+    """{"type": "text"} | {"type": "json_object"} | {"type": "json_schema", "json_schema": {...}}"""
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: StrictStr = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: Optional[StrictStr] = None
+    parameters: Optional[dict] = None  # a JSON schema of the arguments object
+    strict: Optional[StrictBool] = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: dict  # {"name": ...}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[StrictStr, list[dict], None] = None
+    name: Optional[StrictStr] = None
+    tool_calls: Optional[list[dict]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[StrictStr] = None  # a tool message answers this call
 
     def text(self) -> str:
         """The message's text; OpenAI's list-of-parts form keeps its text parts."""
@@ -60,10 +104,16 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: Optional[StrictBool] = None
+    top_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=20)
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[StrictBool] = None
 
 
 class CompletionRequest(_Request):
     prompt: Union[StrictStr, list[StrictInt]]  # text, or token ids
+    logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=5)  # alternatives per token, as OpenAI
 
 
 class Usage(BaseModel):
@@ -83,16 +133,50 @@ def now() -> int:
 # ---------------------------------------------------------------- chat responses
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class TokenLogprobEntry(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: Optional[list[TokenLogprobEntry]] = None
+    refusal: Optional[list[TokenLogprobEntry]] = None
+
+
+class ToolCallFunction(BaseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ToolCallDelta(ToolCallOut):
+    index: int  # which call of the message this delta adds to
+
+
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str]
+    tool_calls: Optional[list[ToolCallOut]] = None
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: ResponseMessage
     finish_reason: Optional[str]
-    logprobs: None = None
+    logprobs: Optional[ChatLogprobs] = None
 
 
 class ChatCompletion(BaseModel):
@@ -107,13 +191,14 @@ class ChatCompletion(BaseModel):
 class Delta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCallDelta]] = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     finish_reason: Optional[str] = None
-    logprobs: None = None
+    logprobs: Optional[ChatLogprobs] = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -128,11 +213,18 @@ class ChatCompletionChunk(BaseModel):
 # ---------------------------------------------------------------- text completion responses
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = []
+    token_logprobs: list[Optional[float]] = []
+    top_logprobs: list[Optional[dict[str, float]]] = []
+    text_offset: list[int] = []
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: Optional[str]
-    logprobs: None = None
+    logprobs: Optional[CompletionLogprobs] = None
 
 
 class Completion(BaseModel):
@@ -168,3 +260,8 @@ class ErrorBody(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorBody
+
+
+_Request.model_rebuild()
+ChatCompletionRequest.model_rebuild()
+CompletionRequest.model_rebuild()

@@ -18,9 +18,6 @@ import json
 import threading
 from typing import Any, Optional
 
-import numpy as np
-import torch
-
 from moeray.errors import MoerayError
 
 # JSON as people write it and as models saw it in training: ", " and ": ", no free whitespace.
@@ -86,9 +83,11 @@ class GrammarMasks:
     def reset(self, slot: int) -> None:
         self.matchers.pop(slot, None)
 
-    def allowed(self, slot: int, grammar: str) -> torch.Tensor:
+    def allowed(self, slot: int, grammar: str):
         """Bool [n_vocab]: the tokens this slot's sequence may take next."""
         import llguidance
+        import numpy as np
+        import torch
 
         m = self.matchers.get(slot)
         if m is None:
@@ -122,10 +121,10 @@ def schema_from_response_format(response_format: dict) -> Optional[str]:
         return json_grammar(None)
     if kind == "json_schema":
         spec = response_format.get("json_schema")
-        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), (dict, bool)):
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema") or {}, (dict, bool)):
             raise GrammarError('json_schema must be an object {"name": ..., "schema": {...}}')
-        schema = spec.get("schema", {})
-        if schema is True or schema == {}:
+        schema = spec.get("schema")
+        if schema is None or schema is True or schema == {}:
             schema = {"type": "object"}
         if schema is False:
             raise GrammarError("a schema of `false` matches nothing")
