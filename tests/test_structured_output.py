@@ -13,7 +13,7 @@ import pytest
 from moeray.cluster.tools import ToolCallStream, parse_tool_calls
 from moeray.stages.sampling import SamplingParams
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 40},
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 150}},
           "required": ["name", "age"], "additionalProperties": False}
 WEATHER = {"type": "function", "function": {
@@ -68,23 +68,40 @@ def test_json_schema_output_parses_and_validates_greedy_and_sampled_and_ends_by_
     gen, tok = default_generator
     prompt = tok.encode_chat([{"role": "user", "content": "Describe a person as JSON with a name and an age."}])
     grammar = json_grammar(PERSON)
-    params = [SamplingParams(max_tokens=40, grammar=grammar),
-              SamplingParams(max_tokens=40, grammar=grammar, temperature=1.0, seed=11),
-              SamplingParams(max_tokens=40, grammar=json_grammar(None), temperature=0.8, seed=5),
-              SamplingParams(max_tokens=4, grammar=grammar)]
-    greedy, sampled, any_object, short = gen.generate([prompt] * 4, params)
+    params = [SamplingParams(max_tokens=32, grammar=grammar),
+              SamplingParams(max_tokens=32, grammar=grammar, temperature=1.0, seed=11),
+              SamplingParams(max_tokens=4, grammar=grammar),
+              SamplingParams(max_tokens=6)]  # one batch: the grammar is per sequence
+    greedy, sampled, short, free = gen.generate([prompt] * 4, params)
     for c in (greedy, sampled):
         assert c.finish_reason == "stop", c.text  # the grammar completed, then only the end token was allowed
         assert c.token_ids[-1] in tok.end_ids
         jsonschema.validate(json.loads(c.text), PERSON)
-    assert isinstance(json.loads(any_object.text), dict) and any_object.finish_reason == "stop"
-    # Unconstrained, the same model answers in prose or a ```json fence, not bare JSON:
-    free = gen.generate([prompt], SamplingParams(max_tokens=6))[0]
+    assert greedy.text != sampled.text
+    # Unconstrained, the same model (same batch) answers in prose, not bare JSON:
     with pytest.raises(json.JSONDecodeError):
         json.loads(free.text)
     # max_tokens still wins over an unfinished grammar: "length", and the text is a valid prefix.
     assert short.finish_reason == "length" and len(short.token_ids) == 4
     assert greedy.text.startswith(short.text)
+
+
+def test_moeray_generate_json_schema_flag(default_model_path, tmp_path, capsys):
+    import subprocess
+    import sys
+
+    from moeray.cluster.cli import main
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+              "additionalProperties": False}
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    cmd = [sys.executable, "-m", "moeray.cluster.cli", "generate", str(default_model_path), "--chat",
+           "--prompt", "What is the capital of France? Answer as JSON.", "--max-tokens", "20"]
+    r = subprocess.run(cmd + ["--json-schema", str(tmp_path / "s.json")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    jsonschema.validate(json.loads(r.stdout), schema)
+    assert main(cmd[3:] + ["--json-schema", '{"type": "nonsense"}']) == 2  # checked before the model loads
+    assert "moeray generate: error: --json-schema: Invalid type: nonsense" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- tools through the app, one process
