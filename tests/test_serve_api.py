@@ -406,6 +406,10 @@ def test_response_format_json_schema_and_json_object_through_serve(client):
     assert isinstance(json.loads(text), dict)
     short = client.chat.completions.create(model="moeray-test", messages=messages, max_tokens=3, response_format=fmt)
     assert short.choices[0].finish_reason == "length"  # max_tokens wins over an unfinished grammar
+    plain = client.completions.create(model="moeray-test", prompt="A person, as JSON:", max_tokens=40,
+                                      extra_body={"response_format": fmt})
+    assert plain.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(plain.choices[0].text), PERSON)
 
 
 @pytest.mark.parametrize("extra,param,words", [
