@@ -1,8 +1,8 @@
-"""Structured output, tool calls and log-probabilities without Ray: the grammar mask on the embedded
-default model in one process (the engine `moeray generate` runs), the Hermes tool-call parser on
-text, and the real FastAPI app over a one-process pipeline of a tiny GGUF whose chat template
-renders tools (tests/tool_model.py). The same features through the real `moeray serve` are in
-tests/test_serve_api.py."""
+"""Structured output and tool calls: the grammar mask on the embedded default model in one process
+(the engine `moeray generate` runs, and its --json-schema flag), the Hermes tool-call parser on
+text, and tools through the real `moeray serve --local` on a tiny GGUF whose chat template renders
+them (tests/tool_model.py). Log-probabilities, response_format over Ray stages and the 400 for a
+template without tools are in tests/test_serve_api.py (its server runs the default model)."""
 from __future__ import annotations
 
 import json
@@ -104,86 +104,115 @@ def test_moeray_generate_json_schema_flag(default_model_path, tmp_path, capsys):
     assert "moeray generate: error: --json-schema: Invalid type: nonsense" in capsys.readouterr().err
 
 
-# ---------------------------------------------------------------- tools through the app, one process
+# ---------------------------------------------------------------- tools through `moeray serve --local`
 
 
 @pytest.fixture(scope="module")
-def tool_app(tmp_path_factory):
-    from fastapi.testclient import TestClient
+def tool_server(tmp_path_factory):
+    """`moeray serve TOOLS.gguf --local` as a user starts it (Ray Serve, the whole model in the replica)."""
+    import subprocess
+    import sys
+    import threading
+    import time
 
-    from moeray.cluster.config import EngineConfig, ServeOptions
-    from moeray.cluster.serve_app import Service, build_app
+    openai = pytest.importorskip("openai")
+    from moeray.stages.transport import free_port
     from tool_model import write_tool_model
 
     path = write_tool_model(tmp_path_factory.mktemp("tools") / "tools.gguf")
-    service = Service(ServeOptions(model=str(path), model_name="tools", local=True,
-                                   engine=EngineConfig(max_seqs=4, max_len=1024)), log=None)
+    port, metrics_port = free_port(), free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "moeray.cluster.cli", "serve", str(path), "--local",
+                             "--max-seqs", "4", "--max-len", "1024", "--model-name", "tools", "--port", str(port),
+                             "--metrics-export-port", str(metrics_port), "--ready-timeout", "240"],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    deadline = time.monotonic() + 300
+    while not any(line.startswith("curl ") for line in lines):
+        assert proc.poll() is None, f"moeray serve exited with {proc.returncode}: {lines}"
+        assert time.monotonic() < deadline, f"moeray serve not up in 300 s: {lines}"
+        time.sleep(0.5)
+    url = f"http://127.0.0.1:{port}"
     try:
-        yield TestClient(build_app(service)), service
+        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120), url, path
     finally:
-        service.close()
+        proc.terminate()
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
 
 
 MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
-def chat(client, **body):
-    r = client.post("/v1/chat/completions", json={"model": "tools", "messages": MSGS, "max_tokens": 60, **body})
-    return r.status_code, r.json()
+def post(url: str, body: dict) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
 
 
-def stream(client, **body) -> list[dict]:
-    r = client.post("/v1/chat/completions", json={"model": "tools", "messages": MSGS, "max_tokens": 60,
-                                                  "stream": True, **body})
-    assert r.status_code == 200
-    events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
-    assert events[-1] == "[DONE]"
-    return [json.loads(e) for e in events[:-1]]
+def test_the_template_receives_the_tools(tool_server):
+    from moeray.cluster.tools import template_messages, template_renders_tools
+    from moeray.stages.tokenizer import Tokenizer
 
-
-def test_the_template_receives_the_tools(tool_app):
-    _, service = tool_app
-    prompt = service.tokenizer.apply_chat_template(MSGS, tools=[WEATHER])
+    tok = Tokenizer.from_gguf(tool_server[2])
+    assert template_renders_tools(tok)
+    prompt = tok.apply_chat_template(MSGS, tools=[WEATHER])
     assert '"name": "get_weather"' in prompt and "<tools>" in prompt
     # An earlier call and its result render as the template writes them (arguments as an object).
-    from moeray.cluster.tools import template_messages
-
     history = template_messages(MSGS + [
         {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
             "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
-    text = service.tokenizer.apply_chat_template(history, tools=[WEATHER])
+    text = tok.apply_chat_template(history, tools=[WEATHER])
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
     assert "<tool_response>\nsunny\n</tool_response>" in text
+    # ... and the server takes such a conversation (prompt tokens: the rendered history).
+    status, body = post(tool_server[1], {"model": "tools", "messages": history[:1] + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}], "tools": [WEATHER], "max_tokens": 2})
+    assert status == 200 and body["usage"]["prompt_tokens"] == len(tok.encode(tok.apply_chat_template(history, tools=[WEATHER])))
 
 
-def test_required_and_named_tool_choice_give_openai_tool_calls_streamed_and_not(tool_app):
-    client, _ = tool_app
+def test_required_and_named_tool_choice_give_openai_tool_calls_streamed_and_not(tool_server):
+    client = tool_server[0]
+    kw = dict(model="tools", messages=MSGS, max_tokens=60, tools=[WEATHER], parallel_tool_calls=False)
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        status, body = chat(client, tools=[WEATHER], tool_choice=choice, parallel_tool_calls=False)
-        assert status == 200, body
-        c = body["choices"][0]
-        assert c["finish_reason"] == "tool_calls" and c["message"]["content"] is None
-        (call,) = c["message"]["tool_calls"]
-        assert call["type"] == "function" and call["id"].startswith("call_") and set(call) == {"id", "type", "function"}
-        assert call["function"]["name"] == "get_weather"
-        jsonschema.validate(json.loads(call["function"]["arguments"]), WEATHER["function"]["parameters"])
-        chunks = stream(client, tools=[WEATHER], tool_choice=choice, parallel_tool_calls=False)
-        deltas = [ch["choices"][0]["delta"] for ch in chunks if ch["choices"]]
-        assert "".join(d.get("content") or "" for d in deltas) == ""  # the call never leaks as content
-        (streamed,) = [t for d in deltas for t in (d.get("tool_calls") or [])]
-        assert streamed["index"] == 0 and streamed["function"] == call["function"]
-        assert [ch["choices"][0]["finish_reason"] for ch in chunks if ch["choices"][0]["finish_reason"]] == ["tool_calls"]
+        r = client.chat.completions.create(**kw, tool_choice=choice)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.content is None
+        (call,) = c.message.tool_calls
+        assert call.type == "function" and call.id.startswith("call_") and call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+        chunks = list(client.chat.completions.create(**kw, tool_choice=choice, stream=True))
+        deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
+        assert "".join(d.content or "" for d in deltas) == ""  # the call never leaks as content
+        (streamed,) = [t for d in deltas for t in (d.tool_calls or [])]
+        assert streamed.index == 0 and streamed.function.name == "get_weather"
+        assert streamed.function.arguments == call.function.arguments  # the grammar and greedy: the same call
+        assert [ch.choices[0].finish_reason for ch in chunks if ch.choices[0].finish_reason] == ["tool_calls"]
 
 
-def test_auto_tools_on_a_random_model_return_its_text_and_bad_tool_requests_are_400(tool_app):
-    client, _ = tool_app
-    status, body = chat(client, tools=[WEATHER], max_tokens=8)  # tool_choice auto: no call in random text
+def test_auto_tools_on_a_random_model_return_its_text_and_bad_tool_requests_are_400(tool_server):
+    url = tool_server[1]
+    base = {"model": "tools", "messages": MSGS, "max_tokens": 8}
+    status, body = post(url, {**base, "tools": [WEATHER]})  # tool_choice auto: no call in random text
     assert status == 200 and body["choices"][0]["message"]["tool_calls"] is None
     assert body["choices"][0]["finish_reason"] == "length" and body["choices"][0]["message"]["content"]
-    status, body = chat(client, tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}})
+    status, body = post(url, {**base, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}})
     assert status == 400 and body["error"]["param"] == "tool_choice" and "nope" in body["error"]["message"]
-    status, body = chat(client, tool_choice="required")
+    status, body = post(url, {**base, "tool_choice": "required"})
     assert status == 400 and body["error"]["param"] == "tool_choice"
-    status, body = chat(client, tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"})
+    status, body = post(url, {**base, "tools": [WEATHER], "tool_choice": "required",
+                              "response_format": {"type": "json_object"}})
     assert status == 400 and body["error"]["param"] == "response_format"
