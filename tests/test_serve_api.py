@@ -332,7 +332,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age"], "additionalProperties": False}
 
 
-def _logits_cli(path, ids: list[int], out) -> "np.ndarray":
+def _logits_cli(path, ids: list[int], out):
     """log-softmax of `moeray logits` (the same quantised route the server runs) at every position."""
     import numpy as np
 
