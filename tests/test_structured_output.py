@@ -1,5 +1,5 @@
 """Structured output and tool calls: the grammar mask on the embedded default model in one process
-(the engine `moeray generate` runs, and its --json-schema flag), the Hermes tool-call parser on
+(`moeray generate --json-schema`, the engine `moeray serve` runs), the Hermes tool-call parser on
 text, and tools through the real `moeray serve --local` on a tiny GGUF whose chat template renders
 them (tests/tool_model.py). Log-probabilities, response_format over Ray stages and the 400 for a
 template without tools are in tests/test_serve_api.py (its server runs the default model)."""
@@ -11,11 +11,7 @@ import jsonschema
 import pytest
 
 from moeray.cluster.tools import ToolCallStream, parse_tool_calls
-from moeray.stages.sampling import SamplingParams
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 150}},
-          "required": ["name", "age"], "additionalProperties": False}
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "the weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Tokyo", "Lima"]}},
@@ -52,40 +48,6 @@ def test_streamed_content_is_held_back_from_where_a_tool_call_may_start():
 # ---------------------------------------------------------------- the grammar mask, one process
 
 
-@pytest.fixture(scope="module")
-def default_generator(default_model_path):
-    from moeray.cluster.engine import Generator
-    from moeray.stages.model import load_model
-    from moeray.stages.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_gguf(default_model_path)
-    return Generator(load_model(default_model_path), tok), tok
-
-
-def test_json_schema_output_parses_and_validates_greedy_and_sampled_and_ends_by_itself(default_generator):
-    from moeray.stages.grammar import json_grammar
-
-    gen, tok = default_generator
-    prompt = tok.encode_chat([{"role": "user", "content": "Describe a person as JSON with a name and an age."}])
-    grammar = json_grammar(PERSON)
-    params = [SamplingParams(max_tokens=32, grammar=grammar),
-              SamplingParams(max_tokens=32, grammar=grammar, temperature=1.0, seed=11),
-              SamplingParams(max_tokens=4, grammar=grammar),
-              SamplingParams(max_tokens=6)]  # one batch: the grammar is per sequence
-    greedy, sampled, short, free = gen.generate([prompt] * 4, params)
-    for c in (greedy, sampled):
-        assert c.finish_reason == "stop", c.text  # the grammar completed, then only the end token was allowed
-        assert c.token_ids[-1] in tok.end_ids
-        jsonschema.validate(json.loads(c.text), PERSON)
-    assert greedy.text != sampled.text
-    # Unconstrained, the same model (same batch) answers in prose, not bare JSON:
-    with pytest.raises(json.JSONDecodeError):
-        json.loads(free.text)
-    # max_tokens still wins over an unfinished grammar: "length", and the text is a valid prefix.
-    assert short.finish_reason == "length" and len(short.token_ids) == 4
-    assert greedy.text.startswith(short.text)
-
-
 def test_moeray_generate_json_schema_flag(default_model_path, tmp_path, capsys):
     import subprocess
     import sys
@@ -97,9 +59,13 @@ def test_moeray_generate_json_schema_flag(default_model_path, tmp_path, capsys):
     (tmp_path / "s.json").write_text(json.dumps(schema))
     cmd = [sys.executable, "-m", "moeray.cluster.cli", "generate", str(default_model_path), "--chat",
            "--prompt", "What is the capital of France? Answer as JSON.", "--max-tokens", "20"]
-    r = subprocess.run(cmd + ["--json-schema", str(tmp_path / "s.json")], capture_output=True, text=True, timeout=300)
+    # Sampled here; greedy, sampled and max_tokens over Ray stages are tests/test_serve_api.py's (the same
+    # StageRunner.sample masks both). The grammar completes, then only the end token is allowed: it stops.
+    r = subprocess.run(cmd + ["--json-schema", str(tmp_path / "s.json"), "--temperature", "0.8", "--seed", "11"],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     jsonschema.validate(json.loads(r.stdout), schema)
+    assert "decode: " in r.stderr and int(r.stderr.split("decode: ")[1].split()[0]) < 19  # ended before max_tokens
     assert main(cmd[3:] + ["--json-schema", '{"type": "nonsense"}']) == 2  # checked before the model loads
     assert "moeray generate: error: --json-schema: Invalid type: nonsense" in capsys.readouterr().err
 
@@ -209,6 +175,9 @@ def test_auto_tools_on_a_random_model_return_its_text_and_bad_tool_requests_are_
     status, body = post(url, {**base, "tools": [WEATHER]})  # tool_choice auto: no call in random text
     assert status == 200 and body["choices"][0]["message"]["tool_calls"] is None
     assert body["choices"][0]["finish_reason"] == "length" and body["choices"][0]["message"]["content"]
+    with_tools = body["usage"]["prompt_tokens"]
+    status, body = post(url, {**base, "tools": [WEATHER], "tool_choice": "none"})  # the template gets no tools
+    assert status == 200 and body["usage"]["prompt_tokens"] < with_tools and body["choices"][0]["message"]["tool_calls"] is None
     status, body = post(url, {**base, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}})
     assert status == 400 and body["error"]["param"] == "tool_choice" and "nope" in body["error"]["message"]
     status, body = post(url, {**base, "tool_choice": "required"})
