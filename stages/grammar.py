@@ -39,7 +39,7 @@ def json_grammar(schema: Optional[dict] = None) -> str:
     try:
         return llguidance.LLMatcher.grammar_from_json_schema(
             {"type": "object"} if schema is None else schema, overrides=JSON_STYLE)
-    except (ValueError, TypeError) as exc:
+    except Exception as exc:  # noqa: BLE001 - ValueError/TypeError documented; any refusal is a 400
         raise GrammarError(f"not a usable JSON schema: {exc}") from None
 
 
@@ -68,7 +68,10 @@ def check_grammar(grammar: str, tokenizer) -> None:
     """Raise GrammarError naming the problem if `grammar` does not compile for this tokenizer."""
     import llguidance
 
-    failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll_tokenizer(tokenizer))
+    try:
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll_tokenizer(tokenizer))
+    except Exception as exc:  # noqa: BLE001 - whatever the engine refuses is the request's problem, not a 500
+        raise GrammarError(f"the grammar engine refused it: {exc}") from None
     if failed:
         raise GrammarError(messages[0] if messages else "the grammar does not compile")
 
