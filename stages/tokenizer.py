@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from moeray.errors import GGUFError
+from moeray.errors import GGUFError, MoerayError
 
 # Tokens llama.cpp treats as end-of-generation when a vocabulary has them (its EOG set), besides
 # the file's eos id: an instruct model ends its turn with <|im_end|> but a base-style continuation
@@ -116,14 +116,17 @@ class Tokenizer:
             raise GGUFError("this GGUF has no tokenizer.chat_template; run without --chat")
         bos = self.backend.id_to_token(self.bos_id) if self.bos_id is not None else ""
         eos = self.backend.id_to_token(self.eos_id) if self.eos_id is not None else ""
-        rendered, _ = render_jinja_template(
-            conversations=[messages],
-            tools=tools,
-            chat_template=self.chat_template,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=bos,
-            eos_token=eos,
-        )
+        try:
+            rendered, _ = render_jinja_template(
+                conversations=[messages],
+                tools=tools,
+                chat_template=self.chat_template,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=bos,
+                eos_token=eos,
+            )
+        except Exception as exc:  # noqa: BLE001 - a template's raise_exception(), or data it cannot print
+            raise MoerayError(f"the model's chat template refused this conversation: {exc}") from None
         return rendered[0]
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
