@@ -32,7 +32,7 @@ from moeray.cluster.config import EngineConfig
 from moeray.cluster.remote import StageFailedError
 from moeray.errors import MoerayError
 from moeray.stages.actor import StepBatch
-from moeray.stages.sampling import SamplingParams, StopStringStream
+from moeray.stages.sampling import SamplingParams, StepOutput, StopStringStream, TokenLogprob
 
 
 @dataclass
@@ -53,6 +53,7 @@ class Request:
     t_arrive: float = field(default_factory=time.perf_counter)
     t_first: Optional[float] = None
     t_done: Optional[float] = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when params.logprobs is set
 
     @property
     def done(self) -> bool:
@@ -148,22 +149,26 @@ class Scheduler:
             row.req.busy = True
         return ScheduledStep(next(self._steps), lane, rows)
 
-    def postprocess(self, step: ScheduledStep, tokens: Sequence[Optional[int]]) -> None:
-        """Hand each row its sampled token and apply the finish rules."""
+    def postprocess(self, step: ScheduledStep, tokens: Sequence[Optional[int]] | StepOutput) -> None:
+        """Hand each row its sampled token (and its log-probabilities) and apply the finish rules."""
         self.stats.steps += 1
         now = time.perf_counter()
-        for row, tok in zip(step.rows, tokens):
+        result = StepOutput.of(tokens)
+        logprobs = result.logprobs or [None] * len(result.tokens)
+        for row, tok, lp in zip(step.rows, result.tokens, logprobs):
             req = row.req
             req.busy = False
             if req.done:  # aborted while its step was in flight: the slot is free now
                 self._release(req)
             elif tok is not None:  # None: the row was a prompt chunk with more to come
-                self._append(req, tok, now)
+                self._append(req, tok, now, lp)
 
-    def _append(self, req: Request, tok: int, now: float) -> None:
+    def _append(self, req: Request, tok: int, now: float, logprob: Optional[TokenLogprob] = None) -> None:
         if req.t_first is None:
             req.t_first = now
         req.output.append(tok)
+        if logprob is not None:
+            req.logprobs.append(logprob)
         if tok in self.eos_ids and not req.params.ignore_eos:
             if req.detok is not None:
                 req.detok.finish()  # the end token itself is not text
@@ -207,7 +212,7 @@ class Pipeline(Protocol):
 
     def submit(self, batch: StepBatch) -> Any: ...
 
-    def result(self, handle: Any, timeout_s: float) -> list[Optional[int]]: ...
+    def result(self, handle: Any, timeout_s: float) -> list[Optional[int]] | StepOutput: ...
 
     def recover(self) -> None: ...
 
@@ -342,7 +347,7 @@ class LocalPipeline:
     def submit(self, batch: StepBatch) -> Any:
         return self.stage.step(batch)  # done when it returns: the handle is the result
 
-    def result(self, handle: Any, timeout_s: float) -> list[Optional[int]]:
+    def result(self, handle: Any, timeout_s: float) -> list[Optional[int]] | StepOutput:
         return handle
 
     def recover(self) -> None:

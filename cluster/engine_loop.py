@@ -36,6 +36,7 @@ class EngineDownError(MoerayError):
 class Delta:
     text: str  # newly released text ("" while held back: a possible stop string, a partial character)
     n_tokens: int  # tokens generated since the last Delta
+    logprobs: list = field(default_factory=list)  # their TokenLogprobs, when the request asked for them
 
 
 @dataclass
@@ -190,8 +191,9 @@ class EngineLoop:
             n_new = len(req.output) - s.sent_tokens
             if n_new:
                 text = req.text[s.sent_chars:]
+                logprobs = req.logprobs[s.sent_tokens:len(req.output)]
                 s.sent_tokens, s.sent_chars = len(req.output), len(req.text)
-                s._put(Delta(text, n_new))
+                s._put(Delta(text, n_new, logprobs))
                 if self.on_tokens is not None:
                     self.on_tokens(s, n_new, now)
                 s.t_last = now

@@ -27,6 +27,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-p", type=float, default=d.top_p, help="1 = off")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--stop", action="append", default=[], metavar="STR", help="stop before this text (repeatable)")
+    p.add_argument("--json", action="store_true", help="constrain the output to a JSON object (a grammar mask)")
+    p.add_argument("--json-schema", metavar="SCHEMA", help="constrain the output to JSON matching this schema "
+                                                           "(inline JSON, or a file path)")
     p.add_argument("--rebuild", action="store_true", help="rebuild the embedded default model first")
     p.add_argument("--exact", action="store_true",
                    help="debugging: dequantise every weight to float32 once (4 bytes a weight) instead of "
@@ -55,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise MoerayError(str(exc)) from None
+    grammar = _grammar(args)
     path = resolve_model(args.model, args.rebuild)
     if args.profile is None:  # the embedded default model's recorded routing (None for other models)
         from moeray.stages.default_profile import default_profile_for
@@ -68,6 +72,16 @@ def run(args: argparse.Namespace) -> int:
 
     gguf = GGUFFile(path)  # validates the whole file before anything is loaded
     tokenizer = Tokenizer.from_metadata(gguf.metadata, source=path)
+    if grammar is not None:
+        import dataclasses
+
+        from moeray.stages.grammar import GrammarError, check_grammar
+
+        try:
+            check_grammar(grammar, tokenizer)
+        except GrammarError as exc:
+            raise MoerayError(f"--json-schema: {exc}") from None
+        params = dataclasses.replace(params, grammar=grammar)
     if getattr(args, "exact", False):
         from moeray.stages.qmatmul import set_route
 
@@ -92,6 +106,29 @@ def run(args: argparse.Namespace) -> int:
         print(_format_cache(cache.stats()), file=sys.stderr)
     model.experts.close()  # flushes a routing trace
     return 0
+
+
+def _grammar(args) -> str | None:
+    """--json / --json-schema as a grammar (stages/grammar.py), the one `response_format` gives."""
+    import json
+    import os
+
+    from moeray.stages.grammar import json_grammar
+
+    if args.json_schema is None:
+        return json_grammar(None) if args.json else None
+    text = args.json_schema
+    if not text.lstrip().startswith("{") and os.path.isfile(text):
+        with open(text) as f:
+            text = f.read()
+    try:
+        schema = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise MoerayError(f"--json-schema is not JSON ({exc}); give a schema such as "
+                          '\'{"type": "object", "properties": {"a": {"type": "integer"}}}\' or a file') from None
+    if not isinstance(schema, dict):
+        raise MoerayError("--json-schema must be a JSON object (a JSON schema)")
+    return json_grammar(schema)
 
 
 # On CPU the "device" is host RAM: 200 MiB of slots holds ~120 of the default model's 240 Q4_1

@@ -31,12 +31,9 @@ _UNSUPPORTED_BOTH: dict[str, tuple] = {
 UNSUPPORTED_CHAT: dict[str, tuple] = {
     **_UNSUPPORTED_BOTH, "store": (False,), "modalities": (["text"],), "audio": (), "prediction": (),
     "reasoning_effort": (), "verbosity": (), "web_search_options": (), "service_tier": ("auto", "default"),
-    "parallel_tool_calls": (True,), "functions": (), "function_call": (),
+    "functions": (), "function_call": (),
 }
 UNSUPPORTED_COMPLETIONS: dict[str, tuple] = {**_UNSUPPORTED_BOTH, "best_of": (1,), "echo": (False,), "suffix": ()}
-# Implemented on branch i12a (issue 12, items 2-4), which declares them as fields: accepted here
-# until that merge, which deletes this line.
-PENDING: frozenset[str] = frozenset({"logprobs", "top_logprobs", "response_format", "tools", "tool_choice"})
 
 
 def _asks_nothing(value: Any, neutral: tuple) -> bool:
@@ -81,6 +78,7 @@ class _Request(BaseModel):
     safety_identifier: Optional[StrictStr] = None
     prompt_cache_key: Optional[StrictStr] = None
     metadata: Optional[dict[StrictStr, StrictStr]] = None
+    response_format: Optional["ResponseFormat"] = None  # structured output (stages/grammar.py)
 
     @model_validator(mode="before")
     @classmethod
@@ -88,7 +86,7 @@ class _Request(BaseModel):
         if not isinstance(data, dict):
             return data
         for name, value in data.items():
-            if name in cls.model_fields or name in PENDING:
+            if name in cls.model_fields:
                 continue
             if name not in cls.unsupported:
                 raise PydanticCustomError(
@@ -117,11 +115,54 @@ class _Request(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: StrictStr = Field(min_length=1, max_length=64)
+    description: Optional[StrictStr] = None
+    schema_: Union[dict, StrictBool, None] = Field(default=None, alias="schema")
+    strict: Optional[StrictBool] = None
+
+
+class ResponseFormat(BaseModel):
+    """{"type": "text"} | {"type": "json_object"} | {"type": "json_schema", "json_schema": {...}}"""
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class FunctionSpec(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: StrictStr = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    description: Optional[StrictStr] = None
+    parameters: Optional[dict] = None  # a JSON schema of the arguments object
+    strict: Optional[StrictBool] = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["function"]
+    function: dict  # {"name": ...}
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[StrictStr, list[dict], None] = None
+    name: Optional[StrictStr] = None
+    tool_calls: Optional[list[dict]] = None  # an assistant's earlier calls
+    tool_call_id: Optional[StrictStr] = None  # a tool message answers this call
 
     @field_validator("content")
     @classmethod
@@ -151,6 +192,11 @@ class ChatCompletionRequest(_Request):
     endpoint: ClassVar[str] = "chat/completions"
 
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: Optional[StrictBool] = None
+    top_logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=20)
+    tools: Optional[list[Tool]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
+    parallel_tool_calls: Optional[StrictBool] = None
 
 
 class CompletionRequest(_Request):
@@ -158,6 +204,7 @@ class CompletionRequest(_Request):
     endpoint: ClassVar[str] = "completions"
 
     prompt: Union[StrictStr, list[StrictInt]]  # text, or token ids
+    logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=5)  # alternatives per token, as OpenAI
 
 
 class Usage(BaseModel):
@@ -177,16 +224,50 @@ def now() -> int:
 # ---------------------------------------------------------------- chat responses
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+
+
+class TokenLogprobEntry(BaseModel):
+    token: str
+    logprob: float
+    bytes: Optional[list[int]] = None
+    top_logprobs: list[TopLogprob] = []
+
+
+class ChatLogprobs(BaseModel):
+    content: Optional[list[TokenLogprobEntry]] = None
+    refusal: Optional[list[TokenLogprobEntry]] = None
+
+
+class ToolCallFunction(BaseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
+class ToolCallDelta(ToolCallOut):
+    index: int  # which call of the message this delta adds to
+
+
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: Optional[str]
+    tool_calls: Optional[list[ToolCallOut]] = None
 
 
 class ChatChoice(BaseModel):
     index: int = 0
     message: ResponseMessage
     finish_reason: Optional[str]
-    logprobs: None = None
+    logprobs: Optional[ChatLogprobs] = None
 
 
 class ChatCompletion(BaseModel):
@@ -201,13 +282,14 @@ class ChatCompletion(BaseModel):
 class Delta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCallDelta]] = None
 
 
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: Delta
     finish_reason: Optional[str] = None
-    logprobs: None = None
+    logprobs: Optional[ChatLogprobs] = None
 
 
 class ChatCompletionChunk(BaseModel):
@@ -222,11 +304,18 @@ class ChatCompletionChunk(BaseModel):
 # ---------------------------------------------------------------- text completion responses
 
 
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = []
+    token_logprobs: list[Optional[float]] = []
+    top_logprobs: list[Optional[dict[str, float]]] = []
+    text_offset: list[int] = []
+
+
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
     finish_reason: Optional[str]
-    logprobs: None = None
+    logprobs: Optional[CompletionLogprobs] = None
 
 
 class Completion(BaseModel):
@@ -262,3 +351,8 @@ class ErrorBody(BaseModel):
 
 class ErrorResponse(BaseModel):
     error: ErrorBody
+
+
+_Request.model_rebuild()
+ChatCompletionRequest.model_rebuild()
+CompletionRequest.model_rebuild()

@@ -34,8 +34,10 @@ from fastapi import Request
 from jinja2.exceptions import TemplateError
 
 from moeray.cluster import openai_schema as oa
+from moeray.cluster import request_extras as xt
 from moeray.cluster.config import ServeOptions, resolve_model
 from moeray.cluster.engine_loop import EngineDownError, EngineLoop, Finished, OverloadedError, Stream
+from moeray.cluster.tools import ToolCallStream, parse_tool_calls, template_messages
 from moeray.errors import MoerayError
 from moeray.stages.sampling import SamplingParams
 
@@ -263,6 +265,7 @@ class Outcome:
     finish_reason: Optional[str] = None
     completion_tokens: int = 0
     done: bool = False
+    logprobs: list = dataclasses.field(default_factory=list)  # TokenLogprobs so far, when asked for
 
 
 async def text_deltas(service: Service, prep: Prepared, outcome: Outcome) -> AsyncIterator[str]:
@@ -291,6 +294,7 @@ async def text_deltas(service: Service, prep: Prepared, outcome: Outcome) -> Asy
                 outcome.finish_reason, outcome.done = item.reason, True
                 return
             outcome.completion_tokens += item.n_tokens
+            outcome.logprobs.extend(item.logprobs)
             if item.text:
                 parts.append(item.text)
                 yield item.text
@@ -377,56 +381,107 @@ def build_app(service: Service):
                     pass
             await gen.aclose()
 
+    def bad_request(message: str, param: str) -> APIError:
+        return APIError(400, message, param=param, code="invalid_value")
+
     @app.post("/v1/chat/completions")
     async def chat(body: oa.ChatCompletionRequest, request: Request):
-        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text()}
+        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text(),
+                     **m.model_dump(include={"name", "tool_calls", "tool_call_id"}, exclude_none=True)}
                     for m in body.messages]
+        extras = xt.chat_extras(service, body, bad_request)
         try:
-            prompt = service.tokenizer.encode_chat(messages)
+            prompt = service.tokenizer.encode_chat(template_messages(messages), tools=extras.tools)
         except MoerayError as exc:
             raise APIError(400, str(exc), param="messages") from None
         except TemplateError as exc:  # the template's own raise_exception(...): roles out of order, ...
             raise APIError(400, f"the model's chat template rejected the messages: {exc}", param="messages",
                            code="invalid_value") from None
         prep = prepare(service, body, prompt)
+        await asyncio.to_thread(xt.check_extras, service, extras, bad_request)
+        prep.params = xt.apply(prep.params, extras)
         rid, created, out = oa.new_id("chatcmpl"), oa.now(), Outcome()
+
+        def logprobs(lps):
+            return xt.chat_logprobs(service.tokenizer, lps) if extras.logprobs is not None else None
+
         if not body.stream:
             text = await collect(request, prep, out)
+            content, calls = parse_tool_calls(text) if extras.tools else (text, [])
+            message = oa.ResponseMessage(content=(content or None) if calls else content, tool_calls=[
+                oa.ToolCallOut(id=c.id, function=oa.ToolCallFunction(name=c.name, arguments=c.arguments))
+                for c in calls] or None)
             return oa.ChatCompletion(id=rid, created=created, model=service.model_name, choices=[
-                oa.ChatChoice(message=oa.ResponseMessage(content=text), finish_reason=out.finish_reason)],
+                oa.ChatChoice(message=message, finish_reason="tool_calls" if calls else out.finish_reason,
+                              logprobs=logprobs(out.logprobs))],
                 usage=usage(len(prompt), out))
         gen = text_deltas(service, prep, out)
         first = await _first_or_error(gen)
+        held = ToolCallStream() if extras.tools else None
+        sent_lp = [0]
 
-        def chunk(delta: oa.Delta, finish=None, use=None) -> str:
+        def new_logprobs():
+            lps, sent_lp[0] = out.logprobs[sent_lp[0]:], len(out.logprobs)
+            return logprobs(lps) if lps else None
+
+        def chunk(delta: oa.Delta, finish=None, use=None, lps=None) -> str:
             return _sse(oa.ChatCompletionChunk(id=rid, created=created, model=service.model_name, choices=[
-                oa.ChatChunkChoice(delta=delta, finish_reason=finish)], usage=use))
+                oa.ChatChunkChoice(delta=delta, finish_reason=finish, logprobs=lps)], usage=use))
+
+        def content_chunk(text: str) -> str:
+            if held is not None:
+                text = held.push(text)
+            lps = new_logprobs()
+            return chunk(oa.Delta(content=text), lps=lps) if text or lps else ""
 
         def closing():
-            yield chunk(oa.Delta(), out.finish_reason, usage(len(prompt), out))
+            finish = out.finish_reason
+            rest, calls = held.finish() if held is not None else ("", [])
+            lps = new_logprobs()
+            if rest or lps:
+                yield chunk(oa.Delta(content=rest), lps=lps)
+            if calls:
+                finish = "tool_calls"
+                yield chunk(oa.Delta(tool_calls=[
+                    oa.ToolCallDelta(index=i, id=c.id, function=oa.ToolCallFunction(name=c.name, arguments=c.arguments))
+                    for i, c in enumerate(calls)]))
+            yield chunk(oa.Delta(), finish, usage(len(prompt), out))
             if body.include_usage_in_stream():
                 yield _sse(oa.ChatCompletionChunk(id=rid, created=created, model=service.model_name,
                                                   choices=[], usage=usage(len(prompt), out)))
 
-        events = _events(first, gen, lambda delta: chunk(oa.Delta(content=delta)), closing,
+        events = _events(first, gen, content_chunk, closing,
                          opening=chunk(oa.Delta(role="assistant", content="")))
         return StreamingResponse(events, media_type="text/event-stream")
 
     @app.post("/v1/completions")
     async def completions(body: oa.CompletionRequest, request: Request):
         prompt = service.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+        extras = xt.completion_extras(service, body, bad_request)
         prep = prepare(service, body, prompt)
+        await asyncio.to_thread(xt.check_extras, service, extras, bad_request)
+        prep.params = xt.apply(prep.params, extras)
         rid, created, out = oa.new_id("cmpl"), oa.now(), Outcome()
+        sent = [0, 0]  # log-probabilities and characters already sent
+
+        def logprobs():
+            if extras.logprobs is None:
+                return None
+            lps = xt.completion_logprobs(service.tokenizer, out.logprobs[sent[0]:], sent[1])
+            sent[0], sent[1] = len(out.logprobs), sent[1] + sum(map(len, lps.tokens))
+            return lps
+
         if not body.stream:
             text = await collect(request, prep, out)
             return oa.Completion(id=rid, created=created, model=service.model_name, choices=[
-                oa.CompletionChoice(text=text, finish_reason=out.finish_reason)], usage=usage(len(prompt), out))
+                oa.CompletionChoice(text=text, finish_reason=out.finish_reason, logprobs=logprobs())],
+                usage=usage(len(prompt), out))
         gen = text_deltas(service, prep, out)
         first = await _first_or_error(gen)
 
         def chunk(text: str, finish=None, use=None) -> str:
             return _sse(oa.Completion(id=rid, created=created, model=service.model_name, choices=[
-                oa.CompletionChoice(text=text, finish_reason=finish)], usage=use))
+                oa.CompletionChoice(text=text, finish_reason=finish, logprobs=logprobs())], usage=use))
 
         def closing():
             yield chunk("", out.finish_reason, usage(len(prompt), out))
@@ -503,7 +558,8 @@ async def _events(first, gen: AsyncIterator[str], text_chunk, closing, opening: 
         if opening is not None:
             yield opening
         async for delta in _chain(first, gen):
-            yield text_chunk(delta)
+            if line := text_chunk(delta):  # "" while text is held back (a possible tool call)
+                yield line
         for line in closing():
             yield line
     except APIError as exc:

@@ -118,35 +118,66 @@ class StageRunner:
     def __init__(self, model, kv):
         self.model, self.kv = model, kv
         self.generators: dict[int, Any] = {}  # slot -> the torch.Generator of its sequence
+        self.grammars = None  # stages/grammar.GrammarMasks, made on the first constrained request
 
     def begin(self, batch: StepBatch):
         for slot, fresh in zip(batch.slots, batch.fresh):
             if fresh:  # a new sequence in this slot: empty KV, a sampler from its own seed
                 self.kv.reset(slot)
                 self.generators.pop(slot, None)
+                if self.grammars is not None:
+                    self.grammars.reset(slot)
         self.kv.check_room(batch.slots, batch.n_new)
         return self.model.batch_meta(batch.n_new, batch.slots, self.kv)
 
     def layers(self, x, meta):
         return self.model.run_layers(x, meta, self.kv)
 
-    def sample(self, batch: StepBatch, x, meta) -> list[int | None]:
-        """A token per sequence whose params ask for one (its prompt is fully fed), else None."""
-        from moeray.stages.sampling import sample
+    def sample(self, batch: StepBatch, x, meta):
+        """A token per sequence whose params ask for one (its prompt is fully fed), else None; a
+        StepOutput when some sequence asked for log-probabilities too. A sequence with a grammar
+        samples only among the tokens its grammar allows next, from the same logits."""
+        from moeray.stages.sampling import StepOutput, sample, token_logprobs
 
         want = [i for i, p in enumerate(batch.sample) if p is not None]
         out: list[int | None] = [None] * len(batch.slots)
-        if want:
-            logits = self.model.head(x[meta.last_index[want]])
-            for i in want:
-                if batch.slots[i] not in self.generators:
-                    self.generators[batch.slots[i]] = batch.sample[i].new_generator()
-            toks = sample(logits, [batch.sample[i] for i in want], [self.generators[batch.slots[i]] for i in want])
-            for i, tok in zip(want, toks):
-                out[i] = tok
-        return out
+        if not want:
+            return out
+        logits = self.model.head(x[meta.last_index[want]])
+        params = [batch.sample[i] for i in want]
+        slots = [batch.slots[i] for i in want]
+        for slot, p in zip(slots, params):
+            if slot not in self.generators:
+                self.generators[slot] = p.new_generator()
+        allowed = None
+        if any(p.grammar for p in params):
+            grammars = self._grammars(logits.shape[-1])
+            allowed = [grammars.allowed(slot, p.grammar) if p.grammar else None for slot, p in zip(slots, params)]
+        toks = sample(logits, params, [self.generators[slot] for slot in slots], allowed)
+        for i, tok in zip(want, toks):
+            out[i] = tok
+        if allowed is not None:
+            for slot, p, tok in zip(slots, params, toks):
+                if p.grammar:
+                    self.grammars.advance(slot, tok)
+        if all(p.logprobs is None for p in params):
+            return out
+        logprobs = [None] * len(batch.slots)
+        for row, (i, p, tok) in enumerate(zip(want, params, toks)):
+            if p.logprobs is not None:
+                logprobs[i] = token_logprobs(logits[row], tok, p.logprobs)
+        return StepOutput(out, logprobs)
 
-    def step(self, batch: StepBatch) -> list[int | None]:
+    def _grammars(self, n_vocab: int):
+        if self.grammars is None:
+            from moeray.stages.grammar import GrammarMasks
+            from moeray.stages.tokenizer import Tokenizer
+
+            tokenizer = Tokenizer.from_metadata(self.model.gguf.metadata, source=self.model.gguf.path)
+            self.grammars = GrammarMasks(tokenizer, n_vocab)
+        return self.grammars
+
+    def step(self, batch: StepBatch):
         """The whole model in this process: embed, every layer, sample."""
         meta = self.begin(batch)
         return self.sample(batch, self.layers(self.model.embed(batch.tokens), meta), meta)

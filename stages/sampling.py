@@ -10,6 +10,8 @@ from typing import Sequence
 
 import torch
 
+MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API allows
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -20,6 +22,8 @@ class SamplingParams:
     seed: int | None = None  # None = nondeterministic
     stop: tuple[str, ...] = ()  # generation ends before the first of these in the text
     ignore_eos: bool = False
+    logprobs: int | None = None  # None = none; n = the sampled token's log-probability and the n likeliest
+    grammar: str | None = None  # an llguidance grammar (stages/grammar.py) the text must follow
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -30,6 +34,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
         object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
 
     @property
@@ -65,9 +71,16 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
 
 
 def sample(
-    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None]
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+    allowed: Sequence[torch.Tensor | None] | None = None,
 ) -> list[int]:
-    """One next token per row of `logits` [n, vocab]."""
+    """One next token per row of `logits` [n, vocab]; `allowed[row]` (bool [vocab], a grammar's
+    mask) leaves only those tokens to choose from."""
+    if allowed is not None and any(a is not None for a in allowed):
+        logits = logits.clone()
+        for row, a in enumerate(allowed):
+            if a is not None:
+                logits[row].masked_fill_(~a.to(logits.device), float("-inf"))
     greedy_ids = torch.argmax(logits, dim=-1).tolist()
     out = []
     for row, (p, gen) in enumerate(zip(params, generators)):
@@ -77,6 +90,36 @@ def sample(
             probs = filtered_probs(logits[row], p)
             out.append(int(torch.multinomial(probs, 1, generator=gen).item()))
     return out
+
+
+@dataclass
+class TokenLogprob:
+    """A sampled token's log-probability under the model, and the `len(top)` likeliest tokens."""
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, log-probability), likeliest first
+
+
+def token_logprobs(logits: torch.Tensor, token: int, n_top: int) -> TokenLogprob:
+    """From one row of the logits the token was sampled from: log-softmax of the model's own
+    distribution (before temperature, top-k/top-p and any grammar mask), as vLLM reports them."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(logp, n_top) if n_top > 0 else None
+    pairs = [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))
+    return TokenLogprob(token, float(logp[token]), pairs)
+
+
+@dataclass
+class StepOutput:
+    """What the last stage returns for one micro-batch: a token per row (None: the row was a prompt
+    chunk with more to come) and, where its params asked, that token's log-probabilities."""
+    tokens: list[int | None]
+    logprobs: list[TokenLogprob | None] | None = None
+
+    @classmethod
+    def of(cls, result) -> "StepOutput":
+        """A pipeline may return a bare token list (no row asked for log-probabilities)."""
+        return result if isinstance(result, StepOutput) else cls(list(result))
 
 
 class StopStringStream:

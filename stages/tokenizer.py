@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-from moeray.errors import GGUFError
+from moeray.errors import GGUFError, MoerayError
 
 # Tokens llama.cpp treats as end-of-generation when a vocabulary has them (its EOG set), besides
 # the file's eos id: an instruct model ends its turn with <|im_end|> but a base-style continuation
@@ -110,25 +110,35 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The prompt text for a conversation, rendered as transformers' apply_chat_template does."""
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> str:
+        """The prompt text for a conversation, rendered as transformers' apply_chat_template does;
+        `tools` (OpenAI's function specs) reach the template as its `tools` variable."""
         from transformers.utils.chat_template_utils import render_jinja_template
 
         if not self.chat_template:
             raise GGUFError("this GGUF has no tokenizer.chat_template; run without --chat")
         bos = self.backend.id_to_token(self.bos_id) if self.bos_id is not None else ""
         eos = self.backend.id_to_token(self.eos_id) if self.eos_id is not None else ""
-        rendered, _ = render_jinja_template(
-            conversations=[messages],
-            chat_template=self.chat_template,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=bos,
-            eos_token=eos,
-        )
+        try:
+            rendered, _ = render_jinja_template(
+                conversations=[messages],
+                tools=tools,
+                chat_template=self.chat_template,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=bos,
+                eos_token=eos,
+            )
+        except Exception as exc:  # noqa: BLE001 - a template's raise_exception(), or data it cannot print
+            raise MoerayError(f"the model's chat template refused this conversation: {exc}") from None
         return rendered[0]
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        return self.encode(self.apply_chat_template(messages))
+    def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
+        return self.encode(self.apply_chat_template(messages, tools=tools))
+
+    def token_text(self, token_id: int) -> str:
+        """One token's own text, special tokens included (log-probabilities name tokens by it)."""
+        return self.backend.decode([token_id], skip_special_tokens=False)
 
 
 

@@ -92,3 +92,23 @@ def test_partial_utf8_is_held_back(smollm2_dense_path):
     deltas = [s.push(i) for i in tok.encode(text)] + [s.finish()]
     assert all("\ufffd" not in d for d in deltas)
     assert "".join(deltas) == text
+
+
+def test_a_grammar_mask_limits_greedy_and_sampled_rows_and_logprobs_are_the_models_own():
+    from moeray.stages.sampling import token_logprobs
+
+    allowed = torch.zeros(50, dtype=torch.bool)
+    allowed[[3, 17, 41]] = True
+    params = [SamplingParams(), SamplingParams(temperature=2.0, seed=1), SamplingParams()]
+    gens = [p.new_generator() for p in params]
+    picks = [sample(LOGITS, params, gens, [allowed, allowed, None]) for _ in range(30)]
+    assert all(row[0] == max([3, 17, 41], key=lambda i: LOGITS[0, i]) for row in picks)  # greedy among the allowed
+    assert {row[1] for row in picks} <= {3, 17, 41} and len({row[1] for row in picks}) > 1
+    assert all(row[2] == LOGITS[2].argmax() for row in picks)  # an unmasked row is untouched
+    lp = token_logprobs(LOGITS[0], 17, 3)
+    want = torch.log_softmax(LOGITS[0], -1)  # before the mask and temperature, as vLLM reports
+    assert lp.logprob == pytest.approx(want[17].item())
+    assert [i for i, _ in lp.top] == want.topk(3).indices.tolist()
+    assert [v for _, v in lp.top] == pytest.approx(want.topk(3).values.tolist())
+    with pytest.raises(ValueError, match="top_logprobs"):
+        SamplingParams(logprobs=21)

@@ -1,0 +1,125 @@
+"""What a request asks beyond plain text: log-probabilities, structured output and tools.
+
+The server (cluster/serve_app.py) turns these request fields into SamplingParams (`logprobs`,
+`grammar`: both act on the last stage, stages/actor.py StageRunner.sample) and the engine's
+TokenLogprobs back into OpenAI's response shapes. Every field either does what it asks or is a
+400 naming it.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+from moeray.cluster import openai_schema as oa
+from moeray.cluster.tools import ToolsUnsupported, check_tools_supported, forced_call_grammar
+from moeray.stages.grammar import GrammarError, check_grammar, schema_from_response_format
+from moeray.stages.sampling import TokenLogprob
+
+
+@dataclass
+class Extras:
+    logprobs: Optional[int] = None  # alternatives per token; None: no log-probabilities
+    grammar: Optional[str] = None  # the llguidance grammar the output must follow
+    tools: Optional[list[dict]] = None  # passed to the chat template; the output is parsed for calls
+    grammar_param: str = "response_format"  # the request field the grammar came from
+
+
+def chat_extras(service, body: oa.ChatCompletionRequest, error) -> Extras:
+    """`error(message, param)` builds the 400 to raise."""
+    out = Extras()
+    if body.top_logprobs is not None and not body.logprobs:
+        raise error("top_logprobs needs logprobs: true", "top_logprobs")
+    if body.logprobs:
+        out.logprobs = body.top_logprobs or 0
+    choice = body.tool_choice
+    if body.tools is None and choice not in (None, "none", "auto"):
+        raise error("tool_choice needs tools: give the functions the model may call", "tool_choice")
+    forced = None
+    if body.tools and choice != "none":
+        try:
+            check_tools_supported(service.tokenizer)
+        except ToolsUnsupported as exc:
+            raise error(str(exc), "tools") from None
+        out.tools = [t.model_dump(exclude_none=True) for t in body.tools]
+        names = [t.function.name for t in body.tools]
+        if isinstance(choice, oa.NamedToolChoice):
+            name = choice.function.get("name")
+            if name not in names:
+                raise error(f"tool_choice names the function {name!r}, which is not among the tools {names}",
+                            "tool_choice")
+            forced = forced_call_grammar(out.tools, name, parallel=False)
+        elif choice == "required":
+            forced = forced_call_grammar(out.tools, None, parallel=body.parallel_tool_calls is not False)
+    out.grammar = _response_format_grammar(body, error)
+    if forced is not None:
+        if out.grammar is not None:
+            raise error("response_format cannot be combined with a tool_choice that forces a call", "response_format")
+        out.grammar, out.grammar_param = forced, "tool_choice"
+    return out
+
+
+def completion_extras(service, body: oa.CompletionRequest, error) -> Extras:
+    return Extras(logprobs=body.logprobs, grammar=_response_format_grammar(body, error))
+
+
+def _response_format_grammar(body, error) -> Optional[str]:
+    if body.response_format is None:
+        return None
+    fmt = body.response_format.model_dump(by_alias=True)
+    try:
+        return schema_from_response_format(fmt)
+    except GrammarError as exc:
+        raise error(f"response_format: {exc}", "response_format") from None
+
+
+def _check(service, grammar: str, param: str, error) -> None:
+    try:
+        check_grammar(grammar, service.tokenizer)
+    except GrammarError as exc:
+        raise error(f"{param}: {exc}", param) from None
+
+
+def check_extras(service, extras: Extras, error) -> None:
+    """Compile the grammar once here (a bad schema is the client's 400, not a failed step)."""
+    if extras.grammar is not None:
+        _check(service, extras.grammar, extras.grammar_param, error)
+
+
+def apply(params, extras: Extras):
+    return dataclasses.replace(params, logprobs=extras.logprobs, grammar=extras.grammar)
+
+
+# ---------------------------------------------------------------- responses
+
+
+def _visible(tokenizer, lps: list[TokenLogprob]) -> list[TokenLogprob]:
+    """The end token that finished a sequence is not text: it gets no entry, as its text is empty."""
+    return [lp for lp in lps if lp.token not in tokenizer.end_ids]
+
+
+def chat_logprobs(tokenizer, lps: list[TokenLogprob]) -> oa.ChatLogprobs:
+    def entry(token: int, logprob: float):
+        text = tokenizer.token_text(token)
+        return text, logprob, list(text.encode("utf-8"))
+
+    content = []
+    for lp in _visible(tokenizer, lps):
+        text, logprob, raw = entry(lp.token, lp.logprob)
+        top = [oa.TopLogprob(token=t, logprob=v, bytes=b) for t, v, b in (entry(i, v) for i, v in lp.top)]
+        content.append(oa.TokenLogprobEntry(token=text, logprob=logprob, bytes=raw, top_logprobs=top))
+    return oa.ChatLogprobs(content=content)
+
+
+def completion_logprobs(tokenizer, lps: list[TokenLogprob], offset: int = 0) -> oa.CompletionLogprobs:
+    """OpenAI's legacy shape; `text_offset` counts characters from the start of the completion
+    (`offset`: characters already sent in earlier stream chunks)."""
+    out = oa.CompletionLogprobs()
+    for lp in _visible(tokenizer, lps):
+        text = tokenizer.token_text(lp.token)
+        out.tokens.append(text)
+        out.token_logprobs.append(lp.logprob)
+        out.top_logprobs.append({tokenizer.token_text(i): v for i, v in lp.top})
+        out.text_offset.append(offset)
+        offset += len(text)
+    return out

@@ -1,0 +1,135 @@
+"""Structured output: a grammar per sequence, applied as a token mask before sampling.
+
+The grammar engine is llguidance (PyPI, maintained by Microsoft's guidance team; what vLLM and
+llama.cpp use too): it compiles a JSON schema or a Lark grammar once, and for every step of a
+sequence gives the set of tokens that keep the text inside the grammar. Every other token's logit
+becomes -inf before sampling, so greedy and sampled decoding both stay inside it. When the grammar
+is complete the only tokens left are the end tokens: the sequence ends by itself ("stop"), unless
+max_tokens comes first ("length").
+
+A grammar travels to the last stage as text (the llguidance grammar string in
+SamplingParams.grammar); the stage keeps one matcher per KV slot, advanced by the token sampled
+there. The server compiles and checks a request's grammar before it is submitted, so a bad schema
+is a 400, not a failed step.
+"""
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any, Optional
+
+from moeray.errors import MoerayError
+
+# JSON as people write it and as models saw it in training: ", " and ": ", no free whitespace.
+# Free whitespace would let a small model loop on newlines inside an object until max_tokens.
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+_lock = threading.Lock()
+_ll_tokenizers: dict[tuple[int, int], Any] = {}
+
+
+class GrammarError(MoerayError):
+    """A response_format / tool schema the grammar engine cannot compile."""
+
+
+def json_grammar(schema: Optional[dict] = None) -> str:
+    """The grammar of a JSON value matching `schema` (None: any JSON object)."""
+    import llguidance
+
+    try:
+        return llguidance.LLMatcher.grammar_from_json_schema(
+            {"type": "object"} if schema is None else schema, overrides=JSON_STYLE)
+    except Exception as exc:  # noqa: BLE001 - ValueError/TypeError documented; any refusal is a 400
+        raise GrammarError(f"not a usable JSON schema: {exc}") from None
+
+
+def lark_grammar(lark: str) -> str:
+    import llguidance
+
+    return llguidance.LLMatcher.grammar_from_lark(lark)
+
+
+def ll_tokenizer(tokenizer, n_vocab: Optional[int] = None):
+    """llguidance's view of a moeray Tokenizer (stages/tokenizer.py): the same `tokenizers` backend,
+    and the tokenizer's end tokens as the grammar's EOS set. Building one takes ~1 s for a 49k
+    vocabulary, so it is made once per tokenizer and process."""
+    import llguidance
+
+    n_vocab = n_vocab or tokenizer.vocab_size
+    key = (id(tokenizer.backend), n_vocab)
+    with _lock:
+        if key not in _ll_tokenizers:
+            eos = sorted(tokenizer.end_ids) or ([tokenizer.eos_id] if tokenizer.eos_id is not None else None)
+            _ll_tokenizers[key] = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=n_vocab, eos_token=eos)
+        return _ll_tokenizers[key]
+
+
+def check_grammar(grammar: str, tokenizer) -> None:
+    """Raise GrammarError naming the problem if `grammar` does not compile for this tokenizer."""
+    import llguidance
+
+    try:
+        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll_tokenizer(tokenizer))
+    except Exception as exc:  # noqa: BLE001 - whatever the engine refuses is the request's problem, not a 500
+        raise GrammarError(f"the grammar engine refused it: {exc}") from None
+    if failed:
+        raise GrammarError(messages[0] if messages else "the grammar does not compile")
+
+
+class GrammarMasks:
+    """The matchers of one stage's sequences, by KV slot."""
+
+    def __init__(self, tokenizer, n_vocab: int):
+        self.tokenizer, self.n_vocab = tokenizer, n_vocab
+        self.matchers: dict[int, Any] = {}
+
+    def reset(self, slot: int) -> None:
+        self.matchers.pop(slot, None)
+
+    def allowed(self, slot: int, grammar: str):
+        """Bool [n_vocab]: the tokens this slot's sequence may take next."""
+        import llguidance
+        import numpy as np
+        import torch
+
+        m = self.matchers.get(slot)
+        if m is None:
+            m = self.matchers[slot] = llguidance.LLMatcher(ll_tokenizer(self.tokenizer, self.n_vocab), grammar,
+                                                           log_level=0)
+        if m.is_error():
+            # The server checked the grammar, so this is an engine fault: end the sequence (an end token
+            # is the one thing allowed) rather than let it run unconstrained or fail the whole step.
+            out = torch.zeros(self.n_vocab, dtype=torch.bool)
+            out[sorted(self.tokenizer.end_ids)] = True
+            return out
+        bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        return torch.from_numpy(bits[:self.n_vocab].astype(bool))
+
+    def advance(self, slot: int, token: int) -> None:
+        m = self.matchers.get(slot)
+        if m is not None and not m.is_error():
+            m.consume_token(token)
+
+
+def schema_from_response_format(response_format: dict) -> Optional[str]:
+    """The grammar an OpenAI `response_format` asks for; None for {"type": "text"}.
+
+    {"type": "json_object"}: any JSON object. {"type": "json_schema", "json_schema": {"name": ...,
+    "schema": {...}, "strict": ...}}: a JSON value matching the schema.
+    """
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_grammar(None)
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema") or {}, (dict, bool)):
+            raise GrammarError('json_schema must be an object {"name": ..., "schema": {...}}')
+        schema = spec.get("schema")
+        if schema is None or schema is True or schema == {}:
+            schema = {"type": "object"}
+        if schema is False:
+            raise GrammarError("a schema of `false` matches nothing")
+        return json_grammar(json.loads(json.dumps(schema)))
+    raise GrammarError(f"response_format type {kind!r} is not one of 'text', 'json_object', 'json_schema'")
