@@ -390,6 +390,8 @@ def pipeline_step(run: Check, args, name: str, path: str, n_stages: int, sizes: 
             row["held_over_charged"] = m.get("held_bytes", 0) / charged if charged else None
             if "torch_peak_bytes" in m:
                 row["torch_peak_over_charged"] = m["torch_peak_bytes"] / charged
+                # The cache is charged its whole room; what its slots, the trunk and KV really hold:
+                row["torch_peak_over_held"] = m["torch_peak_bytes"] / max(1, m.get("held_bytes", 0))
                 row["torch_allocated_over_charged"] = m["torch_allocated_bytes"] / charged
                 if m.get("nvml_process_bytes"):
                     row["nvml_over_charged_plus_reserve"] = m["nvml_process_bytes"] / (charged + m["reserve_bytes"])
@@ -399,13 +401,22 @@ def pipeline_step(run: Check, args, name: str, path: str, n_stages: int, sizes: 
                     f"(predicted {100 * (row['predicted_hit_rate'] or 0):.1f}%) over {row['lookups']} lookups, "
                     f"{row['resident']} experts resident; charged {charged / MiB:.1f} MiB, holds "
                     f"{m.get('held_bytes', 0) / MiB:.1f} MiB")
+            nv = m.get("nvml_process_bytes")
             if "torch_peak_bytes" in m:
-                nv = m.get("nvml_process_bytes")
                 line += (f", torch peak {m['torch_peak_bytes'] / MiB:.1f} MiB "
-                         f"({row['torch_peak_over_charged']:.3f}x), NVML "
+                         f"({row['torch_peak_over_charged']:.3f}x charged, {row['torch_peak_over_held']:.3f}x "
+                         f"held), NVML "
                          + (f"{nv / MiB:.1f} MiB" if nv else m.get("nvml_note", "-")))
-                run.check(f"{name}, {n_stages} stage(s), stage {s.stage}: torch peak <= 1.05 x charged",
-                          row["torch_peak_over_charged"] <= 1.05, f"{row['torch_peak_over_charged']:.3f}")
+                # The plan sets aside each stage's reserve (context, cuBLAS workspace, dequantisation
+                # scratch, activations) before it prices anything, so the card may spend charged +
+                # reserve; the strict ratio to the charge alone is printed beside it.
+                planned = charged + m["reserve_bytes"]
+                run.check(f"{name}, {n_stages} stage(s), stage {s.stage}: torch peak <= 1.05 x (charged + reserve)",
+                          m["torch_peak_bytes"] <= 1.05 * planned,
+                          f"{m['torch_peak_bytes'] / planned:.3f}; {row['torch_peak_over_charged']:.3f} x the charge alone")
+                if nv:
+                    run.check(f"{name}, {n_stages} stage(s), stage {s.stage}: NVML (context included) <= 1.05 x "
+                              "(charged + reserve)", nv <= 1.05 * planned, f"{nv / planned:.3f}")
             run.say(line)
             run.check(f"{name}, {n_stages} stage(s), stage {s.stage}: held <= charged",
                       m.get("held_bytes", 0) <= charged, f"{m.get('held_bytes', 0)} <= {charged} bytes")
@@ -527,8 +538,12 @@ def main(argv=None) -> int:
     from moeray.cluster.config import resolve_model
     from moeray.stages.tokenizer import Tokenizer
 
-    default_path = resolve_model(None)
-    run.data["probe"] = run.step("probe", probe_step, run, args, default_path)
+    default_path = resolve_model(None) if "default" in models else None
+    synthetic = None
+    if "synthetic" in models:
+        synthetic = run.step("build the synthetic MoE", write_synthetic,
+                             out_dir / f"synthetic-moe{'-quick' if args.quick else ''}.gguf", args.quick)
+    run.data["probe"] = run.step("probe", probe_step, run, args, default_path or str(synthetic))
     free_per_card = None
     if args.device == "cuda":
         probe = run.data["probe"] or {}
@@ -537,14 +552,14 @@ def main(argv=None) -> int:
     if "default" in models:
         # Every expert fits: the default model runs as served, a whole (or half a) card per stage.
         run_model(run, args, "default", default_path, Tokenizer.from_gguf(default_path), None, free_per_card)
-    if "synthetic" in models:
-        path = run.step("build the synthetic MoE", write_synthetic, out_dir / f"synthetic-moe{'-quick' if args.quick else ''}.gguf",
-                        args.quick)
-        if path is not None:
-            if args.device == "cuda" and not free_per_card:
-                run.data["errors"].append({"step": "synthetic", "error": "no free memory reading from the probe"})
-            else:
-                run_model(run, args, "synthetic", str(path), None, 0.5, free_per_card)
+    if synthetic is not None:
+        if args.device == "cuda" and not free_per_card:
+            run.data["errors"].append({"step": "synthetic", "error": "the probe gave no free memory to cap the stages with"})
+        else:  # stages capped to hold about half its experts: hits on the card, misses on the host
+            run_model(run, args, "synthetic", str(synthetic), None, 0.5, free_per_card)
+    if args.device == "cuda":
+        oom = [e["step"] for e in run.data["errors"] if "out of memory" in e["error"].lower()]
+        run.check("no CUDA out-of-memory in the run", not oom, ", ".join(oom) or "none")
     run.data["finished"] = True
     run.save()
     table(run)
