@@ -178,6 +178,12 @@ class StageActor:
 
         from moeray.stages.qmatmul import set_route
 
+        if torch_threads is None and simulated_budget is None:
+            # A CUDA stage computes its misses on the host, but Ray starts an actor that reserves no
+            # CPU with OMP_NUM_THREADS=1: give it its part of the node's cores instead.
+            from moeray.stages.device import host_threads_for_stage
+
+            torch_threads = host_threads_for_stage(card_share)
         if torch_threads:
             # Simulated stages share the host's cores; without this each grabs all of them.
             torch.set_num_threads(torch_threads)

@@ -21,6 +21,7 @@ bytes, which is what a cache miss costs).
 """
 from __future__ import annotations
 
+import os
 import socket
 import statistics
 import time
@@ -155,6 +156,30 @@ def probe_device(simulated_budget: int | None = None, index: int = 0, card_share
     except ImportError:
         pass
     return info
+
+
+def host_threads_for_stage(card_share: float = 1.0) -> int | None:
+    """Host threads for a CUDA stage's misses: its node's cores split among the stages its GPUs
+    can hold (GPUs / share), at least 1; None outside Ray (a plain process keeps torch's default)."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return None
+        node = ray.get_runtime_context().get_node_id()
+        res = next((n["Resources"] for n in ray.nodes() if n["NodeID"] == node and n["Alive"]), None)
+    except Exception:  # noqa: BLE001 - threads are a speed matter, never a reason to fail a stage
+        return None
+    if not res or res.get("GPU", 0) <= 0:
+        return None
+    cores = res.get("CPU", 0) or os.cpu_count() or 1
+    return stage_threads(cores, res["GPU"], card_share)
+
+
+def stage_threads(cores: float, gpus: float, card_share: float) -> int:
+    """cores / (gpus / card_share) stages on a node, at least 1 (pure: tested without Ray)."""
+    stages = max(1.0, gpus / max(card_share, 1e-4))
+    return max(1, int(cores // stages))
 
 
 def device_ledger(info: DeviceInfo, stage: int = 0):

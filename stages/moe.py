@@ -58,8 +58,8 @@ class _OnHost:
     """A step's activations on the host, copied from the card the first time a host-held expert
     needs them (then each miss indexes the host copy instead of copying its rows down again)."""
 
-    def __init__(self, x: torch.Tensor):
-        self.x, self.copy = x, None
+    def __init__(self):
+        self.copy: torch.Tensor | None = None
 
     def of(self, x: torch.Tensor, tok: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
         """x[tok] (all of x when tok is None) on `device` when that is not x's device, else None."""
@@ -105,7 +105,7 @@ class HostExperts:
         # One host sync per layer (ids may already be on the host: ExpertCache moves them once);
         # the grouping below is plain Python.
         rows = ids.tolist()
-        host = _OnHost(x)  # x on the host, copied at most once per layer, for the experts a miss computes there
+        host = _OnHost()  # x on the host, copied at most once per layer, for the experts a miss computes there
         if len(rows) == 1:  # decode of one sequence: x [1, H] through its k experts
             ys = []
             for e in rows[0]:

@@ -170,6 +170,16 @@ def test_a_stage_sharing_a_card_is_planned_with_its_share():
     assert tiny.reserve_bytes == tiny.free_bytes  # a share smaller than the reserve: no room, not negative
 
 
+def test_cuda_stage_threads_split_the_node_cores():
+    """Ray starts an actor that reserves no CPU on 1 thread; a CUDA stage's misses need more."""
+    from moeray.stages.device import stage_threads
+
+    assert stage_threads(16, 1, 1.0) == 16  # one card, one stage: every core for its misses
+    assert stage_threads(16, 1, 0.5) == 8  # two stages share the card and the node
+    assert stage_threads(64, 8, 1.0) == 8
+    assert stage_threads(4, 8, 0.25) == 1  # never 0
+
+
 def test_link_backend_nccl_only_between_distinct_cards():
     from moeray.stages.transport import link_backend
 
