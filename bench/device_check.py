@@ -468,9 +468,10 @@ def run_model(run: Check, args, name: str, path: str, tokenizer, expert_share: f
                                            free_per_card)
 
 
-def table(run: Check) -> None:
+def table(run: Check, batches: list[int]) -> None:
     """The short summary: one row per (model, stages)."""
-    print(f"\n{'model':<10} {'stages':>6} {'greedy=CPU':>10} {'tok/s b1':>9} {'tok/s b16':>9} "
+    lo, hi = f"tok/s b{min(batches)}", f"tok/s b{max(batches)}"
+    print(f"\n{'model':<10} {'stages':>6} {'greedy=CPU':>10} {lo:>9} {hi:>9} "
           f"{'hit rates':>16} {'peak/charged':>14} {'hop ms':>7}")
     for name, m in run.data["models"].items():
         for n in (1, 2):
@@ -563,7 +564,7 @@ def main(argv=None) -> int:
         run.check("no CUDA out-of-memory in the run", not oom, ", ".join(oom) or "none")
     run.data["finished"] = True
     run.save()
-    table(run)
+    table(run, args.batches)
     failed = [c["name"] for c in run.data["checks"] if not c["pass"]]
     print(f"\n{len(run.data['checks']) - len(failed)} of {len(run.data['checks'])} checks passed; "
           f"{len(run.data['errors'])} step(s) raised; {run.path} ({run.data['elapsed_s']:.0f} s)")
