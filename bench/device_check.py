@@ -143,6 +143,7 @@ def device_logits(path: str, tokens: list[int], device: str, cache_bytes: int, k
 
     set_route(kernels)
     if device.startswith("cuda"):
+        torch.set_num_threads(os.cpu_count() or 1)  # a Ray task that reserves no CPU starts on 1 thread
         torch.cuda.reset_peak_memory_stats()
     model, cache = load_cached(path, device=device, budget_bytes=cache_bytes, layout="per-layer")
     out = {"device": device, "cache_budget_bytes": cache_bytes, "slots_bytes": cache.budget.used,
@@ -343,7 +344,8 @@ def pipeline_step(run: Check, args, name: str, path: str, n_stages: int, sizes: 
 
         share = None
         if expert_share is not None:
-            share = math.floor(1e4 * min(1.0 / n_stages, (room + CUDA_RESERVE_BYTES) / free_per_card)) / 1e4
+            # Ray counts a share to 4 decimals (14 MB of an H200): round up, never below the room
+            share = min(math.floor(1e4 / n_stages), math.ceil(1e4 * (room + CUDA_RESERVE_BYTES) / free_per_card)) / 1e4
         opts = LaunchOptions(n_stages, kernels=args.kernels, gpus_per_stage=share, timeout_s=args.timeout)
         where = f"{n_stages} stage(s) on one card, {share or 1 / n_stages:g} of it each"
     else:

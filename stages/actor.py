@@ -183,7 +183,7 @@ class StageActor:
             # CPU with OMP_NUM_THREADS=1: give it its part of the node's cores instead.
             from moeray.stages.device import host_threads_for_stage
 
-            torch_threads = host_threads_for_stage(card_share)
+            torch_threads = host_threads_for_stage(card_share, n_stages)
         if torch_threads:
             # Simulated stages share the host's cores; without this each grabs all of them.
             torch.set_num_threads(torch_threads)

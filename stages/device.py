@@ -158,9 +158,10 @@ def probe_device(simulated_budget: int | None = None, index: int = 0, card_share
     return info
 
 
-def host_threads_for_stage(card_share: float = 1.0) -> int | None:
-    """Host threads for a CUDA stage's misses: its node's cores split among the stages its GPUs
-    can hold (GPUs / share), at least 1; None outside Ray (a plain process keeps torch's default)."""
+def host_threads_for_stage(card_share: float = 1.0, n_stages: int = 1) -> int | None:
+    """Host threads for a CUDA stage's misses: its node's cores split among the stages it can hold
+    (GPUs / share, at most the pipeline's stages), at least 1; None outside Ray (a plain process
+    keeps torch's default)."""
     try:
         import ray
 
@@ -173,12 +174,13 @@ def host_threads_for_stage(card_share: float = 1.0) -> int | None:
     if not res or res.get("GPU", 0) <= 0:
         return None
     cores = res.get("CPU", 0) or os.cpu_count() or 1
-    return stage_threads(cores, res["GPU"], card_share)
+    return stage_threads(cores, res["GPU"], card_share, n_stages)
 
 
-def stage_threads(cores: float, gpus: float, card_share: float) -> int:
-    """cores / (gpus / card_share) stages on a node, at least 1 (pure: tested without Ray)."""
-    stages = max(1.0, gpus / max(card_share, 1e-4))
+def stage_threads(cores: float, gpus: float, card_share: float, n_stages: int) -> int:
+    """cores / the stages a node holds: GPUs / share of them, but no more than the pipeline has
+    (a small share caps memory, it does not bring more stages), at least 1 (pure: tested without Ray)."""
+    stages = max(1.0, min(gpus / max(card_share, 1e-4), n_stages))
     return max(1, int(cores // stages))
 
 

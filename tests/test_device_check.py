@@ -174,10 +174,11 @@ def test_cuda_stage_threads_split_the_node_cores():
     """Ray starts an actor that reserves no CPU on 1 thread; a CUDA stage's misses need more."""
     from moeray.stages.device import stage_threads
 
-    assert stage_threads(16, 1, 1.0) == 16  # one card, one stage: every core for its misses
-    assert stage_threads(16, 1, 0.5) == 8  # two stages share the card and the node
-    assert stage_threads(64, 8, 1.0) == 8
-    assert stage_threads(4, 8, 0.25) == 1  # never 0
+    assert stage_threads(16, 1, 1.0, 1) == 16  # one card, one stage: every core for its misses
+    assert stage_threads(16, 1, 0.5, 2) == 8  # two stages share the card and the node
+    assert stage_threads(64, 8, 1.0, 8) == 8 and stage_threads(64, 8, 1.0, 2) == 32
+    assert stage_threads(16, 1, 0.004, 1) == 16  # a small share caps memory; it is still one stage
+    assert stage_threads(4, 8, 0.25, 32) == 1  # never 0
 
 
 def test_link_backend_nccl_only_between_distinct_cards():
