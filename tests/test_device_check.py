@@ -225,14 +225,19 @@ def test_cuda_stage_logits_equal_cpu_with_half_the_experts_on_the_card(tmp_path)
     sys.path.insert(0, str(ROOT / "bench"))
     from device_check import device_logits, write_synthetic
 
+    from moeray.stages.gguf_file import GGUFFile
+    from moeray.stages.qmatmul import current_route, set_route
+
     path = str(write_synthetic(tmp_path / "moe.gguf", quick=True))
     tokens = list(range(2, 26))
-    cpu = device_logits(path, tokens, "cpu", 1 << 62, "dequant")
-    from moeray.stages.gguf_file import GGUFFile
-
     g = GGUFFile(path)
-    half = sum(g.expert_bytes(l) for l in range(g.config.n_layers)) * g.config.n_experts // 2
-    gpu = device_logits(path, tokens, "cuda:0", half, "dequant")
+    every = sum(g.expert_bytes(l) for l in range(g.config.n_layers)) * g.config.n_experts
+    route = current_route()
+    try:  # device_logits sets this process's route: the tests after this one keep theirs
+        cpu = device_logits(path, tokens, "cpu", every, "dequant")
+        gpu = device_logits(path, tokens, "cuda:0", every // 2, "dequant")
+    finally:
+        set_route(route)
     assert 0 < gpu["resident"] < gpu["n_experts_total"]
     scale = abs(cpu["logits"]).max()
     assert abs(gpu["logits"] - cpu["logits"]).max() <= 1e-3 * scale
