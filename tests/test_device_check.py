@@ -215,7 +215,9 @@ def test_cuda_probe_reads_nvml_by_bus_id():
 
     info, views = probe_cuda(0), cuda_views(0)
     assert info.memory_source == "nvml", info.memory_source
-    assert views["nvml"]["total_bytes"] == views["torch"]["total_bytes"] == info.total_bytes
+    assert views["nvml"]["total_bytes"] == info.total_bytes  # the stage planned with NVML's count
+    # NVML counts the whole frame buffer, CUDA what it can hand out: the same card within a few percent
+    assert abs(views["nvml"]["total_bytes"] - views["torch"]["total_bytes"]) <= 0.05 * info.total_bytes
     assert views["nvml"]["name"] == views["torch"]["name"]
 
 
