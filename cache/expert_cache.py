@@ -130,6 +130,7 @@ class ExpertCache:
         """Count this call's lookups and let the policy act (at most one copy per step) before the
         experts run, so a swap made now already serves this call; then compute hits from slots and
         misses through the host."""
+        ids = ids.detach().to("cpu")  # one copy to the host per layer, for the counters and the grouping
         self.on_route(layer, ids, weights)
         return self.host.forward(layer, x, ids, weights, self._slot_weights)
 

@@ -69,8 +69,14 @@ class LaunchOptions:
     # served run can be replayed offline against other policies and Belady's optimum.
     record_routing: Optional[str] = None
     verbose_plan: bool = False  # print every trunk decision and slot layout, not only the departures
+    # The part of a GPU each stage reserves (0.5: two stages per card, each planned with half of
+    # it); None: a card per stage while there are enough, else an even share of each.
+    gpus_per_stage: Optional[float] = None
 
     def __post_init__(self) -> None:
+        if self.gpus_per_stage is not None and not 0 < self.gpus_per_stage <= 1:
+            raise MoerayError(f"--gpus-per-stage {self.gpus_per_stage}: a stage runs on one card, give a share "
+                              "0 < x <= 1 (0.5: two stages per card)")
         if self.kernels not in KERNELS:
             raise MoerayError(f"kernels '{self.kernels}' is not one of {', '.join(KERNELS)}")
         if self.cache_policy not in CACHE_POLICIES:
@@ -149,6 +155,9 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                         "bench/cache.py or bench/serve_hits.py)")
     g.add_argument("--verbose", action="store_true",
                    help="print the plan's every trunk decision and slot layout, not only those that depart from the default")
+    g.add_argument("--gpus-per-stage", type=float, metavar="SHARE", default=d.gpus_per_stage,
+                   help="the part of a GPU each stage reserves, e.g. 0.5: two stages share a card, each "
+                        "planned with half of it (default: a card per stage, shared evenly when stages > GPUs)")
 
 
 def launch_options_from_args(args: argparse.Namespace, simulate: Optional[list[int]]) -> LaunchOptions:
@@ -156,7 +165,7 @@ def launch_options_from_args(args: argparse.Namespace, simulate: Optional[list[i
                          objective=args.objective, split=args.split, profile=args.profile,
                          cache_policy=args.cache_policy, torch_threads=1 if simulate else None,
                          kernels=args.kernels, verbose_plan=getattr(args, "verbose", False),
-                         address=args.address, record_routing=args.record_routing)
+                         address=args.address, record_routing=args.record_routing, gpus_per_stage=args.gpus_per_stage)
 
 
 def simulated_devices(args: argparse.Namespace, has_gpus: bool, command: str) -> Optional[list[int]]:

@@ -38,7 +38,25 @@ def ensure_ray(address: str | None = None) -> None:
                  logging_level="WARNING", configure_logging=True)
 
 
-def stage_resources(simulated: bool) -> tuple[dict[str, float], dict[str, Any]]:
+def gpu_share(n_stages: int, n_gpus: float, gpus_per_stage: float | None = None) -> float:
+    """The part of a GPU each stage reserves: `gpus_per_stage` as given (0 < x <= 1), else a whole
+    card while there are cards enough, else 1/k of one with k = ceil(stages / GPUs), so that k
+    stages share each card (Ray packs fractional GPU bundles onto one card: 0.5 + 0.5)."""
+    import math
+
+    if gpus_per_stage is not None:
+        if not 0 < gpus_per_stage <= 1:
+            raise MoerayError(f"--gpus-per-stage {gpus_per_stage}: a stage runs on one card, give a share "
+                              "0 < x <= 1 (0.5: two stages per card)")
+        return float(gpus_per_stage)
+    if n_gpus < 1:
+        raise PlacementError("the Ray cluster has no GPUs; pass --simulate-devices SIZE,... to run on CPU")
+    k = math.ceil(n_stages / int(n_gpus))
+    return 1.0 if k <= 1 else math.floor(1e4 / k) / 1e4  # Ray counts resources to 4 decimals
+
+
+def stage_resources(simulated: bool, n_stages: int = 1, gpus_per_stage: float | None = None
+                    ) -> tuple[dict[str, float], dict[str, Any]]:
     """(bundle, actor options) for one stage on this cluster."""
     import ray
 
@@ -46,7 +64,8 @@ def stage_resources(simulated: bool) -> tuple[dict[str, float], dict[str, Any]]:
     if not simulated:
         if have.get("GPU", 0) < 1:
             raise PlacementError("the Ray cluster has no GPUs; pass --simulate-devices SIZE,... to run on CPU")
-        return {"GPU": 1.0}, {"num_gpus": 1, "num_cpus": 0}
+        share = gpu_share(n_stages, have["GPU"], gpus_per_stage)
+        return {"GPU": share}, {"num_gpus": share, "num_cpus": 0}
     if have.get(DEVICE_RESOURCE, 0) >= 1:
         return {DEVICE_RESOURCE: 1.0}, {"num_cpus": 0, "resources": {DEVICE_RESOURCE: 1.0}}
     return {"CPU": SIM_CPU}, {"num_cpus": SIM_CPU}
@@ -61,6 +80,7 @@ class StageGroup:
     torch_threads: int | None = None
     timeout_s: float = 120.0
     route: str | None = None  # kernels: ggml | dequant | exact; None: the best this node has
+    gpus_per_stage: float | None = None  # a share of a card per stage; None: whole cards while they last
     actors: list[Any] = field(default_factory=list)
     pg: Any = None
     reports: list[ProbeReport] = field(default_factory=list)
@@ -76,7 +96,7 @@ class StageGroup:
             raise MoerayError(f"--simulate-devices lists {len(self.simulate)} devices for {self.n_stages} stages")
         if self.strategy not in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"):
             raise MoerayError(f"placement strategy '{self.strategy}' is not one of PACK, SPREAD")
-        bundle, self._actor_opts = stage_resources(self.simulate is not None)
+        bundle, self._actor_opts = stage_resources(self.simulate is not None, self.n_stages, self.gpus_per_stage)
         self.pg = placement_group([dict(bundle) for _ in range(self.n_stages)], strategy=self.strategy)
         try:
             ray.get(self.pg.ready(), timeout=self.timeout_s)
@@ -99,7 +119,8 @@ class StageGroup:
         return ray.remote(StageActor).options(
             name=None, max_restarts=0, **self._actor_opts,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-        ).remote(i, self.n_stages, budget, self.torch_threads, self.route)
+        ).remote(i, self.n_stages, budget, self.torch_threads, self.route,
+                 card_share=self._actor_opts.get("num_gpus", 1.0))
 
     def probe(self, path: str) -> list[ProbeReport]:
         """Each actor's report (device, budget, node, speeds); checks every node sees the same file."""
@@ -116,9 +137,14 @@ class StageGroup:
 
     def connect(self, timeout_s: float = 30.0) -> None:
         """(Re-)form the stages' process group; stage 0's node hosts the rendezvous."""
+        from moeray.stages.transport import link_backend
+
         addr = gather_one(self.actors[0].node_ip.remote(), self.timeout_s, "connect")
         port = gather_one(self.actors[0].free_port.remote(), self.timeout_s, "connect")
-        gather([a.connect.remote(addr, port, timeout_s) for a in self.actors], self.timeout_s + timeout_s, "connect")
+        backend = (link_backend([(r.device.kind, r.device.node_id, r.device.pci_bus_id) for r in self.reports])
+                   if self.reports else None)
+        gather([a.connect.remote(addr, port, timeout_s, backend) for a in self.actors], self.timeout_s + timeout_s,
+               "connect")
 
     def where(self, i: int) -> str:
         """'simulated device 2 (8.00 MiB on CPU) on 192.0.2.2' -- for error messages."""
@@ -362,7 +388,7 @@ def launch(path: str, opts: LaunchOptions = LaunchOptions(), engine: EngineConfi
             opts = replace(opts, profile=str(found))
             say(f"profile: {found} (the default model's recorded routing)")
     group = StageGroup(opts.n_stages, opts.simulate, opts.strategy, opts.torch_threads, opts.timeout_s,
-                       None if opts.kernels == "auto" else opts.kernels)
+                       None if opts.kernels == "auto" else opts.kernels, opts.gpus_per_stage)
     group.start()
     try:
         reports = group.probe(path)
@@ -392,7 +418,8 @@ def launch(path: str, opts: LaunchOptions = LaunchOptions(), engine: EngineConfi
 
 def _probe_line(r: ProbeReport) -> str:
     d = r.device
-    return (f"stage {r.stage}: {d.name} on {d.node_ip}, {d.free_bytes / 2**20:.0f} MiB free of "
+    share = "" if d.card_share >= 1 else f" ({d.card_share:g} of the card, shared with other stages)"
+    return (f"stage {r.stage}: {d.name}{share} on {d.node_ip}, {d.free_bytes / 2**20:.0f} MiB free of "
             f"{d.total_bytes / 2**20:.0f} MiB ({d.memory_source}), measured {r.layer_ms:.3f} ms per "
             f"layer, {r.miss_ms:.3f} ms per missed expert")
 

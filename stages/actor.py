@@ -183,13 +183,38 @@ class StageRunner:
         return self.sample(batch, self.layers(self.model.embed(batch.tokens), meta), meta)
 
 
+def _nvml_process_bytes(pci_bus_id: str) -> tuple[int | None, str]:
+    """NVML's used memory of this process on the card at `pci_bus_id` (context and allocator
+    cache included), or None and the reason (no NVML; another PID namespace hides our pid)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByPciBusId(pci_bus_id.encode())
+            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+                if p.pid == os.getpid():
+                    return (None if p.usedGpuMemory is None else int(p.usedGpuMemory)), "nvml"
+            return None, f"NVML lists no process {os.getpid()} on {pci_bus_id} (a container's PID namespace?)"
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception as exc:  # noqa: BLE001 - reported beside torch's numbers, never fatal
+        return None, f"NVML: {type(exc).__name__}: {exc}"
+
+
 class StageActor:
     def __init__(self, stage: int, n_stages: int, simulated_budget: int | None = None,
-                 torch_threads: int | None = None, route: str | None = None):
+                 torch_threads: int | None = None, route: str | None = None, card_share: float = 1.0):
         import torch
 
         from moeray.stages.qmatmul import set_route
 
+        if torch_threads is None and simulated_budget is None:
+            # A CUDA stage computes its misses on the host, but Ray starts an actor that reserves no
+            # CPU with OMP_NUM_THREADS=1: give it its part of the node's cores instead.
+            from moeray.stages.device import host_threads_for_stage
+
+            torch_threads = host_threads_for_stage(card_share, n_stages)
         if torch_threads:
             # Simulated stages share the host's cores; without this each grabs all of them.
             torch.set_num_threads(torch_threads)
@@ -197,7 +222,8 @@ class StageActor:
             set_route(route)
         self.stage, self.n_stages = stage, n_stages
         self.simulated_budget = simulated_budget
-        self.device: DeviceInfo = probe_device(simulated_budget, index=stage)
+        self.card_share = card_share  # the part of its GPU Ray gave this stage (0.5: two stages per card)
+        self.device: DeviceInfo = probe_device(simulated_budget, index=stage, card_share=card_share)
         self.memory = device_ledger(self.device, stage)
         self.link = None
         self.model = None
@@ -236,7 +262,8 @@ class StageActor:
             import torch
 
             torch.cuda.empty_cache()  # hand the timing's scratch back before reading free memory
-        self.device = probe_device(self.simulated_budget, index=self.stage)  # free memory now, after timing
+        self.device = probe_device(self.simulated_budget, index=self.stage,  # free memory now, after timing
+                                   card_share=self.card_share)
         self.memory = device_ledger(self.device, self.stage)
         return ProbeReport(self.stage, os.getpid(), self.device, speed.layer_ms, speed.miss_ms,
                            time.perf_counter() - t, file_fingerprint(path))
@@ -253,11 +280,15 @@ class StageActor:
 
     # ---------------------------------------------------------------- wiring
 
-    def connect(self, master_addr: str, master_port: int, timeout_s: float = 30.0) -> int:
+    def connect(self, master_addr: str, master_port: int, timeout_s: float = 30.0,
+                backend: str | None = None) -> int:
+        """Join the stages' process group. backend: the driver's choice for the whole group
+        (transport.link_backend: gloo when stages share a card); None: nccl on CUDA, else gloo."""
         from moeray.stages.transport import StageLink
 
-        backend = "nccl" if self.device.kind == "cuda" else "gloo"
-        self.link = StageLink(master_addr, master_port, self.stage, self.n_stages, timeout_s, backend)
+        backend = backend or ("nccl" if self.device.kind == "cuda" else "gloo")
+        self.link = StageLink(master_addr, master_port, self.stage, self.n_stages, timeout_s, backend,
+                              compute_device=self.device.torch_device)
         return self.stage
 
     def ping(self) -> int:
@@ -345,6 +376,37 @@ class StageActor:
         finally:
             self.step_s += time.perf_counter() - t0
 
+    def device_memory(self) -> dict[str, Any]:
+        """What this stage was charged against what its device really holds: the ledger's parts
+        (what the plan priced), the bytes its tensors hold (trunk, KV cache, filled slots), and on
+        CUDA torch's allocator (now and peak) and NVML's count for this process (its context
+        included). bench/device_check.py compares them."""
+        out: dict[str, Any] = {"stage": self.stage, "device": self.device.torch_device,
+                               "charged": dict(self.memory.parts), "charged_bytes": self.memory.used,
+                               "reserve_bytes": self.device.reserve_bytes, "card_share": self.device.card_share}
+        if self.model is not None:
+            cache = self.model.experts
+            slots = getattr(cache, "budget", None)
+            out["held"] = {"trunk": self.model.trunk_bytes(), "kv": self.runner.kv.nbytes(),
+                           "slots": slots.used if slots is not None else 0}
+            out["held_bytes"] = sum(out["held"].values())
+        if self.device.kind == "cuda":
+            import torch
+
+            dev = torch.device(self.device.torch_device)
+            out["torch_allocated_bytes"] = torch.cuda.memory_allocated(dev)
+            out["torch_peak_bytes"] = torch.cuda.max_memory_allocated(dev)
+            out["torch_reserved_bytes"] = torch.cuda.memory_reserved(dev)
+            out["nvml_process_bytes"], out["nvml_note"] = _nvml_process_bytes(self.device.pci_bus_id)
+        return out
+
+    def reset_peak_memory(self) -> None:
+        """Start the device's peak count afresh (CUDA), e.g. before a measured run."""
+        if self.device.kind == "cuda":
+            import torch
+
+            torch.cuda.reset_peak_memory_stats(torch.device(self.device.torch_device))
+
     def record_routing(self, path: str) -> None:
         """Append every routing decision of this stage's expert cache to the trace file `path`
         (flushed whenever stats are polled), so served traffic can be replayed offline."""
@@ -380,7 +442,10 @@ class StageActor:
         reports the mean ms per pass: the transport cost of one step with this activation size."""
         import torch
 
-        expected = torch.arange(rows * hidden, dtype=torch.float32).reshape(rows, hidden)
+        # On the stage's own device, as activations are: the pass costs what a step's hop costs
+        # (on CUDA incl. the copies to and from the host when the group runs gloo).
+        dev = self.link.compute_device
+        expected = torch.arange(rows * hidden, dtype=torch.float32, device=dev).reshape(rows, hidden)
         intact = True
         t = time.perf_counter()
         for _ in range(reps):
@@ -388,8 +453,9 @@ class StageActor:
             if not self.link.is_last:
                 self.link.send(x)
             else:
-                intact = intact and bool(torch.equal(x, expected))
-        return {"stage": self.stage, "ms_per_pass": (time.perf_counter() - t) * 1e3 / reps, "intact": intact}
+                intact = intact and bool(torch.equal(x, expected))  # .item() inside: waits for the copy
+        return {"stage": self.stage, "ms_per_pass": (time.perf_counter() - t) * 1e3 / reps, "intact": intact,
+                "backend": self.link.backend, "device": str(dev)}
 
     def relay(self, x, rest: list | None = None):
         """Ray-call chaining, for comparison: each stage hands x on by calling the next one."""

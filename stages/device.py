@@ -7,6 +7,9 @@ card's real free memory, not from a label.
   unless CUDA_DEVICE_ORDER=PCI_BUS_ID, NVML numbers them by bus, and CUDA_VISIBLE_DEVICES
   renumbers them again; the bus id is the one name both agree on. torch.cuda.mem_get_info is
   the fallback when NVML is missing or refuses.
+* A share of a card: two stages on one GPU (Ray's fractional GPUs, `--gpus-per-stage 0.5`)
+  each see the whole card through NVML; each is given its share of what is free and of the
+  total (`share_of_card`), so the two plans together never promise the card twice.
 * Simulated: `--simulate-devices 12GiB,8GiB` gives a stage a CPU "device" with a byte budget.
   its byte ledger (`device_ledger`) enforces it, so a plan that overfills a simulated card fails the same
   way a real one would (earlier, and with a clearer message).
@@ -18,10 +21,11 @@ bytes, which is what a cache miss costs).
 """
 from __future__ import annotations
 
+import os
 import socket
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 
@@ -42,6 +46,7 @@ class DeviceInfo:
     pci_bus_id: str = ""
     memory_source: str = ""  # "nvml" | "torch.cuda.mem_get_info" | "simulated budget"
     reserve_bytes: int = 0  # of free_bytes, kept back for scratch (0 on a simulated device)
+    card_share: float = 1.0  # the part of the card this stage was given (total/free are already that part)
     node_id: str = ""
     node_ip: str = ""
     hostname: str = field(default_factory=socket.gethostname)
@@ -65,14 +70,31 @@ def _nvml_memory(pci_bus_id: str) -> tuple[str, int, int]:
 
 
 def cuda_pci_bus_id(ordinal: int) -> str:
-    """NVML's spelling of a CUDA device's bus id: '00000000:65:00.0' (domain:bus:device.function)."""
+    """NVML's spelling of a CUDA device's bus id: '00000000:65:00.0' (domain:bus:device.function, hex)."""
     import torch
 
     props = torch.cuda.get_device_properties(ordinal)
     bus = getattr(props, "pci_bus_id", None)
     if isinstance(bus, int):  # torch gives the domain, bus and device numbers separately
-        return f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+        return f"{props.pci_domain_id:08X}:{props.pci_bus_id:02X}:{props.pci_device_id:02X}.0"  # NVML's own spelling
     return str(bus)
+
+
+def cuda_views(ordinal: int = 0) -> dict[str, Any]:
+    """NVML's and torch's view of one CUDA card side by side (name, bus id, total, free), or the
+    reason NVML gave none: what bench/device_check.py prints to show both agree on the card."""
+    import torch
+
+    bus_id = cuda_pci_bus_id(ordinal)
+    free, total = torch.cuda.mem_get_info(ordinal)
+    out: dict[str, Any] = {"torch": {"name": torch.cuda.get_device_name(ordinal), "pci_bus_id": bus_id,
+                                     "total_bytes": int(total), "free_bytes": int(free)}}
+    try:
+        name, total, free = _nvml_memory(bus_id)
+        out["nvml"] = {"name": name, "pci_bus_id": bus_id, "total_bytes": total, "free_bytes": free}
+    except Exception as exc:  # noqa: BLE001 - reported, not raised: torch's view still stands
+        out["nvml"] = {"error": f"{type(exc).__name__}: {exc}"}
+    return out
 
 
 def probe_cuda(ordinal: int = 0) -> DeviceInfo:
@@ -82,12 +104,24 @@ def probe_cuda(ordinal: int = 0) -> DeviceInfo:
     try:
         name, total, free = _nvml_memory(bus_id)
         source = "nvml"
-    except Exception:  # pynvml missing, NVML driver library absent, or the bus id unknown to it
+    except Exception as exc:  # pynvml missing, NVML driver library absent, or the bus id unknown to it
         free, total = torch.cuda.mem_get_info(ordinal)
-        name, source = torch.cuda.get_device_name(ordinal), "torch.cuda.mem_get_info"
+        name = torch.cuda.get_device_name(ordinal)
+        source = f"torch.cuda.mem_get_info (NVML: {type(exc).__name__}: {exc})"
     return DeviceInfo(kind="cuda", name=name, total_bytes=int(total), free_bytes=int(free),
                       torch_device=f"cuda:{ordinal}", pci_bus_id=bus_id, memory_source=source,
                       reserve_bytes=min(CUDA_RESERVE_BYTES, int(free)))
+
+
+def share_of_card(info: DeviceInfo, share: float) -> DeviceInfo:
+    """The card as one of the stages sharing it sees it: `share` of its total and of what is free
+    now (what every stage process on it, this one included, has not taken yet). Each stage
+    still keeps its own reserve: every process has its own CUDA context and scratch."""
+    if share >= 1.0:
+        return info
+    free, total = int(info.free_bytes * share), int(info.total_bytes * share)
+    return replace(info, total_bytes=total, free_bytes=free, card_share=share,
+                   reserve_bytes=min(CUDA_RESERVE_BYTES, free))
 
 
 def simulated_device(budget_bytes: int, index: int = 0) -> DeviceInfo:
@@ -96,11 +130,12 @@ def simulated_device(budget_bytes: int, index: int = 0) -> DeviceInfo:
                       memory_source="simulated budget")
 
 
-def probe_device(simulated_budget: int | None = None, index: int = 0) -> DeviceInfo:
-    """The device this process owns: the simulated one when a budget is given, else its CUDA card.
+def probe_device(simulated_budget: int | None = None, index: int = 0, card_share: float = 1.0) -> DeviceInfo:
+    """The device this process owns: the simulated one when a budget is given, else its CUDA card
+    (`card_share` of it when stages share the card).
 
-    Inside a Ray actor with num_gpus=1, Ray sets CUDA_VISIBLE_DEVICES to the one card it
-    granted, so that card is CUDA ordinal 0 here.
+    Inside a Ray actor with num_gpus=1 (or a fraction), Ray sets CUDA_VISIBLE_DEVICES to the one
+    card it granted, so that card is CUDA ordinal 0 here.
     """
     if simulated_budget is not None:
         info = simulated_device(simulated_budget, index)
@@ -110,7 +145,7 @@ def probe_device(simulated_budget: int | None = None, index: int = 0) -> DeviceI
         if not torch.cuda.is_available():
             raise MoerayError("this stage was given no simulated budget and sees no CUDA device; "
                               "pass --simulate-devices SIZE,... to run on CPU")
-        info = probe_cuda(0)
+        info = share_of_card(probe_cuda(0), card_share)
     try:
         import ray
 
@@ -121,6 +156,32 @@ def probe_device(simulated_budget: int | None = None, index: int = 0) -> DeviceI
     except ImportError:
         pass
     return info
+
+
+def host_threads_for_stage(card_share: float = 1.0, n_stages: int = 1) -> int | None:
+    """Host threads for a CUDA stage's misses: its node's cores split among the stages it can hold
+    (GPUs / share, at most the pipeline's stages), at least 1; None outside Ray (a plain process
+    keeps torch's default)."""
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return None
+        node = ray.get_runtime_context().get_node_id()
+        res = next((n["Resources"] for n in ray.nodes() if n["NodeID"] == node and n["Alive"]), None)
+    except Exception:  # noqa: BLE001 - threads are a speed matter, never a reason to fail a stage
+        return None
+    if not res or res.get("GPU", 0) <= 0:
+        return None
+    cores = res.get("CPU", 0) or os.cpu_count() or 1
+    return stage_threads(cores, res["GPU"], card_share, n_stages)
+
+
+def stage_threads(cores: float, gpus: float, card_share: float, n_stages: int) -> int:
+    """cores / the stages a node holds: GPUs / share of them, but no more than the pipeline has
+    (a small share caps memory, it does not bring more stages), at least 1 (pure: tested without Ray)."""
+    stages = max(1.0, min(gpus / max(card_share, 1e-4), n_stages))
+    return max(1, int(cores // stages))
 
 
 def device_ledger(info: DeviceInfo, stage: int = 0):

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from moeray.stages.config import ModelConfig
 from moeray.stages.gguf_file import EXPERT_KINDS, GGUFFile, expert_bytes
-from moeray.stages.qmatmul import QMatrix, current_route, swiglu
+from moeray.stages.qmatmul import QMatrix, current_route, swiglu, to_device
 
 RouteObserver = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, ids [N, k], weights [N, k])
 
@@ -35,10 +35,12 @@ class ExpertWeights(NamedTuple):
     def to(self, device: torch.device | str) -> "ExpertWeights":
         return ExpertWeights(self.gate.to(device), self.up.to(device), self.down.to(device))
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        """[n, H] -> [n, H]; a host-held expert on a device stage computes on the host."""
+    def __call__(self, h: torch.Tensor, h_here: torch.Tensor | None = None) -> torch.Tensor:
+        """[n, H] -> [n, H] on h's device; a host-held expert on a device stage computes on the host
+        (from `h_here`, h already copied to this expert's device, when the caller has it)."""
         if self.device != h.device:
-            return swiglu(h.to(self.device), *self).to(h.device)
+            y = swiglu(h.to(self.device) if h_here is None else h_here, *self)
+            return to_device(y, h.device)  # pinned and asynchronous: no wait for the card's queue
         return swiglu(h, *self)
 
 
@@ -50,6 +52,22 @@ class Experts(Protocol):
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, H], ids/weights [N, k] -> Σ_r weights[:, r] · expert_{ids[:, r]}(x), [N, H]."""
         ...
+
+
+class _OnHost:
+    """A step's activations on the host, copied from the card the first time a host-held expert
+    needs them (then each miss indexes the host copy instead of copying its rows down again)."""
+
+    def __init__(self):
+        self.copy: torch.Tensor | None = None
+
+    def of(self, x: torch.Tensor, tok: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+        """x[tok] (all of x when tok is None) on `device` when that is not x's device, else None."""
+        if device == x.device:
+            return None
+        if self.copy is None:
+            self.copy = x.to(device)
+        return self.copy if tok is None else self.copy[tok]
 
 
 class HostExperts:
@@ -84,22 +102,36 @@ class HostExperts:
                 slot_weights: SlotLookup | None = None) -> torch.Tensor:
         if self.on_route is not None:
             self.on_route(layer, ids, weights)
-        rows = ids.tolist()  # one host sync per layer; the grouping below is plain Python
+        # One host sync per layer (ids may already be on the host: ExpertCache moves them once);
+        # the grouping below is plain Python.
+        rows = ids.tolist()
+        host = _OnHost()  # x on the host, copied at most once per layer, for the experts a miss computes there
         if len(rows) == 1:  # decode of one sequence: x [1, H] through its k experts
-            ys = torch.cat([self._expert(layer, e, slot_weights)(x) for e in rows[0]])  # [k, H]
+            ys = []
+            for e in rows[0]:
+                w = self._expert(layer, e, slot_weights)
+                ys.append(w(x, host.of(x, None, w.device)))
+            ys = torch.cat(ys)  # [k, H]
             return (weights.view(1, -1) @ ys).view(1, -1)
         k = len(rows[0])
         by_expert: dict[int, list[int]] = {}
         for t, row in enumerate(rows):
             for r, e in enumerate(row):
                 by_expert.setdefault(e, []).append(t * k + r)  # flat (token, rank) index
+        experts = sorted(by_expert)  # a fixed order: the same sum whatever serves each expert
+        flat = torch.tensor([i for e in experts for i in by_expert[e]])
+        flat_here = flat.to(x.device)  # every expert's picks in one copy, not one per expert
         out = torch.zeros_like(x)
         flat_weights = weights.reshape(-1)
-        for e in sorted(by_expert):  # a fixed order: the same sum whatever serves each expert
-            picks = torch.tensor(by_expert[e])
+        lo = 0
+        for e in experts:
+            hi = lo + len(by_expert[e])
+            picks, tok_host = flat_here[lo:hi], flat[lo:hi] // k
             tok = picks // k
-            y = self._expert(layer, e, slot_weights)(x[tok])  # once per step, for all its tokens
+            w = self._expert(layer, e, slot_weights)
+            y = w(x[tok], host.of(x, tok_host, w.device))  # once per step, for all its tokens
             out.index_add_(0, tok, y * flat_weights[picks].unsqueeze(1))
+            lo = hi
         return out
 
     def _expert(self, layer: int, expert: int, slot_weights: SlotLookup | None) -> ExpertWeights:

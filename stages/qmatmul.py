@@ -235,6 +235,38 @@ def _ggml_swiglu(gate: "QMatrix", up: "QMatrix", down: "QMatrix", x: torch.Tenso
     return out
 
 
+# --- device copies ---------------------------------------------------------------------------------
+
+def to_device(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """An owned copy of `t` on `device`. Host to CUDA goes through pinned memory with an
+    asynchronous copy: from pageable memory CUDA first waits for the card's queued work (a stream
+    sync per copy: per slot swap, per missed expert's result)."""
+    device = torch.device(device)
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)  # the pinned block is held until the copy ends
+    return t.to(device=device, copy=True)
+
+
+# The most float32 scratch one dequantised matmul may take on a card: a larger weight (the
+# default model's head is 49152 x 576, 113 MiB as float32) is expanded and multiplied a block of
+# rows at a time, so the card's transient use stays within what the plan's reserve allows.
+DEVICE_SCRATCH_BYTES = 16 << 20
+
+
+def _dequant_linear(w: "QMatrix", x: torch.Tensor, max_scratch: int | None) -> torch.Tensor:
+    """x @ W.T with W dequantised per use; at most `max_scratch` bytes of float32 W at a time."""
+    N, K = w.shape
+    rows = N if max_scratch is None else max(1, min(N, max_scratch // (4 * K)))
+    if rows >= N:
+        return F.linear(x, w.dequantize(x.dtype).to(x.device))
+    per_row = w.data.view(N, -1)
+    out = torch.empty(x.shape[0], N, dtype=x.dtype, device=x.device)
+    for r in range(0, N, rows):
+        block = per_row[r:r + rows]
+        out[:, r:r + block.shape[0]] = F.linear(x, dequantize(block, w.ggml_type, (block.shape[0], K)).to(x.dtype))
+    return out
+
+
 # --- the matrix ------------------------------------------------------------------------------------
 
 def row_bytes(ggml_type: T, k: int) -> int:
@@ -266,9 +298,10 @@ class QMatrix:
         b = as_uint8_tensor(raw)
         if route == "exact" or T(ggml_type) in FLOAT_TYPES:
             w = dequantize(b, ggml_type, shape)  # F32: still a view of the mapping
-            return cls(w.to(device, copy=copy), ggml_type, shape, "exact")
+            return cls(to_device(w, device) if copy or torch.device(device).type != "cpu" else w,
+                       ggml_type, shape, "exact")
         if copy or torch.device(device).type != "cpu":
-            b = b.to(device=device, copy=True)
+            b = to_device(b, device)
         return cls(b.reshape(-1), ggml_type, shape, route)
 
     @classmethod
@@ -292,7 +325,7 @@ class QMatrix:
 
     def to(self, device: torch.device | str) -> "QMatrix":
         """An owned copy on `device` (a cache slot)."""
-        return QMatrix(self.data.to(device=device, copy=True), self.ggml_type, self.shape, self.route)
+        return QMatrix(to_device(self.data, device), self.ggml_type, self.shape, self.route)
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         if self.route == "exact":
@@ -312,7 +345,7 @@ class QMatrix:
             return _ggml_linear(self, x.contiguous())
         if self.route == "exact":
             return F.linear(x, self.data)
-        return F.linear(x, self.dequantize(x.dtype).to(x.device))
+        return _dequant_linear(self, x, DEVICE_SCRATCH_BYTES if self.data.device.type == "cuda" else None)
 
     def __repr__(self) -> str:
         return f"QMatrix({self.ggml_type.name}, {self.shape}, {self.route}, {self.nbytes} B)"

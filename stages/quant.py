@@ -3,6 +3,7 @@
 Each format is a few whole-tensor integer ops (no Python loop over blocks); formats without a
 fast path fall back to gguf.quants (numpy), which is the reference these match bit for bit.
 Layouts follow ggml-quants.c; blocks are rows of `type_size` bytes holding `block_size` values.
+Every buffer is made on the input's device: a CUDA stage dequantises its slots and trunk on the card.
 """
 from __future__ import annotations
 
@@ -36,14 +37,14 @@ def _q8_0(b: torch.Tensor) -> torch.Tensor:
 def _q4_0(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     d = _f16(b[:, :2])
-    q = _unpack_nibbles(b[:, 2:], torch.empty(n, 2, 16)).view(n, 32)
+    q = _unpack_nibbles(b[:, 2:], torch.empty(n, 2, 16, device=b.device)).view(n, 32)
     return q.sub_(8.0).mul_(d)
 
 
 def _q4_1(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     d, m = _f16(b[:, :2]), _f16(b[:, 2:4])
-    q = _unpack_nibbles(b[:, 4:], torch.empty(n, 2, 16)).view(n, 32)
+    q = _unpack_nibbles(b[:, 4:], torch.empty(n, 2, 16, device=b.device)).view(n, 32)
     return q.mul_(d).add_(m)
 
 
@@ -59,11 +60,22 @@ def _q4_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
     sc, mn = _k_scale_min(b[:, 4:16])
-    q = _unpack_nibbles(b[:, 16:].reshape(n, 4, 32), torch.empty(n, 4, 2, 32)).view(n, 8, 32)
+    q = _unpack_nibbles(b[:, 16:].reshape(n, 4, 32), torch.empty(n, 4, 2, 32, device=b.device)).view(n, 8, 32)
     return q.mul_((d * sc).unsqueeze(-1)).sub_((dmin * mn).unsqueeze(-1)).view(n, QK_K)
 
 
 _BIT_SHIFTS = torch.arange(8, dtype=torch.uint8).reshape(1, 8, 1)
+_consts: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+
+def _on(const: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small constant on `device`, copied there once (not a host-to-device copy per call)."""
+    if device.type == "cpu":
+        return const
+    key = (id(const), device)
+    if key not in _consts:
+        _consts[key] = const.to(device)
+    return _consts[key]
 
 
 def _q5_k(b: torch.Tensor) -> torch.Tensor:
@@ -71,8 +83,8 @@ def _q5_k(b: torch.Tensor) -> torch.Tensor:
     d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
     sc, mn = _k_scale_min(b[:, 4:16])
     qh = b[:, 16:48].reshape(n, 1, 32)
-    u = _unpack_nibbles(b[:, 48:].reshape(n, 4, 32), torch.empty(n, 4, 2, 32, dtype=torch.uint8)).view(n, 8, 32)
-    u |= ((qh >> _BIT_SHIFTS) & 1) << 4  # sub-block j takes bit j of each qh byte as its 5th bit
+    u = _unpack_nibbles(b[:, 48:].reshape(n, 4, 32), torch.empty(n, 4, 2, 32, dtype=torch.uint8, device=b.device)).view(n, 8, 32)
+    u |= ((qh >> _on(_BIT_SHIFTS, b.device)) & 1) << 4  # sub-block j takes bit j of each qh byte as its 5th bit
     q = u.to(torch.float32)
     return q.mul_((d * sc).unsqueeze(-1)).sub_((dmin * mn).unsqueeze(-1)).view(n, QK_K)
 
@@ -85,8 +97,8 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     qh = b[:, 128:192].reshape(n, 2, 1, 32)
     scales = b[:, 192:208].contiguous().view(torch.int8).to(torch.float32)
     d = _f16(b[:, 208:210])
-    u = _unpack_nibbles(b[:, :128].reshape(n, 2, 64), torch.empty(n, 2, 2, 64, dtype=torch.uint8)).view(n, 2, 4, 32)
-    u |= ((qh >> _Q6_SHIFTS) & 3) << 4
+    u = _unpack_nibbles(b[:, :128].reshape(n, 2, 64), torch.empty(n, 2, 2, 64, dtype=torch.uint8, device=b.device)).view(n, 2, 4, 32)
+    u |= ((qh >> _on(_Q6_SHIFTS, b.device)) & 3) << 4
     q = u.view(torch.int8).to(torch.float32).sub_(32.0).view(n, 16, 16)
     return q.mul_((d * scales).unsqueeze(-1)).view(n, QK_K)
 
@@ -118,8 +130,9 @@ def dequantize(raw: np.ndarray | torch.Tensor, ggml_type: T, shape: tuple[int, .
     if fast is not None:
         return fast(b.reshape(-1, type_size)).reshape(shape)
     from gguf.quants import dequantize as gguf_dequantize
+    host = b.cpu().numpy()  # the numpy reference runs on the host; the result goes back to b's device
     if ggml_type == T.F64:
-        arr = b.numpy().view(np.float64).astype(np.float32)
+        arr = host.view(np.float64).astype(np.float32)
     else:
-        arr = gguf_dequantize(b.numpy().reshape(-1, type_size), ggml_type)
-    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(shape)
+        arr = gguf_dequantize(host.reshape(-1, type_size), ggml_type)
+    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32)).reshape(shape).to(b.device)

@@ -87,7 +87,9 @@ def sample(
         if p.greedy:
             out.append(int(greedy_ids[row]))
         else:
-            probs = filtered_probs(logits[row], p)
+            # On the host, where the sequence's generator is: a seed then draws the same tokens
+            # on a CPU and a CUDA stage (and a CUDA tensor cannot take a CPU generator).
+            probs = filtered_probs(logits[row].cpu(), p)
             out.append(int(torch.multinomial(probs, 1, generator=gen).item()))
     return out
 

@@ -9,6 +9,11 @@ Every message carries one extra leading row, the status row: element 0 is 0 for 
 and 1 for "the step failed upstream". A stage whose step raised still sends a status row, so
 the stages after it fail the same step at once instead of waiting for a tensor that never
 comes. Every wait is bounded by the group's timeout.
+
+On CUDA the wire and the compute device can differ: NCCL moves CUDA tensors card to card, but
+refuses two ranks on one card (stages sharing a GPU through fractional Ray resources), so such a
+group runs gloo over host memory: the sender copies its activations to the host, the receiver
+gets them in pinned memory and hands them to its card with one asynchronous copy.
 """
 from __future__ import annotations
 
@@ -27,6 +32,16 @@ class TransportError(MoerayError):
     """The link between two stages broke (a peer died, timed out, or failed a step upstream)."""
 
 
+def link_backend(devices: list[tuple[str, str, str]]) -> str:
+    """The backend for stages on these devices, each (kind, node id, PCI bus id): NCCL when every
+    stage has a CUDA card of its own, gloo when any stage is not on CUDA or two share a card
+    (NCCL refuses two ranks on one device)."""
+    if not devices or any(kind != "cuda" for kind, _node, _bus in devices):
+        return "gloo"
+    cards = [(node, bus) for _kind, node, bus in devices]
+    return "nccl" if len(set(cards)) == len(cards) else "gloo"
+
+
 def free_port(host: str = "") -> int:
     """A TCP port free on this node now (the OS picks it; the group binds it moments later)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -38,15 +53,24 @@ class StageLink:
     """One stage's end of the pipeline: receive from stage rank-1, send to stage rank+1."""
 
     def __init__(self, master_addr: str, master_port: int, rank: int, world_size: int,
-                 timeout_s: float = 30.0, backend: str = "gloo"):
+                 timeout_s: float = 30.0, backend: str = "gloo", compute_device: str | torch.device = "cpu"):
         self.rank, self.world_size = rank, world_size
         self.backend = backend
+        # Where the stage computes (what recv returns on) and where messages travel (the wire).
+        self.compute_device = torch.device(compute_device)
+        if self.compute_device.type == "cuda" and self.compute_device.index is None:
+            self.compute_device = torch.device("cuda", torch.cuda.current_device())
+        if backend == "nccl" and self.compute_device.type != "cuda":
+            raise MoerayError(f"stage {rank}: the nccl backend links CUDA stages; this stage computes on "
+                              f"{self.compute_device}")
+        self.device = self.compute_device if backend == "nccl" else torch.device("cpu")
+        # A host message bound for a card lands in pinned memory, so the copy up is asynchronous.
+        self._pin = self.device.type == "cpu" and self.compute_device.type == "cuda"
         if dist.is_initialized():  # a restart re-forms the group: leave the broken one first
             dist.destroy_process_group()
         dist.init_process_group(backend=backend, init_method=f"tcp://{master_addr}:{master_port}",
                                 rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-        self.device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
     @property
     def is_first(self) -> bool:
@@ -70,14 +94,17 @@ class StageLink:
         self._send(msg)
 
     def recv(self, n_rows: int, hidden_size: int) -> torch.Tensor:
-        """Receive [n_rows, hidden] from the previous stage; TransportError if it failed upstream."""
-        msg = torch.empty(n_rows + 1, hidden_size, dtype=torch.float32, device=self.device)
+        """Receive [n_rows, hidden] from the previous stage, on this stage's compute device;
+        TransportError if it failed upstream."""
+        msg = torch.empty(n_rows + 1, hidden_size, dtype=torch.float32, device=self.device, pin_memory=self._pin)
         try:
             dist.recv(msg, src=self.rank - 1)
         except Exception as exc:  # gloo raises RuntimeError on a dead peer or timeout
             raise TransportError(f"stage {self.rank}: receiving from stage {self.rank - 1} failed: {exc}") from exc
         if msg[0, 0].item() != OK:
             raise TransportError(f"stage {self.rank}: stage {self.rank - 1} or one before it failed this step")
+        if self.device != self.compute_device:
+            return msg[1:].to(self.compute_device, non_blocking=True)
         return msg[1:]
 
     def _send(self, msg: torch.Tensor) -> None:
