@@ -10,9 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
-import threading
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -46,25 +43,15 @@ class LiveServer:
 
 
 def _start(d: "LiveServer", default_model_path, port: int, metrics_port: int, ray_dashboard_port: int):
+    from serve_process import start_serve
+
     # Ray's metrics agent reports every 10 s by default: every second here, so exports settle fast.
     env = {**os.environ, "RAY_metrics_report_interval_ms": "1000"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "moeray.cluster.cli", "serve", str(default_model_path), "--stages", str(d.n_stages),
-         "--split", "K=15", "--simulate-devices", "150MiB,150MiB", "--max-seqs", "4", "--max-len", "128",
-         "--model-name", d.model, "--port", str(port), "--metrics-export-port", str(metrics_port), "--dashboard",
-         "--dashboard-port", str(ray_dashboard_port), "--api-key", d.key, "--ready-timeout", "400"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    lines: list[str] = []
-    errors: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
-    threading.Thread(target=lambda: errors.extend(proc.stderr), daemon=True).start()  # drained, kept for a failure
-    deadline = time.monotonic() + 450
-    while not any(line.startswith("curl ") for line in lines):
-        if proc.poll() is not None:
-            return proc, lines, errors
-        assert time.monotonic() < deadline, f"moeray serve not up in 450 s: {lines} {errors[-20:]}"
-        time.sleep(0.5)
-    return proc, lines, errors
+    return start_serve([str(default_model_path), "--stages", str(d.n_stages), "--split", "K=15",
+                        "--simulate-devices", "150MiB,150MiB", "--max-seqs", "4", "--max-len", "128",
+                        "--model-name", d.model, "--metrics-export-port", str(metrics_port), "--dashboard",
+                        "--dashboard-port", str(ray_dashboard_port), "--api-key", d.key, "--ready-timeout", "400"],
+                       port, timeout_s=450, env=env, require_up=False)
 
 
 @pytest.fixture(scope="session")
@@ -75,20 +62,16 @@ def dashboard_server(default_model_path):
     d = LiveServer("", 0, None, 0, [])  # the defaults: key, model name, stages
     for attempt in (1, 2):  # on a loaded machine Ray's own startup can time out once
         port, metrics_port, ray_dashboard_port = free_port(), free_port(), free_port()
-        proc, lines, errors = _start(d, default_model_path, port, metrics_port, ray_dashboard_port)
-        if proc.poll() is None:
+        server = _start(d, default_model_path, port, metrics_port, ray_dashboard_port)
+        if server.up:
             break
         time.sleep(0.5)
-        assert attempt == 1 and "timed out during startup" in "".join(errors), (
-            f"moeray serve exited with {proc.returncode}: {lines} {''.join(errors[-20:])}")
+        assert attempt == 1 and "timed out during startup" in "".join(server.errors), (
+            f"moeray serve exited with {server.proc.returncode}: {server.lines} {''.join(server.errors[-20:])}")
+    lines = server.lines
     url = f"http://127.0.0.1:{port}"
     printed = next((m.group(1) for line in lines if (m := re.match(r"Ray dashboard .*: (http://\S+)", line))), None)
     try:
         yield LiveServer(url, metrics_port, printed, ray_dashboard_port, lines)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        server.stop()

@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from serve_process import stop
 
 pytest_plugins = ["live_dashboard_server"]  # the session's one `moeray serve --dashboard --api-key ...`
 MODEL = "moeray-dash"  # the name that server serves under (checked below)
@@ -62,12 +63,7 @@ def prometheus(request, tmp_path_factory):
     try:
         yield api
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop(proc, 30)
 
 
 def query(api: str, promql: str, at: float | None = None) -> list[dict]:

@@ -76,38 +76,19 @@ def test_moeray_generate_json_schema_flag(default_model_path, tmp_path, capsys):
 @pytest.fixture(scope="module")
 def tool_server(tmp_path_factory):
     """`moeray serve TOOLS.gguf --local` as a user starts it (Ray Serve, the whole model in the replica)."""
-    import subprocess
-    import sys
-    import threading
-    import time
-
     openai = pytest.importorskip("openai")
-    from moeray.stages.transport import free_port
+    from serve_process import start_serve
     from tool_model import write_tool_model
 
+    from moeray.stages.transport import free_port
+
     path = write_tool_model(tmp_path_factory.mktemp("tools") / "tools.gguf")
-    port, metrics_port = free_port(), free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "moeray.cluster.cli", "serve", str(path), "--local",
-                             "--max-seqs", "4", "--max-len", "1024", "--model-name", "tools", "--port", str(port),
-                             "--metrics-export-port", str(metrics_port), "--ready-timeout", "240"],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
-    deadline = time.monotonic() + 300
-    while not any(line.startswith("curl ") for line in lines):
-        assert proc.poll() is None, f"moeray serve exited with {proc.returncode}: {lines}"
-        assert time.monotonic() < deadline, f"moeray serve not up in 300 s: {lines}"
-        time.sleep(0.5)
-    url = f"http://127.0.0.1:{port}"
+    server = start_serve([str(path), "--local", "--max-seqs", "4", "--max-len", "1024", "--model-name", "tools",
+                          "--metrics-export-port", str(free_port()), "--ready-timeout", "240"], free_port())
     try:
-        yield openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120), url, path
+        yield openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120), server.url, path
     finally:
-        proc.terminate()
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        server.stop()
 
 
 MSGS = [{"role": "user", "content": "What is the weather in Paris?"}]
