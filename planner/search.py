@@ -80,6 +80,7 @@ class Plan:
     search_ms: float = 0.0
     notes: list = field(default_factory=list)
     mass: MassModel | None = None
+    kv: object | None = None  # planner.kv.KVPlan: the KV budget this plan was searched with (set by the driver)
 
     @property
     def boundaries(self) -> list[int]:
@@ -124,6 +125,8 @@ class Plan:
                            f"predicted hit rate {100 * s.predicted_hit_rate:.1f}%")
         if self.mass is not None:
             out.append(self.mass.line())
+        if self.kv is not None:
+            out.append(self.kv.line())
         return out + self.notes
 
     def to_json(self) -> dict:
@@ -146,6 +149,7 @@ class Plan:
                 "slots": s.slots.n_slots if s.slots else 0,
                 "slot_pairs": s.slot_pairs, "predicted_hit_rate": s.predicted_hit_rate,
             } for s in self.stages],
+            "kv": self.kv.to_json() if self.kv is not None else None,
         }
 
 
