@@ -148,7 +148,9 @@ class Scheduler:
             req = self.waiting[0]
             if not req.prefill:
                 req.prefill = list(req.prompt)
-            shared = bm.match_prefix(req.prefill)
+            shared, wait = bm.match_prefix(req.prefill)
+            if wait:  # a running request is computing the rest of this prefix: reuse it when written
+                return
             bm.take_shared(shared)  # before allocating: a matched cached block must not be evicted
             own = bm.allocate(blocks_for(len(req.prefill) + 1) - len(shared))  # + the first output token
             if own is None:  # wait for blocks; first come, first served
@@ -157,6 +159,8 @@ class Scheduler:
             self.waiting.popleft()
             req.table = shared + own
             req.fed = req.kv_len = len(shared) * BLOCK_SIZE
+            # Its prompt's full blocks can be found from now on; pending until a step writes them.
+            bm.register(req.table, req.prefill, len(req.prefill) // BLOCK_SIZE, len(shared), pending=True)
             if req.preemptions == 0:
                 req.cached_tokens = req.fed
                 bm.stats.prompt_tokens += len(req.prompt)
@@ -222,9 +226,9 @@ class Scheduler:
                 n = min(self.config.prefill_chunk, len(r.prefill) - r.fed, budget)
                 rows.append(Row(r, r.prefill[r.fed:r.fed + n], r.fed, fresh=r.fresh,
                                 sample=r.fed + n == len(r.prefill)))
-                # Full blocks of this chunk are named now: the stages run steps in order, so a
-                # later step that reuses them reads them after this one wrote them.
-                self.blocks.register(r.table, r.prefill, (r.fed + n) // BLOCK_SIZE, r.fed // BLOCK_SIZE)
+                # This chunk's full blocks are written by this step: the stages run steps in the
+                # order they are handed out, so any later step may read them.
+                self.blocks.written(r.table, r.fed // BLOCK_SIZE, (r.fed + n) // BLOCK_SIZE)
                 r.fed += n
                 r.kv_len, r.fresh = r.fed, False
                 budget -= n

@@ -15,6 +15,12 @@ A full block of a prompt is named by the hash of (the previous block's hash, its
 so one hash names the whole prefix up to the block's end, as vLLM does. Shared blocks are
 read-only: a sequence reuses only full blocks that precede its first computed token, and
 writes only blocks of its own.
+
+A prompt's full blocks are named when it is admitted, before its prefill has run: they are
+*pending* until the step that writes them is handed to the pipeline. A request whose prefix
+continues into a pending block waits for it (one prefill of a shared system prompt, not 16 at
+once); since every stage runs steps in the order they were handed out, a block is readable by
+any step handed out after the one that writes it.
 """
 from __future__ import annotations
 
@@ -41,6 +47,7 @@ class BlockManager:
         self.hash_of: dict[int, int] = {}  # block -> the hash of the prefix it completes
         self.block_of: dict[int, int] = {}  # hash -> block
         self.cached: OrderedDict[int, None] = OrderedDict()  # unreferenced hashed blocks, oldest first
+        self.pending: set[int] = set()  # hashes whose block no step has written yet
         self.stats = KVStats()
 
     # ---------------------------------------------------------------- counts
@@ -73,22 +80,28 @@ class BlockManager:
             out.append(h)
         return out
 
-    def match_prefix(self, tokens: list[int]) -> list[int]:
-        """The cached blocks that hold the longest full-block prefix of `tokens`, leaving at least
-        one token to compute (its logits give the next token). Does not take them."""
+    def match_prefix(self, tokens: list[int]) -> tuple[list[int], bool]:
+        """(blocks, wait): the known blocks that hold the longest full-block prefix of `tokens`,
+        leaving at least one token to compute (its logits give the next token); wait is True when
+        the prefix goes on into a block still being computed (better to wait for it than to
+        compute it twice). Takes nothing."""
         if not self.prefix_reuse:
-            return []
+            return [], False
         found = []
         for h in self.prefix_hashes(tokens, (len(tokens) - 1) // BLOCK_SIZE):
             b = self.block_of.get(h)
             if b is None:
                 break
+            if h in self.pending:
+                return found, True
             found.append(b)
-        return found
+        return found, False
 
-    def register(self, table: list[int], tokens: list[int], n_full: int, start: int = 0) -> None:
-        """Blocks [start, n_full) of `table` now hold full blocks of `tokens`: name them by their
-        prefix hash so later prompts can find them (a hash already held elsewhere stays there)."""
+    def register(self, table: list[int], tokens: list[int], n_full: int, start: int = 0,
+                 pending: bool = False) -> None:
+        """Blocks [start, n_full) of `table` hold (or, pending, will hold) full blocks of `tokens`:
+        name them by their prefix hash so later prompts can find them (a hash already held by
+        another block stays there)."""
         if not self.prefix_reuse or n_full <= start:
             return
         for i, h in enumerate(self.prefix_hashes(tokens, n_full)):
@@ -97,6 +110,14 @@ class BlockManager:
             b = table[i]
             if h not in self.block_of and b not in self.hash_of:
                 self.block_of[h], self.hash_of[b] = b, h
+                if pending:
+                    self.pending.add(h)
+
+    def written(self, table: list[int], first: int, end: int) -> None:
+        """Blocks [first, end) of `table` are written by a step just handed out: no longer pending."""
+        if self.pending:
+            for b in table[first:end]:
+                self.pending.discard(self.hash_of.get(b))
 
     # ---------------------------------------------------------------- taking and giving back
 
@@ -127,6 +148,10 @@ class BlockManager:
         for b in reversed(table):  # a prefix's tail is evicted before its head
             self.ref[b] -= 1
             if self.ref[b] == 0:
+                h = self.hash_of.get(b)
+                if h in self.pending:  # never written (aborted, preempted mid-prompt): forget it
+                    self.pending.discard(h)
+                    del self.block_of[h], self.hash_of[b]
                 if b in self.hash_of:
                     self.cached[b] = None
                 else:
@@ -139,3 +164,4 @@ class BlockManager:
         self.hash_of.clear()
         self.block_of.clear()
         self.cached.clear()
+        self.pending.clear()

@@ -66,10 +66,15 @@ class CompletionRequest(_Request):
     prompt: Union[StrictStr, list[StrictInt]]  # text, or token ids
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from a cached prefix (prefill skipped)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
 
 
 def new_id(prefix: str) -> str:
