@@ -65,6 +65,7 @@ class StageGroup:
     pg: Any = None
     reports: list[ProbeReport] = field(default_factory=list)
     load_args: list[tuple] = field(default_factory=list)  # per stage, to reload it after a restart
+    kv_blocks: int | None = None  # every stage's KV pool, once loaded
     hung: set = field(default_factory=set)
     _actor_opts: dict = field(default_factory=dict)
 
@@ -133,6 +134,7 @@ class StageGroup:
         """Each stage loads only its layer range and a KV pool of `kv_blocks` blocks;
         `progress(stage, report)` as each one finishes."""
         trunk_on_card = trunk_on_card or [0] * len(ranges)
+        self.kv_blocks = kv_blocks
         self.load_args = [(path, a, b, kv_blocks, t, profile, cache_policy)
                           for (a, b), t in zip(ranges, trunk_on_card)]
         refs = [a.load.remote(*args) for a, args in zip(self.actors, self.load_args)]
@@ -454,6 +456,7 @@ class RayPipeline:
     def __init__(self, group: StageGroup):
         self.group = group
         self.n_stages = group.n_stages
+        self.kv_blocks = group.kv_blocks  # the engine's block budget: what every stage allocated
 
     def submit(self, batch: StepBatch) -> list:
         return [a.step.remote(batch.for_stage(i, self.n_stages)) for i, a in enumerate(self.group.actors)]

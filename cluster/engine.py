@@ -315,7 +315,12 @@ class Engine:
         """`tokenizer` (anything with decode() and end_ids) gives requests their text, end tokens and
         stop strings; without one the engine works in token ids (no end token, no stop strings)."""
         self.pipeline, self.config, self.tokenizer = pipeline, config, tokenizer
-        self.scheduler = Scheduler(config, tokenizer.end_ids if tokenizer is not None else (), config.kv_blocks)
+        # The KV budget is the pipeline's pool (its stages allocated it); a config may ask for less.
+        pool = getattr(pipeline, "kv_blocks", None)
+        if pool is not None and config.kv_blocks is not None and config.kv_blocks > pool:
+            raise MoerayError(f"kv_blocks {config.kv_blocks} is more than the {pool} blocks the stages allocated")
+        self.scheduler = Scheduler(config, tokenizer.end_ids if tokenizer is not None else (),
+                                   config.kv_blocks or pool)
         self.in_flight: deque[tuple[ScheduledStep, Any]] = deque()
         self._ids = itertools.count()
 
@@ -418,8 +423,9 @@ class LocalPipeline:
 
     n_stages = 1
 
-    def __init__(self, stage):
+    def __init__(self, stage, kv_blocks: int | None = None):
         self.stage = stage  # a StageActor or a StageRunner: step(StepBatch) -> tokens
+        self.kv_blocks = kv_blocks  # blocks of its KV pool: the engine's budget
         self.load_report = None
 
     @classmethod
@@ -429,7 +435,7 @@ class LocalPipeline:
         from moeray.stages.gguf_file import read_gguf_header
 
         stage = StageActor(0, 1, simulated_budget if simulated_budget is not None else 1 << 62)
-        pipe = cls(stage)
+        pipe = cls(stage, kv_blocks)
         n_layers = read_gguf_header(path).config.n_layers
         pipe.load_report = stage.load(path, 0, n_layers, kv_blocks, profile=profile, cache_policy=cache_policy)
         return pipe
@@ -438,7 +444,7 @@ class LocalPipeline:
     def from_model(cls, model, kv_blocks: int) -> "LocalPipeline":
         from moeray.stages.actor import StageRunner
 
-        return cls(StageRunner(model, model.new_kv_pool(kv_blocks)))
+        return cls(StageRunner(model, model.new_kv_pool(kv_blocks)), kv_blocks)
 
     def submit(self, batch: StepBatch) -> Any:
         return self.stage.step(batch)  # done when it returns: the handle is the result
