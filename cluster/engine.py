@@ -120,6 +120,10 @@ class Scheduler:
             raise MoerayError("an engine needs a KV budget: kv_blocks, or max_len (max_seqs sequences of it)")
         # Without a plan's budget, blocks for max_seqs sequences of max_len: what a slab held.
         self.blocks = BlockManager(n_blocks or config.max_seqs * blocks_for(config.max_len), config.prefix_reuse)
+        # Give each sequence the blocks of its whole output at admission (never grow, never preempt):
+        # for the one-shot Generator, whose pool is sized for exactly its prompts. Equal sequences then
+        # hold consecutive, equally spaced blocks, which attention reads as one view.
+        self.reserve_output = False
         self.eos_ids = frozenset(eos_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -152,7 +156,8 @@ class Scheduler:
             if wait:  # a running request is computing the rest of this prefix: reuse it when written
                 return
             bm.take_shared(shared)  # before allocating: a matched cached block must not be evicted
-            own = bm.allocate(blocks_for(len(req.prefill) + 1) - len(shared))  # + the first output token
+            total = len(req.prompt) + req.max_new if self.reserve_output else len(req.prefill) + 1
+            own = bm.allocate(blocks_for(total) - len(shared))  # + the first output token
             if own is None:  # wait for blocks; first come, first served
                 bm.release(shared)
                 return
@@ -522,6 +527,7 @@ class Generator:
                            token_budget=self.config.token_budget, prefill_chunk=self.config.prefill_chunk,
                            micro_batches=1, kv_blocks=n_blocks)
         engine = Engine(LocalPipeline.from_model(self.model, n_blocks), cfg, self.tokenizer)
+        engine.scheduler.reserve_output = True
         reqs = [engine.add(p, q) for p, q in zip(prompts, params)]
         sent = [0] * len(reqs)
         t0 = t_prefilled = time.perf_counter()
