@@ -1,11 +1,17 @@
 """Load test a running moeray server (or any OpenAI-compatible one).
 
     python bench/load.py http://127.0.0.1:8000 --clients 16 --duration 60 [--json out.json]
+    python bench/load.py URL --clients 16 --system-prompt-tokens 300   # chat traffic, one system prompt
 
 N clients, each sending streamed chat completions back to back for a bounded time. Prints
 requests/s, output tokens/s, p50/p99 time to first token and inter-token latency, and errors.
 Tokens are counted from each stream's `usage` (so text that arrives in one chunk is not
 undercounted); latencies are measured at the client, over HTTP, as a user sees them.
+
+--system-prompt-tokens N puts the same system prompt of about N tokens before every question
+(chat traffic of one application): the table then adds the prompt tokens sent, those the server
+reports as cached (`usage.prompt_tokens_details.cached_tokens`: its prefix reuse) and the prefill
+tokens it really computed. Run it against `moeray serve` and `moeray serve --no-prefix-reuse`.
 """
 from __future__ import annotations
 
@@ -31,6 +37,17 @@ PROMPTS = [
 ]
 
 
+def system_prompt(n_tokens: int) -> str:
+    """About n_tokens of one fixed system prompt (numbered house rules: ~10 tokens a rule with a
+    BPE tokenizer such as SmolLM2's; the server's usage says exactly how many)."""
+    rules = ["answer in plain words", "keep it short", "say so when you do not know", "never invent a source",
+             "use metric units", "be polite", "give one example when it helps", "avoid jargon"]
+    lines = ["You are the assistant of a small engineering team. Follow these house rules."]
+    for i in range(max(0, (n_tokens - 14) // 10)):
+        lines.append(f"Rule {i + 1}: {rules[i % len(rules)]}.")
+    return "\n".join(lines)
+
+
 def percentile(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -45,6 +62,7 @@ class Client(threading.Thread):
         self.ttft: list[float] = []
         self.itl: list[float] = []
         self.requests = self.tokens = 0
+        self.prompt_tokens = self.cached_tokens = 0
         self.errors: list[str] = []
 
     def run(self) -> None:
@@ -59,7 +77,10 @@ class Client(threading.Thread):
                 time.sleep(0.2)
 
     def one(self, prompt: str) -> None:
-        body = json.dumps({"model": self.model, "messages": [{"role": "user", "content": prompt}],
+        messages = [{"role": "user", "content": prompt}]
+        if self.args.system:
+            messages.insert(0, {"role": "system", "content": self.args.system})
+        body = json.dumps({"model": self.model, "messages": messages,
                            "max_tokens": self.args.max_tokens, "temperature": self.args.temperature,
                            "stream": True, "stream_options": {"include_usage": True}})
         headers = {"Content-Type": "application/json"}
@@ -93,6 +114,9 @@ class Client(threading.Thread):
                     last = now
             self.requests += 1
             self.tokens += int(usage["completion_tokens"]) if usage else 0
+            if usage:
+                self.prompt_tokens += int(usage.get("prompt_tokens", 0))
+                self.cached_tokens += int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
         finally:
             conn.close()
 
@@ -118,8 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", help="model id (default: the server's first)")
     p.add_argument("--api-key", default=os.environ.get("MOERAY_API_KEY"))
     p.add_argument("--timeout", type=float, default=120.0, help="socket timeout per request")
+    p.add_argument("--system-prompt-tokens", type=int, default=0,
+                   help="the same system prompt of about this many tokens before every question (default: none)")
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
+    args.system = system_prompt(args.system_prompt_tokens) if args.system_prompt_tokens > 0 else ""
 
     url = urlparse(args.url)
     model = args.model or model_id(url, args.api_key, args.timeout)
@@ -136,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     itl = [x for c in clients for x in c.itl]
     errors = [e for c in clients for e in c.errors]
     requests, tokens = sum(c.requests for c in clients), sum(c.tokens for c in clients)
+    prompt_tokens, cached = sum(c.prompt_tokens for c in clients), sum(c.cached_tokens for c in clients)
     result = {
         "url": args.url, "model": model, "clients": args.clients, "duration_s": round(wall, 2),
         "max_tokens": args.max_tokens, "requests": requests, "errors": len(errors),
@@ -143,6 +171,9 @@ def main(argv: list[str] | None = None) -> int:
         "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
         "itl_p50_s": percentile(itl, 0.5), "itl_p99_s": percentile(itl, 0.99),
         "itl_mean_s": statistics.fmean(itl) if itl else float("nan"),
+        "prompt_tokens": prompt_tokens, "cached_prompt_tokens": cached,
+        "prefill_tokens_computed": prompt_tokens - cached,
+        "system_prompt_tokens": args.system_prompt_tokens,
         "first_errors": errors[:5],
     }
     print(f"{model} at {args.url}: {args.clients} clients for {wall:.1f} s, max_tokens {args.max_tokens}")
@@ -151,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| {args.clients} | {result['requests_per_s']:.2f} | {result['output_tokens_per_s']:.1f} | "
           f"{result['ttft_p50_s'] * 1e3:.0f} ms | {result['ttft_p99_s'] * 1e3:.0f} ms | "
           f"{result['itl_p50_s'] * 1e3:.0f} ms | {result['itl_p99_s'] * 1e3:.0f} ms | {requests} | {len(errors)} |")
+    if prompt_tokens:
+        print(f"prompt tokens {prompt_tokens} ({prompt_tokens / max(requests, 1):.0f} a request), cached {cached} "
+              f"({100 * cached / prompt_tokens:.1f}%): prefill computed {prompt_tokens - cached} tokens")
     for e in errors[:5]:
         print(f"  error: {e}", file=sys.stderr)
     if args.json:

@@ -94,7 +94,7 @@ def main(argv=None) -> int:
               "stages": args.stages, "devices": args.simulate_devices, "rows": rows}
 
     if not args.skip_local:
-        local = LocalPipeline.from_file(path, max_seqs, max_len, simulated_budget=sum(sizes))
+        local = LocalPipeline.from_file(path, max_seqs * -(-max_len // 16), simulated_budget=sum(sizes))
         for b in batches:
             eng = Engine(local, EngineConfig(max_seqs=max_seqs, max_len=max_len, token_budget=256,
                                              prefill_chunk=64, micro_batches=1))

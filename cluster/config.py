@@ -27,19 +27,29 @@ DEFAULT_SIMULATED = "176MiB,176MiB,144MiB,144MiB"
 
 @dataclass
 class EngineConfig:
-    max_seqs: int = 16  # KV slots: requests running at once
-    max_len: int = 512  # prompt + output tokens per request (capped by the model's context)
+    max_seqs: int = 16  # sequence slots: requests running at once
+    max_len: Optional[int] = None  # prompt + output tokens per request; None: the model's context
     token_budget: int = 128  # new tokens per micro-batch step
     prefill_chunk: int = 64  # prompt tokens of one request per step
     micro_batches: int = 2  # lanes: steps in flight at once
     step_timeout_s: float = 60.0  # a step slower than this counts as a hung stage
+    # The KV cache, in blocks of 16 tokens shared by all running sequences: a fixed count, or a
+    # fraction of the devices' free bytes; neither: the planner trades it against expert slots.
+    kv_blocks: Optional[int] = None
+    kv_fraction: Optional[float] = None
+    prefix_reuse: bool = True  # reuse the KV of a prompt prefix another request computed
 
     def __post_init__(self) -> None:
         if not 1 <= self.micro_batches <= self.max_seqs:
             raise MoerayError(f"need 1 <= micro_batches ({self.micro_batches}) <= max_seqs ({self.max_seqs})")
-        for name in ("max_len", "token_budget", "prefill_chunk"):
-            if getattr(self, name) < 1:
+        for name in ("max_len", "token_budget", "prefill_chunk", "kv_blocks"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise MoerayError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.kv_fraction is not None and not 0 < self.kv_fraction < 1:
+            raise MoerayError(f"kv_fraction must be between 0 and 1 (a share of the free device bytes), "
+                              f"got {self.kv_fraction}")
+        if self.kv_blocks is not None and self.kv_fraction is not None:
+            raise MoerayError("give --kv-blocks or --kv-fraction, not both")
 
 
 @dataclass
@@ -117,18 +127,27 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     d = EngineConfig
     g = p.add_argument_group("engine")
     g.add_argument("--max-seqs", type=int, default=d.max_seqs, help=f"sequences running at once (KV slots; default {d.max_seqs})")
-    g.add_argument("--max-len", type=int, default=d.max_len, help=f"prompt + output tokens per sequence (default {d.max_len})")
+    g.add_argument("--max-len", type=int, default=d.max_len,
+                   help="prompt + output tokens per sequence (default: the model's context length)")
     g.add_argument("--micro-batches", type=int, default=d.micro_batches, help=f"micro-batches in flight (default {d.micro_batches})")
     g.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, help=f"prompt tokens per request per step (default {d.prefill_chunk})")
     g.add_argument("--token-budget", type=int, default=d.token_budget, help=f"new tokens per micro-batch step (default {d.token_budget})")
     g.add_argument("--step-timeout", type=float, default=d.step_timeout_s,
                    help=f"seconds before a step counts as hung (default {d.step_timeout_s:.0f})")
+    kv = g.add_mutually_exclusive_group()
+    kv.add_argument("--kv-blocks", type=int, default=d.kv_blocks,
+                    help="KV cache blocks of 16 tokens on every stage (default: the planner trades KV against expert slots)")
+    kv.add_argument("--kv-fraction", type=float, default=d.kv_fraction,
+                    help="share of the devices' free bytes the KV cache takes, e.g. 0.3 (instead of --kv-blocks)")
+    g.add_argument("--no-prefix-reuse", action="store_true",
+                   help="compute every prompt in full (default: reuse the KV of a prompt prefix already computed)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(max_seqs=args.max_seqs, max_len=args.max_len, token_budget=args.token_budget,
                         prefill_chunk=args.prefill_chunk, micro_batches=args.micro_batches,
-                        step_timeout_s=args.step_timeout)
+                        step_timeout_s=args.step_timeout, kv_blocks=args.kv_blocks, kv_fraction=args.kv_fraction,
+                        prefix_reuse=not args.no_prefix_reuse)
 
 
 def add_launch_arguments(p: argparse.ArgumentParser) -> None:

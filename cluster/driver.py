@@ -6,7 +6,7 @@
 2. Probe: every actor reports its device, free bytes, node and measured speeds, and the
    model file's size and sampled hash as its node sees it (a node with a different file is named).
 3. Plan: the placement search runs over the reported budgets and speeds.
-4. Load: each actor loads only its layer range; KV cache allocated.
+4. Load: each actor loads only its layer range; its KV pool allocated (the plan's block count).
 5. Wire: the stages join one process group (activations go stage to stage over it).
 
 Every remote wait goes through cluster/remote.py (one deadline, errors that name the stage): a
@@ -85,6 +85,7 @@ class StageGroup:
     pg: Any = None
     reports: list[ProbeReport] = field(default_factory=list)
     load_args: list[tuple] = field(default_factory=list)  # per stage, to reload it after a restart
+    kv_blocks: int | None = None  # every stage's KV pool, once loaded
     hung: set = field(default_factory=set)
     _actor_opts: dict = field(default_factory=dict)
 
@@ -153,12 +154,14 @@ class StageGroup:
             return f"{d.name} on {d.node_ip or d.hostname}"
         return "not probed yet"
 
-    def load(self, path: str, ranges: list[tuple[int, int]], max_seqs: int, max_len: int,
+    def load(self, path: str, ranges: list[tuple[int, int]], kv_blocks: int,
              progress=None, trunk_on_card: list[int] | None = None, profile: str | None = None,
              cache_policy: str = "static") -> list[LoadReport]:
-        """Each stage loads only its layer range; `progress(stage, report)` as each one finishes."""
+        """Each stage loads only its layer range and a KV pool of `kv_blocks` blocks;
+        `progress(stage, report)` as each one finishes."""
         trunk_on_card = trunk_on_card or [0] * len(ranges)
-        self.load_args = [(path, a, b, max_seqs, max_len, t, profile, cache_policy)
+        self.kv_blocks = kv_blocks
+        self.load_args = [(path, a, b, kv_blocks, t, profile, cache_policy)
                           for (a, b), t in zip(ranges, trunk_on_card)]
         refs = [a.load.remote(*args) for a, args in zip(self.actors, self.load_args)]
         return gather(refs, self.timeout_s, "loading", progress=progress)
@@ -240,6 +243,8 @@ class Launched:
     ranges: list[tuple[int, int]]
     handoff_ms: float
     lines: list[str]
+    engine: EngineConfig = field(default_factory=EngineConfig)  # as launched: max_len and kv_blocks resolved
+    kv: Any = None  # planner.kv.KVPlan
 
     def pipeline(self) -> "RayPipeline":
         return RayPipeline(self.group)
@@ -269,11 +274,59 @@ class Launched:
         self.group.shutdown()
 
 
-def kv_bytes_per_layer(config, max_seqs: int, max_len: int) -> int:
-    """KV cache of one layer, as the stage allocates it."""
+def kv_bytes_per_layer(config, max_seqs: int, max_len: int, itemsize: int = 4) -> int:
+    """KV of one layer for `max_seqs` sequences of `max_len` tokens (whole blocks each)."""
     from moeray.stages.kv_cache import kv_cache_bytes
 
-    return kv_cache_bytes(config, 1, max_seqs, max_len)
+    return kv_cache_bytes(config, 1, max_seqs, max_len, itemsize)
+
+
+def kv_layer_bytes(config, n_blocks: int, itemsize: int = 4) -> int:
+    """KV pool of one layer with `n_blocks` blocks, as a stage allocates it."""
+    from moeray.stages.kv_cache import kv_block_bytes
+
+    return n_blocks * kv_block_bytes(config, 1, itemsize)
+
+
+def kv_itemsize(kinds) -> int:
+    """Bytes per KV element the stages will hold: 16-bit when every stage is a CUDA card, else float32
+    (stages/kv_cache.kv_dtype); one size for all, the larger, so no stage is under-charged."""
+    kinds = list(kinds)
+    return 2 if kinds and all(k == "cuda" for k in kinds) else 4
+
+
+def kv_context(config, engine: EngineConfig) -> int:
+    """Tokens one sequence may hold: the model's context, unless --max-len lowers it."""
+    return min(engine.max_len or config.context_length, config.context_length)
+
+
+def fixed_kv_blocks(config, engine: EngineConfig, free_bytes: int, itemsize: int) -> tuple[int | None, str]:
+    """(blocks, rule) when --kv-blocks or --kv-fraction fixes the budget, (None, '') for auto."""
+    from moeray.planner.kv import blocks_for_fraction
+    from moeray.stages.kv_cache import kv_block_bytes
+
+    if engine.kv_blocks is not None:
+        return engine.kv_blocks, "--kv-blocks"
+    if engine.kv_fraction is not None:
+        n = blocks_for_fraction(engine.kv_fraction, free_bytes, kv_block_bytes(config, config.n_layers, itemsize))
+        if n < 1:
+            raise PlacementError(f"--kv-fraction {engine.kv_fraction} of {free_bytes} free bytes is less than one "
+                                 "KV block; raise it or give --kv-blocks")
+        return n, f"--kv-fraction {engine.kv_fraction}"
+    return None, ""
+
+
+def local_kv_plan(config, engine: EngineConfig, free_bytes: int, itemsize: int = 4):
+    """The KV budget of a one-process server (no expert trade: its device holds every expert):
+    --kv-blocks / --kv-fraction, else one sequence at the full context."""
+    from moeray.planner.kv import KVPlan
+    from moeray.stages.kv_cache import BLOCK_SIZE, blocks_for
+
+    context = kv_context(config, engine)
+    n, rule = fixed_kv_blocks(config, engine, free_bytes, itemsize)
+    if n is None:
+        n, rule = blocks_for(context), "one sequence at the full context (--kv-blocks or --kv-fraction for more)"
+    return KVPlan(n, BLOCK_SIZE, context, rule, [config.n_layers * kv_layer_bytes(config, n, itemsize)])
 
 
 def held_spec(header, kv_bytes_per_layer: int = 0, route: str | None = None):
@@ -300,42 +353,68 @@ def held_spec(header, kv_bytes_per_layer: int = 0, route: str | None = None):
 
 def plan_from_reports(header, reports: list[ProbeReport], opts: LaunchOptions, engine: EngineConfig,
                       handoff_ms: float):
-    """The planner over what the actors reported. Returns (plan or None, ranges, lines).
+    """The planner over what the actors reported. Returns (plan or None, ranges, lines, kv).
 
     Each card offers its free bytes less its reserve; the trunk the stage holds (all of it:
-    StageModel computes the trunk on its own device) and the KV cache of its layers
-    (`engine.max_seqs` sequences of `engine.max_len` tokens) are charged per candidate range
-    inside the search, so a split is never chosen that its KV cannot fit.
+    StageModel computes the trunk on its own device) and the KV pool of its layers are charged per
+    candidate range inside the search, so a split is never chosen that its KV cannot fit. The KV
+    budget (blocks, the same on every stage) is --kv-blocks, --kv-fraction, or traded against the
+    expert slots (planner/kv.py).
     """
     from moeray.planner.devices import DeviceSpec
+    from moeray.planner.kv import KVPlan, trade_kv
     from moeray.planner.search import parse_split, plan_placement, proportional_split
+    from moeray.stages.kv_cache import BLOCK_SIZE, blocks_for
 
     cfg, S, L = header.config, len(reports), header.config.n_layers
-    kv_layer = kv_bytes_per_layer(cfg, engine.max_seqs, engine.max_len)
+    itemsize = kv_itemsize(r.device.kind for r in reports)
+    context = kv_context(cfg, engine)
     speeds, speed_lines = shared_host_speeds(reports)
     devs = [DeviceSpec(f"stage {r.stage} {r.device.name}", r.device.free_bytes - r.device.reserve_bytes,
                        layer_ms, miss_ms) for r, (layer_ms, miss_ms) in zip(reports, speeds)]
-    kv_hint = (f"the KV cache takes {kv_layer} bytes per layer for {engine.max_seqs} sequences of {engine.max_len} "
-               "tokens: lower --max-seqs or --max-len, or add stages")
+    fixed, rule = fixed_kv_blocks(cfg, engine, sum(d.free_bytes for d in devs), itemsize)
+    min_blocks = fixed or blocks_for(context)
+
+    def hint(n: int) -> str:
+        return (f"the KV cache takes {kv_layer_bytes(cfg, n, itemsize)} bytes per layer for {n} blocks ({n * BLOCK_SIZE} "
+                f"tokens: {'as given' if fixed else f'one sequence at the {context}-token context'}): lower --max-len "
+                "or --kv-blocks, or add stages")
+
+    def kv_plan(n: int, ranges, rule: str, tried=()) -> KVPlan:
+        layer = kv_layer_bytes(cfg, n, itemsize)
+        return KVPlan(n, BLOCK_SIZE, context, rule, [(b - a) * layer for a, b in ranges], list(tried))
 
     if not cfg.is_moe:  # no experts to place: split by layer speed (or as given)
         ks = parse_split(opts.split, L, S) or proportional_split(L, devs)
         bounds = [0] + list(ks) + [L]
+        kv_layer = kv_layer_bytes(cfg, min_blocks, itemsize)
         for r, d, a, b in zip(reports, devs, bounds[:-1], bounds[1:]):
             if (b - a) * kv_layer > d.free_bytes:
-                raise PlacementError(f"stage {r.stage}: {r.device.name} cannot hold layers {a}-{b - 1}; {kv_hint}")
+                raise PlacementError(f"stage {r.stage}: {r.device.name} cannot hold layers {a}-{b - 1}; {hint(min_blocks)}")
         ranges = list(zip(bounds[:-1], bounds[1:]))
-        return None, ranges, speed_lines + [f"layer split (dense model, by measured layer speed): K={','.join(map(str, ks))}"]
+        kv = kv_plan(min_blocks, ranges, rule or "one sequence at the full context (no experts to trade)")
+        return None, ranges, speed_lines + [f"layer split (dense model, by measured layer speed): K={','.join(map(str, ks))}",
+                              kv.line()], kv
     from moeray.planner.profile import Profile
 
-    spec = held_spec(header, kv_layer)
     profile = Profile.load(opts.profile, L, cfg.n_experts) if opts.profile else None
+
+    def plan_for(n: int):
+        return plan_placement(held_spec(header, kv_layer_bytes(cfg, n, itemsize)), devs, profile, split=opts.split,
+                              objective=opts.objective, trunk=opts.trunk, handoff_ms=handoff_ms)
+
     try:
-        plan = plan_placement(spec, devs, profile, split=opts.split, objective=opts.objective, trunk=opts.trunk,
-                              handoff_ms=handoff_ms)
+        if fixed:
+            blocks, plan, tried = fixed, plan_for(fixed), []
+        else:
+            blocks, plan, tried = trade_kv(plan_for, min_blocks, engine.max_seqs * min_blocks)
+            rule = ("auto: from one sequence at the full context, doubled while the experts it displaces cost "
+                    "under 2% of the predicted step")
     except PlacementError as exc:
-        raise PlacementError(f"{exc}; {kv_hint}") from None
-    return plan, [tuple(x) for x in plan.split], speed_lines + plan.lines(verbose=opts.verbose_plan)
+        raise PlacementError(f"{exc}; {hint(min_blocks)}") from None
+    ranges = [tuple(x) for x in plan.split]
+    plan.kv = kv_plan(blocks, ranges, rule, tried)
+    return plan, ranges, speed_lines + plan.lines(verbose=opts.verbose_plan), plan.kv
 
 
 def shared_host_speeds(reports: list[ProbeReport]) -> tuple[list[tuple[float, float]], list[str]]:
@@ -368,7 +447,8 @@ def shared_host_speeds(reports: list[ProbeReport]) -> tuple[list[tuple[float, fl
 
 def launch(path: str, opts: LaunchOptions = LaunchOptions(), engine: EngineConfig = EngineConfig(),
            log=print) -> Launched:
-    """Probe -> plan -> load -> wire, with KV caches for the engine's `max_seqs` x `max_len`.
+    """Probe -> plan -> load -> wire, with KV pools of the plan's block count; `Launched.engine` is
+    `engine` with max_len (the context) and kv_blocks resolved: build the Engine with it.
     `log` gets every line a user should see at startup."""
     from moeray.stages.gguf_file import read_gguf_header
 
@@ -398,14 +478,13 @@ def launch(path: str, opts: LaunchOptions = LaunchOptions(), engine: EngineConfi
         hop = group.link_check(1, header.config.hidden, reps=20)
         handoff_ms = hop["ms_per_pass"] / max(1, opts.n_stages - 1)
         say(f"stage links: {handoff_ms:.3f} ms per hop for a decode activation (measured)")
-        plan, ranges, plan_lines = plan_from_reports(header, reports, opts, engine, handoff_ms)
+        plan, ranges, plan_lines, kv = plan_from_reports(header, reports, opts, engine, handoff_ms)
         for line in plan_lines:
             say(line)
-        # The plan's trunk includes its layers' KV cache (see held_spec); the actor charges the KV itself.
-        kv_layer = kv_bytes_per_layer(header.config, engine.max_seqs, engine.max_len)
-        trunk_on_card = ([int(s.trunk_bytes) - s.n_layers * kv_layer for s in plan.stages] if plan is not None
-                         else [0] * len(ranges))
-        group.load(path, ranges, engine.max_seqs, engine.max_len, lambda i, rep: say(_load_line(rep)),
+        # The plan's trunk includes its layers' KV pool (see held_spec); the actor charges the KV itself.
+        trunk_on_card = ([int(s.trunk_bytes) - kv_bytes for s, kv_bytes in zip(plan.stages, kv.stage_bytes)]
+                         if plan is not None else [0] * len(ranges))
+        group.load(path, ranges, kv.blocks, lambda i, rep: say(_load_line(rep)),
                    trunk_on_card, opts.profile, opts.cache_policy)
         if opts.record_routing:
             group.record_routing(opts.record_routing)
@@ -413,7 +492,8 @@ def launch(path: str, opts: LaunchOptions = LaunchOptions(), engine: EngineConfi
     except BaseException:
         group.shutdown()
         raise
-    return Launched(path, group, reports, plan, ranges, handoff_ms, lines)
+    return Launched(path, group, reports, plan, ranges, handoff_ms, lines,
+                    replace(engine, max_len=kv.context, kv_blocks=kv.blocks), kv)
 
 
 def _probe_line(r: ProbeReport) -> str:
@@ -442,6 +522,7 @@ class RayPipeline:
     def __init__(self, group: StageGroup):
         self.group = group
         self.n_stages = group.n_stages
+        self.kv_blocks = group.kv_blocks  # the engine's block budget: what every stage allocated
 
     def submit(self, batch: StepBatch) -> list:
         return [a.step.remote(batch.for_stage(i, self.n_stages)) for i, a in enumerate(self.group.actors)]

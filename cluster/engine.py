@@ -3,7 +3,12 @@
     Engine.step():  scheduler.schedule(lane) ──▶ pipeline.submit(batch)      for every idle lane
                     pipeline.result(oldest)  ──▶ scheduler.postprocess(step, tokens)
 
-Requests wait until a KV slot is free, then run. Each running request belongs to one of
+Requests wait until a sequence slot and the KV blocks of their prompt are free, then run. The
+scheduler owns the block accounting (cluster/kv_blocks.py): it gives each sequence its blocks,
+reuses the cached blocks of a prompt prefix another request computed, and sends every step's
+block tables to the stages. When a decode step finds no free block, the youngest sequence is
+preempted: its blocks are freed and it waits to be prefilled again (prompt and output so far),
+so the client sees latency, not an error. Each running request belongs to one of
 `micro_batches` lanes; every lane has at most one step in flight, so with M lanes up to M
 micro-batches move down the pipeline at once and the stages work on different ones at the same
 time (stage 0 embeds lane 1 while stage 3 samples lane 0). A lane's step packs one decode token
@@ -29,9 +34,11 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional, Protocol, Sequence
 
 from moeray.cluster.config import EngineConfig
+from moeray.cluster.kv_blocks import BlockManager
 from moeray.cluster.remote import StageFailedError
 from moeray.errors import MoerayError
 from moeray.stages.actor import StepBatch
+from moeray.stages.kv_cache import BLOCK_SIZE, blocks_for
 from moeray.stages.sampling import SamplingParams, StepOutput, StopStringStream, TokenLogprob
 
 
@@ -48,7 +55,14 @@ class Request:
     error: Optional[str] = None
     slot: int = -1
     lane: int = -1
-    fed: int = 0  # prompt tokens handed to the pipeline so far
+    fed: int = 0  # tokens of `prefill` handed to the pipeline so far
+    prefill: list[int] = field(default_factory=list)  # what to prefill: the prompt (+ output after a preemption)
+    table: list[int] = field(default_factory=list)  # KV blocks, in order
+    kv_len: int = 0  # tokens whose KV the steps handed out so far write
+    cached_tokens: int = 0  # prompt tokens whose KV was reused from a cached prefix (first admission)
+    preemptions: int = 0
+    fresh: bool = False  # admitted, its first row not yet scheduled: the stages start its sampler over
+    t_admit: int = -1  # admission order: the youngest is preempted first
     busy: bool = False  # in a micro-batch that is in flight
     t_arrive: float = field(default_factory=time.perf_counter)
     t_first: Optional[float] = None
@@ -70,6 +84,7 @@ class Row:
     """One request's part of a step."""
     req: Request
     tokens: list[int]  # a prompt chunk, or the last sampled token
+    start: int  # tokens of the sequence in KV before this row
     fresh: bool  # the prompt's first chunk: the slot's KV and sampler start over
     sample: bool  # the prompt is fully fed with this row: a token comes back
 
@@ -83,7 +98,9 @@ class ScheduledStep:
     def batch(self) -> StepBatch:
         return StepBatch(self.id, [r.req.slot for r in self.rows], [len(r.tokens) for r in self.rows],
                          [r.fresh for r in self.rows], [r.tokens for r in self.rows],
-                         [r.req.params if r.sample else None for r in self.rows])
+                         [r.req.params if r.sample else None for r in self.rows],
+                         starts=[r.start for r in self.rows],
+                         tables=[r.req.table[:blocks_for(r.start + len(r.tokens))] for r in self.rows])
 
 
 @dataclass
@@ -92,13 +109,22 @@ class EngineStats:
     decode_tokens: int = 0
     prefill_tokens: int = 0
     failures: int = 0
+    preemptions: int = 0
 
 
 class Scheduler:
-    """Who runs (KV slots, lanes), what each step feeds, and when a request is done."""
+    """Who runs (sequence slots, lanes, KV blocks), what each step feeds, and when a request is done."""
 
-    def __init__(self, config: EngineConfig, eos_ids: Sequence[int] = ()):
+    def __init__(self, config: EngineConfig, eos_ids: Sequence[int] = (), n_blocks: int | None = None):
         self.config = config
+        if n_blocks is None and config.max_len is None:
+            raise MoerayError("an engine needs a KV budget: kv_blocks, or max_len (max_seqs sequences of it)")
+        # Without a plan's budget, blocks for max_seqs sequences of max_len: what a slab held.
+        self.blocks = BlockManager(n_blocks or config.max_seqs * blocks_for(config.max_len), config.prefix_reuse)
+        # Give each sequence the blocks of its whole output at admission (never grow, never preempt):
+        # for the one-shot Generator, whose pool is sized for exactly its prompts. Equal sequences then
+        # hold consecutive, equally spaced blocks, which attention reads as one view.
+        self.reserve_output = False
         self.eos_ids = frozenset(eos_ids)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -107,38 +133,110 @@ class Scheduler:
         m, n = config.micro_batches, config.max_seqs
         self.lane_slots = [list(range(lane * n // m, (lane + 1) * n // m)) for lane in range(m)]
         self._steps = itertools.count()
+        self._admissions = itertools.count()
         self.stats = EngineStats()
 
     @property
     def n_free_slots(self) -> int:
         return sum(len(s) for s in self.lane_slots)
 
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens the KV pool holds at most: the longest sequence that can run."""
+        return self.blocks.n_blocks * BLOCK_SIZE
+
     def admit(self) -> None:
-        """Waiting requests take free slots, each in the lane with the most room."""
+        """Waiting requests, in order, take a free slot (in the lane with the most room) and the
+        blocks of their prompt, reusing the cached blocks of its longest known prefix."""
+        bm = self.blocks
         while self.waiting and any(self.lane_slots):
-            req = self.waiting.popleft()
+            req = self.waiting[0]
+            if not req.prefill:
+                req.prefill = list(req.prompt)
+            shared, wait = bm.match_prefix(req.prefill)
+            if wait:  # a running request is computing the rest of this prefix: reuse it when written
+                return
+            bm.take_shared(shared)  # before allocating: a matched cached block must not be evicted
+            total = len(req.prompt) + req.max_new if self.reserve_output else len(req.prefill) + 1
+            own = bm.allocate(blocks_for(total) - len(shared))  # + the first output token
+            if own is None:  # wait for blocks; first come, first served
+                bm.release(shared)
+                return
+            self.waiting.popleft()
+            req.table = shared + own
+            req.fed = req.kv_len = len(shared) * BLOCK_SIZE
+            # Its prompt's full blocks can be found from now on; pending until a step writes them.
+            bm.register(req.table, req.prefill, len(req.prefill) // BLOCK_SIZE, len(shared), pending=True)
+            if req.preemptions == 0:
+                req.cached_tokens = req.fed
+                bm.stats.prompt_tokens += len(req.prompt)
+                bm.stats.cached_tokens += req.fed
             req.lane = max(range(len(self.lane_slots)), key=lambda lane: len(self.lane_slots[lane]))
             free = self.lane_slots[req.lane]
             req.slot = free.pop(free.index(min(free)))
-            req.status = "running"
+            req.status, req.fresh = "running", True
+            req.t_admit = next(self._admissions)
             self.running.append(req)
+
+    def _grow(self, req: Request, chosen: list[Request]) -> bool:
+        """Room for one more token of `req`: a new block when its table is full, preempting the
+        youngest sequence that is not in a step (possibly `req` itself) while none is free.
+        False: `req` cannot decode this step (it was preempted, or every other sequence is busy)."""
+        bm = self.blocks
+        while len(req.table) * BLOCK_SIZE <= req.kv_len:
+            got = bm.allocate(1)
+            if got is not None:
+                req.table += got
+                return True
+            idle = [r for r in self.running if not r.busy and not r.done and r not in chosen]
+            if not idle:
+                return False
+            victim = max(idle, key=lambda r: r.t_admit)
+            self.preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def preempt(self, req: Request) -> None:
+        """Free a running sequence's blocks and put it first in line to be prefilled again, prompt
+        and output so far (a cached prefix of it may survive and be reused)."""
+        prefill = req.prompt + req.output
+        n_full = len(prefill) // BLOCK_SIZE
+        # Its full blocks hold exactly the prefix of prompt + output, whatever fed them: name them.
+        self.blocks.register(req.table, prefill, min(n_full, req.kv_len // BLOCK_SIZE))
+        self.blocks.release(req.table)
+        self.running.remove(req)
+        self.lane_slots[req.lane].append(req.slot)
+        req.table, req.prefill, req.fed, req.kv_len = [], prefill, 0, 0
+        req.status, req.slot, req.lane = "waiting", -1, -1
+        req.preemptions += 1
+        self.stats.preemptions += 1
+        self.blocks.stats.preemptions += 1
+        self.waiting.appendleft(req)
 
     def schedule(self, lane: int) -> Optional[ScheduledStep]:
         """The lane's next step: decodes first (what users wait on between tokens), then prompt
         chunks, within the token budget. None when the lane has nothing to run."""
         budget = self.config.token_budget
         members = [r for r in self.running if r.lane == lane and not r.busy and not r.done]
-        rows = []
+        rows, chosen = [], []
         for r in members:
-            if r.fed == len(r.prompt) and budget >= 1:
-                rows.append(Row(r, [r.output[-1]], fresh=False, sample=True))
+            if r.status == "running" and r.fed == len(r.prefill) and budget >= 1 and self._grow(r, chosen):
+                rows.append(Row(r, [r.output[-1]], r.kv_len, fresh=False, sample=True))
+                chosen.append(r)
+                r.kv_len += 1
                 budget -= 1
         n_decode = len(rows)
         for r in members:
-            if r.fed < len(r.prompt) and budget >= 1:
-                n = min(self.config.prefill_chunk, len(r.prompt) - r.fed, budget)
-                rows.append(Row(r, r.prompt[r.fed:r.fed + n], fresh=r.fed == 0, sample=r.fed + n == len(r.prompt)))
+            if r.status == "running" and r.fed < len(r.prefill) and budget >= 1:
+                n = min(self.config.prefill_chunk, len(r.prefill) - r.fed, budget)
+                rows.append(Row(r, r.prefill[r.fed:r.fed + n], r.fed, fresh=r.fresh,
+                                sample=r.fed + n == len(r.prefill)))
+                # This chunk's full blocks are written by this step: the stages run steps in the
+                # order they are handed out, so any later step may read them.
+                self.blocks.written(r.table, r.fed // BLOCK_SIZE, (r.fed + n) // BLOCK_SIZE)
                 r.fed += n
+                r.kv_len, r.fresh = r.fed, False
                 budget -= n
         if not rows:
             return None
@@ -200,11 +298,16 @@ class Scheduler:
         for req in list(self.running):
             req.status, req.error, req.busy, req.t_done = "failed", message, False, time.perf_counter()
             self._release(req)
+        self.blocks.forget_all()  # a restarted stage holds no KV: no cached prefix is valid
 
     def _release(self, req: Request) -> None:
         if req in self.running:
             self.running.remove(req)
             self.lane_slots[req.lane].append(req.slot)
+            # Its full blocks (prompt and output) stay findable until their blocks are needed.
+            self.blocks.register(req.table, req.prompt + req.output, req.kv_len // BLOCK_SIZE)
+            self.blocks.release(req.table)
+            req.table = []
 
 
 class Pipeline(Protocol):
@@ -222,7 +325,12 @@ class Engine:
         """`tokenizer` (anything with decode() and end_ids) gives requests their text, end tokens and
         stop strings; without one the engine works in token ids (no end token, no stop strings)."""
         self.pipeline, self.config, self.tokenizer = pipeline, config, tokenizer
-        self.scheduler = Scheduler(config, tokenizer.end_ids if tokenizer is not None else ())
+        # The KV budget is the pipeline's pool (its stages allocated it); a config may ask for less.
+        pool = getattr(pipeline, "kv_blocks", None)
+        if pool is not None and config.kv_blocks is not None and config.kv_blocks > pool:
+            raise MoerayError(f"kv_blocks {config.kv_blocks} is more than the {pool} blocks the stages allocated")
+        self.scheduler = Scheduler(config, tokenizer.end_ids if tokenizer is not None else (),
+                                   config.kv_blocks or pool)
         self.in_flight: deque[tuple[ScheduledStep, Any]] = deque()
         self._ids = itertools.count()
 
@@ -232,10 +340,13 @@ class Engine:
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise MoerayError("an empty prompt cannot be continued; give at least one token")
-        room = self.config.max_len - len(prompt)
+        max_len = self.config.max_len or self.scheduler.kv_tokens
+        limit = min(max_len, self.scheduler.kv_tokens)
+        room = limit - len(prompt)
         if room < 1:
-            raise MoerayError(f"prompt of {len(prompt)} tokens leaves no room in the engine's "
-                              f"max_len of {self.config.max_len} tokens")
+            why = (f"max_len of {max_len} tokens" if limit == max_len else
+                   f"KV cache of {self.scheduler.kv_tokens} tokens (raise --kv-blocks or --kv-fraction)")
+            raise MoerayError(f"prompt of {len(prompt)} tokens leaves no room in the engine's {why}")
         if params.stop and self.tokenizer is None:
             raise MoerayError("stop strings need an engine with a tokenizer")
         detok = StopStringStream(self.tokenizer, params.stop) if self.tokenizer is not None else None
@@ -322,27 +433,28 @@ class LocalPipeline:
 
     n_stages = 1
 
-    def __init__(self, stage):
+    def __init__(self, stage, kv_blocks: int | None = None):
         self.stage = stage  # a StageActor or a StageRunner: step(StepBatch) -> tokens
+        self.kv_blocks = kv_blocks  # blocks of its KV pool: the engine's budget
         self.load_report = None
 
     @classmethod
-    def from_file(cls, path: str, max_seqs: int, max_len: int, simulated_budget: int | None = None,
+    def from_file(cls, path: str, kv_blocks: int, simulated_budget: int | None = None,
                   profile: str | None = None, cache_policy: str = "static") -> "LocalPipeline":
         from moeray.stages.actor import StageActor
         from moeray.stages.gguf_file import read_gguf_header
 
         stage = StageActor(0, 1, simulated_budget if simulated_budget is not None else 1 << 62)
-        pipe = cls(stage)
+        pipe = cls(stage, kv_blocks)
         n_layers = read_gguf_header(path).config.n_layers
-        pipe.load_report = stage.load(path, 0, n_layers, max_seqs, max_len, profile=profile, cache_policy=cache_policy)
+        pipe.load_report = stage.load(path, 0, n_layers, kv_blocks, profile=profile, cache_policy=cache_policy)
         return pipe
 
     @classmethod
-    def from_model(cls, model, max_seqs: int, max_len: int) -> "LocalPipeline":
+    def from_model(cls, model, kv_blocks: int) -> "LocalPipeline":
         from moeray.stages.actor import StageRunner
 
-        return cls(StageRunner(model, model.new_kv_cache(max_seqs, max_len)))
+        return cls(StageRunner(model, model.new_kv_pool(kv_blocks)), kv_blocks)
 
     def submit(self, batch: StepBatch) -> Any:
         return self.stage.step(batch)  # done when it returns: the handle is the result
@@ -413,10 +525,14 @@ class Generator:
         for p in prompts:
             if len(p) >= context:
                 raise MoerayError(f"prompt of {len(p)} tokens does not fit the context of {context}")
-        max_len = min(context, max((len(p) + q.max_tokens for p, q in zip(prompts, params)), default=1))
-        cfg = EngineConfig(max_seqs=max(1, len(prompts)), max_len=max_len, token_budget=self.config.token_budget,
-                           prefill_chunk=self.config.prefill_chunk, micro_batches=1)
-        engine = Engine(LocalPipeline.from_model(self.model, cfg.max_seqs, max_len), cfg, self.tokenizer)
+        lengths = [min(context, len(p) + q.max_tokens) for p, q in zip(prompts, params)]
+        # Blocks for exactly these sequences at their longest: none is ever preempted.
+        n_blocks = max(1, sum(blocks_for(n + 1) for n in lengths))
+        cfg = EngineConfig(max_seqs=max(1, len(prompts)), max_len=max(lengths, default=1),
+                           token_budget=self.config.token_budget, prefill_chunk=self.config.prefill_chunk,
+                           micro_batches=1, kv_blocks=n_blocks)
+        engine = Engine(LocalPipeline.from_model(self.model, n_blocks), cfg, self.tokenizer)
+        engine.scheduler.reserve_output = True
         reqs = [engine.add(p, q) for p, q in zip(prompts, params)]
         sent = [0] * len(reqs)
         t0 = t_prefilled = time.perf_counter()

@@ -29,6 +29,11 @@ METRICS: dict[str, tuple[str, str]] = {
     "moeray_stage_predicted_hit_rate": ("gauge", "the hit rate the plan predicts for a stage's expert cache"),
     "moeray_stage_first_layer": ("gauge", "first layer of a stage's range"),
     "moeray_stage_last_layer": ("gauge", "last layer of a stage's range"),
+    "moeray_stage_kv_blocks_used": ("gauge", "KV blocks of a stage's pool held by running sequences"),
+    "moeray_stage_kv_blocks_free": ("gauge", "KV blocks of a stage's pool free or holding a cached prefix"),
+    "moeray_kv_prefix_hit_rate": ("gauge", "share of prompt tokens whose KV came from a cached prefix"),
+    "moeray_kv_cached_tokens": ("counter", "prompt tokens whose prefill a cached prefix skipped"),
+    "moeray_kv_preemptions": ("counter", "sequences preempted (KV freed, prefilled again later) for lack of KV blocks"),
     "moeray_tokens_generated": ("counter", "output tokens handed to clients"),
     "moeray_requests_running": ("gauge", "sequences holding a KV slot"),
     "moeray_requests_waiting": ("gauge", "sequences waiting for a KV slot"),
@@ -53,7 +58,10 @@ _STAGE_GAUGES = {
     "moeray_stage_predicted_hit_rate": lambda s: float("nan") if s.predicted_hit_rate is None else s.predicted_hit_rate,
     "moeray_stage_first_layer": lambda s: s.layers[0] if s.layers else -1,
     "moeray_stage_last_layer": lambda s: s.layers[1] - 1 if s.layers else -1,
+    "moeray_stage_kv_blocks_used": lambda s: (s.kv or {}).get("used", 0),
+    "moeray_stage_kv_blocks_free": lambda s: (s.kv or {}).get("free", 0),
 }
+_KV_COUNTERS = {"moeray_kv_cached_tokens": "cached_tokens", "moeray_kv_preemptions": "preemptions"}
 
 
 def exported_name(name: str) -> str:
@@ -94,6 +102,17 @@ class Metrics:
         self.m["moeray_requests_running"].set(running, self._tags)
         self.m["moeray_requests_waiting"].set(waiting, self._tags)
 
+    def kv(self, report: dict) -> None:
+        """The engine's KV ledger (Service.kv_report): prefix hit rate, cached tokens, preemptions."""
+        with self._lock:
+            self.m["moeray_kv_prefix_hit_rate"].set(float(report.get("prefix_hit_rate", 0.0)), self._tags)
+            for name, key in _KV_COUNTERS.items():
+                value = float(report.get(key, 0))
+                last = self._seen.get((name, -1), 0.0)
+                if value > last:
+                    self.m[name].inc(value - last, self._tags)
+                self._seen[name, -1] = value
+
     # ---------------------------------------------------------------- stage side
 
     def stages(self, stats: list) -> None:
@@ -130,8 +149,10 @@ class Poller:
     """Every `interval_s`, read the stages' stats and the engine's queue into the metrics."""
 
     def __init__(self, metrics: Metrics, read_stages: Callable[[], list],
-                 read_queue: Callable[[], tuple[int, int]], interval_s: float = 2.0):
+                 read_queue: Callable[[], tuple[int, int]], interval_s: float = 2.0,
+                 read_kv: Optional[Callable[[], dict]] = None):
         self.metrics, self.read_stages, self.read_queue = metrics, read_stages, read_queue
+        self.read_kv = read_kv
         self.interval_s = interval_s
         self.last_error: Optional[str] = None
         self._stop = threading.Event()
@@ -147,6 +168,8 @@ class Poller:
 
     def poll_once(self) -> None:
         self.metrics.queue(*self.read_queue())
+        if self.read_kv is not None:
+            self.metrics.kv(self.read_kv())
         self.metrics.stages(self.read_stages())
 
     def _run(self) -> None:

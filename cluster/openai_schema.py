@@ -207,10 +207,15 @@ class CompletionRequest(_Request):
     logprobs: Optional[StrictInt] = Field(default=None, ge=0, le=5)  # alternatives per token, as OpenAI
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from a cached prefix (prefill skipped)
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
 
 
 def new_id(prefix: str) -> str:

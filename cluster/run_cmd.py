@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
     launched = launch(path, opts, engine_cfg, log=lambda line: print(line, file=sys.stderr))
     try:
-        engine = Engine(launched.pipeline(), engine_cfg, tok)
+        engine = Engine(launched.pipeline(), launched.engine, tok)  # the context and KV blocks the plan settled
         t = time.perf_counter()
         reqs = engine.generate(prompts, params, timeout_s=max(600.0, engine_cfg.step_timeout_s * 4))
         wall = time.perf_counter() - t

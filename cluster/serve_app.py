@@ -52,6 +52,7 @@ class Service:
 
     def __init__(self, opts: ServeOptions, log=print):
         from moeray.cluster.engine import Engine, LocalPipeline
+        from moeray.stages.kv_cache import BLOCK_SIZE
         from moeray.stages.gguf_file import read_gguf_header
         from moeray.stages.tokenizer import Tokenizer
 
@@ -66,9 +67,8 @@ class Service:
         else:
             self.model_name = Path(self.path).stem
         header = read_gguf_header(self.path)
-        self.context = min(opts.engine.max_len, header.config.context_length)
         self.header_config = header.config
-        engine_cfg = dataclasses.replace(opts.engine, max_len=self.context)
+        engine_cfg = opts.engine
         self.tokenizer = Tokenizer.from_metadata(header.metadata, source=self.path)
         self.created = oa.now()
         self.launched = None
@@ -88,15 +88,23 @@ class Service:
 
                 found = default_profile_for(self.path)
                 profile = None if found is None else str(found)
-            self.local = LocalPipeline.from_file(self.path, engine_cfg.max_seqs, self.context, opts.local_budget,
+            from moeray.cluster.driver import local_kv_plan
+
+            kv = local_kv_plan(header.config, engine_cfg, opts.local_budget)
+            engine_cfg = dataclasses.replace(engine_cfg, max_len=kv.context, kv_blocks=kv.blocks)
+            self.local = LocalPipeline.from_file(self.path, kv.blocks, opts.local_budget,
                                                  profile, opts.launch.cache_policy)
             pipeline = self.local
             self.lines.append(f"one process: layers 0-{header.config.n_layers - 1} on {self.local.stage.device.name}")
+            self.lines.append(kv.line())
         else:
             from moeray.cluster.driver import launch
 
             self.launched = launch(self.path, opts.launch, engine_cfg, log=self._log(log))
             pipeline = self.launched.pipeline()
+            engine_cfg = self.launched.engine  # the context and the KV blocks the plan settled
+        # One sequence can hold no more than the whole KV pool.
+        self.context = min(engine_cfg.max_len, engine_cfg.kv_blocks * BLOCK_SIZE)
         self.engine = Engine(pipeline, engine_cfg, self.tokenizer)
         self.metrics = self.poller = None
         try:
@@ -105,7 +113,7 @@ class Service:
             self.metrics = Metrics(self.model_name)
             self.poller = Poller(self.metrics, self.stage_stats, lambda: (self.loop.counts["running"],
                                                                           self.loop.counts["waiting"]),
-                                 opts.metrics_interval_s)
+                                 opts.metrics_interval_s, read_kv=self.kv_report)
         except ImportError:  # no Ray: serve without metrics
             pass
         self.loop = EngineLoop(self.engine, max_waiting=opts.max_waiting, on_tokens=self._on_tokens).start()
@@ -128,9 +136,12 @@ class Service:
 
     def stage_stats(self, timeout_s: float = 10.0):
         """Each stage's live numbers (StageActor.stats: StageStats), with a deadline."""
-        if self.launched is None:
-            return [self.local.stage.stats()]
-        return self.launched.stage_stats(timeout_s)
+        stats = [self.local.stage.stats()] if self.launched is None else self.launched.stage_stats(timeout_s)
+        kv = self.kv_report()
+        for s in stats:
+            if s.kv is not None:  # one block table for all stages: the engine's ledger counts for each
+                s.kv.update(used=kv["used_blocks"], free=kv["free_blocks"], cached=kv["cached_blocks"])
+        return stats
 
     def live_profile(self) -> bytes:
         """GET /v1/admin/profile: every stage's routed picks per (layer, expert) since it started,
@@ -162,7 +173,17 @@ class Service:
             "engine": {**self.loop.counts, **dataclasses.asdict(self.engine.stats),
                        "max_seqs": self.opts.engine.max_seqs, "alive": self.loop.alive,
                        "last_failure": self.loop.last_failure},
+            "kv": self.kv_report(),
         }
+
+    def kv_report(self) -> dict:
+        """The engine's KV ledger (read from the HTTP thread: plain counters, a moment stale at worst)."""
+        bm = self.engine.scheduler.blocks
+        return {"blocks": bm.n_blocks, "block_tokens": bm.block_size, "used_blocks": bm.n_used,
+                "free_blocks": bm.n_available, "cached_blocks": bm.n_cached,
+                "prefix_reuse": bm.prefix_reuse, "prompt_tokens": bm.stats.prompt_tokens,
+                "cached_tokens": bm.stats.cached_tokens, "prefix_hit_rate": bm.hit_rate,
+                "preemptions": bm.stats.preemptions}
 
     def close(self) -> None:
         if self.poller is not None:
@@ -264,6 +285,7 @@ class Outcome:
     text: str = ""
     finish_reason: Optional[str] = None
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV a cached prefix supplied
     done: bool = False
     logprobs: list = dataclasses.field(default_factory=list)  # TokenLogprobs so far, when asked for
 
@@ -292,6 +314,7 @@ async def text_deltas(service: Service, prep: Prepared, outcome: Outcome) -> Asy
                     raise APIError(503, f"the request failed: {item.error}", type_="server_error",
                                    code="pipeline_failed")
                 outcome.finish_reason, outcome.done = item.reason, True
+                outcome.cached_tokens = stream.req.cached_tokens if stream.req is not None else 0
                 return
             outcome.completion_tokens += item.n_tokens
             outcome.logprobs.extend(item.logprobs)
@@ -352,7 +375,8 @@ def build_app(service: Service):
 
     def usage(prompt_tokens: int, out: Outcome) -> oa.Usage:
         return oa.Usage(prompt_tokens=prompt_tokens, completion_tokens=out.completion_tokens,
-                        total_tokens=prompt_tokens + out.completion_tokens)
+                        total_tokens=prompt_tokens + out.completion_tokens,
+                        prompt_tokens_details=oa.PromptTokensDetails(cached_tokens=out.cached_tokens))
 
     async def collect(request: Request, prep: Prepared, out: Outcome) -> str:
         """A whole completion; stops (and frees the sequence) if the client disconnects."""

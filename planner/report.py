@@ -18,6 +18,7 @@ def plan_lines(plan, verbose: bool = False) -> list[str]:
     """The plan's text: the short form, or with `verbose` every trunk decision and slot layout."""
     body = _detail_lines(plan) if verbose else _stage_table(plan) + _departures(plan)
     tail = [plan.mass.line()] if plan.mass is not None else []
+    tail += [plan.kv.line()] if plan.kv is not None else []
     return [plan.startup_line()] + body + tail + list(plan.notes)
 
 

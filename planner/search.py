@@ -80,6 +80,7 @@ class Plan:
     search_ms: float = 0.0
     notes: list = field(default_factory=list)
     mass: MassModel | None = None
+    kv: object | None = None  # planner.kv.KVPlan: the KV budget this plan was searched with (set by the driver)
 
     @property
     def boundaries(self) -> list[int]:
@@ -135,6 +136,7 @@ class Plan:
                 "slots": s.slots.n_slots if s.slots else 0,
                 "slot_pairs": s.slot_pairs, "predicted_hit_rate": s.predicted_hit_rate,
             } for s in self.stages],
+            "kv": self.kv.to_json() if self.kv is not None else None,
         }
 
 

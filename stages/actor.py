@@ -5,7 +5,7 @@ Life of a stage:
                          the measured ms per dense layer and per missed expert at the model's real
                          dimensions, and the file's size and sampled hash as this node sees it.
   2. `connect(...)`     join the stages' process group (activations go stage to stage over it).
-  3. `load(...)`        load only layers [first, end) (+ embedding / head), allocate the KV cache.
+  3. `load(...)`        load only layers [first, end) (+ embedding / head), allocate the KV pool.
   4. `step(batch)`      run one micro-batch through this stage's layers (StageRunner).
 
 The class is plain Python; the driver wraps it with `ray.remote` when it spawns stages, so
@@ -28,8 +28,9 @@ from moeray.errors import MoerayError
 class StepBatch:
     """One micro-batch of one engine step, as a stage sees it.
 
-    Every stage gets the same slots and token counts (each builds its own positions from its own
-    KV lengths); only stage 0 gets the token ids and only the last stage the sampling params.
+    Every stage gets the same slots, token counts, start positions and KV block tables (the engine
+    owns the block accounting; stages/kv_cache.py); only stage 0 gets the token ids and only the
+    last stage the sampling params.
     """
     step_id: int
     slots: list[int]
@@ -37,11 +38,13 @@ class StepBatch:
     fresh: list[bool]  # this chunk starts a new sequence in its slot: reset KV and sampler first
     tokens: list[list[int]] | None = None  # stage 0 only
     sample: list[Any] | None = None  # last stage only: SamplingParams per sequence, None = no token wanted yet
+    starts: list[int] | None = None  # tokens each sequence holds in KV before this step
+    tables: list[list[int]] | None = None  # each sequence's KV blocks, at least up to its last new token
 
     def for_stage(self, stage: int, n_stages: int) -> "StepBatch":
         return StepBatch(self.step_id, self.slots, self.n_new, self.fresh,
                          self.tokens if stage == 0 else None,
-                         self.sample if stage == n_stages - 1 else None)
+                         self.sample if stage == n_stages - 1 else None, self.starts, self.tables)
 
 
 @dataclass(frozen=True)
@@ -67,7 +70,7 @@ class LoadReport:
     stage: int
     layers: tuple[int, int]  # [first, end)
     load_s: float
-    placed: dict[str, int]  # device bytes by what holds them (KV cache, trunk, expert cache)
+    placed: dict[str, int]  # device bytes by what holds them (KV pool, trunk, expert cache)
     free_bytes: int  # left on the device after loading
     host_resident_bytes: int
     cache_slots: int = 0
@@ -90,6 +93,7 @@ class StageStats:
     trunk_held_bytes: int = 0  # what the trunk really holds on the device ...
     trunk_gguf_bytes: int = 0  # ... and the same tensors' bytes in the GGUF
     cache: Optional[dict[str, Any]] = None
+    kv: Optional[dict[str, Any]] = None  # the KV pool: blocks, bytes (the engine adds used/free: it owns the ledger)
     predicted_hit_rate: Optional[float] = None  # the plan's, set by the driver: shown beside cache["hit_rate"]
 
 
@@ -110,25 +114,25 @@ def file_fingerprint(path: str, n_samples: int = 16, block: int = 1 << 16) -> Fi
 
 
 class StageRunner:
-    """One stage's compute over its model and KV cache: start a micro-batch (reset the slots of new
-    sequences, check KV room), run the layers, and, on the last stage, sample one token per
-    sequence that wants one. StageActor runs it between a receive and a send; a one-process
-    pipeline (moeray generate) runs the whole model with it: embed, layers, sample."""
+    """One stage's compute over its model and KV pool: start a micro-batch (new sequences get a new
+    sampler; positions and KV rows from the batch's starts and block tables), run the layers, and,
+    on the last stage, sample one token per sequence that wants one. StageActor runs it between a
+    receive and a send; a one-process pipeline (moeray generate) runs the whole model with it."""
 
     def __init__(self, model, kv):
-        self.model, self.kv = model, kv
+        self.model, self.kv = model, kv  # kv: a KVPool
         self.generators: dict[int, Any] = {}  # slot -> the torch.Generator of its sequence
         self.grammars = None  # stages/grammar.GrammarMasks, made on the first constrained request
 
     def begin(self, batch: StepBatch):
         for slot, fresh in zip(batch.slots, batch.fresh):
-            if fresh:  # a new sequence in this slot: empty KV, a sampler from its own seed
-                self.kv.reset(slot)
+            if fresh:  # a new sequence in this slot: a sampler from its own seed
                 self.generators.pop(slot, None)
                 if self.grammars is not None:
                     self.grammars.reset(slot)
-        self.kv.check_room(batch.slots, batch.n_new)
-        return self.model.batch_meta(batch.n_new, batch.slots, self.kv)
+        if batch.starts is None or batch.tables is None:
+            raise MoerayError("a step needs its sequences' start positions and KV block tables")
+        return self.model.table_meta(batch.n_new, batch.starts, batch.tables, self.kv)
 
     def layers(self, x, meta):
         return self.model.run_layers(x, meta, self.kv)
@@ -296,10 +300,11 @@ class StageActor:
 
     # ---------------------------------------------------------------- loading and running
 
-    def load(self, path: str, first: int, end: int, max_seqs: int, max_len: int,
+    def load(self, path: str, first: int, end: int, kv_blocks: int,
              trunk_on_card: int | None = None, profile: str | None = None,
              cache_policy: str = "static") -> LoadReport:
-        """Load layers [first, end) (+ embedding / head at the ends) and allocate the KV cache,
+        """Load layers [first, end) (+ embedding / head at the ends) and allocate a KV pool of
+        `kv_blocks` blocks (stages/kv_cache.py),
         charging both to this device's budget (a simulated device refuses what does not fit).
 
         `trunk_on_card` is the trunk the plan put on the card, in the bytes the planner priced
@@ -309,7 +314,7 @@ class StageActor:
         (a path every node can read; None = uniform) and kept by `cache_policy`.
         """
         from moeray.stages.gguf_file import GGUFFile
-        from moeray.stages.kv_cache import kv_cache_bytes
+        from moeray.stages.kv_cache import BLOCK_SIZE, kv_block_bytes, kv_dtype
         from moeray.stages.model import StageModel, stage_trunk_bytes
         from moeray.stages.moe import HostExperts
 
@@ -320,7 +325,9 @@ class StageActor:
         cfg = gguf.config
         # Charge KV and trunk from the header first: what is left is the expert cache's budget, and
         # the MoE blocks are built with that cache in front of the host copy.
-        self.memory.charge(kv_cache_bytes(cfg, end - first, max_seqs, max_len), f"KV cache ({max_seqs} x {max_len} tokens)")
+        itemsize = 2 if kv_dtype(self.device.torch_device).itemsize == 2 else 4
+        self.memory.charge(kv_blocks * kv_block_bytes(cfg, end - first, itemsize),
+                           f"KV pool ({kv_blocks} blocks, {kv_blocks * BLOCK_SIZE} tokens)")
         trunk = stage_trunk_bytes(gguf, first, end)
         self.memory.charge(trunk if trunk_on_card is None else trunk_on_card, f"trunk of layers {first}-{end - 1}")
         experts, cache = HostExperts(gguf), None
@@ -336,7 +343,7 @@ class StageActor:
         if resident > trunk:  # the header's price is the runtime's size by construction; say so if not
             raise MoerayError(f"stage {self.stage}: the trunk of layers {first}-{end - 1} holds {resident} bytes, "
                               f"{trunk} were charged")
-        kv = model.new_kv_cache(max_seqs, max_len)
+        kv = model.new_kv_pool(kv_blocks)
         self.model, self.runner = model, StageRunner(model, kv)
         # Fixed once loaded: measured here, not again on every stats poll.
         self.trunk_bytes = (resident, stage_trunk_bytes(gguf, first, end, route=None))
@@ -432,6 +439,9 @@ class StageActor:
             cache = getattr(self.model.experts, "stats", None)
             if callable(cache):
                 out.cache = cache()
+            kv = self.runner.kv
+            out.kv = {"blocks": kv.n_blocks, "block_tokens": kv.block_size, "bytes": kv.nbytes(),
+                      "dtype": str(kv.dtype).removeprefix("torch.")}
         return out
 
     # ---------------------------------------------------------------- transport micro-benchmarks

@@ -1,40 +1,104 @@
-"""The KV cache of one stage: a fixed slab per layer, one slot per sequence."""
+"""The KV cache of one stage: a pool of fixed-size blocks per layer, addressed by block tables.
+
+A sequence's tokens live in blocks of BLOCK_SIZE tokens; its block table lists them in order,
+so token p of the sequence sits at row `table[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE`
+of the pool. Memory is the pool, allocated once (`n_blocks`, the plan's budget), never
+max_seqs x max_len. Who owns which block is decided by the engine (cluster/kv_blocks.py): a
+stage only reads and writes the rows a step's tables name, so every stage of a pipeline holds
+the same block numbers for the same sequence.
+
+Each layer's pool is [n_kv_heads, n_blocks * BLOCK_SIZE, head_dim] (head-major): a sequence
+whose blocks are consecutive reads its keys as a view, exactly as a per-sequence slab did; any
+other table is gathered once per layer with one index_select.
+
+`KVCache` is the fixed-slot form the one-shot callers use (`StageModel.step`, `logits_all`,
+profiling): slot s owns the consecutive blocks of s, so it is the contiguous-cache path.
+"""
 from __future__ import annotations
 
 import torch
 
 from moeray.errors import MoerayError
 
+BLOCK_SIZE = 16  # tokens per block, as vLLM's default: small enough to waste < 16 tokens a sequence
+
 
 class KVCacheFullError(MoerayError):
     """A sequence would grow past the KV cache's max_len."""
 
 
+def kv_dtype(device: str | torch.device) -> torch.dtype:
+    """The KV pool's dtype: 16-bit on CUDA (half the bytes, what its attention kernels read),
+    float32 on CPU (CPU SDPA has no fast 16-bit path: bf16 measured slower, and it would cost
+    the 1e-5 parity with the float32 reference)."""
+    return torch.float16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def kv_token_bytes(config, n_layers: int, itemsize: int = 4) -> int:
+    """Bytes one token's k and v take over `n_layers` layers."""
+    return 2 * n_layers * config.n_kv_heads * config.head_dim * itemsize
+
+
+def kv_block_bytes(config, n_layers: int, itemsize: int = 4) -> int:
+    """Bytes one block takes over `n_layers` layers: what the driver charges per block."""
+    return BLOCK_SIZE * kv_token_bytes(config, n_layers, itemsize)
+
+
 def kv_cache_bytes(config, n_layers: int, max_seqs: int, max_len: int, itemsize: int = 4) -> int:
-    """Bytes the KV cache of `n_layers` layers allocates: k and v of [max_seqs, n_kv_heads,
-    max_len, head_dim] each, float32 by default. The driver prices it with this same formula."""
-    return 2 * n_layers * max_seqs * config.n_kv_heads * max_len * config.head_dim * itemsize
+    """Bytes of a pool holding `max_seqs` sequences of `max_len` tokens each (rounded up to blocks)."""
+    return max_seqs * blocks_for(max_len) * kv_block_bytes(config, n_layers, itemsize)
 
 
-class KVCache:
-    """k/v per layer of the stage: [max_seqs, n_kv_heads, max_len, head_dim]; `lengths[slot]` tokens held.
+def blocks_for(n_tokens: int) -> int:
+    return -(-n_tokens // BLOCK_SIZE)
+
+
+class KVPool:
+    """k/v of every layer of the stage, [n_kv_heads, n_blocks * BLOCK_SIZE, head_dim] each.
 
     Layers are indexed by their global layer number (first .. first + n_layers - 1), so a stage's
-    cache answers to the same numbers as the model.
+    pool answers to the same numbers as the model.
     """
 
-    def __init__(self, first_layer: int, n_layers: int, max_seqs: int, n_kv_heads: int, max_len: int,
-                 head_dim: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-        self.first_layer, self.n_layers = first_layer, n_layers
-        self.max_seqs, self.max_len = max_seqs, max_len
-        shape = (max_seqs, n_kv_heads, max_len, head_dim)
+    def __init__(self, first_layer: int, n_layers: int, n_blocks: int, n_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        if n_blocks < 1:
+            raise MoerayError(f"a KV pool needs at least one block, got {n_blocks}")
+        self.first_layer, self.n_layers, self.n_blocks = first_layer, n_layers, n_blocks
+        self.block_size, self.dtype = BLOCK_SIZE, dtype
+        shape = (n_kv_heads, n_blocks * BLOCK_SIZE, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.lengths = [0] * max_seqs
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         i = layer - self.first_layer
         return self.k[i], self.v[i]
+
+    def check_tables(self, tables: list[list[int]], ends: list[int]) -> None:
+        for table, end in zip(tables, ends):
+            if len(table) * BLOCK_SIZE < end:
+                raise MoerayError(f"a block table of {len(table)} blocks cannot hold {end} tokens")
+            if table and not 0 <= min(table) <= max(table) < self.n_blocks:
+                raise MoerayError(f"block table {table[:8]}... names a block outside the pool of {self.n_blocks}")
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class KVCache(KVPool):
+    """`max_seqs` fixed slots of `max_len` tokens over one pool: slot s owns blocks
+    [s * per_slot, (s + 1) * per_slot). `lengths[slot]` tokens held. The one-shot path
+    (StageModel.step), and the contiguous reference the block-table path is tested against."""
+
+    def __init__(self, first_layer: int, n_layers: int, max_seqs: int, n_kv_heads: int, max_len: int,
+                 head_dim: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        self.per_slot = blocks_for(max_len)
+        super().__init__(first_layer, n_layers, max_seqs * self.per_slot, n_kv_heads, head_dim, dtype, device)
+        self.max_seqs, self.max_len = max_seqs, max_len
+        self.lengths = [0] * max_seqs
+
+    def table(self, slot: int) -> list[int]:
+        return list(range(slot * self.per_slot, (slot + 1) * self.per_slot))
 
     def reset(self, slot: int) -> None:
         """Free a slot for a new sequence (old entries are masked out by the length, not cleared)."""
@@ -52,6 +116,3 @@ class KVCache:
     def advance(self, slots: list[int], n_new: list[int]) -> None:
         for s, n in zip(slots, n_new):
             self.lengths[s] += n
-
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)

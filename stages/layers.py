@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from moeray.stages.config import ModelConfig
-from moeray.stages.kv_cache import KVCache
+from moeray.stages.kv_cache import BLOCK_SIZE, KVCache, KVPool, blocks_for
 from moeray.stages.qmatmul import QMatrix
 
 
@@ -23,19 +23,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 @dataclass
 class BatchMeta:
-    """Where each new token of a step sits: built once per step per stage from the KV lengths."""
-    slots: list[int]
+    """Where each new token of a step sits and where its keys are read: built once per step per
+    stage from the step's start positions and block tables (see stages/kv_cache.py)."""
     n_new: list[int]  # new tokens per sequence
-    starts: list[int]  # tokens the slot held before this step
+    starts: list[int]  # tokens the sequence held before this step
     positions: torch.Tensor  # [N] absolute position of each packed token
     seq_of_token: torch.Tensor  # [N] sequence index (0..B-1)
     off_of_token: torch.Tensor  # [N] index within its sequence's new tokens
-    slot_of_token: torch.Tensor  # [N]
+    write_rows: torch.Tensor  # [N] pool row each new token's k/v goes to
+    row0: int  # write_rows[0] as a Python int (a single decode token indexes with it, no sync)
     last_index: torch.Tensor  # [B] packed index of each sequence's last new token
     t_max: int
     keys_max: int  # longest sequence after the step
     mask: torch.Tensor | None  # [B, 1, t_max, keys_max] bool, None when no masking is needed
-    slot_view: slice | None  # contiguous slots -> cache view without a copy
+    # How keys are read: a view when the tables allow one (first row, rows between sequences),
+    # else whole blocks gathered once per layer: `read_blocks` [B * blocks of keys_max] (whole
+    # blocks are contiguous 16-row runs: 3x faster than gathering rows, measured at batch 16).
+    read_view: tuple[int, int] | None
+    read_blocks: torch.Tensor | None
+    slots: list[int] | None = None  # fixed-slot KVCache callers: the slots whose lengths advance
 
     @property
     def n_tokens(self) -> int:
@@ -46,35 +52,56 @@ class BatchMeta:
         return self.t_max == 1
 
 
-def make_batch_meta(n_new: list[int], slots: list[int], kv: KVCache, device: torch.device | str = "cpu"
-                    ) -> BatchMeta:
-    kv.check_room(slots, n_new)
-    if len(set(slots)) != len(slots):
-        raise ValueError(f"a step may hold each KV slot once, got slots {slots}")
-    starts = [kv.lengths[s] for s in slots]
+def _consecutive(table: list[int], n_blocks: int) -> bool:
+    return n_blocks <= len(table) and table[n_blocks - 1] - table[0] == n_blocks - 1 and all(
+        table[i + 1] == table[i] + 1 for i in range(n_blocks - 1))
+
+
+def make_batch_meta(n_new: list[int], starts: list[int], tables: list[list[int]],
+                    device: torch.device | str = "cpu", slots: list[int] | None = None) -> BatchMeta:
+    """`tables[i]` holds the blocks of sequence i, at least up to its last new token."""
     B, t_max = len(n_new), max(n_new)
     n_new_t = torch.tensor(n_new)
     seq_of_token = torch.repeat_interleave(torch.arange(B), n_new_t)
     first_of_seq = torch.cumsum(n_new_t, 0) - n_new_t
     off_of_token = torch.arange(int(n_new_t.sum())) - first_of_seq[seq_of_token]
     positions = torch.tensor(starts)[seq_of_token] + off_of_token
-    slot_of_token = torch.tensor(slots)[seq_of_token]
     ends = [s + n for s, n in zip(starts, n_new)]
     keys_max = max(ends)
+    blocks_needed = [blocks_for(e) for e in ends]
+    width = max(blocks_needed)
+    table_t = torch.tensor([list(t[:width]) + [0] * (width - len(t[:width])) for t in tables], dtype=torch.long)
+    write_rows = table_t[seq_of_token, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+    read_view = read_blocks = None
+    if all(_consecutive(t, n) for t, n in zip(tables, blocks_needed)):
+        bases = [t[0] * BLOCK_SIZE for t in tables]
+        gap = bases[1] - bases[0] if B > 1 else 0
+        if (B == 1 or gap >= keys_max) and all(b == bases[0] + i * gap for i, b in enumerate(bases)):
+            read_view = (bases[0], gap)  # sequence i's keys start at row bases[0] + i * gap
+    if read_view is None:  # table_t is [B, blocks of keys_max], short tables padded with block 0 (masked)
+        read_blocks = table_t.reshape(-1)
     mask = None
     if not (B == 1 and n_new[0] == 1) and not (B == 1 and starts[0] == 0) and not (
             t_max == 1 and len(set(ends)) == 1):
         # query t of sequence i (absolute position starts[i] + t) sees keys 0..starts[i] + t
         q_pos = torch.tensor(starts).view(B, 1, 1) + torch.arange(t_max).view(1, t_max, 1)
         mask = (torch.arange(keys_max).view(1, 1, keys_max) <= q_pos).unsqueeze(1)
-    lo = slots[0]
-    slot_view = slice(lo, lo + B) if slots == list(range(lo, lo + B)) else None
     dev = torch.device(device)
-    return BatchMeta(slots=list(slots), n_new=list(n_new), starts=starts, positions=positions.to(dev),
+    return BatchMeta(n_new=list(n_new), starts=list(starts), positions=positions.to(dev),
                      seq_of_token=seq_of_token.to(dev), off_of_token=off_of_token.to(dev),
-                     slot_of_token=slot_of_token.to(dev), last_index=(first_of_seq + n_new_t - 1).to(dev),
+                     write_rows=write_rows.to(dev), row0=int(write_rows[0]), last_index=(first_of_seq + n_new_t - 1).to(dev),
                      t_max=t_max, keys_max=keys_max, mask=None if mask is None else mask.to(dev),
-                     slot_view=slot_view)
+                     read_view=read_view, read_blocks=None if read_blocks is None else read_blocks.to(dev),
+                     slots=None if slots is None else list(slots))
+
+
+def slot_batch_meta(n_new: list[int], slots: list[int], kv: KVCache, device: torch.device | str = "cpu"
+                    ) -> BatchMeta:
+    """The fixed-slot cache's step: each slot's own blocks, its own length."""
+    kv.check_room(slots, n_new)
+    if len(set(slots)) != len(slots):
+        raise ValueError(f"a step may hold each KV slot once, got slots {slots}")
+    return make_batch_meta(n_new, [kv.lengths[s] for s in slots], [kv.table(s) for s in slots], device, slots)
 
 
 class RoPE:
@@ -126,7 +153,7 @@ class Attention(torch.nn.Module):
         self.q_out = cfg.n_heads * cfg.head_dim
         self.kv_out = cfg.n_kv_heads * cfg.head_dim
 
-    def forward(self, x: torch.Tensor, meta: BatchMeta, kv: KVCache, rope: RoPE,
+    def forward(self, x: torch.Tensor, meta: BatchMeta, kv: KVPool, rope: RoPE,
                 cos_sin: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
         cfg = self.cfg
         N, D = x.shape[0], cfg.head_dim
@@ -145,20 +172,15 @@ class Attention(torch.nn.Module):
             q, k = rope.apply(q, cos, sin, rot), rope.apply(k, cos, sin, rot)
 
         k_cache, v_cache = kv.layer(self.layer)
+        if k_cache.dtype != k.dtype:  # a 16-bit pool (CUDA): keys, values and queries in its dtype
+            k, v, q = k.to(k_cache.dtype), v.to(k_cache.dtype), q.to(k_cache.dtype)
         if N == 1:  # one decode token: plain indexing, no index tensors
-            slot, pos = meta.slots[0], meta.starts[0]
-            k_cache[slot, :, pos] = k[0]
-            v_cache[slot, :, pos] = v[0]
+            k_cache[:, meta.row0] = k[0]
+            v_cache[:, meta.row0] = v[0]
         else:
-            k_cache[meta.slot_of_token, :, meta.positions] = k
-            v_cache[meta.slot_of_token, :, meta.positions] = v
-        if meta.slot_view is not None:
-            keys = k_cache[meta.slot_view, :, :meta.keys_max]
-            values = v_cache[meta.slot_view, :, :meta.keys_max]
-        else:
-            idx = torch.tensor(meta.slots, device=x.device)
-            keys = k_cache.index_select(0, idx)[:, :, :meta.keys_max]
-            values = v_cache.index_select(0, idx)[:, :, :meta.keys_max]
+            k_cache.index_copy_(1, meta.write_rows, k.transpose(0, 1))
+            v_cache.index_copy_(1, meta.write_rows, v.transpose(0, 1))
+        keys, values = _read(k_cache, meta), _read(v_cache, meta)
 
         B = len(meta.n_new)
         if meta.t_max == 1:  # decode: one query per sequence, packed order is sequence order
@@ -175,4 +197,16 @@ class Attention(torch.nn.Module):
             out = out.reshape(N, self.q_out)
         else:
             out = out[meta.seq_of_token, meta.off_of_token].reshape(N, self.q_out)
-        return self.w_o(out)
+        return self.w_o(out.float())
+
+
+def _read(cache: torch.Tensor, meta: BatchMeta) -> torch.Tensor:
+    """[heads, rows, D] pool -> [B, heads, keys_max, D] keys of the step's sequences."""
+    H, _, D = cache.shape
+    B = len(meta.n_new)
+    if meta.read_view is not None:  # consecutive blocks: a view, no copy
+        base, gap = meta.read_view
+        return cache.as_strided((B, H, meta.keys_max, D), (gap * D, cache.stride(0), D, 1),
+                                cache.storage_offset() + base * D)
+    blocks = cache.view(H, -1, BLOCK_SIZE, D).index_select(1, meta.read_blocks)  # [H, B * nb, 16, D]
+    return blocks.view(H, B, -1, D)[:, :, :meta.keys_max].transpose(0, 1)

@@ -14,8 +14,8 @@ import torch
 
 from moeray.errors import MoerayError
 from moeray.stages.gguf_file import GGUFFile, tensor_role, trunk_bytes
-from moeray.stages.kv_cache import KVCache
-from moeray.stages.layers import Attention, BatchMeta, RoPE, make_batch_meta, rms_norm
+from moeray.stages.kv_cache import KVCache, KVPool, kv_dtype
+from moeray.stages.layers import Attention, BatchMeta, RoPE, make_batch_meta, rms_norm, slot_batch_meta
 from moeray.stages.moe import DenseFFN, Experts, HostExperts, MoEBlock
 from moeray.stages.qmatmul import QMatrix, announce, current_route
 from moeray.stages.quant import dequantize
@@ -124,13 +124,26 @@ class StageModel(torch.nn.Module):
     # --- running ---------------------------------------------------------------------------
 
     def new_kv_cache(self, max_seqs: int, max_len: int) -> KVCache:
+        """Fixed slots of max_len tokens: the one-shot path (step, logits_all)."""
         c = self.config
         return KVCache(self.first, self.end - self.first, max_seqs, c.n_kv_heads, max_len, c.head_dim,
-                       dtype=torch.float32, device=self.device)
+                       dtype=kv_dtype(self.device), device=self.device)
+
+    def new_kv_pool(self, n_blocks: int) -> KVPool:
+        """A pool of `n_blocks` blocks, addressed by the engine's block tables (the serving path)."""
+        c = self.config
+        return KVPool(self.first, self.end - self.first, n_blocks, c.n_kv_heads, c.head_dim,
+                      dtype=kv_dtype(self.device), device=self.device)
 
     def batch_meta(self, n_new: list[int], slots: list[int], kv: KVCache) -> BatchMeta:
-        """Where each new token goes; each stage builds its own from its own KV lengths."""
-        return make_batch_meta(n_new, slots, kv, self.device)
+        """Where each new token goes in a fixed-slot cache, from the slots' own lengths."""
+        return slot_batch_meta(n_new, slots, kv, self.device)
+
+    def table_meta(self, n_new: list[int], starts: list[int], tables: list[list[int]], kv: KVPool) -> BatchMeta:
+        """Where each new token goes in a block pool: the engine says where each sequence starts
+        and which blocks hold it."""
+        kv.check_tables(tables, [s + n for s, n in zip(starts, n_new)])
+        return make_batch_meta(n_new, starts, tables, self.device)
 
     def embed(self, tokens: list[list[int]] | torch.Tensor) -> torch.Tensor:
         """Token ids (a list per sequence, or a flat tensor) -> packed hidden states [N, hidden]."""
@@ -141,7 +154,7 @@ class StageModel(torch.nn.Module):
         return self.tok_embd.rows(tokens.to(self.device))
 
     @torch.inference_mode()
-    def run_layers(self, hidden: torch.Tensor, meta: BatchMeta, kv: KVCache) -> torch.Tensor:
+    def run_layers(self, hidden: torch.Tensor, meta: BatchMeta, kv: KVPool) -> torch.Tensor:
         """Packed hidden [N, hidden] through this stage's layers; appends the step's k/v to `kv`."""
         eps = self.config.rms_eps
         cos_sin = self.rope.cos_sin(meta.positions)
@@ -149,7 +162,8 @@ class StageModel(torch.nn.Module):
         for layer in self.layers:
             x = x + layer.attn(rms_norm(x, layer.attn_norm, eps), meta, kv, self.rope, cos_sin)
             x = x + layer.ffn(rms_norm(x, layer.ffn_norm, eps))
-        kv.advance(meta.slots, meta.n_new)
+        if meta.slots is not None:  # a fixed-slot cache keeps its own lengths
+            kv.advance(meta.slots, meta.n_new)
         return x
 
     @torch.inference_mode()

@@ -155,9 +155,11 @@ def test_the_page_draws_one_series_per_stage_in_chromium_without_console_errors(
     split = page.evaluate("[...document.querySelectorAll('#split div')].map(d => d.textContent)")
     assert split == [f"stage {s['stage']}: layers {s['layers'][0]}-{s['layers'][1] - 1}" for s in report["stages"]]
     assert page.evaluate("document.querySelectorAll('#stages tr').length") == 1 + n_stages
-    kv_reported = any("kv" in s or "kv_blocks_used" in s for s in report["stages"])
-    if not kv_reported:  # until the stages report KV blocks the chart says so
-        assert "n/a" in page.evaluate("document.getElementById('kv-note').textContent")
+    # KV use is drawn from each stage's block pool: a share of it, for every stage.
+    assert all(s["kv"]["blocks"] > 0 for s in report["stages"])
+    assert page.evaluate("document.getElementById('kv-note').textContent") == ""
+    kv_rows = page.evaluate("window.moerayDashboard.rows.kv")
+    assert len(kv_rows) == n_stages and all(r and all(v is not None and 0 <= v <= 1 for v in r) for r in kv_rows), kv_rows
     predicted = page.evaluate("window.moerayDashboard.rows.predicted.map(r => r[r.length - 1])")
     assert predicted == pytest.approx([s["predicted_hit_rate"] for s in report["stages"]])
 

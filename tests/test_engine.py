@@ -189,7 +189,7 @@ def test_the_cache_policy_reaches_the_stage_cache(tmp_path):
     from test_gguf_file import tiny_config, write_synthetic_gguf
 
     path = write_synthetic_gguf(tmp_path / "moe.gguf", tiny_config("qwen2moe"), seed=3)
-    pipe = LocalPipeline.from_file(str(path), 2, 32, 64 << 20, cache_policy="lru")
+    pipe = LocalPipeline.from_file(str(path), 4, 64 << 20, cache_policy="lru")  # 4 KV blocks
     assert pipe.stage.stats().cache["policy"] == "lru"
     r = Engine(pipe, EngineConfig(max_seqs=2, max_len=32)).generate([[1, 2, 3]], SamplingParams(max_tokens=3))[0]
     assert len(r.output) == 3

@@ -12,7 +12,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from moeray.cluster.config import EngineConfig, LaunchOptions  # noqa: E402
-from moeray.cluster.driver import kv_bytes_per_layer, launch  # noqa: E402
+from moeray.cluster.driver import kv_layer_bytes, launch  # noqa: E402
 from moeray.cluster.engine import Engine  # noqa: E402
 from moeray.cluster.remote import StageFailedError  # noqa: E402
 from moeray.stages.sampling import SamplingParams  # noqa: E402
@@ -68,7 +68,9 @@ def test_stages_report_their_own_budgets_and_the_plan_uses_them(launched):
     for r in reports:
         assert r.device.kind == "simulated" and r.layer_ms > 0 and r.miss_ms > 0
         assert r.device.node_id == ray.get_runtime_context().get_node_id()
-    kv_layer = kv_bytes_per_layer(_config(launched), MAX_SEQS, MAX_LEN)
+    # The KV pool: the plan's blocks (at least one MAX_LEN sequence), the same on every stage.
+    assert launched.kv.blocks >= MAX_LEN // 16 and launched.engine.kv_blocks == launched.kv.blocks
+    kv_layer = kv_layer_bytes(_config(launched), launched.kv.blocks)
     assert [tuple(x) for x in plan.split] == launched.ranges
     assert launched.ranges[0][0] == 0 and launched.ranges[-1][1] == 30
     for r, s in zip(reports, plan.stages):
@@ -80,7 +82,7 @@ def test_stages_report_their_own_budgets_and_the_plan_uses_them(launched):
     # cache, kept by the launch's cache policy.
     for st, s in zip(launched.stage_stats(), plan.stages):
         placed = st.placed
-        kv = next(v for k, v in placed.items() if k.startswith("KV cache"))
+        kv = next(v for k, v in placed.items() if k.startswith("KV pool"))
         trunk = next(v for k, v in placed.items() if k.startswith("trunk"))
         assert kv == s.n_layers * kv_layer and kv + trunk == s.trunk_bytes
         assert st.cache["budget_bytes"] == s.expert_room

@@ -102,7 +102,7 @@ def _reports(budgets, layer_ms=(1.0, 1.0), miss_ms=0.5):
 
 def test_plan_prices_what_a_stage_holds_from_the_reported_budgets(default_model_path):
     from moeray.cluster.config import EngineConfig, LaunchOptions
-    from moeray.cluster.driver import held_spec, kv_bytes_per_layer, plan_from_reports
+    from moeray.cluster.driver import held_spec, kv_layer_bytes, plan_from_reports
     from moeray.errors import PlacementError
 
     header = read_gguf_header(default_model_path)
@@ -119,8 +119,11 @@ def test_plan_prices_what_a_stage_holds_from_the_reported_budgets(default_model_
 
     opts, small = LaunchOptions(2), EngineConfig(max_seqs=2, max_len=32)
     budgets = [300 * MiB, 200 * MiB]
-    plan, ranges, lines = plan_from_reports(header, _reports(budgets), opts, small, handoff_ms=0.2)
-    kv = kv_bytes_per_layer(cfg, 2, 32)
+    plan, ranges, lines, kv_plan = plan_from_reports(header, _reports(budgets), opts, small, handoff_ms=0.2)
+    # The KV budget: from one 32-token sequence (2 blocks) up to max_seqs of them, traded against slots.
+    assert 2 <= kv_plan.blocks <= 4 and kv_plan.context == 32 and plan.kv is kv_plan
+    assert any(line.startswith(f"[kv] {kv_plan.blocks} blocks of 16 tokens on every stage") for line in lines)
+    kv = kv_layer_bytes(cfg, kv_plan.blocks)
     assert ranges[0][0] == 0 and ranges[-1][1] == cfg.n_layers and ranges[0][1] == ranges[1][0]
     assert [s.free_bytes for s in plan.stages] == budgets
     # Each stage is charged its whole trunk and the KV cache of exactly its layers.
@@ -129,18 +132,19 @@ def test_plan_prices_what_a_stage_holds_from_the_reported_budgets(default_model_
         own += spec.trunk_bytes.embedding if a == 0 else 0
         own += spec.trunk_bytes.head if e == cfg.n_layers else 0
         assert s.trunk_bytes == own and s.expert_room == s.free_bytes - own
+    assert kv_plan.stage_bytes == [(e - a) * kv for a, e in ranges]
     assert lines[0].startswith("layer split auto: K=")
     # More room on one card moves layers (and cache) to it.
-    plan2, ranges2, _ = plan_from_reports(header, _reports([600 * MiB, 200 * MiB]), opts, small, handoff_ms=0.2)
+    plan2, ranges2, _, _ = plan_from_reports(header, _reports([600 * MiB, 200 * MiB]), opts, small, handoff_ms=0.2)
     assert ranges2[0][1] >= ranges[0][1] and plan2.held_pairs >= plan.held_pairs
     # A card that cannot hold its layers' KV cache is named.
-    with pytest.raises(PlacementError, match="KV cache takes .* lower --max-seqs or --max-len"):
+    with pytest.raises(PlacementError, match="KV cache takes .* one sequence at the 512-token context.* lower --max-len"):
         plan_from_reports(header, _reports([300 * MiB, 1 * MiB]), opts, EngineConfig(max_seqs=8, max_len=512), 0.2)
     # A split whose stage would need more layers' KV than it has room for is never chosen, even
     # when the small card is five times faster per layer and would like more of them.
-    big = EngineConfig(max_seqs=16, max_len=256)
-    kv_big = kv_bytes_per_layer(cfg, 16, 256)
-    plan3, ranges3, _ = plan_from_reports(header, _reports([400 * MiB, 150 * MiB], layer_ms=(1.0, 0.2)), opts, big,
+    big = EngineConfig(max_seqs=16, max_len=256, kv_blocks=256)  # 16 x 256 tokens, fixed
+    kv_big = kv_layer_bytes(cfg, 256)
+    plan3, ranges3, _, _ = plan_from_reports(header, _reports([400 * MiB, 150 * MiB], layer_ms=(1.0, 0.2)), opts, big,
                                           0.2)
     for s, (a, e) in zip(plan3.stages, ranges3):
         assert (e - a) * kv_big < s.trunk_bytes <= s.free_bytes

@@ -272,7 +272,7 @@ def _scrape(port: int) -> dict[tuple[str, str], float]:
     out: dict[tuple[str, str], float] = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
-            if s.name.startswith("ray_moeray_stage_"):
+            if s.name.startswith("ray_moeray_"):
                 key = (s.name, s.labels.get("stage", ""))
                 out[key] = out.get(key, 0.0) + s.value
     return out
@@ -426,3 +426,32 @@ def test_what_cannot_be_done_is_a_400_naming_the_parameter(server, extra, param,
                                                           "messages": [{"role": "user", "content": "hi"}], **extra})
     assert got == 400, data
     assert data["error"]["param"] == param and words in data["error"]["message"], data
+
+
+def test_a_repeated_system_prompt_is_served_from_cached_kv_and_reported(server, client):
+    """Prefix reuse as a client sees it: the second request with the same system prompt reports the
+    reused tokens in usage.prompt_tokens_details.cached_tokens, as OpenAI does; /v1/stages and the
+    Ray metrics show the KV ledger (blocks used/free per stage, prefix hit rate, preemptions)."""
+    system = "You answer questions about geography. " * 8  # ~60 tokens: 3 full blocks and more
+    kw = dict(model="moeray-test", max_tokens=2, temperature=0.0)
+    first = client.chat.completions.create(messages=[{"role": "system", "content": system},
+                                                     {"role": "user", "content": "Capital of Spain?"}], **kw)
+    second = client.chat.completions.create(messages=[{"role": "system", "content": system},
+                                                      {"role": "user", "content": "Capital of Italy?"}], **kw)
+    assert first.usage.prompt_tokens > 48
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 48 and cached % 16 == 0 and cached < second.usage.prompt_tokens
+    report = get(server, "/v1/stages")
+    kv = report["kv"]
+    assert kv["cached_tokens"] >= cached and 0 < kv["prefix_hit_rate"] < 1 and kv["preemptions"] == 0
+    for s in report["stages"]:
+        assert s["kv"]["blocks"] == kv["blocks"] and s["kv"]["used"] + s["kv"]["free"] == kv["blocks"]
+        assert s["kv"]["bytes"] > 0 and s["kv"]["dtype"] == "float32"
+    deadline, seen = time.monotonic() + 45, {}
+    while time.monotonic() < deadline:
+        seen = _scrape(server["metrics_port"])
+        if seen.get((exported_name("moeray_kv_cached_tokens"), ""), 0) >= cached:
+            break
+        time.sleep(1.0)
+    assert any(k[0] == exported_name("moeray_stage_kv_blocks_free") for k in seen)
+    assert seen.get((exported_name("moeray_kv_cached_tokens"), ""), 0) >= cached

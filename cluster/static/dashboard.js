@@ -15,15 +15,11 @@
                   rows: { hit: [], predicted: [], tps: [], step: [], kv: [] } };
   window.moerayDashboard = state;
 
-  // KV use as a fraction, or null when the server does not report it. Accepts a per-stage `kv`
-  // object ({blocks_used, blocks_total} or {blocks_used, blocks_free}) or flat kv_blocks_* fields.
+  // KV use as a fraction of the stage's block pool (/v1/stages: kv = {blocks, used, free, ...}),
+  // or null when the server reports no KV blocks.
   function kvUse(s) {
     const kv = s.kv || {};
-    const used = kv.blocks_used ?? s.kv_blocks_used;
-    let total = kv.blocks_total ?? s.kv_blocks_total;
-    const free = kv.blocks_free ?? s.kv_blocks_free;
-    if (total == null && used != null && free != null) total = used + free;
-    return used == null || !total ? null : used / total;
+    return kv.used == null || !kv.blocks ? null : kv.used / kv.blocks;
   }
 
   const pct = (v) => (v == null || isNaN(v) ? "n/a" : (100 * v).toFixed(1) + "%");

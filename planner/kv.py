@@ -1,0 +1,107 @@
+"""The KV budget: how many KV blocks every stage holds, traded against expert slots.
+
+Every stage holds the same number of blocks (one block table serves the whole pipeline), each
+block `block_tokens` tokens of k and v for the stage's own layers, so a block costs a stage
+bytes in proportion to its layer count: exactly what the search charges when a layer's KV is
+priced into its trunk bytes. More blocks mean more tokens in flight (sequences x their length)
+and fewer expert slots, so a slower decode step.
+
+Three ways to fix the count:
+  * `--kv-blocks N`        as given;
+  * `--kv-fraction f`      a share f of the devices' free bytes;
+  * auto (default)         start from one sequence at the full context (the least that serves
+                           the model's context, as llama.cpp's server does), and double while the
+                           plan's predicted decode step stays within `tolerance` of the smallest
+                           budget's (the experts the KV pushes out cost under 2% of a step), up to
+                           `max_seqs` full-context sequences (more cannot be used).
+
+Pure: no torch, no Ray. `plan_for(blocks)` is the caller's placement search at that budget.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from moeray.errors import PlacementError
+
+TRADE_TOLERANCE = 0.02  # auto: extra KV may slow the predicted decode step by at most this share
+
+
+@dataclass
+class KVPlan:
+    blocks: int  # on every stage
+    block_tokens: int
+    context: int  # tokens one sequence may hold (the model's, or --max-len)
+    rule: str  # how the count was chosen
+    stage_bytes: list = field(default_factory=list)  # KV bytes each stage allocates
+    tried: list = field(default_factory=list)  # auto: (blocks, predicted ms per step or None: did not fit)
+
+    @property
+    def tokens(self) -> int:
+        return self.blocks * self.block_tokens
+
+    @property
+    def concurrency(self) -> float:
+        """Sequences at the full context the KV holds at once."""
+        return self.tokens / self.context
+
+    def line(self) -> str:
+        per_stage = ", ".join(f"{b / 2**20:.0f} MiB" for b in self.stage_bytes)
+        out = (f"[kv] {self.blocks} blocks of {self.block_tokens} tokens on every stage: {self.tokens} tokens of KV "
+               f"per stage ({per_stage}), {self.concurrency:.2f} sequences at the {self.context}-token context; "
+               f"{self.rule}")
+        if len(self.tried) > 1:
+            out += "; tried " + ", ".join(f"{b}: {'no fit' if ms is None else f'{ms:.1f} ms'}" for b, ms in self.tried)
+        return out
+
+    def to_json(self) -> dict:
+        return {"blocks": self.blocks, "block_tokens": self.block_tokens, "tokens": self.tokens,
+                "context": self.context, "concurrency": self.concurrency, "rule": self.rule,
+                "stage_bytes": list(self.stage_bytes), "tried": [list(t) for t in self.tried]}
+
+
+def blocks_for_fraction(fraction: float, free_bytes: int, block_bytes_all_layers: int) -> int:
+    """Blocks whose k/v over all layers take `fraction` of the devices' free bytes."""
+    return int(fraction * free_bytes // block_bytes_all_layers)
+
+
+def trade_kv(plan_for: Callable[[int], object], min_blocks: int, max_blocks: int,
+             tolerance: float = TRADE_TOLERANCE) -> tuple[int, object, list]:
+    """Auto budget: (blocks, plan at that budget, [(blocks, predicted ms or None)] tried).
+
+    `plan_for(n)` returns a plan with `predicted_ms`, or raises PlacementError when n blocks do
+    not fit. The smallest budget must fit; then doubling, then bisection between the last budget
+    within tolerance and the first beyond it (or not fitting)."""
+    tried: list = []
+
+    def score(n: int) -> Optional[object]:
+        try:
+            plan = plan_for(n)
+        except PlacementError:
+            tried.append((n, None))
+            return None
+        tried.append((n, plan.predicted_ms))
+        return plan
+
+    best_plan = plan_for(min_blocks)  # its PlacementError is the caller's: nothing serves the context
+    tried.append((min_blocks, best_plan.predicted_ms))
+    limit = best_plan.predicted_ms * (1 + tolerance)
+    good, bad = min_blocks, None
+    while good < max_blocks:
+        n = min(2 * good, max_blocks)
+        plan = score(n)
+        if plan is None or plan.predicted_ms > limit:
+            bad = n
+            break
+        good, best_plan = n, plan
+    if bad is not None:
+        for _ in range(4):  # the boundary to within 1/16 of the last step
+            if bad - good <= max(1, good // 16):
+                break
+            n = (good + bad) // 2
+            plan = score(n)
+            if plan is None or plan.predicted_ms > limit:
+                bad = n
+            else:
+                good, best_plan = n, plan
+    return good, best_plan, tried
