@@ -271,13 +271,14 @@ def reference(path: str, tokens: list[int], prompts: dict, n_new: int, kernels: 
     """The CPU run every device run is compared with: every expert computed on the host."""
     from moeray.cluster.config import EngineConfig
     from moeray.cluster.engine import Engine, LocalPipeline
+    from moeray.stages.kv_cache import blocks_for
     from moeray.stages.model import load_model
     from moeray.stages.sampling import SamplingParams
 
     model = load_model(path, "cpu", route=kernels)
     logits = model.logits_all(tokens).float().numpy()
     cfg = EngineConfig(max_seqs=2, max_len=max(len(p) for p in prompts.values()) + n_new + 4, micro_batches=1)
-    eng = Engine(LocalPipeline.from_model(model, cfg.max_seqs, cfg.max_len), cfg, tokenizer)
+    eng = Engine(LocalPipeline.from_model(model, cfg.max_seqs * blocks_for(cfg.max_len)), cfg, tokenizer)
     greedy = eng.generate([prompts["greedy"]], SamplingParams(max_tokens=n_new))[0].output
     sampled = eng.generate([prompts["greedy"]], SamplingParams(max_tokens=n_new, temperature=0.8, seed=7))[0].output
     return {"logits": logits, "greedy": list(greedy), "sampled": list(sampled)}

@@ -217,8 +217,9 @@ def test_a_stage_repr_carries_its_layers_and_live_hit_rate(default_model_path):
 
     stage = StageActor(0, 1, simulated_budget=150 << 20, torch_threads=1)
     assert repr(stage).startswith("StageActor(stage=0/1, device=simulated device 0")
-    stage.load(str(default_model_path), 0, 30, 1, 32)
-    stage.step(StepBatch(0, [0], [6], [True], tokens=[[1, 504, 3458, 282, 4649, 314]], sample=[None]))
+    stage.load(str(default_model_path), 0, 30, kv_blocks=1)
+    stage.step(StepBatch(0, [0], [6], [True], tokens=[[1, 504, 3458, 282, 4649, 314]], sample=[None],
+                         starts=[0], tables=[[0]]))
     cache = stage.stats().cache
     assert 0 < cache["hits"] < cache["lookups"]
     assert stage.describe() == f"StageActor(stage=0/1, layers=0-29, hit={100 * cache['hit_rate']:.0f}%)"

@@ -86,7 +86,7 @@ def test_dry_run_measures_what_the_gpu_run_reports(dry_run):
             assert 0.25 <= s["hit_rate"] <= 0.75 and s["lookups"] > 0
             mem = s["memory"]
             assert 0 < mem["held_bytes"] <= mem["charged_bytes"]
-            assert {"KV cache", "expert cache"} <= {k.split(" (")[0] for k in mem["charged"]}
+            assert {"KV pool", "expert cache"} <= {k.split(" (")[0] for k in mem["charged"]}
     hop = m["stages_2"]["hop"]
     assert hop["rows1"]["intact"] and hop["rows16"]["intact"] and hop["rows1"]["backend"] == "gloo"
     assert hop["rows1"]["ms_per_hop"] > 0
