@@ -112,11 +112,12 @@ def write_synthetic(path: Path, quick: bool, seed: int = 0) -> Path:
 
 def model_bytes(path: str, max_seqs: int, max_len: int) -> dict:
     """Trunk (KV of every layer included), one copy of every expert, as the planner prices them."""
-    from moeray.cluster.driver import held_spec, kv_bytes_per_layer
+    from moeray.cluster.driver import held_spec, kv_layer_bytes
+    from moeray.stages.kv_cache import blocks_for
     from moeray.stages.gguf_file import read_gguf_header
 
     header = read_gguf_header(path)
-    spec = held_spec(header, kv_bytes_per_layer(header.config, max_seqs, max_len))
+    spec = held_spec(header, kv_layer_bytes(header.config, max_seqs * blocks_for(max_len)))
     tb = spec.trunk_bytes
     return {"trunk_kv": tb.embedding + tb.head + sum(tb.layers),
             "experts": sum(spec.expert_bytes) * spec.n_experts, "hidden": header.config.hidden,

@@ -274,13 +274,6 @@ class Launched:
         self.group.shutdown()
 
 
-def kv_bytes_per_layer(config, max_seqs: int, max_len: int, itemsize: int = 4) -> int:
-    """KV of one layer for `max_seqs` sequences of `max_len` tokens (whole blocks each)."""
-    from moeray.stages.kv_cache import kv_cache_bytes
-
-    return kv_cache_bytes(config, 1, max_seqs, max_len, itemsize)
-
-
 def kv_layer_bytes(config, n_blocks: int, itemsize: int = 4) -> int:
     """KV pool of one layer with `n_blocks` blocks, as a stage allocates it."""
     from moeray.stages.kv_cache import kv_block_bytes

@@ -44,11 +44,6 @@ def kv_block_bytes(config, n_layers: int, itemsize: int = 4) -> int:
     return BLOCK_SIZE * kv_token_bytes(config, n_layers, itemsize)
 
 
-def kv_cache_bytes(config, n_layers: int, max_seqs: int, max_len: int, itemsize: int = 4) -> int:
-    """Bytes of a pool holding `max_seqs` sequences of `max_len` tokens each (rounded up to blocks)."""
-    return max_seqs * blocks_for(max_len) * kv_block_bytes(config, n_layers, itemsize)
-
-
 def blocks_for(n_tokens: int) -> int:
     return -(-n_tokens // BLOCK_SIZE)
 

@@ -36,7 +36,8 @@ NEW_TOKENS = 16
 @pytest.fixture(scope="module")
 def setup(default_model_path, tmp_path_factory):
     from moeray.cache.attach import routing_trace
-    from moeray.cluster.driver import held_spec, kv_bytes_per_layer
+    from moeray.cluster.driver import held_spec, kv_layer_bytes
+    from moeray.stages.kv_cache import blocks_for
     from moeray.stages.default_profile import _OneExpertPerLayer, default_profile_for, greedy
     from moeray.stages.gguf_file import GGUFFile
     from moeray.stages.model import load_model
@@ -54,7 +55,7 @@ def setup(default_model_path, tmp_path_factory):
     writer.close()
 
     host = HostExperts(gguf)
-    spec = held_spec(gguf, kv_bytes_per_layer(cfg, 16, 512))
+    spec = held_spec(gguf, kv_layer_bytes(cfg, 16 * blocks_for(512)))
     # The driver prices a slot in the bytes the cache holds, or no stage holds what its plan says.
     assert spec.expert_bytes == [host.slot_bytes(l) for l in range(cfg.n_layers)]
     # Four cards, each room for 8 layers' trunk and KV (the first also the embedding, the last the
