@@ -51,7 +51,8 @@ class Service:
     """Model, tokenizer, pipeline, engine thread and metrics of one server."""
 
     def __init__(self, opts: ServeOptions, log=print):
-        from moeray.cluster.engine import Engine, LocalPipeline
+        from moeray.cluster.engine import Engine
+        from moeray.cluster.local_pipeline import LocalPipeline
         from moeray.stages.kv_cache import BLOCK_SIZE
         from moeray.stages.gguf_file import read_gguf_header
         from moeray.stages.tokenizer import Tokenizer
