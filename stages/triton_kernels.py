@@ -59,6 +59,18 @@ def supports(qtype: int) -> bool:
     return int(qtype) in BLOCKS
 
 
+def enabled_for(device: torch.device) -> bool:
+    """Whether QMatrix on `device` multiplies through these kernels: on CUDA when triton imports
+    (MOERAY_TRITON=0 turns it off: the torch dequantise-per-use route); on the CPU only under the
+    interpreter with MOERAY_TRITON=1 (the tests' way to run the wiring without a card)."""
+    flag = os.environ.get("MOERAY_TRITON", "").strip()
+    if triton is None or flag == "0":
+        return False
+    if device.type == "cuda":
+        return True
+    return device.type == "cpu" and flag == "1" and interpreting()
+
+
 if triton is not None:
 
     @triton.jit

@@ -137,3 +137,46 @@ def test_a_type_without_a_kernel_is_one_clear_error(tk):
     with pytest.raises(ValueError, match="no Triton kernel"):
         tk.qlinear(torch.zeros(64, dtype=torch.uint8), int(T.Q2_K), (1, 256), torch.zeros(1, 256))
     assert not tk.supports(int(T.Q2_K)) and all(tk.supports(int(t)) for t in FAST_TYPES)
+
+
+@interpreted
+def test_qmatrix_multiplies_through_the_kernels_where_enabled(tk, monkeypatch):
+    """QMatrix's CUDA route, run here on CPU tensors through the interpreter (MOERAY_TRITON=1 is
+    the tests' switch; on a card it is on by default): same product, and the route line says so."""
+    from moeray.stages import qmatmul
+    from moeray.stages.qmatmul import QMatrix, route_line
+
+    raw = _matrix(T.Q6_K, 8, 256, seed=5)
+    w = QMatrix(raw, T.Q6_K, (8, 256), "dequant")
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(6))
+    calls = []
+    monkeypatch.setattr(tk, "qlinear", lambda *a, **kw: calls.append(a[1]) or tk._launch_gemm(
+        a[0], a[1], 8, 256, a[3], torch.empty(2, 8)))
+    monkeypatch.setenv("MOERAY_TRITON", "1")
+    got = w(x)
+    assert calls == [int(T.Q6_K)] and "triton" in route_line("dequant", torch.device("cpu"))
+    assert (got - x @ w.dequantize().T).abs().max() <= 1e-5 * got.abs().max()
+    monkeypatch.setenv("MOERAY_TRITON", "0")  # off: the torch dequantiser, as on a card without triton
+    assert torch.allclose(w(x), got, rtol=1e-5, atol=1e-5) and len(calls) == 1
+    assert "torch dequantise" in route_line("dequant", torch.device("cpu")) and qmatmul._card_kernels(
+        torch.device("cpu")) is None
+
+
+# ---------------------------------------------------------------- on a GPU (the compiled kernels)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason=NO_CUDA)
+@pytest.mark.parametrize("qtype", FAST_TYPES, ids=lambda t: t.name)
+def test_cuda_kernels_equal_the_cpu_dequantiser(qtype):
+    from moeray.stages import triton_kernels as tk
+
+    N, K = 300, 2 * _k(qtype) + (32 if GGML_QUANT_SIZES[qtype][0] == 32 else 0)
+    raw = _matrix(qtype, N, K, seed=int(qtype))
+    want_w = dequantize(raw, qtype, (N, K))
+    assert torch.equal(tk.dequantize(raw.cuda(), int(qtype), (N, K)).cpu(), want_w)
+    for m in (1, 5, 16, 100):
+        x = torch.randn(m, K, generator=torch.Generator().manual_seed(m))
+        want = x.double() @ want_w.double().T
+        got = tk.qlinear(raw.cuda(), int(qtype), (N, K), x.cuda()).cpu().double()
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), m
