@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from moeray.stages.arch.base import Architecture, moe_tensors
-from moeray.stages.config import DeltaNetShape, ModelConfig
+from moeray.stages.config import ModelConfig
+from moeray.stages.deltanet_shape import DeltaNetShape
 
 
 class Qwen3Next(Architecture):
