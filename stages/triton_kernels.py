@@ -18,7 +18,7 @@ tile of blocks in registers and multiplies it at once:
 Block layouts follow ggml-quants.c (and stages/quant.py, the torch dequantiser these are tested
 against through Triton's interpreter, TRITON_INTERPRET=1, on CPU tensors). Every block type is
 read in 32-element segments; a program walks K 256 elements (8 segments) at a time.
-Types: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K (GGML type ids 2, 3, 8, 12, 13, 14).
+Types: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4 (GGML type ids 2, 3, 8, 12, 13, 14, 39).
 """
 from __future__ import annotations
 
@@ -36,8 +36,8 @@ except Exception as exc:  # ImportError on a CPU install without the test extra
     TRITON_ERROR = f"{type(exc).__name__}: {exc}"
 
 # GGML type id -> (elements per block, bytes per block). Plain ints: no gguf import needed here.
-BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210)}
-NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+BLOCKS = {2: (32, 18), 3: (32, 20), 8: (32, 34), 12: (256, 144), 13: (256, 176), 14: (256, 210), 39: (32, 17)}
+NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 39: "MXFP4"}
 GEMV_MAX_M = 64  # rows of x up to which the in-register kernel runs; above: dequantise + cuBLAS
 BLOCK_N = 32  # rows of W per program (decode); the device check sweeps it
 NUM_WARPS = 4
@@ -132,6 +132,15 @@ if triton is not None:
                 q = b >> 4
             h = (tl.load(blk + 16 + l, mask=mask, other=0) >> s) & 1
             w = (q | (h << 4)).to(tl.float32) * (d * sc) - dmin * mn
+        elif QT == 39:  # MXFP4: an E8M0 exponent, 16 bytes of e2m1 codes (ggml's table: doubled values)
+            e = tl.load(blk, mask=mask, other=0).to(tl.int32)
+            # ggml_e8m0_to_fp32_half: 2^(e-128) as float32 bits (denormal for e < 2)
+            d = tl.where(e < 2, 0x00200000 * (e + 1), (e - 1) << 23).to(tl.float32, bitcast=True)
+            b = tl.load(blk + 1 + (l % 16), mask=mask, other=0)
+            c = tl.where(l < 16, b & 15, b >> 4).to(tl.int32)
+            m = c & 7  # 0, 1, 2, 3, 4, 6, 8, 12 for m = 0..7
+            v = tl.where(m < 4, m, (2 + (m & 1)) << ((m >> 1) - 1)).to(tl.float32)
+            w = tl.where(c >= 8, -v, v) * d
         else:  # Q6_K (14): ql 128, qh 64, 16 int8 scales, d at 208; segment s = half h, quarter q4
             h: tl.constexpr = s // 4
             q4: tl.constexpr = s % 4
