@@ -8,7 +8,8 @@ trunk weights and cache slots) and computes y = x @ W.T by one of three routes:
   `ggml-python` binding. Activations are quantised to 8 bits inside, as llama.cpp does, so results
   differ from float32 by ~5e-3 relative. Fastest on CPU for every block type we meet (KERNELS.md).
 - "dequant": dequantise the blocks on each use (stages/quant.py) and run F.linear. The pure-torch
-  fallback when ggml is not installed, and the route on CUDA devices.
+  fallback when ggml is not installed. On CUDA devices the blocks are read on the card by the
+  Triton kernels of stages/triton_kernels.py instead, when triton imports (MOERAY_TRITON=0: off).
 - "exact": dequantised to float32 once at load (4 bytes a weight). For debugging and for parity
   tests against float references (`--exact`); never the serving default.
 
@@ -90,8 +91,20 @@ def route_line(route: str, device: torch.device) -> str:
         return f"moeray: kernels: ggml (quantised blocks, 8-bit activations) on cpu, {n} thread(s){spin}"
     if route == "exact":
         return f"moeray: kernels: exact (float32 copies of every weight, debugging) on {device}"
+    if _card_kernels(device) is not None:
+        return f"moeray: kernels: triton (GGUF blocks read on the card, float32 activations) on {device}"
     why = "" if device.type != "cpu" or ggml_available() else f"; ggml-python unavailable: {_GGML_ERROR}"
     return f"moeray: kernels: dequant (torch dequantise per use) on {device}{why}"
+
+
+def _card_kernels(device: torch.device):
+    """stages/triton_kernels when it serves `device` (imported on first use: a CPU process never
+    imports triton), else None."""
+    if device.type == "cpu" and os.environ.get("MOERAY_TRITON", "") != "1":
+        return None
+    from moeray.stages import triton_kernels
+
+    return triton_kernels if triton_kernels.enabled_for(device) else None
 
 
 def announce(route: str, device: torch.device) -> None:
@@ -347,6 +360,9 @@ class QMatrix:
             return _ggml_linear(self, x.contiguous())
         if self.route == "exact":
             return F.linear(x, self.data)
+        tk = _card_kernels(self.data.device)
+        if tk is not None and tk.supports(self.ggml_type):
+            return tk.qlinear(self.data, int(self.ggml_type), self.shape, x)
         return _dequant_linear(self, x, DEVICE_SCRATCH_BYTES if self.data.device.type == "cuda" else None)
 
     def __repr__(self) -> str:
