@@ -129,7 +129,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-seqs", type=int, default=d.max_seqs, help=f"sequences running at once (KV slots; default {d.max_seqs})")
     g.add_argument("--max-len", type=int, default=d.max_len,
                    help="prompt + output tokens per sequence (default: the model's context length)")
-    g.add_argument("--micro-batches", type=int, default=d.micro_batches, help=f"micro-batches in flight (default {d.micro_batches})")
+    g.add_argument("--micro-batches", type=int, default=None,
+                   help=f"micro-batches in flight (default {d.micro_batches}; `moeray serve --local`: 1)")
     g.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, help=f"prompt tokens per request per step (default {d.prefill_chunk})")
     g.add_argument("--token-budget", type=int, default=d.token_budget, help=f"new tokens per micro-batch step (default {d.token_budget})")
     g.add_argument("--step-timeout", type=float, default=d.step_timeout_s,
@@ -144,8 +145,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    d = EngineConfig
     return EngineConfig(max_seqs=args.max_seqs, max_len=args.max_len, token_budget=args.token_budget,
-                        prefill_chunk=args.prefill_chunk, micro_batches=args.micro_batches,
+                        prefill_chunk=args.prefill_chunk,
+                        micro_batches=args.micro_batches if args.micro_batches is not None else d.micro_batches,
                         step_timeout_s=args.step_timeout, kv_blocks=args.kv_blocks, kv_fraction=args.kv_fraction,
                         prefix_reuse=not args.no_prefix_reuse)
 

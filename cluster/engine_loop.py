@@ -3,8 +3,9 @@
 The Engine is not thread-safe and its step() blocks (it waits on the stages), so it lives on one
 thread: HTTP handlers never touch it, they post commands (add, abort) to an inbox that the
 thread drains before every step. After each step the thread hands every request its new text (a
-Delta: the text the engine released, and how many tokens it took) through
-`loop.call_soon_threadsafe`, so the event loop never waits on the engine. The engine decides
+Delta: the text the engine released, and how many tokens it took) in one batch per event loop: a
+single `loop.call_soon_threadsafe` (one wake-up of the loop, not one per request) puts every
+request's items on its queue, so neither side waits on the other. The engine decides
 when a request is finished (end token, length, stop string); the server only forwards. Every wait is
 bounded: the thread sleeps at most `idle_wait_s` when there is no work, and a consumer's wait
 for its next tokens has a deadline.
@@ -68,13 +69,19 @@ class Stream:
         return await asyncio.wait_for(self.queue.get(), timeout_s)
 
 
+def _put_all(items: list[tuple[Stream, Any]]) -> None:
+    """On the event loop: one step's items for every stream of this loop."""
+    for s, item in items:
+        s.queue.put_nowait(item)
+
+
 class EngineLoop:
     def __init__(self, engine, max_waiting: int = 64, idle_wait_s: float = 0.05,
-                 on_tokens: Optional[Callable[[Stream, int, float], None]] = None):
+                 on_tokens: Optional[Callable[[list[tuple[Stream, int]], float], None]] = None):
         self.engine = engine
         self.max_waiting = max_waiting
         self.idle_wait_s = idle_wait_s
-        self.on_tokens = on_tokens  # (stream, n_new, now) after a delivery, for metrics
+        self.on_tokens = on_tokens  # ([(stream, n_new), ...], now) after a step's deliveries, for metrics
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._pending = 0  # adds posted but not yet taken by the thread
         self._lock = threading.Lock()
@@ -186,25 +193,34 @@ class EngineLoop:
 
     def _deliver(self) -> None:
         now = time.perf_counter()
-        still = []
+        still, delivered = [], []
+        batches: dict[asyncio.AbstractEventLoop, list] = {}
         for s in self._streams:
             req = s.req
+            items = batches.setdefault(s.loop, [])
             n_new = len(req.output) - s.sent_tokens
             if n_new:
                 text = req.text[s.sent_chars:]
-                logprobs = req.logprobs[s.sent_tokens:len(req.output)]
+                logprobs = req.logprobs[s.sent_tokens:len(req.output)] if req.logprobs else []
                 s.sent_tokens, s.sent_chars = len(req.output), len(req.text)
-                s._put(Delta(text, n_new, logprobs))
-                if self.on_tokens is not None:
-                    self.on_tokens(s, n_new, now)
-                s.t_last = now
+                items.append((s, Delta(text, n_new, logprobs)))
+                delivered.append((s, n_new))
             if req.status is RequestStatus.FAILED:
-                self._finish(s, Finished(None, req.error or "the pipeline failed"))
+                s.done = True
+                items.append((s, Finished(None, req.error or "the pipeline failed")))
             elif req.done:
-                self._finish(s, Finished(req.finish_reason))
+                s.done = True
+                items.append((s, Finished(req.finish_reason)))
             else:
                 still.append(s)
         self._streams = still
+        for loop, items in batches.items():
+            if items:
+                loop.call_soon_threadsafe(_put_all, items)
+        if delivered and self.on_tokens is not None:
+            self.on_tokens(delivered, now)
+        for s, _ in delivered:
+            s.t_last = now
 
     def _finish(self, s: Stream, item: Finished) -> None:
         if not s.done:

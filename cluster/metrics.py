@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 log = logging.getLogger("moeray")
 
@@ -91,12 +91,13 @@ class Metrics:
 
     # ---------------------------------------------------------------- engine side
 
-    def tokens(self, n: int, ttft_s: Optional[float], itl_s: Optional[float]) -> None:
+    def tokens(self, n: int, ttfts: Sequence[float] = (), itls: Sequence[float] = ()) -> None:
+        """One engine step's tokens (n, over all requests), with their requests' latencies."""
         self.m["moeray_tokens_generated"].inc(n, self._tags)
-        if ttft_s is not None:
-            self.m["moeray_time_to_first_token_seconds"].observe(ttft_s, self._tags)
-        if itl_s is not None:
-            self.m["moeray_inter_token_latency_seconds"].observe(itl_s, self._tags)
+        for t in ttfts:
+            self.m["moeray_time_to_first_token_seconds"].observe(t, self._tags)
+        for t in itls:
+            self.m["moeray_inter_token_latency_seconds"].observe(t, self._tags)
 
     def queue(self, running: int, waiting: int) -> None:
         self.m["moeray_requests_running"].set(running, self._tags)

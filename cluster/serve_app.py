@@ -296,6 +296,20 @@ def _sse(obj) -> str:
     return f"data: {data}\n\n"
 
 
+class TextChunk:
+    """The bytes of one request's plain text chunk with the text spliced in: the JSON pydantic writes
+    for that chunk is made once per request, not once per token (json.dumps writes the same string)."""
+
+    MARK = "\x00"  # a text no chunk holds; pydantic writes it as "\u0000"
+
+    def __init__(self, line_with_mark: str):
+        head, tail = line_with_mark.split('"\\u0000"')
+        self.head, self.tail = head.encode(), tail.encode()
+
+    def __call__(self, text: str) -> bytes:
+        return b"".join((self.head, json.dumps(text, ensure_ascii=False).encode(), self.tail))
+
+
 class ChatChunks:
     """The SSE chunks of a streamed chat completion: the role, the content (held back while it may
     be a tool call), then the tool calls, the finish reason and the usage."""
@@ -304,6 +318,7 @@ class ChatChunks:
         self.call = call
         self.held = ToolCallStream() if call.extras.tools else None
         self.sent_logprobs = 0
+        self.plain = TextChunk(self._chunk(oa.Delta(content=TextChunk.MARK)))
 
     def _chunk(self, delta: oa.Delta, finish=None, use=None, lps=None) -> str:
         c = self.call
@@ -318,7 +333,9 @@ class ChatChunks:
     def opening(self) -> Iterable[str]:
         yield self._chunk(oa.Delta(role="assistant", content=""))
 
-    def text(self, text: str) -> str:
+    def text(self, text: str) -> str | bytes:
+        if self.held is None and self.call.extras.logprobs is None:
+            return self.plain(text) if text else ""  # what nearly every chunk is: text alone
         if self.held is not None:
             text = self.held.push(text)
         lps = self._new_logprobs()
@@ -347,6 +364,7 @@ class CompletionChunks:
     def __init__(self, call: Call):
         self.call = call
         self.sent = [0, 0]  # log-probabilities and characters already sent
+        self.plain = TextChunk(self._chunk(TextChunk.MARK)) if call.extras.logprobs is None else None
 
     def logprobs(self) -> Optional[oa.CompletionLogprobs]:
         c = self.call
@@ -364,8 +382,8 @@ class CompletionChunks:
     def opening(self) -> Iterable[str]:
         return ()
 
-    def text(self, text: str) -> str:
-        return self._chunk(text)
+    def text(self, text: str) -> str | bytes:
+        return self.plain(text) if self.plain is not None else self._chunk(text)
 
     def closing(self) -> Iterable[str]:
         c = self.call

@@ -97,12 +97,13 @@ class Service:
                 log(line)
         return say
 
-    def _on_tokens(self, s: Stream, n: int, now: float) -> None:
+    def _on_tokens(self, delivered: list[tuple[Stream, int]], now: float) -> None:
+        """One step's deliveries: the token counter once, a TTFT or an ITL per request."""
         if self.metrics is None:
             return
-        ttft = now - s.t_submit if s.t_last is None else None
-        itl = None if s.t_last is None else (now - s.t_last) / n
-        self.metrics.tokens(n, ttft, itl)
+        ttfts = [now - s.t_submit for s, _ in delivered if s.t_last is None]
+        itls = [(now - s.t_last) / n for s, n in delivered if s.t_last is not None]
+        self.metrics.tokens(sum(n for _, n in delivered), ttfts, itls)
 
     def stage_stats(self, timeout_s: float = 10.0):
         """Each stage's live numbers (StageActor.stats: StageStats), with a deadline."""
@@ -141,7 +142,8 @@ class Service:
             "model": self.model_name, "path": self.path, "context": self.context,
             "plan": self.lines, "stages": stats,
             "engine": {**self.loop.counts, **dataclasses.asdict(self.engine.stats),
-                       "max_seqs": self.opts.engine.max_seqs, "alive": self.loop.alive,
+                       "max_seqs": self.opts.engine.max_seqs,
+                       "micro_batches": self.engine.config.micro_batches, "alive": self.loop.alive,
                        "last_failure": self.loop.last_failure},
             "kv": self.kv_report(),
         }

@@ -260,3 +260,17 @@ def test_the_engine_thread_forwards_the_engines_text_and_frees_what_the_client_d
     assert (text, n, end.reason) == ("hello ", len("hello STOP"), "stop")  # the server decodes nothing
     assert first_text.startswith("a") and dropped_end.reason == "abort"
     assert not eng.running and eng.n_free_slots == 2
+
+
+def test_serve_local_runs_one_micro_batch_unless_told_otherwise():
+    """One stage has no other stage to overlap: `--local` steps every running sequence as one batch."""
+    from moeray.cluster.cli import build_parser
+    from moeray.cluster.serve_cmd import options_from_args
+
+    def engine_of(*flags):
+        argv = ["serve", *flags]
+        return options_from_args(build_parser(argv)[0].parse_args(argv)).engine
+
+    assert engine_of("--local").micro_batches == 1
+    assert engine_of("--local", "--micro-batches", "2").micro_batches == 2
+    # A pipeline keeps the config's default (the test above: serve's flags give EngineConfig()).
