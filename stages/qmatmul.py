@@ -37,9 +37,11 @@ ROUTES = ("ggml", "dequant", "exact")
 FLOAT_TYPES = frozenset((T.F32, T.F64))
 
 try:  # ggml-python: optional, built from source by the README's set-up (`ggml` extra)
-    from ggml import ggml as _G
+    from moeray.stages.ggml_lib import load as _load_ggml
+
+    _G = _load_ggml()  # its own libggml, checked: a foreign one on LD_LIBRARY_PATH would segfault
     _GGML_ERROR = None
-except Exception as exc:  # ImportError, or an OSError from a library that does not load
+except Exception as exc:  # ImportError, an OSError from a library that does not load, a foreign libggml
     _G = None
     _GGML_ERROR = f"{type(exc).__name__}: {exc}"
 
