@@ -1,0 +1,118 @@
+"""The hybrid families (qwen3next, qwen35moe) against transformers: tiny random checkpoints
+written as llama.cpp's converter lays them out (stages/gguf_writer.py + stages/arch/), logits
+within 1e-4 of max |logit| on the exact route, the ggml route at its measured tolerance, and
+prefill in chunks equal to one-shot prefill; Qwen3.5's multimodal RoPE on text positions is
+plain partial RoPE."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moeray.stages.gguf_file import GGUFFile
+from moeray.stages.gguf_writer import write_gguf
+from moeray.stages.layers import RoPE
+from moeray.stages.model import load_model
+from moeray.stages.qmatmul import ggml_available
+from tiny_hybrid import HYBRID_BUILDERS
+from tiny_models import token_ids
+
+RTOL = 1e-4  # of the largest |logit|
+IDS = token_ids(150)  # past two DeltaNet chunks of 64
+
+
+def _close(got, ref, what, rtol=RTOL):
+    scale = ref.abs().max().item()
+    diff = (got - ref).abs().max().item()
+    assert diff <= rtol * scale, f"{what}: max |diff| {diff:.3g} > {rtol} * max |logit| {scale:.3g}"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hybrid")
+    out = {}
+    for name, build in HYBRID_BUILDERS.items():
+        model = build()
+        out[name] = (model, write_gguf(model, root / f"{name}-F32.gguf", "F32"),
+                     write_gguf(model, root / f"{name}-Q8_0.gguf", "Q8_0"))
+    return out
+
+
+def _hf_logits(model, ids):
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].float()
+
+
+@pytest.mark.parametrize("name", list(HYBRID_BUILDERS))
+def test_file_is_laid_out_as_llama_cpp_writes_it(files, name):
+    model, path, _ = files[name]
+    g = GGUFFile(path)
+    assert g.arch == name and g.config.recurrent == (True, True, True, False)
+    t = g.tensors
+    assert "blk.0.attn_qkv.weight" in t and "blk.0.attn_gate.weight" in t and "blk.0.ssm_a" in t
+    assert ("blk.0.ssm_ba.weight" in t) == (name == "qwen3next")
+    assert ("blk.0.ssm_beta.weight" in t) == (name == "qwen35moe")
+    assert "blk.3.attn_q.weight" in t and "blk.3.post_attention_norm.weight" in t and "blk.3.ssm_a" not in t
+    assert t["blk.0.ssm_conv1d.weight"].shape == (256, 4)  # [conv_dim, K], F32 as llama.cpp keeps it
+    # A_log stored as -exp(A_log)
+    a_log = model.model.layers[0].linear_attn.A_log.detach()
+    stored = torch.from_numpy(g.raw("blk.0.ssm_a").copy()).view(torch.float32)
+    if name == "qwen35moe":  # tiled V order: v head h = (k group h % 2, index h // 2)
+        a_log = a_log.view(2, 2).t().reshape(-1)
+    assert torch.allclose(stored, -a_log.exp())
+    assert g.config.rope_dim == 8 and g.config.deltanet.v_order == ("tiled" if name == "qwen35moe" else "grouped")
+
+
+@pytest.mark.parametrize("name", list(HYBRID_BUILDERS))
+def test_logits_match_transformers_exact_route(files, name):
+    model, path, _ = files[name]
+    _close(load_model(path, route="exact").logits_all(IDS), _hf_logits(model, IDS), name)
+
+
+@pytest.mark.parametrize("name", list(HYBRID_BUILDERS))
+def test_chunked_prefill_then_decode_match_transformers(files, name):
+    """Prefill in pieces (the state carried between them), then decode token by token."""
+    model, path, _ = files[name]
+    m = load_model(path, route="exact")
+    kv = m.new_kv_cache(1, len(IDS))
+    got = []
+    for lo, hi in ((0, 40), (40, 107), (107, 140)):
+        got.append(m.step([IDS[lo:hi]], [0], kv))
+    for t in IDS[140:]:
+        got.append(m.step([[t]], [0], kv))
+    ref = _hf_logits(model, IDS)
+    _close(torch.cat(got), ref[[39, 106] + list(range(139, len(IDS)))], name)
+
+
+@pytest.mark.skipif(not ggml_available(), reason="ggml-python is not installed")
+@pytest.mark.parametrize("name", list(HYBRID_BUILDERS))
+def test_ggml_route_within_its_measured_tolerance(files, name):
+    """Q8_0 on the ggml route (ggml's matmuls with 8-bit activations, ggml_gated_delta_net)
+    against the exact route on the same file."""
+    _, _, q8 = files[name]
+    exact = load_model(q8, route="exact").logits_all(IDS[:40])
+    got = load_model(q8, route="ggml").logits_all(IDS[:40])
+    err = ((got - exact).abs().max(-1).values / exact.abs().max()).max().item()
+    assert 0 < err <= GGML_RTOL, f"{name}: {err:.2e} of max |logit|"
+
+
+GGML_RTOL = 5e-2
+
+
+def test_qwen35_multimodal_rope_on_text_is_plain_partial_rope():
+    """Interleaved MRoPE with every section at the text position is NeoX RoPE on the rotated dims
+    (transformers computes angles in float32: ~1e-4 off at position 5000)."""
+    from transformers.models.qwen3_5_moe import Qwen3_5MoeTextConfig
+    from transformers.models.qwen3_5_moe.modeling_qwen3_5_moe import Qwen3_5MoeTextRotaryEmbedding
+
+    cfg = Qwen3_5MoeTextConfig(head_dim=256, rope_parameters={
+        "rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25,
+        "mrope_section": [11, 11, 10], "mrope_interleaved": True})
+    hf = Qwen3_5MoeTextRotaryEmbedding(cfg)
+    pos = torch.arange(0, 5000, 7)
+    cos, sin = hf(torch.zeros(1), pos.view(1, -1))  # text: one position id for all sections
+    c, s, _ = RoPE(64, 1e7, "neox").cos_sin(pos)
+    assert (torch.cat([c[:, 0]] * 2, -1) - cos[0]).abs().max() <= 1e-3
+    assert (torch.cat([s[:, 0]] * 2, -1) - sin[0]).abs().max() <= 1e-3
+    # sections at different positions (an image grid) are not that: moeray serves text only
+    cos3, _ = hf(torch.zeros(1), torch.stack([pos, 0 * pos, 0 * pos]).view(3, 1, -1))
+    assert (cos3[0] - cos[0]).abs().max() > 0.5
