@@ -49,6 +49,11 @@ class ModelConfig:
     # whether it is one (a recurrent state per sequence instead of KV).
     deltanet: DeltaNetShape | None = None
     recurrent: tuple[bool, ...] = ()
+    # The routed experts' activation (stages/qmatmul.py GLU): "silu" = silu(g) * u; "swiglu_oai"
+    # (gpt-oss) clamps g and u at swiglu_limit and computes (u + 1) * g * sigmoid(swiglu_alpha * g).
+    expert_act: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     @property
     def is_moe(self) -> bool:
