@@ -86,6 +86,7 @@ class StageGroup:
     reports: list[ProbeReport] = field(default_factory=list)
     load_args: list[tuple] = field(default_factory=list)  # per stage, to reload it after a restart
     kv_blocks: int | None = None  # every stage's KV pool, once loaded
+    state_slots: int = 0  # sequence states the stages hold (a model with recurrent layers), once loaded
     hung: set = field(default_factory=set)
     _actor_opts: dict = field(default_factory=dict)
 
@@ -156,12 +157,15 @@ class StageGroup:
 
     def load(self, path: str, ranges: list[tuple[int, int]], kv_blocks: int,
              progress=None, trunk_on_card: list[int] | None = None, profile: str | None = None,
-             cache_policy: str = "static") -> list[LoadReport]:
-        """Each stage loads only its layer range and a KV pool of `kv_blocks` blocks;
-        `progress(stage, report)` as each one finishes."""
+             cache_policy: str = "static", state_slots: int = 1) -> list[LoadReport]:
+        """Each stage loads only its layer range, a KV pool of `kv_blocks` blocks and (recurrent
+        layers) `state_slots` sequence states; `progress(stage, report)` as each one finishes."""
         trunk_on_card = trunk_on_card or [0] * len(ranges)
+        from moeray.stages.gguf_file import read_gguf_header
+
         self.kv_blocks = kv_blocks
-        self.load_args = [(path, a, b, kv_blocks, t, profile, cache_policy)
+        self.state_slots = state_slots if any(state_bytes_by_layer(read_gguf_header(path).config, 1)) else 0
+        self.load_args = [(path, a, b, kv_blocks, t, profile, cache_policy, state_slots)
                           for (a, b), t in zip(ranges, trunk_on_card)]
         refs = [a.load.remote(*args) for a, args in zip(self.actors, self.load_args)]
         return gather(refs, self.timeout_s, "loading", progress=progress)
@@ -332,6 +336,15 @@ def local_kv_plan(config, engine: EngineConfig, free_bytes: int, itemsize: int =
     return KVPlan(n, BLOCK_SIZE, context, rule, [sum(kv_bytes_by_layer(config, n, itemsize))])
 
 
+def state_bytes_by_layer(config, n_seqs: int) -> list[int]:
+    """Each layer's recurrent state for `n_seqs` sequence slots (0 where the layer keeps only KV):
+    held on the layer's card for every sequence that may run, so priced with its KV."""
+    from moeray.stages.arch import arch_of
+
+    arch = arch_of(config)
+    return [n_seqs * arch.state_bytes(config, l) for l in range(config.n_layers)]
+
+
 def held_spec(header, kv_bytes_per_layer: int | list[int] = 0, route: str | None = None):
     """The planner's ModelSpec in the bytes a stage really holds on its device.
 
@@ -404,8 +417,11 @@ def plan_from_reports(header, reports: list[ProbeReport], opts: LaunchOptions, e
 
     profile = Profile.load(opts.profile, L, cfg.n_experts) if opts.profile else None
 
+    state = state_bytes_by_layer(cfg, engine.max_seqs)  # every sequence slot's DeltaNet state
+
     def plan_for(n: int):
-        return plan_placement(held_spec(header, kv_bytes_by_layer(cfg, n, itemsize)), devs, profile, split=opts.split,
+        kv = [k + s for k, s in zip(kv_bytes_by_layer(cfg, n, itemsize), state)]
+        return plan_placement(held_spec(header, kv), devs, profile, split=opts.split,
                               objective=opts.objective, trunk=opts.trunk, handoff_ms=handoff_ms)
 
     try:
@@ -419,6 +435,10 @@ def plan_from_reports(header, reports: list[ProbeReport], opts: LaunchOptions, e
         raise PlacementError(f"{exc}; {hint(min_blocks)}") from None
     ranges = [tuple(x) for x in plan.split]
     plan.kv = kv_plan(blocks, ranges, rule, tried)
+    if any(state):
+        from moeray.planner.report import state_line
+
+        plan.notes.append(state_line(state_bytes_by_layer(cfg, 1), ranges, engine.max_seqs))
     return plan, ranges, speed_lines + plan.lines(verbose=opts.verbose_plan), plan.kv
 
 
@@ -486,11 +506,14 @@ def launch(path: str, opts: LaunchOptions = LaunchOptions(), engine: EngineConfi
         plan, ranges, plan_lines, kv = plan_from_reports(header, reports, opts, engine, handoff_ms)
         for line in plan_lines:
             say(line)
-        # The plan's trunk includes its layers' KV pool (see held_spec); the actor charges the KV itself.
-        trunk_on_card = ([int(s.trunk_bytes) - kv_bytes for s, kv_bytes in zip(plan.stages, kv.stage_bytes)]
+        # The plan's trunk includes its layers' KV pool and sequence states (see held_spec); the
+        # actor charges those itself.
+        state = state_bytes_by_layer(header.config, engine.max_seqs)
+        trunk_on_card = ([int(s.trunk_bytes) - kv_bytes - sum(state[a:b])
+                          for s, kv_bytes, (a, b) in zip(plan.stages, kv.stage_bytes, ranges)]
                          if plan is not None else [0] * len(ranges))
         group.load(path, ranges, kv.blocks, lambda i, rep: say(_load_line(rep)),
-                   trunk_on_card, opts.profile, opts.cache_policy)
+                   trunk_on_card, opts.profile, opts.cache_policy, engine.max_seqs)
         if opts.record_routing:
             group.record_routing(opts.record_routing)
             say(f"recording every stage's routing to {opts.record_routing}/stage<i>.trace")
@@ -528,6 +551,8 @@ class RayPipeline:
         self.group = group
         self.n_stages = group.n_stages
         self.kv_blocks = group.kv_blocks  # the engine's block budget: what every stage allocated
+        # Sequence states the stages hold (recurrent layers), 0 for a model without them.
+        self.state_slots = group.state_slots
 
     def submit(self, batch: StepBatch) -> list:
         return [a.step.remote(batch.for_stage(i, self.n_stages)) for i, a in enumerate(self.group.actors)]

@@ -126,13 +126,13 @@ def test_a_long_prompt_in_512_token_chunks_equals_one_shot(whole):
 
 
 def test_preempted_hybrid_sequences_resume_with_the_same_greedy_tokens(path, whole):
-    # 14 blocks: not enough for 6 sequences of ~60 tokens, so decodes preempt the youngest
-    eng = Engine(LocalPipeline.from_model(whole, 14, MAX_SEQS), _config(kv_blocks=14))
-    prompts = _prompts(6, seed=1)
-    reqs = _run(eng, prompts, 24, _check_state_ledger)
+    # 10 blocks: not enough for 4 sequences of 36-63 tokens, so decodes preempt the youngest
+    eng = Engine(LocalPipeline.from_model(whole, 10, MAX_SEQS), _config(kv_blocks=10))
+    prompts = _prompts(4, seed=1)
+    reqs = _run(eng, prompts, 16, _check_state_ledger)
     assert eng.scheduler.stats.preemptions > 0
     for r, p in zip(reqs, prompts):
-        assert r.error is None and r.output == _greedy(whole, p, 24)
+        assert r.error is None and r.output == _greedy(whole, p, 16)
 
 
 def test_a_stage_failure_leaves_no_stale_state(path, whole):
