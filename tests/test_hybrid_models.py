@@ -115,6 +115,32 @@ def test_ggml_route_within_its_measured_tolerance(files, name, ft):
     assert 0 < err[same].max() <= GGML_RTOL[ft], f"{name} {ft}: {err[same].max():.2e} of max |logit|"
 
 
+@pytest.mark.skipif(not ggml_available(), reason="ggml-python is not installed")
+@pytest.mark.parametrize("qtype", ["IQ3_S", "IQ3_XXS"])
+def test_iq3_experts_load_price_and_run(tmp_path, qtype):
+    """The Strata rigs' expert types: a hybrid file whose experts are IQ3_S / IQ3_XXS blocks (rows
+    of 256: hidden and expert width 256) is priced at its bytes and runs on both routes."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
+
+    from moeray.cluster.driver import held_spec
+    from moeray.stages.gguf_file import read_gguf_header
+    from quant_blocks import with_random_experts
+    from tiny_hybrid import tiny_qwen3next
+
+    t = QT[qtype]
+    f32 = write_gguf(tiny_qwen3next(hidden=256, expert_ffn=256), tmp_path / "f32.gguf", "F32")
+    path = with_random_experts(f32, tmp_path / f"{qtype}.gguf", t, np.random.default_rng(int(t)))
+    header = read_gguf_header(path)
+    block, size = GGML_QUANT_SIZES[t]
+    assert header.expert_bytes(0) == 3 * 256 * (256 // block * size)
+    assert held_spec(header, route="ggml").expert_bytes == [header.expert_bytes(0)] * 4
+    ref = load_model(path, route="dequant").logits_all(IDS[:16])
+    got = load_model(path, route="ggml").logits_all(IDS[:16])
+    assert torch.isfinite(ref).all()
+    assert (got[0] - ref[0]).abs().max() <= 0.05 * ref.abs().max()  # before any near-tie can compound
+
+
 def test_qwen35_multimodal_rope_on_text_is_plain_partial_rope():
     """Interleaved MRoPE with every section at the text position is NeoX RoPE on the rotated dims
     (transformers computes angles in float32: ~1e-4 off at position 5000)."""

@@ -16,13 +16,13 @@ N_LAYERS = 4
 LAYER_TYPES = ["linear_attention"] * 3 + ["full_attention"]
 
 
-def _hybrid_kwargs(max_pos: int) -> dict:
-    return dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=N_LAYERS, num_attention_heads=4,
+def _hybrid_kwargs(max_pos: int, hidden: int = HIDDEN, expert_ffn: int = EXPERT_FFN) -> dict:
+    return dict(vocab_size=VOCAB, hidden_size=hidden, num_hidden_layers=N_LAYERS, num_attention_heads=4,
                 num_key_value_heads=N_KV_HEADS, head_dim=HEAD_DIM, max_position_embeddings=max_pos,
                 rms_norm_eps=1e-6, tie_word_embeddings=False, attn_implementation="eager",
                 linear_conv_kernel_dim=4, linear_key_head_dim=32, linear_value_head_dim=32,
                 linear_num_key_heads=2, linear_num_value_heads=4, num_experts=8, num_experts_per_tok=2,
-                moe_intermediate_size=EXPERT_FFN, shared_expert_intermediate_size=SHARED_FFN,
+                moe_intermediate_size=expert_ffn, shared_expert_intermediate_size=SHARED_FFN,
                 layer_types=LAYER_TYPES)
 
 
@@ -40,10 +40,10 @@ def _finish(model, seed):
     return model.float().eval()
 
 
-def tiny_qwen3next(seed: int = 11, max_pos: int = MAX_POS):
+def tiny_qwen3next(seed: int = 11, max_pos: int = MAX_POS, hidden: int = HIDDEN, expert_ffn: int = EXPERT_FFN):
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
-    cfg = Qwen3NextConfig(**_hybrid_kwargs(max_pos), intermediate_size=160, norm_topk_prob=True,
+    cfg = Qwen3NextConfig(**_hybrid_kwargs(max_pos, hidden, expert_ffn), intermediate_size=160, norm_topk_prob=True,
                           rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
                                            "partial_rotary_factor": 0.25})
     torch.manual_seed(seed)
