@@ -182,3 +182,38 @@ def test_cuda_kernels_equal_the_cpu_dequantiser(qtype):
         want = x.double() @ want_w.double().T
         got = tk.qlinear(raw.cuda(), int(qtype), (N, K), x.cuda()).cpu().double()
         assert (got - want).abs().max() <= 1e-5 * want.abs().max(), m
+
+
+# ---------------------------------------------------------------- compiled for Hopper, no GPU needed
+
+
+def _compile_for_sm90(tk, qtype: T, bm: int) -> str:
+    """PTX of the matmul kernel for an H100/H200 (sm_90), built ahead of time with the integer
+    arguments marked divisible by 16 as Triton marks them at launch for these shapes."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import triton
+
+    qk, ts = tk.BLOCKS[int(qtype)]
+    sig = {"w_ptr": "*u8", "x_ptr": "*fp32", "y_ptr": "*fp32", "slot_ptr": "*i32", "M": "i32", "N": "i32",
+           "K": "i32", "row_bytes": "i32", "slot_bytes": "i32", "stride_xm": "i32", "stride_ym": "i32",
+           **{k: "constexpr" for k in ("QT", "QK", "TS", "BN", "BM", "GROUPED")}}
+    src = ASTSource(fn=tk._qmm_kernel, signature=sig,
+                    constexprs={"QT": int(qtype), "QK": qk, "TS": ts, "BN": 32, "BM": bm, "GROUPED": False},
+                    attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 6, 7, 9, 10)})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+
+
+@pytest.mark.skipif(INTERPRETED, reason="compiles the kernels: the parent run does it")
+def test_kernels_compile_for_hopper_without_int_to_float_conversions():
+    """Built for sm_90 here (Triton's bundled ptxas, no GPU): the Q4_K GEMV reads its 4-bit codes
+    in 16-byte loads and no kernel converts codes with cvt (a quarter-rate instruction on the
+    card; the kernels build floats from the codes' bits instead); the 16-row tiles compile too."""
+    from moeray.stages import triton_kernels as tk
+
+    gemv = _compile_for_sm90(tk, T.Q4_K, 1)
+    assert "ld.global.v4.b32" in gemv  # the 128 code bytes of a block: 16-byte vector loads
+    tiles = _compile_for_sm90(tk, T.Q6_K, 16)
+    for ptx in (gemv, tiles):
+        assert "cvt.rn.f32.u" not in ptx and "cvt.rn.f32.s" not in ptx
