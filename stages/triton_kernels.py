@@ -301,10 +301,12 @@ def qlinear(data: torch.Tensor, qtype: int, shape: tuple[int, int], x: torch.Ten
 
 def grouped_qlinear(stacked: torch.Tensor, qtype: int, shape: tuple[int, int], x: torch.Tensor,
                     slots: torch.Tensor) -> torch.Tensor:
-    """Row t of x [T, K] times W_{slots[t]}: stacked uint8 [S, N * row_bytes] (one slot a row);
+    """Row t of x [T, K] times W_{slots[t]}: stacked uint8 [S, N * row_bytes] (one slot a row; a
+    column slice of a wider buffer works as it is, its row stride is the slots' stride: the
+    experts path keeps a slot's gate | up | down back to back in one row, cache/slot_store.py);
     -> [T, N] float32, one launch for every row whatever expert it needs."""
     qtype, N, K = _check(stacked, qtype, shape)
-    if stacked.dim() != 2 or stacked.shape[1] != N * row_bytes(qtype, K):
+    if stacked.dim() != 2 or stacked.shape[1] != N * row_bytes(qtype, K) or stacked.stride(1) != 1:
         raise ValueError(f"stacked slots {tuple(stacked.shape)}: expected [S, {N * row_bytes(qtype, K)}] "
                          f"for {NAMES[qtype]} [{N}, {K}]")
     x = x.contiguous().float()

@@ -103,12 +103,19 @@ def test_prefill_scratch_in_row_blocks(tk, monkeypatch):
 @interpreted
 @pytest.mark.parametrize("qtype", (T.Q4_K, T.Q8_0), ids=lambda t: t.name)
 def test_grouped_swiglu_equals_a_loop_over_experts(tk, qtype):
-    """The MoE hit path of a layer in one call: 2 tokens' picks over 2 stacked slots (a slot
-    picked twice by one token and by the other too) against expert-by-expert float32."""
+    """The MoE hit path of a layer in one call: 2 tokens' picks over 2 slots (a slot picked twice
+    by one token and by the other too) against expert-by-expert float32. The slots are laid out
+    as the experts path keeps them (cache/slot_store.py, issue 22): slot s is row s of one buffer,
+    gate | up | down blocks back to back; each kind is a column slice of it (a strided view)."""
     H, Fd = (256, 256) if qtype == T.Q4_K else (64, 96)
     S, k, n = 2, 2, 2
-    kinds = {name: torch.stack([_matrix(qtype, *shape, seed=10 * i + s) for s in range(S)])
-             for i, (name, shape) in enumerate((("gate", (Fd, H)), ("up", (Fd, H)), ("down", (H, Fd))))}
+    mats = {name: [_matrix(qtype, *shape, seed=10 * i + s) for s in range(S)]
+            for i, (name, shape) in enumerate((("gate", (Fd, H)), ("up", (Fd, H)), ("down", (H, Fd))))}
+    rows = torch.stack([torch.cat([mats["gate"][s], mats["up"][s], mats["down"][s]]) for s in range(S)])
+    sizes = [mats[name][0].numel() for name in ("gate", "up", "down")]
+    offs = [0, sizes[0], sizes[0] + sizes[1]]
+    kinds = {name: rows[:, o:o + n_] for name, o, n_ in zip(("gate", "up", "down"), offs, sizes)}
+    assert not kinds["up"].is_contiguous() and kinds["up"].stride(0) == rows.shape[1]
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(n, H, generator=gen) * 0.1
     slots = torch.tensor([[0, 1], [1, 1]])
