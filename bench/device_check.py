@@ -460,11 +460,16 @@ def inproc_step(run: Check, args, name: str, path: str, n_stages: int, sizes: di
     kv_blocks = max(batches) * blocks_for(max_len)
     cuda = args.device == "cuda"
     if cuda:
+        import gc
+
         import torch
 
+        gc.collect()  # the previous run's stages (reference cycles) leave the card before the peak is reset
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        share = 1.0 / n_stages if expert_share is None else card_share_for(room, free_per_card, n_stages)
+        # Each stage is planned with the room it needs (every expert, or the capped share, plus the
+        # trunk and KV), not the whole card: so "peak <= 1.05 x charged + reserve" tests the plan.
+        share = card_share_for(room, free_per_card, n_stages) if free_per_card else 1.0 / n_stages
         where = f"{n_stages} in-process stage(s) on one card, {share:g} of it each"
         pipe = InProcessPipeline.load(path, n_stages, kv_blocks, None, args.kernels, card_share=share)
     else:
