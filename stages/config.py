@@ -43,6 +43,11 @@ class ModelConfig:
     shared_expert_gate: bool = True  # the shared expert's output is scaled by sigmoid(w . h) (qwen2moe)
     n_dense_leading: int = 0  # the first layers of an MoE model have a dense FFN instead (DeepSeek, GLM)
     attention: str = "gqa"  # the attention block's kind (stages/arch/base.py ATTENTION_TENSORS)
+    # The routed experts' activation (stages/qmatmul.py GLU): "silu" = silu(g) * u; "swiglu_oai"
+    # (gpt-oss) clamps g and u at swiglu_limit and computes (u + 1) * g * sigmoid(swiglu_alpha * g).
+    expert_act: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     @property
     def is_moe(self) -> bool:
