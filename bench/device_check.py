@@ -735,6 +735,8 @@ def main(argv=None) -> int:
             free_per_card = (views.get("nvml", {}).get("free_bytes") or views.get("torch", {}).get("free_bytes"))
     if "kernels" in steps:
         run.data["kernels"] = run.step("kernels", kernels_step, run, args)
+    if "kernels" in steps:
+        run.data["grouped"] = run.step("grouped MoE hit path", grouped_step, run, args)
     if "link" in steps:
         run.data["link"] = run.step("link", link_step, run, args)
     if "models" in steps:
@@ -774,6 +776,18 @@ def kernels_step(run: Check, args) -> dict:
         run.check("kernels: Q4_K GEMV [1, 4096] x [4096, 14336] at >= 50% of the measured bandwidth",
                   q4["fraction_of_copy"] >= TARGET_FRACTION,
                   f"{q4['weight_GBps']:.0f} GB/s = {100 * q4['fraction_of_copy']:.1f}% of {res['copy_GBps']:.0f} GB/s")
+    return res
+
+
+def grouped_step(run: Check, args) -> dict:
+    from kernel_bench import grouped
+
+    res = grouped("cuda:0" if args.device == "cuda" else "cpu", args.quick, say=run.say)
+    for row in res["rows"]:
+        if row["route"].startswith("loop"):
+            continue  # the reference itself
+        run.check(f"grouped: {row['tokens']} token(s), {row['route']} equals the loop over experts",
+                  row["rel_err"] <= 1e-4, f"relative error {row['rel_err']:.1e}")
     return res
 
 
