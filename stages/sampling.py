@@ -124,27 +124,76 @@ class StepOutput:
         return result if isinstance(result, StepOutput) else cls(list(result))
 
 
+class WindowDecoder:
+    """`tokenizer.decode(ids)` of a growing list of ids at a cost that does not grow with it.
+
+    Decoding a prefix can change its last characters (an incomplete UTF-8 sequence), so the text is
+    decoded again as tokens arrive, but only from a settled point on: the text of `ids[:base]` is
+    kept once every later decode starts with it, and the tokens after it are decoded with a few
+    before them as context (a SentencePiece decoder drops the leading space of a text's first
+    token: the context's text is cut off, not the window's). A decode that does not start with its
+    context's text falls back to the whole sequence, so the text is always decode(ids) itself.
+    """
+
+    CONTEXT = 4  # tokens decoded before the window
+    SETTLE = 16  # the settled point moves up to this many tokens behind the last one
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.base, self.base_text = 0, ""  # ids[:base] decode to base_text, a prefix of every later text
+        self.context_text = ""  # decode(ids[base - CONTEXT:base])
+
+    def push(self, token_id: int) -> str:
+        """Add one token; returns decode(ids)."""
+        self.ids.append(token_id)
+        text = self.decode()
+        if len(self.ids) - self.base >= 2 * self.SETTLE and not text.endswith("\ufffd"):
+            base = len(self.ids) - self.SETTLE
+            head = self._window(base)
+            context = self.tokenizer.decode(self.ids[max(0, base - self.CONTEXT):base])
+            # Only at a clean cut: no character of the context or the head still being built (a
+            # byte-fallback token's bytes decode to U+FFFD until their character is whole).
+            if head is not None and "\ufffd" not in context and not head.endswith("\ufffd") and text.startswith(head):
+                self.base, self.base_text, self.context_text = base, head, context
+        return text
+
+    def decode(self) -> str:
+        text = self._window(len(self.ids))
+        return text if text is not None else self.tokenizer.decode(self.ids)
+
+    def _window(self, end: int) -> str | None:
+        if self.base == 0:
+            return self.tokenizer.decode(self.ids[:end])
+        head = self.context_text
+        window = self.tokenizer.decode(self.ids[max(0, self.base - self.CONTEXT):end])
+        return self.base_text + window[len(head):] if window.startswith(head) else None
+
+
 class StopStringStream:
     """Incremental text of one generation, cut at the first stop string.
 
-    Text is decoded from all generated ids each time (decoding a prefix can change its last
-    characters, e.g. an incomplete UTF-8 sequence), and released only when it can no longer
-    change: not ending in a partial character, and not possibly the start of a stop string.
+    The text is decode(all generated ids) (WindowDecoder: a bounded window decoded per token), and
+    released only when it can no longer change: not ending in a partial character, and not
+    possibly the start of a stop string.
     """
 
     def __init__(self, tokenizer, stop: Sequence[str] = ()):
         self.tokenizer = tokenizer
         self.stop = tuple(s for s in stop if s)
-        self.ids: list[int] = []
+        self.decoder = WindowDecoder(tokenizer)
         self.emitted = 0  # characters of the decoded text already released
         self.text = ""  # the final text once stopped or finished
         self.stopped = False
 
+    @property
+    def ids(self) -> list[int]:
+        return self.decoder.ids
+
     def push(self, token_id: int) -> str:
         """Add one token; returns the newly released text ("" if held back)."""
         assert not self.stopped
-        self.ids.append(token_id)
-        text = self.tokenizer.decode(self.ids)
+        text = self.decoder.push(token_id)
         cut = self._first_stop(text)
         if cut is not None:
             self.stopped = True
@@ -160,7 +209,7 @@ class StopStringStream:
         if self.stopped:
             return ""
         self.stopped = True
-        text = self.tokenizer.decode(self.ids)
+        text = self.decoder.decode()
         return self._release(text, len(text))
 
     def _release(self, text: str, end: int) -> str:

@@ -112,3 +112,49 @@ def test_a_grammar_mask_limits_greedy_and_sampled_rows_and_logprobs_are_the_mode
     assert [v for _, v in lp.top] == pytest.approx(want.topk(3).values.tolist())
     with pytest.raises(ValueError, match="top_logprobs"):
         SamplingParams(logprobs=21)
+
+
+class CountingTokenizer:
+    """A tokenizer that records how many ids each decode call was given."""
+
+    def __init__(self, tok):
+        self.tok, self.sizes = tok, []
+
+    def decode(self, ids):
+        self.sizes.append(len(ids))
+        return self.tok.decode(ids)
+
+
+def _tokenizers(smollm2_dense_path):
+    from test_tokenizer import _spm_metadata
+
+    from moeray.stages.tokenizer import Tokenizer
+
+    yield "byte-level BPE", Tokenizer.from_gguf(smollm2_dense_path)
+    yield "sentencepiece (byte fallback)", Tokenizer.from_metadata(_spm_metadata()[1])
+
+
+def test_window_decoder_text_is_the_whole_decode_at_every_token_and_its_cost_stays_flat(smollm2_dense_path):
+    """Detokenising token by token decodes a bounded window, yet the text is always decode(all ids):
+    multi-byte characters split over tokens, SentencePiece's leading spaces, random ids."""
+    import random
+
+    from moeray.stages.sampling import WindowDecoder
+
+    rng = random.Random(0)
+    texts = ["Héllo wörld!  日本語のテキスト 🙂🙂 emoji, tabs\tand\nnewlines. The quick brown fox 12345. " * 8,
+             "  leading  spaces\n\n and   runs   of spaces " * 20]
+    for name, tok in _tokenizers(smollm2_dense_path):
+        sequences = [tok.encode(t)[:300] for t in texts] + [[rng.randrange(tok.vocab_size) for _ in range(200)]]
+        for ids in sequences:
+            counting = CountingTokenizer(tok)
+            d = WindowDecoder(counting)
+            for i, t in enumerate(ids):
+                assert d.push(t) == tok.decode(ids[:i + 1]), (name, i)
+        ids = sequences[1]
+        counting = CountingTokenizer(tok)
+        d = WindowDecoder(counting)
+        for t in ids:
+            d.push(t)
+        # Plain text settles: no decode call sees more than a window of ids, however long the output.
+        assert max(counting.sizes[-50:]) <= WindowDecoder.CONTEXT + 2 * WindowDecoder.SETTLE, name
