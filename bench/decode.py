@@ -3,7 +3,12 @@ batch 1 and 16, and of llama.cpp (llama-cpp-python, when installed) on the same 
 thread count in the same run, with the ratio, the weight bytes a decode token reads and the tok/s
 the machine's measured read bandwidth allows for them.
 
-    python bench/decode.py [--model X.gguf] [--threads 2] [--batch 1 16] [--kernels auto] [--json out.json]
+    python bench/decode.py [--model X.gguf | --shape qwen3-30b-a3b] [--threads 2] [--batch 1 16]
+                           [--kernels auto] [--json out.json]
+
+--shape writes (once, into the cache dir) a GGUF of a real model's exact shape with random valid
+Q4_K blocks (bench/shapes.py: qwen3-30b-a3b, 16 GiB; qwen1.5-moe-a2.7b) and runs both engines on it,
+every expert on the host path (cache 0: a copy of every expert would not fit beside the mapping).
 
 Greedy decoding with end tokens ignored, so every run decodes exactly --decode-tokens per sequence.
 Decode tokens/s at batch B counts all B sequences' tokens.
@@ -19,6 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/shapes.py
 
 
 def prompt_ids(tokenizer, n_tokens: int, index: int) -> list[int]:
@@ -182,6 +188,8 @@ def bench_llama_cpp(path: str, threads: int, batch_sizes, n_prompt: int, n_decod
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="GGUF file (default: the embedded default model)")
+    ap.add_argument("--shape", help="a real model's shape with random blocks (bench/shapes.py): "
+                                    "qwen3-30b-a3b, qwen1.5-moe-a2.7b")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads for both engines (default 2)")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--decode-tokens", type=int, default=32)
@@ -198,7 +206,13 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
-    if args.model:
+    if args.shape:
+        from shapes import write_shape
+
+        path = str(write_shape(args.shape))
+        if args.caches == ap.get_default("caches"):
+            args.caches = "0"
+    elif args.model:
         path = args.model
     else:
         from moeray.stages.default_model import default_model_path
