@@ -91,12 +91,13 @@ class ExpertCache:
     # -- slots -----------------------------------------------------------------------------------
     def _load(self, layer: int, expert: int, slot: int) -> None:
         if self.slot_store is not None:
-            self.slot_store.load(layer, expert, slot)
-            return
-        w = self.host.weights(layer, expert).to(self.device)  # owned copy, never a view of the mapping
-        if w.nbytes != self.held_bytes[layer - self.first]:
-            raise RuntimeError(f"slot of layer {layer} holds {w.nbytes} bytes, {self.held_bytes[layer - self.first]} charged")
-        self._weights[slot] = w
+            n = self.slot_store.load(layer, expert, slot)  # copied into the slot's row of the buffer
+        else:
+            w = self.host.weights(layer, expert).to(self.device)  # owned copy, never a view of the mapping
+            n = w.nbytes
+            self._weights[slot] = w
+        if n != self.held_bytes[layer - self.first]:
+            raise RuntimeError(f"slot of layer {layer} holds {n} bytes, {self.held_bytes[layer - self.first]} charged")
 
     def _unload(self, layer: int, expert: int, slot: int) -> None:
         if self.slot_store is not None:

@@ -42,10 +42,11 @@ class SlotStore:
         self.held: dict[int, int] = {}  # slot -> bytes copied into it
 
 
-    def load(self, layer: int, expert: int, slot: int) -> None:
-        """Copy the expert's blocks (and biases) from the host copy into row `slot`."""
+    def load(self, layer: int, expert: int, slot: int) -> int:
+        """Copy the expert's blocks (and biases) from the host copy into row `slot`; the bytes copied."""
         off = 0
-        for part in self.host.weights(layer, expert):
+        w = self.host.weights(layer, expert)
+        for part in (w.gate, w.up, w.down):
             n = part.nbytes
             self.buffer[slot, off:off + n].copy_(part.data)
             off += n
@@ -54,6 +55,7 @@ class SlotStore:
                 self.biases[i][slot, :b.shape[1]].copy_(b[expert])
                 off += b[expert].nbytes
         self.held[slot] = off
+        return off
 
     def unload(self, slot: int) -> None:
         del self.held[slot]

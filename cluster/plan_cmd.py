@@ -36,6 +36,9 @@ def add_arguments(p) -> None:
                    help="counts: the profile's measured shares; curve: H(f)=1-(1-f)^b, b fitted to the profile's "
                         "counts (MOERAY_SPLIT_COVER_B overrides; no profile: b=1, the uniform share); "
                         "auto (default): counts when the profile has them")
+    p.add_argument("--max-seqs", type=int, default=1,
+                   help="sequences that may run at once: each holds its recurrent state (DeltaNet layers) on the "
+                        "layer's card, charged like KV (default 1)")
     p.add_argument("--handoff-ms", type=float, default=DEFAULT_HANDOFF_MS, help="time of one stage-to-stage hop")
     p.add_argument("--cpu-factor", type=float, default=DEFAULT_CPU_FACTOR,
                    help="host bytes read per card byte of an expert (2 for an int8 host copy of an int4 slot)")
@@ -67,6 +70,16 @@ def spec_from_gguf(path: str, route: str | None = None) -> ModelSpec:
                      TrunkBytes(int(tb["embedding"]), int(tb["head"]), [int(x) for x in tb["layers"]]))
 
 
+def state_line(per_seq: list[int], split, n_seqs: int) -> str:
+    """[state] what the recurrent state costs each stage: priced per sequence, as KV is."""
+    from moeray.units import format_bytes
+
+    n = sum(1 for b in per_seq if b)
+    stages = ", ".join(format_bytes(n_seqs * sum(per_seq[a:b])) for a, b in split)
+    return (f"[state] {n} recurrent layers hold {format_bytes(sum(per_seq))} of state per sequence; "
+            f"{n_seqs} sequence(s) (--max-seqs) charged to their layers' cards: {stages}")
+
+
 def run(args) -> int:
     if args.model and args.spec:
         raise PlacementError("give a MODEL.gguf or --spec model.json, not both")
@@ -77,6 +90,10 @@ def run(args) -> int:
 
         args.model = resolve_model(args.model)
     spec = spec_from_gguf(args.model) if args.model else ModelSpec.from_json(args.spec)
+    if args.max_seqs < 1:
+        raise PlacementError(f"--max-seqs {args.max_seqs}: at least one sequence runs")
+    per_seq_state = list(spec.state_bytes)
+    spec = spec.with_state_for(args.max_seqs)
     devices = parse_devices(args.devices) if args.devices else load_devices_json(args.devices_json)
     profile_path = args.profile
     if profile_path is None and args.model:
@@ -94,6 +111,8 @@ def run(args) -> int:
                           trunk=args.trunk, handoff_ms=args.handoff_ms, min_layers=mins[0] if len(mins) == 1 else mins,
                           mass=args.mass, cpu_factor=args.cpu_factor, method=args.method)
     out = sys.stderr if args.json == "-" else sys.stdout
+    if any(per_seq_state):
+        plan.notes.append(state_line(per_seq_state, plan.split, args.max_seqs))
     for line in plan.lines(verbose=args.verbose):
         print(line, file=out)
     if args.json:

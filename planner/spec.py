@@ -13,6 +13,9 @@ class TrunkBytes:
     embedding: int = 0  # token embedding: stage 0
     head: int = 0  # output norm + lm_head: the last stage
     layers: list[int] = field(default_factory=list)  # per layer: attention, norms, router, shared expert
+    # Optional, per layer: the named pieces of `layers[l]` with their bytes (e.g. "dnproj", the
+    # fused DeltaNet projections of a hybrid layer), printed with the layer's [place] decision.
+    pieces: list[dict[str, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -22,6 +25,9 @@ class ModelSpec:
     n_experts_used: int  # k: experts routed per token per layer
     expert_bytes: list[int]  # bytes of one routed expert of each layer, as stored in a slot
     trunk_bytes: TrunkBytes
+    # Bytes one sequence's recurrent state takes in each layer (DeltaNet layers; 0 elsewhere):
+    # held on the layer's card for every sequence that may run, so charged like its KV.
+    state_bytes: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         L = self.n_layers
@@ -37,6 +43,25 @@ class ModelSpec:
         if len(self.trunk_bytes.layers) != L:
             raise PlacementError(f"model spec: trunk_bytes.layers has {len(self.trunk_bytes.layers)} "
                                  f"entries for {L} layers")
+        pieces = self.trunk_bytes.pieces
+        if pieces and (len(pieces) != L or any(sum(p.values()) != t for p, t in zip(pieces, self.trunk_bytes.layers))):
+            raise PlacementError("model spec: trunk_bytes.pieces needs one entry per layer, each summing to that "
+                                 "layer's trunk_bytes.layers")
+        if not self.state_bytes:
+            self.state_bytes = [0] * L
+        if len(self.state_bytes) != L:
+            raise PlacementError(f"model spec: state_bytes has {len(self.state_bytes)} entries for {L} layers")
+
+    def with_state_for(self, n_seqs: int) -> "ModelSpec":
+        """The spec with `n_seqs` sequences' recurrent state charged to each layer's trunk, as a
+        layer's KV is: every sequence that may run holds its state on the layer's card."""
+        if not any(self.state_bytes):
+            return self
+        tb = self.trunk_bytes
+        layers = [t + n_seqs * s for t, s in zip(tb.layers, self.state_bytes)]
+        pieces = [dict(p, state=n_seqs * s) if s else dict(p) for p, s in zip(tb.pieces, self.state_bytes)]
+        return ModelSpec(self.n_layers, self.n_experts, self.n_experts_used, list(self.expert_bytes),
+                         TrunkBytes(tb.embedding, tb.head, layers, pieces), list(self.state_bytes))
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "spec") -> "ModelSpec":
@@ -47,7 +72,9 @@ class ModelSpec:
                 n_experts_used=int(d["n_experts_used"]),
                 expert_bytes=[int(x) for x in d["expert_bytes"]],
                 trunk_bytes=TrunkBytes(int(tb.get("embedding", 0)), int(tb.get("head", 0)),
-                                       [int(x) for x in tb.get("layers", [])]))
+                                       [int(x) for x in tb.get("layers", [])],
+                                       [{str(k): int(v) for k, v in p.items()} for p in tb.get("pieces", [])]),
+                state_bytes=[int(x) for x in d.get("state_bytes", [])])
         except (KeyError, TypeError, ValueError) as exc:
             raise PlacementError(f"{where}: malformed model spec ({exc!r}); expected {{\"n_layers\", "
                                  "\"n_experts\", \"n_experts_used\", \"expert_bytes\": [...], "
@@ -65,4 +92,6 @@ class ModelSpec:
         return {"n_layers": self.n_layers, "n_experts": self.n_experts,
                 "n_experts_used": self.n_experts_used, "expert_bytes": list(self.expert_bytes),
                 "trunk_bytes": {"embedding": self.trunk_bytes.embedding, "head": self.trunk_bytes.head,
-                                "layers": list(self.trunk_bytes.layers)}}
+                                "layers": list(self.trunk_bytes.layers),
+                                **({"pieces": self.trunk_bytes.pieces} if self.trunk_bytes.pieces else {})},
+                **({"state_bytes": list(self.state_bytes)} if any(self.state_bytes) else {})}

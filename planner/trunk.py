@@ -102,6 +102,13 @@ def _layer_set(where: str, n_layers: int, item: str, text: str) -> set[int]:
     return out
 
 
+def _pieces_text(tb, layer: int) -> str:
+    """" [dnproj 35.7 MiB + attn ...]": what a layer's trunk is made of, when the spec says."""
+    if not tb.pieces:
+        return ""
+    return " [" + " + ".join(f"{k} {format_bytes(v)}" for k, v in tb.pieces[layer].items() if v) + "]"
+
+
 def expert_read_probability(profile, k: int) -> np.ndarray:
     """p_e of each ranked pair: heat share within its layer times k, capped at 1; k/E without counts."""
     T = len(profile.pairs)
@@ -216,7 +223,8 @@ class TrunkPricer:
         comps = []
         if last and tb.head > 0:
             comps.append(("lm_head", -1, tb.head, 1.0))
-        comps += [(f"layer {l} trunk", l, tb.layers[l], 1.0) for l in range(a, b) if tb.layers[l] > 0]
+        comps += [(f"layer {l} trunk" + _pieces_text(tb, l), l, tb.layers[l], 1.0) for l in range(a, b)
+                  if tb.layers[l] > 0]
         if first and tb.embedding > 0:
             comps.append(("embedding", -1, tb.embedding, 0.0))
         if mode == "off" or not comps:

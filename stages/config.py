@@ -37,6 +37,11 @@ class ModelConfig:
     eos_token_id: int | None = None
     qkv_bias: bool = False  # qwen2moe: attn_q/k/v carry a bias
     rope_scale: float = 1.0  # linear rope scaling: positions are divided by this
+    # The routed experts' activation (stages/qmatmul.py GLU): "silu" = silu(g) * u; "swiglu_oai"
+    # (gpt-oss) clamps g and u at swiglu_limit and computes (u + 1) * g * sigmoid(swiglu_alpha * g).
+    expert_act: str = "silu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     @property
     def is_moe(self) -> bool:

@@ -15,8 +15,8 @@ split between the slots and the mapping runs it with k = 1 over each stack's pic
 pick) and `add_picks` sums them in rank order, the graph's own order: a token's output does not
 depend on which stack served each of its experts, bit for bit.
 
-Activations (`ExpertMath`): "silu" silu(g)·u, or "swiglu_oai" (gpt-oss) with optional per-expert
-biases on gate, up and down (ggml's add_id, the op llama.cpp uses for them).
+Activations (qmatmul.GLU, the model's `expert_act`): "silu" silu(g)·u, or "swiglu_oai" (gpt-oss),
+with optional per-expert biases on gate, up and down (ggml's add_id, the op llama.cpp uses).
 """
 from __future__ import annotations
 
@@ -25,22 +25,9 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType as T
 
-from moeray.stages.qmatmul import FLOAT_TYPES, ggml_graph, ggml_lib, row_bytes
+from moeray.stages.qmatmul import FLOAT_TYPES, GLU, ggml_graph, ggml_lib, row_bytes
 
 KINDS = ("gate", "up", "down")
-
-
-@dataclass(frozen=True)
-class ExpertMath:
-    act: str = "silu"  # "silu" | "swiglu_oai"
-    alpha: float = 1.702  # swiglu_oai only
-    limit: float = 7.0
-
-    @classmethod
-    def of(cls, cfg) -> "ExpertMath":
-        """From a ModelConfig (the fields issue 19's gpt-oss adds; silu where the config has none)."""
-        return cls(getattr(cfg, "expert_act", "silu"), float(getattr(cfg, "swiglu_alpha", 1.702)),
-                   float(getattr(cfg, "swiglu_limit", 7.0)))
 
 
 @dataclass(frozen=True)
@@ -77,7 +64,7 @@ def fusable(types) -> bool:
     return all(T(t) not in FLOAT_TYPES for t in types)
 
 
-def _build(stack: Stack, math: ExpertMath, N: int, k: int):
+def _build(stack: Stack, act: GLU, N: int, k: int):
     """A builder for qmatmul's graph cache: inputs are (gate, up, down, x, ids, w, biases...)."""
     G = ggml_lib()
     (pg, pu, pd), n = stack.parts, stack.n
@@ -110,8 +97,8 @@ def _build(stack: Stack, math: ExpertMath, N: int, k: int):
 
         gate = biased(G.ggml_mul_mat_id(ctx, ws[0], x, ids), 0)  # [F, k, N]
         up = biased(G.ggml_mul_mat_id(ctx, ws[1], x, ids), 1)
-        if math.act == "swiglu_oai":
-            h = G.ggml_swiglu_oai(ctx, gate, up, math.alpha, math.limit)
+        if act.kind == "swiglu_oai":
+            h = G.ggml_swiglu_oai(ctx, gate, up, act.alpha, act.limit)
         else:
             h = G.ggml_swiglu_split(ctx, gate, up)
         y = biased(G.ggml_mul_mat_id(ctx, ws[2], h, ids), 2)  # [H, k, N]
@@ -127,13 +114,13 @@ def _build(stack: Stack, math: ExpertMath, N: int, k: int):
     return build
 
 
-def run(stack: Stack, math: ExpertMath, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def run(stack: Stack, act: GLU, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [N, H] float32 on the host, ids/w [N, k] -> Σ_r w[:, r] · expert_{ids[:, r]}(x), [N, H]."""
     N, k = ids.shape
     x = x.contiguous()
     ids32 = ids.to(torch.int32).contiguous()
     w32 = w.to(torch.float32).contiguous()
-    g = ggml_graph(("moe", N, k, math, stack.key()), _build(stack, math, N, k))
+    g = ggml_graph(("moe", N, k, act, stack.key()), _build(stack, act, N, k))
     out = torch.empty(N, stack.parts[0].cols)
     ptrs = [p.base for p in stack.parts] + [x.data_ptr(), ids32.data_ptr(), w32.data_ptr()]
     ptrs += [b.data_ptr() for b in stack.biases if b is not None]

@@ -307,11 +307,12 @@ class GGUFFile:
         self.touched.add(name)
         return self._map[t.offset:t.offset + t.n_bytes]
 
-    def expert_raw(self, layer: int, kind: str, expert: int) -> np.ndarray:
-        """One expert's slab of blk.{layer}.ffn_{kind}_exps.weight (experts are the outermost dim)."""
+    def expert_raw(self, layer: int, kind: str, expert: int, part: str = "weight") -> np.ndarray:
+        """One expert's slab of blk.{layer}.ffn_{kind}_exps.{part} (experts are the outermost dim;
+        part "bias": its per-expert bias row, where the file has one)."""
         if kind not in EXPERT_KINDS:
             raise ValueError(f"expert kind must be one of {EXPERT_KINDS}, not {kind!r}")
-        name = f"blk.{layer}.ffn_{kind}_exps.weight"
+        name = f"blk.{layer}.ffn_{kind}_exps.{part}"
         t = self.info(name)
         n_exp = t.shape[0]
         if not 0 <= expert < n_exp:
@@ -348,7 +349,8 @@ def _row_bytes(t: TensorInfo) -> int:
 
 
 def is_routed_expert(name: str) -> bool:
-    return name.endswith("_exps.weight")
+    """A routed expert's weight, or its per-expert bias (gpt-oss): both live in the expert's slot."""
+    return name.endswith(("_exps.weight", "_exps.bias"))
 
 
 def tensor_role(name: str) -> tuple[str, int | None]:
@@ -367,8 +369,9 @@ def tensor_role(name: str) -> tuple[str, int | None]:
 
 def held_as_float(name: str, t: TensorInfo) -> bool:
     """Vectors (norms, biases) and routers are held as float32 copies: they are small and the
-    router's softmax wants full precision. Everything else is held in its stored block form."""
-    return len(t.shape) == 1 or ".ffn_gate_inp" in name
+    router's softmax wants full precision (so are per-expert bias rows, [E, F] but vectors per
+    expert). Everything else is held in its stored block form."""
+    return len(t.shape) == 1 or ".ffn_gate_inp" in name or name.endswith(".bias")
 
 
 def held_bytes(name: str, t: TensorInfo, route: str | None = "quantised") -> int:
@@ -411,8 +414,9 @@ def expert_bytes(tensors: dict[str, TensorInfo], layer: int, route: str | None =
     holds exactly these bytes) or as float32 (the exact route)."""
     total = 0
     for kind in EXPERT_KINDS:
-        name = f"blk.{layer}.ffn_{kind}_exps.weight"
-        t = tensors.get(name)
-        if t is not None:
-            total += held_bytes(name, t, route) // t.shape[0]
+        for part in ("weight", "bias"):  # a per-expert bias row travels with its expert
+            name = f"blk.{layer}.ffn_{kind}_exps.{part}"
+            t = tensors.get(name)
+            if t is not None:
+                total += held_bytes(name, t, route) // t.shape[0]
     return total

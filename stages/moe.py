@@ -18,9 +18,9 @@ import torch
 import torch.nn.functional as F
 
 from moeray.stages.config import ModelConfig
-from moeray.stages.expert_graph import ExpertMath, Part, Stack, add_picks, fusable, run
+from moeray.stages.expert_graph import Part, Stack, add_picks, fusable, run
 from moeray.stages.gguf_file import EXPERT_KINDS, GGUFFile, expert_bytes
-from moeray.stages.qmatmul import QMatrix, current_route, swiglu, to_device
+from moeray.stages.qmatmul import SILU, GLU, ExpertBias, QMatrix, current_route, swiglu, to_device
 from moeray.stages.quant import as_uint8_tensor, dequantize
 
 RouteObserver = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, ids [N, k], weights [N, k])
@@ -30,25 +30,32 @@ class ExpertWeights(NamedTuple):
     gate: QMatrix  # [F, H]
     up: QMatrix  # [F, H]
     down: QMatrix  # [H, F]
+    bias: ExpertBias | None = None  # per-expert biases, where the file has them (gpt-oss)
+    act: GLU = SILU  # the model's expert activation (cfg.expert_act)
 
     @property
     def nbytes(self) -> int:
-        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+        n = self.gate.nbytes + self.up.nbytes + self.down.nbytes
+        return n if self.bias is None else n + sum(b.numel() * b.element_size() for b in self.bias)
 
     @property
     def device(self) -> torch.device:
         return self.gate.device
 
     def to(self, device: torch.device | str) -> "ExpertWeights":
-        return ExpertWeights(self.gate.to(device), self.up.to(device), self.down.to(device))
+        bias = None if self.bias is None else ExpertBias(*(to_device(b, device) for b in self.bias))
+        return ExpertWeights(self.gate.to(device), self.up.to(device), self.down.to(device), bias, self.act)
+
+    def compute(self, h: torch.Tensor) -> torch.Tensor:
+        return swiglu(h, self.gate, self.up, self.down, self.act, self.bias)
 
     def __call__(self, h: torch.Tensor, h_here: torch.Tensor | None = None) -> torch.Tensor:
         """[n, H] -> [n, H] on h's device; a host-held expert on a device stage computes on the host
         (from `h_here`, h already copied to this expert's device, when the caller has it)."""
         if self.device != h.device:
-            y = swiglu(h.to(self.device) if h_here is None else h_here, *self)
+            y = self.compute(h.to(self.device) if h_here is None else h_here)
             return to_device(y, h.device)  # pinned and asynchronous: no wait for the card's queue
-        return swiglu(h, *self)
+        return self.compute(h)
 
 
 # slot_weights(layer, expert) -> the expert's weights in a slot, or None (compute it from the host)
@@ -84,9 +91,9 @@ class HostExperts:
     def __init__(self, gguf: GGUFFile, route: str | None = None, on_route: RouteObserver | None = None):
         self.gguf, self.config = gguf, gguf.config
         self.route = route or current_route()
+        self.act = GLU.of(self.config)
         self.on_route = on_route
         self.computed = 0  # experts computed from the host copy so far (a measure of host work)
-        self.math = ExpertMath.of(self.config)
         self._stacks: dict[int, Stack | None] = {}
 
     def stack(self, layer: int) -> Stack | None:
@@ -136,7 +143,14 @@ class HostExperts:
             gtype, shape = self.info(layer, kind)
             parts.append(QMatrix.from_raw(self.gguf.expert_raw(layer, kind, expert), gtype, shape,
                                           self.route, copy=False))
-        return ExpertWeights(*parts)
+        bias = None
+        if self.gguf.has(f"blk.{layer}.ffn_gate_exps.bias"):  # float32 rows of the mapping, no copy
+            bias = ExpertBias(*(self._bias_row(layer, kind, expert) for kind in EXPERT_KINDS))
+        return ExpertWeights(*parts, bias, self.act)
+
+    def _bias_row(self, layer: int, kind: str, expert: int) -> torch.Tensor:
+        t = self.gguf.info(f"blk.{layer}.ffn_{kind}_exps.bias")
+        return dequantize(self.gguf.expert_raw(layer, kind, expert, "bias"), t.ggml_type, t.shape[1:])
 
     def slot_bytes(self, layer: int) -> int:
         """Bytes a device copy of one expert of `layer` holds: its GGUF bytes on the quantised
@@ -193,17 +207,17 @@ class HostExperts:
         hit = None if slot_of is None else torch.from_numpy(slot_of >= 0)
         if hit is None or not bool(hit.any()):
             self.computed += len(torch.unique(ids))
-            out = run(self.stack(layer), self.math, xh, ids, wh)
+            out = run(self.stack(layer), self.act, xh, ids, wh)
         elif bool(hit.all()):
-            out = run(slots, self.math, xh, torch.from_numpy(slot_of), wh)
+            out = run(slots, self.act, xh, torch.from_numpy(slot_of), wh)
         else:  # split: each stack gets its own picks, one row of x per pick
             flat_hit = hit.reshape(-1).nonzero().squeeze(1)
             flat_miss = (~hit).reshape(-1).nonzero().squeeze(1)
             flat_ids, flat_w = ids.reshape(-1, 1), wh.reshape(-1, 1)
             self.computed += len(torch.unique(flat_ids[flat_miss]))
             slot_ids = torch.from_numpy(slot_of.reshape(-1, 1))
-            y_hit = run(slots, self.math, xh[flat_hit // k], slot_ids[flat_hit], flat_w[flat_hit])
-            y_miss = run(self.stack(layer), self.math, xh[flat_miss // k], flat_ids[flat_miss], flat_w[flat_miss])
+            y_hit = run(slots, self.act, xh[flat_hit // k], slot_ids[flat_hit], flat_w[flat_hit])
+            y_miss = run(self.stack(layer), self.act, xh[flat_miss // k], flat_ids[flat_miss], flat_w[flat_miss])
             out = add_picks(N, k, [(flat_hit, y_hit), (flat_miss, y_miss)], xh.shape[1])
         return out if out.device == x.device else to_device(out, x.device)
 

@@ -8,7 +8,8 @@ trunk weights and cache slots) and computes y = x @ W.T by one of three routes:
   `ggml-python` binding. Activations are quantised to 8 bits inside, as llama.cpp does, so results
   differ from float32 by ~5e-3 relative. Fastest on CPU for every block type we meet (KERNELS.md).
 - "dequant": dequantise the blocks on each use (stages/quant.py) and run F.linear. The pure-torch
-  fallback when ggml is not installed, and the route on CUDA devices.
+  fallback when ggml is not installed. On CUDA devices the blocks are read on the card by the
+  Triton kernels of stages/triton_kernels.py instead, when triton imports (MOERAY_TRITON=0: off).
 - "exact": dequantised to float32 once at load (4 bytes a weight). For debugging and for parity
   tests against float references (`--exact`); never the serving default.
 
@@ -21,6 +22,8 @@ import ctypes
 import logging
 import os
 import threading
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -37,9 +40,11 @@ ROUTES = ("ggml", "dequant", "exact")
 FLOAT_TYPES = frozenset((T.F32, T.F64))
 
 try:  # ggml-python: optional, built from source by the README's set-up (`ggml` extra)
-    from ggml import ggml as _G
+    from moeray.stages.ggml_lib import load as _load_ggml
+
+    _G = _load_ggml()  # its own libggml, checked: a foreign one on LD_LIBRARY_PATH would segfault
     _GGML_ERROR = None
-except Exception as exc:  # ImportError, or an OSError from a library that does not load
+except Exception as exc:  # ImportError, an OSError from a library that does not load, a foreign libggml
     _G = None
     _GGML_ERROR = f"{type(exc).__name__}: {exc}"
 
@@ -89,8 +94,20 @@ def route_line(route: str, device: torch.device) -> str:
                 f"one mul_mat_id graph) on cpu, {n} thread(s){spin}")
     if route == "exact":
         return f"moeray: kernels: exact (float32 copies of every weight, debugging) on {device}"
+    if _card_kernels(device) is not None:
+        return f"moeray: kernels: triton (GGUF blocks read on the card, float32 activations) on {device}"
     why = "" if device.type != "cpu" or ggml_available() else f"; ggml-python unavailable: {_GGML_ERROR}"
     return f"moeray: kernels: dequant (torch dequantise per use) on {device}{why}"
+
+
+def _card_kernels(device: torch.device):
+    """stages/triton_kernels when it serves `device` (imported on first use: a CPU process never
+    imports triton), else None."""
+    if device.type == "cpu" and os.environ.get("MOERAY_TRITON", "") != "1":
+        return None
+    from moeray.stages import triton_kernels
+
+    return triton_kernels if triton_kernels.enabled_for(device) else None
 
 
 def announce(route: str, device: torch.device) -> None:
@@ -237,8 +254,10 @@ def _ggml_linear(w: "QMatrix", x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _ggml_swiglu(gate: "QMatrix", up: "QMatrix", down: "QMatrix", x: torch.Tensor) -> torch.Tensor:
-    """down(silu(gate x) * up x) as one graph: one call from Python for the three matmuls."""
+def _ggml_swiglu(gate: "QMatrix", up: "QMatrix", down: "QMatrix", x: torch.Tensor, act: "GLU",
+                 bias: "ExpertBias | None") -> torch.Tensor:
+    """down(act(gate x [+ b_g], up x [+ b_u])) [+ b_d] as one graph: one call from Python for the
+    three matmuls (ggml_swiglu_oai is ggml's own kernel for gpt-oss's clamped form)."""
     M, (Fd, K), H = x.shape[0], gate.shape, down.shape[0]
 
     def build(ctx):
@@ -246,17 +265,35 @@ def _ggml_swiglu(gate: "QMatrix", up: "QMatrix", down: "QMatrix", x: torch.Tenso
         wu = _G.ggml_new_tensor_2d(ctx, int(up.ggml_type), K, Fd)
         wd = _G.ggml_new_tensor_2d(ctx, int(down.ggml_type), Fd, H)
         xt = _G.ggml_new_tensor_2d(ctx, _G.GGML_TYPE_F32, K, M)
+        inputs, scratch = [wg, wu, wd, xt], []
         g = _G.ggml_mul_mat(ctx, wg, xt)
         u = _G.ggml_mul_mat(ctx, wu, xt)
-        s = _G.ggml_silu(ctx, g)
-        h = _G.ggml_mul(ctx, s, u)
+        scratch += [g, u]
+        if bias is not None:
+            bg, bu, bd = (_G.ggml_new_tensor_1d(ctx, _G.GGML_TYPE_F32, n) for n in (Fd, Fd, H))
+            inputs += [bg, bu, bd]
+            g, u = _G.ggml_add(ctx, g, bg), _G.ggml_add(ctx, u, bu)
+            scratch += [g, u]
+        if act.kind == "swiglu_oai":
+            h = _G.ggml_swiglu_oai(ctx, g, u, act.alpha, act.limit)
+            scratch.append(h)
+        else:
+            s = _G.ggml_silu(ctx, g)
+            h = _G.ggml_mul(ctx, s, u)
+            scratch += [s, h]
         y = _G.ggml_mul_mat(ctx, wd, h)
-        return [wg, wu, wd, xt], y, [g, u, s, h]
+        if bias is not None:
+            scratch.append(y)
+            y = _G.ggml_add(ctx, y, bd)
+        return inputs, y, scratch
 
-    key = ("swiglu", int(gate.ggml_type), int(up.ggml_type), int(down.ggml_type), Fd, K, H, M)
+    key = ("swiglu", int(gate.ggml_type), int(up.ggml_type), int(down.ggml_type), Fd, K, H, M, act, bias is not None)
     g = _graph(key, build)
     out = torch.empty(M, H)
-    g([gate.data.data_ptr(), up.data.data_ptr(), down.data.data_ptr(), x.data_ptr()], out.data_ptr())
+    ptrs = [gate.data.data_ptr(), up.data.data_ptr(), down.data.data_ptr(), x.data_ptr()]
+    if bias is not None:
+        ptrs += [b.data_ptr() for b in bias]
+    g(ptrs, out.data_ptr())
     return out
 
 
@@ -370,15 +407,60 @@ class QMatrix:
             return _ggml_linear(self, x.contiguous())
         if self.route == "exact":
             return F.linear(x, self.data)
+        tk = _card_kernels(self.data.device)
+        if tk is not None and tk.supports(self.ggml_type):
+            return tk.qlinear(self.data, int(self.ggml_type), self.shape, x)
         return _dequant_linear(self, x, DEVICE_SCRATCH_BYTES if self.data.device.type == "cuda" else None)
 
     def __repr__(self) -> str:
         return f"QMatrix({self.ggml_type.name}, {self.shape}, {self.route}, {self.nbytes} B)"
 
 
-def swiglu(x: torch.Tensor, gate: QMatrix, up: QMatrix, down: QMatrix) -> torch.Tensor:
-    """down(silu(gate x) * up x) for x [M, K]."""
-    if gate.route == up.route == down.route == "ggml":
-        return _ggml_swiglu(gate, up, down, x.contiguous())
-    return down(F.silu(gate(x)) * up(x))
+@dataclass(frozen=True)
+class GLU:
+    """The gated activation between an FFN's up and down projections.
 
+    "silu" (default): silu(g) * u. "swiglu_oai" (gpt-oss): g = min(g, limit), u = clamp(u, -limit,
+    limit), out = (u + 1) * g * sigmoid(alpha * g)."""
+    kind: str = "silu"
+    alpha: float = 1.702
+    limit: float = 7.0
+
+    @classmethod
+    def of(cls, cfg) -> "GLU":
+        """The experts' activation of a ModelConfig (`expert_act`, `swiglu_alpha`, `swiglu_limit`)."""
+        kind = getattr(cfg, "expert_act", "silu")
+        if kind == "silu":
+            return SILU
+        if kind != "swiglu_oai":
+            raise MoerayError(f"expert activation {kind!r} is unknown; moeray has silu and swiglu_oai")
+        return cls(kind, float(cfg.swiglu_alpha), float(cfg.swiglu_limit))
+
+    def __call__(self, g: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+        if self.kind == "silu":
+            return F.silu(g) * u
+        g = g.clamp(max=self.limit)
+        u = u.clamp(-self.limit, self.limit)
+        return (u + 1) * (g * torch.sigmoid(g * self.alpha))  # transformers' GptOssExperts order
+
+
+SILU = GLU()
+
+
+class ExpertBias(NamedTuple):
+    """Per-expert biases of gate, up ([F]) and down ([H]), float32 (gpt-oss)."""
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+
+
+def swiglu(x: torch.Tensor, gate: QMatrix, up: QMatrix, down: QMatrix, act: GLU = SILU,
+           bias: ExpertBias | None = None) -> torch.Tensor:
+    """down(act(gate x + b_g, up x + b_u)) + b_d for x [M, K] (no biases: b = 0)."""
+    if gate.route == up.route == down.route == "ggml":
+        return _ggml_swiglu(gate, up, down, x.contiguous(), act, bias)
+    g, u = gate(x), up(x)
+    if bias is not None:
+        g, u = g + bias.gate, u + bias.up
+    y = down(act(g, u))
+    return y if bias is None else y + bias.down

@@ -12,6 +12,7 @@ import warnings
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import quants as gguf_quants
 
 QK_K = 256
 
@@ -103,7 +104,159 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
     return q.mul_((d * scales).unsqueeze(-1)).view(n, QK_K)
 
 
-_FAST = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k}
+# --- codebook formats: MXFP4 and the IQ types ---------------------------------------------------
+# A value is a table entry (4-bit codes into a 16-value table; 8-11-bit indices into grids of 4 or
+# 8 values) times a block scale, with sign bits beside. The tables are ggml's, taken from gguf-py
+# once (as float32 of the stored integers); every op after that is on the input's device. Each
+# product is taken in ggml's order (scale * table value, then the sign), so results are bit-exact.
+
+_MXFP4_VALUES = torch.tensor(gguf_quants.MXFP4.kvalues, dtype=torch.float32)  # e2m1, doubled
+_IQ4_VALUES = torch.tensor(gguf_quants.IQ4_NL.kvalues, dtype=torch.float32)
+_KSIGNS = torch.frombuffer(bytearray(gguf_quants.IQ2_XXS.ksigns), dtype=torch.uint8).to(torch.int32)  # 7 bits + parity
+_SHIFT7 = torch.tensor([0, 7, 14, 21], dtype=torch.int64)  # four 7-bit sign indices in a uint32
+_ARANGE8 = torch.arange(8, dtype=torch.int32)
+_ARANGE4 = torch.arange(4, dtype=torch.int64)
+_IQ1_DELTA = 0.125  # IQ1S_DELTA
+_grids: dict[T, torch.Tensor] = {}
+
+
+def _grid(qtype: T, device: torch.device) -> torch.Tensor:
+    """ggml's codebook for `qtype` as float32 [entries, values per entry], on `device`."""
+    if qtype not in _grids:
+        cls = getattr(gguf_quants, qtype.name)
+        cls.init_grid()
+        _grids[qtype] = torch.from_numpy(np.array(cls.grid, dtype=np.float32).reshape(cls.grid_shape))
+    return _on(_grids[qtype], device)
+
+
+def _le(b: torch.Tensor) -> torch.Tensor:
+    """[..., m] little-endian bytes -> int64 [...] (m = 2 or 4: uint16 / uint32 fields)."""
+    out = b[..., 0].to(torch.int64)
+    for i in range(1, b.shape[-1]):
+        out = out | (b[..., i].to(torch.int64) << (8 * i))
+    return out
+
+
+def _signed(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+    """x [..., 8] with element j negated where bit j of signs [...] is set."""
+    bits = (signs.to(torch.int32).unsqueeze(-1) >> _on(_ARANGE8, x.device)) & 1
+    return torch.where(bits.bool(), -x, x)
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[n, ..., k] bytes -> int64 [n, ..., 2k]: low nibbles, then high (ggml's order)."""
+    return torch.stack((qs & 0x0F, qs >> 4), dim=-2).flatten(-2).to(torch.int64)
+
+
+def _mxfp4(b: torch.Tensor) -> torch.Tensor:
+    # The shared scale is E8M0 halved (ggml_e8m0_to_fp32_half): 2^(e-128) as float32 bits.
+    e = b[:, :1].to(torch.int32)
+    d = torch.where(e < 2, 0x00200000 * (e + 1), (e - 1) << 23).view(torch.float32)
+    return _on(_MXFP4_VALUES, b.device)[_nibbles(b[:, 1:])].mul_(d)
+
+
+def _iq4_nl(b: torch.Tensor) -> torch.Tensor:
+    return _on(_IQ4_VALUES, b.device)[_nibbles(b[:, 2:])].mul_(_f16(b[:, :2]))
+
+
+def _iq4_xs(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    d = _f16(b[:, :2])
+    lo = _nibbles(b[:, 4:8]).view(n, 2, 4).transpose(1, 2).reshape(n, 8)  # sub-block 2i low, 2i+1 high nibble
+    hi = (_le(b[:, 2:4]).unsqueeze(-1) >> (2 * _on(_ARANGE8, b.device))) & 3
+    dl = d * ((lo | (hi << 4)) - 32).to(torch.float32)  # [n, 8]
+    q = _on(_IQ4_VALUES, b.device)[_nibbles(b[:, 8:].reshape(n, 8, 16))]  # [n, 8, 32]
+    return q.mul_(dl.unsqueeze(-1)).view(n, QK_K)
+
+
+def _half_scale(d: torch.Tensor, s: torch.Tensor, mul: float) -> torch.Tensor:
+    """d * (0.5 + s) * mul, ggml's IQ2/IQ3_XXS sub-block scale."""
+    return d * (s.to(torch.float32) + 0.5) * mul
+
+
+def _iq2_xxs(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    q = b[:, 2:].reshape(n, 8, 8)  # per 32 values: 4 grid indices, then a uint32 of 4x7 sign bits + 4-bit scale
+    aux = _le(q[:, :, 4:])
+    db = _half_scale(_f16(b[:, :2]), aux >> 28, 0.25)  # [n, 8]
+    signs = _on(_KSIGNS, b.device)[(aux.unsqueeze(-1) >> _on(_SHIFT7, b.device)) & 127]  # [n, 8, 4]
+    grid = _grid(T.IQ2_XXS, b.device)[q[:, :, :4].to(torch.int64)]  # [n, 8, 4, 8]
+    return _signed(grid * db[..., None, None], signs).view(n, QK_K)
+
+
+def _iq2_xs(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    q = _le(b[:, 2:66].reshape(n, 8, 4, 2))  # uint16: 9-bit grid index, 7-bit sign index
+    sc = _nibbles(b[:, 66:74].reshape(n, 8, 1)).view(n, 8, 2)
+    db = _half_scale(_f16(b[:, :2]).view(n, 1, 1), sc, 0.25).repeat_interleave(2, dim=-1)  # [n, 8, 4]
+    grid = _grid(T.IQ2_XS, b.device)[q & 511]
+    return _signed(grid * db.unsqueeze(-1), _on(_KSIGNS, b.device)[q >> 9]).view(n, QK_K)
+
+
+def _iq2_s(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    qs, signs = b[:, 2:34].reshape(n, 8, 4), b[:, 34:66].reshape(n, 8, 4)
+    qh = b[:, 66:74].to(torch.int64).unsqueeze(-1)  # two high index bits per 8 values
+    idx = qs.to(torch.int64) | (((qh >> (2 * _on(_ARANGE4, b.device))) & 3) << 8)
+    sc = _nibbles(b[:, 74:82].reshape(n, 8, 1)).view(n, 8, 2)
+    db = _half_scale(_f16(b[:, :2]).view(n, 1, 1), sc, 0.25).repeat_interleave(2, dim=-1)
+    grid = _grid(T.IQ2_S, b.device)[idx]
+    return _signed(grid * db.unsqueeze(-1), signs).view(n, QK_K)
+
+
+def _iq3_xxs(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    qs = b[:, 2:66].reshape(n, 8, 8).to(torch.int64)  # 8 grid indices (4 values each) per 32 values
+    aux = _le(b[:, 66:98].reshape(n, 8, 4))
+    db = _half_scale(_f16(b[:, :2]), aux >> 28, 0.5)
+    signs = _on(_KSIGNS, b.device)[(aux.unsqueeze(-1) >> _on(_SHIFT7, b.device)) & 127]
+    grid = _grid(T.IQ3_XXS, b.device)[qs].view(n, 8, 4, 8)
+    return _signed(grid * db[..., None, None], signs).view(n, QK_K)
+
+
+def _iq3_s(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    qs, qh = b[:, 2:66].reshape(n, 8, 8), b[:, 66:74].to(torch.int64).unsqueeze(-1)
+    signs = b[:, 74:106].reshape(n, 8, 4)
+    idx = qs.to(torch.int64) | (((qh >> _on(_ARANGE8, b.device)) & 1) << 8)  # 9th index bit from qh
+    sc = _nibbles(b[:, 106:110].reshape(n, 4, 1)).view(n, 8)
+    db = _f16(b[:, :2]) * (1 + 2 * sc).to(torch.float32)
+    grid = _grid(T.IQ3_S, b.device)[idx].view(n, 8, 4, 8)
+    return _signed(grid * db[..., None, None], signs).view(n, QK_K)
+
+
+def _iq1(grid_idx: torch.Tensor, dl: torch.Tensor, neg: torch.Tensor, device) -> torch.Tensor:
+    """dl * (grid + delta) with delta = -/+ IQ1S_DELTA; grid_idx [n, 8, 4], dl/neg broadcastable."""
+    delta = torch.where(neg, -_IQ1_DELTA, _IQ1_DELTA).to(torch.float32)
+    return dl.unsqueeze(-1) * (_grid(T.IQ1_S, device)[grid_idx] + delta.unsqueeze(-1))
+
+
+def _iq1_s(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    qs, qh = b[:, 2:34].reshape(n, 8, 4), _le(b[:, 34:50].reshape(n, 8, 2))
+    dl = _f16(b[:, :2]) * (2 * ((qh >> 12) & 7) + 1).to(torch.float32)  # [n, 8]
+    idx = qs.to(torch.int64) | (((qh.unsqueeze(-1) >> (3 * _on(_ARANGE4, b.device))) & 7) << 8)
+    return _iq1(idx, dl.unsqueeze(-1), (qh & 0x8000).bool().unsqueeze(-1), b.device).view(n, QK_K)
+
+
+_IQ1M_SHIFTS = torch.tensor([[0, 0, 3, 3], [6, 6, 9, 9]], dtype=torch.int64)  # 3-bit scale of each 8 values
+
+
+def _iq1_m(b: torch.Tensor) -> torch.Tensor:
+    n = b.shape[0]
+    qs, qh = b[:, :32].reshape(n, 8, 4), b[:, 32:48].reshape(n, 8, 2)
+    sc = _le(b[:, 48:56].reshape(n, 4, 2))  # four uint16: 3-bit scales, the fp16 scale in their top nibbles
+    d16 = (sc[:, 0] >> 12) | ((sc[:, 1] >> 8) & 0x00F0) | ((sc[:, 2] >> 4) & 0x0F00) | (sc[:, 3] & 0xF000)
+    d = _f16(torch.stack((d16 & 0xFF, d16 >> 8), dim=-1).to(torch.uint8)).view(n, 1, 1)
+    s = (sc.repeat_interleave(2, dim=1).unsqueeze(-1) >> _on(_IQ1M_SHIFTS, b.device).repeat(4, 1)) & 7  # [n, 8, 4]
+    nib = _nibbles(qh.unsqueeze(-1)).view(n, 8, 4)  # qh0 lo, qh0 hi, qh1 lo, qh1 hi
+    idx = qs.to(torch.int64) | ((nib & 7) << 8)
+    return _iq1(idx, d * (2 * s + 1).to(torch.float32), (nib & 8).bool(), b.device).view(n, QK_K)
+
+
+_FAST = {T.Q8_0: _q8_0, T.Q4_0: _q4_0, T.Q4_1: _q4_1, T.Q4_K: _q4_k, T.Q5_K: _q5_k, T.Q6_K: _q6_k,
+         T.MXFP4: _mxfp4, T.IQ4_NL: _iq4_nl, T.IQ4_XS: _iq4_xs, T.IQ2_XXS: _iq2_xxs, T.IQ2_XS: _iq2_xs,
+         T.IQ2_S: _iq2_s, T.IQ3_XXS: _iq3_xxs, T.IQ3_S: _iq3_s, T.IQ1_S: _iq1_s, T.IQ1_M: _iq1_m}
 
 
 def as_uint8_tensor(raw) -> torch.Tensor:

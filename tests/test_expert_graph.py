@@ -10,7 +10,8 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants
 
 from moeray.stages import expert_graph, qmatmul
-from moeray.stages.expert_graph import ExpertMath, Part, Stack
+from moeray.stages.expert_graph import Part, Stack
+from moeray.stages.qmatmul import GLU
 from moeray.stages.gguf_file import GGUFFile
 from moeray.stages.model import load_cached
 from moeray.stages.moe import HostExperts
@@ -130,7 +131,7 @@ def test_activations_and_expert_biases_match_their_formulas(act):
     rng = np.random.default_rng(0)
     E, F, H, n, k = 4, 64, 96, 5, 2
     stack, (wg, wu, wd), (bg, bu, bd) = _q8_stack(rng, E, F, H, with_bias=act == "swiglu_oai")
-    math = ExpertMath(act, alpha=1.702, limit=0.5)  # a small limit, so the clamps really bite
+    math = GLU(act, alpha=1.702, limit=0.5)  # a small limit, so the clamps really bite
     x = torch.from_numpy(rng.standard_normal((n, H)).astype(np.float32)) * 3
     ids, w = routed(n, E, k, seed=1)
     ref = torch.zeros(n, H)

@@ -1,4 +1,4 @@
-"""Dequantisation equals gguf.quants (llama.cpp's reference in Python), bit for bit."""
+"""Dequantisation equals gguf.quants (llama.cpp's reference in Python) and ggml's own, bit for bit."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,28 +9,18 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as reference
 from gguf.quants import quantize
 
+from moeray.stages.qmatmul import QMatrix, ggml_available
 from moeray.stages.quant import dequantize
+from quant_blocks import ggml_to_float, random_blocks, with_random_experts
 from test_gguf_file import smollm2_path
 
 SHAPE = (48, 512)  # two K-quant super-blocks per row
 
 
-def random_blocks(qtype: QT, rng: np.random.Generator) -> np.ndarray:
-    """Random quantised bytes for formats gguf.quants cannot quantise to (the K-quants), with finite
-    float16 scale fields so the reference stays finite."""
+def random_raw(qtype: QT, rng: np.random.Generator) -> np.ndarray:
+    """SHAPE's rows of random valid blocks (finite scales, every other bit random)."""
     block, size = GGML_QUANT_SIZES[qtype]
-    raw = rng.integers(0, 256, size=(SHAPE[0], SHAPE[1] // block * size), dtype=np.uint8)
-    blocks = raw.reshape(-1, size)
-
-    def f16(n):
-        return rng.uniform(-1, 1, size=(blocks.shape[0], n)).astype(np.float16).view(np.uint8)
-    if qtype in (QT.Q4_K, QT.Q5_K):
-        blocks[:, 0:4] = f16(2)  # d, dmin
-    elif qtype in (QT.Q6_K, QT.Q3_K):
-        blocks[:, -2:] = f16(1)  # d
-    elif qtype == QT.Q2_K:
-        blocks[:, -4:] = f16(2)  # d, dmin
-    return raw
+    return random_blocks(qtype, SHAPE[0] * SHAPE[1] // block, rng).reshape(SHAPE[0], -1)
 
 
 @pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_0, QT.Q4_1, QT.Q5_0, QT.Q5_1])
@@ -47,7 +37,7 @@ def test_matches_reference_on_quantised_random_data(qtype):
 
 @pytest.mark.parametrize("qtype", [QT.Q4_K, QT.Q5_K, QT.Q6_K, QT.Q3_K, QT.Q2_K])
 def test_k_quants_match_reference_on_random_blocks(qtype):
-    raw = random_blocks(qtype, np.random.default_rng(int(qtype)))
+    raw = random_raw(qtype, np.random.default_rng(int(qtype)))
     out = dequantize(torch.from_numpy(raw.reshape(-1)), qtype, SHAPE)
     assert torch.isfinite(out).all()
     np.testing.assert_array_equal(out.numpy(), reference(raw, qtype).reshape(SHAPE))
@@ -64,3 +54,82 @@ def test_matches_reference_on_smollm2_tensors(name):
     part = np.asarray(raw[:rows * row_bytes])
     out = dequantize(part, info.ggml_type, (rows,) + info.shape[1:])
     np.testing.assert_array_equal(out.numpy(), reference(part.reshape(rows, -1), info.ggml_type))
+
+
+# The codebook types of IQ "dynamic" quants (DeepSeek, GLM, Kimi downloads) and gpt-oss's MXFP4.
+CODEBOOK_TYPES = [QT.MXFP4, QT.IQ4_NL, QT.IQ4_XS, QT.IQ3_XXS, QT.IQ3_S, QT.IQ2_XXS, QT.IQ2_XS, QT.IQ2_S,
+                  QT.IQ1_S, QT.IQ1_M]
+# 8-bit activations against float32 ones, relative to max |y|: measured worst 1.3e-2 (IQ3_S), 0.7e-2
+# (MXFP4) to 1.07e-2 (IQ1_M) over 5 seeds of random blocks; a wrong layout is off by O(1).
+GGML_TOLERANCE = 0.02
+needs_ggml = pytest.mark.skipif(not ggml_available(), reason="ggml-python is not installed (the README's set-up builds it)")
+
+
+@pytest.mark.parametrize("qtype", CODEBOOK_TYPES, ids=lambda t: t.name)
+def test_codebook_types_match_gguf_reference_on_random_blocks(qtype):
+    raw = random_raw(qtype, np.random.default_rng(int(qtype)))
+    out = dequantize(torch.from_numpy(raw.reshape(-1)), qtype, SHAPE)
+    assert out.dtype == torch.float32 and torch.isfinite(out).all()
+    assert out.abs().max() > 0  # not a table of zeros
+    np.testing.assert_array_equal(out.numpy(), reference(raw, qtype).reshape(SHAPE))
+
+
+@needs_ggml
+@pytest.mark.parametrize("qtype", CODEBOOK_TYPES + [QT.Q4_K, QT.Q6_K, QT.Q4_1], ids=lambda t: t.name)
+def test_dequantize_matches_ggml_to_float(qtype):
+    """ggml's own dequantisation (the C code llama.cpp runs), not only gguf-py's port of it."""
+    raw = random_raw(qtype, np.random.default_rng(100 + int(qtype)))
+    out = dequantize(torch.from_numpy(raw.reshape(-1)), qtype, SHAPE)
+    np.testing.assert_array_equal(out.numpy().reshape(-1), ggml_to_float(raw, qtype))
+
+
+@needs_ggml
+@pytest.mark.parametrize("qtype", CODEBOOK_TYPES, ids=lambda t: t.name)
+def test_ggml_matmul_on_codebook_blocks_matches_dequantised_linear(qtype):
+    """ggml's CPU kernels take each type as the weight (8-bit activations inside: Q8_K for the
+    256-blocks, Q8_0 for MXFP4 / IQ4_NL), within GGML_TOLERANCE of float32 math."""
+    raw = random_raw(qtype, np.random.default_rng(200 + int(qtype)))
+    w = QMatrix.from_raw(raw.reshape(-1), qtype, SHAPE, "ggml")
+    assert w.route == "ggml"
+    x = torch.randn(3, SHAPE[1], generator=torch.Generator().manual_seed(int(qtype)))
+    want = torch.nn.functional.linear(x, dequantize(torch.from_numpy(raw.reshape(-1)), qtype, SHAPE))
+    got = w(x)
+    assert got.shape == want.shape
+    assert (got - want).abs().max() <= GGML_TOLERANCE * want.abs().max()
+
+
+@pytest.fixture(scope="module")
+def moe_256(tmp_path_factory):
+    """A tiny qwen3moe whose expert rows fit 256-value blocks (hidden and expert width 256). One
+    layer: its routing then reads only float32 trunk math, the same on every route, so the routes
+    differ by the experts' 8-bit activations alone (a second layer's near-tie could flip)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from moeray.stages.gguf_writer import write_gguf
+    cfg = Qwen3MoeConfig(vocab_size=300, hidden_size=256, num_hidden_layers=1, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=64, intermediate_size=256, moe_intermediate_size=256,
+                         num_experts=4, num_experts_per_tok=2, max_position_embeddings=128, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return write_gguf(Qwen3MoeForCausalLM(cfg).float().eval(), tmp_path_factory.mktemp("moe256") / "f32.gguf")
+
+
+@needs_ggml
+@pytest.mark.parametrize("qtype", CODEBOOK_TYPES, ids=lambda t: t.name)
+def test_model_with_codebook_experts_is_priced_at_its_bytes_and_runs_on_every_route(moe_256, tmp_path, qtype):
+    from moeray.cluster.driver import held_spec
+    from moeray.stages.gguf_file import read_gguf_header
+    from moeray.stages.model import load_model
+
+    path = with_random_experts(moe_256, tmp_path / f"{qtype.name}.gguf", qtype, np.random.default_rng(int(qtype)))
+    header = read_gguf_header(path)
+    block, size = GGML_QUANT_SIZES[qtype]
+    real = 3 * 256 * (256 // block * size)  # gate, up, down: 256 rows of 256 values each
+    assert header.expert_bytes(0) == real
+    for route in ("ggml", "dequant"):  # what the planner charges a slot is what the stage holds
+        assert held_spec(header, route=route).expert_bytes == [real]
+    ids = list(range(1, 17))
+    ref = load_model(path, route="dequant").logits_all(ids)
+    got = load_model(path, route="ggml").logits_all(ids)
+    assert torch.isfinite(ref).all()
+    # through attention, norm and head, relative to the largest logit: measured 1.2e-2 .. 2.9e-2
+    assert (got - ref).abs().max() <= 0.05 * ref.abs().max()

@@ -1,0 +1,63 @@
+"""Import ggml-python and make sure its kernels are the libggml it was built with.
+
+ggml-python opens its own `lib/libggml*.so` by absolute path, but those libraries name each other
+by bare file name (NEEDED libggml-base.so, libggml-cpu.so) and carry a RUNPATH of $ORIGIN, which
+the dynamic loader reads only AFTER LD_LIBRARY_PATH. A llama.cpp build directory on
+LD_LIBRARY_PATH therefore slips its own libggml-base.so / libggml-cpu.so in underneath, ctypes
+then binds some functions to the foreign build, and the first graph dies with SIGSEGV.
+
+The Makefile links ggml-python with DT_RPATH (-Wl,--disable-new-dtags), searched BEFORE
+LD_LIBRARY_PATH, so a build made by `make` cannot be diverted. A ggml-python built any other way
+may still be: after the import every libggml mapped into the process is checked against
+ggml-python's own folder, and a foreign one makes `load()` raise ForeignGgmlError (one line naming
+the library and the fix). The caller then runs without ggml: nothing ever calls into the mix.
+"""
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+
+from moeray.errors import MoerayError
+
+_LIB = re.compile(r"(^|/)libggml(-[\w-]+)?\.so(\.[\d.]+)?$")  # libggml.so, libggml-cpu.so.0.25.3
+
+
+class ForeignGgmlError(MoerayError):
+    """A libggml other than ggml-python's own was loaded into this process."""
+
+
+def mapped_libraries(maps: str = "/proc/self/maps") -> set[str]:
+    """Paths of the libggml* shared objects mapped into this process (Linux; empty elsewhere)."""
+    try:
+        with open(maps) as f:
+            return {p for line in f if (p := line.split(maxsplit=5)[-1].strip()) and _LIB.search(p)}
+    except OSError:
+        return set()
+
+
+def foreign_libraries(own_dir: Path, mapped: set[str]) -> list[str]:
+    own = os.path.realpath(own_dir)
+    return sorted(p for p in mapped if os.path.dirname(os.path.realpath(p)) != own)
+
+
+def foreign_line(foreign: list[str], own_dir: Path, ld_library_path: str) -> str:
+    dirs = sorted({os.path.dirname(p) for p in foreign})
+    via = " (found through LD_LIBRARY_PATH)" if any(d in ld_library_path.split(os.pathsep) for d in dirs) else ""
+    return (f"ggml-python ({own_dir}) was given another build's {', '.join(foreign)}{via}, which would crash its "
+            f"kernels; running without ggml (the slower dequant route). Fix: take {', '.join(dirs)} off "
+            "LD_LIBRARY_PATH for moeray, or rebuild ggml-python with `make venv` (it links by RPATH)")
+
+
+def load():
+    """ggml-python's `ggml.ggml` module, its libraries checked; ForeignGgmlError if they are mixed."""
+    from ggml import ggml as G
+
+    own_dir = Path(G.__file__).resolve().parent / "lib"
+    foreign = foreign_libraries(own_dir, mapped_libraries())
+    if foreign:
+        line = foreign_line(foreign, own_dir, os.environ.get("LD_LIBRARY_PATH", ""))
+        print(f"moeray: {line}", file=sys.stderr, flush=True)
+        raise ForeignGgmlError(line)
+    return G
