@@ -25,6 +25,7 @@ import asyncio
 import dataclasses
 import hmac
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,16 @@ from moeray.errors import MoerayError
 from moeray.stages.sampling import SamplingParams
 
 DEFAULT_MAX_TOKENS = 256  # when a request gives none (capped by the room its prompt leaves)
+HEAD_RESOURCE = "node:__internal_head__"  # Ray's resource of the head node
+
+
+def _rss_bytes() -> int:
+    """This process's resident memory (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
 
 
 # ---------------------------------------------------------------- the owner of the engine
@@ -52,7 +63,6 @@ class Service:
 
     def __init__(self, opts: ServeOptions, log=print):
         from moeray.cluster.engine import Engine, LocalPipeline
-        from moeray.stages.kv_cache import BLOCK_SIZE
         from moeray.stages.gguf_file import read_gguf_header
         from moeray.stages.tokenizer import Tokenizer
 
@@ -103,8 +113,6 @@ class Service:
             self.launched = launch(self.path, opts.launch, engine_cfg, log=self._log(log))
             pipeline = self.launched.pipeline()
             engine_cfg = self.launched.engine  # the context and the KV blocks the plan settled
-        # One sequence can hold no more than the whole KV pool.
-        self.context = min(engine_cfg.max_len, engine_cfg.kv_blocks * BLOCK_SIZE)
         self.engine = Engine(pipeline, engine_cfg, self.tokenizer)
         self.metrics = self.poller = None
         try:
@@ -113,12 +121,28 @@ class Service:
             self.metrics = Metrics(self.model_name)
             self.poller = Poller(self.metrics, self.stage_stats, lambda: (self.loop.counts["running"],
                                                                           self.loop.counts["waiting"]),
-                                 opts.metrics_interval_s, read_kv=self.kv_report)
+                                 opts.metrics_interval_s, read_kv=self.kv_report, read_faults=self.faults_report)
         except ImportError:  # no Ray: serve without metrics
             pass
         self.loop = EngineLoop(self.engine, max_waiting=opts.max_waiting, on_tokens=self._on_tokens).start()
         if self.poller is not None:
             self.poller.start()
+
+    @property
+    def context(self) -> int:
+        """Tokens one sequence can hold: the context, and no more than the whole KV pool (which a
+        re-plan after a node loss may change)."""
+        return min(self.engine.config.max_len, self.engine.scheduler.kv_tokens)
+
+    def faults_report(self) -> dict:
+        """What failed and what was done: the driver's counts and events, and why nothing serves
+        now (None while serving)."""
+        down = self.loop.down if hasattr(self, "loop") else None
+        if self.launched is None:
+            return {"stage_failures": self.engine.stats.failures, "down": down, "events": [],
+                    "stages_serving": 0 if down else 1}
+        return {**self.launched.faults, "down": down or self.launched.down, "events": list(self.launched.events),
+                "stages_serving": 0 if (down or self.launched.down) else self.launched.group.n_stages}
 
     def _log(self, log):
         def say(line: str) -> None:
@@ -169,11 +193,13 @@ class Service:
                 s["cache"].pop("routed", None)  # the per-expert table: GET /v1/admin/profile
         return {
             "model": self.model_name, "path": self.path, "context": self.context,
-            "plan": self.lines, "stages": stats,
+            "plan": self.launched.lines if self.launched is not None else self.lines, "stages": stats,
             "engine": {**self.loop.counts, **dataclasses.asdict(self.engine.stats),
                        "max_seqs": self.opts.engine.max_seqs, "alive": self.loop.alive,
                        "last_failure": self.loop.last_failure},
             "kv": self.kv_report(),
+            "faults": self.faults_report(),
+            "server": {"pid": os.getpid(), "rss_bytes": _rss_bytes()},
         }
 
     def kv_report(self) -> dict:
@@ -524,6 +550,8 @@ def build_app(service: Service):
         if not service.loop.alive:
             return APIError(503, f"the engine is not running: {service.loop.fatal}", type_="server_error",
                             code="engine_unavailable").response()
+        if service.loop.down is not None:
+            return APIError(503, service.loop.down, type_="server_error", code="engine_unavailable").response()
         return {"status": "ok", "model": service.model_name, **service.loop.counts}
 
     @app.get("/v1/admin/profile")
@@ -630,7 +658,8 @@ def deployment(opts: ServeOptions):
 
     cls = serve.ingress()(MoerayServer)
     dep = serve.deployment(
-        cls, name="moeray", num_replicas=1, ray_actor_options={"num_cpus": 0},
+        # On the head node: a worker node that leaves takes only its stages, never the engine.
+        cls, name="moeray", num_replicas=1, ray_actor_options={"num_cpus": 0, "resources": {HEAD_RESOURCE: 0.001}},
         # Requests beyond the engine's waiting limit must reach it to get their 429.
         max_ongoing_requests=opts.engine.max_seqs + opts.max_waiting + 16,
         health_check_period_s=10, health_check_timeout_s=30, graceful_shutdown_timeout_s=5,
