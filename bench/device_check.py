@@ -271,7 +271,8 @@ def _nvml_here() -> str:
 def reference(path: str, tokens: list[int], prompts: dict, n_new: int, kernels: str, tokenizer) -> dict:
     """The CPU run every device run is compared with: every expert computed on the host."""
     from moeray.cluster.config import EngineConfig
-    from moeray.cluster.engine import Engine, LocalPipeline
+    from moeray.cluster.engine import Engine
+    from moeray.cluster.local_pipeline import LocalPipeline
     from moeray.stages.kv_cache import blocks_for
     from moeray.stages.model import load_model
     from moeray.stages.sampling import SamplingParams

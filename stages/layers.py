@@ -6,7 +6,7 @@ call over [B, heads, T_max, keys_max] with a mask built from each sequence's len
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,20 @@ class BatchMeta:
     read_view: tuple[int, int] | None
     read_blocks: torch.Tensor | None
     slots: list[int] | None = None  # fixed-slot KVCache callers: the slots whose lengths advance
+    _window_masks: dict = field(default_factory=dict, repr=False)
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """[B, 1, t_max, keys_max] bool: query t of sequence i (absolute position q) sees keys
+        q - window < k <= q, llama.cpp's standard sliding window (LLAMA_SWA_TYPE_STANDARD) and
+        transformers' sliding_window. Made once per step per window size, shared by its layers."""
+        m = self._window_masks.get(window)
+        if m is None:
+            B = len(self.n_new)
+            q_pos = torch.tensor(self.starts).view(B, 1, 1) + torch.arange(self.t_max).view(1, self.t_max, 1)
+            k = torch.arange(self.keys_max).view(1, 1, self.keys_max)
+            m = ((k <= q_pos) & (k > q_pos - window)).unsqueeze(1).to(self.positions.device)
+            self._window_masks[window] = m
+        return m
 
     @property
     def n_tokens(self) -> int:
@@ -138,11 +152,17 @@ class RoPE:
 
 
 class Attention(torch.nn.Module):
-    """GQA self-attention with fused qkv projection, optional qkv bias (qwen2moe) and per-head q/k
-    RMSNorm (qwen3moe)."""
+    """GQA self-attention with fused qkv projection, optional qkv bias (qwen2moe), per-head q/k
+    RMSNorm (qwen3moe), output bias, attention sinks and a sliding window (gpt-oss).
+
+    Sinks: one learned logit per head that joins every query's softmax and attends to nothing
+    (out = sum_j e^s_j v_j / (sum_j e^s_j + e^sink)). Window: a query sees only the `window` most
+    recent positions (itself included). The KV pool still holds every position of a windowed
+    layer; the mask bounds what is read (README, "gpt-oss")."""
 
     def __init__(self, cfg: ModelConfig, layer: int, w_qkv: list[QMatrix], b_qkv: torch.Tensor | None,
-                 w_o: QMatrix, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None):
+                 w_o: QMatrix, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,
+                 b_o: torch.Tensor | None = None, sinks: torch.Tensor | None = None, window: int = 0):
         super().__init__()
         self.cfg, self.layer = cfg, layer
         self.w_qkv = w_qkv  # [q; k; v] as one matrix, or three where their block types differ
@@ -150,6 +170,9 @@ class Attention(torch.nn.Module):
         self.register_buffer("b_qkv", b_qkv, persistent=False)
         self.register_buffer("q_norm", q_norm, persistent=False)
         self.register_buffer("k_norm", k_norm, persistent=False)
+        self.register_buffer("b_o", b_o, persistent=False)
+        self.register_buffer("sinks", sinks, persistent=False)  # [n_heads] float32
+        self.window = int(window)  # 0: full attention
         self.q_out = cfg.n_heads * cfg.head_dim
         self.kv_out = cfg.n_kv_heads * cfg.head_dim
 
@@ -189,15 +212,40 @@ class Attention(torch.nn.Module):
             qp = q.new_zeros(B, meta.t_max, cfg.n_heads, D)
             qp[meta.seq_of_token, meta.off_of_token] = q
             qp = qp.transpose(1, 2)
-        out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=meta.mask,
-                                             is_causal=meta.mask is None and meta.t_max > 1,
-                                             enable_gqa=cfg.n_heads != cfg.n_kv_heads)
+        mask = meta.mask
+        if self.window and meta.keys_max > self.window:  # shorter: every key is within the window
+            mask = meta.window_mask(self.window)
+        if self.sinks is not None:
+            out = _attention_with_sinks(qp, keys, values, mask, self.sinks)
+        else:
+            out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask,
+                                                 is_causal=mask is None and meta.t_max > 1,
+                                                 enable_gqa=cfg.n_heads != cfg.n_kv_heads)
         out = out.transpose(1, 2)  # [B, T, heads, D]
         if meta.t_max == 1:
             out = out.reshape(N, self.q_out)
         else:
             out = out[meta.seq_of_token, meta.off_of_token].reshape(N, self.q_out)
-        return self.w_o(out.float())
+        out = self.w_o(out.float())
+        return out if self.b_o is None else out + self.b_o
+
+
+def _attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                          sinks: torch.Tensor) -> torch.Tensor:
+    """softmax([q.k / sqrt(D), sink]) without the sink's column, times v, in float32.
+    q [B, H, T, D], k/v [B, H_kv, K, D], mask [B, 1, T, K] bool or None (causal)."""
+    B, H, T, D = q.shape
+    rep = H // k.shape[1]
+    k, v = k.float().repeat_interleave(rep, dim=1), v.float().repeat_interleave(rep, dim=1)
+    scores = (q.float() @ k.transpose(-1, -2)) * D ** -0.5  # [B, H, T, K]
+    if mask is None and T > 1:
+        K = k.shape[2]
+        mask = torch.ones(T, K, dtype=torch.bool, device=q.device).tril(K - T)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    sink = sinks.float().view(1, H, 1, 1).expand(B, H, T, 1)
+    probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    return (probs @ v).to(q.dtype)
 
 
 def _read(cache: torch.Tensor, meta: BatchMeta) -> torch.Tensor:

@@ -41,6 +41,7 @@ class Tokenizer:
     chat_template: str | None
     end_ids: frozenset[int] = field(default_factory=frozenset)  # any of these ends a generation
     special_ids: frozenset[int] = field(default_factory=frozenset)
+    rendered_ids: frozenset[int] = field(default_factory=frozenset)  # control tokens decoded as text (harmony)
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -81,6 +82,7 @@ class Tokenizer:
         for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
             if metadata.get(key) is not None:
                 end_ids.add(int(metadata[key]))
+        rendered = _harmony_rules(tokens, end_ids)
         return cls(
             backend=backend,
             bos_id=None if bos_id is None else int(bos_id),
@@ -88,7 +90,8 @@ class Tokenizer:
             add_bos=add_bos,
             chat_template=metadata.get("tokenizer.chat_template"),
             end_ids=frozenset(end_ids),
-            special_ids=special,
+            special_ids=special - rendered,
+            rendered_ids=rendered,
         )
 
     # -- use ------------------------------------------------------------------------------------
@@ -108,6 +111,8 @@ class Tokenizer:
         return ids
 
     def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+        if skip_special and self.rendered_ids:  # drop the other control tokens, keep these as text
+            return self.backend.decode([i for i in ids if i not in self.special_ids], skip_special_tokens=False)
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
@@ -140,6 +145,24 @@ class Tokenizer:
         """One token's own text, special tokens included (log-probabilities name tokens by it)."""
         return self.backend.decode([token_id], skip_special_tokens=False)
 
+
+
+# OpenAI's harmony format (gpt-oss, o200k_harmony): a reply is several messages, each ending in
+# <|end|>, the last in <|return|> (or <|call|> for a tool call); the channel and message markers
+# are part of the reply's text. llama.cpp's rules for such a vocabulary (llama-vocab.cpp): <|end|>
+# is not an end of generation when <|return|> and <|call|> are, and these markers are rendered.
+_HARMONY_RENDERED = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>")
+
+
+def _harmony_rules(tokens: list[str], end_ids: set[int]) -> frozenset[int]:
+    """Apply llama.cpp's harmony rules to `end_ids` (in place); returns the ids rendered as text."""
+    text = {i: tokens[i] for i in end_ids if 0 <= i < len(tokens)}
+    rendered = {i for i, tok in enumerate(tokens) if tok in _HARMONY_RENDERED}
+    if {"<|return|>", "<|call|>", "<|end|>"} <= set(text.values()):
+        end = next(i for i, t in text.items() if t == "<|end|>")
+        end_ids.discard(end)
+        rendered.add(end)
+    return frozenset(rendered)
 
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")

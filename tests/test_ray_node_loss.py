@@ -107,10 +107,7 @@ def _serving_again(url: str, deadline_s: float) -> float:
 
 def test_a_lost_node_is_replanned_around_and_too_little_left_is_a_503_with_the_reason(cluster, default_model_path):
     from moeray.cluster.serve_app import build_app
-    try:
-        from moeray.cluster.service import Service
-    except ImportError:  # before the split of serve_app
-        from moeray.cluster.serve_app import Service
+    from moeray.cluster.service import Service
     from moeray.stages.transport import free_port
 
     lines: list[str] = []

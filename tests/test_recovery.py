@@ -12,6 +12,7 @@ import pytest
 
 from moeray.cluster.engine_loop import EngineDownError, EngineLoop, Finished
 from moeray.cluster.remote import StageFailedError
+from moeray.cluster.scheduler import RequestStatus
 from moeray.errors import PlacementError
 from moeray.stages.kv_cache import BLOCK_SIZE
 from moeray.stages.sampling import SamplingParams
@@ -42,9 +43,9 @@ def test_after_a_replan_the_engine_takes_the_new_kv_pool_and_fails_only_what_no_
     eng.step()
     with pytest.raises(StageFailedError):
         eng.step()
-    assert p.status == q.status == "failed"
+    assert p.status == q.status == RequestStatus.FAILED
     assert eng.scheduler.blocks.n_blocks == 2 and eng.scheduler.kv_tokens == 2 * BLOCK_SIZE
-    assert long.status == "failed" and "holds 32 tokens" in long.error and long not in eng.waiting
+    assert long.status is RequestStatus.FAILED and "holds 32 tokens" in long.error and long not in eng.waiting
     assert short.max_new == 4
     eng.run([short])
     assert short.text == "abcd"
