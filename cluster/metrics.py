@@ -110,27 +110,26 @@ class Metrics:
         self.m["moeray_requests_running"].set(running, self._tags)
         self.m["moeray_requests_waiting"].set(waiting, self._tags)
 
+    def _counters(self, counters: dict[str, str], report: dict) -> None:
+        """Engine-side counters that `report` holds as cumulative values: add what is new."""
+        for name, key in counters.items():
+            value = float(report.get(key, 0))
+            last = self._seen.get((name, -1), 0.0)
+            if value > last:
+                self.m[name].inc(value - last, self._tags)
+            self._seen[name, -1] = value
+
     def kv(self, report: dict) -> None:
         """The engine's KV ledger (Service.kv_report): prefix hit rate, cached tokens, preemptions."""
         with self._lock:
             self.m["moeray_kv_prefix_hit_rate"].set(float(report.get("prefix_hit_rate", 0.0)), self._tags)
-            for name, key in _KV_COUNTERS.items():
-                value = float(report.get(key, 0))
-                last = self._seen.get((name, -1), 0.0)
-                if value > last:
-                    self.m[name].inc(value - last, self._tags)
-                self._seen[name, -1] = value
+            self._counters(_KV_COUNTERS, report)
 
     def faults(self, report: dict) -> None:
-        """The driver's fault counts (Launched.faults, and `stages_serving`): cumulative, exported as
-        differences like the KV counters."""
+        """The driver's fault counts (Service.faults_report): failures, restarts, lost nodes,
+        re-plans; the stages serving now and how long the last recovery took."""
         with self._lock:
-            for name, key in _FAULT_COUNTERS.items():
-                value = float(report.get(key, 0))
-                last = self._seen.get((name, -1), 0.0)
-                if value > last:
-                    self.m[name].inc(value - last, self._tags)
-                self._seen[name, -1] = value
+            self._counters(_FAULT_COUNTERS, report)
             self.m["moeray_stages_serving"].set(float(report.get("stages_serving", 0)), self._tags)
             self.m["moeray_recovery_seconds"].set(float(report.get("last_recovery_s", 0.0)), self._tags)
 

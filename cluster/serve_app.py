@@ -6,7 +6,9 @@ the stage actors are its children, then starts the engine thread and the metrics
 Restarting the deployment (or `moeray serve` itself) therefore rebuilds the whole pipeline from
 the model file, and a replica that dies takes its stages with it: nothing is left half-wired.
 Within a run, a stage that dies is restarted by the engine (RayPipeline.recover) and the server
-goes on.
+goes on; when its node left the cluster, the driver re-plans on the devices left (Launched.recover),
+and when those cannot hold the model every request is a 503 with that reason until a node joins.
+The replica itself is pinned to the head node, so a worker node that leaves never takes it.
 
 `build_app(service)` makes the FastAPI app of module-level handlers (tests and `--local` use it
 without Serve); `deployment(options)` wraps both for `serve.run`. Both generation routes share one

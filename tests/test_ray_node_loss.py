@@ -152,6 +152,8 @@ def test_a_lost_node_is_replanned_around_and_too_little_left_is_a_503_with_the_r
         assert any(line.startswith("layer split") for line in after["plan"])  # the new split, printed
         assert after["kv"]["blocks"] == after["stages"][0]["kv"]["blocks"]  # the engine took the new pool
         assert any("re-plan on the devices left (2 stages)" in line for line in lines)
+        faults = service.faults_report()  # what the metrics poller exports (moeray_nodes_lost, ...)
+        assert (faults["nodes_lost"], faults["replans"], faults["stages_serving"]) == (1, 1, 2)
 
         # 2. Another node goes: one card cannot hold the model.
         cluster.remove_node(workers.pop(_stage_node(after, 0)), allow_graceful=False)
@@ -180,6 +182,8 @@ def test_a_lost_node_is_replanned_around_and_too_little_left_is_a_503_with_the_r
                         or line.startswith(("layer split", "stage ", "moeray: node"))))
         back = _get(f"{url}/v1/stages")
         assert len(back["stages"]) == 2 and back["faults"]["down"] is None and back["faults"]["replans"] == 2
+        time.sleep(2 * opts.metrics_interval_s)
+        assert service.poller.last_error is None  # the metrics poller went through it all
     finally:
         server.should_exit = True
         service.close()
