@@ -35,8 +35,9 @@ METRICS: dict[str, tuple[str, str]] = {
     "moeray_kv_cached_tokens": ("counter", "prompt tokens whose prefill a cached prefix skipped"),
     "moeray_kv_preemptions": ("counter", "sequences preempted (KV freed, prefilled again later) for lack of KV blocks"),
     "moeray_tokens_generated": ("counter", "output tokens handed to clients"),
-    "moeray_stage_failures": ("counter", "failed pipeline steps (a stage died, hung or raised): the requests running failed"),
-    "moeray_stage_restarts": ("counter", "stages restarted in place after a failure"),
+    # Engine-side (tag `model` only: a name that starts moeray_stage_ would carry the stage tags).
+    "moeray_failed_steps": ("counter", "failed pipeline steps (a stage died, hung or raised): the requests running failed"),
+    "moeray_restarted_stages": ("counter", "stages restarted in place after a failure"),
     "moeray_nodes_lost": ("counter", "nodes that left the cluster with a stage on them"),
     "moeray_replans": ("counter", "re-plans on the devices left after a node loss (probe, plan, load, wire)"),
     "moeray_stages_serving": ("gauge", "stages wired and serving now (0: what is left cannot hold the model)"),
@@ -68,7 +69,7 @@ _STAGE_GAUGES = {
     "moeray_stage_kv_blocks_free": lambda s: (s.kv or {}).get("free", 0),
 }
 _KV_COUNTERS = {"moeray_kv_cached_tokens": "cached_tokens", "moeray_kv_preemptions": "preemptions"}
-_FAULT_COUNTERS = {"moeray_stage_failures": "stage_failures", "moeray_stage_restarts": "restarts",
+_FAULT_COUNTERS = {"moeray_failed_steps": "stage_failures", "moeray_restarted_stages": "restarts",
                    "moeray_nodes_lost": "nodes_lost", "moeray_replans": "replans"}
 
 

@@ -88,3 +88,18 @@ def test_a_pipeline_that_cannot_serve_answers_every_request_with_the_reason_then
     assert refused == reason and refused_in < 0.1  # at once, with the reason, not a wait
     assert retried[0] >= 1 and retried[1]  # retried while down; the thread lives on
     assert again.reason == "length" and again.error is None
+
+
+def test_the_fault_counts_export_as_engine_metrics_and_count_only_what_is_new():
+    pytest.importorskip("ray")
+    from moeray.cluster.metrics import ENGINE_TAGS, METRICS, Metrics
+
+    m = Metrics("m")
+    # Engine-side metrics carry only the model tag (a moeray_stage_* name would want stage and node).
+    m.faults({"stage_failures": 2, "restarts": 1, "nodes_lost": 0, "replans": 0, "stages_serving": 3})
+    m.faults({"stage_failures": 3, "restarts": 1, "nodes_lost": 1, "replans": 1, "stages_serving": 2,
+              "last_recovery_s": 8.2})
+    assert {n: v for (n, _), v in m._seen.items()} == {"moeray_failed_steps": 3, "moeray_restarted_stages": 1,
+                                                         "moeray_nodes_lost": 1, "moeray_replans": 1}
+    assert all(not n.startswith("moeray_stage_") for n, _ in m._seen) and ENGINE_TAGS == ("model",)
+    assert METRICS["moeray_stages_serving"][0] == "gauge"
