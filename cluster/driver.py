@@ -103,6 +103,7 @@ class StageGroup:
     reports: list[ProbeReport] = field(default_factory=list)
     load_args: list[tuple] = field(default_factory=list)  # per stage, to reload it after a restart
     kv_blocks: int | None = None  # every stage's KV pool, once loaded
+    state_slots: int = 0  # sequence states the stages hold (a model with recurrent layers), once loaded
     hung: set = field(default_factory=set)
     _actor_opts: dict = field(default_factory=dict)
 
@@ -173,12 +174,15 @@ class StageGroup:
 
     def load(self, path: str, ranges: list[tuple[int, int]], kv_blocks: int,
              progress=None, trunk_on_card: list[int] | None = None, profile: str | None = None,
-             cache_policy: str = "static") -> list[LoadReport]:
-        """Each stage loads only its layer range and a KV pool of `kv_blocks` blocks;
-        `progress(stage, report)` as each one finishes."""
+             cache_policy: str = "static", state_slots: int = 1) -> list[LoadReport]:
+        """Each stage loads only its layer range, a KV pool of `kv_blocks` blocks and (recurrent
+        layers) `state_slots` sequence states; `progress(stage, report)` as each one finishes."""
         trunk_on_card = trunk_on_card or [0] * len(ranges)
+        from moeray.stages.gguf_file import read_gguf_header
+
         self.kv_blocks = kv_blocks
-        self.load_args = [(path, a, b, kv_blocks, t, profile, cache_policy)
+        self.state_slots = state_slots if any(state_bytes_by_layer(read_gguf_header(path).config, 1)) else 0
+        self.load_args = [(path, a, b, kv_blocks, t, profile, cache_policy, state_slots)
                           for (a, b), t in zip(ranges, trunk_on_card)]
         refs = [a.load.remote(*args) for a, args in zip(self.actors, self.load_args)]
         return gather(refs, self.timeout_s, "loading", progress=progress)
@@ -439,11 +443,21 @@ class Launched:
         self.group.shutdown()
 
 
-def kv_layer_bytes(config, n_blocks: int, itemsize: int = 4) -> int:
-    """KV pool of one layer with `n_blocks` blocks, as a stage allocates it."""
+def kv_layer_bytes(config, n_blocks: int, itemsize: int = 4, layer: int | None = None) -> int:
+    """KV pool of one layer with `n_blocks` blocks, as a stage allocates it (layer None: the
+    largest layer's, the figure a message quotes)."""
+    if layer is None:
+        return max(kv_bytes_by_layer(config, n_blocks, itemsize), default=0)
     from moeray.stages.kv_cache import kv_block_bytes
 
-    return n_blocks * kv_block_bytes(config, 1, itemsize)
+    return n_blocks * kv_block_bytes(config, range(layer, layer + 1), itemsize)
+
+
+def kv_bytes_by_layer(config, n_blocks: int, itemsize: int = 4) -> list[int]:
+    """Each layer's KV pool with `n_blocks` blocks, at its architecture's values per token."""
+    from moeray.stages.kv_cache import kv_block_bytes
+
+    return [n_blocks * kv_block_bytes(config, range(l, l + 1), itemsize) for l in range(config.n_layers)]
 
 
 def kv_itemsize(kinds) -> int:
@@ -484,17 +498,27 @@ def local_kv_plan(config, engine: EngineConfig, free_bytes: int, itemsize: int =
     n, rule = fixed_kv_blocks(config, engine, free_bytes, itemsize)
     if n is None:
         n, rule = blocks_for(context), "one sequence at the full context (--kv-blocks or --kv-fraction for more)"
-    return KVPlan(n, BLOCK_SIZE, context, rule, [config.n_layers * kv_layer_bytes(config, n, itemsize)])
+    return KVPlan(n, BLOCK_SIZE, context, rule, [sum(kv_bytes_by_layer(config, n, itemsize))])
 
 
-def held_spec(header, kv_bytes_per_layer: int = 0, route: str | None = None):
+def state_bytes_by_layer(config, n_seqs: int) -> list[int]:
+    """Each layer's recurrent state for `n_seqs` sequence slots (0 where the layer keeps only KV):
+    held on the layer's card for every sequence that may run, so priced with its KV."""
+    from moeray.stages.arch import arch_of
+
+    arch = arch_of(config)
+    return [n_seqs * arch.state_bytes(config, l) for l in range(config.n_layers)]
+
+
+def held_spec(header, kv_bytes_per_layer: int | list[int] = 0, route: str | None = None):
     """The planner's ModelSpec in the bytes a stage really holds on its device.
 
     On the quantised routes a slot and the trunk hold the GGUF's own blocks (float32 only for
     vectors and routers), on the exact route float32 copies: `held_bytes` in stages/gguf_file.py
     prices both, and the stage is charged the same numbers. A layer's KV cache is on the card with
     its trunk whatever the split, so it is priced as part of that layer's trunk: the search then
-    charges every candidate range exactly the KV it would allocate.
+    charges every candidate range exactly the KV it would allocate. `kv_bytes_per_layer`: one
+    figure for every layer, or a list (kv_bytes_by_layer) where the layers' KV differ.
     """
     from moeray.planner.spec import ModelSpec, TrunkBytes
     from moeray.stages.gguf_file import expert_bytes, trunk_bytes
@@ -503,7 +527,8 @@ def held_spec(header, kv_bytes_per_layer: int = 0, route: str | None = None):
     route = route or current_route()
     cfg = header.config
     t = trunk_bytes(header.tensors, cfg, route)
-    layers = [kv_bytes_per_layer + n for n in t["layers"]]
+    kv = kv_bytes_per_layer if isinstance(kv_bytes_per_layer, list) else [kv_bytes_per_layer] * cfg.n_layers
+    layers = [k + n for k, n in zip(kv, t["layers"])]
     experts = [expert_bytes(header.tensors, l, route) for l in range(cfg.n_layers)]
     return ModelSpec(cfg.n_layers, cfg.n_experts, cfg.n_experts_used, experts,
                      TrunkBytes(t["embedding"], t["head"], layers))
@@ -539,15 +564,15 @@ def plan_from_reports(header, reports: list[ProbeReport], opts: LaunchOptions, e
                 "or --kv-blocks, or add stages")
 
     def kv_plan(n: int, ranges, rule: str, tried=()) -> KVPlan:
-        layer = kv_layer_bytes(cfg, n, itemsize)
-        return KVPlan(n, BLOCK_SIZE, context, rule, [(b - a) * layer for a, b in ranges], list(tried))
+        layer = kv_bytes_by_layer(cfg, n, itemsize)
+        return KVPlan(n, BLOCK_SIZE, context, rule, [sum(layer[a:b]) for a, b in ranges], list(tried))
 
     if not cfg.is_moe:  # no experts to place: split by layer speed (or as given)
         ks = parse_split(opts.split, L, S) or proportional_split(L, devs)
         bounds = [0] + list(ks) + [L]
-        kv_layer = kv_layer_bytes(cfg, min_blocks, itemsize)
+        kv_layer = kv_bytes_by_layer(cfg, min_blocks, itemsize)
         for r, d, a, b in zip(reports, devs, bounds[:-1], bounds[1:]):
-            if (b - a) * kv_layer > d.free_bytes:
+            if sum(kv_layer[a:b]) > d.free_bytes:
                 raise PlacementError(f"stage {r.stage}: {r.device.name} cannot hold layers {a}-{b - 1}; {hint(min_blocks)}")
         ranges = list(zip(bounds[:-1], bounds[1:]))
         kv = kv_plan(min_blocks, ranges, rule or "one sequence at the full context (no experts to trade)")
@@ -557,8 +582,11 @@ def plan_from_reports(header, reports: list[ProbeReport], opts: LaunchOptions, e
 
     profile = Profile.load(opts.profile, L, cfg.n_experts) if opts.profile else None
 
+    state = state_bytes_by_layer(cfg, engine.max_seqs)  # every sequence slot's DeltaNet state
+
     def plan_for(n: int):
-        return plan_placement(held_spec(header, kv_layer_bytes(cfg, n, itemsize)), devs, profile, split=opts.split,
+        kv = [k + s for k, s in zip(kv_bytes_by_layer(cfg, n, itemsize), state)]
+        return plan_placement(held_spec(header, kv), devs, profile, split=opts.split,
                               objective=opts.objective, trunk=opts.trunk, handoff_ms=handoff_ms)
 
     try:
@@ -572,6 +600,10 @@ def plan_from_reports(header, reports: list[ProbeReport], opts: LaunchOptions, e
         raise PlacementError(f"{exc}; {hint(min_blocks)}") from None
     ranges = [tuple(x) for x in plan.split]
     plan.kv = kv_plan(blocks, ranges, rule, tried)
+    if any(state):
+        from moeray.planner.report import state_line
+
+        plan.notes.append(state_line(state_bytes_by_layer(cfg, 1), ranges, engine.max_seqs))
     return plan, ranges, speed_lines + plan.lines(verbose=opts.verbose_plan), plan.kv
 
 
@@ -650,11 +682,14 @@ def bring_up(group: StageGroup, header, path: str, opts: LaunchOptions, engine: 
     plan, ranges, plan_lines, kv = plan_from_reports(header, reports, opts, engine, handoff_ms)
     for line in plan_lines:
         say(line)
-    # The plan's trunk includes its layers' KV pool (see held_spec); the actor charges the KV itself.
-    trunk_on_card = ([int(s.trunk_bytes) - kv_bytes for s, kv_bytes in zip(plan.stages, kv.stage_bytes)]
+    # The plan's trunk includes its layers' KV pool and sequence states (see held_spec); the
+    # actor charges those itself.
+    state = state_bytes_by_layer(header.config, engine.max_seqs)
+    trunk_on_card = ([int(s.trunk_bytes) - kv_bytes - sum(state[a:b])
+                      for s, kv_bytes, (a, b) in zip(plan.stages, kv.stage_bytes, ranges)]
                      if plan is not None else [0] * len(ranges))
     group.load(path, ranges, kv.blocks, lambda i, rep: say(_load_line(rep)),
-               trunk_on_card, opts.profile, opts.cache_policy)
+               trunk_on_card, opts.profile, opts.cache_policy, engine.max_seqs)
     if opts.record_routing:
         group.record_routing(opts.record_routing)
         say(f"recording every stage's routing to {opts.record_routing}/stage<i>.trace")
@@ -689,6 +724,8 @@ class RayPipeline:
         self.launched = launched  # owns the plan: re-plans when a node leaves
         self.n_stages = group.n_stages
         self.kv_blocks = group.kv_blocks  # the engine's block budget: what every stage allocated
+        # Sequence states the stages hold (recurrent layers), 0 for a model without them.
+        self.state_slots = group.state_slots
 
     def submit(self, batch: StepBatch) -> list:
         return [a.step.remote(batch.for_stage(i, self.n_stages)) for i, a in enumerate(self.group.actors)]
@@ -722,6 +759,7 @@ class RayPipeline:
             self.group = self.launched.group
             self.n_stages = self.group.n_stages
             self.kv_blocks = self.group.kv_blocks
+            self.state_slots = self.group.state_slots
 
     def _root_cause(self, handle: list) -> StageFailedError:
         """Among a step's per-stage errors: a dead actor first, else the earliest stage whose error

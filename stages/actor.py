@@ -134,7 +134,7 @@ class StageRunner:
                     self.grammars.reset(slot)
         if batch.starts is None or batch.tables is None:
             raise MoerayError("a step needs its sequences' start positions and KV block tables")
-        return self.model.table_meta(batch.n_new, batch.starts, batch.tables, self.kv)
+        return self.model.table_meta(batch.n_new, batch.starts, batch.tables, self.kv, batch.slots)
 
     def layers(self, x, meta):
         return self.model.run_layers(x, meta, self.kv)
@@ -304,9 +304,10 @@ class StageActor:
 
     def load(self, path: str, first: int, end: int, kv_blocks: int,
              trunk_on_card: int | None = None, profile: str | None = None,
-             cache_policy: str = "static") -> LoadReport:
+             cache_policy: str = "static", state_slots: int = 1) -> LoadReport:
         """Load layers [first, end) (+ embedding / head at the ends) and allocate a KV pool of
-        `kv_blocks` blocks (stages/kv_cache.py),
+        `kv_blocks` blocks (stages/kv_cache.py) and, for recurrent (DeltaNet) layers, `state_slots`
+        sequence states (one per engine sequence slot: stages/deltanet.py),
         charging both to this device's budget (a simulated device refuses what does not fit).
 
         `trunk_on_card` is the trunk the plan put on the card, in the bytes the planner priced
@@ -316,6 +317,7 @@ class StageActor:
         (a path every node can read; None = uniform) and kept by `cache_policy`.
         """
         from moeray.stages.gguf_file import GGUFFile
+        from moeray.stages.arch import arch_of
         from moeray.stages.kv_cache import BLOCK_SIZE, kv_block_bytes, kv_dtype
         from moeray.stages.model import StageModel, stage_trunk_bytes
         from moeray.stages.moe import HostExperts
@@ -328,8 +330,11 @@ class StageActor:
         # Charge KV and trunk from the header first: what is left is the expert cache's budget, and
         # the MoE blocks are built with that cache in front of the host copy.
         itemsize = 2 if kv_dtype(self.device.torch_device).itemsize == 2 else 4
-        self.memory.charge(kv_blocks * kv_block_bytes(cfg, end - first, itemsize),
+        self.memory.charge(kv_blocks * kv_block_bytes(cfg, range(first, end), itemsize),
                            f"KV pool ({kv_blocks} blocks, {kv_blocks * BLOCK_SIZE} tokens)")
+        state = state_slots * sum(arch_of(cfg).state_bytes(cfg, l) for l in range(first, end))
+        if state:
+            self.memory.charge(state, f"DeltaNet state ({state_slots} sequence slots)")
         trunk = stage_trunk_bytes(gguf, first, end)
         self.memory.charge(trunk if trunk_on_card is None else trunk_on_card, f"trunk of layers {first}-{end - 1}")
         experts, cache = HostExperts(gguf), None
@@ -345,7 +350,7 @@ class StageActor:
         if resident > trunk:  # the header's price is the runtime's size by construction; say so if not
             raise MoerayError(f"stage {self.stage}: the trunk of layers {first}-{end - 1} holds {resident} bytes, "
                               f"{trunk} were charged")
-        kv = model.new_kv_pool(kv_blocks)
+        kv = model.new_kv_pool(kv_blocks, state_slots)
         self.model, self.runner = model, StageRunner(model, kv)
         # Fixed once loaded: measured here, not again on every stats poll.
         self.trunk_bytes = (resident, stage_trunk_bytes(gguf, first, end, route=None))

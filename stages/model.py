@@ -13,11 +13,14 @@ import os
 import torch
 
 from moeray.errors import MoerayError
+from moeray.stages.arch import arch_of
+from moeray.stages.deltanet import DeltaState, GatedDeltaNet
 from moeray.stages.gguf_file import GGUFFile, tensor_role, trunk_bytes
 from moeray.stages.kv_cache import KVCache, KVPool, kv_dtype
-from moeray.stages.layers import Attention, BatchMeta, RoPE, make_batch_meta, rms_norm, slot_batch_meta
+from moeray.stages.layers import Attention, BatchMeta, GatedAttention, make_batch_meta, rms_norm, slot_batch_meta
 from moeray.stages.moe import DenseFFN, Experts, HostExperts, MoEBlock
 from moeray.stages.qmatmul import QMatrix, announce, current_route
+from moeray.stages.rope import RoPE
 from moeray.stages.quant import dequantize
 
 
@@ -43,7 +46,7 @@ class StageModel(torch.nn.Module):
         self.gguf, self.config, self.first, self.end = gguf, cfg, first, end
         self.device = torch.device(device)
         self.has_embedding, self.has_head = first == 0, end == cfg.n_layers
-        self.rope = RoPE(cfg.head_dim, cfg.rope_theta, cfg.rope_style, cfg.rope_scale, device=self.device)
+        self.rope = RoPE.from_config(cfg, device=self.device)
         self.route = route or current_route()
         announce(self.route, self.device)
         self.experts: Experts = experts if experts is not None else HostExperts(gguf, self.route)
@@ -72,6 +75,13 @@ class StageModel(torch.nn.Module):
         return QMatrix.from_raw(self.gguf.raw(name), info.ggml_type, info.shape, self.route, device=self.device)
 
     def _load_layer(self, i: int) -> TransformerLayer:
+        """Layer i from the shared blocks its architecture names: an attention kind and an FFN kind."""
+        arch, p, v = arch_of(self.config), f"blk.{i}.", self._vector
+        attn = _ATTENTION[arch.attention_kind(self.config, i)](self, i)
+        ffn = _FFN[arch.ffn_kind(self.config, i)](self, i)
+        return TransformerLayer(v(p + "attn_norm.weight"), attn, v(p + f"{arch.ffn_norm_name}.weight"), ffn)
+
+    def _gqa(self, i: int) -> Attention:
         cfg, p, m, v = self.config, f"blk.{i}.", self._matrix, self._vector
         qkv = [m(p + "attn_q.weight"), m(p + "attn_k.weight"), m(p + "attn_v.weight")]
         fused = QMatrix.cat_rows(qkv)  # one matmul when q, k and v share a block type
@@ -80,18 +90,53 @@ class StageModel(torch.nn.Module):
             b_qkv = torch.cat((v(p + "attn_q.bias"), v(p + "attn_k.bias"), v(p + "attn_v.bias")))
         q_norm = v(p + "attn_q_norm.weight") if cfg.qk_norm else None
         k_norm = v(p + "attn_k_norm.weight") if cfg.qk_norm else None
-        attn = Attention(cfg, i, [fused] if fused is not None else qkv, b_qkv, m(p + "attn_output.weight"),
+        return Attention(cfg, i, [fused] if fused is not None else qkv, b_qkv, m(p + "attn_output.weight"),
                          q_norm, k_norm)
-        if cfg.is_moe:
-            shared = gate = None
-            if cfg.shared_expert_ffn_dim:
-                shared = DenseFFN(m(p + "ffn_gate_shexp.weight"), m(p + "ffn_up_shexp.weight"),
-                                  m(p + "ffn_down_shexp.weight"))
+
+    def _gated_gqa(self, i: int) -> GatedAttention:
+        """Full attention with a per-head output gate in attn_q (qwen3next): q/k norms, no biases."""
+        cfg, p, m, v = self.config, f"blk.{i}.", self._matrix, self._vector
+        qkv = [m(p + "attn_q.weight"), m(p + "attn_k.weight"), m(p + "attn_v.weight")]
+        fused = QMatrix.cat_rows(qkv)
+        return GatedAttention(cfg, i, [fused] if fused is not None else qkv, None, m(p + "attn_output.weight"),
+                              v(p + "attn_q_norm.weight"), v(p + "attn_k_norm.weight"))
+
+    def _deltanet(self, i: int) -> GatedDeltaNet:
+        """A Gated DeltaNet layer: [qkv; z; beta; alpha] fused into one matrix where the block types
+        allow (beta and alpha are the rows of ssm_ba or ssm_beta/ssm_alpha its arch names)."""
+        cfg, p, m, v = self.config, f"blk.{i}.", self._matrix, self._vector
+        parts = [m(p + "attn_qkv.weight"), m(p + "attn_gate.weight")]
+        for name, rows in arch_of(cfg).beta_alpha_rows(cfg, i):
+            parts.append(self._matrix_rows(name, rows))
+        fused = QMatrix.cat_rows(parts)
+        return GatedDeltaNet(cfg.deltanet, i, [fused] if fused is not None else parts, v(p + "ssm_conv1d.weight"),
+                             v(p + "ssm_dt.bias"), v(p + "ssm_a"), v(p + "ssm_norm.weight"),
+                             m(p + "ssm_out.weight"), cfg.rms_eps)
+
+    def _matrix_rows(self, name: str, rows) -> QMatrix:
+        """Rows `rows` (None: all) of a stored matrix, still in its block form (block rows are
+        independent, so a row permutation is a permutation of their bytes)."""
+        w = self._matrix(name)
+        if rows is None:
+            return w
+        idx = torch.as_tensor(rows, dtype=torch.long, device=w.data.device)
+        per_row = w.data.view(w.shape[0], -1)
+        return QMatrix(per_row[idx].reshape(-1) if w.route != "exact" else w.data[idx], w.ggml_type,
+                       (len(idx), w.shape[1]), w.route)
+
+    def _dense_ffn(self, i: int) -> DenseFFN:
+        p, m = f"blk.{i}.", self._matrix
+        return DenseFFN(m(p + "ffn_gate.weight"), m(p + "ffn_up.weight"), m(p + "ffn_down.weight"))
+
+    def _moe(self, i: int) -> MoEBlock:
+        cfg, p, m, v = self.config, f"blk.{i}.", self._matrix, self._vector
+        shared = gate = None
+        if cfg.shared_expert_ffn_dim:
+            shared = DenseFFN(m(p + "ffn_gate_shexp.weight"), m(p + "ffn_up_shexp.weight"),
+                              m(p + "ffn_down_shexp.weight"))
+            if cfg.shared_expert_gate:
                 gate = v(p + "ffn_gate_inp_shexp.weight").reshape(-1)
-            ffn = MoEBlock(cfg, i, v(p + "ffn_gate_inp.weight"), self.experts, shared, gate)
-        else:
-            ffn = DenseFFN(m(p + "ffn_gate.weight"), m(p + "ffn_up.weight"), m(p + "ffn_down.weight"))
-        return TransformerLayer(v(p + "attn_norm.weight"), attn, v(p + "ffn_norm.weight"), ffn)
+        return MoEBlock(cfg, i, v(p + "ffn_gate_inp.weight"), self.experts, shared, gate)
 
     @classmethod
     def from_gguf(cls, path_or_gguf: str | os.PathLike | GGUFFile, layers: tuple[int, int] | None = None,
@@ -124,26 +169,50 @@ class StageModel(torch.nn.Module):
     # --- running ---------------------------------------------------------------------------
 
     def new_kv_cache(self, max_seqs: int, max_len: int) -> KVCache:
-        """Fixed slots of max_len tokens: the one-shot path (step, logits_all)."""
+        """Fixed slots of max_len tokens: the one-shot path (step, logits_all); a hybrid model's
+        DeltaNet state has a slot for each KV slot."""
         c = self.config
         return KVCache(self.first, self.end - self.first, max_seqs, c.n_kv_heads, max_len, c.head_dim,
-                       dtype=kv_dtype(self.device), device=self.device)
+                       dtype=kv_dtype(self.device), device=self.device, kv_layers=self.kv_layers(),
+                       state=self._state(max_seqs))
 
-    def new_kv_pool(self, n_blocks: int) -> KVPool:
-        """A pool of `n_blocks` blocks, addressed by the engine's block tables (the serving path)."""
+    def new_kv_pool(self, n_blocks: int, state_slots: int = 1) -> KVPool:
+        """A pool of `n_blocks` blocks, addressed by the engine's block tables (the serving path),
+        and `state_slots` DeltaNet states (one per sequence slot of the engine) when the stage
+        holds recurrent layers."""
         c = self.config
         return KVPool(self.first, self.end - self.first, n_blocks, c.n_kv_heads, c.head_dim,
-                      dtype=kv_dtype(self.device), device=self.device)
+                      dtype=kv_dtype(self.device), device=self.device, kv_layers=self.kv_layers(),
+                      state=self._state(state_slots))
+
+    def kv_layers(self) -> list[int]:
+        """This stage's layers that keep KV (all but a hybrid model's recurrent ones)."""
+        arch = arch_of(self.config)
+        return [l for l in range(self.first, self.end) if arch.kv_values(self.config, l) > 0]
+
+    def recurrent_layers(self) -> list[int]:
+        arch = arch_of(self.config)
+        return [l for l in range(self.first, self.end) if arch.state_bytes(self.config, l) > 0]
+
+    def _state(self, n_slots: int) -> DeltaState | None:
+        layers = self.recurrent_layers()
+        return DeltaState(layers, n_slots, self.config.deltanet, self.device) if layers else None
 
     def batch_meta(self, n_new: list[int], slots: list[int], kv: KVCache) -> BatchMeta:
         """Where each new token goes in a fixed-slot cache, from the slots' own lengths."""
         return slot_batch_meta(n_new, slots, kv, self.device)
 
-    def table_meta(self, n_new: list[int], starts: list[int], tables: list[list[int]], kv: KVPool) -> BatchMeta:
+    def table_meta(self, n_new: list[int], starts: list[int], tables: list[list[int]], kv: KVPool,
+                   slots: list[int] | None = None) -> BatchMeta:
         """Where each new token goes in a block pool: the engine says where each sequence starts
-        and which blocks hold it."""
+        and which blocks hold it, and (recurrent layers) which state slot it continues: its
+        sequence slot."""
         kv.check_tables(tables, [s + n for s, n in zip(starts, n_new)])
-        return make_batch_meta(n_new, starts, tables, self.device)
+        if kv.state is not None:
+            if slots is None:
+                raise MoerayError("a step through recurrent (DeltaNet) layers needs each sequence's state slot")
+            kv.state.check_slots(slots)
+        return make_batch_meta(n_new, starts, tables, self.device, state_slots=slots)
 
     def embed(self, tokens: list[list[int]] | torch.Tensor) -> torch.Tensor:
         """Token ids (a list per sequence, or a flat tensor) -> packed hidden states [N, hidden]."""
@@ -192,6 +261,11 @@ class StageModel(torch.nn.Module):
         kv = self.new_kv_cache(1, len(token_ids))
         meta = self.batch_meta([len(token_ids)], [0], kv)
         return self.head(self.run_layers(self.embed([list(token_ids)]), meta, kv))
+
+
+# The shared blocks a layer is built from, by the kind its architecture names (stages/arch/).
+_ATTENTION = {"gqa": StageModel._gqa, "gated_gqa": StageModel._gated_gqa, "deltanet": StageModel._deltanet}
+_FFN = {"dense": StageModel._dense_ffn, "moe": StageModel._moe}
 
 
 def stage_trunk_bytes(gguf, first: int, end: int, route: str | None = "current") -> int:
