@@ -68,7 +68,7 @@ _GLOBAL_NAMES = {
 _FUSED_GATE_UP = "mlp.experts.gate_up_proj"
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # Tensors llama.cpp keeps in F32 whatever the requested file type.
-_ALWAYS_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+_ALWAYS_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
 
 
 def llama_permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
@@ -117,13 +117,19 @@ def _gguf_names(hf_key: str) -> list[str]:
 
 def gguf_tensors_from_hf(state_dict: dict[str, Any], config: Any) -> dict[str, np.ndarray]:
     """The float32 tensors of the GGUF (numpy order), from a transformers state dict."""
-    permute = by_hf_class(config).permute_qk
+    arch = by_hf_class(config)
+    permute = arch.permute_qk
     n_head, n_kv = config.num_attention_heads, config.num_key_value_heads
     out: dict[str, np.ndarray] = {}
     for key, t in state_dict.items():
         if key == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
             continue  # tied: llama.cpp reuses token_embd when output.weight is absent
         a = t.detach().to("cpu").float().numpy() if hasattr(t, "detach") else np.asarray(t, np.float32)
+        m = _LAYER_RE.fullmatch(key)
+        own = arch.hf_tensor(int(m.group(1)), m.group(2), a, config) if m else arch.hf_tensor(None, key, a, config)
+        if own is not None:  # a family whose converter transforms this tensor (stages/arch/)
+            out.update((n, np.ascontiguousarray(x, dtype=np.float32)) for n, x in own)
+            continue
         names = _gguf_names(key)
         if len(names) == 2:  # fused [E, 2F, H]: gate rows first, then up rows
             f = a.shape[1] // 2
@@ -169,12 +175,12 @@ def _add_metadata(w: gguf.GGUFWriter, config: Any, arch, file_type: gguf.LlamaFi
     w.add_block_count(config.num_hidden_layers)
     w.add_context_length(config.max_position_embeddings)
     w.add_embedding_length(config.hidden_size)
-    w.add_feed_forward_length(config.intermediate_size)
+    w.add_feed_forward_length(int(getattr(config, "intermediate_size", 0) or 0))
     w.add_head_count(config.num_attention_heads)
     w.add_head_count_kv(config.num_key_value_heads)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(arch.hf_rope_dim(config, head_dim))
     w.add_rope_freq_base(_rope_theta(config))
     w.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     w.add_vocab_size(config.vocab_size)

@@ -96,6 +96,7 @@ class Architecture:
     hf_classes: tuple[str, ...] = ()
     hf_model_types: tuple[str, ...] = ()
     permute_qk: bool = False
+    ffn_norm_name: str = "ffn_norm"  # the pre-FFN norm's tensor (qwen3next: post_attention_norm)
 
     # --- metadata -> config ----------------------------------------------------------------
 
@@ -171,7 +172,7 @@ class Architecture:
     def layer_tensors(self, cfg: ModelConfig, layer: int) -> Shapes:
         """Every tensor of one layer the engine reads, with its numpy shape."""
         p = f"blk.{layer}."
-        t = {p + "attn_norm.weight": (cfg.hidden,), p + "ffn_norm.weight": (cfg.hidden,)}
+        t = {p + "attn_norm.weight": (cfg.hidden,), p + f"{self.ffn_norm_name}.weight": (cfg.hidden,)}
         t.update(ATTENTION_TENSORS[self.attention_kind(cfg, layer)](cfg, p))
         t.update(moe_tensors(cfg, p) if self.ffn_kind(cfg, layer) == "moe" else dense_ffn_tensors(cfg, p))
         return t
@@ -189,10 +190,25 @@ class Architecture:
         """Values one token holds in layer `layer`'s KV cache (the KV pool's and the planner's price)."""
         return KV_VALUES[self.attention_kind(cfg, layer)](cfg)
 
+    def state_bytes(self, cfg: ModelConfig, layer: int) -> int:
+        """Bytes one sequence's recurrent state takes in layer `layer` (0: the layer keeps KV only);
+        the stage holds it for every sequence slot, the planner and driver charge it like KV."""
+        return 0
+
     # --- the converter's side (stages/gguf_writer.py) ---------------------------------------
 
     def write_metadata(self, w: Any, hf_config: Any) -> None:
         """Keys beyond the common ones that llama.cpp's converter writes for this family."""
+
+    def hf_rope_dim(self, hf_config: Any, head_dim: int) -> int:
+        """rope.dimension_count as written: the values of a head RoPE turns."""
+        return head_dim
+
+    def hf_tensor(self, layer: int | None, rest: str, a: Any, hf_config: Any) -> list | None:
+        """The GGUF tensors [(name, array)] of one transformers tensor (`rest`: its key after
+        "model.layers.{layer}.", or the whole key when layer is None), for a family whose
+        converter transforms it; None: the common name mapping applies."""
+        return None
 
     def hf_norm_topk(self, hf_config: Any) -> bool:
         """expert_weights_norm as written: what the transformers model really does."""
