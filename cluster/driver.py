@@ -274,11 +274,21 @@ class Launched:
         self.group.shutdown()
 
 
-def kv_layer_bytes(config, n_blocks: int, itemsize: int = 4) -> int:
-    """KV pool of one layer with `n_blocks` blocks, as a stage allocates it."""
+def kv_layer_bytes(config, n_blocks: int, itemsize: int = 4, layer: int | None = None) -> int:
+    """KV pool of one layer with `n_blocks` blocks, as a stage allocates it (layer None: the
+    largest layer's, the figure a message quotes)."""
+    if layer is None:
+        return max(kv_bytes_by_layer(config, n_blocks, itemsize), default=0)
     from moeray.stages.kv_cache import kv_block_bytes
 
-    return n_blocks * kv_block_bytes(config, 1, itemsize)
+    return n_blocks * kv_block_bytes(config, range(layer, layer + 1), itemsize)
+
+
+def kv_bytes_by_layer(config, n_blocks: int, itemsize: int = 4) -> list[int]:
+    """Each layer's KV pool with `n_blocks` blocks, at its architecture's values per token."""
+    from moeray.stages.kv_cache import kv_block_bytes
+
+    return [n_blocks * kv_block_bytes(config, range(l, l + 1), itemsize) for l in range(config.n_layers)]
 
 
 def kv_itemsize(kinds) -> int:
@@ -319,17 +329,18 @@ def local_kv_plan(config, engine: EngineConfig, free_bytes: int, itemsize: int =
     n, rule = fixed_kv_blocks(config, engine, free_bytes, itemsize)
     if n is None:
         n, rule = blocks_for(context), "one sequence at the full context (--kv-blocks or --kv-fraction for more)"
-    return KVPlan(n, BLOCK_SIZE, context, rule, [config.n_layers * kv_layer_bytes(config, n, itemsize)])
+    return KVPlan(n, BLOCK_SIZE, context, rule, [sum(kv_bytes_by_layer(config, n, itemsize))])
 
 
-def held_spec(header, kv_bytes_per_layer: int = 0, route: str | None = None):
+def held_spec(header, kv_bytes_per_layer: int | list[int] = 0, route: str | None = None):
     """The planner's ModelSpec in the bytes a stage really holds on its device.
 
     On the quantised routes a slot and the trunk hold the GGUF's own blocks (float32 only for
     vectors and routers), on the exact route float32 copies: `held_bytes` in stages/gguf_file.py
     prices both, and the stage is charged the same numbers. A layer's KV cache is on the card with
     its trunk whatever the split, so it is priced as part of that layer's trunk: the search then
-    charges every candidate range exactly the KV it would allocate.
+    charges every candidate range exactly the KV it would allocate. `kv_bytes_per_layer`: one
+    figure for every layer, or a list (kv_bytes_by_layer) where the layers' KV differ.
     """
     from moeray.planner.spec import ModelSpec, TrunkBytes
     from moeray.stages.gguf_file import expert_bytes, trunk_bytes
@@ -338,7 +349,8 @@ def held_spec(header, kv_bytes_per_layer: int = 0, route: str | None = None):
     route = route or current_route()
     cfg = header.config
     t = trunk_bytes(header.tensors, cfg, route)
-    layers = [kv_bytes_per_layer + n for n in t["layers"]]
+    kv = kv_bytes_per_layer if isinstance(kv_bytes_per_layer, list) else [kv_bytes_per_layer] * cfg.n_layers
+    layers = [k + n for k, n in zip(kv, t["layers"])]
     experts = [expert_bytes(header.tensors, l, route) for l in range(cfg.n_layers)]
     return ModelSpec(cfg.n_layers, cfg.n_experts, cfg.n_experts_used, experts,
                      TrunkBytes(t["embedding"], t["head"], layers))
@@ -374,15 +386,15 @@ def plan_from_reports(header, reports: list[ProbeReport], opts: LaunchOptions, e
                 "or --kv-blocks, or add stages")
 
     def kv_plan(n: int, ranges, rule: str, tried=()) -> KVPlan:
-        layer = kv_layer_bytes(cfg, n, itemsize)
-        return KVPlan(n, BLOCK_SIZE, context, rule, [(b - a) * layer for a, b in ranges], list(tried))
+        layer = kv_bytes_by_layer(cfg, n, itemsize)
+        return KVPlan(n, BLOCK_SIZE, context, rule, [sum(layer[a:b]) for a, b in ranges], list(tried))
 
     if not cfg.is_moe:  # no experts to place: split by layer speed (or as given)
         ks = parse_split(opts.split, L, S) or proportional_split(L, devs)
         bounds = [0] + list(ks) + [L]
-        kv_layer = kv_layer_bytes(cfg, min_blocks, itemsize)
+        kv_layer = kv_bytes_by_layer(cfg, min_blocks, itemsize)
         for r, d, a, b in zip(reports, devs, bounds[:-1], bounds[1:]):
-            if (b - a) * kv_layer > d.free_bytes:
+            if sum(kv_layer[a:b]) > d.free_bytes:
                 raise PlacementError(f"stage {r.stage}: {r.device.name} cannot hold layers {a}-{b - 1}; {hint(min_blocks)}")
         ranges = list(zip(bounds[:-1], bounds[1:]))
         kv = kv_plan(min_blocks, ranges, rule or "one sequence at the full context (no experts to trade)")
@@ -393,7 +405,7 @@ def plan_from_reports(header, reports: list[ProbeReport], opts: LaunchOptions, e
     profile = Profile.load(opts.profile, L, cfg.n_experts) if opts.profile else None
 
     def plan_for(n: int):
-        return plan_placement(held_spec(header, kv_layer_bytes(cfg, n, itemsize)), devs, profile, split=opts.split,
+        return plan_placement(held_spec(header, kv_bytes_by_layer(cfg, n, itemsize)), devs, profile, split=opts.split,
                               objective=opts.objective, trunk=opts.trunk, handoff_ms=handoff_ms)
 
     try:

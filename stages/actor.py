@@ -326,7 +326,7 @@ class StageActor:
         # Charge KV and trunk from the header first: what is left is the expert cache's budget, and
         # the MoE blocks are built with that cache in front of the host copy.
         itemsize = 2 if kv_dtype(self.device.torch_device).itemsize == 2 else 4
-        self.memory.charge(kv_blocks * kv_block_bytes(cfg, end - first, itemsize),
+        self.memory.charge(kv_blocks * kv_block_bytes(cfg, range(first, end), itemsize),
                            f"KV pool ({kv_blocks} blocks, {kv_blocks * BLOCK_SIZE} tokens)")
         trunk = stage_trunk_bytes(gguf, first, end)
         self.memory.charge(trunk if trunk_on_card is None else trunk_on_card, f"trunk of layers {first}-{end - 1}")

@@ -16,7 +16,8 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from moeray.stages.config import ModelConfig, config_from_metadata
+from moeray.stages.arch import arch_of, config_from_metadata
+from moeray.stages.config import ModelConfig
 from moeray.errors import (GGUFError, MissingTensorError, NotGGUFError, TensorShapeError,
                            TruncatedGGUFError, UnsupportedQuantError)
 
@@ -205,42 +206,9 @@ def write_header_only(src: str | os.PathLike, dst: str | os.PathLike) -> int:
 
 # --- the expected tensors of an architecture -----------------------------------------------
 
-def layer_tensor_shapes(cfg: ModelConfig, layer: int, present: set[str] | None = None
-                        ) -> dict[str, tuple[int, ...]]:
-    """Every tensor of one layer the engine reads, with its numpy shape. Optional tensors (biases,
-    tied head) are included only when `present` holds them."""
-    H, D, q_out, kv_out = cfg.hidden, cfg.head_dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
-    p = f"blk.{layer}."
-    t = {
-        p + "attn_norm.weight": (H,), p + "ffn_norm.weight": (H,),
-        p + "attn_q.weight": (q_out, H), p + "attn_k.weight": (kv_out, H), p + "attn_v.weight": (kv_out, H),
-        p + "attn_output.weight": (H, q_out),
-    }
-    if cfg.qkv_bias:
-        t.update({p + "attn_q.bias": (q_out,), p + "attn_k.bias": (kv_out,), p + "attn_v.bias": (kv_out,)})
-    if cfg.qk_norm:
-        t.update({p + "attn_q_norm.weight": (D,), p + "attn_k_norm.weight": (D,)})
-    if cfg.is_moe:
-        E, F = cfg.n_experts, cfg.expert_ffn_dim
-        t.update({p + "ffn_gate_inp.weight": (E, H), p + "ffn_gate_exps.weight": (E, F, H),
-                  p + "ffn_up_exps.weight": (E, F, H), p + "ffn_down_exps.weight": (E, H, F)})
-        if cfg.shared_expert_ffn_dim:
-            S = cfg.shared_expert_ffn_dim
-            t.update({p + "ffn_gate_shexp.weight": (S, H), p + "ffn_up_shexp.weight": (S, H),
-                      p + "ffn_down_shexp.weight": (H, S), p + "ffn_gate_inp_shexp.weight": (H,)})
-    else:
-        F = cfg.ffn_dim
-        t.update({p + "ffn_gate.weight": (F, H), p + "ffn_up.weight": (F, H), p + "ffn_down.weight": (H, F)})
-    return t
-
-
 def expected_tensor_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    t = {"token_embd.weight": (cfg.vocab_size, cfg.hidden), "output_norm.weight": (cfg.hidden,)}
-    if not cfg.tie_embeddings:
-        t["output.weight"] = (cfg.vocab_size, cfg.hidden)
-    for i in range(cfg.n_layers):
-        t.update(layer_tensor_shapes(cfg, i))
-    return t
+    """Every tensor the engine reads, with its numpy shape: its architecture's table."""
+    return arch_of(cfg).tensors(cfg)
 
 
 def _shape_matches(actual: tuple[int, ...], expected: tuple[int, ...]) -> bool:

@@ -1,6 +1,7 @@
 """Write a transformers causal LM to GGUF the way llama.cpp's convert_hf_to_gguf.py does.
 
-Supported: LlamaForCausalLM (dense), MixtralForCausalLM (stored as arch "llama" with
+Supported: the transformers classes each architecture module lists (stages/arch/*.py
+`hf_classes`): LlamaForCausalLM (dense), MixtralForCausalLM (stored as arch "llama" with
 ffn_gate_inp + ffn_{gate,up,down}_exps, which is how llama.cpp stores Mixtral),
 Qwen2MoeForCausalLM ("qwen2moe") and Qwen3MoeForCausalLM ("qwen3moe").
 
@@ -28,17 +29,12 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as QT
 
+from moeray.stages.arch import by_hf_class
+
 FILE_TYPES = {  # name -> (weight type for quantisable matrices, general.file_type)
     "F32": (QT.F32, gguf.LlamaFileType.ALL_F32),
     "F16": (QT.F16, gguf.LlamaFileType.MOSTLY_F16),
     "Q8_0": (QT.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0),
-}
-
-HF_ARCH_TO_GGUF = {
-    "LlamaForCausalLM": "llama",
-    "MixtralForCausalLM": "llama",
-    "Qwen2MoeForCausalLM": "qwen2moe",
-    "Qwen3MoeForCausalLM": "qwen3moe",
 }
 
 # Per-layer HF name (after "model.layers.{i}.") -> GGUF name (after "blk.{i}.").
@@ -89,19 +85,6 @@ def llama_unpermute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.nda
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_arch(config: Any) -> str:
-    archs = getattr(config, "architectures", None) or []
-    for a in archs:
-        if a in HF_ARCH_TO_GGUF:
-            return a
-    by_type = {"llama": "LlamaForCausalLM", "mixtral": "MixtralForCausalLM",
-               "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
-    if config.model_type in by_type:
-        return by_type[config.model_type]
-    raise ValueError(f"cannot write {config.model_type!r} ({archs}) to GGUF; supported: "
-                     f"{', '.join(HF_ARCH_TO_GGUF)}")
-
-
 def _head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
@@ -134,8 +117,7 @@ def _gguf_names(hf_key: str) -> list[str]:
 
 def gguf_tensors_from_hf(state_dict: dict[str, Any], config: Any) -> dict[str, np.ndarray]:
     """The float32 tensors of the GGUF (numpy order), from a transformers state dict."""
-    hf_arch = _hf_arch(config)
-    permute = HF_ARCH_TO_GGUF[hf_arch] == "llama"
+    permute = by_hf_class(config).permute_qk
     n_head, n_kv = config.num_attention_heads, config.num_key_value_heads
     out: dict[str, np.ndarray] = {}
     for key, t in state_dict.items():
@@ -179,7 +161,7 @@ def _encode(array: np.ndarray, qtype: QT) -> np.ndarray:
     return gguf.quants.quantize(array.astype(np.float32), qtype)
 
 
-def _add_metadata(w: gguf.GGUFWriter, config: Any, arch: str, file_type: gguf.LlamaFileType,
+def _add_metadata(w: gguf.GGUFWriter, config: Any, arch, file_type: gguf.LlamaFileType,
                   name: str) -> None:
     head_dim = _head_dim(config)
     n_experts = _n_experts(config)
@@ -201,12 +183,10 @@ def _add_metadata(w: gguf.GGUFWriter, config: Any, arch: str, file_type: gguf.Ll
         w.add_expert_used_count(int(config.num_experts_per_tok))
         moe_ffn = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
         w.add_expert_feed_forward_length(int(moe_ffn))
-        if arch == "qwen2moe":
-            w.add_expert_shared_feed_forward_length(int(config.shared_expert_intermediate_size))
         # llama.cpp hard-codes the renormalisation per arch (Mixtral and qwen3moe: yes, qwen2moe:
         # no); the key records what the transformers model really does, for readers that look.
-        norm = True if arch == "llama" else bool(getattr(config, "norm_topk_prob", False))
-        w.add_expert_weights_norm(norm)
+        w.add_expert_weights_norm(arch.hf_norm_topk(config))
+    arch.write_metadata(w, config)
     w.add_file_type(file_type)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for key, setter in (("bos_token_id", w.add_bos_token_id), ("eos_token_id", w.add_eos_token_id)):
@@ -252,14 +232,13 @@ def write_gguf(model: Any, path: str | Path, file_type: str = "F32", tokenizer: 
     if file_type not in FILE_TYPES:
         raise ValueError(f"file_type must be one of {', '.join(FILE_TYPES)}, not {file_type!r}")
     config = model.config
-    hf_arch = _hf_arch(config)
-    arch = HF_ARCH_TO_GGUF[hf_arch]
+    arch = by_hf_class(config)
     weight_type, ftype = FILE_TYPES[file_type]
     tensors = gguf_tensors_from_hf(model.state_dict(), config)
-    _check_layers(tensors, config, arch)
+    _check_layers(tensors, config, arch.name)
 
     path = Path(path)
-    w = gguf.GGUFWriter(path, arch)
+    w = gguf.GGUFWriter(path, arch.name)
     _add_metadata(w, config, arch, ftype, name or f"moeray-tiny-{config.model_type}")
     if tokenizer is not None:
         _add_gpt2_tokenizer(w, tokenizer)
@@ -320,7 +299,7 @@ def dequantized_state_dict(path: str | Path, model: Any) -> dict[str, Any]:
     import torch
 
     config = model.config
-    permute = HF_ARCH_TO_GGUF[_hf_arch(config)] == "llama"
+    permute = by_hf_class(config).permute_qk
     n_head, n_kv = config.num_attention_heads, config.num_key_value_heads
     g = read_dequantized(path)
     out = {}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from moeray.errors import MoerayError
+from moeray.stages.arch import arch_of
 
 BLOCK_SIZE = 16  # tokens per block, as vLLM's default: small enough to waste < 16 tokens a sequence
 
@@ -34,14 +35,17 @@ def kv_dtype(device: str | torch.device) -> torch.dtype:
     return torch.float16 if torch.device(device).type == "cuda" else torch.float32
 
 
-def kv_token_bytes(config, n_layers: int, itemsize: int = 4) -> int:
-    """Bytes one token's k and v take over `n_layers` layers."""
-    return 2 * n_layers * config.n_kv_heads * config.head_dim * itemsize
+def kv_token_bytes(config, layers: int | range, itemsize: int = 4) -> int:
+    """Bytes one token's KV takes over `layers` (a range of layer numbers, or a count from layer 0),
+    at the values per token per layer its architecture says (k and v of each KV head for GQA)."""
+    arch = arch_of(config)
+    layers = range(layers) if isinstance(layers, int) else layers
+    return sum(arch.kv_values(config, l) for l in layers) * itemsize
 
 
-def kv_block_bytes(config, n_layers: int, itemsize: int = 4) -> int:
-    """Bytes one block takes over `n_layers` layers: what the driver charges per block."""
-    return BLOCK_SIZE * kv_token_bytes(config, n_layers, itemsize)
+def kv_block_bytes(config, layers: int | range, itemsize: int = 4) -> int:
+    """Bytes one block takes over `layers`: what the driver charges per block."""
+    return BLOCK_SIZE * kv_token_bytes(config, layers, itemsize)
 
 
 def blocks_for(n_tokens: int) -> int:

@@ -1,4 +1,4 @@
-"""Transformer pieces: RMSNorm, RoPE (llama.cpp "normal" and neox), and attention over the KV cache.
+"""Transformer pieces: RMSNorm and attention over the KV cache (RoPE variants: stages/rope.py).
 
 Tokens of a step are packed: all sequences' new tokens in one [N, hidden] matrix, so every
 projection is one matmul. Only the attention itself is per sequence, done as one padded SDPA
@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from moeray.stages.config import ModelConfig
 from moeray.stages.kv_cache import BLOCK_SIZE, KVCache, KVPool, blocks_for
 from moeray.stages.qmatmul import QMatrix
+from moeray.stages.rope import RoPE
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -116,39 +117,6 @@ def slot_batch_meta(n_new: list[int], slots: list[int], kv: KVCache, device: tor
     if len(set(slots)) != len(slots):
         raise ValueError(f"a step may hold each KV slot once, got slots {slots}")
     return make_batch_meta(n_new, [kv.lengths[s] for s in slots], [kv.table(s) for s in slots], device, slots)
-
-
-class RoPE:
-    """Rotary embedding. "normal" rotates adjacent pairs (x[2j], x[2j+1]): llama.cpp's rope for llama,
-    whose GGUF q/k rows the converter permuted so that this equals HF's rotate-half. "neox" rotates
-    (x[j], x[j + D/2]) as HF does for qwen."""
-
-    def __init__(self, head_dim: int, theta: float, style: str, scale: float = 1.0, device="cpu"):
-        if style not in ("normal", "neox"):
-            raise ValueError(f"unknown rope style {style!r}")
-        self.style, self.scale, self.head_dim = style, scale, head_dim
-        self.inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device=device)
-                                         / head_dim))
-
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """[N] positions -> cos, sin of shape [N, 1, D/2] (broadcast over heads), and for the
-        "normal" style the same rotation as complex numbers cos + i·sin (made once per step)."""
-        angles = (positions.to(torch.float64) / self.scale).unsqueeze(-1) * self.inv_freq
-        cos, sin = angles.cos().float().unsqueeze(1), angles.sin().float().unsqueeze(1)
-        return cos, sin, torch.complex(cos, sin) if self.style == "normal" else None
-
-    def apply(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              rot: torch.Tensor | None = None) -> torch.Tensor:
-        """x [N, heads, D]."""
-        if self.style == "normal":
-            if rot is not None:  # adjacent pairs are complex numbers: one multiply rotates them all
-                pairs = torch.view_as_complex(x.reshape(*x.shape[:-1], -1, 2))  # [N, heads, D/2]
-                return torch.view_as_real(pairs * rot).flatten(-2)
-            x0, x1 = x[..., 0::2], x[..., 1::2]
-            return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2)
-        half = self.head_dim // 2
-        x0, x1 = x[..., :half], x[..., half:]
-        return torch.cat((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1)
 
 
 class Attention(torch.nn.Module):

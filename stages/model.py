@@ -13,11 +13,13 @@ import os
 import torch
 
 from moeray.errors import MoerayError
+from moeray.stages.arch import arch_of
 from moeray.stages.gguf_file import GGUFFile, tensor_role, trunk_bytes
 from moeray.stages.kv_cache import KVCache, KVPool, kv_dtype
-from moeray.stages.layers import Attention, BatchMeta, RoPE, make_batch_meta, rms_norm, slot_batch_meta
+from moeray.stages.layers import Attention, BatchMeta, make_batch_meta, rms_norm, slot_batch_meta
 from moeray.stages.moe import DenseFFN, Experts, HostExperts, MoEBlock
 from moeray.stages.qmatmul import QMatrix, announce, current_route
+from moeray.stages.rope import RoPE
 from moeray.stages.quant import dequantize
 
 
@@ -43,7 +45,7 @@ class StageModel(torch.nn.Module):
         self.gguf, self.config, self.first, self.end = gguf, cfg, first, end
         self.device = torch.device(device)
         self.has_embedding, self.has_head = first == 0, end == cfg.n_layers
-        self.rope = RoPE(cfg.head_dim, cfg.rope_theta, cfg.rope_style, cfg.rope_scale, device=self.device)
+        self.rope = RoPE.from_config(cfg, device=self.device)
         self.route = route or current_route()
         announce(self.route, self.device)
         self.experts: Experts = experts if experts is not None else HostExperts(gguf, self.route)
@@ -72,6 +74,13 @@ class StageModel(torch.nn.Module):
         return QMatrix.from_raw(self.gguf.raw(name), info.ggml_type, info.shape, self.route, device=self.device)
 
     def _load_layer(self, i: int) -> TransformerLayer:
+        """Layer i from the shared blocks its architecture names: an attention kind and an FFN kind."""
+        arch, p, v = arch_of(self.config), f"blk.{i}.", self._vector
+        attn = _ATTENTION[arch.attention_kind(self.config, i)](self, i)
+        ffn = _FFN[arch.ffn_kind(self.config, i)](self, i)
+        return TransformerLayer(v(p + "attn_norm.weight"), attn, v(p + "ffn_norm.weight"), ffn)
+
+    def _gqa(self, i: int) -> Attention:
         cfg, p, m, v = self.config, f"blk.{i}.", self._matrix, self._vector
         qkv = [m(p + "attn_q.weight"), m(p + "attn_k.weight"), m(p + "attn_v.weight")]
         fused = QMatrix.cat_rows(qkv)  # one matmul when q, k and v share a block type
@@ -80,18 +89,22 @@ class StageModel(torch.nn.Module):
             b_qkv = torch.cat((v(p + "attn_q.bias"), v(p + "attn_k.bias"), v(p + "attn_v.bias")))
         q_norm = v(p + "attn_q_norm.weight") if cfg.qk_norm else None
         k_norm = v(p + "attn_k_norm.weight") if cfg.qk_norm else None
-        attn = Attention(cfg, i, [fused] if fused is not None else qkv, b_qkv, m(p + "attn_output.weight"),
+        return Attention(cfg, i, [fused] if fused is not None else qkv, b_qkv, m(p + "attn_output.weight"),
                          q_norm, k_norm)
-        if cfg.is_moe:
-            shared = gate = None
-            if cfg.shared_expert_ffn_dim:
-                shared = DenseFFN(m(p + "ffn_gate_shexp.weight"), m(p + "ffn_up_shexp.weight"),
-                                  m(p + "ffn_down_shexp.weight"))
+
+    def _dense_ffn(self, i: int) -> DenseFFN:
+        p, m = f"blk.{i}.", self._matrix
+        return DenseFFN(m(p + "ffn_gate.weight"), m(p + "ffn_up.weight"), m(p + "ffn_down.weight"))
+
+    def _moe(self, i: int) -> MoEBlock:
+        cfg, p, m, v = self.config, f"blk.{i}.", self._matrix, self._vector
+        shared = gate = None
+        if cfg.shared_expert_ffn_dim:
+            shared = DenseFFN(m(p + "ffn_gate_shexp.weight"), m(p + "ffn_up_shexp.weight"),
+                              m(p + "ffn_down_shexp.weight"))
+            if cfg.shared_expert_gate:
                 gate = v(p + "ffn_gate_inp_shexp.weight").reshape(-1)
-            ffn = MoEBlock(cfg, i, v(p + "ffn_gate_inp.weight"), self.experts, shared, gate)
-        else:
-            ffn = DenseFFN(m(p + "ffn_gate.weight"), m(p + "ffn_up.weight"), m(p + "ffn_down.weight"))
-        return TransformerLayer(v(p + "attn_norm.weight"), attn, v(p + "ffn_norm.weight"), ffn)
+        return MoEBlock(cfg, i, v(p + "ffn_gate_inp.weight"), self.experts, shared, gate)
 
     @classmethod
     def from_gguf(cls, path_or_gguf: str | os.PathLike | GGUFFile, layers: tuple[int, int] | None = None,
@@ -192,6 +205,11 @@ class StageModel(torch.nn.Module):
         kv = self.new_kv_cache(1, len(token_ids))
         meta = self.batch_meta([len(token_ids)], [0], kv)
         return self.head(self.run_layers(self.embed([list(token_ids)]), meta, kv))
+
+
+# The shared blocks a layer is built from, by the kind its architecture names (stages/arch/).
+_ATTENTION = {"gqa": StageModel._gqa}
+_FFN = {"dense": StageModel._dense_ffn, "moe": StageModel._moe}
 
 
 def stage_trunk_bytes(gguf, first: int, end: int, route: str | None = "current") -> int:

@@ -12,10 +12,12 @@ from typing import Callable, NamedTuple, Protocol
 import torch
 import torch.nn.functional as F
 
+from moeray.stages.arch import arch_of
 from moeray.stages.config import ModelConfig
 from moeray.stages.gguf_file import EXPERT_KINDS, GGUFFile, expert_bytes
 from moeray.stages.qmatmul import SILU, GLU, ExpertBias, QMatrix, current_route, swiglu, to_device
 from moeray.stages.quant import dequantize
+from moeray.stages.routing import ROUTING
 
 RouteObserver = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, ids [N, k], weights [N, k])
 
@@ -175,28 +177,31 @@ class DenseFFN(torch.nn.Module):
 
 
 class MoEBlock(torch.nn.Module):
-    """Router -> softmax -> top-k (-> renormalise) -> experts; plus qwen2moe's gated shared expert."""
+    """Router -> the architecture's routing function (stages/routing.py) -> experts; plus a shared
+    expert, gated (qwen2moe: sigmoid(w . h) scales it) or not."""
 
     def __init__(self, cfg: ModelConfig, layer: int, w_router: torch.Tensor, experts: Experts,
-                 shared: DenseFFN | None = None, w_shared_gate: torch.Tensor | None = None):
+                 shared: DenseFFN | None = None, w_shared_gate: torch.Tensor | None = None,
+                 router_bias: torch.Tensor | None = None):
         super().__init__()
         self.cfg, self.layer, self.experts = cfg, layer, experts
         self.register_buffer("w_router", w_router, persistent=False)  # [E, H] float32: small
+        self.register_buffer("router_bias", router_bias, persistent=False)  # [E]: a selection bias, where the family has one
+        self.routing = ROUTING[arch_of(cfg).routing]
         self.shared = shared
         self.register_buffer("w_shared_gate", w_shared_gate, persistent=False)
 
     def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """[N, H] -> (expert ids [N, k], weights [N, k]) in rank order."""
-        probs = torch.softmax(F.linear(h, self.w_router), dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.cfg.n_experts_used, dim=-1)
-        if self.cfg.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        ids, weights = self.routing(F.linear(h, self.w_router), self.cfg, self.router_bias)
         return ids, weights.to(h.dtype)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         ids, weights = self.route(h)
         out = self.experts.forward(self.layer, h, ids, weights)
         if self.shared is not None:
-            gate = torch.sigmoid(F.linear(h, self.w_shared_gate.view(1, -1)))
-            out = out + gate * self.shared(h)
+            shared = self.shared(h)
+            if self.w_shared_gate is not None:
+                shared = torch.sigmoid(F.linear(h, self.w_shared_gate.view(1, -1))) * shared
+            out = out + shared
         return out

@@ -189,7 +189,11 @@ def test_unsupported_architecture(tmp_path):
     with pytest.raises(UnsupportedArchitectureError) as err:
         read_gguf_header(p)
     assert_names_file(err, p)
-    for arch in ("llama", "qwen2moe", "qwen3moe", "gpt2"):
+    from moeray.stages.arch import supported
+
+    assert {"llama", "qwen2moe", "qwen3moe"} <= set(supported())
+    assert "\n" not in str(err.value)  # one line, naming the file, the architecture and every supported one
+    for arch in (*supported(), "gpt2"):
         assert arch in str(err.value)
 
 

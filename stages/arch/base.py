@@ -1,0 +1,202 @@
+"""What every architecture shares, and the one class a model family fills in.
+
+An `Architecture` turns GGUF metadata into a `ModelConfig`, names each layer's tensors, says how
+each layer is built (its attention kind and its FFN kind: dense or MoE), which routing function
+its MoE blocks use (stages/routing.py), and how many KV values a token takes in each layer (the
+KV pool and the planner price KV from it). The blocks themselves (attention variants, RoPE
+variants, the dense FFN, the MoE block) stay shared in stages/layers.py, stages/rope.py and
+stages/moe.py; an architecture only picks and wires them.
+
+Torch-free: the planner and `moeray plan` read configs and tensor tables from headers alone.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from moeray.errors import GGUFError, UnsupportedArchitectureError
+from moeray.stages.config import ModelConfig
+
+Shapes = dict[str, tuple[int, ...]]
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's attention scale 0.1 * mscale * ln(factor) + 1 (1 when the context is not stretched)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+class Meta:
+    """`{arch}.KEY` lookups in a GGUF's metadata; a missing required key is one clear error."""
+
+    def __init__(self, meta: dict[str, Any], arch: str, path: str):
+        self.meta, self.arch, self.path = meta, arch, path
+
+    def __call__(self, key: str, default: Any = ...) -> Any:
+        full = f"{self.arch}.{key}"
+        if full in self.meta:
+            return self.meta[full]
+        if default is ...:
+            raise GGUFError(f"{self.path}: metadata key '{full}' is missing; the file was not written by a "
+                            "llama.cpp-compatible converter (re-convert it with convert_hf_to_gguf.py)")
+        return default
+
+    def unsupported(self, what: str) -> UnsupportedArchitectureError:
+        return UnsupportedArchitectureError(f"{self.path}: {what}")
+
+
+# --- the tensors of the shared blocks (numpy shapes) -----------------------------------------
+
+def gqa_tensors(cfg: ModelConfig, p: str) -> Shapes:
+    """Grouped-query attention: q/k/v/o, optional q/k/v biases and per-head q/k RMSNorm."""
+    H, D, q_out, kv_out = cfg.hidden, cfg.head_dim, cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    t = {p + "attn_q.weight": (q_out, H), p + "attn_k.weight": (kv_out, H), p + "attn_v.weight": (kv_out, H),
+         p + "attn_output.weight": (H, q_out)}
+    if cfg.qkv_bias:
+        t.update({p + "attn_q.bias": (q_out,), p + "attn_k.bias": (kv_out,), p + "attn_v.bias": (kv_out,)})
+    if cfg.qk_norm:
+        t.update({p + "attn_q_norm.weight": (D,), p + "attn_k_norm.weight": (D,)})
+    return t
+
+
+def dense_ffn_tensors(cfg: ModelConfig, p: str) -> Shapes:
+    H, F = cfg.hidden, cfg.ffn_dim
+    return {p + "ffn_gate.weight": (F, H), p + "ffn_up.weight": (F, H), p + "ffn_down.weight": (H, F)}
+
+
+def moe_tensors(cfg: ModelConfig, p: str) -> Shapes:
+    """Router + stacked experts, and the shared expert (gated when `cfg.shared_expert_gate`)."""
+    H, E, F = cfg.hidden, cfg.n_experts, cfg.expert_ffn_dim
+    t = {p + "ffn_gate_inp.weight": (E, H), p + "ffn_gate_exps.weight": (E, F, H),
+         p + "ffn_up_exps.weight": (E, F, H), p + "ffn_down_exps.weight": (E, H, F)}
+    if cfg.shared_expert_ffn_dim:
+        S = cfg.shared_expert_ffn_dim
+        t.update({p + "ffn_gate_shexp.weight": (S, H), p + "ffn_up_shexp.weight": (S, H),
+                  p + "ffn_down_shexp.weight": (H, S)})
+        if cfg.shared_expert_gate:
+            t[p + "ffn_gate_inp_shexp.weight"] = (H,)
+    return t
+
+
+ATTENTION_TENSORS = {"gqa": gqa_tensors}
+# Values one token holds in one layer's KV cache, per attention kind: k and v of every KV head.
+KV_VALUES = {"gqa": lambda cfg: 2 * cfg.n_kv_heads * cfg.head_dim}
+
+
+class Architecture:
+    """One model family. Subclasses set `name` and override what differs from the defaults here
+    (a llama-like stack of [attention, FFN] layers with GQA and softmax top-k routing)."""
+
+    name: str = ""
+    routing: str = "softmax_topk"  # a function of stages/routing.py
+    rope_style: str = "neox"  # "normal" where the converter permutes q/k rows (llama)
+    norm_topk_default: bool = True  # renormalise the top-k weights when the file does not say
+    qk_norm: bool = False  # per-head q/k RMSNorm required in every layer
+    # The converter's side (stages/gguf_writer.py): transformers classes and model_types written
+    # as this architecture, and whether q/k rows are permuted for "normal" RoPE.
+    hf_classes: tuple[str, ...] = ()
+    hf_model_types: tuple[str, ...] = ()
+    permute_qk: bool = False
+
+    # --- metadata -> config ----------------------------------------------------------------
+
+    def config(self, meta: dict[str, Any], shapes: Shapes, path: str) -> ModelConfig:
+        return ModelConfig(**self.config_fields(Meta(meta, self.name, path), meta, shapes))
+
+    def config_fields(self, g: Meta, meta: dict[str, Any], shapes: Shapes) -> dict[str, Any]:
+        """The fields every family reads the same way; subclasses adjust the dict."""
+        n_heads = int(g("attention.head_count"))
+        hidden = int(g("embedding_length"))
+        head_dim = int(g("attention.key_length", hidden // n_heads))
+        value_dim = int(g("attention.value_length", head_dim))
+        if value_dim != head_dim:
+            raise g.unsupported(f"attention.value_length {value_dim} != key_length {head_dim}; moeray needs "
+                                "them equal for this architecture")
+        rope_dim = int(g("rope.dimension_count", head_dim))
+        if not 0 < rope_dim <= head_dim or rope_dim % 2:
+            raise g.unsupported(f"rope.dimension_count {rope_dim} does not fit head_dim {head_dim}")
+        n_experts = int(g("expert_count", 0))
+        expert_ffn = int(g("expert_feed_forward_length", 0)) if n_experts else 0
+        emb = shapes.get("token_embd.weight")
+        vocab = emb[0] if emb else int(g("vocab_size", len(meta.get("tokenizer.ggml.tokens", ())) or 0))
+        bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+        return dict(
+            arch=self.name, n_layers=int(g("block_count")), hidden=hidden, n_heads=n_heads,
+            n_kv_heads=int(g("attention.head_count_kv", n_heads)), head_dim=head_dim, vocab_size=int(vocab),
+            context_length=int(g("context_length", 4096)), rope_theta=float(g("rope.freq_base", 10000.0)),
+            rms_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)), rope_style=self.rope_style,
+            ffn_dim=0 if n_experts else int(g("feed_forward_length", 0)), n_experts=n_experts,
+            n_experts_used=int(g("expert_used_count", 0)), expert_ffn_dim=expert_ffn,
+            shared_expert_ffn_dim=0, norm_topk_prob=bool(g("expert_weights_norm", self.norm_topk_default)),
+            qk_norm=self.qk_norm, tie_embeddings="output.weight" not in shapes,
+            bos_token_id=None if bos is None else int(bos), eos_token_id=None if eos is None else int(eos),
+            qkv_bias="blk.0.attn_q.bias" in shapes, rope_dim=0 if rope_dim == head_dim else rope_dim,
+            **self.rope_scaling_fields(g),
+        )
+
+    def rope_scaling_fields(self, g: Meta) -> dict[str, Any]:
+        """rope.scaling.*: none, linear, or YaRN with its attention factor as llama.cpp derives it
+        (llama-context.cpp: 0.1 ln(factor) + 1, or the ratio of two such scales when the file
+        carries yarn_log_multiplier); an explicit yarn_attn_factor wins, as in transformers."""
+        scaling = str(g("rope.scaling.type", "none"))
+        factor = float(g("rope.scaling.factor", 1.0))
+        if scaling == "none" or (scaling == "linear" and factor == 1.0):
+            return {}
+        if scaling == "linear":
+            return dict(rope_scaling="linear", rope_scale=factor)
+        if scaling != "yarn":
+            raise g.unsupported(f"rope scaling '{scaling}' is not supported for {self.name} (none, linear, yarn)")
+        log_mul = float(g("rope.scaling.yarn_log_multiplier", 0.0))
+        if log_mul:
+            attn = yarn_mscale(factor) / yarn_mscale(factor, log_mul)
+        else:
+            attn = yarn_mscale(factor)
+        return dict(rope_scaling="yarn", rope_scale=factor,
+                    rope_orig_context=int(g("rope.scaling.original_context_length")),
+                    yarn_beta_fast=float(g("rope.scaling.yarn_beta_fast", 32.0)),
+                    yarn_beta_slow=float(g("rope.scaling.yarn_beta_slow", 1.0)),
+                    yarn_attn_factor=float(g("rope.scaling.yarn_attn_factor", attn)))
+
+    # --- layers ----------------------------------------------------------------------------
+
+    def is_moe_layer(self, cfg: ModelConfig, layer: int) -> bool:
+        return cfg.is_moe_layer(layer)
+
+    def attention_kind(self, cfg: ModelConfig, layer: int) -> str:
+        """Which shared attention block layer `layer` is built with (stages/model.py builds it)."""
+        return cfg.attention
+
+    def ffn_kind(self, cfg: ModelConfig, layer: int) -> str:
+        return "moe" if self.is_moe_layer(cfg, layer) else "dense"
+
+    def layer_tensors(self, cfg: ModelConfig, layer: int) -> Shapes:
+        """Every tensor of one layer the engine reads, with its numpy shape."""
+        p = f"blk.{layer}."
+        t = {p + "attn_norm.weight": (cfg.hidden,), p + "ffn_norm.weight": (cfg.hidden,)}
+        t.update(ATTENTION_TENSORS[self.attention_kind(cfg, layer)](cfg, p))
+        t.update(moe_tensors(cfg, p) if self.ffn_kind(cfg, layer) == "moe" else dense_ffn_tensors(cfg, p))
+        return t
+
+    def tensors(self, cfg: ModelConfig) -> Shapes:
+        """Every tensor the engine reads from a file of this config."""
+        t = {"token_embd.weight": (cfg.vocab_size, cfg.hidden), "output_norm.weight": (cfg.hidden,)}
+        if not cfg.tie_embeddings:
+            t["output.weight"] = (cfg.vocab_size, cfg.hidden)
+        for i in range(cfg.n_layers):
+            t.update(self.layer_tensors(cfg, i))
+        return t
+
+    def kv_values(self, cfg: ModelConfig, layer: int) -> int:
+        """Values one token holds in layer `layer`'s KV cache (the KV pool's and the planner's price)."""
+        return KV_VALUES[self.attention_kind(cfg, layer)](cfg)
+
+    # --- the converter's side (stages/gguf_writer.py) ---------------------------------------
+
+    def write_metadata(self, w: Any, hf_config: Any) -> None:
+        """Keys beyond the common ones that llama.cpp's converter writes for this family."""
+
+    def hf_norm_topk(self, hf_config: Any) -> bool:
+        """expert_weights_norm as written: what the transformers model really does."""
+        return bool(getattr(hf_config, "norm_topk_prob", False))
+
+    def __repr__(self) -> str:
+        return f"<architecture {self.name}>"
