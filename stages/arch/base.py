@@ -55,6 +55,10 @@ def gqa_tensors(cfg: ModelConfig, p: str) -> Shapes:
         t.update({p + "attn_q.bias": (q_out,), p + "attn_k.bias": (kv_out,), p + "attn_v.bias": (kv_out,)})
     if cfg.qk_norm:
         t.update({p + "attn_q_norm.weight": (D,), p + "attn_k_norm.weight": (D,)})
+    if cfg.attn_out_bias:
+        t[p + "attn_output.bias"] = (H,)
+    if cfg.attn_sinks:
+        t[p + "attn_sinks.weight"] = (cfg.n_heads,)
     return t
 
 
@@ -74,6 +78,10 @@ def moe_tensors(cfg: ModelConfig, p: str) -> Shapes:
                   p + "ffn_down_shexp.weight": (H, S)})
         if cfg.shared_expert_gate:
             t[p + "ffn_gate_inp_shexp.weight"] = (H,)
+    if cfg.router_bias:
+        t[p + "ffn_gate_inp.bias"] = (E,)
+    if cfg.expert_bias:
+        t.update({p + "ffn_gate_exps.bias": (E, F), p + "ffn_up_exps.bias": (E, F), p + "ffn_down_exps.bias": (E, H)})
     return t
 
 
@@ -96,6 +104,7 @@ class Architecture:
     hf_classes: tuple[str, ...] = ()
     hf_model_types: tuple[str, ...] = ()
     permute_qk: bool = False
+    ffn_norm_name: str = "ffn_norm"  # the norm before the FFN (llama.cpp's ATTN_POST_NORM for some families)
 
     # --- metadata -> config ----------------------------------------------------------------
 
@@ -165,13 +174,17 @@ class Architecture:
         """Which shared attention block layer `layer` is built with (stages/model.py builds it)."""
         return cfg.attention
 
+    def attention_window(self, cfg: ModelConfig, layer: int) -> int:
+        """Tokens layer `layer` attends over (itself included); 0: the whole context."""
+        return cfg.sliding_window if layer < len(cfg.swa_layers) and cfg.swa_layers[layer] else 0
+
     def ffn_kind(self, cfg: ModelConfig, layer: int) -> str:
         return "moe" if self.is_moe_layer(cfg, layer) else "dense"
 
     def layer_tensors(self, cfg: ModelConfig, layer: int) -> Shapes:
         """Every tensor of one layer the engine reads, with its numpy shape."""
         p = f"blk.{layer}."
-        t = {p + "attn_norm.weight": (cfg.hidden,), p + "ffn_norm.weight": (cfg.hidden,)}
+        t = {p + "attn_norm.weight": (cfg.hidden,), p + f"{self.ffn_norm_name}.weight": (cfg.hidden,)}
         t.update(ATTENTION_TENSORS[self.attention_kind(cfg, layer)](cfg, p))
         t.update(moe_tensors(cfg, p) if self.ffn_kind(cfg, layer) == "moe" else dense_ffn_tensors(cfg, p))
         return t
@@ -193,6 +206,15 @@ class Architecture:
 
     def write_metadata(self, w: Any, hf_config: Any) -> None:
         """Keys beyond the common ones that llama.cpp's converter writes for this family."""
+
+    def hf_tensors(self, key: str, array: Any) -> dict[str, Any] | None:
+        """GGUF tensors (numpy order) of one transformers tensor this family lays out its own way
+        (split, transposed, renamed); None: the shared mapping of stages/gguf_writer.py."""
+        return None
+
+    def hf_tensor_from_gguf(self, key: str, tensors: dict[str, Any]) -> Any | None:
+        """The inverse of `hf_tensors` for reading a file back (None: the shared mapping)."""
+        return None
 
     def hf_norm_topk(self, hf_config: Any) -> bool:
         """expert_weights_norm as written: what the transformers model really does."""
