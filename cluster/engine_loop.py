@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from moeray.cluster.remote import StageFailedError
+from moeray.cluster.scheduler import RequestStatus
 from moeray.errors import MoerayError
 from moeray.stages.sampling import SamplingParams
 
@@ -197,7 +198,7 @@ class EngineLoop:
                 if self.on_tokens is not None:
                     self.on_tokens(s, n_new, now)
                 s.t_last = now
-            if req.status == "failed":
+            if req.status is RequestStatus.FAILED:
                 self._finish(s, Finished(None, req.error or "the pipeline failed"))
             elif req.done:
                 self._finish(s, Finished(req.finish_reason))

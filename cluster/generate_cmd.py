@@ -65,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
 
         args.profile = default_profile_for(path)
 
-    from moeray.cluster.engine import Generator
+    from moeray.cluster.generator import Generator
     from moeray.stages.gguf_file import GGUFFile
     from moeray.stages.model import memory_report
     from moeray.stages.tokenizer import Tokenizer

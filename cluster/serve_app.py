@@ -1,16 +1,19 @@
 """The OpenAI-compatible HTTP server: a FastAPI app over the engine, deployed with Ray Serve.
 
 Who owns what: the Serve deployment (one replica) owns everything behind it. Its constructor
-runs the driver (probe -> plan -> load -> wire, `moeray.cluster.driver.launch`), so the stage actors
-are its children, then starts the engine thread and the metrics poller. Restarting the
-deployment (or `moeray serve` itself) therefore rebuilds the whole pipeline from the model
-file, and a replica that dies takes its stages with it: nothing is left half-wired. Within a
-run, a stage that dies is restarted by the engine (RayPipeline.recover) and the server goes on.
+builds the Service (cluster/service.py), which runs the driver (probe -> plan -> load -> wire), so
+the stage actors are its children, then starts the engine thread and the metrics poller.
+Restarting the deployment (or `moeray serve` itself) therefore rebuilds the whole pipeline from
+the model file, and a replica that dies takes its stages with it: nothing is left half-wired.
+Within a run, a stage that dies is restarted by the engine (RayPipeline.recover) and the server
+goes on.
 
-`Service` is that owner without Serve (tests and `--local` use it with a one-process
-pipeline); `build_app(service)` makes the FastAPI app; `deployment(options)` wraps both for
-`serve.run`. The server forwards text: the engine detokenises, finds stop strings and end
-tokens, and finishes requests (cluster/engine.py, Scheduler.postprocess).
+`build_app(service)` makes the FastAPI app of module-level handlers (tests and `--local` use it
+without Serve); `deployment(options)` wraps both for `serve.run`. Both generation routes share one
+path: `prepare_call` checks the request and builds its sampling parameters, `text_deltas` runs it
+on the engine thread, and the route only shapes the response (a JSON body, or SSE chunks). The
+server forwards text: the engine detokenises, finds stop strings and end tokens, and finishes
+requests (cluster/scheduler.py, Scheduler.postprocess).
 
 Routes: POST /v1/chat/completions, POST /v1/completions (JSON or SSE streams), GET /v1/models,
 GET /health, GET /v1/stages, GET /v1/admin/profile (the routing served so far, as a profile). Errors use OpenAI's shape {"error": {"message", "type", "param",
@@ -27,170 +30,24 @@ import hmac
 import json
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Iterable, Optional
 
-from fastapi import Request
+from fastapi import Request  # at module level: FastAPI resolves the handlers' annotations here
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from jinja2.exceptions import TemplateError
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moeray.cluster import openai_schema as oa
 from moeray.cluster import request_extras as xt
-from moeray.cluster.config import ServeOptions, resolve_model
-from moeray.cluster.engine_loop import EngineDownError, EngineLoop, Finished, OverloadedError, Stream
+from moeray.cluster.config import ServeOptions
+from moeray.cluster.engine_loop import EngineDownError, Finished, OverloadedError
+from moeray.cluster.service import Service
 from moeray.cluster.tools import ToolCallStream, parse_tool_calls, template_messages
 from moeray.errors import MoerayError
 from moeray.stages.sampling import SamplingParams
 
 DEFAULT_MAX_TOKENS = 256  # when a request gives none (capped by the room its prompt leaves)
-
-
-# ---------------------------------------------------------------- the owner of the engine
-
-
-class Service:
-    """Model, tokenizer, pipeline, engine thread and metrics of one server."""
-
-    def __init__(self, opts: ServeOptions, log=print):
-        from moeray.cluster.engine import Engine, LocalPipeline
-        from moeray.stages.kv_cache import BLOCK_SIZE
-        from moeray.stages.gguf_file import read_gguf_header
-        from moeray.stages.tokenizer import Tokenizer
-
-        self.opts = opts
-        self.path = resolve_model(opts.model)
-        if opts.model_name:
-            self.model_name = opts.model_name
-        elif opts.model is None:
-            from moeray.stages.default_model import MODEL_NAME
-
-            self.model_name = MODEL_NAME
-        else:
-            self.model_name = Path(self.path).stem
-        header = read_gguf_header(self.path)
-        self.header_config = header.config
-        engine_cfg = opts.engine
-        self.tokenizer = Tokenizer.from_metadata(header.metadata, source=self.path)
-        self.created = oa.now()
-        self.launched = None
-        self.lines: list[str] = []
-        if opts.local:
-            if opts.launch.torch_threads:
-                import torch
-
-                torch.set_num_threads(opts.launch.torch_threads)
-            if opts.launch.kernels != "auto":
-                from moeray.stages.qmatmul import set_route
-
-                set_route(opts.launch.kernels)
-            profile = opts.launch.profile
-            if profile is None:  # the embedded default model's recorded routing, as the driver uses
-                from moeray.stages.default_profile import default_profile_for
-
-                found = default_profile_for(self.path)
-                profile = None if found is None else str(found)
-            from moeray.cluster.driver import local_kv_plan
-
-            kv = local_kv_plan(header.config, engine_cfg, opts.local_budget)
-            engine_cfg = dataclasses.replace(engine_cfg, max_len=kv.context, kv_blocks=kv.blocks)
-            self.local = LocalPipeline.from_file(self.path, kv.blocks, opts.local_budget,
-                                                 profile, opts.launch.cache_policy)
-            pipeline = self.local
-            self.lines.append(f"one process: layers 0-{header.config.n_layers - 1} on {self.local.stage.device.name}")
-            self.lines.append(kv.line())
-        else:
-            from moeray.cluster.driver import launch
-
-            self.launched = launch(self.path, opts.launch, engine_cfg, log=self._log(log))
-            pipeline = self.launched.pipeline()
-            engine_cfg = self.launched.engine  # the context and the KV blocks the plan settled
-        # One sequence can hold no more than the whole KV pool.
-        self.context = min(engine_cfg.max_len, engine_cfg.kv_blocks * BLOCK_SIZE)
-        self.engine = Engine(pipeline, engine_cfg, self.tokenizer)
-        self.metrics = self.poller = None
-        try:
-            from moeray.cluster.metrics import Metrics, Poller
-
-            self.metrics = Metrics(self.model_name)
-            self.poller = Poller(self.metrics, self.stage_stats, lambda: (self.loop.counts["running"],
-                                                                          self.loop.counts["waiting"]),
-                                 opts.metrics_interval_s, read_kv=self.kv_report)
-        except ImportError:  # no Ray: serve without metrics
-            pass
-        self.loop = EngineLoop(self.engine, max_waiting=opts.max_waiting, on_tokens=self._on_tokens).start()
-        if self.poller is not None:
-            self.poller.start()
-
-    def _log(self, log):
-        def say(line: str) -> None:
-            self.lines.append(line)
-            if log is not None:
-                log(line)
-        return say
-
-    def _on_tokens(self, s: Stream, n: int, now: float) -> None:
-        if self.metrics is None:
-            return
-        ttft = now - s.t_submit if s.t_last is None else None
-        itl = None if s.t_last is None else (now - s.t_last) / n
-        self.metrics.tokens(n, ttft, itl)
-
-    def stage_stats(self, timeout_s: float = 10.0):
-        """Each stage's live numbers (StageActor.stats: StageStats), with a deadline."""
-        stats = [self.local.stage.stats()] if self.launched is None else self.launched.stage_stats(timeout_s)
-        kv = self.kv_report()
-        for s in stats:
-            if s.kv is not None:  # one block table for all stages: the engine's ledger counts for each
-                s.kv.update(used=kv["used_blocks"], free=kv["free_blocks"], cached=kv["cached_blocks"])
-        return stats
-
-    def live_profile(self) -> bytes:
-        """GET /v1/admin/profile: every stage's routed picks per (layer, expert) since it started,
-        as one moeray profile with counts: re-plan (`--profile`) with the traffic really served."""
-        import numpy as np
-
-        from moeray.planner.profile import Profile
-
-        cfg = self.header_config
-        counts = np.zeros((cfg.n_layers, cfg.n_experts), dtype=np.int64)
-        for st in self.stage_stats():
-            if st.cache and st.cache.get("routed"):
-                first, end = st.cache["layers"]
-                counts[first:end] += np.asarray(st.cache["routed"], dtype=np.int64)
-        if counts.sum() == 0:
-            raise MoerayError("no routing decisions yet: serve some requests first")
-        return Profile.from_counts(counts).to_bytes()
-
-    def stages_report(self) -> dict:
-        """GET /v1/stages: the records become JSON here, at the edge."""
-        stats = [dataclasses.asdict(s) for s in self.stage_stats()]
-        for s in stats:
-            if s.get("cache"):
-                s["cache"].pop("per_layer", None)  # per-layer rows: ask the stage; this is the summary
-                s["cache"].pop("routed", None)  # the per-expert table: GET /v1/admin/profile
-        return {
-            "model": self.model_name, "path": self.path, "context": self.context,
-            "plan": self.lines, "stages": stats,
-            "engine": {**self.loop.counts, **dataclasses.asdict(self.engine.stats),
-                       "max_seqs": self.opts.engine.max_seqs, "alive": self.loop.alive,
-                       "last_failure": self.loop.last_failure},
-            "kv": self.kv_report(),
-        }
-
-    def kv_report(self) -> dict:
-        """The engine's KV ledger (read from the HTTP thread: plain counters, a moment stale at worst)."""
-        bm = self.engine.scheduler.blocks
-        return {"blocks": bm.n_blocks, "block_tokens": bm.block_size, "used_blocks": bm.n_used,
-                "free_blocks": bm.n_available, "cached_blocks": bm.n_cached,
-                "prefix_reuse": bm.prefix_reuse, "prompt_tokens": bm.stats.prompt_tokens,
-                "cached_tokens": bm.stats.cached_tokens, "prefix_hit_rate": bm.hit_rate,
-                "preemptions": bm.stats.preemptions}
-
-    def close(self) -> None:
-        if self.poller is not None:
-            self.poller.stop()
-        self.loop.stop()
-        if self.launched is not None:
-            self.launched.shutdown()
 
 
 # ---------------------------------------------------------------- errors
@@ -236,18 +93,50 @@ def _validation_error(exc) -> APIError:
     return APIError(400, f"{param}: {msg}" if param else msg, param=param, code="invalid_value")
 
 
-# ---------------------------------------------------------------- one request, as text
+def bad_request(message: str, param: str) -> APIError:
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+# ---------------------------------------------------------------- one request: the path both routes share
 
 
 @dataclass
-class Prepared:
+class Outcome:
+    text: str = ""
+    finish_reason: Optional[str] = None
+    completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV a cached prefix supplied
+    done: bool = False
+    logprobs: list = dataclasses.field(default_factory=list)  # TokenLogprobs so far, when asked for
+
+
+@dataclass
+class Call:
+    """One request after its checks: what the engine runs, and what its response is made of."""
+    service: Service
     prompt: list[int]
     params: SamplingParams
-    max_tokens: int
+    extras: xt.Extras
+    id: str  # "chatcmpl-..." or "cmpl-..."
+    created: int
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage and no choices
+    out: Outcome = dataclasses.field(default_factory=Outcome)
+
+    @property
+    def model(self) -> str:
+        return self.service.model_name
+
+    def usage(self) -> oa.Usage:
+        n, out = len(self.prompt), self.out
+        return oa.Usage(prompt_tokens=n, completion_tokens=out.completion_tokens,
+                        total_tokens=n + out.completion_tokens,
+                        prompt_tokens_details=oa.PromptTokensDetails(cached_tokens=out.cached_tokens))
 
 
-def prepare(service: Service, body: oa._Request, prompt: list[int]) -> Prepared:
-    """Check the model, the prompt length and max_tokens; build the sampling params."""
+async def prepare_call(service: Service, body: oa._Request, prompt: list[int], extras: xt.Extras,
+                       id_prefix: str) -> Call:
+    """Check the model, the prompt length and max_tokens; build the sampling params with what the
+    request asks beyond text (log-probabilities, a grammar: compiled here, off the event loop)."""
     if body.model != service.model_name:
         raise APIError(404, f"the model '{body.model}' does not exist; this server serves '{service.model_name}'",
                        param="model", code="model_not_found")
@@ -277,24 +166,18 @@ def prepare(service: Service, body: oa._Request, prompt: list[int]) -> Prepared:
                                 seed=body.seed, stop=body.stop_strings())
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_value") from None
-    return Prepared(prompt, params, wanted)
+    if extras.grammar is not None:
+        await asyncio.to_thread(xt.check_extras, service, extras, bad_request)
+    return Call(service, prompt, xt.apply(params, extras), extras, oa.new_id(id_prefix), oa.now(),
+                body.include_usage_in_stream())
 
 
-@dataclass
-class Outcome:
-    text: str = ""
-    finish_reason: Optional[str] = None
-    completion_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose KV a cached prefix supplied
-    done: bool = False
-    logprobs: list = dataclasses.field(default_factory=list)  # TokenLogprobs so far, when asked for
-
-
-async def text_deltas(service: Service, prep: Prepared, outcome: Outcome) -> AsyncIterator[str]:
-    """The request's text as the engine releases it; `outcome` holds the finish reason and token
+async def text_deltas(call: Call) -> AsyncIterator[str]:
+    """The request's text as the engine releases it; `call.out` holds the finish reason and token
     count when it ends. A consumer that stops early (a client that went away) frees the sequence."""
+    service, outcome = call.service, call.out
     try:
-        stream = service.loop.submit(prep.prompt, prep.params)
+        stream = service.loop.submit(call.prompt, call.params)
     except OverloadedError as exc:
         raise APIError(429, str(exc), type_="rate_limit_error", code="overloaded") from None
     except EngineDownError as exc:
@@ -326,7 +209,86 @@ async def text_deltas(service: Service, prep: Prepared, outcome: Outcome) -> Asy
         service.loop.abort(stream)  # gone early (client left, error): the engine drops the sequence
 
 
-# ---------------------------------------------------------------- the app
+async def collect(request: Request, call: Call) -> str:
+    """A whole completion; stops (and frees the sequence) if the client disconnects."""
+    parts: list[str] = []
+    gen = text_deltas(call)
+    next_part = None
+    try:
+        while True:
+            next_part = asyncio.ensure_future(gen.__anext__())
+            while True:
+                done, _ = await asyncio.wait({next_part}, timeout=0.5)
+                if done:
+                    break
+                if await request.is_disconnected():
+                    raise asyncio.CancelledError("client disconnected")
+            try:
+                parts.append(next_part.result())
+            except StopAsyncIteration:
+                return "".join(parts)
+    finally:
+        if next_part is not None and not next_part.done():
+            next_part.cancel()
+            try:
+                await next_part
+            except BaseException:  # noqa: BLE001 - its own cancellation
+                pass
+        await gen.aclose()
+
+
+# ---------------------------------------------------------------- the generation routes
+
+
+def chat_prompt(service: Service, body: oa.ChatCompletionRequest, extras: xt.Extras) -> list[int]:
+    messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text(),
+                 **m.model_dump(include={"name", "tool_calls", "tool_call_id"}, exclude_none=True)}
+                for m in body.messages]
+    try:
+        return service.tokenizer.encode_chat(template_messages(messages), tools=extras.tools)
+    except MoerayError as exc:
+        raise APIError(400, str(exc), param="messages") from None
+    except TemplateError as exc:  # the template's own raise_exception(...): roles out of order, ...
+        raise APIError(400, f"the model's chat template rejected the messages: {exc}", param="messages",
+                       code="invalid_value") from None
+
+
+async def chat_completions(body: oa.ChatCompletionRequest, request: Request):
+    service: Service = request.app.state.service
+    extras = xt.chat_extras(service, body, bad_request)
+    call = await prepare_call(service, body, chat_prompt(service, body, extras), extras, "chatcmpl")
+    if body.stream:
+        return await sse_response(call, ChatChunks(call))
+    text = await collect(request, call)
+    content, calls = parse_tool_calls(text) if extras.tools else (text, [])
+    message = oa.ResponseMessage(content=(content or None) if calls else content, tool_calls=[
+        oa.ToolCallOut(id=c.id, function=oa.ToolCallFunction(name=c.name, arguments=c.arguments))
+        for c in calls] or None)
+    return oa.ChatCompletion(id=call.id, created=call.created, model=call.model, choices=[
+        oa.ChatChoice(message=message, finish_reason="tool_calls" if calls else call.out.finish_reason,
+                      logprobs=_chat_logprobs(call, call.out.logprobs))],
+        usage=call.usage())
+
+
+async def completions(body: oa.CompletionRequest, request: Request):
+    service: Service = request.app.state.service
+    extras = xt.completion_extras(service, body, bad_request)
+    prompt = service.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
+    call = await prepare_call(service, body, prompt, extras, "cmpl")
+    chunks = CompletionChunks(call)
+    if body.stream:
+        return await sse_response(call, chunks)
+    text = await collect(request, call)
+    return oa.Completion(id=call.id, created=call.created, model=call.model, choices=[
+        oa.CompletionChoice(text=text, finish_reason=call.out.finish_reason, logprobs=chunks.logprobs())],
+        usage=call.usage())
+
+
+def _chat_logprobs(call: Call, lps: list) -> Optional[oa.ChatLogprobs]:
+    return xt.chat_logprobs(call.service.tokenizer, lps) if call.extras.logprobs is not None else None
+
+
+# ---------------------------------------------------------------- streamed responses (SSE)
 
 
 def _sse(obj) -> str:
@@ -334,257 +296,112 @@ def _sse(obj) -> str:
     return f"data: {data}\n\n"
 
 
-def build_app(service: Service):
-    from fastapi import FastAPI
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, Response, StreamingResponse
-    from starlette.exceptions import HTTPException as StarletteHTTPException
+class ChatChunks:
+    """The SSE chunks of a streamed chat completion: the role, the content (held back while it may
+    be a tool call), then the tool calls, the finish reason and the usage."""
 
-    app = FastAPI(title="moeray", description="OpenAI-compatible endpoint over a pipeline of MoE stages")
-    api_key = service.opts.api_key
+    def __init__(self, call: Call):
+        self.call = call
+        self.held = ToolCallStream() if call.extras.tools else None
+        self.sent_logprobs = 0
 
-    @app.exception_handler(APIError)
-    async def _api_error(_request, exc: APIError):
-        return exc.response()
+    def _chunk(self, delta: oa.Delta, finish=None, use=None, lps=None) -> str:
+        c = self.call
+        return _sse(oa.ChatCompletionChunk(id=c.id, created=c.created, model=c.model, choices=[
+            oa.ChatChunkChoice(delta=delta, finish_reason=finish, logprobs=lps)], usage=use))
 
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_request, exc):
-        return _validation_error(exc).response()
+    def _new_logprobs(self):
+        all_lps = self.call.out.logprobs
+        lps, self.sent_logprobs = all_lps[self.sent_logprobs:], len(all_lps)
+        return _chat_logprobs(self.call, lps) if lps else None
 
-    @app.exception_handler(StarletteHTTPException)
-    async def _http(_request, exc):
-        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return APIError(exc.status_code, str(exc.detail), type_=type_).response()
+    def opening(self) -> Iterable[str]:
+        yield self._chunk(oa.Delta(role="assistant", content=""))
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        """A bug, not the client's fault: still OpenAI's shape, logged with its traceback, and the
-        server goes on (Starlette answers with this, then re-raises for the log)."""
-        return APIError(500, f"internal error while serving {request.url.path}: {type(exc).__name__}: {exc}",
-                        type_="server_error", code="internal_error").response()
+    def text(self, text: str) -> str:
+        if self.held is not None:
+            text = self.held.push(text)
+        lps = self._new_logprobs()
+        return self._chunk(oa.Delta(content=text), lps=lps) if text or lps else ""
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        if api_key and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            token = given[7:].strip() if given[:7].lower() == "bearer " else ""
-            if not hmac.compare_digest(token.encode(), api_key.encode()):
-                return APIError(401, "incorrect API key provided" if token else "no API key provided "
-                                "(send 'Authorization: Bearer KEY')", code="invalid_api_key").response()
-        return await call_next(request)
-
-    def usage(prompt_tokens: int, out: Outcome) -> oa.Usage:
-        return oa.Usage(prompt_tokens=prompt_tokens, completion_tokens=out.completion_tokens,
-                        total_tokens=prompt_tokens + out.completion_tokens,
-                        prompt_tokens_details=oa.PromptTokensDetails(cached_tokens=out.cached_tokens))
-
-    async def collect(request: Request, prep: Prepared, out: Outcome) -> str:
-        """A whole completion; stops (and frees the sequence) if the client disconnects."""
-        parts: list[str] = []
-        gen = text_deltas(service, prep, out)
-        next_part = None
-        try:
-            while True:
-                next_part = asyncio.ensure_future(gen.__anext__())
-                while True:
-                    done, _ = await asyncio.wait({next_part}, timeout=0.5)
-                    if done:
-                        break
-                    if await request.is_disconnected():
-                        raise asyncio.CancelledError("client disconnected")
-                try:
-                    parts.append(next_part.result())
-                except StopAsyncIteration:
-                    return "".join(parts)
-        finally:
-            if next_part is not None and not next_part.done():
-                next_part.cancel()
-                try:
-                    await next_part
-                except BaseException:  # noqa: BLE001 - its own cancellation
-                    pass
-            await gen.aclose()
-
-    def bad_request(message: str, param: str) -> APIError:
-        return APIError(400, message, param=param, code="invalid_value")
-
-    @app.post("/v1/chat/completions")
-    async def chat(body: oa.ChatCompletionRequest, request: Request):
-        messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text(),
-                     **m.model_dump(include={"name", "tool_calls", "tool_call_id"}, exclude_none=True)}
-                    for m in body.messages]
-        extras = xt.chat_extras(service, body, bad_request)
-        try:
-            prompt = service.tokenizer.encode_chat(template_messages(messages), tools=extras.tools)
-        except MoerayError as exc:
-            raise APIError(400, str(exc), param="messages") from None
-        except TemplateError as exc:  # the template's own raise_exception(...): roles out of order, ...
-            raise APIError(400, f"the model's chat template rejected the messages: {exc}", param="messages",
-                           code="invalid_value") from None
-        prep = prepare(service, body, prompt)
-        await asyncio.to_thread(xt.check_extras, service, extras, bad_request)
-        prep.params = xt.apply(prep.params, extras)
-        rid, created, out = oa.new_id("chatcmpl"), oa.now(), Outcome()
-
-        def logprobs(lps):
-            return xt.chat_logprobs(service.tokenizer, lps) if extras.logprobs is not None else None
-
-        if not body.stream:
-            text = await collect(request, prep, out)
-            content, calls = parse_tool_calls(text) if extras.tools else (text, [])
-            message = oa.ResponseMessage(content=(content or None) if calls else content, tool_calls=[
-                oa.ToolCallOut(id=c.id, function=oa.ToolCallFunction(name=c.name, arguments=c.arguments))
-                for c in calls] or None)
-            return oa.ChatCompletion(id=rid, created=created, model=service.model_name, choices=[
-                oa.ChatChoice(message=message, finish_reason="tool_calls" if calls else out.finish_reason,
-                              logprobs=logprobs(out.logprobs))],
-                usage=usage(len(prompt), out))
-        gen = text_deltas(service, prep, out)
-        first = await _first_or_error(gen)
-        held = ToolCallStream() if extras.tools else None
-        sent_lp = [0]
-
-        def new_logprobs():
-            lps, sent_lp[0] = out.logprobs[sent_lp[0]:], len(out.logprobs)
-            return logprobs(lps) if lps else None
-
-        def chunk(delta: oa.Delta, finish=None, use=None, lps=None) -> str:
-            return _sse(oa.ChatCompletionChunk(id=rid, created=created, model=service.model_name, choices=[
-                oa.ChatChunkChoice(delta=delta, finish_reason=finish, logprobs=lps)], usage=use))
-
-        def content_chunk(text: str) -> str:
-            if held is not None:
-                text = held.push(text)
-            lps = new_logprobs()
-            return chunk(oa.Delta(content=text), lps=lps) if text or lps else ""
-
-        def closing():
-            finish = out.finish_reason
-            rest, calls = held.finish() if held is not None else ("", [])
-            lps = new_logprobs()
-            if rest or lps:
-                yield chunk(oa.Delta(content=rest), lps=lps)
-            if calls:
-                finish = "tool_calls"
-                yield chunk(oa.Delta(tool_calls=[
-                    oa.ToolCallDelta(index=i, id=c.id, function=oa.ToolCallFunction(name=c.name, arguments=c.arguments))
-                    for i, c in enumerate(calls)]))
-            yield chunk(oa.Delta(), finish, usage(len(prompt), out))
-            if body.include_usage_in_stream():
-                yield _sse(oa.ChatCompletionChunk(id=rid, created=created, model=service.model_name,
-                                                  choices=[], usage=usage(len(prompt), out)))
-
-        events = _events(first, gen, content_chunk, closing,
-                         opening=chunk(oa.Delta(role="assistant", content="")))
-        return StreamingResponse(events, media_type="text/event-stream")
-
-    @app.post("/v1/completions")
-    async def completions(body: oa.CompletionRequest, request: Request):
-        prompt = service.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-        extras = xt.completion_extras(service, body, bad_request)
-        prep = prepare(service, body, prompt)
-        await asyncio.to_thread(xt.check_extras, service, extras, bad_request)
-        prep.params = xt.apply(prep.params, extras)
-        rid, created, out = oa.new_id("cmpl"), oa.now(), Outcome()
-        sent = [0, 0]  # log-probabilities and characters already sent
-
-        def logprobs():
-            if extras.logprobs is None:
-                return None
-            lps = xt.completion_logprobs(service.tokenizer, out.logprobs[sent[0]:], sent[1])
-            sent[0], sent[1] = len(out.logprobs), sent[1] + sum(map(len, lps.tokens))
-            return lps
-
-        if not body.stream:
-            text = await collect(request, prep, out)
-            return oa.Completion(id=rid, created=created, model=service.model_name, choices=[
-                oa.CompletionChoice(text=text, finish_reason=out.finish_reason, logprobs=logprobs())],
-                usage=usage(len(prompt), out))
-        gen = text_deltas(service, prep, out)
-        first = await _first_or_error(gen)
-
-        def chunk(text: str, finish=None, use=None) -> str:
-            return _sse(oa.Completion(id=rid, created=created, model=service.model_name, choices=[
-                oa.CompletionChoice(text=text, finish_reason=finish, logprobs=logprobs())], usage=use))
-
-        def closing():
-            yield chunk("", out.finish_reason, usage(len(prompt), out))
-            if body.include_usage_in_stream():
-                yield _sse(oa.Completion(id=rid, created=created, model=service.model_name, choices=[],
-                                         usage=usage(len(prompt), out)))
-
-        return StreamingResponse(_events(first, gen, chunk, closing), media_type="text/event-stream")
-
-    @app.get("/v1/models")
-    async def models():
-        return oa.ModelList(data=[oa.ModelCard(id=service.model_name, created=service.created)])
-
-    @app.get("/health")
-    async def health():
-        if not service.loop.alive:
-            return APIError(503, f"the engine is not running: {service.loop.fatal}", type_="server_error",
-                            code="engine_unavailable").response()
-        return {"status": "ok", "model": service.model_name, **service.loop.counts}
-
-    @app.get("/v1/admin/profile")
-    async def live_profile():
-        try:
-            data = await asyncio.to_thread(service.live_profile)
-        except MoerayError as exc:
-            raise APIError(409, str(exc), type_="invalid_request_error", code="no_routing_yet") from None
-        except Exception as exc:  # noqa: BLE001 - a stage not answering right now
-            raise APIError(503, f"the stages did not report: {exc}", type_="server_error",
-                           code="stages_unavailable") from None
-        return Response(content=data, media_type="application/msgpack",
-                        headers={"Content-Disposition": 'attachment; filename="profile.msgpack"'})
-
-    @app.get("/v1/stages")
-    async def stages():
-        try:
-            return JSONResponse(await asyncio.to_thread(service.stages_report))
-        except Exception as exc:  # noqa: BLE001 - a stage not answering right now
-            raise APIError(503, f"the stages did not report: {exc}", type_="server_error",
-                           code="stages_unavailable") from None
-
-    from moeray.cluster.dashboard import add_dashboard
-
-    add_dashboard(app, api_key)  # GET /dashboard: the live page of the stages (after _auth: see there)
-    return app
+    def closing(self) -> Iterable[str]:
+        c = self.call
+        finish = c.out.finish_reason
+        rest, calls = self.held.finish() if self.held is not None else ("", [])
+        lps = self._new_logprobs()
+        if rest or lps:
+            yield self._chunk(oa.Delta(content=rest), lps=lps)
+        if calls:
+            finish = "tool_calls"
+            yield self._chunk(oa.Delta(tool_calls=[
+                oa.ToolCallDelta(index=i, id=t.id, function=oa.ToolCallFunction(name=t.name, arguments=t.arguments))
+                for i, t in enumerate(calls)]))
+        yield self._chunk(oa.Delta(), finish, c.usage())
+        if c.include_usage:
+            yield _sse(oa.ChatCompletionChunk(id=c.id, created=c.created, model=c.model, choices=[], usage=c.usage()))
 
 
-_NOTHING = object()
+class CompletionChunks:
+    """The SSE chunks of a streamed completion (and the log-probabilities of a whole one)."""
+
+    def __init__(self, call: Call):
+        self.call = call
+        self.sent = [0, 0]  # log-probabilities and characters already sent
+
+    def logprobs(self) -> Optional[oa.CompletionLogprobs]:
+        c = self.call
+        if c.extras.logprobs is None:
+            return None
+        lps = xt.completion_logprobs(c.service.tokenizer, c.out.logprobs[self.sent[0]:], self.sent[1])
+        self.sent = [len(c.out.logprobs), self.sent[1] + sum(map(len, lps.tokens))]
+        return lps
+
+    def _chunk(self, text: str, finish=None, use=None) -> str:
+        c = self.call
+        return _sse(oa.Completion(id=c.id, created=c.created, model=c.model, choices=[
+            oa.CompletionChoice(text=text, finish_reason=finish, logprobs=self.logprobs())], usage=use))
+
+    def opening(self) -> Iterable[str]:
+        return ()
+
+    def text(self, text: str) -> str:
+        return self._chunk(text)
+
+    def closing(self) -> Iterable[str]:
+        c = self.call
+        yield self._chunk("", c.out.finish_reason, c.usage())
+        if c.include_usage:
+            yield _sse(oa.Completion(id=c.id, created=c.created, model=c.model, choices=[], usage=c.usage()))
 
 
-async def _first_or_error(gen: AsyncIterator[str]):
+async def sse_response(call: Call, chunks) -> StreamingResponse:
     """Wait for the first delta before the 200 goes out, so errors that happen before any text
     (overload, a failed pipeline) still get their own HTTP status."""
+    gen = text_deltas(call)
     try:
-        return await gen.__anext__()
+        first = await gen.__anext__()
     except StopAsyncIteration:
-        return _NOTHING
+        first = None
     except BaseException:
         await gen.aclose()
         raise
+    return StreamingResponse(_events(first, gen, chunks), media_type="text/event-stream")
 
 
-async def _chain(first, gen: AsyncIterator[str]) -> AsyncIterator[str]:
-    if first is not _NOTHING:
-        yield first
-        async for delta in gen:
-            yield delta
-
-
-async def _events(first, gen: AsyncIterator[str], text_chunk, closing, opening: str | None = None):
+async def _events(first: Optional[str], gen: AsyncIterator[str], chunks):
     """The SSE body of a streamed response: the opening chunk, one chunk per text delta, then the
     closing chunks (finish reason, usage), read once the text is done. An error after the 200 went
     out travels in the stream as an OpenAI error object; the stream always ends with [DONE]."""
     try:
-        if opening is not None:
-            yield opening
-        async for delta in _chain(first, gen):
-            if line := text_chunk(delta):  # "" while text is held back (a possible tool call)
+        for line in chunks.opening():
+            yield line
+        if first is not None:
+            if line := chunks.text(first):  # "" while text is held back (a possible tool call)
                 yield line
-        for line in closing():
+            async for delta in gen:
+                if line := chunks.text(delta):
+                    yield line
+        for line in chunks.closing():
             yield line
     except APIError as exc:
         yield _sse(json.dumps({"error": {"message": exc.message, "type": exc.type, "code": exc.code}}))
@@ -594,6 +411,100 @@ async def _events(first, gen: AsyncIterator[str], text_chunk, closing, opening: 
     finally:
         await gen.aclose()
     yield _sse("[DONE]")
+
+
+# ---------------------------------------------------------------- the other routes
+
+
+async def models(request: Request):
+    service: Service = request.app.state.service
+    return oa.ModelList(data=[oa.ModelCard(id=service.model_name, created=service.created)])
+
+
+async def health(request: Request):
+    service: Service = request.app.state.service
+    if not service.loop.alive:
+        return APIError(503, f"the engine is not running: {service.loop.fatal}", type_="server_error",
+                        code="engine_unavailable").response()
+    return {"status": "ok", "model": service.model_name, **service.loop.counts}
+
+
+async def live_profile(request: Request):
+    service: Service = request.app.state.service
+    try:
+        data = await asyncio.to_thread(service.live_profile)
+    except MoerayError as exc:
+        raise APIError(409, str(exc), type_="invalid_request_error", code="no_routing_yet") from None
+    except Exception as exc:  # noqa: BLE001 - a stage not answering right now
+        raise APIError(503, f"the stages did not report: {exc}", type_="server_error",
+                       code="stages_unavailable") from None
+    return Response(content=data, media_type="application/msgpack",
+                    headers={"Content-Disposition": 'attachment; filename="profile.msgpack"'})
+
+
+async def stages(request: Request):
+    service: Service = request.app.state.service
+    try:
+        return JSONResponse(await asyncio.to_thread(service.stages_report))
+    except Exception as exc:  # noqa: BLE001 - a stage not answering right now
+        raise APIError(503, f"the stages did not report: {exc}", type_="server_error",
+                       code="stages_unavailable") from None
+
+
+# ---------------------------------------------------------------- the app
+
+
+async def _api_error(_request, exc: APIError):
+    return exc.response()
+
+
+async def _invalid(_request, exc):
+    return _validation_error(exc).response()
+
+
+async def _http(_request, exc):
+    type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return APIError(exc.status_code, str(exc.detail), type_=type_).response()
+
+
+async def _unexpected(request: Request, exc: Exception):
+    """A bug, not the client's fault: still OpenAI's shape, logged with its traceback, and the
+    server goes on (Starlette answers with this, then re-raises for the log)."""
+    return APIError(500, f"internal error while serving {request.url.path}: {type(exc).__name__}: {exc}",
+                    type_="server_error", code="internal_error").response()
+
+
+async def _auth(request: Request, call_next):
+    api_key = request.app.state.service.opts.api_key
+    if api_key and request.url.path.startswith("/v1/"):
+        given = request.headers.get("authorization", "")
+        token = given[7:].strip() if given[:7].lower() == "bearer " else ""
+        if not hmac.compare_digest(token.encode(), api_key.encode()):
+            return APIError(401, "incorrect API key provided" if token else "no API key provided "
+                            "(send 'Authorization: Bearer KEY')", code="invalid_api_key").response()
+    return await call_next(request)
+
+
+def build_app(service: Service):
+    from fastapi import FastAPI
+
+    from moeray.cluster.dashboard import add_dashboard
+
+    app = FastAPI(title="moeray", description="OpenAI-compatible endpoint over a pipeline of MoE stages")
+    app.state.service = service
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(RequestValidationError, _invalid)
+    app.add_exception_handler(StarletteHTTPException, _http)
+    app.add_exception_handler(Exception, _unexpected)
+    app.middleware("http")(_auth)
+    app.post("/v1/chat/completions")(chat_completions)
+    app.post("/v1/completions")(completions)
+    app.get("/v1/models")(models)
+    app.get("/health")(health)
+    app.get("/v1/admin/profile")(live_profile)
+    app.get("/v1/stages")(stages)
+    add_dashboard(app, service.opts.api_key)  # GET /dashboard: the live page of the stages (after _auth: see there)
+    return app
 
 
 # ---------------------------------------------------------------- Ray Serve

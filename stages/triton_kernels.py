@@ -81,6 +81,13 @@ if triton is not None:
         return (lo | (hi << 8)).to(tl.float16, bitcast=True).to(tl.float32)
 
     @triton.jit
+    def _u2f(q, bias: tl.constexpr):
+        """Small non-negative integers q (< 2^23) as float32, minus `bias`, exactly, without the
+        int-to-float conversion instruction (a quarter-rate one on the card: it would cap a 4-bit
+        GEMV near half the memory bandwidth): q's bits under the exponent of 2^23, then - 2^23."""
+        return (q.to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + bias)
+
+    @triton.jit
     def _k_scale_min(blk, j: tl.constexpr, mask):
         """Q4_K / Q5_K: the 6-bit scale and min of sub-block j from the 12 packed bytes at blk + 4."""
         if j < 4:
@@ -90,7 +97,7 @@ if triton is not None:
             lo = tl.load(blk + 8 + j, mask=mask, other=0)
             sc = (lo & 15) | ((tl.load(blk + j, mask=mask, other=0) >> 6) << 4)
             mn = (lo >> 4) | ((tl.load(blk + 4 + j, mask=mask, other=0) >> 6) << 4)
-        return sc.to(tl.float32), mn.to(tl.float32)
+        return _u2f(sc, 0.0), _u2f(mn, 0.0)
 
     @triton.jit
     def _segment(QT: tl.constexpr, blk, s: tl.constexpr, l, mask):
@@ -98,28 +105,26 @@ if triton is not None:
         arange(32)[None, :]. Returns [BN, 32]."""
         if QT == 8:  # Q8_0: d, 32 x int8
             d = _f16(blk, mask)
-            q = tl.load(blk + 2 + l, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            q = _u2f(tl.load(blk + 2 + l, mask=mask, other=0) ^ 0x80, 128.0)  # int8 as (q + 128) - 128
             w = q * d
         elif QT == 2:  # Q4_0: d, 16 bytes; element l < 16 is byte l's low nibble, else byte l-16's high
             d = _f16(blk, mask)
             b = tl.load(blk + 2 + (l % 16), mask=mask, other=0)
-            q = tl.where(l < 16, b & 15, b >> 4).to(tl.float32)
-            w = (q - 8.0) * d
+            w = _u2f(tl.where(l < 16, b & 15, b >> 4), 8.0) * d
         elif QT == 3:  # Q4_1: d, m, 16 bytes
             d = _f16(blk, mask)
             m = _f16(blk + 2, mask)
             b = tl.load(blk + 4 + (l % 16), mask=mask, other=0)
-            q = tl.where(l < 16, b & 15, b >> 4).to(tl.float32)
-            w = q * d + m
+            w = _u2f(tl.where(l < 16, b & 15, b >> 4), 0.0) * d + m
         elif QT == 12:  # Q4_K: d, dmin, 12 scale bytes, 128 bytes: sub-blocks 2c, 2c+1 share bytes 32c..
             d = _f16(blk, mask)
             dmin = _f16(blk + 2, mask)
             sc, mn = _k_scale_min(blk, s, mask)
             b = tl.load(blk + 16 + (s // 2) * 32 + l, mask=mask, other=0)
             if s % 2 == 0:
-                q = (b & 15).to(tl.float32)
+                q = _u2f(b & 15, 0.0)
             else:
-                q = (b >> 4).to(tl.float32)
+                q = _u2f(b >> 4, 0.0)
             w = q * (d * sc) - dmin * mn
         elif QT == 13:  # Q5_K: as Q4_K, plus bit s of qh[l] (bytes 16..48) as the 5th bit
             d = _f16(blk, mask)
@@ -131,7 +136,7 @@ if triton is not None:
             else:
                 q = b >> 4
             h = (tl.load(blk + 16 + l, mask=mask, other=0) >> s) & 1
-            w = (q | (h << 4)).to(tl.float32) * (d * sc) - dmin * mn
+            w = _u2f(q | (h << 4), 0.0) * (d * sc) - dmin * mn
         elif QT == 39:  # MXFP4: an E8M0 exponent, 16 bytes of e2m1 codes (ggml's table: doubled values)
             e = tl.load(blk, mask=mask, other=0).to(tl.int32)
             # ggml_e8m0_to_fp32_half: 2^(e-128) as float32 bits (denormal for e < 2)
@@ -139,19 +144,17 @@ if triton is not None:
             b = tl.load(blk + 1 + (l % 16), mask=mask, other=0)
             c = tl.where(l < 16, b & 15, b >> 4).to(tl.int32)
             m = c & 7  # 0, 1, 2, 3, 4, 6, 8, 12 for m = 0..7
-            v = tl.where(m < 4, m, (2 + (m & 1)) << ((m >> 1) - 1)).to(tl.float32)
+            v = _u2f(tl.where(m < 4, m, (2 + (m & 1)) << ((m >> 1) - 1)), 0.0)
             w = tl.where(c >= 8, -v, v) * d
-        else:  # Q6_K (14): ql 128, qh 64, 16 int8 scales, d at 208; segment s = half h, quarter q4
-            h: tl.constexpr = s // 4
-            q4: tl.constexpr = s % 4
-            b = tl.load(blk + h * 64 + (q4 % 2) * 32 + l, mask=mask, other=0)
-            if q4 < 2:
+        else:  # Q6_K (14): ql 128, qh 64, 16 int8 scales, d at 208; segment s: half s // 4, quarter s % 4
+            b = tl.load(blk + (s // 4) * 64 + (s % 2) * 32 + l, mask=mask, other=0)
+            if s % 4 < 2:
                 lo = b & 15
             else:
                 lo = b >> 4
-            hi = (tl.load(blk + 128 + h * 32 + l, mask=mask, other=0) >> (2 * q4)) & 3
-            q = (lo | (hi << 4)).to(tl.float32) - 32.0
-            sc = tl.load(blk + 192 + 2 * s + l // 16, mask=mask, other=0).to(tl.int8, bitcast=True).to(tl.float32)
+            hi = (tl.load(blk + 128 + (s // 4) * 32 + l, mask=mask, other=0) >> (2 * (s % 4))) & 3
+            q = _u2f(lo | (hi << 4), 32.0)
+            sc = _u2f(tl.load(blk + 192 + 2 * s + l // 16, mask=mask, other=0) ^ 0x80, 128.0)  # int8 scales
             d = _f16(blk + 208, mask)
             w = q * (d * sc)
         return w
@@ -172,7 +175,7 @@ if triton is not None:
         rows = base + rn.to(tl.int64)[:, None] * row_bytes  # [BN, 1] byte pointers
         l = tl.arange(0, 32)[None, :]
         if BM == 1:
-            acc = tl.zeros((BN,), dtype=tl.float32)
+            acc = tl.zeros((BN, 32), dtype=tl.float32)  # reduced once at the end, not per segment
             xrow = x_ptr + pid_m.to(tl.int64) * stride_xm
         else:
             rm = pid_m * BM + tl.arange(0, BM)
@@ -190,12 +193,12 @@ if triton is not None:
                 kx = k0 + l < K
                 if BM == 1:
                     xv = tl.load(xrow + k0 + l, mask=kx, other=0.0)  # [1, 32]
-                    acc += tl.sum(w * xv, axis=1)
+                    acc += w * xv
                 else:
                     xv = tl.load(xrows + k0 + l, mask=mmask & kx, other=0.0)  # [BM, 32]
                     acc += tl.dot(xv, tl.trans(w), input_precision="ieee")
         if BM == 1:
-            tl.store(y_ptr + pid_m.to(tl.int64) * stride_ym + rn, acc, mask=rn < N)
+            tl.store(y_ptr + pid_m.to(tl.int64) * stride_ym + rn, tl.sum(acc, axis=1), mask=rn < N)
         else:
             tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :], acc, mask=mmask & (rn < N)[None, :])
 
@@ -252,8 +255,10 @@ def dequantize(data: torch.Tensor, qtype: int, shape: tuple[int, int], out: torc
     QK, TS = BLOCKS[qtype]
     out = torch.empty(N, K, dtype=torch.float32, device=data.device) if out is None else out
     bn = 16
+    # No FMA contraction: the products and sums round as the torch dequantiser's do (bit for bit)
     _dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, 256))](data, out, N, K, row_bytes(qtype, K),
-                                                              QT=qtype, QK=QK, TS=TS, BN=bn, num_warps=4)
+                                                              QT=qtype, QK=QK, TS=TS, BN=bn, num_warps=4,
+                                                              enable_fp_fusion=False)
     return out
 
 
@@ -296,10 +301,12 @@ def qlinear(data: torch.Tensor, qtype: int, shape: tuple[int, int], x: torch.Ten
 
 def grouped_qlinear(stacked: torch.Tensor, qtype: int, shape: tuple[int, int], x: torch.Tensor,
                     slots: torch.Tensor) -> torch.Tensor:
-    """Row t of x [T, K] times W_{slots[t]}: stacked uint8 [S, N * row_bytes] (one slot a row);
+    """Row t of x [T, K] times W_{slots[t]}: stacked uint8 [S, N * row_bytes] (one slot a row; a
+    column slice of a wider buffer works as it is, its row stride is the slots' stride: the
+    experts path keeps a slot's gate | up | down back to back in one row, cache/slot_store.py);
     -> [T, N] float32, one launch for every row whatever expert it needs."""
     qtype, N, K = _check(stacked, qtype, shape)
-    if stacked.dim() != 2 or stacked.shape[1] != N * row_bytes(qtype, K):
+    if stacked.dim() != 2 or stacked.shape[1] != N * row_bytes(qtype, K) or stacked.stride(1) != 1:
         raise ValueError(f"stacked slots {tuple(stacked.shape)}: expected [S, {N * row_bytes(qtype, K)}] "
                          f"for {NAMES[qtype]} [{N}, {K}]")
     x = x.contiguous().float()
@@ -330,3 +337,32 @@ def grouped_swiglu(gate: tuple[torch.Tensor, int], up: tuple[torch.Tensor, int],
     y = torch.empty_like(ys)
     y[order] = ys
     return torch.bmm(weights.to(y.dtype).view(T, 1, k), y.view(T, k, hidden)).view(T, hidden)
+
+
+class GraphedGroupedSwiglu:
+    """`grouped_swiglu` of one layer captured once into a CUDA graph for a fixed number of tokens
+    and picks (a decode step's shapes repeat): a call copies x, slots and weights into the graph's
+    static inputs and replays its launches (sort, 3 grouped GEMVs, SiLU, scatter, weighted sum) in
+    one go, without Python or launch overhead per kernel. CUDA only. The device check measures it
+    against the eager call; the stage's decode step does not use it yet (it routes on the host)."""
+
+    def __init__(self, gate, up, down, ffn: int, hidden: int, tokens: int, k: int, device):
+        self.args = (gate, up, down, ffn, hidden)
+        self.x = torch.zeros(tokens, hidden, dtype=torch.float32, device=device)
+        self.slots = torch.zeros(tokens, k, dtype=torch.int64, device=device)  # slot 0: always valid
+        self.weights = torch.zeros(tokens, k, dtype=torch.float32, device=device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # compile and warm up outside the capture
+            grouped_swiglu(*self.args, self.x, self.slots, self.weights)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = grouped_swiglu(*self.args, self.x, self.slots, self.weights)
+
+    def __call__(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        self.x.copy_(x)
+        self.slots.copy_(slots)
+        self.weights.copy_(weights)
+        self.graph.replay()
+        return self.out  # the graph's output buffer: overwritten by the next call

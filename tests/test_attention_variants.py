@@ -18,10 +18,8 @@ CFG = ModelConfig("test", 1, H, NH, NKV, D, 100, 256, 10000.0, 1e-5, "neox", 0, 
 
 
 def _rope():
-    try:
-        from moeray.stages.rope import RoPE
-    except ImportError:  # before the RoPE variants moved to their own module
-        from moeray.stages.layers import RoPE
+    from moeray.stages.rope import RoPE
+
     return RoPE(D, 10000.0, "neox")
 
 

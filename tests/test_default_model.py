@@ -73,7 +73,7 @@ def test_experts_are_the_dense_ffn_bytes(default_model_path, smollm2_dense_path)
 
 
 def test_moe_greedy_text_equals_dense(dense, moe, tokenizer):
-    from moeray.cluster.engine import Generator
+    from moeray.cluster.generator import Generator
     from moeray.stages.sampling import SamplingParams
 
     prompts = [p for p in dm.prompt_token_ids(tokenizer)][::4][:3]  # a chat, a code and a prose prompt

@@ -9,8 +9,10 @@ import time
 import pytest
 
 from moeray.cluster.config import EngineConfig, LaunchOptions, ServeOptions
-from moeray.cluster.engine import Engine, Generator
+from moeray.cluster.engine import Engine
+from moeray.cluster.generator import Generator
 from moeray.cluster.remote import StageFailedError
+from moeray.cluster.scheduler import RequestStatus
 from moeray.errors import MoerayError
 from moeray.stages.sampling import SamplingParams
 from fakes import CharTokenizer
@@ -130,7 +132,7 @@ def test_abort_while_its_step_is_in_flight_frees_the_slot_when_the_step_returns(
     eng.step()  # both lanes launched; lane 0's result taken, lane 1's (q) still in flight
     assert q.busy and pipe.in_flight
     eng.abort(q)
-    assert q.status == "finished" and q.finish_reason == "abort"
+    assert q.status is RequestStatus.FINISHED and q.finish_reason == "abort"
     assert q in eng.running and eng.n_free_slots == 0  # its step still holds the slot
     eng.step()
     assert q not in eng.running and q.output == [] and eng.n_free_slots >= 1
@@ -145,8 +147,8 @@ def test_a_stage_failure_fails_every_running_request_and_the_waiting_ones_go_on(
     eng.step()  # step 0 (lane 0) returns; step 1 (lane 1) is in flight
     with pytest.raises(StageFailedError, match="stage 0 died"):
         eng.step()
-    assert p.status == q.status == "failed" and "stage 0 died" in p.error
-    assert r.status == "waiting" and pipe.recovered == 1 and not eng.in_flight
+    assert p.status is q.status is RequestStatus.FAILED and "stage 0 died" in p.error
+    assert r.status is RequestStatus.WAITING and pipe.recovered == 1 and not eng.in_flight
     assert eng.stats.failures == 1 and eng.n_free_slots == 2
     eng.run([r])
     assert r.text == "abcdef"
@@ -185,7 +187,7 @@ def test_every_command_takes_its_defaults_from_the_config_dataclasses():
 
 
 def test_the_cache_policy_reaches_the_stage_cache(tmp_path):
-    from moeray.cluster.engine import LocalPipeline
+    from moeray.cluster.local_pipeline import LocalPipeline
     from test_gguf_file import tiny_config, write_synthetic_gguf
 
     path = write_synthetic_gguf(tmp_path / "moe.gguf", tiny_config("qwen2moe"), seed=3)

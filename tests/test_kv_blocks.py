@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from moeray.cluster.config import EngineConfig
-from moeray.cluster.engine import Engine, LocalPipeline
+from moeray.cluster.engine import Engine
+from moeray.cluster.local_pipeline import LocalPipeline
+from moeray.cluster.scheduler import RequestStatus
 from moeray.cluster.kv_blocks import BlockManager
 from moeray.errors import MoerayError
 from moeray.stages.kv_cache import BLOCK_SIZE, blocks_for, kv_block_bytes
@@ -138,7 +140,7 @@ def test_32_requests_on_a_small_kv_budget_are_preempted_and_all_finish(tiny_mode
     # 12 blocks (192 tokens) for 32 sequences that each grow to ~64: most must give way mid-decode.
     small = _engine(tiny_model, 12)
     reqs = small.generate(prompts, params, timeout_s=600)
-    assert [r.status for r in reqs] == ["finished"] * 32 and all(r.error is None for r in reqs)
+    assert [r.status for r in reqs] == [RequestStatus.FINISHED] * 32 and all(r.error is None for r in reqs)
     assert [r.finish_reason for r in reqs] == ["length"] * 32
     assert small.stats.preemptions > 0 and small.scheduler.blocks.stats.preemptions == small.stats.preemptions
     assert small.scheduler.blocks.n_used == 0

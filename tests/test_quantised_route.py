@@ -70,7 +70,7 @@ def test_ggml_greedy_tokens_are_ones_the_exact_model_rates_best(gguf, default_mo
     route picks: teacher-forced through the exact route, its logit is within 1.0 of the best.
     Measured on these prompts: 16 of 16 tokens the exact route's own argmax on two prompts; on the
     chat prompt two picks at near-ties (margins 0.08 and 0.28), max gap 0.28."""
-    from moeray.cluster.engine import Generator
+    from moeray.cluster.generator import Generator
     from moeray.stages import default_model as dm
     from moeray.stages.sampling import SamplingParams
     from moeray.stages.tokenizer import Tokenizer

@@ -15,6 +15,7 @@ from moeray.cluster.config import EngineConfig, LaunchOptions  # noqa: E402
 from moeray.cluster.driver import kv_layer_bytes, launch  # noqa: E402
 from moeray.cluster.engine import Engine  # noqa: E402
 from moeray.cluster.remote import StageFailedError  # noqa: E402
+from moeray.cluster.scheduler import RequestStatus  # noqa: E402
 from moeray.stages.sampling import SamplingParams  # noqa: E402
 
 MiB = 1 << 20
@@ -136,7 +137,7 @@ def test_killing_a_stage_fails_requests_clearly_and_the_next_one_succeeds(launch
     with pytest.raises(StageFailedError, match="stage 2 .* died"):
         eng.run([doomed], timeout_s=120)
     failed_after = time.monotonic() - t
-    assert doomed.status == "failed" and "stage 2" in doomed.error
+    assert doomed.status is RequestStatus.FAILED and "stage 2" in doomed.error
     # The error came from the dead stage, not from a timeout (the steps' timeout is 60 s); this
     # includes the restart and reload of stage 2, which run before the error is raised.
     assert failed_after < 60
@@ -168,7 +169,7 @@ def test_a_step_past_its_deadline_is_reported_and_the_stage_restarted(launched, 
     req = eng.add(PROMPTS[0], SamplingParams(max_tokens=N_NEW, ignore_eos=True))
     with pytest.raises(StageFailedError, match=r"stage \d .* did not finish a step within"):
         eng.run([req], timeout_s=120)
-    assert req.status == "failed"
+    assert req.status is RequestStatus.FAILED
     again = _engine(launched).generate([PROMPTS[0]], SamplingParams(max_tokens=N_NEW, ignore_eos=True),
                                        timeout_s=300)
     assert again[0].output == reference[0]

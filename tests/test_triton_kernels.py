@@ -103,12 +103,19 @@ def test_prefill_scratch_in_row_blocks(tk, monkeypatch):
 @interpreted
 @pytest.mark.parametrize("qtype", (T.Q4_K, T.Q8_0), ids=lambda t: t.name)
 def test_grouped_swiglu_equals_a_loop_over_experts(tk, qtype):
-    """The MoE hit path of a layer in one call: 2 tokens' picks over 2 stacked slots (a slot
-    picked twice by one token and by the other too) against expert-by-expert float32."""
+    """The MoE hit path of a layer in one call: 2 tokens' picks over 2 slots (a slot picked twice
+    by one token and by the other too) against expert-by-expert float32. The slots are laid out
+    as the experts path keeps them (cache/slot_store.py, issue 22): slot s is row s of one buffer,
+    gate | up | down blocks back to back; each kind is a column slice of it (a strided view)."""
     H, Fd = (256, 256) if qtype == T.Q4_K else (64, 96)
     S, k, n = 2, 2, 2
-    kinds = {name: torch.stack([_matrix(qtype, *shape, seed=10 * i + s) for s in range(S)])
-             for i, (name, shape) in enumerate((("gate", (Fd, H)), ("up", (Fd, H)), ("down", (H, Fd))))}
+    mats = {name: [_matrix(qtype, *shape, seed=10 * i + s) for s in range(S)]
+            for i, (name, shape) in enumerate((("gate", (Fd, H)), ("up", (Fd, H)), ("down", (H, Fd))))}
+    rows = torch.stack([torch.cat([mats["gate"][s], mats["up"][s], mats["down"][s]]) for s in range(S)])
+    sizes = [mats[name][0].numel() for name in ("gate", "up", "down")]
+    offs = [0, sizes[0], sizes[0] + sizes[1]]
+    kinds = {name: rows[:, o:o + n_] for name, o, n_ in zip(("gate", "up", "down"), offs, sizes)}
+    assert not kinds["up"].is_contiguous() and kinds["up"].stride(0) == rows.shape[1]
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(n, H, generator=gen) * 0.1
     slots = torch.tensor([[0, 1], [1, 1]])
@@ -182,3 +189,56 @@ def test_cuda_kernels_equal_the_cpu_dequantiser(qtype):
         want = x.double() @ want_w.double().T
         got = tk.qlinear(raw.cuda(), int(qtype), (N, K), x.cuda()).cpu().double()
         assert (got - want).abs().max() <= 1e-5 * want.abs().max(), m
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason=NO_CUDA)
+def test_cuda_graph_of_the_grouped_hit_path_equals_the_eager_call():
+    from moeray.stages import triton_kernels as tk
+
+    H, Fd, S, k, n = 512, 256, 4, 2, 3
+    stacks = [(torch.stack([_matrix(T.Q4_K, *shape, seed=10 * i + s) for s in range(S)]).cuda(), int(T.Q4_K))
+              for i, shape in enumerate(((Fd, H), (Fd, H), (H, Fd)))]
+    graphed = tk.GraphedGroupedSwiglu(*stacks, Fd, H, n, k, "cuda")
+    for seed in (1, 2):  # replayed with new inputs each time
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(n, H, generator=gen).cuda()
+        slots = torch.randint(0, S, (n, k), generator=gen).cuda()
+        w = torch.rand(n, k, generator=gen).cuda()
+        eager = tk.grouped_swiglu(*stacks, Fd, H, x, slots, w)
+        assert torch.equal(graphed(x, slots, w), eager)
+
+
+# ---------------------------------------------------------------- compiled for Hopper, no GPU needed
+
+
+def _compile_for_sm90(tk, qtype: T, bm: int) -> str:
+    """PTX of the matmul kernel for an H100/H200 (sm_90), built ahead of time with the integer
+    arguments marked divisible by 16 as Triton marks them at launch for these shapes."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    import triton
+
+    qk, ts = tk.BLOCKS[int(qtype)]
+    sig = {"w_ptr": "*u8", "x_ptr": "*fp32", "y_ptr": "*fp32", "slot_ptr": "*i32", "M": "i32", "N": "i32",
+           "K": "i32", "row_bytes": "i32", "slot_bytes": "i32", "stride_xm": "i32", "stride_ym": "i32",
+           **{k: "constexpr" for k in ("QT", "QK", "TS", "BN", "BM", "GROUPED")}}
+    src = ASTSource(fn=tk._qmm_kernel, signature=sig,
+                    constexprs={"QT": int(qtype), "QK": qk, "TS": ts, "BN": 32, "BM": bm, "GROUPED": False},
+                    attrs={(i,): [["tt.divisibility", 16]] for i in (0, 1, 2, 3, 6, 7, 9, 10)})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+
+
+@pytest.mark.skipif(INTERPRETED, reason="compiles the kernels: the parent run does it")
+def test_kernels_compile_for_hopper_without_int_to_float_conversions():
+    """Built for sm_90 here (Triton's bundled ptxas, no GPU): the Q4_K GEMV reads its 4-bit codes
+    in 16-byte loads and no kernel converts codes with cvt (a quarter-rate instruction on the
+    card; the kernels build floats from the codes' bits instead); the 16-row tiles compile too."""
+    from moeray.stages import triton_kernels as tk
+
+    gemv = _compile_for_sm90(tk, T.Q4_K, 1)
+    assert "ld.global.v4.b32" in gemv  # the 128 code bytes of a block: 16-byte vector loads
+    tiles = _compile_for_sm90(tk, T.Q6_K, 16)
+    for ptx in (gemv, tiles):
+        assert "cvt.rn.f32.u" not in ptx and "cvt.rn.f32.s" not in ptx

@@ -1,0 +1,309 @@
+"""The scheduler: who runs, what each step feeds, and when a request is done.
+
+Requests wait until a sequence slot and the KV blocks of their prompt are free, then run. The
+scheduler owns the block accounting (cluster/kv_blocks.py): it gives each sequence its blocks,
+reuses the cached blocks of a prompt prefix another request computed, and sends every step's
+block tables to the stages. When a decode step finds no free block, the youngest sequence is
+preempted: its blocks are freed and it waits to be prefilled again (prompt and output so far),
+so the client sees latency, not an error.
+
+Each running request belongs to one of `micro_batches` lanes; every lane has at most one step in
+flight (cluster/engine.py keeps that rule). A lane's step packs one decode token per decoding
+request, then prompt chunks (at most `prefill_chunk` tokens of a prompt per step, chunked
+prefill) until the step's `token_budget` is spent, so a long prompt never stalls the decodes
+that share its lane.
+
+`Scheduler.postprocess` owns every finish rule: the end token, the length, and stop strings,
+which it finds in the text it detokenises as tokens arrive (`Request.text`: released text only,
+never a partial stop string or character). Callers forward that text; none of them decodes.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Optional, Sequence
+
+from moeray.cluster.config import EngineConfig
+from moeray.cluster.kv_blocks import BlockManager
+from moeray.errors import MoerayError
+from moeray.stages.actor import StepBatch
+from moeray.stages.kv_cache import BLOCK_SIZE, blocks_for
+from moeray.stages.sampling import SamplingParams, StepOutput, StopStringStream, TokenLogprob
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"  # in line for a sequence slot and its prompt's KV blocks (again, after a preemption)
+    RUNNING = "running"  # holds a slot and blocks; its rows go into its lane's steps
+    FINISHED = "finished"  # end token, length, stop string or abort: `finish_reason` says which
+    FAILED = "failed"  # its KV state was lost with a stage: `error` says why
+
+
+@dataclass
+class Request:
+    id: int
+    prompt: list[int]
+    params: SamplingParams
+    max_new: int  # params.max_tokens capped by the KV length
+    detok: Optional[StopStringStream] = None  # None: an engine without a tokenizer (token ids only)
+    output: list[int] = field(default_factory=list)  # every sampled token, the end token included
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: Optional[str] = None  # "stop" (end token or stop string) | "length" | "abort"
+    error: Optional[str] = None
+    slot: int = -1
+    lane: int = -1
+    fed: int = 0  # tokens of `prefill` handed to the pipeline so far
+    prefill: list[int] = field(default_factory=list)  # what to prefill: the prompt (+ output after a preemption)
+    table: list[int] = field(default_factory=list)  # KV blocks, in order
+    kv_len: int = 0  # tokens whose KV the steps handed out so far write
+    cached_tokens: int = 0  # prompt tokens whose KV was reused from a cached prefix (first admission)
+    preemptions: int = 0
+    fresh: bool = False  # admitted, its first row not yet scheduled: the stages start its sampler over
+    t_admit: int = -1  # admission order: the youngest is preempted first
+    busy: bool = False  # in a micro-batch that is in flight
+    t_arrive: float = field(default_factory=time.perf_counter)
+    t_first: Optional[float] = None
+    t_done: Optional[float] = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when params.logprobs is set
+
+    @property
+    def done(self) -> bool:
+        return self.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
+
+    @property
+    def text(self) -> str:
+        """The text released so far (final once done); grows only by appending."""
+        return self.detok.text if self.detok is not None else ""
+
+
+@dataclass
+class Row:
+    """One request's part of a step."""
+    req: Request
+    tokens: list[int]  # a prompt chunk, or the last sampled token
+    start: int  # tokens of the sequence in KV before this row
+    fresh: bool  # the prompt's first chunk: the slot's KV and sampler start over
+    sample: bool  # the prompt is fully fed with this row: a token comes back
+
+
+@dataclass
+class ScheduledStep:
+    id: int
+    lane: int
+    rows: list[Row]  # in slot order: a lane's neighbouring slots read the KV cache as one view
+
+    def batch(self) -> StepBatch:
+        return StepBatch(self.id, [r.req.slot for r in self.rows], [len(r.tokens) for r in self.rows],
+                         [r.fresh for r in self.rows], [r.tokens for r in self.rows],
+                         [r.req.params if r.sample else None for r in self.rows],
+                         starts=[r.start for r in self.rows],
+                         tables=[r.req.table[:blocks_for(r.start + len(r.tokens))] for r in self.rows])
+
+
+@dataclass
+class EngineStats:
+    steps: int = 0
+    decode_tokens: int = 0
+    prefill_tokens: int = 0
+    failures: int = 0
+    preemptions: int = 0
+
+
+class Scheduler:
+    """Who runs (sequence slots, lanes, KV blocks), what each step feeds, and when a request is done."""
+
+    def __init__(self, config: EngineConfig, eos_ids: Sequence[int] = (), n_blocks: int | None = None):
+        self.config = config
+        if n_blocks is None and config.max_len is None:
+            raise MoerayError("an engine needs a KV budget: kv_blocks, or max_len (max_seqs sequences of it)")
+        # Without a plan's budget, blocks for max_seqs sequences of max_len: what a slab held.
+        self.blocks = BlockManager(n_blocks or config.max_seqs * blocks_for(config.max_len), config.prefix_reuse)
+        # Give each sequence the blocks of its whole output at admission (never grow, never preempt):
+        # for the one-shot Generator, whose pool is sized for exactly its prompts. Equal sequences then
+        # hold consecutive, equally spaced blocks, which attention reads as one view.
+        self.reserve_output = False
+        self.eos_ids = frozenset(eos_ids)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        # Each lane owns a contiguous range of KV slots, and a micro-batch lists its slots in
+        # order: a lane whose requests hold neighbouring slots reads the KV cache as one view.
+        m, n = config.micro_batches, config.max_seqs
+        self.lane_slots = [list(range(lane * n // m, (lane + 1) * n // m)) for lane in range(m)]
+        self._steps = itertools.count()
+        self._admissions = itertools.count()
+        self.stats = EngineStats()
+
+    @property
+    def n_free_slots(self) -> int:
+        return sum(len(s) for s in self.lane_slots)
+
+    @property
+    def kv_tokens(self) -> int:
+        """Tokens the KV pool holds at most: the longest sequence that can run."""
+        return self.blocks.n_blocks * BLOCK_SIZE
+
+    def admit(self) -> None:
+        """Waiting requests, in order, take a free slot (in the lane with the most room) and the
+        blocks of their prompt, reusing the cached blocks of its longest known prefix."""
+        bm = self.blocks
+        while self.waiting and any(self.lane_slots):
+            req = self.waiting[0]
+            if not req.prefill:
+                req.prefill = list(req.prompt)
+            shared, wait = bm.match_prefix(req.prefill)
+            if wait:  # a running request is computing the rest of this prefix: reuse it when written
+                return
+            bm.take_shared(shared)  # before allocating: a matched cached block must not be evicted
+            total = len(req.prompt) + req.max_new if self.reserve_output else len(req.prefill) + 1
+            own = bm.allocate(blocks_for(total) - len(shared))  # + the first output token
+            if own is None:  # wait for blocks; first come, first served
+                bm.release(shared)
+                return
+            self.waiting.popleft()
+            req.table = shared + own
+            req.fed = req.kv_len = len(shared) * BLOCK_SIZE
+            # Its prompt's full blocks can be found from now on; pending until a step writes them.
+            bm.register(req.table, req.prefill, len(req.prefill) // BLOCK_SIZE, len(shared), pending=True)
+            if req.preemptions == 0:
+                req.cached_tokens = req.fed
+                bm.stats.prompt_tokens += len(req.prompt)
+                bm.stats.cached_tokens += req.fed
+            req.lane = max(range(len(self.lane_slots)), key=lambda lane: len(self.lane_slots[lane]))
+            free = self.lane_slots[req.lane]
+            req.slot = free.pop(free.index(min(free)))
+            req.status, req.fresh = RequestStatus.RUNNING, True
+            req.t_admit = next(self._admissions)
+            self.running.append(req)
+
+    def _grow(self, req: Request, chosen: list[Request]) -> bool:
+        """Room for one more token of `req`: a new block when its table is full, preempting the
+        youngest sequence that is not in a step (possibly `req` itself) while none is free.
+        False: `req` cannot decode this step (it was preempted, or every other sequence is busy)."""
+        bm = self.blocks
+        while len(req.table) * BLOCK_SIZE <= req.kv_len:
+            got = bm.allocate(1)
+            if got is not None:
+                req.table += got
+                return True
+            idle = [r for r in self.running if not r.busy and not r.done and r not in chosen]
+            if not idle:
+                return False
+            victim = max(idle, key=lambda r: r.t_admit)
+            self.preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def preempt(self, req: Request) -> None:
+        """Free a running sequence's blocks and put it first in line to be prefilled again, prompt
+        and output so far (a cached prefix of it may survive and be reused)."""
+        prefill = req.prompt + req.output
+        n_full = len(prefill) // BLOCK_SIZE
+        # Its full blocks hold exactly the prefix of prompt + output, whatever fed them: name them.
+        self.blocks.register(req.table, prefill, min(n_full, req.kv_len // BLOCK_SIZE))
+        self.blocks.release(req.table)
+        self.running.remove(req)
+        self.lane_slots[req.lane].append(req.slot)
+        req.table, req.prefill, req.fed, req.kv_len = [], prefill, 0, 0
+        req.status, req.slot, req.lane = RequestStatus.WAITING, -1, -1
+        req.preemptions += 1
+        self.stats.preemptions += 1
+        self.blocks.stats.preemptions += 1
+        self.waiting.appendleft(req)
+
+    def schedule(self, lane: int) -> Optional[ScheduledStep]:
+        """The lane's next step: decodes first (what users wait on between tokens), then prompt
+        chunks, within the token budget. None when the lane has nothing to run."""
+        budget = self.config.token_budget
+        members = [r for r in self.running if r.lane == lane and not r.busy and not r.done]
+        rows, chosen = [], []
+        for r in members:
+            if r.status is RequestStatus.RUNNING and r.fed == len(r.prefill) and budget >= 1 and self._grow(r, chosen):
+                rows.append(Row(r, [r.output[-1]], r.kv_len, fresh=False, sample=True))
+                chosen.append(r)
+                r.kv_len += 1
+                budget -= 1
+        n_decode = len(rows)
+        for r in members:
+            if r.status is RequestStatus.RUNNING and r.fed < len(r.prefill) and budget >= 1:
+                n = min(self.config.prefill_chunk, len(r.prefill) - r.fed, budget)
+                rows.append(Row(r, r.prefill[r.fed:r.fed + n], r.fed, fresh=r.fresh,
+                                sample=r.fed + n == len(r.prefill)))
+                # This chunk's full blocks are written by this step: the stages run steps in the
+                # order they are handed out, so any later step may read them.
+                self.blocks.written(r.table, r.fed // BLOCK_SIZE, (r.fed + n) // BLOCK_SIZE)
+                r.fed += n
+                r.kv_len, r.fresh = r.fed, False
+                budget -= n
+        if not rows:
+            return None
+        rows.sort(key=lambda row: row.req.slot)
+        self.stats.decode_tokens += n_decode
+        self.stats.prefill_tokens += sum(len(row.tokens) for row in rows) - n_decode
+        for row in rows:
+            row.req.busy = True
+        return ScheduledStep(next(self._steps), lane, rows)
+
+    def postprocess(self, step: ScheduledStep, tokens: Sequence[Optional[int]] | StepOutput) -> None:
+        """Hand each row its sampled token (and its log-probabilities) and apply the finish rules."""
+        self.stats.steps += 1
+        now = time.perf_counter()
+        result = StepOutput.of(tokens)
+        logprobs = result.logprobs or [None] * len(result.tokens)
+        for row, tok, lp in zip(step.rows, result.tokens, logprobs):
+            req = row.req
+            req.busy = False
+            if req.done:  # aborted while its step was in flight: the slot is free now
+                self._release(req)
+            elif tok is not None:  # None: the row was a prompt chunk with more to come
+                self._append(req, tok, now, lp)
+
+    def _append(self, req: Request, tok: int, now: float, logprob: Optional[TokenLogprob] = None) -> None:
+        if req.t_first is None:
+            req.t_first = now
+        req.output.append(tok)
+        if logprob is not None:
+            req.logprobs.append(logprob)
+        if tok in self.eos_ids and not req.params.ignore_eos:
+            if req.detok is not None:
+                req.detok.finish()  # the end token itself is not text
+            self.finish(req, "stop")
+            return
+        if req.detok is not None:
+            req.detok.push(tok)
+            if req.detok.stopped:  # a stop string: the text ends before it
+                self.finish(req, "stop")
+                return
+        if len(req.output) >= req.max_new:
+            if req.detok is not None:
+                req.detok.finish()
+            self.finish(req, "length")
+
+    def finish(self, req: Request, reason: str) -> None:
+        req.status, req.finish_reason, req.t_done = RequestStatus.FINISHED, reason, time.perf_counter()
+        if not req.busy:
+            self._release(req)
+
+    def abort(self, req: Request) -> None:
+        if req.status is RequestStatus.WAITING:
+            self.waiting.remove(req)
+        if not req.done:
+            self.finish(req, "abort")
+
+    def fail_running(self, message: str) -> None:
+        """Every running request lost its KV state; waiting ones are untouched."""
+        for req in list(self.running):
+            req.status, req.error, req.busy, req.t_done = RequestStatus.FAILED, message, False, time.perf_counter()
+            self._release(req)
+        self.blocks.forget_all()  # a restarted stage holds no KV: no cached prefix is valid
+
+    def _release(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+            self.lane_slots[req.lane].append(req.slot)
+            # Its full blocks (prompt and output) stay findable until their blocks are needed.
+            self.blocks.register(req.table, req.prompt + req.output, req.kv_len // BLOCK_SIZE)
+            self.blocks.release(req.table)
+            req.table = []

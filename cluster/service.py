@@ -1,0 +1,163 @@
+"""The owner of one server's engine: model, tokenizer, pipeline, engine thread and metrics.
+
+`Service(opts)` runs the driver (probe -> plan -> load -> wire, `moeray.cluster.driver.launch`), or
+with `--local` loads the whole model in this process (cluster/local_pipeline.py), then starts the
+engine thread (cluster/engine_loop.py) and the metrics poller. The HTTP app (cluster/serve_app.py)
+reads it and posts requests to its engine thread; it never touches the engine itself.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from moeray.cluster import openai_schema as oa
+from moeray.cluster.config import ServeOptions, resolve_model
+from moeray.cluster.engine_loop import EngineLoop, Stream
+from moeray.errors import MoerayError
+
+
+class Service:
+    """Model, tokenizer, pipeline, engine thread and metrics of one server."""
+
+    def __init__(self, opts: ServeOptions, log=print):
+        from moeray.cluster.engine import Engine
+        from moeray.cluster.local_pipeline import LocalPipeline
+        from moeray.stages.kv_cache import BLOCK_SIZE
+        from moeray.stages.gguf_file import read_gguf_header
+        from moeray.stages.tokenizer import Tokenizer
+
+        self.opts = opts
+        self.path = resolve_model(opts.model)
+        if opts.model_name:
+            self.model_name = opts.model_name
+        elif opts.model is None:
+            from moeray.stages.default_model import MODEL_NAME
+
+            self.model_name = MODEL_NAME
+        else:
+            self.model_name = Path(self.path).stem
+        header = read_gguf_header(self.path)
+        self.header_config = header.config
+        engine_cfg = opts.engine
+        self.tokenizer = Tokenizer.from_metadata(header.metadata, source=self.path)
+        self.created = oa.now()
+        self.launched = None
+        self.lines: list[str] = []
+        if opts.local:
+            if opts.launch.torch_threads:
+                import torch
+
+                torch.set_num_threads(opts.launch.torch_threads)
+            if opts.launch.kernels != "auto":
+                from moeray.stages.qmatmul import set_route
+
+                set_route(opts.launch.kernels)
+            profile = opts.launch.profile
+            if profile is None:  # the embedded default model's recorded routing, as the driver uses
+                from moeray.stages.default_profile import default_profile_for
+
+                found = default_profile_for(self.path)
+                profile = None if found is None else str(found)
+            from moeray.cluster.driver import local_kv_plan
+
+            kv = local_kv_plan(header.config, engine_cfg, opts.local_budget)
+            engine_cfg = dataclasses.replace(engine_cfg, max_len=kv.context, kv_blocks=kv.blocks)
+            self.local = LocalPipeline.from_file(self.path, kv.blocks, opts.local_budget,
+                                                 profile, opts.launch.cache_policy)
+            pipeline = self.local
+            self.lines.append(f"one process: layers 0-{header.config.n_layers - 1} on {self.local.stage.device.name}")
+            self.lines.append(kv.line())
+        else:
+            from moeray.cluster.driver import launch
+
+            self.launched = launch(self.path, opts.launch, engine_cfg, log=self._log(log))
+            pipeline = self.launched.pipeline()
+            engine_cfg = self.launched.engine  # the context and the KV blocks the plan settled
+        # One sequence can hold no more than the whole KV pool.
+        self.context = min(engine_cfg.max_len, engine_cfg.kv_blocks * BLOCK_SIZE)
+        self.engine = Engine(pipeline, engine_cfg, self.tokenizer)
+        self.metrics = self.poller = None
+        try:
+            from moeray.cluster.metrics import Metrics, Poller
+
+            self.metrics = Metrics(self.model_name)
+            self.poller = Poller(self.metrics, self.stage_stats, lambda: (self.loop.counts["running"],
+                                                                          self.loop.counts["waiting"]),
+                                 opts.metrics_interval_s, read_kv=self.kv_report)
+        except ImportError:  # no Ray: serve without metrics
+            pass
+        self.loop = EngineLoop(self.engine, max_waiting=opts.max_waiting, on_tokens=self._on_tokens).start()
+        if self.poller is not None:
+            self.poller.start()
+
+    def _log(self, log):
+        def say(line: str) -> None:
+            self.lines.append(line)
+            if log is not None:
+                log(line)
+        return say
+
+    def _on_tokens(self, s: Stream, n: int, now: float) -> None:
+        if self.metrics is None:
+            return
+        ttft = now - s.t_submit if s.t_last is None else None
+        itl = None if s.t_last is None else (now - s.t_last) / n
+        self.metrics.tokens(n, ttft, itl)
+
+    def stage_stats(self, timeout_s: float = 10.0):
+        """Each stage's live numbers (StageActor.stats: StageStats), with a deadline."""
+        stats = [self.local.stage.stats()] if self.launched is None else self.launched.stage_stats(timeout_s)
+        kv = self.kv_report()
+        for s in stats:
+            if s.kv is not None:  # one block table for all stages: the engine's ledger counts for each
+                s.kv.update(used=kv["used_blocks"], free=kv["free_blocks"], cached=kv["cached_blocks"])
+        return stats
+
+    def live_profile(self) -> bytes:
+        """GET /v1/admin/profile: every stage's routed picks per (layer, expert) since it started,
+        as one moeray profile with counts: re-plan (`--profile`) with the traffic really served."""
+        import numpy as np
+
+        from moeray.planner.profile import Profile
+
+        cfg = self.header_config
+        counts = np.zeros((cfg.n_layers, cfg.n_experts), dtype=np.int64)
+        for st in self.stage_stats():
+            if st.cache and st.cache.get("routed"):
+                first, end = st.cache["layers"]
+                counts[first:end] += np.asarray(st.cache["routed"], dtype=np.int64)
+        if counts.sum() == 0:
+            raise MoerayError("no routing decisions yet: serve some requests first")
+        return Profile.from_counts(counts).to_bytes()
+
+    def stages_report(self) -> dict:
+        """GET /v1/stages: the records become JSON here, at the edge."""
+        stats = [dataclasses.asdict(s) for s in self.stage_stats()]
+        for s in stats:
+            if s.get("cache"):
+                s["cache"].pop("per_layer", None)  # per-layer rows: ask the stage; this is the summary
+                s["cache"].pop("routed", None)  # the per-expert table: GET /v1/admin/profile
+        return {
+            "model": self.model_name, "path": self.path, "context": self.context,
+            "plan": self.lines, "stages": stats,
+            "engine": {**self.loop.counts, **dataclasses.asdict(self.engine.stats),
+                       "max_seqs": self.opts.engine.max_seqs, "alive": self.loop.alive,
+                       "last_failure": self.loop.last_failure},
+            "kv": self.kv_report(),
+        }
+
+    def kv_report(self) -> dict:
+        """The engine's KV ledger (read from the HTTP thread: plain counters, a moment stale at worst)."""
+        bm = self.engine.scheduler.blocks
+        return {"blocks": bm.n_blocks, "block_tokens": bm.block_size, "used_blocks": bm.n_used,
+                "free_blocks": bm.n_available, "cached_blocks": bm.n_cached,
+                "prefix_reuse": bm.prefix_reuse, "prompt_tokens": bm.stats.prompt_tokens,
+                "cached_tokens": bm.stats.cached_tokens, "prefix_hit_rate": bm.hit_rate,
+                "preemptions": bm.stats.preemptions}
+
+    def close(self) -> None:
+        if self.poller is not None:
+            self.poller.stop()
+        self.loop.stop()
+        if self.launched is not None:
+            self.launched.shutdown()
