@@ -110,3 +110,26 @@ def test_harmony_chat_template_and_end_tokens_come_from_the_gguf(files):
     assert ids["<|return|>"] in tok.end_ids and ids["<|call|>"] in tok.end_ids and ids["<|end|>"] not in tok.end_ids
     reply = tok.encode("<|channel|>final<|message|>Paris<|end|><|return|>", add_bos=False)
     assert tok.decode(reply) == "<|channel|>final<|message|>Paris<|end|>"
+
+
+def test_published_gpt_oss_120b_is_planned_from_its_header(tmp_path, capsys):
+    """bench/headers.py writes gpt-oss-120b's header (36 x 128 experts top-4, MXFP4 experts):
+    priced at its real bytes, planned by `moeray plan` on a 2x24 + 2x16 GiB rig."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from headers import write_gpt_oss_header
+
+    from moeray.cluster.cli import main
+
+    path = write_gpt_oss_header("gpt-oss-120b", tmp_path / "gpt-oss-120b.gguf")
+    h = read_gguf_header(path)
+    cfg = h.config
+    assert (cfg.n_layers, cfg.n_experts, cfg.n_experts_used, cfg.sliding_window) == (36, 128, 4, 128)
+    assert cfg.swa_layers == tuple(i % 2 == 0 for i in range(36))
+    # gate, up, down: 2880 x 2880 each at 17 bytes per 32 weights, plus the expert's three bias rows
+    assert h.expert_bytes(0) == 3 * 2880 * 2880 // 32 * 17 + 4 * 3 * 2880
+    assert main(["plan", str(path), "--devices", "24GiB,24GiB,16GiB,16GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "layer split auto: K=" in out and sum(line.startswith("stage ") for line in out.splitlines()) == 4
