@@ -278,7 +278,7 @@ def reference(path: str, tokens: list[int], prompts: dict, n_new: int, kernels: 
     model = load_model(path, "cpu", route=kernels)
     logits = model.logits_all(tokens).float().numpy()
     cfg = EngineConfig(max_seqs=2, max_len=max(len(p) for p in prompts.values()) + n_new + 4, micro_batches=1)
-    eng = Engine(LocalPipeline.from_model(model, cfg.max_seqs * blocks_for(cfg.max_len)), cfg, tokenizer)
+    eng = Engine(LocalPipeline.from_model(model, cfg.max_seqs * blocks_for(cfg.max_len), cfg.max_seqs), cfg, tokenizer)
     greedy = eng.generate([prompts["greedy"]], SamplingParams(max_tokens=n_new))[0].output
     sampled = eng.generate([prompts["greedy"]], SamplingParams(max_tokens=n_new, temperature=0.8, seed=7))[0].output
     return {"logits": logits, "greedy": list(greedy), "sampled": list(sampled)}

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moeray.stages.deltanet_shape import DeltaNetShape
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -43,6 +45,10 @@ class ModelConfig:
     shared_expert_gate: bool = True  # the shared expert's output is scaled by sigmoid(w . h) (qwen2moe)
     n_dense_leading: int = 0  # the first layers of an MoE model have a dense FFN instead (DeepSeek, GLM)
     attention: str = "gqa"  # the attention block's kind (stages/arch/base.py ATTENTION_TENSORS)
+    # Hybrid models (stages/arch/qwen3next.py): the Gated DeltaNet layers' sizes, and per layer
+    # whether it is one (a recurrent state per sequence instead of KV).
+    deltanet: DeltaNetShape | None = None
+    recurrent: tuple[bool, ...] = ()
     # The routed experts' activation (stages/qmatmul.py GLU): "silu" = silu(g) * u; "swiglu_oai"
     # (gpt-oss) clamps g and u at swiglu_limit and computes (u + 1) * g * sigmoid(swiglu_alpha * g).
     expert_act: str = "silu"

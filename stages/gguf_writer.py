@@ -4,7 +4,7 @@ Supported: the transformers classes each architecture module lists (stages/arch/
 `hf_classes`): LlamaForCausalLM (dense), MixtralForCausalLM (stored as arch "llama" with
 ffn_gate_inp + ffn_{gate,up,down}_exps, which is how llama.cpp stores Mixtral),
 Qwen2MoeForCausalLM ("qwen2moe"), Qwen3MoeForCausalLM ("qwen3moe") and GptOssForCausalLM
-("gpt-oss": its own tensor layout in stages/arch/gpt_oss.py `hf_tensors`; `expert_type="MXFP4"`
+("gpt-oss": its own tensor layout in stages/arch/gpt_oss.py `hf_tensor`; `expert_type="MXFP4"`
 writes its experts as the published files hold them).
 
 The conventions copied from llama.cpp, because files written here must run there too:
@@ -70,7 +70,7 @@ _GLOBAL_NAMES = {
 _FUSED_GATE_UP = "mlp.experts.gate_up_proj"
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # Tensors llama.cpp keeps in F32 whatever the requested file type.
-_ALWAYS_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+_ALWAYS_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
 
 
 def llama_permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
@@ -139,9 +139,10 @@ def gguf_tensors_from_hf(state_dict: dict[str, Any], config: Any) -> dict[str, n
         if key == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
             continue  # tied: llama.cpp reuses token_embd when output.weight is absent
         a = t.detach().to("cpu").float().numpy() if hasattr(t, "detach") else np.asarray(t, np.float32)
-        own = arch.hf_tensors(key, a)  # a family's own layout (gpt-oss: interleaved gate/up, sinks)
-        if own is not None:
-            out.update({n: np.ascontiguousarray(x) for n, x in own.items()})
+        m = _LAYER_RE.fullmatch(key)
+        own = arch.hf_tensor(int(m.group(1)), m.group(2), a, config) if m else arch.hf_tensor(None, key, a, config)
+        if own is not None:  # a family whose converter transforms this tensor (stages/arch/)
+            out.update((n, np.ascontiguousarray(x, dtype=np.float32)) for n, x in own)
             continue
         names = _gguf_names(key)
         if len(names) == 2:  # fused [E, 2F, H]: gate rows first, then up rows
@@ -188,12 +189,12 @@ def _add_metadata(w: gguf.GGUFWriter, config: Any, arch, file_type: gguf.LlamaFi
     w.add_block_count(config.num_hidden_layers)
     w.add_context_length(config.max_position_embeddings)
     w.add_embedding_length(config.hidden_size)
-    w.add_feed_forward_length(config.intermediate_size)
+    w.add_feed_forward_length(int(getattr(config, "intermediate_size", 0) or 0))
     w.add_head_count(config.num_attention_heads)
     w.add_head_count_kv(config.num_key_value_heads)
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(arch.hf_rope_dim(config, head_dim))
     _add_rope(w, config)
     w.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     w.add_vocab_size(config.vocab_size)

@@ -104,7 +104,7 @@ class Architecture:
     hf_classes: tuple[str, ...] = ()
     hf_model_types: tuple[str, ...] = ()
     permute_qk: bool = False
-    ffn_norm_name: str = "ffn_norm"  # the norm before the FFN (llama.cpp's ATTN_POST_NORM for some families)
+    ffn_norm_name: str = "ffn_norm"  # the pre-FFN norm's tensor (qwen3next: post_attention_norm)
 
     # --- metadata -> config ----------------------------------------------------------------
 
@@ -202,18 +202,29 @@ class Architecture:
         """Values one token holds in layer `layer`'s KV cache (the KV pool's and the planner's price)."""
         return KV_VALUES[self.attention_kind(cfg, layer)](cfg)
 
+    def state_bytes(self, cfg: ModelConfig, layer: int) -> int:
+        """Bytes one sequence's recurrent state takes in layer `layer` (0: the layer keeps KV only);
+        the stage holds it for every sequence slot, the planner and driver charge it like KV."""
+        return 0
+
     # --- the converter's side (stages/gguf_writer.py) ---------------------------------------
 
     def write_metadata(self, w: Any, hf_config: Any) -> None:
         """Keys beyond the common ones that llama.cpp's converter writes for this family."""
 
-    def hf_tensors(self, key: str, array: Any) -> dict[str, Any] | None:
-        """GGUF tensors (numpy order) of one transformers tensor this family lays out its own way
-        (split, transposed, renamed); None: the shared mapping of stages/gguf_writer.py."""
+    def hf_rope_dim(self, hf_config: Any, head_dim: int) -> int:
+        """rope.dimension_count as written: the values of a head RoPE turns."""
+        return head_dim
+
+    def hf_tensor(self, layer: int | None, rest: str, a: Any, hf_config: Any) -> list | None:
+        """The GGUF tensors [(name, array)] of one transformers tensor (`rest`: its key after
+        "model.layers.{layer}.", or the whole key when layer is None), for a family whose
+        converter transforms it; None: the common name mapping applies."""
         return None
 
     def hf_tensor_from_gguf(self, key: str, tensors: dict[str, Any]) -> Any | None:
-        """The inverse of `hf_tensors` for reading a file back (None: the shared mapping)."""
+        """The inverse of `hf_tensor` for reading a file back: one transformers tensor from the
+        GGUF's dequantised ones (None: the common mapping)."""
         return None
 
     def hf_norm_topk(self, hf_config: Any) -> bool:

@@ -69,25 +69,24 @@ class GptOss(Architecture):
     def hf_norm_topk(self, hf_config: Any) -> bool:
         return True  # softmax over the top k: weights sum to 1
 
-    def hf_tensors(self, key: str, a: np.ndarray) -> dict[str, np.ndarray] | None:
-        """GGUF tensors of one transformers tensor whose layout differs from the shared mapping."""
-        layer, rest = _split(key)
-        if rest is None:
+    def hf_tensor(self, layer, rest, a, hf_config):
+        """The converter's own layout of gpt-oss's tensors (renamed, split, transposed)."""
+        if layer is None:
             return None
         p = f"blk.{layer}."
         if rest in _RENAMED:
-            return {p + _RENAMED[rest]: a}
+            return [(p + _RENAMED[rest], a)]
         if rest == "mlp.experts.gate_up_proj":  # [E, H, 2F], gate and up interleaved
             t = a.transpose(0, 2, 1)
-            return {p + "ffn_gate_exps.weight": t[:, ::2], p + "ffn_up_exps.weight": t[:, 1::2]}
+            return [(p + "ffn_gate_exps.weight", t[:, ::2]), (p + "ffn_up_exps.weight", t[:, 1::2])]
         if rest == "mlp.experts.gate_up_proj_bias":
-            return {p + "ffn_gate_exps.bias": a[:, ::2], p + "ffn_up_exps.bias": a[:, 1::2]}
+            return [(p + "ffn_gate_exps.bias", a[:, ::2]), (p + "ffn_up_exps.bias", a[:, 1::2])]
         if rest == "mlp.experts.down_proj":  # [E, F, H]
-            return {p + "ffn_down_exps.weight": a.transpose(0, 2, 1)}
+            return [(p + "ffn_down_exps.weight", a.transpose(0, 2, 1))]
         return None
 
     def hf_tensor_from_gguf(self, key: str, g: dict[str, np.ndarray]) -> np.ndarray | None:
-        """The inverse of hf_tensors: one transformers tensor from the GGUF's (dequantised) ones."""
+        """The inverse of hf_tensor: one transformers tensor from the GGUF's (dequantised) ones."""
         layer, rest = _split(key)
         if rest is None:
             return None
