@@ -191,14 +191,19 @@ def start_cluster(n_nodes: int):
     return c
 
 
-def node_faults(cluster, url: str, every_s: float, back_s: float, faults: list[Fault], stop: threading.Event,
+def node_faults(cluster, url: str, every_s: float, back_s: float, faults: list[Fault], end: float,
                 start_delay_s: float) -> None:
-    """Remove the node of a random stage, then add a node with the same card back."""
+    """Until `end`: remove the node of a random stage, then add a node with the same card back.
+    Runs on the main thread (ray.cluster_utils installs signal handlers when it adds a node)."""
     from moeray.cluster.driver import DEVICE_RESOURCE
 
-    if stop.wait(start_delay_s):
+    def wait(s: float) -> bool:  # False once the run is over
+        time.sleep(max(0.0, min(s, end - time.monotonic())))
+        return time.monotonic() < end
+
+    if not wait(start_delay_s):
         return
-    while not stop.is_set():
+    while True:
         try:
             stages = get_json(url, "/v1/stages")["stages"]
         except Exception:  # noqa: BLE001 - server busy recovering: try later
@@ -209,11 +214,10 @@ def node_faults(cluster, url: str, every_s: float, back_s: float, faults: list[F
             node = random.choice(victims)
             faults.append(Fault(time.monotonic(), "node-remove", node.node_id[:12]))
             cluster.remove_node(node, allow_graceful=False)
-            if stop.wait(back_s):
-                return
+            wait(back_s)  # the node comes back even when the run ends meanwhile
             new = cluster.add_node(num_cpus=1, resources={DEVICE_RESOURCE: 1})
             faults.append(Fault(time.monotonic(), "node-add", new.node_id[:12]))
-        if stop.wait(every_s):
+        if not wait(every_s):
             return
 
 
@@ -313,17 +317,14 @@ def main() -> int:
         rss_before = server_rss(url)
         faults: list[Fault] = []
         stop = threading.Event()
-        workers = [threading.Thread(target=stage_kills, args=(url, args.kill_every, faults, stop, rng), daemon=True)]
+        killer = threading.Thread(target=stage_kills, args=(url, args.kill_every, faults, stop, rng), daemon=True)
+        killer.start()
+        end = time.monotonic() + args.minutes * 60
         if cluster is not None:
-            workers.append(threading.Thread(target=node_faults, daemon=True,
-                                            args=(cluster, url, args.node_every, args.node_back, faults, stop,
-                                                  args.node_every / 2)))
-        for w in workers:
-            w.start()
-        time.sleep(args.minutes * 60)
+            node_faults(cluster, url, args.node_every, args.node_back, faults, end, args.node_every / 2)
+        time.sleep(max(0.0, end - time.monotonic()))
         stop.set()
-        for w in workers:
-            w.join(60)
+        killer.join(60)
         time.sleep(min(30.0, args.hang_s))  # the last fault's recovery
         clients.join(args.hang_s + 10)
         rss_after = server_rss(url)

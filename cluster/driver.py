@@ -337,8 +337,8 @@ class Launched:
         again, KV pools sized anew). PlacementError when what is left cannot hold the model; the
         next call tries again (a node may have come back)."""
         t0 = time.monotonic()
-        self.faults["stage_failures"] += 1
-        if self.down is None:
+        if self.down is None:  # a retry while nothing serves is not another failure
+            self.faults["stage_failures"] += 1
             try:
                 restarted = self.group.recover()
                 if restarted:

@@ -146,7 +146,7 @@ class HostExperts:
             parts.append(QMatrix.from_raw(self.gguf.expert_raw(layer, kind, expert), gtype, shape,
                                           self.route, copy=False))
         bias = None
-        if self.gguf.has(f"blk.{layer}.ffn_gate_exps.bias"):  # float32 rows of the mapping, no copy
+        if self.config.expert_bias:  # float32 rows of the mapping, no copy (F32 as stored)
             bias = ExpertBias(*(self._bias_row(layer, kind, expert) for kind in EXPERT_KINDS))
         return ExpertWeights(*parts, bias, self.act)
 

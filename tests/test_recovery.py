@@ -103,3 +103,35 @@ def test_the_fault_counts_export_as_engine_metrics_and_count_only_what_is_new():
                                                          "moeray_nodes_lost": 1, "moeray_replans": 1}
     assert all(not n.startswith("moeray_stage_") for n, _ in m._seen) and ENGINE_TAGS == ("model",)
     assert METRICS["moeray_stages_serving"][0] == "gauge"
+
+
+def test_the_driver_restarts_in_place_replans_after_a_node_loss_and_retries_only_when_devices_change():
+    from moeray.cluster.driver import Launched, NodeLostError
+
+    class Group:
+        def __init__(self, outcome):
+            self.outcome = outcome
+
+        def recover(self):
+            if isinstance(self.outcome, Exception):
+                raise self.outcome
+            return self.outcome
+
+    replans = []
+    launched = Launched("m.gguf", Group([2]), [], None, [], 0.0, [], log=None)
+    launched.replan = lambda cause, t0=None: replans.append(cause)
+    launched.recover()  # a stage died on a live node: restarted in place
+    assert launched.faults["restarts"] == 1 and launched.events[-1]["event"] == "restarted" and not replans
+    lost = NodeLostError("node ab12cd34ef56 (10.0.0.2) left the cluster with stage 1", ["ab12cd34ef56"])
+    launched.group = Group(lost)
+    launched.recover()  # its node left: re-plan on what is left, naming why
+    assert replans == [str(lost)] and launched.faults["nodes_lost"] == 1
+    assert [e["event"] for e in launched.events] == ["restarted", "node lost"]
+    launched.down, launched.down_devices = "cannot serve: no placement fits (after: ...)", 1
+    launched.devices_left = lambda: (1, None)
+    with pytest.raises(PlacementError, match="cannot serve"):
+        launched.recover()  # nothing joined: the same answer, no new probe
+    assert len(replans) == 1 and launched.faults["stage_failures"] == 2  # a retry is not a failure
+    launched.devices_left = lambda: (2, None)
+    launched.recover()  # a node joined: try again
+    assert replans == [str(lost), str(lost)]
