@@ -54,6 +54,12 @@ class ModelConfig:
     expert_act: str = "silu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    expert_bias: bool = False  # blk.L.ffn_{gate,up,down}_exps.bias: per-expert biases (gpt-oss)
+    router_bias: bool = False  # blk.L.ffn_gate_inp.bias added to the router's logits (gpt-oss)
+    attn_out_bias: bool = False  # blk.L.attn_output.bias (gpt-oss)
+    attn_sinks: bool = False  # blk.L.attn_sinks.weight: a learned softmax logit per head (gpt-oss)
+    sliding_window: int = 0  # tokens a sliding-window layer attends over (itself included)
+    swa_layers: tuple[bool, ...] = ()  # per layer: True = sliding window, False (or absent) = full
 
     @property
     def is_moe(self) -> bool:

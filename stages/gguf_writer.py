@@ -3,7 +3,9 @@
 Supported: the transformers classes each architecture module lists (stages/arch/*.py
 `hf_classes`): LlamaForCausalLM (dense), MixtralForCausalLM (stored as arch "llama" with
 ffn_gate_inp + ffn_{gate,up,down}_exps, which is how llama.cpp stores Mixtral),
-Qwen2MoeForCausalLM ("qwen2moe") and Qwen3MoeForCausalLM ("qwen3moe").
+Qwen2MoeForCausalLM ("qwen2moe"), Qwen3MoeForCausalLM ("qwen3moe") and GptOssForCausalLM
+("gpt-oss": its own tensor layout in stages/arch/gpt_oss.py `hf_tensor`; `expert_type="MXFP4"`
+writes its experts as the published files hold them).
 
 The conventions copied from llama.cpp, because files written here must run there too:
 - llama q/k rows are permuted (LlamaModel.permute) so that RoPE rotates adjacent pairs; qwen
@@ -89,12 +91,24 @@ def _head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _rope_theta(config: Any) -> float:
+def _add_rope(w: gguf.GGUFWriter, config: Any) -> None:
+    """rope.freq_base, and rope.scaling.* for YaRN as llama.cpp's TextModel writes them."""
     params = getattr(config, "rope_parameters", None) or {}
     theta = params.get("rope_theta", getattr(config, "rope_theta", None))
-    if params.get("rope_type", "default") not in ("default", None):
-        raise ValueError(f"rope type {params['rope_type']!r} is not written by this converter")
-    return float(theta if theta is not None else 10000.0)
+    w.add_rope_freq_base(float(theta if theta is not None else 10000.0))
+    kind = params.get("rope_type", "default")
+    if kind in ("default", None):
+        return
+    if kind != "yarn":
+        raise ValueError(f"rope type {kind!r} is not written by this converter")
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(float(params["factor"]))
+    w.add_rope_scaling_orig_ctx_len(int(params["original_max_position_embeddings"]))
+    if params.get("attention_factor") is not None:
+        w.add_rope_scaling_yarn_attn_factor(float(params["attention_factor"]))
+    for key, setter in (("beta_fast", w.add_rope_scaling_yarn_beta_fast), ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+        if params.get(key) is not None:
+            setter(float(params[key]))
 
 
 def _n_experts(config: Any) -> int:
@@ -181,7 +195,7 @@ def _add_metadata(w: gguf.GGUFWriter, config: Any, arch, file_type: gguf.LlamaFi
     w.add_key_length(head_dim)
     w.add_value_length(head_dim)
     w.add_rope_dimension_count(arch.hf_rope_dim(config, head_dim))
-    w.add_rope_freq_base(_rope_theta(config))
+    _add_rope(w, config)
     w.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     w.add_vocab_size(config.vocab_size)
     if n_experts:
@@ -230,10 +244,11 @@ def _add_gpt2_tokenizer(w: gguf.GGUFWriter, tokenizer: Any) -> None:
 
 
 def write_gguf(model: Any, path: str | Path, file_type: str = "F32", tokenizer: Any = None,
-               name: str | None = None) -> Path:
+               name: str | None = None, expert_type: str | None = None) -> Path:
     """Write a transformers model (anything with .state_dict() and .config) to a GGUF file.
 
     file_type: "F32", "F16" or "Q8_0". tokenizer: an optional byte-level BPE tokenizer to embed.
+    expert_type: the routed experts' own block type (e.g. "MXFP4", as gpt-oss files hold them).
     """
     if file_type not in FILE_TYPES:
         raise ValueError(f"file_type must be one of {', '.join(FILE_TYPES)}, not {file_type!r}")
@@ -255,6 +270,8 @@ def write_gguf(model: Any, path: str | Path, file_type: str = "F32", tokenizer: 
     for tname in _ordered(tensors):
         a = tensors[tname]
         qtype = tensor_type(tname, a, weight_type)
+        if expert_type is not None and tname.endswith("_exps.weight"):
+            qtype = tensor_type(tname, a, QT[expert_type])
         w.add_tensor(tname, _encode(a, qtype), raw_dtype=qtype if qtype not in (QT.F32, QT.F16) else None)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -309,8 +326,12 @@ def dequantized_state_dict(path: str | Path, model: Any) -> dict[str, Any]:
     n_head, n_kv = config.num_attention_heads, config.num_key_value_heads
     g = read_dequantized(path)
     out = {}
+    arch = by_hf_class(config)
     for key, ref in model.state_dict().items():
-        if key == "lm_head.weight" and "output.weight" not in g:
+        own = arch.hf_tensor_from_gguf(key, g)
+        if own is not None:
+            a = own
+        elif key == "lm_head.weight" and "output.weight" not in g:
             a = g["token_embd.weight"]
         else:
             names = _gguf_names(key)

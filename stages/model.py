@@ -91,7 +91,9 @@ class StageModel(torch.nn.Module):
         q_norm = v(p + "attn_q_norm.weight") if cfg.qk_norm else None
         k_norm = v(p + "attn_k_norm.weight") if cfg.qk_norm else None
         return Attention(cfg, i, [fused] if fused is not None else qkv, b_qkv, m(p + "attn_output.weight"),
-                         q_norm, k_norm)
+                         q_norm, k_norm, b_o=v(p + "attn_output.bias") if cfg.attn_out_bias else None,
+                         sinks=v(p + "attn_sinks.weight") if cfg.attn_sinks else None,
+                         window=arch_of(cfg).attention_window(cfg, i))
 
     def _gated_gqa(self, i: int) -> GatedAttention:
         """Full attention with a per-head output gate in attn_q (qwen3next): q/k norms, no biases."""
@@ -136,7 +138,8 @@ class StageModel(torch.nn.Module):
                               m(p + "ffn_down_shexp.weight"))
             if cfg.shared_expert_gate:
                 gate = v(p + "ffn_gate_inp_shexp.weight").reshape(-1)
-        return MoEBlock(cfg, i, v(p + "ffn_gate_inp.weight"), self.experts, shared, gate)
+        return MoEBlock(cfg, i, v(p + "ffn_gate_inp.weight"), self.experts, shared, gate,
+                        router_bias=v(p + "ffn_gate_inp.bias") if cfg.router_bias else None)
 
     @classmethod
     def from_gguf(cls, path_or_gguf: str | os.PathLike | GGUFFile, layers: tuple[int, int] | None = None,

@@ -55,6 +55,10 @@ def gqa_tensors(cfg: ModelConfig, p: str) -> Shapes:
         t.update({p + "attn_q.bias": (q_out,), p + "attn_k.bias": (kv_out,), p + "attn_v.bias": (kv_out,)})
     if cfg.qk_norm:
         t.update({p + "attn_q_norm.weight": (D,), p + "attn_k_norm.weight": (D,)})
+    if cfg.attn_out_bias:
+        t[p + "attn_output.bias"] = (H,)
+    if cfg.attn_sinks:
+        t[p + "attn_sinks.weight"] = (cfg.n_heads,)
     return t
 
 
@@ -74,6 +78,10 @@ def moe_tensors(cfg: ModelConfig, p: str) -> Shapes:
                   p + "ffn_down_shexp.weight": (H, S)})
         if cfg.shared_expert_gate:
             t[p + "ffn_gate_inp_shexp.weight"] = (H,)
+    if cfg.router_bias:
+        t[p + "ffn_gate_inp.bias"] = (E,)
+    if cfg.expert_bias:
+        t.update({p + "ffn_gate_exps.bias": (E, F), p + "ffn_up_exps.bias": (E, F), p + "ffn_down_exps.bias": (E, H)})
     return t
 
 
@@ -166,6 +174,10 @@ class Architecture:
         """Which shared attention block layer `layer` is built with (stages/model.py builds it)."""
         return cfg.attention
 
+    def attention_window(self, cfg: ModelConfig, layer: int) -> int:
+        """Tokens layer `layer` attends over (itself included); 0: the whole context."""
+        return cfg.sliding_window if layer < len(cfg.swa_layers) and cfg.swa_layers[layer] else 0
+
     def ffn_kind(self, cfg: ModelConfig, layer: int) -> str:
         return "moe" if self.is_moe_layer(cfg, layer) else "dense"
 
@@ -208,6 +220,11 @@ class Architecture:
         """The GGUF tensors [(name, array)] of one transformers tensor (`rest`: its key after
         "model.layers.{layer}.", or the whole key when layer is None), for a family whose
         converter transforms it; None: the common name mapping applies."""
+        return None
+
+    def hf_tensor_from_gguf(self, key: str, tensors: dict[str, Any]) -> Any | None:
+        """The inverse of `hf_tensor` for reading a file back: one transformers tensor from the
+        GGUF's dequantised ones (None: the common mapping)."""
         return None
 
     def hf_norm_topk(self, hf_config: Any) -> bool:
