@@ -23,7 +23,7 @@ class ModelSpec:
     n_layers: int
     n_experts: int
     n_experts_used: int  # k: experts routed per token per layer
-    expert_bytes: list[int]  # bytes of one routed expert of each layer, as stored in a slot
+    expert_bytes: list[int]  # bytes of one routed expert of each layer, as stored in a slot; 0: a dense layer
     trunk_bytes: TrunkBytes
     # Bytes one sequence's recurrent state takes in each layer (DeltaNet layers; 0 elsewhere):
     # held on the layer's card for every sequence that may run, so charged like its KV.
@@ -36,8 +36,9 @@ class ModelSpec:
                                  f"(got {L}, {self.n_experts}, {self.n_experts_used})")
         if len(self.expert_bytes) != L:
             raise PlacementError(f"model spec: expert_bytes has {len(self.expert_bytes)} entries for {L} layers")
-        if any(b <= 0 for b in self.expert_bytes):
-            raise PlacementError("model spec: every layer needs expert_bytes > 0 (the planner places routed experts)")
+        if any(b < 0 for b in self.expert_bytes) or not any(self.expert_bytes):
+            raise PlacementError("model spec: expert_bytes must be >= 0 per layer (0: a dense layer) with at least "
+                                 "one MoE layer > 0 (the planner places routed experts)")
         if not self.trunk_bytes.layers:
             self.trunk_bytes.layers = [0] * L
         if len(self.trunk_bytes.layers) != L:
@@ -51,6 +52,12 @@ class ModelSpec:
             self.state_bytes = [0] * L
         if len(self.state_bytes) != L:
             raise PlacementError(f"model spec: state_bytes has {len(self.state_bytes)} entries for {L} layers")
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Layers with routed experts; the others (expert_bytes 0: DeepSeek's first 3, GLM's first)
+        are dense, priced as trunk only, with no slots and no profile pairs."""
+        return [l for l, b in enumerate(self.expert_bytes) if b > 0]
 
     def with_state_for(self, n_seqs: int) -> "ModelSpec":
         """The spec with `n_seqs` sequences' recurrent state charged to each layer's trunk, as a

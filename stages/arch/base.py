@@ -116,6 +116,8 @@ class Architecture:
             raise g.unsupported(f"rope.dimension_count {rope_dim} does not fit head_dim {head_dim}")
         n_experts = int(g("expert_count", 0))
         expert_ffn = int(g("expert_feed_forward_length", 0)) if n_experts else 0
+        # DeepSeek's first_k_dense_replace, GLM's first layer: dense FFN layers before the MoE ones
+        dense_lead = int(g("leading_dense_block_count", 0)) if n_experts else 0
         emb = shapes.get("token_embd.weight")
         vocab = emb[0] if emb else int(g("vocab_size", len(meta.get("tokenizer.ggml.tokens", ())) or 0))
         bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
@@ -124,7 +126,8 @@ class Architecture:
             n_kv_heads=int(g("attention.head_count_kv", n_heads)), head_dim=head_dim, vocab_size=int(vocab),
             context_length=int(g("context_length", 4096)), rope_theta=float(g("rope.freq_base", 10000.0)),
             rms_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)), rope_style=self.rope_style,
-            ffn_dim=0 if n_experts else int(g("feed_forward_length", 0)), n_experts=n_experts,
+            ffn_dim=int(g("feed_forward_length", 0)) if dense_lead or not n_experts else 0, n_experts=n_experts,
+            n_dense_leading=dense_lead,
             n_experts_used=int(g("expert_used_count", 0)), expert_ffn_dim=expert_ffn,
             shared_expert_ffn_dim=0, norm_topk_prob=bool(g("expert_weights_norm", self.norm_topk_default)),
             qk_norm=self.qk_norm, tie_embeddings="output.weight" not in shapes,
