@@ -38,4 +38,4 @@ def per_layer_slots(n_slots: int, blob_bytes: list[int]) -> SlotLayout:
     after = q * total
     return SlotLayout(True, q, q * n_moe, before, after,
                       f"per-layer slots use each layer's blob: {n_slots} uniform slots ({before / GIB:.2f} GiB)"
-                      f" -> {q * n_moe} slots, {q} per MoE layer ({after / GIB:.2f} GiB)")
+                      f" -> {q * n_moe} slots, {q} per layer ({after / GIB:.2f} GiB)")

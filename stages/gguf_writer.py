@@ -89,12 +89,24 @@ def _head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _rope_theta(config: Any) -> float:
+def _add_rope(w: gguf.GGUFWriter, config: Any) -> None:
+    """rope.freq_base, and rope.scaling.* for YaRN as llama.cpp's TextModel writes them."""
     params = getattr(config, "rope_parameters", None) or {}
     theta = params.get("rope_theta", getattr(config, "rope_theta", None))
-    if params.get("rope_type", "default") not in ("default", None):
-        raise ValueError(f"rope type {params['rope_type']!r} is not written by this converter")
-    return float(theta if theta is not None else 10000.0)
+    w.add_rope_freq_base(float(theta if theta is not None else 10000.0))
+    kind = params.get("rope_type", "default")
+    if kind in ("default", None):
+        return
+    if kind != "yarn":
+        raise ValueError(f"rope type {kind!r} is not written by this converter")
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(float(params["factor"]))
+    w.add_rope_scaling_orig_ctx_len(int(params["original_max_position_embeddings"]))
+    if params.get("attention_factor") is not None:
+        w.add_rope_scaling_yarn_attn_factor(float(params["attention_factor"]))
+    for key, setter in (("beta_fast", w.add_rope_scaling_yarn_beta_fast), ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+        if params.get(key) is not None:
+            setter(float(params[key]))
 
 
 def _n_experts(config: Any) -> int:
@@ -117,13 +129,19 @@ def _gguf_names(hf_key: str) -> list[str]:
 
 def gguf_tensors_from_hf(state_dict: dict[str, Any], config: Any) -> dict[str, np.ndarray]:
     """The float32 tensors of the GGUF (numpy order), from a transformers state dict."""
-    permute = by_hf_class(config).permute_qk
+    arch = by_hf_class(config)
+    permute = arch.permute_qk
     n_head, n_kv = config.num_attention_heads, config.num_key_value_heads
     out: dict[str, np.ndarray] = {}
     for key, t in state_dict.items():
         if key == "lm_head.weight" and getattr(config, "tie_word_embeddings", False):
             continue  # tied: llama.cpp reuses token_embd when output.weight is absent
         a = t.detach().to("cpu").float().numpy() if hasattr(t, "detach") else np.asarray(t, np.float32)
+        m = _LAYER_RE.fullmatch(key)
+        own = arch.hf_tensor(int(m.group(1)), m.group(2), a, config) if m else arch.hf_tensor(None, key, a, config)
+        if own is not None:  # a family whose converter transforms this tensor (stages/arch/)
+            out.update((n, np.ascontiguousarray(x, dtype=np.float32)) for n, x in own)
+            continue
         names = _gguf_names(key)
         if len(names) == 2:  # fused [E, 2F, H]: gate rows first, then up rows
             f = a.shape[1] // 2
@@ -169,13 +187,14 @@ def _add_metadata(w: gguf.GGUFWriter, config: Any, arch, file_type: gguf.LlamaFi
     w.add_block_count(config.num_hidden_layers)
     w.add_context_length(config.max_position_embeddings)
     w.add_embedding_length(config.hidden_size)
-    w.add_feed_forward_length(config.intermediate_size)
+    w.add_feed_forward_length(int(getattr(config, "intermediate_size", 0) or 0))
     w.add_head_count(config.num_attention_heads)
-    w.add_head_count_kv(config.num_key_value_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(_rope_theta(config))
+    n_kv, key_length, value_length = arch.hf_heads(config, head_dim)
+    w.add_head_count_kv(n_kv)
+    w.add_key_length(key_length)
+    w.add_value_length(value_length)
+    w.add_rope_dimension_count(arch.hf_rope_dim(config, head_dim))
+    _add_rope(w, config)
     w.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     w.add_vocab_size(config.vocab_size)
     if n_experts:
@@ -235,7 +254,7 @@ def write_gguf(model: Any, path: str | Path, file_type: str = "F32", tokenizer: 
     arch = by_hf_class(config)
     weight_type, ftype = FILE_TYPES[file_type]
     tensors = gguf_tensors_from_hf(model.state_dict(), config)
-    _check_layers(tensors, config, arch.name)
+    _check_layers(tensors, config, arch)
 
     path = Path(path)
     w = gguf.GGUFWriter(path, arch.name)
@@ -266,13 +285,15 @@ def _ordered(tensors: dict[str, np.ndarray]) -> list[str]:
     return sorted(tensors, key=key)
 
 
-def _check_layers(tensors: dict[str, np.ndarray], config: Any, arch: str) -> None:
-    """Refuse models whose layers are not all alike (e.g. qwen2moe mlp_only_layers)."""
+def _check_layers(tensors: dict[str, np.ndarray], config: Any, arch) -> None:
+    """Refuse models whose layers are not what the architecture says (e.g. qwen2moe
+    mlp_only_layers: llama.cpp's qwen2moe has no dense layers; DeepSeek's leading ones are fine)."""
     moe = _n_experts(config) > 0
+    dense = arch.hf_dense_layers(config)
     for i in range(config.num_hidden_layers):
-        kind = f"blk.{i}.ffn_gate_exps.weight" if moe else f"blk.{i}.ffn_gate.weight"
+        kind = f"blk.{i}.ffn_gate_exps.weight" if moe and i not in dense else f"blk.{i}.ffn_gate.weight"
         if kind not in tensors:
-            raise ValueError(f"layer {i} of this {arch} model has no {kind.split('.', 2)[2]}: "
+            raise ValueError(f"layer {i} of this {arch.name} model has no {kind.split('.', 2)[2]}: "
                              "models that mix dense and MoE layers are not written")
 
 
@@ -303,8 +324,12 @@ def dequantized_state_dict(path: str | Path, model: Any) -> dict[str, Any]:
     n_head, n_kv = config.num_attention_heads, config.num_key_value_heads
     g = read_dequantized(path)
     out = {}
+    arch = by_hf_class(config)
     for key, ref in model.state_dict().items():
-        if key == "lm_head.weight" and "output.weight" not in g:
+        own = arch.hf_tensor_from_gguf(key, g)
+        if own is not None:
+            a = own
+        elif key == "lm_head.weight" and "output.weight" not in g:
             a = g["token_embd.weight"]
         else:
             names = _gguf_names(key)

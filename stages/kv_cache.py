@@ -55,21 +55,27 @@ def blocks_for(n_tokens: int) -> int:
 class KVPool:
     """k/v of every layer of the stage, [n_kv_heads, n_blocks * BLOCK_SIZE, head_dim] each.
 
+    The latent layout (MLA, stages/mla.py; v_dim=0): one [1, rows, head_dim] tensor per layer
+    holding each token's compressed latent and RoPE key, and no v (the latent is the value).
+    Either way the rows are addressed by the same block tables.
+
     Layers are indexed by their global layer number (first .. first + n_layers - 1), so a stage's
     pool answers to the same numbers as the model.
     """
 
     def __init__(self, first_layer: int, n_layers: int, n_blocks: int, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", v_dim: int | None = None):
         if n_blocks < 1:
             raise MoerayError(f"a KV pool needs at least one block, got {n_blocks}")
         self.first_layer, self.n_layers, self.n_blocks = first_layer, n_layers, n_blocks
         self.block_size, self.dtype = BLOCK_SIZE, dtype
-        shape = (n_kv_heads, n_blocks * BLOCK_SIZE, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(n_layers)]
+        rows = n_blocks * BLOCK_SIZE
+        v_dim = head_dim if v_dim is None else v_dim
+        self.k = [torch.zeros((n_kv_heads, rows, head_dim), dtype=dtype, device=device) for _ in range(n_layers)]
+        self.v = [torch.zeros((n_kv_heads, rows, v_dim), dtype=dtype, device=device) if v_dim else None
+                  for _ in range(n_layers)]
 
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         i = layer - self.first_layer
         return self.k[i], self.v[i]
 
@@ -81,7 +87,7 @@ class KVPool:
                 raise MoerayError(f"block table {table[:8]}... names a block outside the pool of {self.n_blocks}")
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+        return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
 
 
 class KVCache(KVPool):
@@ -90,9 +96,11 @@ class KVCache(KVPool):
     (StageModel.step), and the contiguous reference the block-table path is tested against."""
 
     def __init__(self, first_layer: int, n_layers: int, max_seqs: int, n_kv_heads: int, max_len: int,
-                 head_dim: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 head_dim: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 v_dim: int | None = None):
         self.per_slot = blocks_for(max_len)
-        super().__init__(first_layer, n_layers, max_seqs * self.per_slot, n_kv_heads, head_dim, dtype, device)
+        super().__init__(first_layer, n_layers, max_seqs * self.per_slot, n_kv_heads, head_dim, dtype, device,
+                         v_dim)
         self.max_seqs, self.max_len = max_seqs, max_len
         self.lengths = [0] * max_seqs
 

@@ -17,6 +17,7 @@ from moeray.stages.arch import arch_of
 from moeray.stages.gguf_file import GGUFFile, tensor_role, trunk_bytes
 from moeray.stages.kv_cache import KVCache, KVPool, kv_dtype
 from moeray.stages.layers import Attention, BatchMeta, make_batch_meta, rms_norm, slot_batch_meta
+from moeray.stages.mla import MLAttention
 from moeray.stages.moe import DenseFFN, Experts, HostExperts, MoEBlock
 from moeray.stages.qmatmul import QMatrix, announce, current_route
 from moeray.stages.rope import RoPE
@@ -69,9 +70,14 @@ class StageModel(torch.nn.Module):
         return dequantize(self.gguf.raw(name), info.ggml_type, info.shape).to(self.device, copy=True).contiguous()
 
     def _matrix(self, name: str) -> QMatrix:
-        """A weight matrix copied onto the device in its stored block form."""
+        """A weight matrix copied onto the device in its stored block form (a 3-D tensor, e.g.
+        MLA's per-head attn_k_b, as its rows stacked: [heads * rows, row])."""
         info = self.gguf.info(name)
-        return QMatrix.from_raw(self.gguf.raw(name), info.ggml_type, info.shape, self.route, device=self.device)
+        rows = 1
+        for d in info.shape[:-1]:
+            rows *= d
+        return QMatrix.from_raw(self.gguf.raw(name), info.ggml_type, (rows, info.shape[-1]), self.route,
+                                device=self.device)
 
     def _load_layer(self, i: int) -> TransformerLayer:
         """Layer i from the shared blocks its architecture names: an attention kind and an FFN kind."""
@@ -92,6 +98,15 @@ class StageModel(torch.nn.Module):
         return Attention(cfg, i, [fused] if fused is not None else qkv, b_qkv, m(p + "attn_output.weight"),
                          q_norm, k_norm)
 
+    def _mla(self, i: int) -> MLAttention:
+        cfg, p, m, v = self.config, f"blk.{i}.", self._matrix, self._vector
+        lora = cfg.q_lora_rank > 0
+        return MLAttention(cfg, i, None if lora else m(p + "attn_q.weight"),
+                           m(p + "attn_q_a.weight") if lora else None, v(p + "attn_q_a_norm.weight") if lora else None,
+                           m(p + "attn_q_b.weight") if lora else None, m(p + "attn_kv_a_mqa.weight"),
+                           v(p + "attn_kv_a_norm.weight"), m(p + "attn_k_b.weight"), m(p + "attn_v_b.weight"),
+                           m(p + "attn_output.weight"))
+
     def _dense_ffn(self, i: int) -> DenseFFN:
         p, m = f"blk.{i}.", self._matrix
         return DenseFFN(m(p + "ffn_gate.weight"), m(p + "ffn_up.weight"), m(p + "ffn_down.weight"))
@@ -104,7 +119,8 @@ class StageModel(torch.nn.Module):
                               m(p + "ffn_down_shexp.weight"))
             if cfg.shared_expert_gate:
                 gate = v(p + "ffn_gate_inp_shexp.weight").reshape(-1)
-        return MoEBlock(cfg, i, v(p + "ffn_gate_inp.weight"), self.experts, shared, gate)
+        bias = v(p + "exp_probs_b.bias") if cfg.router_bias else None
+        return MoEBlock(cfg, i, v(p + "ffn_gate_inp.weight"), self.experts, shared, gate, bias)
 
     @classmethod
     def from_gguf(cls, path_or_gguf: str | os.PathLike | GGUFFile, layers: tuple[int, int] | None = None,
@@ -139,14 +155,16 @@ class StageModel(torch.nn.Module):
     def new_kv_cache(self, max_seqs: int, max_len: int) -> KVCache:
         """Fixed slots of max_len tokens: the one-shot path (step, logits_all)."""
         c = self.config
-        return KVCache(self.first, self.end - self.first, max_seqs, c.n_kv_heads, max_len, c.head_dim,
-                       dtype=kv_dtype(self.device), device=self.device)
+        heads, k_dim, v_dim = arch_of(c).kv_layout(c, self.first)
+        return KVCache(self.first, self.end - self.first, max_seqs, heads, max_len, k_dim,
+                       dtype=kv_dtype(self.device), device=self.device, v_dim=v_dim)
 
     def new_kv_pool(self, n_blocks: int) -> KVPool:
         """A pool of `n_blocks` blocks, addressed by the engine's block tables (the serving path)."""
         c = self.config
-        return KVPool(self.first, self.end - self.first, n_blocks, c.n_kv_heads, c.head_dim,
-                      dtype=kv_dtype(self.device), device=self.device)
+        heads, k_dim, v_dim = arch_of(c).kv_layout(c, self.first)
+        return KVPool(self.first, self.end - self.first, n_blocks, heads, k_dim,
+                      dtype=kv_dtype(self.device), device=self.device, v_dim=v_dim)
 
     def batch_meta(self, n_new: list[int], slots: list[int], kv: KVCache) -> BatchMeta:
         """Where each new token goes in a fixed-slot cache, from the slots' own lengths."""
@@ -208,7 +226,7 @@ class StageModel(torch.nn.Module):
 
 
 # The shared blocks a layer is built from, by the kind its architecture names (stages/arch/).
-_ATTENTION = {"gqa": StageModel._gqa}
+_ATTENTION = {"gqa": StageModel._gqa, "mla": StageModel._mla}
 _FFN = {"dense": StageModel._dense_ffn, "moe": StageModel._moe}
 
 
