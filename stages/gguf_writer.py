@@ -255,6 +255,7 @@ def write_gguf(model: Any, path: str | Path, file_type: str = "F32", tokenizer: 
     weight_type, ftype = FILE_TYPES[file_type]
     tensors = gguf_tensors_from_hf(model.state_dict(), config)
     _check_layers(tensors, config, arch)
+    tensors.update(arch.hf_extra_tensors(config, tensors))
 
     path = Path(path)
     w = gguf.GGUFWriter(path, arch.name)

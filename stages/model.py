@@ -84,7 +84,7 @@ class StageModel(torch.nn.Module):
         arch, p, v = arch_of(self.config), f"blk.{i}.", self._vector
         attn = _ATTENTION[arch.attention_kind(self.config, i)](self, i)
         ffn = _FFN[arch.ffn_kind(self.config, i)](self, i)
-        return TransformerLayer(v(p + "attn_norm.weight"), attn, v(p + "ffn_norm.weight"), ffn)
+        return TransformerLayer(v(p + "attn_norm.weight"), attn, v(p + f"{arch.ffn_norm_name}.weight"), ffn)
 
     def _gqa(self, i: int) -> Attention:
         cfg, p, m, v = self.config, f"blk.{i}.", self._matrix, self._vector

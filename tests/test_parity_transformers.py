@@ -21,6 +21,7 @@ from tiny_models import (
     tiny_mixtral,
     tiny_qwen2moe,
     tiny_deepseek3,
+    tiny_glm4moe,
     tiny_qwen3moe,
     token_ids,
 )
@@ -38,6 +39,8 @@ MODELS = {
     "qwen2moe-normtopk": lambda: tiny_qwen2moe(norm_topk_prob=True),
     "qwen3moe": tiny_qwen3moe,
     "deepseek3": tiny_deepseek3,  # MLA over the latent KV, YaRN + mscale, a dense layer, grouped sigmoid routing
+    "glm4moe": tiny_glm4moe,  # partial rope, q/k norm, qkv biases, a dense layer, sigmoid + bias, an MTP layer
+    "glm4moe-air": lambda: tiny_glm4moe(use_qk_norm=False),
 }
 FILE_TYPES = ("F32", "F16", "Q8_0")
 IDS = token_ids(20)
@@ -176,7 +179,7 @@ def _logits_and_routing(path, route):
 
 @pytest.mark.parametrize("route", ["dequant", "ggml"])
 @pytest.mark.parametrize("ft", ("F16", "Q8_0"))
-@pytest.mark.parametrize("name", ["llama", "mixtral", "qwen2moe", "qwen3moe", "deepseek3"])
+@pytest.mark.parametrize("name", ["llama", "mixtral", "qwen2moe", "qwen3moe", "deepseek3", "glm4moe"])
 def test_quantised_routes_stay_within_their_measured_tolerance(cases, name, ft, route):
     if route == "ggml" and not ggml_available():
         pytest.skip("ggml-python is not installed (the README's set-up builds it)")

@@ -117,6 +117,7 @@ class Architecture:
     hf_classes: tuple[str, ...] = ()
     hf_model_types: tuple[str, ...] = ()
     permute_qk: bool = False
+    ffn_norm_name: str = "ffn_norm"  # the pre-FFN norm's tensor (qwen3next: post_attention_norm)
 
     # --- metadata -> config ----------------------------------------------------------------
 
@@ -201,7 +202,7 @@ class Architecture:
     def layer_tensors(self, cfg: ModelConfig, layer: int) -> Shapes:
         """Every tensor of one layer the engine reads, with its numpy shape."""
         p = f"blk.{layer}."
-        t = {p + "attn_norm.weight": (cfg.hidden,), p + "ffn_norm.weight": (cfg.hidden,)}
+        t = {p + "attn_norm.weight": (cfg.hidden,), p + f"{self.ffn_norm_name}.weight": (cfg.hidden,)}
         t.update(ATTENTION_TENSORS[self.attention_kind(cfg, layer)](cfg, p))
         t.update(moe_tensors(cfg, p) if self.ffn_kind(cfg, layer) == "moe" else dense_ffn_tensors(cfg, p))
         return t
@@ -248,6 +249,10 @@ class Architecture:
         """The inverse, for reading a file back into a transformers state dict: the array for
         transformers key `key` from the GGUF's dequantised tensors `g`; None: the common mapping."""
         return None
+
+    def hf_extra_tensors(self, hf_config: Any, tensors: dict) -> dict:
+        """Tensors the converter writes that the transformers model does not have (GLM's MTP layers)."""
+        return {}
 
     def hf_dense_layers(self, hf_config: Any) -> set[int]:
         """Layers of an MoE model the converter writes with a dense FFN (leading_dense_block_count)."""
