@@ -51,3 +51,29 @@ def test_chained_stages_and_decode_equal_the_full_model(ds_file, route):
             x = s.run_layers(x, s.batch_meta([len(chunk)], [0], kv), kv)
         out.append(stages[-1].head(x[-1:]))
     torch.testing.assert_close(torch.cat(out), full[6:], rtol=0, atol=1e-4 * full.abs().max().item())
+
+
+def _llama_cpp_tensor_names(arch_name: str) -> set[str]:
+    import gguf
+
+    arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}[arch_name]
+    return {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[arch]}
+
+
+def test_the_writer_uses_llama_cpps_names_and_reads_back_exactly(tmp_path):
+    import gguf
+
+    from moeray.stages.gguf_writer import dequantized_state_dict
+
+    model = tiny_deepseek3()
+    path = write_gguf(model, tmp_path / "ds.gguf", "F32")
+    names = {t.name for t in gguf.GGUFReader(path).tensors}
+    allowed = _llama_cpp_tensor_names("deepseek2")
+    for n in names:
+        generic = n.rsplit(".", 1)[0]
+        generic = "blk.{bid}." + generic.split(".", 2)[2] if generic.startswith("blk.") else generic
+        assert generic in allowed, n
+    assert "blk.1.attn_k_b.weight" in names and "blk.1.attn_kv_b.weight" not in names  # the current split
+    back = dequantized_state_dict(path, model)  # the kv_b_proj split undone, names mapped back
+    for key, ref in model.state_dict().items():
+        assert torch.equal(back[key], ref), key

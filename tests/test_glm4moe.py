@@ -34,3 +34,22 @@ def test_the_mtp_layer_is_in_the_file_but_not_loaded_nor_priced(glm_file, caplog
     g = GGUFFile(glm_file)
     load_model(g)
     assert not any(n.startswith(f"blk.{N_LAYERS}.") for n in g.touched)
+
+
+def test_the_writer_uses_llama_cpps_names_and_reads_back_exactly(tmp_path):
+    import gguf
+    import torch
+
+    from moeray.stages.gguf_writer import dequantized_state_dict
+
+    model = tiny_glm4moe()
+    path = write_gguf(model, tmp_path / "glm.gguf", "F32")
+    arch = {v: k for k, v in gguf.MODEL_ARCH_NAMES.items()}["glm4moe"]
+    allowed = {gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[arch]}
+    for t in gguf.GGUFReader(path).tensors:
+        generic = t.name.rsplit(".", 1)[0]
+        generic = "blk.{bid}." + generic.split(".", 2)[2] if generic.startswith("blk.") else generic
+        assert generic in allowed, t.name
+    back = dequantized_state_dict(path, model)
+    for key, ref in model.state_dict().items():
+        assert torch.equal(back[key], ref), key

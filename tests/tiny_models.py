@@ -157,8 +157,6 @@ BUILDERS = {
     "mixtral": tiny_mixtral,
     "qwen2moe": tiny_qwen2moe,
     "qwen3moe": tiny_qwen3moe,
-    "deepseek3": tiny_deepseek3,
-    "glm4moe": tiny_glm4moe,
 }
 
 
