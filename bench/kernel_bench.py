@@ -121,3 +121,64 @@ def sweep(device: str, rng, say) -> list[dict]:
     say(f"  Q4_K GEMV sweep: best BLOCK_N={best['block_n']} NUM_WARPS={best['num_warps']}: {best['ms']:.3f} ms, "
         f"{best['weight_GBps']:.0f} GB/s (default {tk.BLOCK_N}/{tk.NUM_WARPS})")
     return rows
+
+
+def grouped(device: str, quick: bool, say=print) -> dict:
+    """The MoE hit path of one Qwen3-30B-A3B layer on the card (128 experts in slots, top-8;
+    gate / up Q4_K [768, 2048], down Q6_K [2048, 768]) at 1 and 16 tokens: a loop over the picked
+    experts through QMatrix (what a CUDA stage runs today: 3 launches per expert), one
+    `grouped_swiglu` call, and that call replayed from a CUDA graph. Each against the loop's result."""
+    import torch
+    import torch.nn.functional as F
+    from gguf import GGMLQuantizationType as T
+
+    from moeray.stages import triton_kernels as tk
+    from moeray.stages.qmatmul import QMatrix
+
+    H, Fd, S, k = (2048, 768, 128, 8) if not quick else (256, 256, 8, 2)
+    rng = np.random.default_rng(1)
+    kinds = {"gate": (T.Q4_K, (Fd, H)), "up": (T.Q4_K, (Fd, H)), "down": (T.Q6_K, (H, Fd))}
+    stacks = {}
+    for name, (qt, (n, kk)) in kinds.items():
+        b = _random_blocks(qt, S * n * kk // 256, rng).reshape(S, -1)
+        stacks[name] = torch.from_numpy(b).to(device)
+    per_expert = [[QMatrix(stacks[name][s], kinds[name][0], kinds[name][1], "dequant") for name in kinds]
+                  for s in range(S)]
+    args = tuple((stacks[name], int(kinds[name][0])) for name in kinds)
+    out = {"shape": {"hidden": H, "ffn": Fd, "slots": S, "k": k}, "rows": []}
+    if not tk.enabled_for(torch.device(device)):
+        out["note"] = "the grouped kernels run on CUDA (or under TRITON_INTERPRET=1 MOERAY_TRITON=1): only the loop here"
+        say(f"  {out['note']}")
+    slot_bytes = sum(int(t.shape[1]) for t in stacks.values())
+    for tokens in (1, 16) if not quick else (1, 4):
+        gen = torch.Generator().manual_seed(tokens)
+        x = torch.randn(tokens, H, generator=gen).to(device) * 0.1
+        slots = torch.stack([torch.randperm(S, generator=gen)[:k] for _ in range(tokens)]).to(device)
+        weights = torch.softmax(torch.randn(tokens, k, generator=gen), -1).to(device)
+
+        def loop():
+            y = torch.zeros(tokens, H, device=device)
+            for t, row in enumerate(slots.tolist()):
+                for r, s in enumerate(row):
+                    g, u, d = per_expert[s]
+                    y[t] += weights[t, r] * d(F.silu(g(x[t:t + 1])) * u(x[t:t + 1]))[0]
+            return y
+
+        want = loop()
+        fns = {"loop over experts (today)": loop}
+        if tk.enabled_for(torch.device(device)):  # CUDA, or the interpreter on the CPU (tests)
+            fns["grouped_swiglu"] = lambda: tk.grouped_swiglu(*args, Fd, H, x, slots, weights)
+        if device.startswith("cuda"):
+            graphed = tk.GraphedGroupedSwiglu(*args, Fd, H, tokens, k, device)
+            fns["grouped_swiglu, CUDA graph"] = lambda: graphed(x, slots, weights)
+        distinct = len(set(slots.reshape(-1).tolist()))
+        for route, fn in fns.items():
+            got = fn()
+            err = float((got - want).abs().max() / want.abs().max())
+            ms = _time(fn, device)
+            gbps = distinct * slot_bytes / (ms * 1e-3) / 1e9
+            out["rows"].append({"tokens": tokens, "route": route, "ms": ms, "experts_read": distinct,
+                                "weight_GBps": gbps, "rel_err": err})
+            say(f"  MoE layer, {tokens} token(s) x top-{k}: {route:>28}: {ms:8.3f} ms, {gbps:6.0f} GB/s of "
+                f"{distinct} experts' blocks, rel err {err:.1e}")
+    return out

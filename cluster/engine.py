@@ -23,8 +23,10 @@ restarts the stage.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import deque
+from dataclasses import replace
 from typing import Any, Optional, Protocol, Sequence
 
 from moeray.cluster.config import EngineConfig
@@ -33,6 +35,17 @@ from moeray.cluster.scheduler import EngineStats, Request, ScheduledStep, Schedu
 from moeray.errors import MoerayError
 from moeray.stages.actor import StepBatch
 from moeray.stages.sampling import SamplingParams, StepOutput, StopStringStream
+
+log = logging.getLogger("moeray")
+
+# Why a model with recurrent layers runs without prefix reuse (README, "Hybrid models"): cached KV
+# blocks hold attention's past but not a DeltaNet layer's, which is one state per sequence; resuming
+# after a cached prefix would need that state as it stood at the prefix's last block, i.e. a
+# snapshot per cached block, each as large as a whole sequence's state (Qwen3-Next-80B: 75 MiB,
+# against 384 KiB of float16 KV per 16-token block: one snapshot costs ~200 blocks of KV).
+PREFIX_REUSE_OFF = ("prefix reuse off: this model's recurrent (DeltaNet) layers keep one state per sequence, "
+                    "which cached KV blocks cannot restore (a snapshot per cached block would cost as much as "
+                    "~200 blocks of KV each); every prompt is prefilled whole")
 
 
 class Pipeline(Protocol):
@@ -49,11 +62,21 @@ class Engine:
     def __init__(self, pipeline: Pipeline, config: EngineConfig = EngineConfig(), tokenizer=None):
         """`tokenizer` (anything with decode() and end_ids) gives requests their text, end tokens and
         stop strings; without one the engine works in token ids (no end token, no stop strings)."""
-        self.pipeline, self.config, self.tokenizer = pipeline, config, tokenizer
         # The KV budget is the pipeline's pool (its stages allocated it); a config may ask for less.
         pool = getattr(pipeline, "kv_blocks", None)
         if pool is not None and config.kv_blocks is not None and config.kv_blocks > pool:
             raise MoerayError(f"kv_blocks {config.kv_blocks} is more than the {pool} blocks the stages allocated")
+        # Recurrent layers: each sequence slot is also a state slot of the stages (allocated at
+        # admission, freed at finish or preemption with the slot; a fresh slot starts from zeros).
+        state_slots = getattr(pipeline, "state_slots", 0) or 0
+        if state_slots:
+            if config.max_seqs > state_slots:
+                raise MoerayError(f"max_seqs {config.max_seqs} is more than the {state_slots} sequence states the "
+                                  "stages allocated; lower --max-seqs or load the stages with more")
+            if config.prefix_reuse:
+                log.info(PREFIX_REUSE_OFF)
+                config = replace(config, prefix_reuse=False)
+        self.pipeline, self.config, self.tokenizer = pipeline, config, tokenizer
         self.scheduler = Scheduler(config, tokenizer.end_ids if tokenizer is not None else (),
                                    config.kv_blocks or pool)
         self.in_flight: deque[tuple[ScheduledStep, Any]] = deque()
@@ -145,4 +168,12 @@ class Engine:
                 pass
         self.in_flight.clear()
         self.scheduler.fail_running(str(exc))
+        self.recover()
+
+    def recover(self) -> None:
+        """Let the pipeline restart what died (or re-plan), then take its KV pool: after a re-plan
+        on fewer devices it may hold another number of blocks."""
         self.pipeline.recover()
+        pool = getattr(self.pipeline, "kv_blocks", None)
+        if pool is not None and pool != self.scheduler.blocks.n_blocks:
+            self.scheduler.resize_kv(pool)

@@ -77,7 +77,7 @@ class Generator:
         cfg = EngineConfig(max_seqs=max(1, len(prompts)), max_len=max(lengths, default=1),
                            token_budget=self.config.token_budget, prefill_chunk=self.config.prefill_chunk,
                            micro_batches=1, kv_blocks=n_blocks)
-        engine = Engine(LocalPipeline.from_model(self.model, n_blocks), cfg, self.tokenizer)
+        engine = Engine(LocalPipeline.from_model(self.model, n_blocks, cfg.max_seqs), cfg, self.tokenizer)
         engine.scheduler.reserve_output = True
         reqs = [engine.add(p, q) for p, q in zip(prompts, params)]
         sent = [0] * len(reqs)

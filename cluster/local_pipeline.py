@@ -18,28 +18,32 @@ class LocalPipeline:
 
     n_stages = 1
 
-    def __init__(self, stage, kv_blocks: int | None = None):
+    def __init__(self, stage, kv_blocks: int | None = None, state_slots: int = 0):
         self.stage = stage  # a StageActor or a StageRunner: step(StepBatch) -> tokens
         self.kv_blocks = kv_blocks  # blocks of its KV pool: the engine's budget
+        self.state_slots = state_slots  # sequence states it holds (recurrent layers), 0 for none
         self.load_report = None
 
     @classmethod
     def from_file(cls, path: str, kv_blocks: int, simulated_budget: int | None = None,
-                  profile: str | None = None, cache_policy: str = "static") -> "LocalPipeline":
+                  profile: str | None = None, cache_policy: str = "static", max_seqs: int = 1) -> "LocalPipeline":
         from moeray.stages.actor import StageActor
         from moeray.stages.gguf_file import read_gguf_header
 
         stage = StageActor(0, 1, simulated_budget if simulated_budget is not None else 1 << 62)
-        pipe = cls(stage, kv_blocks)
-        n_layers = read_gguf_header(path).config.n_layers
-        pipe.load_report = stage.load(path, 0, n_layers, kv_blocks, profile=profile, cache_policy=cache_policy)
+        cfg = read_gguf_header(path).config
+        pipe = cls(stage, kv_blocks, max_seqs if cfg.deltanet is not None else 0)
+        pipe.load_report = stage.load(path, 0, cfg.n_layers, kv_blocks, profile=profile, cache_policy=cache_policy,
+                                      state_slots=max_seqs)
         return pipe
 
     @classmethod
-    def from_model(cls, model, kv_blocks: int) -> "LocalPipeline":
+    def from_model(cls, model, kv_blocks: int, max_seqs: int = 1) -> "LocalPipeline":
+        """`max_seqs`: the engine's sequence slots, each a DeltaNet state where the model has them."""
         from moeray.stages.actor import StageRunner
 
-        return cls(StageRunner(model, model.new_kv_pool(kv_blocks)), kv_blocks)
+        kv = model.new_kv_pool(kv_blocks, max_seqs)
+        return cls(StageRunner(model, kv), kv_blocks, max_seqs if kv.state is not None else 0)
 
     def submit(self, batch: StepBatch) -> Any:
         return self.stage.step(batch)  # done when it returns: the handle is the result

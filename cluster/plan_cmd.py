@@ -90,16 +90,6 @@ def kv_line(per_token: list[int], split, n_tokens: int) -> str:
             f"charged to their layers' cards: {stages}")
 
 
-def state_line(per_seq: list[int], split, n_seqs: int) -> str:
-    """[state] what the recurrent state costs each stage: priced per sequence, as KV is."""
-    from moeray.units import format_bytes
-
-    n = sum(1 for b in per_seq if b)
-    stages = ", ".join(format_bytes(n_seqs * sum(per_seq[a:b])) for a, b in split)
-    return (f"[state] {n} recurrent layers hold {format_bytes(sum(per_seq))} of state per sequence; "
-            f"{n_seqs} sequence(s) (--max-seqs) charged to their layers' cards: {stages}")
-
-
 def run(args) -> int:
     if args.model and args.spec:
         raise PlacementError("give a MODEL.gguf or --spec model.json, not both")
@@ -136,6 +126,8 @@ def run(args) -> int:
                           mass=args.mass, cpu_factor=args.cpu_factor, method=args.method)
     out = sys.stderr if args.json == "-" else sys.stdout
     if any(per_seq_state):
+        from moeray.planner.report import state_line
+
         plan.notes.append(state_line(per_seq_state, plan.split, args.max_seqs))
     if args.kv_tokens and any(per_token_kv):
         plan.notes.append(kv_line(per_token_kv, plan.split, args.kv_tokens))

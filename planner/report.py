@@ -106,6 +106,14 @@ def _detail_lines(plan) -> list[str]:
     return out
 
 
+def state_line(per_seq: list[int], split, n_seqs: int) -> str:
+    """[state] what the recurrent state costs each stage: priced per sequence, as KV is."""
+    n = sum(1 for b in per_seq if b)
+    stages = ", ".join(format_bytes(n_seqs * sum(per_seq[a:b])) for a, b in split)
+    return (f"[state] {n} recurrent layers hold {format_bytes(sum(per_seq))} of state per sequence; "
+            f"{n_seqs} sequence(s) (--max-seqs) charged to their layers' cards: {stages}")
+
+
 def plot_plan(plan, path) -> None:
     try:
         import matplotlib

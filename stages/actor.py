@@ -95,6 +95,8 @@ class StageStats:
     cache: Optional[dict[str, Any]] = None
     kv: Optional[dict[str, Any]] = None  # the KV pool: blocks, bytes (the engine adds used/free: it owns the ledger)
     predicted_hit_rate: Optional[float] = None  # the plan's, set by the driver: shown beside cache["hit_rate"]
+    pid: int = 0  # the stage's process (bench/chaos.py kills it)
+    node_id: str = ""  # its Ray node
 
 
 def file_fingerprint(path: str, n_samples: int = 16, block: int = 1 << 16) -> FileFingerprint:
@@ -132,7 +134,7 @@ class StageRunner:
                     self.grammars.reset(slot)
         if batch.starts is None or batch.tables is None:
             raise MoerayError("a step needs its sequences' start positions and KV block tables")
-        return self.model.table_meta(batch.n_new, batch.starts, batch.tables, self.kv)
+        return self.model.table_meta(batch.n_new, batch.starts, batch.tables, self.kv, batch.slots)
 
     def layers(self, x, meta):
         return self.model.run_layers(x, meta, self.kv)
@@ -302,9 +304,10 @@ class StageActor:
 
     def load(self, path: str, first: int, end: int, kv_blocks: int,
              trunk_on_card: int | None = None, profile: str | None = None,
-             cache_policy: str = "static") -> LoadReport:
+             cache_policy: str = "static", state_slots: int = 1) -> LoadReport:
         """Load layers [first, end) (+ embedding / head at the ends) and allocate a KV pool of
-        `kv_blocks` blocks (stages/kv_cache.py),
+        `kv_blocks` blocks (stages/kv_cache.py) and, for recurrent (DeltaNet) layers, `state_slots`
+        sequence states (one per engine sequence slot: stages/deltanet.py),
         charging both to this device's budget (a simulated device refuses what does not fit).
 
         `trunk_on_card` is the trunk the plan put on the card, in the bytes the planner priced
@@ -314,6 +317,7 @@ class StageActor:
         (a path every node can read; None = uniform) and kept by `cache_policy`.
         """
         from moeray.stages.gguf_file import GGUFFile
+        from moeray.stages.arch import arch_of
         from moeray.stages.kv_cache import BLOCK_SIZE, kv_block_bytes, kv_dtype
         from moeray.stages.model import StageModel, stage_trunk_bytes
         from moeray.stages.moe import HostExperts
@@ -328,6 +332,9 @@ class StageActor:
         itemsize = 2 if kv_dtype(self.device.torch_device).itemsize == 2 else 4
         self.memory.charge(kv_blocks * kv_block_bytes(cfg, range(first, end), itemsize),
                            f"KV pool ({kv_blocks} blocks, {kv_blocks * BLOCK_SIZE} tokens)")
+        state = state_slots * sum(arch_of(cfg).state_bytes(cfg, l) for l in range(first, end))
+        if state:
+            self.memory.charge(state, f"DeltaNet state ({state_slots} sequence slots)")
         trunk = stage_trunk_bytes(gguf, first, end)
         self.memory.charge(trunk if trunk_on_card is None else trunk_on_card, f"trunk of layers {first}-{end - 1}")
         experts, cache = HostExperts(gguf), None
@@ -343,7 +350,7 @@ class StageActor:
         if resident > trunk:  # the header's price is the runtime's size by construction; say so if not
             raise MoerayError(f"stage {self.stage}: the trunk of layers {first}-{end - 1} holds {resident} bytes, "
                               f"{trunk} were charged")
-        kv = model.new_kv_pool(kv_blocks)
+        kv = model.new_kv_pool(kv_blocks, state_slots)
         self.model, self.runner = model, StageRunner(model, kv)
         # Fixed once loaded: measured here, not again on every stats poll.
         self.trunk_bytes = (resident, stage_trunk_bytes(gguf, first, end, route=None))
@@ -431,7 +438,7 @@ class StageActor:
         """This stage's live numbers: layers, device bytes, steps, time in steps (incl. waiting for
         the previous stage's activations), and its expert cache's lookups and hits when it has one."""
         out = StageStats(self.stage, self.device.name, self.device.node_ip, placed=dict(self.memory.parts),
-                         free_bytes=self.memory.free)
+                         free_bytes=self.memory.free, pid=os.getpid(), node_id=self.device.node_id)
         if self.model is not None:
             out.layers, out.steps, out.step_s, out.tokens_in = ((self.model.first, self.model.end), self.steps,
                                                                  self.step_s, self.tokens_in)

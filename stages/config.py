@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from moeray.stages.deltanet_shape import DeltaNetShape
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -50,15 +52,25 @@ class ModelConfig:
     v_head_dim: int = 0  # values per head (0: head_dim)
     # Routing (stages/routing.py grouped_topk): scores, score-correction bias, groups, scaling
     expert_gating: str = "softmax"  # "softmax" or "sigmoid" over the router's logits
-    router_bias: bool = False  # exp_probs_b: added to the scores for choosing only, not to the weights
+    score_bias: bool = False  # exp_probs_b: added to the scores for choosing only, not to the weights
     expert_groups: int = 1  # experts split in this many groups ...
     expert_groups_used: int = 1  # ... and only the best groups (by their top-2 scores) are chosen from
     expert_weights_scale: float = 1.0  # routed_scaling_factor: the routed weights are multiplied by it
+    # Hybrid models (stages/arch/qwen3next.py): the Gated DeltaNet layers' sizes, and per layer
+    # whether it is one (a recurrent state per sequence instead of KV).
+    deltanet: DeltaNetShape | None = None
+    recurrent: tuple[bool, ...] = ()
     # The routed experts' activation (stages/qmatmul.py GLU): "silu" = silu(g) * u; "swiglu_oai"
     # (gpt-oss) clamps g and u at swiglu_limit and computes (u + 1) * g * sigmoid(swiglu_alpha * g).
     expert_act: str = "silu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    expert_bias: bool = False  # blk.L.ffn_{gate,up,down}_exps.bias: per-expert biases (gpt-oss)
+    router_bias: bool = False  # blk.L.ffn_gate_inp.bias added to the router's logits (gpt-oss)
+    attn_out_bias: bool = False  # blk.L.attn_output.bias (gpt-oss)
+    attn_sinks: bool = False  # blk.L.attn_sinks.weight: a learned softmax logit per head (gpt-oss)
+    sliding_window: int = 0  # tokens a sliding-window layer attends over (itself included)
+    swa_layers: tuple[bool, ...] = ()  # per layer: True = sliding window, False (or absent) = full
 
     @property
     def is_moe(self) -> bool:

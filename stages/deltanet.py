@@ -228,10 +228,11 @@ class GatedDeltaNet(torch.nn.Module):
         outs, states = zip(*(gated_delta_chunked(q[i], k[i], v[i], g[i], beta[i], rec[i]) for i in range(q.shape[0])))
         return torch.stack(outs), torch.stack(states)
 
-    def forward(self, x: torch.Tensor, n_new: list[int], starts: list[int], slots: list[int],
-                state: DeltaState) -> torch.Tensor:
-        """x [N, hidden] packed tokens of len(n_new) sequences; sequence i continues the state in
-        slot slots[i] (from zeros when starts[i] == 0) and leaves its new state there."""
+    def forward(self, x: torch.Tensor, meta, kv, rope=None, cos_sin=None) -> torch.Tensor:
+        """x [N, hidden]: the packed tokens of the step's sequences (`meta`, stages/layers.py);
+        sequence i continues the state in slot meta.state_slots[i] of `kv.state` (from zeros when
+        it starts at position 0) and leaves its new state there. RoPE plays no part here."""
+        n_new, starts, slots, state = meta.n_new, meta.starts, meta.state_slots, kv.state
         s = self.shape
         qkv, z, g, beta = self._project(x)
         conv_all, rec_all = state.layer(self.layer)

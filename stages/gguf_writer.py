@@ -3,7 +3,9 @@
 Supported: the transformers classes each architecture module lists (stages/arch/*.py
 `hf_classes`): LlamaForCausalLM (dense), MixtralForCausalLM (stored as arch "llama" with
 ffn_gate_inp + ffn_{gate,up,down}_exps, which is how llama.cpp stores Mixtral),
-Qwen2MoeForCausalLM ("qwen2moe") and Qwen3MoeForCausalLM ("qwen3moe").
+Qwen2MoeForCausalLM ("qwen2moe"), Qwen3MoeForCausalLM ("qwen3moe") and GptOssForCausalLM
+("gpt-oss": its own tensor layout in stages/arch/gpt_oss.py `hf_tensor`; `expert_type="MXFP4"`
+writes its experts as the published files hold them).
 
 The conventions copied from llama.cpp, because files written here must run there too:
 - llama q/k rows are permuted (LlamaModel.permute) so that RoPE rotates adjacent pairs; qwen
@@ -68,7 +70,7 @@ _GLOBAL_NAMES = {
 _FUSED_GATE_UP = "mlp.experts.gate_up_proj"
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 # Tensors llama.cpp keeps in F32 whatever the requested file type.
-_ALWAYS_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight")
+_ALWAYS_F32 = ("ffn_gate_inp.weight", "ffn_gate_inp_shexp.weight", "ssm_conv1d.weight")
 
 
 def llama_permute(w: np.ndarray, n_head: int, n_head_kv: int | None) -> np.ndarray:
@@ -243,10 +245,11 @@ def _add_gpt2_tokenizer(w: gguf.GGUFWriter, tokenizer: Any) -> None:
 
 
 def write_gguf(model: Any, path: str | Path, file_type: str = "F32", tokenizer: Any = None,
-               name: str | None = None) -> Path:
+               name: str | None = None, expert_type: str | None = None) -> Path:
     """Write a transformers model (anything with .state_dict() and .config) to a GGUF file.
 
     file_type: "F32", "F16" or "Q8_0". tokenizer: an optional byte-level BPE tokenizer to embed.
+    expert_type: the routed experts' own block type (e.g. "MXFP4", as gpt-oss files hold them).
     """
     if file_type not in FILE_TYPES:
         raise ValueError(f"file_type must be one of {', '.join(FILE_TYPES)}, not {file_type!r}")
@@ -269,6 +272,8 @@ def write_gguf(model: Any, path: str | Path, file_type: str = "F32", tokenizer: 
     for tname in _ordered(tensors):
         a = tensors[tname]
         qtype = tensor_type(tname, a, weight_type)
+        if expert_type is not None and tname.endswith("_exps.weight"):
+            qtype = tensor_type(tname, a, QT[expert_type])
         w.add_tensor(tname, _encode(a, qtype), raw_dtype=qtype if qtype not in (QT.F32, QT.F16) else None)
     w.write_header_to_file()
     w.write_kv_data_to_file()

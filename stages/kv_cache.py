@@ -64,19 +64,25 @@ class KVPool:
     """
 
     def __init__(self, first_layer: int, n_layers: int, n_blocks: int, n_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", v_dim: int | None = None):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 kv_layers: list[int] | None = None, state=None, v_dim: int | None = None):
         if n_blocks < 1:
             raise MoerayError(f"a KV pool needs at least one block, got {n_blocks}")
         self.first_layer, self.n_layers, self.n_blocks = first_layer, n_layers, n_blocks
         self.block_size, self.dtype = BLOCK_SIZE, dtype
+        # The layers that keep KV (a hybrid model's DeltaNet layers keep a state instead: `state`,
+        # stages/deltanet.DeltaState, slots addressed by the step's state slots).
+        self.kv_layers = list(range(first_layer, first_layer + n_layers)) if kv_layers is None else list(kv_layers)
+        self._index = {layer: i for i, layer in enumerate(self.kv_layers)}
+        self.state = state
         rows = n_blocks * BLOCK_SIZE
         v_dim = head_dim if v_dim is None else v_dim
-        self.k = [torch.zeros((n_kv_heads, rows, head_dim), dtype=dtype, device=device) for _ in range(n_layers)]
+        self.k = [torch.zeros((n_kv_heads, rows, head_dim), dtype=dtype, device=device) for _ in self.kv_layers]
         self.v = [torch.zeros((n_kv_heads, rows, v_dim), dtype=dtype, device=device) if v_dim else None
-                  for _ in range(n_layers)]
+                  for _ in self.kv_layers]
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        i = layer - self.first_layer
+        i = self._index[layer]
         return self.k[i], self.v[i]
 
     def check_tables(self, tables: list[list[int]], ends: list[int]) -> None:
@@ -87,7 +93,8 @@ class KVPool:
                 raise MoerayError(f"block table {table[:8]}... names a block outside the pool of {self.n_blocks}")
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
+        kv = sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
+        return kv + (self.state.nbytes() if self.state is not None else 0)
 
 
 class KVCache(KVPool):
@@ -97,10 +104,10 @@ class KVCache(KVPool):
 
     def __init__(self, first_layer: int, n_layers: int, max_seqs: int, n_kv_heads: int, max_len: int,
                  head_dim: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 v_dim: int | None = None):
+                 kv_layers: list[int] | None = None, state=None, v_dim: int | None = None):
         self.per_slot = blocks_for(max_len)
         super().__init__(first_layer, n_layers, max_seqs * self.per_slot, n_kv_heads, head_dim, dtype, device,
-                         v_dim)
+                         kv_layers, state, v_dim)
         self.max_seqs, self.max_len = max_seqs, max_len
         self.lengths = [0] * max_seqs
 

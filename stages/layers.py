@@ -43,6 +43,9 @@ class BatchMeta:
     read_view: tuple[int, int] | None
     read_blocks: torch.Tensor | None
     slots: list[int] | None = None  # fixed-slot KVCache callers: the slots whose lengths advance
+    # Recurrent (DeltaNet) layers: the state slot each sequence continues (the engine's sequence
+    # slots; stages/deltanet.py); a sequence starting at position 0 begins from zeros.
+    state_slots: list[int] | None = None
     _window_masks: dict = field(default_factory=dict, repr=False)
 
     def window_mask(self, window: int) -> torch.Tensor:
@@ -73,7 +76,8 @@ def _consecutive(table: list[int], n_blocks: int) -> bool:
 
 
 def make_batch_meta(n_new: list[int], starts: list[int], tables: list[list[int]],
-                    device: torch.device | str = "cpu", slots: list[int] | None = None) -> BatchMeta:
+                    device: torch.device | str = "cpu", slots: list[int] | None = None,
+                    state_slots: list[int] | None = None) -> BatchMeta:
     """`tables[i]` holds the blocks of sequence i, at least up to its last new token."""
     B, t_max = len(n_new), max(n_new)
     n_new_t = torch.tensor(n_new)
@@ -107,7 +111,8 @@ def make_batch_meta(n_new: list[int], starts: list[int], tables: list[list[int]]
                      write_rows=write_rows.to(dev), row0=int(write_rows[0]), last_index=(first_of_seq + n_new_t - 1).to(dev),
                      t_max=t_max, keys_max=keys_max, mask=None if mask is None else mask.to(dev),
                      read_view=read_view, read_blocks=None if read_blocks is None else read_blocks.to(dev),
-                     slots=None if slots is None else list(slots))
+                     slots=None if slots is None else list(slots),
+                     state_slots=None if state_slots is None else list(state_slots))
 
 
 def slot_batch_meta(n_new: list[int], slots: list[int], kv: KVCache, device: torch.device | str = "cpu"
@@ -116,7 +121,8 @@ def slot_batch_meta(n_new: list[int], slots: list[int], kv: KVCache, device: tor
     kv.check_room(slots, n_new)
     if len(set(slots)) != len(slots):
         raise ValueError(f"a step may hold each KV slot once, got slots {slots}")
-    return make_batch_meta(n_new, [kv.lengths[s] for s in slots], [kv.table(s) for s in slots], device, slots)
+    return make_batch_meta(n_new, [kv.lengths[s] for s in slots], [kv.table(s) for s in slots], device, slots,
+                           slots)
 
 
 class Attention(torch.nn.Module):
@@ -146,22 +152,33 @@ class Attention(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, meta: BatchMeta, kv: KVPool, rope: RoPE,
                 cos_sin: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+        out = self.w_o(self.attend(*self.project(x, rope, cos_sin), meta, kv))
+        return out if self.b_o is None else out + self.b_o
+
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_qkv[0](x) if len(self.w_qkv) == 1 else torch.cat([w(x) for w in self.w_qkv], dim=1)
+
+    def project(self, x: torch.Tensor, rope: RoPE, cos_sin) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, hidden] -> q [N, heads, D], k, v [N, kv_heads, D], normed and rotated."""
         cfg = self.cfg
         N, D = x.shape[0], cfg.head_dim
-        qkv = self.w_qkv[0](x) if len(self.w_qkv) == 1 else torch.cat([w(x) for w in self.w_qkv], dim=1)
+        qkv = self.qkv(x)
         if self.b_qkv is not None:
             qkv = qkv + self.b_qkv
         v = qkv[:, self.q_out + self.kv_out:].view(N, cfg.n_kv_heads, D)
         cos, sin, rot = cos_sin
         if self.q_norm is None:  # q and k rotated as one [N, heads + kv_heads, D] tensor: half the ops
             qk = rope.apply(qkv[:, :self.q_out + self.kv_out].view(N, cfg.n_heads + cfg.n_kv_heads, D), cos, sin, rot)
-            q, k = qk[:, :cfg.n_heads], qk[:, cfg.n_heads:]
-        else:
-            q = rms_norm(qkv[:, :self.q_out].view(N, cfg.n_heads, D), self.q_norm, cfg.rms_eps)
-            k = rms_norm(qkv[:, self.q_out:self.q_out + self.kv_out].view(N, cfg.n_kv_heads, D), self.k_norm,
-                         cfg.rms_eps)
-            q, k = rope.apply(q, cos, sin, rot), rope.apply(k, cos, sin, rot)
+            return qk[:, :cfg.n_heads], qk[:, cfg.n_heads:], v
+        q = rms_norm(qkv[:, :self.q_out].view(N, cfg.n_heads, D), self.q_norm, cfg.rms_eps)
+        k = rms_norm(qkv[:, self.q_out:self.q_out + self.kv_out].view(N, cfg.n_kv_heads, D), self.k_norm,
+                     cfg.rms_eps)
+        return rope.apply(q, cos, sin, rot), rope.apply(k, cos, sin, rot), v
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMeta, kv: KVPool) -> torch.Tensor:
+        """Append the step's k/v to the pool and attend: [N, heads * D] float32 (before w_o)."""
+        cfg = self.cfg
+        N, D = q.shape[0], cfg.head_dim
         k_cache, v_cache = kv.layer(self.layer)
         if k_cache.dtype != k.dtype:  # a 16-bit pool (CUDA): keys, values and queries in its dtype
             k, v, q = k.to(k_cache.dtype), v.to(k_cache.dtype), q.to(k_cache.dtype)
@@ -194,8 +211,25 @@ class Attention(torch.nn.Module):
             out = out.reshape(N, self.q_out)
         else:
             out = out[meta.seq_of_token, meta.off_of_token].reshape(N, self.q_out)
-        out = self.w_o(out.float())
-        return out if self.b_o is None else out + self.b_o
+        return out.float()
+
+
+class GatedAttention(Attention):
+    """Qwen3-Next's full attention: attn_q yields per head [q (D), gate (D)]; the attention output
+    is scaled by sigmoid(gate) before attn_output. Per-head q/k RMSNorm, no biases."""
+
+    def forward(self, x, meta, kv, rope, cos_sin):
+        cfg = self.cfg
+        N, D = x.shape[0], cfg.head_dim
+        qkv = self.qkv(x)
+        qg = qkv[:, :2 * self.q_out].view(N, cfg.n_heads, 2 * D)
+        k = qkv[:, 2 * self.q_out:2 * self.q_out + self.kv_out].view(N, cfg.n_kv_heads, D)
+        v = qkv[:, 2 * self.q_out + self.kv_out:].view(N, cfg.n_kv_heads, D)
+        cos, sin, rot = cos_sin
+        q = rope.apply(rms_norm(qg[..., :D], self.q_norm, cfg.rms_eps), cos, sin, rot)
+        k = rope.apply(rms_norm(k, self.k_norm, cfg.rms_eps), cos, sin, rot)
+        gate = torch.sigmoid(qg[..., D:].reshape(N, self.q_out))
+        return self.w_o(self.attend(q, k, v, meta, kv) * gate)
 
 
 def _attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

@@ -14,9 +14,10 @@ import torch
 
 from moeray.errors import MoerayError
 from moeray.stages.arch import arch_of
+from moeray.stages.deltanet import DeltaState, GatedDeltaNet
 from moeray.stages.gguf_file import GGUFFile, tensor_role, trunk_bytes
 from moeray.stages.kv_cache import KVCache, KVPool, kv_dtype
-from moeray.stages.layers import Attention, BatchMeta, make_batch_meta, rms_norm, slot_batch_meta
+from moeray.stages.layers import Attention, BatchMeta, GatedAttention, make_batch_meta, rms_norm, slot_batch_meta
 from moeray.stages.mla import MLAttention
 from moeray.stages.moe import DenseFFN, Experts, HostExperts, MoEBlock
 from moeray.stages.qmatmul import QMatrix, announce, current_route
@@ -96,7 +97,40 @@ class StageModel(torch.nn.Module):
         q_norm = v(p + "attn_q_norm.weight") if cfg.qk_norm else None
         k_norm = v(p + "attn_k_norm.weight") if cfg.qk_norm else None
         return Attention(cfg, i, [fused] if fused is not None else qkv, b_qkv, m(p + "attn_output.weight"),
-                         q_norm, k_norm)
+                         q_norm, k_norm, b_o=v(p + "attn_output.bias") if cfg.attn_out_bias else None,
+                         sinks=v(p + "attn_sinks.weight") if cfg.attn_sinks else None,
+                         window=arch_of(cfg).attention_window(cfg, i))
+
+    def _gated_gqa(self, i: int) -> GatedAttention:
+        """Full attention with a per-head output gate in attn_q (qwen3next): q/k norms, no biases."""
+        cfg, p, m, v = self.config, f"blk.{i}.", self._matrix, self._vector
+        qkv = [m(p + "attn_q.weight"), m(p + "attn_k.weight"), m(p + "attn_v.weight")]
+        fused = QMatrix.cat_rows(qkv)
+        return GatedAttention(cfg, i, [fused] if fused is not None else qkv, None, m(p + "attn_output.weight"),
+                              v(p + "attn_q_norm.weight"), v(p + "attn_k_norm.weight"))
+
+    def _deltanet(self, i: int) -> GatedDeltaNet:
+        """A Gated DeltaNet layer: [qkv; z; beta; alpha] fused into one matrix where the block types
+        allow (beta and alpha are the rows of ssm_ba or ssm_beta/ssm_alpha its arch names)."""
+        cfg, p, m, v = self.config, f"blk.{i}.", self._matrix, self._vector
+        parts = [m(p + "attn_qkv.weight"), m(p + "attn_gate.weight")]
+        for name, rows in arch_of(cfg).beta_alpha_rows(cfg, i):
+            parts.append(self._matrix_rows(name, rows))
+        fused = QMatrix.cat_rows(parts)
+        return GatedDeltaNet(cfg.deltanet, i, [fused] if fused is not None else parts, v(p + "ssm_conv1d.weight"),
+                             v(p + "ssm_dt.bias"), v(p + "ssm_a"), v(p + "ssm_norm.weight"),
+                             m(p + "ssm_out.weight"), cfg.rms_eps)
+
+    def _matrix_rows(self, name: str, rows) -> QMatrix:
+        """Rows `rows` (None: all) of a stored matrix, still in its block form (block rows are
+        independent, so a row permutation is a permutation of their bytes)."""
+        w = self._matrix(name)
+        if rows is None:
+            return w
+        idx = torch.as_tensor(rows, dtype=torch.long, device=w.data.device)
+        per_row = w.data.view(w.shape[0], -1)
+        return QMatrix(per_row[idx].reshape(-1) if w.route != "exact" else w.data[idx], w.ggml_type,
+                       (len(idx), w.shape[1]), w.route)
 
     def _mla(self, i: int) -> MLAttention:
         cfg, p, m, v = self.config, f"blk.{i}.", self._matrix, self._vector
@@ -119,8 +153,10 @@ class StageModel(torch.nn.Module):
                               m(p + "ffn_down_shexp.weight"))
             if cfg.shared_expert_gate:
                 gate = v(p + "ffn_gate_inp_shexp.weight").reshape(-1)
-        bias = v(p + "exp_probs_b.bias") if cfg.router_bias else None
-        return MoEBlock(cfg, i, v(p + "ffn_gate_inp.weight"), self.experts, shared, gate, bias)
+        # the routing function's bias: DeepSeek's / GLM's score correction, or gpt-oss's logit bias
+        bias = (v(p + "exp_probs_b.bias") if cfg.score_bias else
+                v(p + "ffn_gate_inp.bias") if cfg.router_bias else None)
+        return MoEBlock(cfg, i, v(p + "ffn_gate_inp.weight"), self.experts, shared, gate, router_bias=bias)
 
     @classmethod
     def from_gguf(cls, path_or_gguf: str | os.PathLike | GGUFFile, layers: tuple[int, int] | None = None,
@@ -153,28 +189,58 @@ class StageModel(torch.nn.Module):
     # --- running ---------------------------------------------------------------------------
 
     def new_kv_cache(self, max_seqs: int, max_len: int) -> KVCache:
-        """Fixed slots of max_len tokens: the one-shot path (step, logits_all)."""
+        """Fixed slots of max_len tokens: the one-shot path (step, logits_all); a hybrid model's
+        DeltaNet state has a slot for each KV slot."""
         c = self.config
-        heads, k_dim, v_dim = arch_of(c).kv_layout(c, self.first)
+        heads, k_dim, v_dim = self._kv_shape()
         return KVCache(self.first, self.end - self.first, max_seqs, heads, max_len, k_dim,
-                       dtype=kv_dtype(self.device), device=self.device, v_dim=v_dim)
+                       dtype=kv_dtype(self.device), device=self.device, kv_layers=self.kv_layers(),
+                       state=self._state(max_seqs), v_dim=v_dim)
 
-    def new_kv_pool(self, n_blocks: int) -> KVPool:
-        """A pool of `n_blocks` blocks, addressed by the engine's block tables (the serving path)."""
+    def new_kv_pool(self, n_blocks: int, state_slots: int = 1) -> KVPool:
+        """A pool of `n_blocks` blocks, addressed by the engine's block tables (the serving path),
+        and `state_slots` DeltaNet states (one per sequence slot of the engine) when the stage
+        holds recurrent layers."""
         c = self.config
-        heads, k_dim, v_dim = arch_of(c).kv_layout(c, self.first)
+        heads, k_dim, v_dim = self._kv_shape()
         return KVPool(self.first, self.end - self.first, n_blocks, heads, k_dim,
-                      dtype=kv_dtype(self.device), device=self.device, v_dim=v_dim)
+                      dtype=kv_dtype(self.device), device=self.device, kv_layers=self.kv_layers(),
+                      state=self._state(state_slots), v_dim=v_dim)
+
+    def _kv_shape(self) -> tuple[int, int, int]:
+        """(heads, key width, value width) of this stage's KV pool: its architecture's layout
+        (MLA: one latent row per token, no separate value)."""
+        c, layers = self.config, self.kv_layers()
+        return arch_of(c).kv_layout(c, layers[0]) if layers else (c.n_kv_heads, c.head_dim, c.head_dim)
+
+    def kv_layers(self) -> list[int]:
+        """This stage's layers that keep KV (all but a hybrid model's recurrent ones)."""
+        arch = arch_of(self.config)
+        return [l for l in range(self.first, self.end) if arch.kv_values(self.config, l) > 0]
+
+    def recurrent_layers(self) -> list[int]:
+        arch = arch_of(self.config)
+        return [l for l in range(self.first, self.end) if arch.state_bytes(self.config, l) > 0]
+
+    def _state(self, n_slots: int) -> DeltaState | None:
+        layers = self.recurrent_layers()
+        return DeltaState(layers, n_slots, self.config.deltanet, self.device) if layers else None
 
     def batch_meta(self, n_new: list[int], slots: list[int], kv: KVCache) -> BatchMeta:
         """Where each new token goes in a fixed-slot cache, from the slots' own lengths."""
         return slot_batch_meta(n_new, slots, kv, self.device)
 
-    def table_meta(self, n_new: list[int], starts: list[int], tables: list[list[int]], kv: KVPool) -> BatchMeta:
+    def table_meta(self, n_new: list[int], starts: list[int], tables: list[list[int]], kv: KVPool,
+                   slots: list[int] | None = None) -> BatchMeta:
         """Where each new token goes in a block pool: the engine says where each sequence starts
-        and which blocks hold it."""
+        and which blocks hold it, and (recurrent layers) which state slot it continues: its
+        sequence slot."""
         kv.check_tables(tables, [s + n for s, n in zip(starts, n_new)])
-        return make_batch_meta(n_new, starts, tables, self.device)
+        if kv.state is not None:
+            if slots is None:
+                raise MoerayError("a step through recurrent (DeltaNet) layers needs each sequence's state slot")
+            kv.state.check_slots(slots)
+        return make_batch_meta(n_new, starts, tables, self.device, state_slots=slots)
 
     def embed(self, tokens: list[list[int]] | torch.Tensor) -> torch.Tensor:
         """Token ids (a list per sequence, or a flat tensor) -> packed hidden states [N, hidden]."""
@@ -226,7 +292,8 @@ class StageModel(torch.nn.Module):
 
 
 # The shared blocks a layer is built from, by the kind its architecture names (stages/arch/).
-_ATTENTION = {"gqa": StageModel._gqa, "mla": StageModel._mla}
+_ATTENTION = {"gqa": StageModel._gqa, "gated_gqa": StageModel._gated_gqa, "deltanet": StageModel._deltanet,
+              "mla": StageModel._mla}
 _FFN = {"dense": StageModel._dense_ffn, "moe": StageModel._moe}
 
 

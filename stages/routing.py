@@ -50,4 +50,15 @@ def grouped_topk(logits: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | No
     return ids, weights * cfg.expert_weights_scale
 
 
-ROUTING = {"softmax_topk": softmax_topk, "grouped_topk": grouped_topk}
+def topk_softmax(logits: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest logits (the router's bias added to them first), softmax over those k only
+    (gpt-oss; llama.cpp's SOFTMAX_WEIGHT gating). Equal to softmax_topk renormalised, without
+    the softmax over every expert."""
+    if bias is not None:
+        logits = logits + bias
+    top, ids = torch.topk(logits, cfg.n_experts_used, dim=-1)
+    return ids, torch.softmax(top, dim=-1, dtype=torch.float32)
+
+
+ROUTING = {"softmax_topk": softmax_topk, "topk_softmax": topk_softmax, "grouped_topk": grouped_topk}

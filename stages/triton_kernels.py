@@ -337,3 +337,32 @@ def grouped_swiglu(gate: tuple[torch.Tensor, int], up: tuple[torch.Tensor, int],
     y = torch.empty_like(ys)
     y[order] = ys
     return torch.bmm(weights.to(y.dtype).view(T, 1, k), y.view(T, k, hidden)).view(T, hidden)
+
+
+class GraphedGroupedSwiglu:
+    """`grouped_swiglu` of one layer captured once into a CUDA graph for a fixed number of tokens
+    and picks (a decode step's shapes repeat): a call copies x, slots and weights into the graph's
+    static inputs and replays its launches (sort, 3 grouped GEMVs, SiLU, scatter, weighted sum) in
+    one go, without Python or launch overhead per kernel. CUDA only. The device check measures it
+    against the eager call; the stage's decode step does not use it yet (it routes on the host)."""
+
+    def __init__(self, gate, up, down, ffn: int, hidden: int, tokens: int, k: int, device):
+        self.args = (gate, up, down, ffn, hidden)
+        self.x = torch.zeros(tokens, hidden, dtype=torch.float32, device=device)
+        self.slots = torch.zeros(tokens, k, dtype=torch.int64, device=device)  # slot 0: always valid
+        self.weights = torch.zeros(tokens, k, dtype=torch.float32, device=device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):  # compile and warm up outside the capture
+            grouped_swiglu(*self.args, self.x, self.slots, self.weights)
+        torch.cuda.current_stream(device).wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = grouped_swiglu(*self.args, self.x, self.slots, self.weights)
+
+    def __call__(self, x: torch.Tensor, slots: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        self.x.copy_(x)
+        self.slots.copy_(slots)
+        self.weights.copy_(weights)
+        self.graph.replay()
+        return self.out  # the graph's output buffer: overwritten by the next call

@@ -25,7 +25,7 @@ def test_the_header_reads_as_deepseek3_and_prices_the_latent_kv(ds_file):
     assert (c.arch, c.attention, c.n_heads, c.head_dim, c.rope_dim, c.v_head_dim) == ("deepseek2", "mla", 4, 48, 16, 32)
     assert (c.q_lora_rank, c.kv_lora_rank, c.n_dense_leading, c.moe_layers) == (64, 64, 1, [1, 2])
     assert (c.expert_gating, c.expert_groups, c.expert_groups_used, c.expert_weights_scale) == ("sigmoid", 4, 2, 2.5)
-    assert c.router_bias and c.norm_topk_prob and not c.shared_expert_gate and c.shared_expert_ffn_dim == 64
+    assert c.score_bias and c.norm_topk_prob and not c.shared_expert_gate and c.shared_expert_ffn_dim == 64
     assert c.rope_scaling == "yarn" and c.yarn_attn_factor == 1.0
     assert c.attn_scale == pytest.approx((0.1 * torch.log(torch.tensor(4.0)).item() + 1) ** 2 / 48 ** 0.5)
     # The KV: the latent and the rope key, 64 + 16 values per token per layer (not 2 * 4 * 48 = 384)

@@ -28,7 +28,7 @@ def test_the_mtp_layer_is_in_the_file_but_not_loaded_nor_priced(glm_file, caplog
     assert h.metadata["glm4moe.block_count"] == N_LAYERS + 1 and h.metadata["glm4moe.nextn_predict_layers"] == 1
     assert c.n_layers == N_LAYERS and f"blk.{N_LAYERS}.nextn.eh_proj.weight" in h.tensors
     assert (c.rope_dim, c.head_dim, c.qk_norm, c.qkv_bias, c.n_dense_leading) == (16, 32, True, True, 1)
-    assert (c.expert_gating, c.router_bias, c.expert_weights_scale, c.shared_expert_gate) == ("sigmoid", True, 2.5, False)
+    assert (c.expert_gating, c.score_bias, c.expert_weights_scale, c.shared_expert_gate) == ("sigmoid", True, 2.5, False)
     spec = spec_from_gguf(str(glm_file))
     assert spec.n_layers == N_LAYERS and len(spec.trunk_bytes.layers) == N_LAYERS and spec.expert_bytes[0] == 0
     g = GGUFFile(glm_file)

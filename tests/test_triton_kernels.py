@@ -191,6 +191,24 @@ def test_cuda_kernels_equal_the_cpu_dequantiser(qtype):
         assert (got - want).abs().max() <= 1e-5 * want.abs().max(), m
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason=NO_CUDA)
+def test_cuda_graph_of_the_grouped_hit_path_equals_the_eager_call():
+    from moeray.stages import triton_kernels as tk
+
+    H, Fd, S, k, n = 512, 256, 4, 2, 3
+    stacks = [(torch.stack([_matrix(T.Q4_K, *shape, seed=10 * i + s) for s in range(S)]).cuda(), int(T.Q4_K))
+              for i, shape in enumerate(((Fd, H), (Fd, H), (H, Fd)))]
+    graphed = tk.GraphedGroupedSwiglu(*stacks, Fd, H, n, k, "cuda")
+    for seed in (1, 2):  # replayed with new inputs each time
+        gen = torch.Generator().manual_seed(seed)
+        x = torch.randn(n, H, generator=gen).cuda()
+        slots = torch.randint(0, S, (n, k), generator=gen).cuda()
+        w = torch.rand(n, k, generator=gen).cuda()
+        eager = tk.grouped_swiglu(*stacks, Fd, H, x, slots, w)
+        assert torch.equal(graphed(x, slots, w), eager)
+
+
 # ---------------------------------------------------------------- compiled for Hopper, no GPU needed
 
 

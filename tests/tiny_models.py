@@ -36,7 +36,7 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
             elif name.endswith(".bias"):
                 p.copy_(0.3 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("mlp.gate.weight"):  # the router: decisive top-k
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # the router: decisive top-k
                 p.copy_(torch.randn(p.shape, generator=gen) * (2.0 / math.sqrt(p.shape[-1])))
             elif "embed_tokens" in name:
                 p.copy_(torch.randn(p.shape, generator=gen))
@@ -149,6 +149,27 @@ def tiny_glm4moe(seed: int = 5, use_qk_norm: bool = True):
         for layer in model.model.layers[1:]:
             b = layer.mlp.gate.e_score_correction_bias
             b.copy_(0.3 * torch.randn(b.shape, generator=gen))
+
+
+def tiny_gpt_oss(seed: int = 4, n_layers: int = N_LAYERS):
+    """gpt-oss: 6 experts, top-2 (softmax over the top-2 logits), router and expert biases, the
+    clamped SwiGLU (experts scaled so that |g| and |u| pass the limit 7), attention sinks, q/k/v/o
+    biases, a sliding window of 8 on layers 0 and 2 (20-token tests cross it), YaRN (factor 4
+    over an original context of 64, un-truncated as gpt-oss's own config has it)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    rope = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            "original_max_position_embeddings": 64, "rope_theta": 150000.0}
+    cfg = GptOssConfig(**{**_common(), "num_hidden_layers": n_layers}, intermediate_size=EXPERT_FFN,
+                       num_local_experts=6, num_experts_per_tok=2, sliding_window=8, rope_parameters=rope,
+                       attention_bias=True)
+    torch.manual_seed(seed)
+    model = _finish(GptOssForCausalLM(cfg), seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.experts.gate_up_proj.mul_(4.0)
+            layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape, generator=gen) * 2.0)
     return model
 
 

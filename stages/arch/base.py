@@ -55,6 +55,10 @@ def gqa_tensors(cfg: ModelConfig, p: str) -> Shapes:
         t.update({p + "attn_q.bias": (q_out,), p + "attn_k.bias": (kv_out,), p + "attn_v.bias": (kv_out,)})
     if cfg.qk_norm:
         t.update({p + "attn_q_norm.weight": (D,), p + "attn_k_norm.weight": (D,)})
+    if cfg.attn_out_bias:
+        t[p + "attn_output.bias"] = (H,)
+    if cfg.attn_sinks:
+        t[p + "attn_sinks.weight"] = (cfg.n_heads,)
     return t
 
 
@@ -75,7 +79,11 @@ def moe_tensors(cfg: ModelConfig, p: str) -> Shapes:
         if cfg.shared_expert_gate:
             t[p + "ffn_gate_inp_shexp.weight"] = (H,)
     if cfg.router_bias:
+        t[p + "ffn_gate_inp.bias"] = (E,)
+    if cfg.score_bias:
         t[p + "exp_probs_b.bias"] = (E,)
+    if cfg.expert_bias:
+        t.update({p + "ffn_gate_exps.bias": (E, F), p + "ffn_up_exps.bias": (E, F), p + "ffn_down_exps.bias": (E, H)})
     return t
 
 
@@ -196,6 +204,10 @@ class Architecture:
         """Which shared attention block layer `layer` is built with (stages/model.py builds it)."""
         return cfg.attention
 
+    def attention_window(self, cfg: ModelConfig, layer: int) -> int:
+        """Tokens layer `layer` attends over (itself included); 0: the whole context."""
+        return cfg.sliding_window if layer < len(cfg.swa_layers) and cfg.swa_layers[layer] else 0
+
     def ffn_kind(self, cfg: ModelConfig, layer: int) -> str:
         return "moe" if self.is_moe_layer(cfg, layer) else "dense"
 
@@ -219,12 +231,17 @@ class Architecture:
     def kv_layout(self, cfg: ModelConfig, layer: int) -> tuple[int, int, int]:
         """(heads, key width, value width) of layer `layer`'s KV pool (stages/kv_cache.py KVPool);
         value width 0: the latent layout, the key row is all a token holds."""
-        return KV_LAYOUT[self.attention_kind(cfg, layer)](cfg)
+        return KV_LAYOUT.get(self.attention_kind(cfg, layer), KV_LAYOUT["gqa"])(cfg)
 
     def kv_values(self, cfg: ModelConfig, layer: int) -> int:
         """Values one token holds in layer `layer`'s KV cache (the KV pool's and the planner's price)."""
         heads, k_dim, v_dim = self.kv_layout(cfg, layer)
         return heads * (k_dim + v_dim)
+
+    def state_bytes(self, cfg: ModelConfig, layer: int) -> int:
+        """Bytes one sequence's recurrent state takes in layer `layer` (0: the layer keeps KV only);
+        the stage holds it for every sequence slot, the planner and driver charge it like KV."""
+        return 0
 
     # --- the converter's side (stages/gguf_writer.py) ---------------------------------------
 
@@ -245,9 +262,9 @@ class Architecture:
         converter transforms it; None: the common name mapping applies."""
         return None
 
-    def hf_tensor_from_gguf(self, key: str, g: dict) -> Any:
-        """The inverse, for reading a file back into a transformers state dict: the array for
-        transformers key `key` from the GGUF's dequantised tensors `g`; None: the common mapping."""
+    def hf_tensor_from_gguf(self, key: str, tensors: dict[str, Any]) -> Any | None:
+        """The inverse of `hf_tensor` for reading a file back: one transformers tensor from the
+        GGUF's dequantised ones (None: the common mapping)."""
         return None
 
     def hf_extra_tensors(self, hf_config: Any, tensors: dict) -> dict:

@@ -60,7 +60,7 @@ class Deepseek2(Architecture):
             raise g.unsupported(f"expert_gating_func {gating} is not supported (softmax 1, sigmoid 2)")
         f.update(shared_expert_ffn_dim=f["expert_ffn_dim"] * int(g("expert_shared_count", 0)),
                  shared_expert_gate=False, expert_gating=GATING[gating],
-                 router_bias=f"blk.{first_moe}.exp_probs_b.bias" in shapes,
+                 score_bias=f"blk.{first_moe}.exp_probs_b.bias" in shapes,
                  expert_groups=int(g("expert_group_count", 1)), expert_groups_used=int(g("expert_group_used_count", 1)),
                  expert_weights_scale=float(g("expert_weights_scale", 1.0)))
         # the softmax scale: mscale^2 / sqrt(head_dim) under YaRN (1 / sqrt(head_dim) without)

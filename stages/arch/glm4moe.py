@@ -46,7 +46,7 @@ class Glm4Moe(Architecture):
         gating = int(g("expert_gating_func", 2))
         f.update(shared_expert_ffn_dim=f["expert_ffn_dim"] * int(g("expert_shared_count", 0)),
                  shared_expert_gate=False, expert_gating="sigmoid" if gating == 2 else "softmax",
-                 router_bias=f"blk.{f['n_dense_leading']}.exp_probs_b.bias" in shapes,
+                 score_bias=f"blk.{f['n_dense_leading']}.exp_probs_b.bias" in shapes,
                  qk_norm="blk.0.attn_q_norm.weight" in shapes,
                  expert_groups=int(g("expert_group_count", 1)), expert_groups_used=int(g("expert_group_used_count", 1)),
                  expert_weights_scale=float(g("expert_weights_scale", 1.0)))

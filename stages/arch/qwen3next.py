@@ -30,7 +30,6 @@ class Qwen3Next(Architecture):
     name = "qwen3next"
     norm_topk_default = True
     qk_norm = True
-    partial_rope = True
     hf_classes = ("Qwen3NextForCausalLM",)
     hf_model_types = ("qwen3_next",)
     ffn_norm_name = "post_attention_norm"  # llama.cpp's ATTN_POST_NORM, where other families say ffn_norm
@@ -108,9 +107,9 @@ class Qwen3Next(Architecture):
         w.add_array(f"{self.name}.attention.recurrent_layers",
                     [t == "linear_attention" for t in hf.layer_types])
         w.add_full_attention_interval(int(getattr(hf, "full_attention_interval", 4)))
-        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-        factor = (getattr(hf, "rope_parameters", None) or {}).get("partial_rotary_factor", 0.25)
-        w.add_rope_dimension_count(int(head_dim * factor))  # after the common keys: this one wins
+
+    def hf_rope_dim(self, hf: Any, head_dim: int) -> int:
+        return int(head_dim * (getattr(hf, "rope_parameters", None) or {}).get("partial_rotary_factor", 0.25))
 
     def hf_tensor(self, layer: int | None, rest: str, a: np.ndarray, hf: Any) -> list[tuple[str, np.ndarray]] | None:
         """GGUF tensors for one transformers tensor (`rest` after "model.layers.{layer}.", or the
