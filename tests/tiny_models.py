@@ -149,6 +149,7 @@ def tiny_glm4moe(seed: int = 5, use_qk_norm: bool = True):
         for layer in model.model.layers[1:]:
             b = layer.mlp.gate.e_score_correction_bias
             b.copy_(0.3 * torch.randn(b.shape, generator=gen))
+    return model
 
 
 def tiny_gpt_oss(seed: int = 4, n_layers: int = N_LAYERS):
