@@ -61,8 +61,8 @@ def spec_from_gguf(path: str, route: str | None = None) -> ModelSpec:
     pricing as the driver's, from stages/gguf_file.held_bytes."""
     import os
 
-    from moeray.stages.arch import get_arch  # torch-free
-    from moeray.stages.gguf_file import expert_bytes, read_gguf_header, trunk_bytes
+    from moeray.stages.arch import arch_of
+    from moeray.stages.gguf_file import expert_bytes, read_gguf_header, trunk_bytes, trunk_pieces  # torch-free
 
     route = route or ("exact" if os.environ.get("MOERAY_ROUTE", "").strip().lower() == "exact" else "quantised")
     h = read_gguf_header(path)
@@ -70,10 +70,12 @@ def spec_from_gguf(path: str, route: str | None = None) -> ModelSpec:
     if not cfg.n_experts:
         raise PlacementError(f"{path}: a dense model (no routed experts); there is no expert cache to place")
     tb = trunk_bytes(h.tensors, cfg, route)
-    arch = get_arch(cfg.arch)
+    arch = arch_of(cfg)
+    state = [arch.state_bytes(cfg, l) for l in range(cfg.n_layers)]
     return ModelSpec(cfg.n_layers, cfg.n_experts, cfg.n_experts_used,
                      [expert_bytes(h.tensors, i, route) for i in range(cfg.n_layers)],
-                     TrunkBytes(int(tb["embedding"]), int(tb["head"]), [int(x) for x in tb["layers"]]),
+                     TrunkBytes(int(tb["embedding"]), int(tb["head"]), [int(x) for x in tb["layers"]],
+                                trunk_pieces(h.tensors, cfg, route) if any(state) else []), state,
                      kv_token_bytes=[KV_ITEMSIZE * arch.kv_values(cfg, l) for l in range(cfg.n_layers)])
 
 
