@@ -285,6 +285,9 @@ def main() -> int:
 
     route = None if args.kernels == "auto" else args.kernels
     rows = bench_moeray(path, args.batch, args.prompt_tokens, args.decode_tokens, args.caches.split(","), route)
+    profile = None
+    if args.profile:  # before llama.cpp runs: the same pages in memory as moeray's rows saw
+        profile = profile_decode(path, args.prompt_tokens, args.decode_tokens, route)
     if not args.no_llama_cpp:
         rows += llama_cpp_in_child(path, threads, args.batch, args.prompt_tokens, args.decode_tokens)
     bandwidth = read_bandwidth_gb_s()
@@ -310,9 +313,7 @@ def main() -> int:
         bound = f"{r['bandwidth_bound_tok_s']:.0f}" if "bandwidth_bound_tok_s" in r else "-"
         print(f"{r['engine']:<10} {r['route']:>8} {r['cache']:>6} {r['batch']:>5} {r['prefill_tok_s']:>14.1f} "
               f"{r['decode_tok_s']:>13.1f} {px:>10} {dx:>9} {mb:>9} {bound:>12}")
-    profile = None
-    if args.profile:
-        profile = profile_decode(path, args.prompt_tokens, args.decode_tokens, route)
+    if profile is not None:
         print(f"where a decode token's time goes (batch 1, host path): {profile['ms_per_token']:.1f} ms/token")
         for part, ms in sorted(profile["parts"].items(), key=lambda kv: -kv[1]):
             print(f"  {part:<52} {ms:7.2f} ms  {100 * ms / profile['ms_per_token']:5.1f}%")
