@@ -51,8 +51,8 @@ class ExpertCache:
         if layout not in LAYOUTS:
             raise ValueError(f"slot layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
         cfg = host.gguf.config
-        if not cfg.is_moe:
-            raise ProfileError(f"{host.gguf.path}: a dense model has no routed experts to cache")
+        if not any(cfg.is_moe_layer(l) for l in range(first, end)):
+            raise ProfileError(f"{host.gguf.path}: layers {first}-{end - 1} are dense (no routed experts to cache)")
         self.host, self.first, self.end = host, first, end
         self.config = cfg
         self.device = torch.device(device)
@@ -113,12 +113,15 @@ class ExpertCache:
 
         cfg = self.config
         profile.check_model(cfg.n_layers, cfg.n_experts)
+        profile = profile.for_layers(cfg.moe_layers)  # a dense layer has no pairs
         full = [0] * cfg.n_layers     # the planner indexes blob sizes by absolute layer
         if self.slots.per_layer:
             for l in range(self.first, self.end):
                 full[l] = self.held_bytes[l - self.first]
             pairs: list[tuple[int, int]] = []
             for l in range(self.first, self.end):
+                if not full[l]:
+                    continue  # dense: no slots
                 pairs += fill_stage(self.slots.quota * full[l], l, l + 1, profile, full)
             rank = {p: r for r, p in enumerate(profile.pairs)}
             pairs.sort(key=rank.__getitem__)

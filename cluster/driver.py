@@ -521,7 +521,7 @@ def held_spec(header, kv_bytes_per_layer: int | list[int] = 0, route: str | None
     figure for every layer, or a list (kv_bytes_by_layer) where the layers' KV differ.
     """
     from moeray.planner.spec import ModelSpec, TrunkBytes
-    from moeray.stages.gguf_file import expert_bytes, trunk_bytes
+    from moeray.stages.gguf_file import expert_bytes, trunk_bytes, trunk_pieces
     from moeray.stages.qmatmul import current_route
 
     route = route or current_route()
@@ -530,8 +530,11 @@ def held_spec(header, kv_bytes_per_layer: int | list[int] = 0, route: str | None
     kv = kv_bytes_per_layer if isinstance(kv_bytes_per_layer, list) else [kv_bytes_per_layer] * cfg.n_layers
     layers = [k + n for k, n in zip(kv, t["layers"])]
     experts = [expert_bytes(header.tensors, l, route) for l in range(cfg.n_layers)]
+    pieces = []  # a hybrid model's layers are offered in pieces: dnproj, attn, ..., and its KV + sequence states
+    if any(state_bytes_by_layer(cfg, 1)):
+        pieces = [dict(p, **{"kv+state": k}) if k else p for p, k in zip(trunk_pieces(header.tensors, cfg, route), kv)]
     return ModelSpec(cfg.n_layers, cfg.n_experts, cfg.n_experts_used, experts,
-                     TrunkBytes(t["embedding"], t["head"], layers))
+                     TrunkBytes(t["embedding"], t["head"], layers, pieces))
 
 
 def plan_from_reports(header, reports: list[ProbeReport], opts: LaunchOptions, engine: EngineConfig,

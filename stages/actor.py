@@ -338,7 +338,7 @@ class StageActor:
         trunk = stage_trunk_bytes(gguf, first, end)
         self.memory.charge(trunk if trunk_on_card is None else trunk_on_card, f"trunk of layers {first}-{end - 1}")
         experts, cache = HostExperts(gguf), None
-        if cfg.is_moe:
+        if any(cfg.is_moe_layer(l) for l in range(first, end)):  # a range of dense layers caches nothing
             from moeray.cache.attach import build_cache
 
             cache = build_cache(experts, first, end, self.device.torch_device, self.memory.free, profile,

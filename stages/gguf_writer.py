@@ -191,9 +191,10 @@ def _add_metadata(w: gguf.GGUFWriter, config: Any, arch, file_type: gguf.LlamaFi
     w.add_embedding_length(config.hidden_size)
     w.add_feed_forward_length(int(getattr(config, "intermediate_size", 0) or 0))
     w.add_head_count(config.num_attention_heads)
-    w.add_head_count_kv(config.num_key_value_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
+    n_kv, key_length, value_length = arch.hf_heads(config, head_dim)
+    w.add_head_count_kv(n_kv)
+    w.add_key_length(key_length)
+    w.add_value_length(value_length)
     w.add_rope_dimension_count(arch.hf_rope_dim(config, head_dim))
     _add_rope(w, config)
     w.add_layer_norm_rms_eps(float(config.rms_norm_eps))
@@ -256,7 +257,8 @@ def write_gguf(model: Any, path: str | Path, file_type: str = "F32", tokenizer: 
     arch = by_hf_class(config)
     weight_type, ftype = FILE_TYPES[file_type]
     tensors = gguf_tensors_from_hf(model.state_dict(), config)
-    _check_layers(tensors, config, arch.name)
+    _check_layers(tensors, config, arch)
+    tensors.update(arch.hf_extra_tensors(config, tensors))
 
     path = Path(path)
     w = gguf.GGUFWriter(path, arch.name)
@@ -289,13 +291,15 @@ def _ordered(tensors: dict[str, np.ndarray]) -> list[str]:
     return sorted(tensors, key=key)
 
 
-def _check_layers(tensors: dict[str, np.ndarray], config: Any, arch: str) -> None:
-    """Refuse models whose layers are not all alike (e.g. qwen2moe mlp_only_layers)."""
+def _check_layers(tensors: dict[str, np.ndarray], config: Any, arch) -> None:
+    """Refuse models whose layers are not what the architecture says (e.g. qwen2moe
+    mlp_only_layers: llama.cpp's qwen2moe has no dense layers; DeepSeek's leading ones are fine)."""
     moe = _n_experts(config) > 0
+    dense = arch.hf_dense_layers(config)
     for i in range(config.num_hidden_layers):
-        kind = f"blk.{i}.ffn_gate_exps.weight" if moe else f"blk.{i}.ffn_gate.weight"
+        kind = f"blk.{i}.ffn_gate_exps.weight" if moe and i not in dense else f"blk.{i}.ffn_gate.weight"
         if kind not in tensors:
-            raise ValueError(f"layer {i} of this {arch} model has no {kind.split('.', 2)[2]}: "
+            raise ValueError(f"layer {i} of this {arch.name} model has no {kind.split('.', 2)[2]}: "
                              "models that mix dense and MoE layers are not written")
 
 
