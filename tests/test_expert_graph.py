@@ -161,3 +161,13 @@ def test_a_tokens_experts_do_not_depend_on_its_batch(gguf):
     ids, w = routed(9, cfg.n_experts, cfg.n_experts_used, seed=2)
     batch = host.forward(4, x, ids, w)
     assert torch.equal(batch, torch.cat([host.forward(4, x[i:i + 1], ids[i:i + 1], w[i:i + 1]) for i in range(9)]))
+
+
+def test_a_layer_without_experts_has_no_stack_and_no_slots(smollm2_dense_path):
+    """COORD item 3: a dense FFN layer (here every layer of the dense SmolLM2) gets no stacked
+    experts and a slot store covers only layers that have experts."""
+    from moeray.cache.slot_store import SlotStore
+
+    host = HostExperts(GGUFFile(smollm2_dense_path), "ggml")
+    assert host.stack(0) is None
+    assert SlotStore.for_host(host, 0, 2, 4, [1, 1], torch.device("cpu")) is None
