@@ -69,21 +69,27 @@ class MLAttention(torch.nn.Module):
         else:
             cache[0].index_copy_(0, meta.write_rows, entry)
         keys = _read(cache, meta)  # [B, 1, keys_max, C + R]
-        values = keys[..., :C]
+        values = keys[..., :C]  # the latent is the value
         query = query.to(cache.dtype)
 
-        B = len(meta.n_new)
-        if meta.t_max == 1:
-            qp = query.view(B, 1, nh, C + R).transpose(1, 2)
+        # Every query head reads the same single key head, so the heads are laid out as more query
+        # rows of one head ([B, 1, T * heads, C + R], row t * heads + h): one plain attention over
+        # the cached rows as stored (SDPA's enable_gqa would expand the cache to every head: 10x slower).
+        B, T = len(meta.n_new), meta.t_max
+        if T == 1:
+            qp = query.view(B, 1, nh, C + R)
+            mask = meta.mask  # [B, 1, 1, keys]: the same for every head
         else:
-            qp = query.new_zeros(B, meta.t_max, nh, C + R)
+            qp = query.new_zeros(B, T, nh, C + R)
             qp[meta.seq_of_token, meta.off_of_token] = query
-            qp = qp.transpose(1, 2)
-        out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=meta.mask,
-                                             is_causal=meta.mask is None and meta.t_max > 1,
-                                             scale=self.scale, enable_gqa=True)  # [B, heads, T, C]
-        out = out.transpose(1, 2)
-        out = out.reshape(N, nh, C) if meta.t_max == 1 else out[meta.seq_of_token, meta.off_of_token]
+            qp = qp.view(B, 1, T * nh, C + R)
+            mask = meta.mask
+            if mask is None:  # one fresh sequence: causal
+                mask = torch.ones(T, meta.keys_max, dtype=torch.bool, device=x.device).tril(meta.keys_max - T)
+            mask = mask.repeat_interleave(nh, dim=-2)
+        out = F.scaled_dot_product_attention(qp, keys, values, attn_mask=mask, scale=self.scale)  # [B, 1, T * heads, C]
+        out = out.view(B, T, nh, C)
+        out = out.view(N, nh, C) if T == 1 else out[meta.seq_of_token, meta.off_of_token]
         v_b = self.w_v_b.dequantize().view(nh, -1, C)
         o = torch.einsum("nhc,hvc->nhv", out.float(), v_b)  # back out of latent space, per head
         return self.w_o(o.reshape(N, -1))

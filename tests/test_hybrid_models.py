@@ -62,6 +62,17 @@ def test_file_is_laid_out_as_llama_cpp_writes_it(files, name):
     assert g.config.rope_dim == 8 and g.config.deltanet.v_order == ("tiled" if name == "qwen35moe" else "grouped")
 
 
+def test_mtp_blocks_counted_in_block_count_are_not_layers(files):
+    """llama.cpp's converter adds the multi-token-prediction blocks to block_count and writes
+    nextn_predict_layers; the trunk is the layers before them."""
+    from moeray.stages.arch import config_from_metadata
+
+    g = GGUFFile(files["qwen3next"][1])
+    meta = dict(g.metadata, **{"qwen3next.block_count": 5, "qwen3next.nextn_predict_layers": 1})
+    cfg = config_from_metadata(meta, {n: t.shape for n, t in g.tensors.items()})
+    assert cfg.n_layers == 4 and cfg.recurrent == (True, True, True, False)
+
+
 @pytest.mark.parametrize("name", list(HYBRID_BUILDERS))
 def test_logits_match_transformers_exact_route(files, name):
     model, path, _ = files[name]
