@@ -3,7 +3,12 @@ batch 1 and 16, and of llama.cpp (llama-cpp-python, when installed) on the same 
 thread count in the same run, with the ratio, the weight bytes a decode token reads and the tok/s
 the machine's measured read bandwidth allows for them.
 
-    python bench/decode.py [--model X.gguf] [--threads 2] [--batch 1 16] [--kernels auto] [--json out.json]
+    python bench/decode.py [--model X.gguf | --shape qwen3-30b-a3b] [--threads 2] [--batch 1 16]
+                           [--kernels auto] [--json out.json]
+
+--shape writes (once, into the cache dir) a GGUF of a real model's exact shape with random valid
+Q4_K blocks (bench/shapes.py: qwen3-30b-a3b, 16 GiB; qwen1.5-moe-a2.7b) and runs both engines on it,
+every expert on the host path (cache 0: a copy of every expert would not fit beside the mapping).
 
 Greedy decoding with end tokens ignored, so every run decodes exactly --decode-tokens per sequence.
 Decode tokens/s at batch B counts all B sequences' tokens.
@@ -19,6 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/shapes.py
 
 
 def prompt_ids(tokenizer, n_tokens: int, index: int) -> list[int]:
@@ -98,16 +104,72 @@ def bench_moeray(path: str, batch_sizes, n_prompt: int, n_decode: int, caches=("
     return rows
 
 
+def profile_decode(path: str, n_prompt: int, n_decode: int, route: str | None = None) -> dict:
+    """Where a decode token's time goes at batch 1, every expert on the host path: wall time of
+    each part of the stage's step (timers around the model's own methods), ms per token."""
+    import torch
+
+    from moeray.stages import layers, model as model_mod, moe
+    from moeray.stages.model import load_model
+    from moeray.stages.tokenizer import Tokenizer
+
+    model = load_model(path, route=route)
+    spent: dict[str, float] = {}
+
+    def timed(owner, name, part):
+        real = getattr(owner, name)
+
+        def wrapper(*a, **kw):
+            t = time.perf_counter()
+            try:
+                return real(*a, **kw)
+            finally:
+                spent[part] = spent.get(part, 0.0) + time.perf_counter() - t
+        setattr(owner, name, wrapper)
+        return owner, name, real
+
+    patches = [timed(layers.Attention, "forward", "attention (qkv, rope, kv write, sdpa, out proj)"),
+               timed(moe.MoEBlock, "route", "router + top-k"),
+               timed(type(model.experts), "forward", "routed experts"),
+               timed(model_mod, "rms_norm", "norms"),
+               timed(model_mod.StageModel, "head", "final norm + lm head"),
+               timed(model_mod.StageModel, "embed", "embedding"),
+               timed(model_mod.StageModel, "batch_meta", "batch metadata")]
+    try:
+        ids = prompt_ids(Tokenizer.from_gguf(path), n_prompt, 0)
+        kv = model.new_kv_cache(1, n_prompt + n_decode + 8)
+        logits = model.step([ids], [0], kv)
+        spent.clear()
+        t0 = time.perf_counter()
+        for _ in range(n_decode):
+            logits = model.step([[int(logits[0].argmax())]], [0], kv)
+        total = time.perf_counter() - t0
+    finally:
+        for owner, name, real in patches:
+            setattr(owner, name, real)
+    # The MoE block's own time holds the experts and the router: count each once.
+    parts = {k: 1e3 * v / n_decode for k, v in spent.items()}
+    parts["other (residual adds, python)"] = 1e3 * total / n_decode - sum(parts.values())
+    return {"ms_per_token": 1e3 * total / n_decode, "parts": parts, "threads": torch.get_num_threads()}
+
+
 def _quiet(level, text, user_data):  # llama.cpp logs every context it makes; the table is the output
     pass
 
 
-try:
-    import llama_cpp as _L
+def llama_cpp_in_child(path: str, threads: int, batch_sizes, n_prompt: int, n_decode: int) -> list[dict]:
+    """bench_llama_cpp in a child process: llama-cpp-python brings its own libggml, and one mapped
+    beside ggml-python's would turn moeray's kernels off in this process (stages/ggml_lib.py)."""
+    import subprocess
 
-    _QUIET_LLAMA_LOG = _L.llama_log_callback(_quiet)  # kept referenced: C holds the pointer
-except ImportError:
-    _QUIET_LLAMA_LOG = None
+    cmd = [sys.executable, __file__, "--llama-cpp-child", "--model", path, "--threads", str(threads),
+           "--prompt-tokens", str(n_prompt), "--decode-tokens", str(n_decode),
+           "--batch", *map(str, batch_sizes)]
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        print(f"llama.cpp: the child failed: {out.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
+        return []
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def bench_llama_cpp(path: str, threads: int, batch_sizes, n_prompt: int, n_decode: int) -> list[dict]:
@@ -125,7 +187,8 @@ def bench_llama_cpp(path: str, threads: int, batch_sizes, n_prompt: int, n_decod
     from moeray.stages.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_gguf(path)
-    L.llama_log_set(_QUIET_LLAMA_LOG, ctypes.c_void_p())
+    quiet = L.llama_log_callback(_quiet)  # kept referenced while C holds the pointer
+    L.llama_log_set(quiet, ctypes.c_void_p())
     L.llama_backend_init()
     mparams = L.llama_model_default_params()
     model = L.llama_model_load_from_file(path.encode(), mparams)
@@ -182,6 +245,8 @@ def bench_llama_cpp(path: str, threads: int, batch_sizes, n_prompt: int, n_decod
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="GGUF file (default: the embedded default model)")
+    ap.add_argument("--shape", help="a real model's shape with random blocks (bench/shapes.py): "
+                                    "qwen3-30b-a3b, qwen1.5-moe-a2.7b")
     ap.add_argument("--threads", type=int, default=2, help="CPU threads for both engines (default 2)")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--decode-tokens", type=int, default=32)
@@ -192,13 +257,26 @@ def main() -> int:
                     help="moeray's matmul route (auto: ggml when installed)")
     ap.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp reference")
     ap.add_argument("--json", help="also write the results here")
+    ap.add_argument("--profile", action="store_true",
+                    help="also print where a batch-1 decode token's time goes (moeray, host path)")
+    ap.add_argument("--llama-cpp-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.llama_cpp_child:  # the reference alone, rows as one JSON line (see llama_cpp_in_child)
+        print(json.dumps(bench_llama_cpp(args.model, args.threads, args.batch, args.prompt_tokens,
+                                         args.decode_tokens)))
+        return 0
 
     import torch
 
     torch.set_num_threads(args.threads)
     threads = torch.get_num_threads()
-    if args.model:
+    if args.shape:
+        from shapes import write_shape
+
+        path = str(write_shape(args.shape))
+        if args.caches == ap.get_default("caches"):
+            args.caches = "0"
+    elif args.model:
         path = args.model
     else:
         from moeray.stages.default_model import default_model_path
@@ -207,8 +285,11 @@ def main() -> int:
 
     route = None if args.kernels == "auto" else args.kernels
     rows = bench_moeray(path, args.batch, args.prompt_tokens, args.decode_tokens, args.caches.split(","), route)
+    profile = None
+    if args.profile:  # before llama.cpp runs: the same pages in memory as moeray's rows saw
+        profile = profile_decode(path, args.prompt_tokens, args.decode_tokens, route)
     if not args.no_llama_cpp:
-        rows += bench_llama_cpp(path, threads, args.batch, args.prompt_tokens, args.decode_tokens)
+        rows += llama_cpp_in_child(path, threads, args.batch, args.prompt_tokens, args.decode_tokens)
     bandwidth = read_bandwidth_gb_s()
     reference = {r["batch"]: r for r in rows if r["engine"] == "llama.cpp"}
     for r in rows:
@@ -232,13 +313,18 @@ def main() -> int:
         bound = f"{r['bandwidth_bound_tok_s']:.0f}" if "bandwidth_bound_tok_s" in r else "-"
         print(f"{r['engine']:<10} {r['route']:>8} {r['cache']:>6} {r['batch']:>5} {r['prefill_tok_s']:>14.1f} "
               f"{r['decode_tok_s']:>13.1f} {px:>10} {dx:>9} {mb:>9} {bound:>12}")
+    if profile is not None:
+        print(f"where a decode token's time goes (batch 1, host path): {profile['ms_per_token']:.1f} ms/token")
+        for part, ms in sorted(profile["parts"].items(), key=lambda kv: -kv[1]):
+            print(f"  {part:<52} {ms:7.2f} ms  {100 * ms / profile['ms_per_token']:5.1f}%")
     if not reference and not args.no_llama_cpp:
         print("llama.cpp: not measured (pip install llama-cpp-python, i.e. the `llamacpp` extra)")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": path, "threads": threads, "cpu_count": os.cpu_count(),
                                                "read_bandwidth_gb_s": bandwidth,
                                                "prompt_tokens": args.prompt_tokens,
-                                               "decode_tokens": args.decode_tokens, "rows": rows}, indent=2))
+                                               "decode_tokens": args.decode_tokens, "rows": rows,
+                                               "profile": profile, "load_avg": os.getloadavg()}, indent=2))
     return 0
 
 

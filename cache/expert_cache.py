@@ -17,10 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from moeray.cache.budget import ByteBudget
 from moeray.cache.residency import CacheCore, Slots
+from moeray.cache.slot_store import SlotStore
 from moeray.errors import ProfileError
 
 LAYOUTS = ("global", "per-layer")
@@ -49,8 +51,8 @@ class ExpertCache:
         if layout not in LAYOUTS:
             raise ValueError(f"slot layout {layout!r}: choose one of {', '.join(LAYOUTS)}")
         cfg = host.gguf.config
-        if not cfg.is_moe:
-            raise ProfileError(f"{host.gguf.path}: a dense model has no routed experts to cache")
+        if not any(cfg.is_moe_layer(l) for l in range(first, end)):
+            raise ProfileError(f"{host.gguf.path}: layers {first}-{end - 1} are dense (no routed experts to cache)")
         self.host, self.first, self.end = host, first, end
         self.config = cfg
         self.device = torch.device(device)
@@ -71,6 +73,9 @@ class ExpertCache:
             slots = Slots(False, 0, n_uniform)
         self.slots = slots
         self._weights: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        # On the host's ggml route the slots are rows of one buffer (a hit is an index into it,
+        # read by the same mul_mat_id graph as the mapping); elsewhere each slot holds an object.
+        self.slot_store = SlotStore.for_host(host, first, end, slots.n_slots, self.held_bytes, self.device)
         self.core = CacheCore(first, end, cfg.n_experts, self.held_bytes, slots, budget, policy,
                               copies_per_step=copies_per_step, swap_every=swap_every,
                               decay_every=decay_every, on_load=self._load, on_unload=self._unload)
@@ -85,13 +90,20 @@ class ExpertCache:
 
     # -- slots -----------------------------------------------------------------------------------
     def _load(self, layer: int, expert: int, slot: int) -> None:
-        w = self.host.weights(layer, expert).to(self.device)  # owned copy, never a view of the mapping
-        if w.nbytes != self.held_bytes[layer - self.first]:
-            raise RuntimeError(f"slot of layer {layer} holds {w.nbytes} bytes, {self.held_bytes[layer - self.first]} charged")
-        self._weights[slot] = w
+        if self.slot_store is not None:
+            n = self.slot_store.load(layer, expert, slot)  # copied into the slot's row of the buffer
+        else:
+            w = self.host.weights(layer, expert).to(self.device)  # owned copy, never a view of the mapping
+            n = w.nbytes
+            self._weights[slot] = w
+        if n != self.held_bytes[layer - self.first]:
+            raise RuntimeError(f"slot of layer {layer} holds {n} bytes, {self.held_bytes[layer - self.first]} charged")
 
     def _unload(self, layer: int, expert: int, slot: int) -> None:
-        del self._weights[slot]
+        if self.slot_store is not None:
+            self.slot_store.unload(slot)
+        else:
+            del self._weights[slot]
 
     def fill(self, profile) -> int:
         """Fill the slots from `profile` (planner.profile.Profile) by the planner's stop rule:
@@ -101,12 +113,15 @@ class ExpertCache:
 
         cfg = self.config
         profile.check_model(cfg.n_layers, cfg.n_experts)
+        profile = profile.for_layers(cfg.moe_layers)  # a dense layer has no pairs
         full = [0] * cfg.n_layers     # the planner indexes blob sizes by absolute layer
         if self.slots.per_layer:
             for l in range(self.first, self.end):
                 full[l] = self.held_bytes[l - self.first]
             pairs: list[tuple[int, int]] = []
             for l in range(self.first, self.end):
+                if not full[l]:
+                    continue  # dense: no slots
                 pairs += fill_stage(self.slots.quota * full[l], l, l + 1, profile, full)
             rank = {p: r for r, p in enumerate(profile.pairs)}
             pairs.sort(key=rank.__getitem__)
@@ -117,6 +132,12 @@ class ExpertCache:
         n = self.core.fill(pairs)
         self.filled_pairs = pairs[:n]
         return n
+
+    def resident_bytes(self) -> int:
+        """Bytes the filled slots really hold (what was copied into them)."""
+        if self.slot_store is not None:
+            return sum(self.slot_store.held.values())
+        return sum(w.nbytes for w in self._weights.values())
 
     def slot_bytes(self, layer: int) -> int:
         """Bytes one slot of `layer` holds (as HostExperts.slot_bytes)."""
@@ -132,7 +153,13 @@ class ExpertCache:
         misses through the host."""
         ids = ids.detach().to("cpu")  # one copy to the host per layer, for the counters and the grouping
         self.on_route(layer, ids, weights)
-        return self.host.forward(layer, x, ids, weights, self._slot_weights)
+        if self.slot_store is None:
+            return self.host.forward(layer, x, ids, weights, self._slot_weights)
+        slot_of = self.core.slot_of[layer - self.first][ids.numpy()]  # [N, k]: -1 where a miss
+        hit_experts = np.unique(ids.numpy()[slot_of >= 0])
+        self.served_from_slot += len(hit_experts)
+        self.served_from_host += len(np.unique(ids.numpy())) - len(hit_experts)
+        return self.host.forward_stacks(layer, x, ids, weights, slot_of, self.slot_store.stack(layer))
 
     def _slot_weights(self, layer: int, expert: int):
         slot = self.core.lookup(layer, expert)

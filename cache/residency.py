@@ -7,8 +7,9 @@ measured in replay is the hit rate the real cache would count on the same routin
 
 Slots. A stage covers layers [first, end). Two layouts:
   global     n_slots slots of the largest blob, shared by all layers; slot s holds any pair.
-  per-layer  every layer gets the same quota q of slots at its own blob size; layer l's slots
-             are (l - first)·q + n, n < q, so a slot never holds another layer's blob.
+  per-layer  every MoE layer gets the same quota q of slots at its own blob size; layer l's
+             slots are j·q + n, n < q, j its index among the stage's MoE layers, so a slot never
+             holds another layer's blob. A dense layer of an MoE model (blob 0) has no slots.
 Every admission charges the `ByteBudget` the slot's held bytes first (it raises rather than
 overrun) and every eviction releases them.
 
@@ -73,7 +74,9 @@ class CacheCore:
         self.pair_of: dict[int, tuple[int, int]] = {}
         self.slot_bytes: dict[int, int] = {}
         if slots.per_layer:
-            self._free = [list(range((i + 1) * slots.quota - 1, i * slots.quota - 1, -1)) for i in range(nl)]
+            moe_index = np.cumsum([b > 0 for b in self.blob_bytes]) - 1
+            self._free = [list(range((j + 1) * slots.quota - 1, j * slots.quota - 1, -1)) if b > 0 else []
+                          for j, b in zip(moe_index, self.blob_bytes)]
         else:
             self._free = [list(range(slots.n_slots - 1, -1, -1))]
         self.lookups = np.zeros(nl, dtype=np.int64)
@@ -101,7 +104,8 @@ class CacheCore:
         return None if s < 0 else s
 
     def has_room(self, layer: int) -> bool:
-        return bool(self._free_list(layer)) and self.budget.fits(self.blob_bytes[layer - self.first])
+        n_bytes = self.blob_bytes[layer - self.first]
+        return n_bytes > 0 and bool(self._free_list(layer)) and self.budget.fits(n_bytes)
 
     def admit(self, layer: int, expert: int) -> int:
         """Put (layer, expert) in a free slot; charges the budget first (raises if it would overrun)."""
@@ -139,12 +143,15 @@ class CacheCore:
     def fill(self, pairs: Iterable[tuple[int, int]]) -> int:
         """Admit `pairs` in order (the planner's fill decides them); returns how many were admitted.
 
-        A pair of a layer outside this stage is skipped; the walk stops at the first pair that
-        has no room, which is the planner's stop rule (the planner's fill never offers one).
+        A pair of a layer outside this stage, or of a dense layer (no experts), is skipped; the
+        walk stops at the first pair that has no room, which is the planner's stop rule (the
+        planner's fill never offers one).
         """
         n = 0
         for layer, expert in pairs:
             if not (self.first <= layer < self.end) or self.lookup(layer, expert) is not None:
+                continue
+            if self.blob_bytes[layer - self.first] == 0:
                 continue
             if not self.has_room(layer):
                 break

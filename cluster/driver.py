@@ -16,6 +16,7 @@ the wired stages, is here too: the driver owns the stages, the engine only calls
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -26,6 +27,22 @@ from moeray.stages.actor import LoadReport, ProbeReport, StageStats, StepBatch
 
 DEVICE_RESOURCE = "moeray_device"  # declare it on nodes (ray start --resources) to stand in for GPUs
 SIM_CPU = 0.01  # what a simulated stage reserves: stages must not hold whole cores (2-core hosts)
+
+
+class NodeLostError(StageFailedError):
+    """Stages died with their node: the devices they were planned on left the cluster."""
+
+    def __init__(self, message: str, nodes: list[str]):
+        super().__init__(message)
+        self.nodes = nodes
+
+
+def dead_nodes(node_ids) -> set[str]:
+    """Those of `node_ids` that Ray's GCS no longer counts as alive."""
+    import ray
+
+    alive = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
+    return {n for n in node_ids if n and not alive.get(n, False)}
 
 
 def ensure_ray(address: str | None = None) -> None:
@@ -194,12 +211,29 @@ class StageGroup:
             pass
         return ok
 
+    def node_of(self, i: int) -> str:
+        return self.reports[i].device.node_id if i < len(self.reports) else ""
+
+    def lost(self, stages: list[int]) -> NodeLostError | None:
+        """A NodeLostError naming the nodes of `stages` that left the cluster, or None."""
+        gone = dead_nodes({self.node_of(i) for i in stages})
+        if not gone:
+            return None
+        which = [i for i in stages if self.node_of(i) in gone]
+        nodes = ", ".join(f"{n[:12]} ({self.reports[which[0]].device.node_ip})" for n in sorted(gone))
+        return NodeLostError(f"node {nodes} left the cluster with stage{'s' if len(which) > 1 else ''} "
+                             f"{', '.join(map(str, which))} ({', '.join(self.where(i) for i in which)})", sorted(gone))
+
     def recover(self) -> list[int]:
         """Restart every stage that died or hung (same bundle, same layers), then re-form the
-        process group among all stages. Returns the restarted stages."""
+        process group among all stages. Returns the restarted stages. NodeLostError when a dead
+        stage's node has left the cluster (before or while its replacement waits for a place):
+        its bundle's device is gone with it, and only a re-plan on what is left can serve."""
         import ray
 
         dead = [i for i, ok in enumerate(self.alive()) if not ok]
+        if (lost := self.lost(dead)) is not None:
+            raise lost
         for i in dead:
             try:
                 ray.kill(self.actors[i], no_restart=True)
@@ -208,11 +242,31 @@ class StageGroup:
             self.actors[i] = self._spawn(i)
         self.hung.clear()
         if dead:
-            gather([self.actors[i].ping.remote() for i in dead], self.timeout_s, "restart", dead)
+            self._await_restart(dead)
             if self.load_args:
                 gather([self.actors[i].load.remote(*self.load_args[i]) for i in dead], self.timeout_s, "reload", dead)
         self.connect()
         return dead
+
+    def _await_restart(self, dead: list[int]) -> None:
+        """The restarted stages answer a ping; while they wait for a place, their old nodes are
+        watched: Ray may take seconds to declare a crashed node dead, and a bundle whose node left
+        waits for a device that is never coming back."""
+        import ray
+
+        refs = [self.actors[i].ping.remote() for i in dead]
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0)
+            if len(ready) == len(refs):
+                gather(refs, 1.0, "restart", dead)
+                return
+            if (lost := self.lost(dead)) is not None:
+                for i in dead:
+                    ray.kill(self.actors[i], no_restart=True)
+                raise lost
+            if time.monotonic() > deadline:
+                gather(refs, 0.0, "restart", dead)  # raises, naming the late stages
 
     def link_check(self, rows: int, hidden: int, reps: int = 50) -> dict[str, Any]:
         out = gather([a.link_check.remote(rows, hidden, reps) for a in self.actors], self.timeout_s, "link check")
@@ -249,9 +303,120 @@ class Launched:
     lines: list[str]
     engine: EngineConfig = field(default_factory=EngineConfig)  # as launched: max_len and kv_blocks resolved
     kv: Any = None  # planner.kv.KVPlan
+    # What a re-plan needs: the options and engine config as asked, the model's header, the log.
+    opts: LaunchOptions | None = None
+    requested: EngineConfig | None = None
+    header: Any = None
+    log: Any = None
+    events: list[dict] = field(default_factory=list)  # faults and what was done about them, oldest first
+    faults: dict = field(default_factory=lambda: {"stage_failures": 0, "restarts": 0, "nodes_lost": 0,
+                                                  "replans": 0, "last_recovery_s": 0.0})
+    down: str | None = None  # why nothing serves now (what is left cannot hold the model)
+    down_devices: int = -1  # the devices there were when that was found: retried when they change
+    lost_cause: str = ""  # the node loss that started it
 
     def pipeline(self) -> "RayPipeline":
-        return RayPipeline(self.group)
+        return RayPipeline(self.group, self)
+
+    # ------------------------------------------------------------ faults
+
+    def _event(self, kind: str, detail: str, t0: float | None = None) -> None:
+        ev = {"at": time.time(), "event": kind, "detail": detail}
+        if t0 is not None:
+            ev["seconds"] = round(time.monotonic() - t0, 2)
+        self.events.append(ev)
+        del self.events[:-50]
+
+    def _say(self, line: str) -> None:
+        if self.log is not None:
+            self.log(line)
+
+    def recover(self, cause: str = "") -> None:
+        """After a failed step: restart dead stages in place; when their node left the cluster,
+        re-plan on the devices that are left (probe, plan, load, wire: a new split, caches filled
+        again, KV pools sized anew). PlacementError when what is left cannot hold the model; the
+        next call tries again (a node may have come back)."""
+        t0 = time.monotonic()
+        if self.down is None:  # a retry while nothing serves is not another failure
+            self.faults["stage_failures"] += 1
+            try:
+                restarted = self.group.recover()
+                if restarted:
+                    self.faults["restarts"] += len(restarted)
+                    self.faults["last_recovery_s"] = round(time.monotonic() - t0, 2)
+                    self._event("restarted", f"stage(s) {', '.join(map(str, restarted))} restarted in place"
+                                + (f" after: {cause}" if cause else ""), t0)
+                return
+            except NodeLostError as lost:
+                self.faults["nodes_lost"] += len(lost.nodes)
+                self._event("node lost", str(lost))
+                self._say(f"moeray: {lost}; re-planning on the devices left")
+                self.lost_cause = cause = str(lost)
+        elif self.devices_left()[0] == self.down_devices:
+            raise PlacementError(self.down)  # nothing joined since: the same answer, no probing
+        self.replan(cause or self.lost_cause or "a stage failure", t0)
+
+    def devices_left(self) -> tuple[int, list[int] | None]:
+        """(stages the cluster can hold now, their simulated budgets): one per device left, at most
+        as many as were asked for; simulated budgets of the stages still alive first."""
+        import ray
+
+        opts, actor = self.opts, self.group._actor_opts
+        have = ray.cluster_resources()
+        if "num_gpus" in actor:
+            total = int(have.get("GPU", 0) / actor["num_gpus"] + 1e-6)
+        elif "resources" in actor:
+            total = int(have.get(DEVICE_RESOURCE, 0) + 1e-6)
+        else:  # CPU-simulated stages: any node takes one
+            total = opts.n_stages
+        n = min(opts.n_stages, total)
+        if opts.simulate is None:
+            return n, None
+        gone = dead_nodes({r.device.node_id for r in self.reports})
+        alive = [i for i, r in enumerate(self.reports) if r.device.node_id not in gone]
+        order = alive + [i for i in range(len(opts.simulate)) if i not in alive]
+        return n, [opts.simulate[i] for i in order][:n]
+
+    def replan(self, cause: str, t0: float | None = None) -> None:
+        t0 = time.monotonic() if t0 is None else t0
+        self.group.shutdown()
+        self.down, n = None, 0
+        try:
+            n, budgets = self.devices_left()
+            if n < 1:
+                raise PlacementError("no device is left in the cluster for a stage")
+            opts = replace(self.opts, n_stages=n, simulate=budgets, split="auto")
+            group = StageGroup(n, budgets, opts.strategy, opts.torch_threads, opts.timeout_s,
+                               None if opts.kernels == "auto" else opts.kernels, opts.gpus_per_stage)
+            lines: list[str] = []
+
+            def say(line: str) -> None:
+                lines.append(line)
+                self._say(line)
+
+            say(f"re-plan on the devices left ({n} stage{'s' if n > 1 else ''}) after: {cause}")
+            group.start()
+            try:
+                reports, plan, ranges, handoff_ms, kv = bring_up(group, self.header, self.path, opts,
+                                                                 self.requested, say)
+            except BaseException:
+                group.shutdown()
+                raise
+        except MoerayError as exc:
+            self.down, self.down_devices = f"cannot serve: {exc} (after: {cause})", n
+            self._event("cannot serve", self.down, t0)
+            self._say(f"moeray: {self.down}")
+            raise PlacementError(self.down) from None
+        self.group, self.reports, self.plan, self.ranges, self.handoff_ms, self.kv = (
+            group, reports, plan, ranges, handoff_ms, kv)
+        self.lines = lines
+        self.engine = replace(self.requested, max_len=kv.context, kv_blocks=kv.blocks)
+        self.faults["replans"] += 1
+        self.faults["last_recovery_s"] = round(time.monotonic() - t0, 2)
+        split = ", ".join(f"{a}-{b - 1}" for a, b in ranges)
+        self._event("re-planned", f"{n} stage(s), layers {split}, {kv.blocks} KV blocks", t0)
+        self._say(f"moeray: serving again on {n} stage(s) (layers {split}, {kv.blocks} KV blocks) "
+                  f"{time.monotonic() - t0:.1f} s after the fault")
 
     def stage_stats(self, timeout_s: float | None = None) -> list[StageStats]:
         stats = gather([a.stats.remote() for a in self.group.actors], timeout_s or self.group.timeout_s, "stats")
@@ -356,7 +521,7 @@ def held_spec(header, kv_bytes_per_layer: int | list[int] = 0, route: str | None
     figure for every layer, or a list (kv_bytes_by_layer) where the layers' KV differ.
     """
     from moeray.planner.spec import ModelSpec, TrunkBytes
-    from moeray.stages.gguf_file import expert_bytes, trunk_bytes
+    from moeray.stages.gguf_file import expert_bytes, trunk_bytes, trunk_pieces
     from moeray.stages.qmatmul import current_route
 
     route = route or current_route()
@@ -365,8 +530,11 @@ def held_spec(header, kv_bytes_per_layer: int | list[int] = 0, route: str | None
     kv = kv_bytes_per_layer if isinstance(kv_bytes_per_layer, list) else [kv_bytes_per_layer] * cfg.n_layers
     layers = [k + n for k, n in zip(kv, t["layers"])]
     experts = [expert_bytes(header.tensors, l, route) for l in range(cfg.n_layers)]
+    pieces = []  # a hybrid model's layers are offered in pieces: dnproj, attn, ..., and its KV + sequence states
+    if any(state_bytes_by_layer(cfg, 1)):
+        pieces = [dict(p, **{"kv+state": k}) if k else p for p, k in zip(trunk_pieces(header.tensors, cfg, route), kv)]
     return ModelSpec(cfg.n_layers, cfg.n_experts, cfg.n_experts_used, experts,
-                     TrunkBytes(t["embedding"], t["head"], layers))
+                     TrunkBytes(t["embedding"], t["head"], layers, pieces))
 
 
 def plan_from_reports(header, reports: list[ProbeReport], opts: LaunchOptions, engine: EngineConfig,
@@ -496,32 +664,39 @@ def launch(path: str, opts: LaunchOptions = LaunchOptions(), engine: EngineConfi
                        None if opts.kernels == "auto" else opts.kernels, opts.gpus_per_stage)
     group.start()
     try:
-        reports = group.probe(path)
-        for r in reports:
-            say(_probe_line(r))
-        group.connect()
-        hop = group.link_check(1, header.config.hidden, reps=20)
-        handoff_ms = hop["ms_per_pass"] / max(1, opts.n_stages - 1)
-        say(f"stage links: {handoff_ms:.3f} ms per hop for a decode activation (measured)")
-        plan, ranges, plan_lines, kv = plan_from_reports(header, reports, opts, engine, handoff_ms)
-        for line in plan_lines:
-            say(line)
-        # The plan's trunk includes its layers' KV pool and sequence states (see held_spec); the
-        # actor charges those itself.
-        state = state_bytes_by_layer(header.config, engine.max_seqs)
-        trunk_on_card = ([int(s.trunk_bytes) - kv_bytes - sum(state[a:b])
-                          for s, kv_bytes, (a, b) in zip(plan.stages, kv.stage_bytes, ranges)]
-                         if plan is not None else [0] * len(ranges))
-        group.load(path, ranges, kv.blocks, lambda i, rep: say(_load_line(rep)),
-                   trunk_on_card, opts.profile, opts.cache_policy, engine.max_seqs)
-        if opts.record_routing:
-            group.record_routing(opts.record_routing)
-            say(f"recording every stage's routing to {opts.record_routing}/stage<i>.trace")
+        reports, plan, ranges, handoff_ms, kv = bring_up(group, header, path, opts, engine, say)
     except BaseException:
         group.shutdown()
         raise
     return Launched(path, group, reports, plan, ranges, handoff_ms, lines,
-                    replace(engine, max_len=kv.context, kv_blocks=kv.blocks), kv)
+                    replace(engine, max_len=kv.context, kv_blocks=kv.blocks), kv,
+                    opts=opts, requested=engine, header=header, log=log)
+
+
+def bring_up(group: StageGroup, header, path: str, opts: LaunchOptions, engine: EngineConfig, say):
+    """Probe, plan, load and wire a started group: (reports, plan, ranges, handoff_ms, kv)."""
+    reports = group.probe(path)
+    for r in reports:
+        say(_probe_line(r))
+    group.connect()
+    hop = group.link_check(1, header.config.hidden, reps=20)
+    handoff_ms = hop["ms_per_pass"] / max(1, group.n_stages - 1)
+    say(f"stage links: {handoff_ms:.3f} ms per hop for a decode activation (measured)")
+    plan, ranges, plan_lines, kv = plan_from_reports(header, reports, opts, engine, handoff_ms)
+    for line in plan_lines:
+        say(line)
+    # The plan's trunk includes its layers' KV pool and sequence states (see held_spec); the
+    # actor charges those itself.
+    state = state_bytes_by_layer(header.config, engine.max_seqs)
+    trunk_on_card = ([int(s.trunk_bytes) - kv_bytes - sum(state[a:b])
+                      for s, kv_bytes, (a, b) in zip(plan.stages, kv.stage_bytes, ranges)]
+                     if plan is not None else [0] * len(ranges))
+    group.load(path, ranges, kv.blocks, lambda i, rep: say(_load_line(rep)),
+               trunk_on_card, opts.profile, opts.cache_policy, engine.max_seqs)
+    if opts.record_routing:
+        group.record_routing(opts.record_routing)
+        say(f"recording every stage's routing to {opts.record_routing}/stage<i>.trace")
+    return reports, plan, ranges, handoff_ms, kv
 
 
 def _probe_line(r: ProbeReport) -> str:
@@ -547,8 +722,9 @@ class RayPipeline:
     stage the sampling params); activations flow over their process group; the last stage's
     sampled tokens come back."""
 
-    def __init__(self, group: StageGroup):
+    def __init__(self, group: StageGroup, launched: Launched | None = None):
         self.group = group
+        self.launched = launched  # owns the plan: re-plans when a node leaves
         self.n_stages = group.n_stages
         self.kv_blocks = group.kv_blocks  # the engine's block budget: what every stage allocated
         # Sequence states the stages hold (recurrent layers), 0 for a model without them.
@@ -574,8 +750,19 @@ class RayPipeline:
                 "it was stopped and will be restarted") from None
         return ray.get(handle[-1], timeout=1.0)
 
-    def recover(self) -> None:
-        self.group.recover()
+    def recover(self, cause: str = "") -> None:
+        """Restart what died; after a re-plan the stage count and the KV pool may differ (the
+        engine reads kv_blocks again)."""
+        if self.launched is None:
+            self.group.recover()
+            return
+        try:
+            self.launched.recover(cause)
+        finally:
+            self.group = self.launched.group
+            self.n_stages = self.group.n_stages
+            self.kv_blocks = self.group.kv_blocks
+            self.state_slots = self.group.state_slots
 
     def _root_cause(self, handle: list) -> StageFailedError:
         """Among a step's per-stage errors: a dead actor first, else the earliest stage whose error
@@ -591,7 +778,9 @@ class RayPipeline:
         where = self.group.where
         for i, exc in errors:
             if isinstance(exc, RayActorError):
-                return StageFailedError(f"stage {i} ({where(i)}) died during a step; "
+                node = self.group.node_of(i)
+                gone = "its node left the cluster; " if node and (dead_nodes({node}) or "node has died" in str(exc)) else ""
+                return StageFailedError(f"stage {i} ({where(i)}, node {node[:12] or '?'}) died during a step: {gone}"
                                         "the requests it was serving failed, the stage is being restarted")
         for i, exc in errors:
             cause = getattr(exc, "cause", None) or exc

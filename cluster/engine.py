@@ -168,4 +168,12 @@ class Engine:
                 pass
         self.in_flight.clear()
         self.scheduler.fail_running(str(exc))
+        self.recover()
+
+    def recover(self) -> None:
+        """Let the pipeline restart what died (or re-plan), then take its KV pool: after a re-plan
+        on fewer devices it may hold another number of blocks."""
         self.pipeline.recover()
+        pool = getattr(self.pipeline, "kv_blocks", None)
+        if pool is not None and pool != self.scheduler.blocks.n_blocks:
+            self.scheduler.resize_kv(pool)

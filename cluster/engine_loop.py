@@ -77,7 +77,8 @@ def _put_all(items: list[tuple[Stream, Any]]) -> None:
 
 class EngineLoop:
     def __init__(self, engine, max_waiting: int = 64, idle_wait_s: float = 0.05,
-                 on_tokens: Optional[Callable[[list[tuple[Stream, int]], float], None]] = None):
+                 on_tokens: Optional[Callable[[list[tuple[Stream, int]], float], None]] = None,
+                 retry_s: float = 10.0):
         self.engine = engine
         self.max_waiting = max_waiting
         self.idle_wait_s = idle_wait_s
@@ -91,6 +92,11 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name="moeray-engine-loop", daemon=True)
         self.fatal: Optional[str] = None  # set when the thread died: the server answers 503
         self.last_failure: Optional[str] = None  # the last stage failure (the engine recovered)
+        # Set while the pipeline cannot serve (after a node left, what is left cannot hold the
+        # model): requests get 503 with this reason, and every `retry_s` the engine tries to
+        # recover again (a node may have joined). The thread lives on: not a fatal error.
+        self.down: Optional[str] = None
+        self.retry_s = retry_s
         self.counts = {"running": 0, "waiting": 0, "free_slots": engine.n_free_slots}
 
     # ---------------------------------------------------------------- called from the event loop
@@ -111,6 +117,8 @@ class EngineLoop:
     def submit(self, prompt: Sequence[int], params: SamplingParams) -> Stream:
         if not self.alive:
             raise EngineDownError(f"the engine is not running: {self.fatal or 'stopped'}")
+        if self.down is not None:
+            raise EngineDownError(self.down)
         with self._lock:
             # Requests that would have to wait for a KV slot if this one were taken too.
             queued = self.counts["waiting"] + self._pending - self.counts["free_slots"]
@@ -136,7 +144,9 @@ class EngineLoop:
         try:
             while not self._stop.is_set():
                 self._drain_inbox()
-                if self.engine.has_work():
+                if self.down is not None:
+                    self._while_down()
+                elif self.engine.has_work():
                     self._step()
                 else:
                     self._wake.wait(self.idle_wait_s)
@@ -188,7 +198,27 @@ class EngineLoop:
         except StageFailedError as exc:
             # The engine failed its running requests and restarted the stage; waiting ones go on.
             self.last_failure = str(exc)
+        except MoerayError as exc:
+            # The recovery found no way to serve (the devices left cannot hold the model).
+            self.last_failure = self.down = str(exc)
         self._deliver()
+        self._count()
+
+    def _while_down(self) -> None:
+        """Fail what waits with the reason, then try to recover every `retry_s` (bounded waits)."""
+        for s in self._streams:
+            if s.req is not None and not s.req.done:
+                self.engine.abort(s.req)
+            self._finish(s, Finished(None, self.down))
+        self._streams.clear()
+        self._count()
+        if self._stop.wait(self.retry_s):
+            return
+        try:
+            self.engine.recover()
+            self.down = None
+        except MoerayError as exc:
+            self.down = str(exc)
         self._count()
 
     def _deliver(self) -> None:

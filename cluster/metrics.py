@@ -35,6 +35,13 @@ METRICS: dict[str, tuple[str, str]] = {
     "moeray_kv_cached_tokens": ("counter", "prompt tokens whose prefill a cached prefix skipped"),
     "moeray_kv_preemptions": ("counter", "sequences preempted (KV freed, prefilled again later) for lack of KV blocks"),
     "moeray_tokens_generated": ("counter", "output tokens handed to clients"),
+    # Engine-side (tag `model` only: a name that starts moeray_stage_ would carry the stage tags).
+    "moeray_failed_steps": ("counter", "failed pipeline steps (a stage died, hung or raised): the requests running failed"),
+    "moeray_restarted_stages": ("counter", "stages restarted in place after a failure"),
+    "moeray_nodes_lost": ("counter", "nodes that left the cluster with a stage on them"),
+    "moeray_replans": ("counter", "re-plans on the devices left after a node loss (probe, plan, load, wire)"),
+    "moeray_stages_serving": ("gauge", "stages wired and serving now (0: what is left cannot hold the model)"),
+    "moeray_recovery_seconds": ("gauge", "seconds the last recovery took, from the failed step to serving again"),
     "moeray_requests_running": ("gauge", "sequences holding a KV slot"),
     "moeray_requests_waiting": ("gauge", "sequences waiting for a KV slot"),
     "moeray_time_to_first_token_seconds": ("histogram", "request arrival to its first token"),
@@ -62,6 +69,8 @@ _STAGE_GAUGES = {
     "moeray_stage_kv_blocks_free": lambda s: (s.kv or {}).get("free", 0),
 }
 _KV_COUNTERS = {"moeray_kv_cached_tokens": "cached_tokens", "moeray_kv_preemptions": "preemptions"}
+_FAULT_COUNTERS = {"moeray_failed_steps": "stage_failures", "moeray_restarted_stages": "restarts",
+                   "moeray_nodes_lost": "nodes_lost", "moeray_replans": "replans"}
 
 
 def exported_name(name: str) -> str:
@@ -103,16 +112,28 @@ class Metrics:
         self.m["moeray_requests_running"].set(running, self._tags)
         self.m["moeray_requests_waiting"].set(waiting, self._tags)
 
+    def _counters(self, counters: dict[str, str], report: dict) -> None:
+        """Engine-side counters that `report` holds as cumulative values: add what is new."""
+        for name, key in counters.items():
+            value = float(report.get(key, 0))
+            last = self._seen.get((name, -1), 0.0)
+            if value > last:
+                self.m[name].inc(value - last, self._tags)
+            self._seen[name, -1] = value
+
     def kv(self, report: dict) -> None:
         """The engine's KV ledger (Service.kv_report): prefix hit rate, cached tokens, preemptions."""
         with self._lock:
             self.m["moeray_kv_prefix_hit_rate"].set(float(report.get("prefix_hit_rate", 0.0)), self._tags)
-            for name, key in _KV_COUNTERS.items():
-                value = float(report.get(key, 0))
-                last = self._seen.get((name, -1), 0.0)
-                if value > last:
-                    self.m[name].inc(value - last, self._tags)
-                self._seen[name, -1] = value
+            self._counters(_KV_COUNTERS, report)
+
+    def faults(self, report: dict) -> None:
+        """The driver's fault counts (Service.faults_report): failures, restarts, lost nodes,
+        re-plans; the stages serving now and how long the last recovery took."""
+        with self._lock:
+            self._counters(_FAULT_COUNTERS, report)
+            self.m["moeray_stages_serving"].set(float(report.get("stages_serving", 0)), self._tags)
+            self.m["moeray_recovery_seconds"].set(float(report.get("last_recovery_s", 0.0)), self._tags)
 
     # ---------------------------------------------------------------- stage side
 
@@ -151,9 +172,9 @@ class Poller:
 
     def __init__(self, metrics: Metrics, read_stages: Callable[[], list],
                  read_queue: Callable[[], tuple[int, int]], interval_s: float = 2.0,
-                 read_kv: Optional[Callable[[], dict]] = None):
+                 read_kv: Optional[Callable[[], dict]] = None, read_faults: Optional[Callable[[], dict]] = None):
         self.metrics, self.read_stages, self.read_queue = metrics, read_stages, read_queue
-        self.read_kv = read_kv
+        self.read_kv, self.read_faults = read_kv, read_faults
         self.interval_s = interval_s
         self.last_error: Optional[str] = None
         self._stop = threading.Event()
@@ -171,6 +192,8 @@ class Poller:
         self.metrics.queue(*self.read_queue())
         if self.read_kv is not None:
             self.metrics.kv(self.read_kv())
+        if self.read_faults is not None:  # before the stages: they may be gone (a node left)
+            self.metrics.faults(self.read_faults())
         self.metrics.stages(self.read_stages())
 
     def _run(self) -> None:

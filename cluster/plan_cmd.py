@@ -39,6 +39,10 @@ def add_arguments(p) -> None:
     p.add_argument("--max-seqs", type=int, default=1,
                    help="sequences that may run at once: each holds its recurrent state (DeltaNet layers) on the "
                         "layer's card, charged like KV (default 1)")
+    p.add_argument("--kv-tokens", type=int, default=0,
+                   help="tokens of KV every stage holds for its layers (e.g. 32768: one sequence at 32K), charged "
+                        "at the architecture's KV per token (MLA: latent + rope key; GQA: k and v) in 16 bits "
+                        "(default 0: KV not priced)")
     p.add_argument("--handoff-ms", type=float, default=DEFAULT_HANDOFF_MS, help="time of one stage-to-stage hop")
     p.add_argument("--cpu-factor", type=float, default=DEFAULT_CPU_FACTOR,
                    help="host bytes read per card byte of an expert (2 for an int8 host copy of an int4 slot)")
@@ -57,7 +61,8 @@ def spec_from_gguf(path: str, route: str | None = None) -> ModelSpec:
     pricing as the driver's, from stages/gguf_file.held_bytes."""
     import os
 
-    from moeray.stages.gguf_file import expert_bytes, read_gguf_header, trunk_bytes  # torch-free
+    from moeray.stages.arch import arch_of
+    from moeray.stages.gguf_file import expert_bytes, read_gguf_header, trunk_bytes, trunk_pieces  # torch-free
 
     route = route or ("exact" if os.environ.get("MOERAY_ROUTE", "").strip().lower() == "exact" else "quantised")
     h = read_gguf_header(path)
@@ -65,9 +70,26 @@ def spec_from_gguf(path: str, route: str | None = None) -> ModelSpec:
     if not cfg.n_experts:
         raise PlacementError(f"{path}: a dense model (no routed experts); there is no expert cache to place")
     tb = trunk_bytes(h.tensors, cfg, route)
+    arch = arch_of(cfg)
+    state = [arch.state_bytes(cfg, l) for l in range(cfg.n_layers)]
     return ModelSpec(cfg.n_layers, cfg.n_experts, cfg.n_experts_used,
                      [expert_bytes(h.tensors, i, route) for i in range(cfg.n_layers)],
-                     TrunkBytes(int(tb["embedding"]), int(tb["head"]), [int(x) for x in tb["layers"]]))
+                     TrunkBytes(int(tb["embedding"]), int(tb["head"]), [int(x) for x in tb["layers"]],
+                                trunk_pieces(h.tensors, cfg, route) if any(state) else []), state,
+                     kv_token_bytes=[KV_ITEMSIZE * arch.kv_values(cfg, l) for l in range(cfg.n_layers)])
+
+
+KV_ITEMSIZE = 2  # a card's KV pool is 16-bit (stages/kv_cache.py kv_dtype)
+
+
+def kv_line(per_token: list[int], split, n_tokens: int) -> str:
+    """[kv] what the KV costs each stage at --kv-tokens, from the architecture's layout."""
+    from moeray.units import format_bytes
+
+    stages = ", ".join(format_bytes(n_tokens * sum(per_token[a:b])) for a, b in split)
+    return (f"[kv] {format_bytes(sum(per_token))} of KV per token over {sum(1 for k in per_token if k)} layers "
+            f"({max(per_token) // KV_ITEMSIZE} values per token per layer, 16-bit); {n_tokens} tokens (--kv-tokens) "
+            f"charged to their layers' cards: {stages}")
 
 
 def run(args) -> int:
@@ -84,6 +106,10 @@ def run(args) -> int:
         raise PlacementError(f"--max-seqs {args.max_seqs}: at least one sequence runs")
     per_seq_state = list(spec.state_bytes)
     spec = spec.with_state_for(args.max_seqs)
+    if args.kv_tokens < 0:
+        raise PlacementError(f"--kv-tokens {args.kv_tokens}: a number of tokens, 0 or more")
+    per_token_kv = list(spec.kv_token_bytes)
+    spec = spec.with_kv_for(args.kv_tokens)
     devices = parse_devices(args.devices) if args.devices else load_devices_json(args.devices_json)
     profile_path = args.profile
     if profile_path is None and args.model:
@@ -105,6 +131,8 @@ def run(args) -> int:
         from moeray.planner.report import state_line
 
         plan.notes.append(state_line(per_seq_state, plan.split, args.max_seqs))
+    if args.kv_tokens and any(per_token_kv):
+        plan.notes.append(kv_line(per_token_kv, plan.split, args.kv_tokens))
     for line in plan.lines(verbose=args.verbose):
         print(line, file=out)
     if args.json:

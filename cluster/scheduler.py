@@ -292,6 +292,22 @@ class Scheduler:
         if not req.done:
             self.finish(req, "abort")
 
+    def resize_kv(self, n_blocks: int) -> None:
+        """The stages were re-planned with a pool of `n_blocks` blocks (no request runs: they failed
+        with the stages). Waiting requests that no longer fit fail with the reason; the others get
+        an output cap within the new pool."""
+        self.blocks = BlockManager(n_blocks, self.config.prefix_reuse)
+        limit = min(self.config.max_len or self.kv_tokens, self.kv_tokens)
+        for req in list(self.waiting):
+            room = limit - len(req.prompt) - len(req.output)
+            if room < 1:
+                self.waiting.remove(req)
+                req.status, req.t_done = RequestStatus.FAILED, time.perf_counter()
+                req.error = (f"after a re-plan the KV cache holds {self.kv_tokens} tokens, which leaves no room "
+                             f"for this prompt of {len(req.prompt)} tokens")
+            else:
+                req.max_new = min(req.max_new, len(req.output) + room)
+
     def fail_running(self, message: str) -> None:
         """Every running request lost its KV state; waiting ones are untouched."""
         for req in list(self.running):

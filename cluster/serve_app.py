@@ -6,7 +6,9 @@ the stage actors are its children, then starts the engine thread and the metrics
 Restarting the deployment (or `moeray serve` itself) therefore rebuilds the whole pipeline from
 the model file, and a replica that dies takes its stages with it: nothing is left half-wired.
 Within a run, a stage that dies is restarted by the engine (RayPipeline.recover) and the server
-goes on.
+goes on; when its node left the cluster, the driver re-plans on the devices left (Launched.recover),
+and when those cannot hold the model every request is a 503 with that reason until a node joins.
+The replica itself is pinned to the head node, so a worker node that leaves never takes it.
 
 `build_app(service)` makes the FastAPI app of module-level handlers (tests and `--local` use it
 without Serve); `deployment(options)` wraps both for `serve.run`. Both generation routes share one
@@ -47,6 +49,7 @@ from moeray.cluster.tools import ToolCallStream, parse_tool_calls, template_mess
 from moeray.errors import MoerayError
 from moeray.stages.sampling import SamplingParams
 
+HEAD_RESOURCE = "node:__internal_head__"  # Ray's resource of the head node
 DEFAULT_MAX_TOKENS = 256  # when a request gives none (capped by the room its prompt leaves)
 
 
@@ -444,6 +447,8 @@ async def health(request: Request):
     if not service.loop.alive:
         return APIError(503, f"the engine is not running: {service.loop.fatal}", type_="server_error",
                         code="engine_unavailable").response()
+    if service.loop.down is not None:  # what a lost node left cannot hold the model
+        return APIError(503, service.loop.down, type_="server_error", code="engine_unavailable").response()
     return {"status": "ok", "model": service.model_name, **service.loop.counts}
 
 
@@ -559,7 +564,8 @@ def deployment(opts: ServeOptions):
 
     cls = serve.ingress()(MoerayServer)
     dep = serve.deployment(
-        cls, name="moeray", num_replicas=1, ray_actor_options={"num_cpus": 0},
+        # On the head node: a worker node that leaves takes only its stages, never the engine.
+        cls, name="moeray", num_replicas=1, ray_actor_options={"num_cpus": 0, "resources": {HEAD_RESOURCE: 0.001}},
         # Requests beyond the engine's waiting limit must reach it to get their 429.
         max_ongoing_requests=opts.engine.max_seqs + opts.max_waiting + 16,
         health_check_period_s=10, health_check_timeout_s=30, graceful_shutdown_timeout_s=5,

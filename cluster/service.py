@@ -8,6 +8,7 @@ reads it and posts requests to its engine thread; it never touches the engine it
 from __future__ import annotations
 
 import dataclasses
+import os
 from pathlib import Path
 
 from moeray.cluster import openai_schema as oa
@@ -16,13 +17,21 @@ from moeray.cluster.engine_loop import EngineLoop, Stream
 from moeray.errors import MoerayError
 
 
+def _rss_bytes() -> int:
+    """This process's resident memory (Linux /proc; 0 elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0
+
+
 class Service:
     """Model, tokenizer, pipeline, engine thread and metrics of one server."""
 
     def __init__(self, opts: ServeOptions, log=print):
         from moeray.cluster.engine import Engine
         from moeray.cluster.local_pipeline import LocalPipeline
-        from moeray.stages.kv_cache import BLOCK_SIZE
         from moeray.stages.gguf_file import read_gguf_header
         from moeray.stages.tokenizer import Tokenizer
 
@@ -73,8 +82,6 @@ class Service:
             self.launched = launch(self.path, opts.launch, engine_cfg, log=self._log(log))
             pipeline = self.launched.pipeline()
             engine_cfg = self.launched.engine  # the context and the KV blocks the plan settled
-        # One sequence can hold no more than the whole KV pool.
-        self.context = min(engine_cfg.max_len, engine_cfg.kv_blocks * BLOCK_SIZE)
         self.engine = Engine(pipeline, engine_cfg, self.tokenizer)
         self.metrics = self.poller = None
         try:
@@ -83,12 +90,29 @@ class Service:
             self.metrics = Metrics(self.model_name)
             self.poller = Poller(self.metrics, self.stage_stats, lambda: (self.loop.counts["running"],
                                                                           self.loop.counts["waiting"]),
-                                 opts.metrics_interval_s, read_kv=self.kv_report)
+                                 opts.metrics_interval_s, read_kv=self.kv_report, read_faults=self.faults_report)
         except ImportError:  # no Ray: serve without metrics
             pass
         self.loop = EngineLoop(self.engine, max_waiting=opts.max_waiting, on_tokens=self._on_tokens).start()
         if self.poller is not None:
             self.poller.start()
+
+    @property
+    def context(self) -> int:
+        """Tokens one sequence can hold: the context, and no more than the whole KV pool (which a
+        re-plan after a node loss may change)."""
+        return min(self.engine.config.max_len, self.engine.scheduler.kv_tokens)
+
+    def faults_report(self) -> dict:
+        """What failed and what was done: the driver's counts and events, and why nothing serves
+        now (None while serving)."""
+        down = self.loop.down if hasattr(self, "loop") else None
+        if self.launched is None:
+            return {"stage_failures": self.engine.stats.failures, "down": down, "events": [],
+                    "stages_serving": 0 if down else 1}
+        down = down or self.launched.down
+        return {**self.launched.faults, "down": down, "events": list(self.launched.events),
+                "stages_serving": 0 if down else self.launched.group.n_stages}
 
     def _log(self, log):
         def say(line: str) -> None:
@@ -140,12 +164,14 @@ class Service:
                 s["cache"].pop("routed", None)  # the per-expert table: GET /v1/admin/profile
         return {
             "model": self.model_name, "path": self.path, "context": self.context,
-            "plan": self.lines, "stages": stats,
+            "plan": self.launched.lines if self.launched is not None else self.lines, "stages": stats,
             "engine": {**self.loop.counts, **dataclasses.asdict(self.engine.stats),
                        "max_seqs": self.opts.engine.max_seqs,
                        "micro_batches": self.engine.config.micro_batches, "alive": self.loop.alive,
                        "last_failure": self.loop.last_failure},
             "kv": self.kv_report(),
+            "faults": self.faults_report(),
+            "server": {"pid": os.getpid(), "rss_bytes": _rss_bytes()},
         }
 
     def kv_report(self) -> dict:

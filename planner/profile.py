@@ -49,14 +49,18 @@ def complete_ranking(n_layers: int, n_experts: int, seen: list[tuple[int, int]],
 class Profile:
     n_layers: int
     n_experts: int
-    pairs: list[tuple[int, int]]  # all L*E pairs, hottest first
+    pairs: list[tuple[int, int]]  # all L*E pairs (or those of `layers`), hottest first
     counts: list[int] | None = None  # same order as pairs; 0 for unseen pairs
+    # The layers the ranking covers: None = every layer; an MoE model with dense layers ranks only
+    # its MoE layers' pairs (a dense layer has no experts, so no pairs: `for_layers`).
+    layers: tuple[int, ...] | None = None
 
     def __post_init__(self):
-        T = self.n_layers * self.n_experts
+        n_ranked = self.n_layers if self.layers is None else len(self.layers)
+        T = n_ranked * self.n_experts
         if len(self.pairs) != T:
-            raise ProfileError(f"profile ranks {len(self.pairs)} pairs; a model of {self.n_layers} x "
-                               f"{self.n_experts} has {T}")
+            raise ProfileError(f"profile ranks {len(self.pairs)} pairs; a model of {n_ranked} x "
+                               f"{self.n_experts} routed layers and experts has {T}")
         if self.counts is not None and len(self.counts) != T:
             raise ProfileError(f"profile has {len(self.counts)} counts for {T} pairs")
 
@@ -81,6 +85,22 @@ class Profile:
         prof = cls(L, E, list(map(tuple, arr.tolist())), flat[order].tolist())
         prof.__dict__["_pairs_array"] = arr
         prof.__dict__["_counts_array"] = flat[order].astype(np.int64)
+        return prof
+
+    def for_layers(self, layers) -> "Profile":
+        """The ranking of `layers` only, order and counts kept: what an MoE model whose other
+        layers are dense ranks (their pairs do not exist: no slots, no mass)."""
+        layers = tuple(sorted(int(l) for l in layers))
+        if layers == tuple(range(self.n_layers)) or layers == self.layers:
+            return self
+        keep = np.isin(self.layers_array(), layers)
+        arr = self.pairs_array()[keep]
+        counts = None if self.counts is None else self.counts_array()[keep]
+        prof = Profile(self.n_layers, self.n_experts, list(map(tuple, arr.tolist())),
+                       None if counts is None else counts.tolist(), layers)
+        prof.__dict__["_pairs_array"] = arr
+        if counts is not None:
+            prof.__dict__["_counts_array"] = counts
         return prof
 
     # --- arrays the planner computes with ------------------------------------------

@@ -222,6 +222,7 @@ class _Context:
         """Stage time of many (stage, a, b) questions, and the trunk and fill behind it."""
         devs = self.devices
         S, L, k = len(devs), self.spec.n_layers, self.spec.n_experts_used
+        n_moe = len(self.spec.moe_layers)  # k experts are routed per token in each MoE layer
         free = np.array([d.free_bytes for d in devs], dtype=np.float64)[stage]
         layer_ms = np.array([d.layer_ms for d in devs])[stage]
         miss_ms = np.array([d.miss_ms for d in devs])[stage]
@@ -240,7 +241,7 @@ class _Context:
         routed = self.tables.routed(a, b)
         held = tr.fill.mass[inv]
         dense = (b - a) * layer_ms
-        missed = k * L * (routed - held) * miss_ms
+        missed = k * n_moe * (routed - held) * miss_ms
         host = tr.host_ms[inv] * miss_ms  # priced with miss_ms = 1 above
         ms = dense + missed + host
         return np.where(tr.feasible[inv], ms, np.inf), tr, inv, routed, dense, missed, host
@@ -264,6 +265,7 @@ def plan_placement(spec: ModelSpec, devices: list[DeviceSpec], profile=None, obj
     if profile is None:
         profile = Profile.uniform(L, spec.n_experts)
     profile.check_model(L, spec.n_experts)
+    profile = profile.for_layers(spec.moe_layers)  # dense layers have no pairs
     mins = [int(min_layers)] * S if np.isscalar(min_layers) else [int(x) for x in min_layers]
     if len(mins) != S or min(mins) < 1:
         raise PlacementError(f"min_layers must be >= 1 for each of the {S} stages")
@@ -387,7 +389,7 @@ def _build_plan(ctx, bounds, objective, method, scored, handoff_ms, mass_mode) -
         per_layer = np.bincount(held[ranks] - aa[i], minlength=bb[i] - aa[i]).tolist()
         blobs = ctx.spec.expert_bytes[aa[i]:bb[i]]
         room = int(tr.room[u])
-        slots = per_layer_slots(room // max(blobs), blobs) if room >= max(blobs) else None
+        slots = per_layer_slots(room // max(blobs), blobs) if max(blobs) and room >= max(blobs) else None
         in_slots = slot_fill_ranks(ctx.layers, int(aa[i]), int(bb[i]), slots)
         decisions = ctx.pricer.decisions(u, int(aa[i]), int(bb[i]), ctx.devices[i].free_bytes, i == 0, i == S - 1,
                                          ctx.layers, ctx.p_e)

@@ -23,11 +23,14 @@ class ModelSpec:
     n_layers: int
     n_experts: int
     n_experts_used: int  # k: experts routed per token per layer
-    expert_bytes: list[int]  # bytes of one routed expert of each layer, as stored in a slot
+    expert_bytes: list[int]  # bytes of one routed expert of each layer, as stored in a slot; 0: a dense layer
     trunk_bytes: TrunkBytes
     # Bytes one sequence's recurrent state takes in each layer (DeltaNet layers; 0 elsewhere):
     # held on the layer's card for every sequence that may run, so charged like its KV.
     state_bytes: list[int] = field(default_factory=list)
+    # Bytes one token's KV takes in each layer, as the stages hold it (16-bit on cards): the
+    # architecture's layout (GQA: k and v of every KV head; MLA: the latent + rope key).
+    kv_token_bytes: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         L = self.n_layers
@@ -36,8 +39,9 @@ class ModelSpec:
                                  f"(got {L}, {self.n_experts}, {self.n_experts_used})")
         if len(self.expert_bytes) != L:
             raise PlacementError(f"model spec: expert_bytes has {len(self.expert_bytes)} entries for {L} layers")
-        if any(b <= 0 for b in self.expert_bytes):
-            raise PlacementError("model spec: every layer needs expert_bytes > 0 (the planner places routed experts)")
+        if any(b < 0 for b in self.expert_bytes) or not any(self.expert_bytes):
+            raise PlacementError("model spec: expert_bytes must be >= 0 per layer (0: a dense layer) with at least "
+                                 "one MoE layer > 0 (the planner places routed experts)")
         if not self.trunk_bytes.layers:
             self.trunk_bytes.layers = [0] * L
         if len(self.trunk_bytes.layers) != L:
@@ -51,6 +55,16 @@ class ModelSpec:
             self.state_bytes = [0] * L
         if len(self.state_bytes) != L:
             raise PlacementError(f"model spec: state_bytes has {len(self.state_bytes)} entries for {L} layers")
+        if not self.kv_token_bytes:
+            self.kv_token_bytes = [0] * L
+        if len(self.kv_token_bytes) != L:
+            raise PlacementError(f"model spec: kv_token_bytes has {len(self.kv_token_bytes)} entries for {L} layers")
+
+    @property
+    def moe_layers(self) -> list[int]:
+        """Layers with routed experts; the others (expert_bytes 0: DeepSeek's first 3, GLM's first)
+        are dense, priced as trunk only, with no slots and no profile pairs."""
+        return [l for l, b in enumerate(self.expert_bytes) if b > 0]
 
     def with_state_for(self, n_seqs: int) -> "ModelSpec":
         """The spec with `n_seqs` sequences' recurrent state charged to each layer's trunk, as a
@@ -61,7 +75,20 @@ class ModelSpec:
         layers = [t + n_seqs * s for t, s in zip(tb.layers, self.state_bytes)]
         pieces = [dict(p, state=n_seqs * s) if s else dict(p) for p, s in zip(tb.pieces, self.state_bytes)]
         return ModelSpec(self.n_layers, self.n_experts, self.n_experts_used, list(self.expert_bytes),
-                         TrunkBytes(tb.embedding, tb.head, layers, pieces), list(self.state_bytes))
+                         TrunkBytes(tb.embedding, tb.head, layers, pieces), list(self.state_bytes),
+                         list(self.kv_token_bytes))
+
+    def with_kv_for(self, n_tokens: int) -> "ModelSpec":
+        """The spec with `n_tokens` tokens of KV charged to each layer's trunk (a layer's KV pool
+        is on its card whatever the split, as the driver prices it)."""
+        if not n_tokens or not any(self.kv_token_bytes):
+            return self
+        tb = self.trunk_bytes
+        layers = [t + n_tokens * k for t, k in zip(tb.layers, self.kv_token_bytes)]
+        pieces = [dict(p, kv=n_tokens * k) for p, k in zip(tb.pieces, self.kv_token_bytes)]
+        return ModelSpec(self.n_layers, self.n_experts, self.n_experts_used, list(self.expert_bytes),
+                         TrunkBytes(tb.embedding, tb.head, layers, pieces), list(self.state_bytes),
+                         list(self.kv_token_bytes))
 
     @classmethod
     def from_dict(cls, d: dict, where: str = "spec") -> "ModelSpec":
@@ -74,7 +101,8 @@ class ModelSpec:
                 trunk_bytes=TrunkBytes(int(tb.get("embedding", 0)), int(tb.get("head", 0)),
                                        [int(x) for x in tb.get("layers", [])],
                                        [{str(k): int(v) for k, v in p.items()} for p in tb.get("pieces", [])]),
-                state_bytes=[int(x) for x in d.get("state_bytes", [])])
+                state_bytes=[int(x) for x in d.get("state_bytes", [])],
+                kv_token_bytes=[int(x) for x in d.get("kv_token_bytes", [])])
         except (KeyError, TypeError, ValueError) as exc:
             raise PlacementError(f"{where}: malformed model spec ({exc!r}); expected {{\"n_layers\", "
                                  "\"n_experts\", \"n_experts_used\", \"expert_bytes\": [...], "
@@ -94,4 +122,5 @@ class ModelSpec:
                 "trunk_bytes": {"embedding": self.trunk_bytes.embedding, "head": self.trunk_bytes.head,
                                 "layers": list(self.trunk_bytes.layers),
                                 **({"pieces": self.trunk_bytes.pieces} if self.trunk_bytes.pieces else {})},
-                **({"state_bytes": list(self.state_bytes)} if any(self.state_bytes) else {})}
+                **({"state_bytes": list(self.state_bytes)} if any(self.state_bytes) else {}),
+                **({"kv_token_bytes": list(self.kv_token_bytes)} if any(self.kv_token_bytes) else {})}

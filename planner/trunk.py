@@ -148,14 +148,16 @@ class TrunkPricer:
         blob = self.blob = np.asarray(spec.expert_bytes, dtype=np.float64)
         tl = np.asarray(spec.trunk_bytes.layers, dtype=np.float64)
         self.layer_prefix = np.concatenate([[0.0], np.cumsum(tl)])
-        # host time of a layer's trunk = miss_ms * tl / (cf * blob): keep the factor of miss_ms
-        self.host_prefix = np.concatenate([[0.0], np.cumsum(tl / (cpu_factor * blob))])
-        self.head_host = spec.trunk_bytes.head / (cpu_factor * blob[L - 1])
+        # host time of a layer's trunk = miss_ms * tl / (cf * blob): keep the factor of miss_ms. A
+        # dense layer (blob 0) reads its host bytes at the rate of the largest blob's miss.
+        rate = np.where(blob > 0, blob, blob.max())
+        self.host_prefix = np.concatenate([[0.0], np.cumsum(tl / (cpu_factor * rate))])
+        self.head_host = spec.trunk_bytes.head / (cpu_factor * rate[L - 1])
         if policy.mode == "explicit":
             want = np.zeros(L)
             want[sorted(policy.layers)] = 1.0
             self.want_prefix = np.concatenate([[0.0], np.cumsum(tl * want)])
-            self.want_host_prefix = np.concatenate([[0.0], np.cumsum(tl * want / (cpu_factor * blob))])
+            self.want_host_prefix = np.concatenate([[0.0], np.cumsum(tl * want / (cpu_factor * rate))])
         if policy.mode == "auto":
             T = len(layer_of_rank)
             cold = cpu_factor * np.asarray(p_e) < 1.0

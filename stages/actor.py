@@ -95,6 +95,8 @@ class StageStats:
     cache: Optional[dict[str, Any]] = None
     kv: Optional[dict[str, Any]] = None  # the KV pool: blocks, bytes (the engine adds used/free: it owns the ledger)
     predicted_hit_rate: Optional[float] = None  # the plan's, set by the driver: shown beside cache["hit_rate"]
+    pid: int = 0  # the stage's process (bench/chaos.py kills it)
+    node_id: str = ""  # its Ray node
 
 
 def file_fingerprint(path: str, n_samples: int = 16, block: int = 1 << 16) -> FileFingerprint:
@@ -336,7 +338,7 @@ class StageActor:
         trunk = stage_trunk_bytes(gguf, first, end)
         self.memory.charge(trunk if trunk_on_card is None else trunk_on_card, f"trunk of layers {first}-{end - 1}")
         experts, cache = HostExperts(gguf), None
-        if cfg.is_moe:
+        if any(cfg.is_moe_layer(l) for l in range(first, end)):  # a range of dense layers caches nothing
             from moeray.cache.attach import build_cache
 
             cache = build_cache(experts, first, end, self.device.torch_device, self.memory.free, profile,
@@ -436,7 +438,7 @@ class StageActor:
         """This stage's live numbers: layers, device bytes, steps, time in steps (incl. waiting for
         the previous stage's activations), and its expert cache's lookups and hits when it has one."""
         out = StageStats(self.stage, self.device.name, self.device.node_ip, placed=dict(self.memory.parts),
-                         free_bytes=self.memory.free)
+                         free_bytes=self.memory.free, pid=os.getpid(), node_id=self.device.node_id)
         if self.model is not None:
             out.layers, out.steps, out.step_s, out.tokens_in = ((self.model.first, self.model.end), self.steps,
                                                                  self.step_s, self.tokens_in)

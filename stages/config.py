@@ -45,6 +45,17 @@ class ModelConfig:
     shared_expert_gate: bool = True  # the shared expert's output is scaled by sigmoid(w . h) (qwen2moe)
     n_dense_leading: int = 0  # the first layers of an MoE model have a dense FFN instead (DeepSeek, GLM)
     attention: str = "gqa"  # the attention block's kind (stages/arch/base.py ATTENTION_TENSORS)
+    attn_scale: float = 0.0  # the softmax scale; 0 = 1/sqrt(head_dim) (DeepSeek's YaRN: mscale^2/sqrt(head_dim))
+    # MLA (stages/mla.py): head_dim is qk_nope + qk_rope (rope_dim), each token's KV the latent + rope key
+    q_lora_rank: int = 0  # q through a rank-r bottleneck with its own RMSNorm (0: one q projection)
+    kv_lora_rank: int = 0  # the compressed latent every head's key and value come from
+    v_head_dim: int = 0  # values per head (0: head_dim)
+    # Routing (stages/routing.py grouped_topk): scores, score-correction bias, groups, scaling
+    expert_gating: str = "softmax"  # "softmax" or "sigmoid" over the router's logits
+    score_bias: bool = False  # exp_probs_b: added to the scores for choosing only, not to the weights
+    expert_groups: int = 1  # experts split in this many groups ...
+    expert_groups_used: int = 1  # ... and only the best groups (by their top-2 scores) are chosen from
+    expert_weights_scale: float = 1.0  # routed_scaling_factor: the routed weights are multiplied by it
     # Hybrid models (stages/arch/qwen3next.py): the Gated DeltaNet layers' sizes, and per layer
     # whether it is one (a recurrent state per sequence instead of KV).
     deltanet: DeltaNetShape | None = None
@@ -54,6 +65,12 @@ class ModelConfig:
     expert_act: str = "silu"
     swiglu_alpha: float = 1.702
     swiglu_limit: float = 7.0
+    expert_bias: bool = False  # blk.L.ffn_{gate,up,down}_exps.bias: per-expert biases (gpt-oss)
+    router_bias: bool = False  # blk.L.ffn_gate_inp.bias added to the router's logits (gpt-oss)
+    attn_out_bias: bool = False  # blk.L.attn_output.bias (gpt-oss)
+    attn_sinks: bool = False  # blk.L.attn_sinks.weight: a learned softmax logit per head (gpt-oss)
+    sliding_window: int = 0  # tokens a sliding-window layer attends over (itself included)
+    swa_layers: tuple[bool, ...] = ()  # per layer: True = sliding window, False (or absent) = full
 
     @property
     def is_moe(self) -> bool:

@@ -230,7 +230,7 @@ def measure_layer_ms(gguf, device: str = "cpu", context: int = 256, reps: int = 
     from moeray.stages.moe import HostExperts
 
     cfg = gguf.config
-    layer = cfg.n_layers // 2
+    layer = cfg.moe_layers[len(cfg.moe_layers) // 2] if cfg.is_moe else cfg.n_layers // 2
     experts = None
     if cfg.is_moe:
         from moeray.cache.attach import build_cache
@@ -261,7 +261,7 @@ def measure_miss_ms(gguf, reps: int = 20, budget_s: float = 1.0) -> float:
     if not cfg.is_moe:
         return 0.0
     host = HostExperts(gguf)
-    layer = cfg.n_layers // 2
+    layer = cfg.moe_layers[len(cfg.moe_layers) // 2]
     x = torch.randn(1, cfg.hidden, generator=torch.Generator().manual_seed(0))
     expert = iter(range(1 << 62))
 

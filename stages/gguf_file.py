@@ -377,6 +377,26 @@ def trunk_bytes(tensors: dict[str, TensorInfo], cfg: ModelConfig, route: str | N
     return {"embedding": emb, "head": head, "layers": layers}
 
 
+# The trunk pieces a layer's bytes are reported in (the planner's [place] lines): llama.cpp's tensor
+# names, first match wins; "dnproj" is a DeltaNet layer's fused input projection and its output.
+_PIECES = (("dnproj", ("attn_qkv.", "attn_gate.", "ssm_ba.", "ssm_beta.", "ssm_alpha.", "ssm_out.")),
+           ("attn", ("attn_q.", "attn_k.", "attn_v.", "attn_output.")),
+           ("shexp", ("_shexp.",)), ("router", ("ffn_gate_inp.",)), ("ffn", ("ffn_gate.", "ffn_up.", "ffn_down.")))
+
+
+def trunk_pieces(tensors: dict[str, TensorInfo], cfg: ModelConfig, route: str | None = None) -> list[dict[str, int]]:
+    """Each layer's trunk bytes (as `trunk_bytes` counts them) split into named pieces; what no
+    piece names (norms, conv kernels, biases, sinks) is "other"."""
+    out: list[dict[str, int]] = [{} for _ in range(cfg.n_layers)]
+    for name, t in tensors.items():
+        role, layer = tensor_role(name)
+        if role != "layer" or layer >= cfg.n_layers:
+            continue
+        piece = next((p for p, keys in _PIECES if any(k in name for k in keys)), "other")
+        out[layer][piece] = out[layer].get(piece, 0) + held_bytes(name, t, route)
+    return out
+
+
 def expert_bytes(tensors: dict[str, TensorInfo], layer: int, route: str | None = None) -> int:
     """Bytes of one routed expert of `layer` as stored (route None or a quantised route: a slot
     holds exactly these bytes) or as float32 (the exact route)."""

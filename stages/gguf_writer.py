@@ -3,7 +3,9 @@
 Supported: the transformers classes each architecture module lists (stages/arch/*.py
 `hf_classes`): LlamaForCausalLM (dense), MixtralForCausalLM (stored as arch "llama" with
 ffn_gate_inp + ffn_{gate,up,down}_exps, which is how llama.cpp stores Mixtral),
-Qwen2MoeForCausalLM ("qwen2moe") and Qwen3MoeForCausalLM ("qwen3moe").
+Qwen2MoeForCausalLM ("qwen2moe"), Qwen3MoeForCausalLM ("qwen3moe") and GptOssForCausalLM
+("gpt-oss": its own tensor layout in stages/arch/gpt_oss.py `hf_tensor`; `expert_type="MXFP4"`
+writes its experts as the published files hold them).
 
 The conventions copied from llama.cpp, because files written here must run there too:
 - llama q/k rows are permuted (LlamaModel.permute) so that RoPE rotates adjacent pairs; qwen
@@ -89,12 +91,24 @@ def _head_dim(config: Any) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def _rope_theta(config: Any) -> float:
+def _add_rope(w: gguf.GGUFWriter, config: Any) -> None:
+    """rope.freq_base, and rope.scaling.* for YaRN as llama.cpp's TextModel writes them."""
     params = getattr(config, "rope_parameters", None) or {}
     theta = params.get("rope_theta", getattr(config, "rope_theta", None))
-    if params.get("rope_type", "default") not in ("default", None):
-        raise ValueError(f"rope type {params['rope_type']!r} is not written by this converter")
-    return float(theta if theta is not None else 10000.0)
+    w.add_rope_freq_base(float(theta if theta is not None else 10000.0))
+    kind = params.get("rope_type", "default")
+    if kind in ("default", None):
+        return
+    if kind != "yarn":
+        raise ValueError(f"rope type {kind!r} is not written by this converter")
+    w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    w.add_rope_scaling_factor(float(params["factor"]))
+    w.add_rope_scaling_orig_ctx_len(int(params["original_max_position_embeddings"]))
+    if params.get("attention_factor") is not None:
+        w.add_rope_scaling_yarn_attn_factor(float(params["attention_factor"]))
+    for key, setter in (("beta_fast", w.add_rope_scaling_yarn_beta_fast), ("beta_slow", w.add_rope_scaling_yarn_beta_slow)):
+        if params.get(key) is not None:
+            setter(float(params[key]))
 
 
 def _n_experts(config: Any) -> int:
@@ -177,11 +191,12 @@ def _add_metadata(w: gguf.GGUFWriter, config: Any, arch, file_type: gguf.LlamaFi
     w.add_embedding_length(config.hidden_size)
     w.add_feed_forward_length(int(getattr(config, "intermediate_size", 0) or 0))
     w.add_head_count(config.num_attention_heads)
-    w.add_head_count_kv(config.num_key_value_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
+    n_kv, key_length, value_length = arch.hf_heads(config, head_dim)
+    w.add_head_count_kv(n_kv)
+    w.add_key_length(key_length)
+    w.add_value_length(value_length)
     w.add_rope_dimension_count(arch.hf_rope_dim(config, head_dim))
-    w.add_rope_freq_base(_rope_theta(config))
+    _add_rope(w, config)
     w.add_layer_norm_rms_eps(float(config.rms_norm_eps))
     w.add_vocab_size(config.vocab_size)
     if n_experts:
@@ -230,10 +245,11 @@ def _add_gpt2_tokenizer(w: gguf.GGUFWriter, tokenizer: Any) -> None:
 
 
 def write_gguf(model: Any, path: str | Path, file_type: str = "F32", tokenizer: Any = None,
-               name: str | None = None) -> Path:
+               name: str | None = None, expert_type: str | None = None) -> Path:
     """Write a transformers model (anything with .state_dict() and .config) to a GGUF file.
 
     file_type: "F32", "F16" or "Q8_0". tokenizer: an optional byte-level BPE tokenizer to embed.
+    expert_type: the routed experts' own block type (e.g. "MXFP4", as gpt-oss files hold them).
     """
     if file_type not in FILE_TYPES:
         raise ValueError(f"file_type must be one of {', '.join(FILE_TYPES)}, not {file_type!r}")
@@ -241,7 +257,8 @@ def write_gguf(model: Any, path: str | Path, file_type: str = "F32", tokenizer: 
     arch = by_hf_class(config)
     weight_type, ftype = FILE_TYPES[file_type]
     tensors = gguf_tensors_from_hf(model.state_dict(), config)
-    _check_layers(tensors, config, arch.name)
+    _check_layers(tensors, config, arch)
+    tensors.update(arch.hf_extra_tensors(config, tensors))
 
     path = Path(path)
     w = gguf.GGUFWriter(path, arch.name)
@@ -255,6 +272,8 @@ def write_gguf(model: Any, path: str | Path, file_type: str = "F32", tokenizer: 
     for tname in _ordered(tensors):
         a = tensors[tname]
         qtype = tensor_type(tname, a, weight_type)
+        if expert_type is not None and tname.endswith("_exps.weight"):
+            qtype = tensor_type(tname, a, QT[expert_type])
         w.add_tensor(tname, _encode(a, qtype), raw_dtype=qtype if qtype not in (QT.F32, QT.F16) else None)
     w.write_header_to_file()
     w.write_kv_data_to_file()
@@ -272,13 +291,15 @@ def _ordered(tensors: dict[str, np.ndarray]) -> list[str]:
     return sorted(tensors, key=key)
 
 
-def _check_layers(tensors: dict[str, np.ndarray], config: Any, arch: str) -> None:
-    """Refuse models whose layers are not all alike (e.g. qwen2moe mlp_only_layers)."""
+def _check_layers(tensors: dict[str, np.ndarray], config: Any, arch) -> None:
+    """Refuse models whose layers are not what the architecture says (e.g. qwen2moe
+    mlp_only_layers: llama.cpp's qwen2moe has no dense layers; DeepSeek's leading ones are fine)."""
     moe = _n_experts(config) > 0
+    dense = arch.hf_dense_layers(config)
     for i in range(config.num_hidden_layers):
-        kind = f"blk.{i}.ffn_gate_exps.weight" if moe else f"blk.{i}.ffn_gate.weight"
+        kind = f"blk.{i}.ffn_gate_exps.weight" if moe and i not in dense else f"blk.{i}.ffn_gate.weight"
         if kind not in tensors:
-            raise ValueError(f"layer {i} of this {arch} model has no {kind.split('.', 2)[2]}: "
+            raise ValueError(f"layer {i} of this {arch.name} model has no {kind.split('.', 2)[2]}: "
                              "models that mix dense and MoE layers are not written")
 
 
@@ -309,8 +330,12 @@ def dequantized_state_dict(path: str | Path, model: Any) -> dict[str, Any]:
     n_head, n_kv = config.num_attention_heads, config.num_key_value_heads
     g = read_dequantized(path)
     out = {}
+    arch = by_hf_class(config)
     for key, ref in model.state_dict().items():
-        if key == "lm_head.weight" and "output.weight" not in g:
+        own = arch.hf_tensor_from_gguf(key, g)
+        if own is not None:
+            a = own
+        elif key == "lm_head.weight" and "output.weight" not in g:
             a = g["token_embd.weight"]
         else:
             names = _gguf_names(key)

@@ -55,13 +55,17 @@ def blocks_for(n_tokens: int) -> int:
 class KVPool:
     """k/v of every layer of the stage, [n_kv_heads, n_blocks * BLOCK_SIZE, head_dim] each.
 
+    The latent layout (MLA, stages/mla.py; v_dim=0): one [1, rows, head_dim] tensor per layer
+    holding each token's compressed latent and RoPE key, and no v (the latent is the value).
+    Either way the rows are addressed by the same block tables.
+
     Layers are indexed by their global layer number (first .. first + n_layers - 1), so a stage's
     pool answers to the same numbers as the model.
     """
 
     def __init__(self, first_layer: int, n_layers: int, n_blocks: int, n_kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 kv_layers: list[int] | None = None, state=None):
+                 kv_layers: list[int] | None = None, state=None, v_dim: int | None = None):
         if n_blocks < 1:
             raise MoerayError(f"a KV pool needs at least one block, got {n_blocks}")
         self.first_layer, self.n_layers, self.n_blocks = first_layer, n_layers, n_blocks
@@ -71,11 +75,13 @@ class KVPool:
         self.kv_layers = list(range(first_layer, first_layer + n_layers)) if kv_layers is None else list(kv_layers)
         self._index = {layer: i for i, layer in enumerate(self.kv_layers)}
         self.state = state
-        shape = (n_kv_heads, n_blocks * BLOCK_SIZE, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.kv_layers]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in self.kv_layers]
+        rows = n_blocks * BLOCK_SIZE
+        v_dim = head_dim if v_dim is None else v_dim
+        self.k = [torch.zeros((n_kv_heads, rows, head_dim), dtype=dtype, device=device) for _ in self.kv_layers]
+        self.v = [torch.zeros((n_kv_heads, rows, v_dim), dtype=dtype, device=device) if v_dim else None
+                  for _ in self.kv_layers]
 
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         i = self._index[layer]
         return self.k[i], self.v[i]
 
@@ -87,7 +93,7 @@ class KVPool:
                 raise MoerayError(f"block table {table[:8]}... names a block outside the pool of {self.n_blocks}")
 
     def nbytes(self) -> int:
-        kv = sum(t.numel() * t.element_size() for t in self.k + self.v)
+        kv = sum(t.numel() * t.element_size() for t in self.k + self.v if t is not None)
         return kv + (self.state.nbytes() if self.state is not None else 0)
 
 
@@ -98,10 +104,10 @@ class KVCache(KVPool):
 
     def __init__(self, first_layer: int, n_layers: int, max_seqs: int, n_kv_heads: int, max_len: int,
                  head_dim: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-                 kv_layers: list[int] | None = None, state=None):
+                 kv_layers: list[int] | None = None, state=None, v_dim: int | None = None):
         self.per_slot = blocks_for(max_len)
         super().__init__(first_layer, n_layers, max_seqs * self.per_slot, n_kv_heads, head_dim, dtype, device,
-                         kv_layers, state)
+                         kv_layers, state, v_dim)
         self.max_seqs, self.max_len = max_seqs, max_len
         self.lengths = [0] * max_seqs
 

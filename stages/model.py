@@ -18,6 +18,7 @@ from moeray.stages.deltanet import DeltaState, GatedDeltaNet
 from moeray.stages.gguf_file import GGUFFile, tensor_role, trunk_bytes
 from moeray.stages.kv_cache import KVCache, KVPool, kv_dtype
 from moeray.stages.layers import Attention, BatchMeta, GatedAttention, make_batch_meta, rms_norm, slot_batch_meta
+from moeray.stages.mla import MLAttention
 from moeray.stages.moe import DenseFFN, Experts, HostExperts, MoEBlock
 from moeray.stages.qmatmul import QMatrix, announce, current_route
 from moeray.stages.rope import RoPE
@@ -70,9 +71,14 @@ class StageModel(torch.nn.Module):
         return dequantize(self.gguf.raw(name), info.ggml_type, info.shape).to(self.device, copy=True).contiguous()
 
     def _matrix(self, name: str) -> QMatrix:
-        """A weight matrix copied onto the device in its stored block form."""
+        """A weight matrix copied onto the device in its stored block form (a 3-D tensor, e.g.
+        MLA's per-head attn_k_b, as its rows stacked: [heads * rows, row])."""
         info = self.gguf.info(name)
-        return QMatrix.from_raw(self.gguf.raw(name), info.ggml_type, info.shape, self.route, device=self.device)
+        rows = 1
+        for d in info.shape[:-1]:
+            rows *= d
+        return QMatrix.from_raw(self.gguf.raw(name), info.ggml_type, (rows, info.shape[-1]), self.route,
+                                device=self.device)
 
     def _load_layer(self, i: int) -> TransformerLayer:
         """Layer i from the shared blocks its architecture names: an attention kind and an FFN kind."""
@@ -91,7 +97,9 @@ class StageModel(torch.nn.Module):
         q_norm = v(p + "attn_q_norm.weight") if cfg.qk_norm else None
         k_norm = v(p + "attn_k_norm.weight") if cfg.qk_norm else None
         return Attention(cfg, i, [fused] if fused is not None else qkv, b_qkv, m(p + "attn_output.weight"),
-                         q_norm, k_norm)
+                         q_norm, k_norm, b_o=v(p + "attn_output.bias") if cfg.attn_out_bias else None,
+                         sinks=v(p + "attn_sinks.weight") if cfg.attn_sinks else None,
+                         window=arch_of(cfg).attention_window(cfg, i))
 
     def _gated_gqa(self, i: int) -> GatedAttention:
         """Full attention with a per-head output gate in attn_q (qwen3next): q/k norms, no biases."""
@@ -124,6 +132,15 @@ class StageModel(torch.nn.Module):
         return QMatrix(per_row[idx].reshape(-1) if w.route != "exact" else w.data[idx], w.ggml_type,
                        (len(idx), w.shape[1]), w.route)
 
+    def _mla(self, i: int) -> MLAttention:
+        cfg, p, m, v = self.config, f"blk.{i}.", self._matrix, self._vector
+        lora = cfg.q_lora_rank > 0
+        return MLAttention(cfg, i, None if lora else m(p + "attn_q.weight"),
+                           m(p + "attn_q_a.weight") if lora else None, v(p + "attn_q_a_norm.weight") if lora else None,
+                           m(p + "attn_q_b.weight") if lora else None, m(p + "attn_kv_a_mqa.weight"),
+                           v(p + "attn_kv_a_norm.weight"), m(p + "attn_k_b.weight"), m(p + "attn_v_b.weight"),
+                           m(p + "attn_output.weight"))
+
     def _dense_ffn(self, i: int) -> DenseFFN:
         p, m = f"blk.{i}.", self._matrix
         return DenseFFN(m(p + "ffn_gate.weight"), m(p + "ffn_up.weight"), m(p + "ffn_down.weight"))
@@ -136,7 +153,10 @@ class StageModel(torch.nn.Module):
                               m(p + "ffn_down_shexp.weight"))
             if cfg.shared_expert_gate:
                 gate = v(p + "ffn_gate_inp_shexp.weight").reshape(-1)
-        return MoEBlock(cfg, i, v(p + "ffn_gate_inp.weight"), self.experts, shared, gate)
+        # the routing function's bias: DeepSeek's / GLM's score correction, or gpt-oss's logit bias
+        bias = (v(p + "exp_probs_b.bias") if cfg.score_bias else
+                v(p + "ffn_gate_inp.bias") if cfg.router_bias else None)
+        return MoEBlock(cfg, i, v(p + "ffn_gate_inp.weight"), self.experts, shared, gate, router_bias=bias)
 
     @classmethod
     def from_gguf(cls, path_or_gguf: str | os.PathLike | GGUFFile, layers: tuple[int, int] | None = None,
@@ -172,18 +192,26 @@ class StageModel(torch.nn.Module):
         """Fixed slots of max_len tokens: the one-shot path (step, logits_all); a hybrid model's
         DeltaNet state has a slot for each KV slot."""
         c = self.config
-        return KVCache(self.first, self.end - self.first, max_seqs, c.n_kv_heads, max_len, c.head_dim,
+        heads, k_dim, v_dim = self._kv_shape()
+        return KVCache(self.first, self.end - self.first, max_seqs, heads, max_len, k_dim,
                        dtype=kv_dtype(self.device), device=self.device, kv_layers=self.kv_layers(),
-                       state=self._state(max_seqs))
+                       state=self._state(max_seqs), v_dim=v_dim)
 
     def new_kv_pool(self, n_blocks: int, state_slots: int = 1) -> KVPool:
         """A pool of `n_blocks` blocks, addressed by the engine's block tables (the serving path),
         and `state_slots` DeltaNet states (one per sequence slot of the engine) when the stage
         holds recurrent layers."""
         c = self.config
-        return KVPool(self.first, self.end - self.first, n_blocks, c.n_kv_heads, c.head_dim,
+        heads, k_dim, v_dim = self._kv_shape()
+        return KVPool(self.first, self.end - self.first, n_blocks, heads, k_dim,
                       dtype=kv_dtype(self.device), device=self.device, kv_layers=self.kv_layers(),
-                      state=self._state(state_slots))
+                      state=self._state(state_slots), v_dim=v_dim)
+
+    def _kv_shape(self) -> tuple[int, int, int]:
+        """(heads, key width, value width) of this stage's KV pool: its architecture's layout
+        (MLA: one latent row per token, no separate value)."""
+        c, layers = self.config, self.kv_layers()
+        return arch_of(c).kv_layout(c, layers[0]) if layers else (c.n_kv_heads, c.head_dim, c.head_dim)
 
     def kv_layers(self) -> list[int]:
         """This stage's layers that keep KV (all but a hybrid model's recurrent ones)."""
@@ -264,7 +292,8 @@ class StageModel(torch.nn.Module):
 
 
 # The shared blocks a layer is built from, by the kind its architecture names (stages/arch/).
-_ATTENTION = {"gqa": StageModel._gqa, "gated_gqa": StageModel._gated_gqa, "deltanet": StageModel._deltanet}
+_ATTENTION = {"gqa": StageModel._gqa, "gated_gqa": StageModel._gated_gqa, "deltanet": StageModel._deltanet,
+              "mla": StageModel._mla}
 _FFN = {"dense": StageModel._dense_ffn, "moe": StageModel._moe}
 
 

@@ -3,20 +3,26 @@
 The MoE block routes each token to k experts and hands the routed tokens to the `Experts` it was
 built with. `HostExperts` computes every expert from the GGUF mapping's quantised blocks (the host
 copy); an ExpertCache (moeray.cache) counts each lookup, computes hot experts from its slots and
-passes the rest to the host copy. Weights are `QMatrix`es: quantised blocks, never float32 copies.
+passes the rest to the host copy. Weights are quantised blocks, never float32 copies.
+
+On the ggml route a layer's picks run as one graph over the stacked expert tensor
+(stages/expert_graph.py: mul_mat_id, tokens grouped inside the op); the per-expert path below
+(`ExpertWeights`, one call per expert) is the torch route's, for dequant/exact and CUDA slots.
 """
 from __future__ import annotations
 
 from typing import Callable, NamedTuple, Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
 from moeray.stages.arch import arch_of
 from moeray.stages.config import ModelConfig
+from moeray.stages.expert_graph import Part, Stack, add_picks, fusable, run
 from moeray.stages.gguf_file import EXPERT_KINDS, GGUFFile, expert_bytes
 from moeray.stages.qmatmul import SILU, GLU, ExpertBias, QMatrix, current_route, swiglu, to_device
-from moeray.stages.quant import dequantize
+from moeray.stages.quant import as_uint8_tensor, dequantize
 from moeray.stages.routing import ROUTING
 
 RouteObserver = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, ids [N, k], weights [N, k])
@@ -90,6 +96,43 @@ class HostExperts:
         self.act = GLU.of(self.config)
         self.on_route = on_route
         self.computed = 0  # experts computed from the host copy so far (a measure of host work)
+        self._stacks: dict[int, Stack | None] = {}
+
+    def stack(self, layer: int) -> Stack | None:
+        """The layer's experts in the mapping as one stacked tensor per kind, for ggml's
+        mul_mat_id (None off the ggml route, or for float32 experts: they keep the exact math)."""
+        if layer not in self._stacks:
+            self._stacks[layer] = None
+            if f"blk.{layer}.ffn_gate_exps.weight" not in self.gguf.tensors:  # a dense layer
+                return None
+            infos = [self.gguf.info(f"blk.{layer}.ffn_{kind}_exps.weight") for kind in EXPERT_KINDS]
+            if self.route == "ggml" and fusable(t.ggml_type for t in infos):
+                raws = [as_uint8_tensor(self.gguf.raw(t.name)) for t in infos]
+                parts = tuple(Part(r.data_ptr(), t.ggml_type, t.shape[1], t.shape[2], t.n_bytes // t.shape[0])
+                              for r, t in zip(raws, infos))
+                self._stacks[layer] = Stack(parts, infos[0].shape[0], raws, self.biases(layer))
+        return self._stacks[layer]
+
+    def stack_in(self, layer: int, base: int, row: int, n: int, owner, biases=(None, None, None)) -> Stack:
+        """The layer's experts laid out as the rows of another buffer (a stage's slots): row i
+        holds one expert's gate, up and down blocks back to back from base + i * row."""
+        parts, off = [], 0
+        for p in self.stack(layer).parts:
+            parts.append(Part(base + off, p.ggml_type, p.rows, p.cols, row))
+            off += p.nbytes
+        return Stack(tuple(parts), n, owner, biases)
+
+    def biases(self, layer: int) -> tuple:
+        """float32 [E, rows] per kind where the file has blk.L.ffn_{kind}_exps.bias, else None."""
+        out = []
+        for kind in EXPERT_KINDS:
+            name = f"blk.{layer}.ffn_{kind}_exps.bias"
+            if name in self.gguf.tensors:
+                t = self.gguf.info(name)
+                out.append(dequantize(self.gguf.raw(name), t.ggml_type, t.shape).reshape(t.shape[0], -1).contiguous())
+            else:
+                out.append(None)
+        return tuple(out)
 
     def info(self, layer: int, kind: str):
         """(ggml_type, per-expert shape) of one kind of expert tensor of a layer."""
@@ -103,7 +146,7 @@ class HostExperts:
             parts.append(QMatrix.from_raw(self.gguf.expert_raw(layer, kind, expert), gtype, shape,
                                           self.route, copy=False))
         bias = None
-        if self.gguf.has(f"blk.{layer}.ffn_gate_exps.bias"):  # float32 rows of the mapping, no copy
+        if self.config.expert_bias:  # float32 rows of the mapping, no copy (F32 as stored)
             bias = ExpertBias(*(self._bias_row(layer, kind, expert) for kind in EXPERT_KINDS))
         return ExpertWeights(*parts, bias, self.act)
 
@@ -120,6 +163,8 @@ class HostExperts:
                 slot_weights: SlotLookup | None = None) -> torch.Tensor:
         if self.on_route is not None:
             self.on_route(layer, ids, weights)
+        if slot_weights is None and self.stack(layer) is not None:
+            return self.forward_stacks(layer, x, ids, weights)
         # One host sync per layer (ids may already be on the host: ExpertCache moves them once);
         # the grouping below is plain Python.
         rows = ids.tolist()
@@ -151,6 +196,32 @@ class HostExperts:
             out.index_add_(0, tok, y * flat_weights[picks].unsqueeze(1))
             lo = hi
         return out
+
+    def forward_stacks(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                       slot_of: np.ndarray | None = None, slots: Stack | None = None) -> torch.Tensor:
+        """Every pick of the layer in at most two ggml calls: picks whose `slot_of` entry is >= 0
+        from the slot stack `slots` (indexed by slot), the rest from the mapping (by expert).
+        Misses are computed on the host; x is copied there once if it lives on a card."""
+        ids = ids.to("cpu")  # a no-op when the caller (ExpertCache) already moved them
+        xh = x if x.device.type == "cpu" else x.float().to("cpu")
+        wh = weights.to("cpu", torch.float32)
+        N, k = ids.shape
+        hit = None if slot_of is None else torch.from_numpy(slot_of >= 0)
+        if hit is None or not bool(hit.any()):
+            self.computed += len(torch.unique(ids))
+            out = run(self.stack(layer), self.act, xh, ids, wh)
+        elif bool(hit.all()):
+            out = run(slots, self.act, xh, torch.from_numpy(slot_of), wh)
+        else:  # split: each stack gets its own picks, one row of x per pick
+            flat_hit = hit.reshape(-1).nonzero().squeeze(1)
+            flat_miss = (~hit).reshape(-1).nonzero().squeeze(1)
+            flat_ids, flat_w = ids.reshape(-1, 1), wh.reshape(-1, 1)
+            self.computed += len(torch.unique(flat_ids[flat_miss]))
+            slot_ids = torch.from_numpy(slot_of.reshape(-1, 1))
+            y_hit = run(slots, self.act, xh[flat_hit // k], slot_ids[flat_hit], flat_w[flat_hit])
+            y_miss = run(self.stack(layer), self.act, xh[flat_miss // k], flat_ids[flat_miss], flat_w[flat_miss])
+            out = add_picks(N, k, [(flat_hit, y_hit), (flat_miss, y_miss)], xh.shape[1])
+        return out if out.device == x.device else to_device(out, x.device)
 
     def _expert(self, layer: int, expert: int, slot_weights: SlotLookup | None) -> ExpertWeights:
         w = slot_weights(layer, expert) if slot_weights is not None else None

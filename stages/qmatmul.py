@@ -90,7 +90,8 @@ def route_line(route: str, device: torch.device) -> str:
     if route == "ggml":
         n = ggml_threads()
         spin = "; torch's own ops on 1 thread" if n > 1 else ""
-        return f"moeray: kernels: ggml (quantised blocks, 8-bit activations) on cpu, {n} thread(s){spin}"
+        return (f"moeray: kernels: ggml (quantised blocks, 8-bit activations; a layer's routed experts in "
+                f"one mul_mat_id graph) on cpu, {n} thread(s){spin}")
     if route == "exact":
         return f"moeray: kernels: exact (float32 copies of every weight, debugging) on {device}"
     if _card_kernels(device) is not None:
@@ -168,7 +169,7 @@ class _Graph:
     """One ggml compute graph over tensors that own no memory: weights, input and output point at
     torch storage that is re-assigned on every call, so one graph serves every expert of a shape."""
 
-    def __init__(self, build, n_nodes: int = 16):
+    def __init__(self, build, n_nodes: int = 64):
         n_threads, pool = _threadpool()
         self.n_threads = n_threads
         size = _G.ggml_tensor_overhead() * n_nodes + _G.ggml_graph_overhead() + 4096
@@ -176,6 +177,12 @@ class _Graph:
         self.inputs, self.output, scratch = build(self.ctx)
         self.graph = _G.ggml_new_graph(self.ctx)
         _G.ggml_build_forward_expand(self.graph, self.output)
+        views = []
+        if scratch is None:  # every intermediate node of the graph; views share their source's bytes
+            out = ctypes.addressof(self.output.contents)
+            nodes = [_G.ggml_graph_node(self.graph, i) for i in range(_G.ggml_graph_n_nodes(self.graph))]
+            scratch = [t for t in nodes if ctypes.addressof(t.contents) != out and not t.contents.view_src]
+            views = [t for t in nodes if t.contents.view_src]
         # Intermediate results get fixed places in one scratch buffer.
         sizes = [_G.ggml_nbytes(t) for t in scratch]
         self.scratch = torch.empty(sum(sizes) + 64 * len(sizes), dtype=torch.uint8)
@@ -183,6 +190,13 @@ class _Graph:
         for t, n in zip(scratch, sizes):
             t.contents.data = self.scratch.data_ptr() + off
             off += (n + 63) // 64 * 64
+        placed = {ctypes.addressof(t.contents) for t in scratch}
+        for t in views:  # in graph order, so a view of a view finds its source placed
+            src = t.contents.view_src.contents
+            if ctypes.addressof(src) not in placed:
+                raise ValueError("a graph view must look into an intermediate result, not an input")
+            t.contents.data = src.data + t.contents.view_offs
+            placed.add(ctypes.addressof(t.contents))
         self.plan = _G.ggml_graph_plan(self.graph, n_threads, pool)
         self.work = torch.empty(max(1, self.plan.work_size), dtype=torch.uint8)
         self.plan.work_data = ctypes.cast(self.work.data_ptr(), ctypes.POINTER(ctypes.c_uint8))
@@ -204,6 +218,17 @@ class _Graph:
 
 
 _graphs: dict[tuple, _Graph] = {}
+
+
+def ggml_lib():
+    """The ggml binding module (callers check ggml_available() first)."""
+    return _G
+
+
+def ggml_graph(key: tuple, build) -> _Graph:
+    """The cached graph for `key`, built by `build(ctx) -> (inputs, output, scratch or None)`
+    on first use (None: every intermediate node gets scratch, views are placed in their source)."""
+    return _graph(key, build)
 
 
 def _graph(key: tuple, build) -> _Graph:

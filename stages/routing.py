@@ -23,4 +23,42 @@ def softmax_topk(logits: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | No
     return ids, weights
 
 
-ROUTING = {"softmax_topk": softmax_topk}
+def grouped_topk(logits: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's router (transformers' DeepseekV3TopkRouter, llama.cpp's build_moe_ffn):
+    sigmoid (or softmax) scores; the score-correction bias (exp_probs_b) added for choosing only;
+    experts in `expert_groups` groups, each group scored by its two best, only the best
+    `expert_groups_used` groups chosen from; the k best experts there, weighted by their
+    uncorrected scores, renormalised when the config says, times routed_scaling_factor."""
+    if cfg.expert_gating == "sigmoid":
+        scores = torch.sigmoid(logits.float())
+    else:
+        scores = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    choice = scores if bias is None else scores + bias
+    G = cfg.expert_groups
+    if G > 1:
+        N, E = choice.shape
+        per_group = choice.view(N, G, E // G)
+        group_score = per_group.topk(min(2, E // G), dim=-1).values.sum(dim=-1)  # [N, G]
+        keep = torch.zeros(N, G, dtype=torch.bool, device=choice.device)
+        keep.scatter_(1, group_score.topk(cfg.expert_groups_used, dim=-1).indices, True)
+        choice = per_group.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(N, E)
+    ids = choice.topk(cfg.n_experts_used, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return ids, weights * cfg.expert_weights_scale
+
+
+def topk_softmax(logits: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest logits (the router's bias added to them first), softmax over those k only
+    (gpt-oss; llama.cpp's SOFTMAX_WEIGHT gating). Equal to softmax_topk renormalised, without
+    the softmax over every expert."""
+    if bias is not None:
+        logits = logits + bias
+    top, ids = torch.topk(logits, cfg.n_experts_used, dim=-1)
+    return ids, torch.softmax(top, dim=-1, dtype=torch.float32)
+
+
+ROUTING = {"softmax_topk": softmax_topk, "topk_softmax": topk_softmax, "grouped_topk": grouped_topk}

@@ -65,6 +65,9 @@ def write_synthetic_gguf(path: Path, cfg: ModelConfig, seed: int = 0, weight_typ
                      cfg.expert_ffn_dim)
         if cfg.shared_expert_ffn_dim:
             w.add_uint32(f"{arch}.expert_shared_feed_forward_length", cfg.shared_expert_ffn_dim)
+        if cfg.n_dense_leading:  # dense FFN layers before the MoE ones (DeepSeek, GLM)
+            w.add_uint32(f"{arch}.leading_dense_block_count", cfg.n_dense_leading)
+            w.add_uint32(f"{arch}.feed_forward_length", cfg.ffn_dim)
     else:
         w.add_uint32(f"{arch}.feed_forward_length", cfg.ffn_dim)
     shapes, types = shapes or {}, types or {}

@@ -20,6 +20,8 @@ from tiny_models import (
     tiny_llama,
     tiny_mixtral,
     tiny_qwen2moe,
+    tiny_deepseek3,
+    tiny_glm4moe,
     tiny_qwen3moe,
     token_ids,
 )
@@ -36,6 +38,9 @@ MODELS = {
     "qwen2moe": tiny_qwen2moe,
     "qwen2moe-normtopk": lambda: tiny_qwen2moe(norm_topk_prob=True),
     "qwen3moe": tiny_qwen3moe,
+    "deepseek3": tiny_deepseek3,  # MLA over the latent KV, YaRN + mscale, a dense layer, grouped sigmoid routing
+    "glm4moe": tiny_glm4moe,  # partial rope, q/k norm, qkv biases, a dense layer, sigmoid + bias, an MTP layer
+    "glm4moe-air": lambda: tiny_glm4moe(use_qk_norm=False),
 }
 FILE_TYPES = ("F32", "F16", "Q8_0")
 IDS = token_ids(20)
@@ -124,7 +129,7 @@ def test_transformers_gguf_loader_reads_moerays_file(cases, name, ft):
     _assert_close(load_model(path).logits_all(IDS), hf, f"{name} {ft}: moeray vs transformers-from-GGUF")
 
 
-@pytest.mark.parametrize("name", ["mixtral", "qwen2moe"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen2moe", "deepseek3"])
 def test_batched_sequences_of_different_lengths_match_transformers(cases, name):
     """Three sequences of different lengths prefilled in one step, then decoded together: each gets
     the logits transformers computes for it alone (no attention leaks across packed sequences)."""
@@ -174,7 +179,7 @@ def _logits_and_routing(path, route):
 
 @pytest.mark.parametrize("route", ["dequant", "ggml"])
 @pytest.mark.parametrize("ft", ("F16", "Q8_0"))
-@pytest.mark.parametrize("name", ["llama", "mixtral", "qwen2moe", "qwen3moe"])
+@pytest.mark.parametrize("name", ["llama", "mixtral", "qwen2moe", "qwen3moe", "deepseek3", "glm4moe"])
 def test_quantised_routes_stay_within_their_measured_tolerance(cases, name, ft, route):
     if route == "ggml" and not ggml_available():
         pytest.skip("ggml-python is not installed (the README's set-up builds it)")

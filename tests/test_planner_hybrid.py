@@ -69,3 +69,19 @@ def test_more_sequences_leave_less_room_for_experts(spec_path, capsys):
               "--json", "-"])
         held.append(json.loads(capsys.readouterr().out)["held_pairs"])
     assert held[1] < held[0]  # 64 sequences' state (4.7 GiB) pushes experts out
+
+
+def test_plan_of_a_hybrid_gguf_offers_dnproj_and_charges_state(tmp_path, capsys):
+    """From a GGUF header: the DeltaNet layers' projections as their own piece, the state line."""
+    from moeray.stages.gguf_writer import write_gguf
+    from tiny_hybrid import tiny_qwen3next
+
+    path = write_gguf(tiny_qwen3next(), tmp_path / "q3n.gguf", "Q8_0")
+    assert main(["plan", str(path), "--devices", "2MB,2MB", "--max-seqs", "4", "--verbose"]) == 0
+    out = capsys.readouterr().out
+    layer0 = next(l for l in out.splitlines() if "layer 0 trunk" in l)
+    assert "dnproj" in layer0 and "state" in layer0 and "attn " not in layer0
+    layer3 = next(l for l in out.splitlines() if "layer 3 trunk" in l)
+    assert "attn" in layer3 and "dnproj" not in layer3 and "state" not in layer3
+    # conv 256 x 3 + 4 heads of 32 x 32, float32, in each of layers 0-2
+    assert "[state] 3 recurrent layers hold 57.00 KiB of state per sequence; 4 sequence(s)" in out

@@ -296,6 +296,8 @@ def test_stage_hit_rates_on_the_ray_metrics_endpoint_match_v1_stages(server, cli
         assert 0 < s["cache"]["hits"] <= s["cache"]["lookups"]
         assert seen[(exported_name("moeray_stage_cache_slots"), str(s["stage"]))] == s["cache"]["slots"]
         assert seen[(exported_name("moeray_stage_first_layer"), str(s["stage"]))] == s["layers"][0]
+    # The fault gauges are exported beside them: every stage serving, nothing lost.
+    assert seen[(exported_name("moeray_stages_serving"), "")] == len(stages)
 
 
 def test_live_profile_counts_what_the_stages_routed_and_re_plans(server, client, tmp_path, default_model_path):

@@ -36,7 +36,7 @@ def _randomise(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(1.0 + 0.3 * torch.randn(p.shape, generator=gen))
             elif name.endswith(".bias"):
                 p.copy_(0.3 * torch.randn(p.shape, generator=gen))
-            elif name.endswith("mlp.gate.weight"):  # the router: decisive top-k
+            elif name.endswith(("mlp.gate.weight", "mlp.router.weight")):  # the router: decisive top-k
                 p.copy_(torch.randn(p.shape, generator=gen) * (2.0 / math.sqrt(p.shape[-1])))
             elif "embed_tokens" in name:
                 p.copy_(torch.randn(p.shape, generator=gen))
@@ -103,6 +103,75 @@ def tiny_qwen3moe(seed: int = 3, norm_topk_prob: bool = True):
                          rope_theta=1000000.0)
     torch.manual_seed(seed)
     return _finish(Qwen3MoeForCausalLM(cfg), seed)
+
+
+def tiny_deepseek3(seed: int = 4, n_layers: int = N_LAYERS):
+    """DeepSeek-V3: MLA (q LoRA 64, kv LoRA 64, nope 32 + rope 16 per head, v 32), YaRN with
+    mscale, layer 0 dense, then 8 experts in 4 groups (2 groups used), top-2 by sigmoid scores
+    with a score-correction bias, renormalised, x2.5, plus an ungated shared expert."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    cfg = DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=n_layers, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=MAX_POS, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        attn_implementation="eager", intermediate_size=DENSE_FFN, moe_intermediate_size=EXPERT_FFN,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=4, topk_group=2, n_shared_experts=1,
+        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True, q_lora_rank=64,
+        kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "mscale": 1.0, "mscale_all_dim": 1.0})
+    torch.manual_seed(seed)
+    model = _finish(DeepseekV3ForCausalLM(cfg), seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():  # a buffer, not a parameter: a bias that changes some choices
+        for layer in model.model.layers[1:]:
+            b = layer.mlp.gate.e_score_correction_bias
+            b.copy_(0.3 * torch.randn(b.shape, generator=gen))
+    return model
+
+
+def tiny_glm4moe(seed: int = 5, use_qk_norm: bool = True):
+    """GLM-4.5: q/k/v biases, per-head q/k norm (GLM-4.5; Air: none), partial NeoX RoPE over half of
+    each head, layer 0 dense, then 8 experts top-2 by sigmoid scores with a correction bias,
+    renormalised, x2.5, an ungated shared expert; one MTP layer in the file (skipped)."""
+    from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+
+    cfg = Glm4MoeConfig(**_common(), intermediate_size=DENSE_FFN, moe_intermediate_size=EXPERT_FFN,
+                        n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
+                        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                        use_qk_norm=use_qk_norm, attention_bias=True, num_nextn_predict_layers=1,
+                        rope_parameters={"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5})
+    torch.manual_seed(seed)
+    model = _finish(Glm4MoeForCausalLM(cfg), seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for layer in model.model.layers[1:]:
+            b = layer.mlp.gate.e_score_correction_bias
+            b.copy_(0.3 * torch.randn(b.shape, generator=gen))
+    return model
+
+
+def tiny_gpt_oss(seed: int = 4, n_layers: int = N_LAYERS):
+    """gpt-oss: 6 experts, top-2 (softmax over the top-2 logits), router and expert biases, the
+    clamped SwiGLU (experts scaled so that |g| and |u| pass the limit 7), attention sinks, q/k/v/o
+    biases, a sliding window of 8 on layers 0 and 2 (20-token tests cross it), YaRN (factor 4
+    over an original context of 64, un-truncated as gpt-oss's own config has it)."""
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    rope = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+            "original_max_position_embeddings": 64, "rope_theta": 150000.0}
+    cfg = GptOssConfig(**{**_common(), "num_hidden_layers": n_layers}, intermediate_size=EXPERT_FFN,
+                       num_local_experts=6, num_experts_per_tok=2, sliding_window=8, rope_parameters=rope,
+                       attention_bias=True)
+    torch.manual_seed(seed)
+    model = _finish(GptOssForCausalLM(cfg), seed)
+    gen = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.experts.gate_up_proj.mul_(4.0)
+            layer.self_attn.sinks.copy_(torch.randn(layer.self_attn.sinks.shape, generator=gen) * 2.0)
+    return model
 
 
 BUILDERS = {

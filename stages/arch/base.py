@@ -55,6 +55,10 @@ def gqa_tensors(cfg: ModelConfig, p: str) -> Shapes:
         t.update({p + "attn_q.bias": (q_out,), p + "attn_k.bias": (kv_out,), p + "attn_v.bias": (kv_out,)})
     if cfg.qk_norm:
         t.update({p + "attn_q_norm.weight": (D,), p + "attn_k_norm.weight": (D,)})
+    if cfg.attn_out_bias:
+        t[p + "attn_output.bias"] = (H,)
+    if cfg.attn_sinks:
+        t[p + "attn_sinks.weight"] = (cfg.n_heads,)
     return t
 
 
@@ -74,12 +78,37 @@ def moe_tensors(cfg: ModelConfig, p: str) -> Shapes:
                   p + "ffn_down_shexp.weight": (H, S)})
         if cfg.shared_expert_gate:
             t[p + "ffn_gate_inp_shexp.weight"] = (H,)
+    if cfg.router_bias:
+        t[p + "ffn_gate_inp.bias"] = (E,)
+    if cfg.score_bias:
+        t[p + "exp_probs_b.bias"] = (E,)
+    if cfg.expert_bias:
+        t.update({p + "ffn_gate_exps.bias": (E, F), p + "ffn_up_exps.bias": (E, F), p + "ffn_down_exps.bias": (E, H)})
     return t
 
 
-ATTENTION_TENSORS = {"gqa": gqa_tensors}
-# Values one token holds in one layer's KV cache, per attention kind: k and v of every KV head.
-KV_VALUES = {"gqa": lambda cfg: 2 * cfg.n_kv_heads * cfg.head_dim}
+def mla_tensors(cfg: ModelConfig, p: str) -> Shapes:
+    """Multi-head latent attention (stages/mla.py) as llama.cpp's current converter writes it:
+    kv_b_proj split per head into attn_k_b [heads, kv_lora, nope] and attn_v_b [heads, v, kv_lora]."""
+    H, nh, C, R = cfg.hidden, cfg.n_heads, cfg.kv_lora_rank, cfg.rope_dim
+    nope, v = cfg.head_dim - R, cfg.v_head_dim or cfg.head_dim
+    t = {p + "attn_kv_a_mqa.weight": (C + R, H), p + "attn_kv_a_norm.weight": (C,),
+         p + "attn_k_b.weight": (nh, C, nope), p + "attn_v_b.weight": (nh, v, C),
+         p + "attn_output.weight": (H, nh * v)}
+    if cfg.q_lora_rank:
+        Q = cfg.q_lora_rank
+        t.update({p + "attn_q_a.weight": (Q, H), p + "attn_q_a_norm.weight": (Q,),
+                  p + "attn_q_b.weight": (nh * cfg.head_dim, Q)})
+    else:
+        t[p + "attn_q.weight"] = (nh * cfg.head_dim, H)
+    return t
+
+
+ATTENTION_TENSORS = {"gqa": gqa_tensors, "mla": mla_tensors}
+# (heads, key width, value width) one token takes in one layer's KV pool, per attention kind:
+# k and v of every KV head; MLA's latent + RoPE key, one row, no separate value.
+KV_LAYOUT = {"gqa": lambda cfg: (cfg.n_kv_heads, cfg.head_dim, cfg.head_dim),
+             "mla": lambda cfg: (1, cfg.kv_lora_rank + cfg.rope_dim, 0)}
 
 
 class Architecture:
@@ -107,32 +136,41 @@ class Architecture:
         """The fields every family reads the same way; subclasses adjust the dict."""
         n_heads = int(g("attention.head_count"))
         hidden = int(g("embedding_length"))
+        heads = self.head_fields(g, hidden, n_heads)
+        head_dim, rope_dim = heads["head_dim"], heads["rope_dim"] or heads["head_dim"]
+        if not 0 < rope_dim <= head_dim or rope_dim % 2:
+            raise g.unsupported(f"rope.dimension_count {rope_dim} does not fit head_dim {head_dim}")
+        n_experts = int(g("expert_count", 0))
+        expert_ffn = int(g("expert_feed_forward_length", 0)) if n_experts else 0
+        # DeepSeek's first_k_dense_replace, GLM's first layer: dense FFN layers before the MoE ones
+        dense_lead = int(g("leading_dense_block_count", 0)) if n_experts else 0
+        emb = shapes.get("token_embd.weight")
+        vocab = emb[0] if emb else int(g("vocab_size", len(meta.get("tokenizer.ggml.tokens", ())) or 0))
+        bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
+        return dict(
+            arch=self.name, n_layers=int(g("block_count")), hidden=hidden, n_heads=n_heads, **heads,
+            vocab_size=int(vocab),
+            context_length=int(g("context_length", 4096)), rope_theta=float(g("rope.freq_base", 10000.0)),
+            rms_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)), rope_style=self.rope_style,
+            ffn_dim=int(g("feed_forward_length", 0)) if dense_lead or not n_experts else 0, n_experts=n_experts,
+            n_dense_leading=dense_lead,
+            n_experts_used=int(g("expert_used_count", 0)), expert_ffn_dim=expert_ffn,
+            shared_expert_ffn_dim=0, norm_topk_prob=bool(g("expert_weights_norm", self.norm_topk_default)),
+            qk_norm=self.qk_norm, tie_embeddings="output.weight" not in shapes,
+            bos_token_id=None if bos is None else int(bos), eos_token_id=None if eos is None else int(eos),
+            qkv_bias="blk.0.attn_q.bias" in shapes, **self.rope_scaling_fields(g),
+        )
+
+    def head_fields(self, g: Meta, hidden: int, n_heads: int) -> dict[str, Any]:
+        """KV heads, head width and rotary width (0: all of the head) of GQA attention."""
         head_dim = int(g("attention.key_length", hidden // n_heads))
         value_dim = int(g("attention.value_length", head_dim))
         if value_dim != head_dim:
             raise g.unsupported(f"attention.value_length {value_dim} != key_length {head_dim}; moeray needs "
                                 "them equal for this architecture")
         rope_dim = int(g("rope.dimension_count", head_dim))
-        if not 0 < rope_dim <= head_dim or rope_dim % 2:
-            raise g.unsupported(f"rope.dimension_count {rope_dim} does not fit head_dim {head_dim}")
-        n_experts = int(g("expert_count", 0))
-        expert_ffn = int(g("expert_feed_forward_length", 0)) if n_experts else 0
-        emb = shapes.get("token_embd.weight")
-        vocab = emb[0] if emb else int(g("vocab_size", len(meta.get("tokenizer.ggml.tokens", ())) or 0))
-        bos, eos = meta.get("tokenizer.ggml.bos_token_id"), meta.get("tokenizer.ggml.eos_token_id")
-        return dict(
-            arch=self.name, n_layers=int(g("block_count")), hidden=hidden, n_heads=n_heads,
-            n_kv_heads=int(g("attention.head_count_kv", n_heads)), head_dim=head_dim, vocab_size=int(vocab),
-            context_length=int(g("context_length", 4096)), rope_theta=float(g("rope.freq_base", 10000.0)),
-            rms_eps=float(g("attention.layer_norm_rms_epsilon", 1e-6)), rope_style=self.rope_style,
-            ffn_dim=0 if n_experts else int(g("feed_forward_length", 0)), n_experts=n_experts,
-            n_experts_used=int(g("expert_used_count", 0)), expert_ffn_dim=expert_ffn,
-            shared_expert_ffn_dim=0, norm_topk_prob=bool(g("expert_weights_norm", self.norm_topk_default)),
-            qk_norm=self.qk_norm, tie_embeddings="output.weight" not in shapes,
-            bos_token_id=None if bos is None else int(bos), eos_token_id=None if eos is None else int(eos),
-            qkv_bias="blk.0.attn_q.bias" in shapes, rope_dim=0 if rope_dim == head_dim else rope_dim,
-            **self.rope_scaling_fields(g),
-        )
+        return dict(n_kv_heads=int(g("attention.head_count_kv", n_heads)), head_dim=head_dim,
+                    rope_dim=0 if rope_dim == head_dim else rope_dim)
 
     def rope_scaling_fields(self, g: Meta) -> dict[str, Any]:
         """rope.scaling.*: none, linear, or YaRN with its attention factor as llama.cpp derives it
@@ -166,6 +204,10 @@ class Architecture:
         """Which shared attention block layer `layer` is built with (stages/model.py builds it)."""
         return cfg.attention
 
+    def attention_window(self, cfg: ModelConfig, layer: int) -> int:
+        """Tokens layer `layer` attends over (itself included); 0: the whole context."""
+        return cfg.sliding_window if layer < len(cfg.swa_layers) and cfg.swa_layers[layer] else 0
+
     def ffn_kind(self, cfg: ModelConfig, layer: int) -> str:
         return "moe" if self.is_moe_layer(cfg, layer) else "dense"
 
@@ -186,9 +228,15 @@ class Architecture:
             t.update(self.layer_tensors(cfg, i))
         return t
 
+    def kv_layout(self, cfg: ModelConfig, layer: int) -> tuple[int, int, int]:
+        """(heads, key width, value width) of layer `layer`'s KV pool (stages/kv_cache.py KVPool);
+        value width 0: the latent layout, the key row is all a token holds."""
+        return KV_LAYOUT.get(self.attention_kind(cfg, layer), KV_LAYOUT["gqa"])(cfg)
+
     def kv_values(self, cfg: ModelConfig, layer: int) -> int:
         """Values one token holds in layer `layer`'s KV cache (the KV pool's and the planner's price)."""
-        return KV_VALUES[self.attention_kind(cfg, layer)](cfg)
+        heads, k_dim, v_dim = self.kv_layout(cfg, layer)
+        return heads * (k_dim + v_dim)
 
     def state_bytes(self, cfg: ModelConfig, layer: int) -> int:
         """Bytes one sequence's recurrent state takes in layer `layer` (0: the layer keeps KV only);
@@ -204,11 +252,28 @@ class Architecture:
         """rope.dimension_count as written: the values of a head RoPE turns."""
         return head_dim
 
+    def hf_heads(self, hf_config: Any, head_dim: int) -> tuple[int, int, int]:
+        """(head_count_kv, key_length, value_length) as written."""
+        return int(hf_config.num_key_value_heads), head_dim, head_dim
+
     def hf_tensor(self, layer: int | None, rest: str, a: Any, hf_config: Any) -> list | None:
         """The GGUF tensors [(name, array)] of one transformers tensor (`rest`: its key after
         "model.layers.{layer}.", or the whole key when layer is None), for a family whose
         converter transforms it; None: the common name mapping applies."""
         return None
+
+    def hf_tensor_from_gguf(self, key: str, tensors: dict[str, Any]) -> Any | None:
+        """The inverse of `hf_tensor` for reading a file back: one transformers tensor from the
+        GGUF's dequantised ones (None: the common mapping)."""
+        return None
+
+    def hf_extra_tensors(self, hf_config: Any, tensors: dict) -> dict:
+        """Tensors the converter writes that the transformers model does not have (GLM's MTP layers)."""
+        return {}
+
+    def hf_dense_layers(self, hf_config: Any) -> set[int]:
+        """Layers of an MoE model the converter writes with a dense FFN (leading_dense_block_count)."""
+        return set()
 
     def hf_norm_topk(self, hf_config: Any) -> bool:
         """expert_weights_norm as written: what the transformers model really does."""

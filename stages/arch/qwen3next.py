@@ -39,6 +39,9 @@ class Qwen3Next(Architecture):
 
     def config_fields(self, g, meta, shapes):
         f = super().config_fields(g, meta, shapes)
+        # The converter counts the multi-token-prediction blocks in block_count (after the trunk's
+        # layers); they are a draft head, not run in the main pass (llama.cpp skips them too).
+        f["n_layers"] -= int(g("nextn_predict_layers", 0))
         L = f["n_layers"]
         recurrent = g("attention.recurrent_layers", None)
         if recurrent is None:

@@ -1,0 +1,141 @@
+"""All routed experts of a layer in one ggml graph, as llama.cpp's `build_moe_ffn` runs them.
+
+`mul_mat_id` multiplies each token's row by the experts its ids name, over one stacked tensor
+[experts, rows, cols] of block-quantised weights: ggml groups the tokens by expert inside the op,
+so a layer costs one graph call from Python whatever the batch (before: one call per expert).
+
+A stack is where a layer's experts lie: the GGUF mapping's `blk.L.ffn_{gate,up,down}_exps`
+tensors (the host copy) or a stage's slot buffer (hits: a slot is an index into it). ggml reads
+an expert at `base + index * stride`, so a slot buffer whose rows are larger than one layer's
+expert (the global layout holds the largest blob) serves every layer through its own strides.
+
+One graph: x [N, H], ids/w [N, k] -> Σ_r w[:, r] · expert_{ids[:, r]}(x) [N, H], the weighted
+sum inside (a step whose picks one stack serves: all misses, or all hits). A step whose picks are
+split between the slots and the mapping runs it with k = 1 over each stack's picks (a row of x per
+pick) and `add_picks` sums them in rank order, the graph's own order: a token's output does not
+depend on which stack served each of its experts, bit for bit.
+
+Activations (qmatmul.GLU, the model's `expert_act`): "silu" silu(g)·u, or "swiglu_oai" (gpt-oss),
+with optional per-expert biases on gate, up and down (ggml's add_id, the op llama.cpp uses).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from gguf import GGMLQuantizationType as T
+
+from moeray.stages.qmatmul import FLOAT_TYPES, GLU, ggml_graph, ggml_lib, row_bytes
+
+KINDS = ("gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class Part:
+    """One kind (gate, up or down) of a stack: expert i's [rows, cols] blocks at base + i * stride."""
+    base: int
+    ggml_type: T
+    rows: int
+    cols: int
+    stride: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows * row_bytes(self.ggml_type, self.cols)
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A layer's experts as ggml reads them. `owner` keeps the memory alive; `biases` are float32
+    [n, rows] per kind (or None), indexed like the weights."""
+    parts: tuple[Part, Part, Part]
+    n: int
+    owner: object = None
+    biases: tuple = (None, None, None)
+
+    def key(self) -> tuple:
+        return tuple((int(p.ggml_type), p.rows, p.cols, p.stride) for p in self.parts) + (
+            self.n, tuple(None if b is None else b.shape[1] for b in self.biases))
+
+
+def fusable(types) -> bool:
+    """ggml's fused route serves block-quantised (and 16-bit) experts; float32 files keep the
+    exact torch math (their tests compare against float references)."""
+    return all(T(t) not in FLOAT_TYPES for t in types)
+
+
+def _build(stack: Stack, act: GLU, N: int, k: int):
+    """A builder for qmatmul's graph cache: inputs are (gate, up, down, x, ids, w, biases...)."""
+    G = ggml_lib()
+    (pg, pu, pd), n = stack.parts, stack.n
+
+    def build(ctx):
+        ws = []
+        for p in (pg, pu, pd):
+            t = G.ggml_new_tensor_3d(ctx, int(p.ggml_type), p.cols, p.rows, n)
+            t.contents.nb[2] = p.stride  # a slot row may be longer than this layer's expert
+            t.contents.nb[3] = p.stride * n
+            ws.append(t)
+        H = pg.cols
+        x = G.ggml_new_tensor_3d(ctx, G.GGML_TYPE_F32, H, 1, N)  # one row per token, broadcast over its k picks
+        ids = G.ggml_new_tensor_2d(ctx, G.GGML_TYPE_I32, k, N)
+        w = G.ggml_new_tensor_3d(ctx, G.GGML_TYPE_F32, 1, k, N)
+        inputs = [*ws, x, ids, w]
+        bias = []
+        for b, p in zip(stack.biases, (pg, pu, pd)):
+            if b is None:
+                bias.append(None)
+                continue
+            bt = G.ggml_new_tensor_2d(ctx, G.GGML_TYPE_F32, p.rows, n)
+            bt.contents.nb[1] = b.stride(0) * 4  # slot biases are rows of the widest layer
+            bt.contents.nb[2] = bt.contents.nb[3] = b.stride(0) * 4 * n
+            inputs.append(bt)
+            bias.append(bt)
+
+        def biased(y, i):
+            return y if bias[i] is None else G.ggml_add_id(ctx, y, bias[i], ids)
+
+        gate = biased(G.ggml_mul_mat_id(ctx, ws[0], x, ids), 0)  # [F, k, N]
+        up = biased(G.ggml_mul_mat_id(ctx, ws[1], x, ids), 1)
+        if act.kind == "swiglu_oai":
+            h = G.ggml_swiglu_oai(ctx, gate, up, act.alpha, act.limit)
+        else:
+            h = G.ggml_swiglu_split(ctx, gate, up)
+        y = biased(G.ggml_mul_mat_id(ctx, ws[2], h, ids), 2)  # [H, k, N]
+        y = G.ggml_mul(ctx, y, w)
+        out = y
+        if k > 1:  # Σ over the k picks in rank order (llama.cpp's order)
+            views = [G.ggml_view_2d(ctx, y, H, N, y.contents.nb[2], r * y.contents.nb[1]) for r in range(k)]
+            out = views[0]
+            for v in views[1:]:
+                out = G.ggml_add(ctx, out, v)
+        return inputs, out, None
+
+    return build
+
+
+def run(stack: Stack, act: GLU, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [N, H] float32 on the host, ids/w [N, k] -> Σ_r w[:, r] · expert_{ids[:, r]}(x), [N, H]."""
+    N, k = ids.shape
+    x = x.contiguous()
+    ids32 = ids.to(torch.int32).contiguous()
+    w32 = w.to(torch.float32).contiguous()
+    g = ggml_graph(("moe", N, k, act, stack.key()), _build(stack, act, N, k))
+    out = torch.empty(N, stack.parts[0].cols)
+    ptrs = [p.base for p in stack.parts] + [x.data_ptr(), ids32.data_ptr(), w32.data_ptr()]
+    ptrs += [b.data_ptr() for b in stack.biases if b is not None]
+    g(ptrs, out.data_ptr())
+    return out
+
+
+def add_picks(n_tokens: int, k: int, parts: list[tuple[torch.Tensor, torch.Tensor]], H: int) -> torch.Tensor:
+    """Σ_r of weighted picks given as (flat pick index t*k + r, [P, H]) groups -> [n_tokens, H],
+    added in rank order as the graph adds them."""
+    picks = torch.empty(n_tokens * k, H)
+    for flat, y in parts:
+        picks.index_copy_(0, flat, y)
+    picks = picks.view(n_tokens, k, H)
+    out = picks[:, 0].clone()
+    for r in range(1, k):
+        out += picks[:, r]
+    return out
