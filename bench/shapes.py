@@ -74,7 +74,7 @@ class _Blocks:
         self.shape = (*lead, rows, self.row_bytes)
         self.dtype = np.dtype(np.uint8)
         self.nbytes = int(np.prod(self.shape))
-        self.start = (seed * 7919 % _POOL_BLOCKS) * size
+        self.start = (seed * 7919 % (len(self.pool) // size)) * size
 
     def tofile(self, f) -> None:
         pool, left, pos = self.pool, self.nbytes, self.start
@@ -86,13 +86,13 @@ class _Blocks:
         # the pool's length is whole blocks and every cut starts on a block: each row stays valid
 
 
-def _pools(rng) -> dict:
+def _pools(rng, n_blocks: int) -> dict:
     pools = {}
     for qtype, fields in _SCALES.items():
         block, size = GGML_QUANT_SIZES[qtype]
-        p = rng.integers(0, 256, (_POOL_BLOCKS, size), dtype=np.uint8)
+        p = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
         for off, scale in fields:
-            halves = (rng.uniform(0.5, 1.5, _POOL_BLOCKS) * scale).astype(np.float16)
+            halves = (rng.uniform(0.5, 1.5, n_blocks) * scale).astype(np.float16)
             p[:, off:off + 2] = halves.view(np.uint8).reshape(-1, 2)
         pools[qtype] = p.reshape(-1)
     return pools
@@ -114,7 +114,8 @@ def shape_path(name: str) -> Path:
     return cache_dir() / f"shape-{name}-q4_k-random.gguf"
 
 
-def write_shape(name: str, seed: int = 0, shape: Shape | None = None, path: Path | None = None) -> Path:
+def write_shape(name: str, seed: int = 0, shape: Shape | None = None, path: Path | None = None,
+                pool_blocks: int = _POOL_BLOCKS) -> Path:
     """The file for SHAPES[name] (or `shape`) in the cache dir (or at `path`), written the first
     time (atomically); a file whose sidecar records the same shape is reused."""
     import gguf
@@ -129,7 +130,7 @@ def write_shape(name: str, seed: int = 0, shape: Shape | None = None, path: Path
         return path
     print(f"moeray: writing a {name}-shaped GGUF with random blocks into {path} ...", file=sys.stderr)
     rng = np.random.default_rng(seed)
-    pools = _pools(rng)
+    pools = _pools(rng, pool_blocks)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     w = gguf.GGUFWriter(tmp, arch=s.arch)
     a = s.arch

@@ -1,0 +1,46 @@
+"""bench/shapes.py: a real model's shape with random valid blocks, as both engines read it."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+from shapes import Shape, write_shape  # noqa: E402
+
+from moeray.stages.gguf_file import GGUFFile  # noqa: E402
+from moeray.stages.model import load_model  # noqa: E402
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe"])
+def test_a_shaped_file_has_the_shape_and_runs(tmp_path, arch):
+    extra = dict(shared_ff=512, norm_topk=False) if arch == "qwen2moe" else {}
+    ff = 352 if arch == "qwen2moe" else 256  # 352: not a multiple of 256, so its down rows take Q5_0
+    s = Shape(arch, layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=4, used=2,
+              expert_ff=ff, vocab=49408, **extra)
+    path = write_shape("tiny", shape=s, path=tmp_path / "tiny.gguf", pool_blocks=1024)
+    g = GGUFFile(path)
+    cfg = g.config
+    assert (cfg.arch, cfg.n_layers, cfg.hidden, cfg.n_experts, cfg.n_experts_used, cfg.expert_ffn_dim,
+            cfg.vocab_size) == (arch, 2, 256, 4, 2, ff, 49408)
+    assert g.info("blk.1.ffn_gate_exps.weight").ggml_type.name == "Q4_K"
+    assert g.info("blk.1.ffn_down_exps.weight").ggml_type.name == ("Q5_0" if ff % 256 else "Q4_K")
+    model = load_model(g)
+    logits = model.step([[1, 2, 3, 4]], [0], model.new_kv_cache(1, 8))
+    assert logits.shape == (1, 49408) and bool(torch.isfinite(logits).all())
+    assert write_shape("tiny", shape=s, path=path, pool_blocks=1024).stat().st_mtime_ns == path.stat().st_mtime_ns
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return
+    # llama.cpp loads it too (in a child: its libggml must not share this process with ggml-python's)
+    code = ("import llama_cpp as L, sys; L.llama_backend_init(); "
+            "m = L.llama_model_load_from_file(sys.argv[1].encode(), L.llama_model_default_params()); "
+            "print(L.llama_model_n_params(m) > 0 if m else 'none')")
+    out = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "True", out.stderr[-500:]
+
