@@ -5,7 +5,10 @@ Supported: the transformers classes each architecture module lists (stages/arch/
 ffn_gate_inp + ffn_{gate,up,down}_exps, which is how llama.cpp stores Mixtral),
 Qwen2MoeForCausalLM ("qwen2moe"), Qwen3MoeForCausalLM ("qwen3moe") and GptOssForCausalLM
 ("gpt-oss": its own tensor layout in stages/arch/gpt_oss.py `hf_tensor`; `expert_type="MXFP4"`
-writes its experts as the published files hold them).
+writes its experts as the published files hold them), DeepseekV3ForCausalLM ("deepseek2":
+kv_b_proj split into attn_k_b / attn_v_b as the current converter does) and Glm4MoeForCausalLM
+("glm4moe", with the MTP layer the converter appends). A family's own layout is its module's
+`hf_tensor` / `hf_tensor_from_gguf` / `hf_extra_tensors` / `write_metadata`.
 
 The conventions copied from llama.cpp, because files written here must run there too:
 - llama q/k rows are permuted (LlamaModel.permute) so that RoPE rotates adjacent pairs; qwen
