@@ -45,13 +45,21 @@ def dead_nodes(node_ids) -> set[str]:
     return {n for n in node_ids if n and not alive.get(n, False)}
 
 
+def ray_init_address(address: str | None) -> str:
+    """What ray.init is given: `address` (--address), else $RAY_ADDRESS, else "local": a new
+    local cluster. Never Ray's own None, which joins whatever /tmp/ray/ray_current_cluster names:
+    a `ray start` cluster that may be someone else's, or long dead (then ray.init waits minutes
+    for its GCS before it fails)."""
+    return address or os.environ.get("RAY_ADDRESS") or "local"
+
+
 def ensure_ray(address: str | None = None) -> None:
     """Join the cluster at `address`, or start a local one; log lines from actors stay readable."""
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     import ray
 
     if not ray.is_initialized():
-        ray.init(address=address, include_dashboard=False, log_to_driver=True,
+        ray.init(address=ray_init_address(address), include_dashboard=False, log_to_driver=True,
                  logging_level="WARNING", configure_logging=True)
 
 

@@ -136,13 +136,16 @@ def start_ray(address: str | None, metrics_port: int, dashboard: bool, dashboard
     os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "30")
     import ray
 
+    from moeray.cluster.driver import ray_init_address
+
     if ray.is_initialized():
         return None
-    if address:
+    address = ray_init_address(address)
+    if address != "local":
         ctx = ray.init(address=address, logging_level="WARNING")
     else:
-        ctx = ray.init(include_dashboard=dashboard, dashboard_port=dashboard_port, _metrics_export_port=metrics_port,
-                       logging_level="WARNING")
+        ctx = ray.init(address="local", include_dashboard=dashboard, dashboard_port=dashboard_port,
+                       _metrics_export_port=metrics_port, logging_level="WARNING")
     url = getattr(ctx, "dashboard_url", None)
     return f"http://{url}" if url and not url.startswith("http") else url or None
 

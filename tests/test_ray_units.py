@@ -168,3 +168,21 @@ def test_simulated_cards_on_one_node_are_planned_at_one_speed():
     reports[2].device = replace(reports[2].device, node_ip="10.0.0.2")  # alone on its node
     speeds, _ = shared_host_speeds(reports)
     assert speeds == [(pytest.approx(2.6), 0.5)] * 2 + [(2.0, 0.5), (1.5, 0.5)]
+
+
+def test_a_stale_ray_start_cluster_file_is_never_joined(tmp_path, monkeypatch):
+    """`ray start` leaves /tmp/ray/ray_current_cluster behind; Ray's own ray.init(address=None)
+    joins what it names (a dead cluster: minutes of GCS timeouts, then a failure). moeray starts its
+    own local cluster unless --address or $RAY_ADDRESS says otherwise."""
+    from ray._private.services import canonicalize_bootstrap_address
+
+    from moeray.cluster.driver import ray_init_address
+
+    (tmp_path / "ray_current_cluster").write_text("127.0.0.1:1")  # nothing listens there
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert canonicalize_bootstrap_address(None, str(tmp_path)).endswith(":1")  # Ray would join it (as this host's IP)
+    assert ray_init_address(None) == "local"
+    assert canonicalize_bootstrap_address(ray_init_address(None), str(tmp_path)) is None  # a new cluster
+    assert ray_init_address("10.1.2.3:6379") == "10.1.2.3:6379"
+    monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6380")
+    assert ray_init_address(None) == "127.0.0.1:6380"
