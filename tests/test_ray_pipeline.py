@@ -41,20 +41,10 @@ def launched(default_model_path):
 @pytest.fixture(scope="module")
 def reference(default_model_path):
     """Greedy tokens from the whole model in this process, one prompt at a time (no engine)."""
-    import torch
-
+    from greedy import one_process_greedy
     from moeray.stages.model import load_model
 
-    model = load_model(str(default_model_path))
-    out = []
-    for prompt in PROMPTS:
-        kv = model.new_kv_cache(1, MAX_LEN)
-        toks, feed = [], prompt
-        for _ in range(N_NEW):
-            toks.append(int(torch.argmax(model.step([feed], [0], kv)[0])))
-            feed = [toks[-1]]
-        out.append(toks)
-    return out
+    return one_process_greedy(load_model(str(default_model_path)), PROMPTS, N_NEW, MAX_LEN)
 
 
 def _engine(launched) -> Engine:
