@@ -325,6 +325,21 @@ def decode_tok_s(engine, batch: int, n_tokens: int, prompt: list[int]) -> dict:
             "wall_s": time.perf_counter() - t0}
 
 
+def greedy_check(run: Check, what: str, engine, prompts: dict, n_tokens: int, ref: dict, tokenizer,
+                 out: dict) -> None:
+    """The greedy prompt through `engine`: its tokens (and text) into `out`, checked against the CPU's."""
+    from moeray.stages.sampling import SamplingParams
+
+    greedy = engine.generate([prompts["greedy"]], SamplingParams(max_tokens=n_tokens), timeout_s=600)[0]
+    out["greedy"] = list(greedy.output)
+    same = out["greedy"] == ref["greedy"]
+    detail = f"{len(out['greedy'])} tokens"
+    if tokenizer is not None:
+        out["text"], out["text_cpu"] = tokenizer.decode(out["greedy"]), tokenizer.decode(ref["greedy"])
+        detail += f": {out['text']!r}" + ("" if same else f" vs CPU {out['text_cpu']!r}")
+    run.check(f"{what}: greedy tokens equal the CPU's", same, detail)
+
+
 def pipeline_step(run: Check, args, name: str, path: str, n_stages: int, sizes: dict, ref: dict,
                   prompts: dict, max_len: int, tokenizer, expert_share: float | None,
                   free_per_card: int | None) -> dict:
@@ -357,14 +372,7 @@ def pipeline_step(run: Check, args, name: str, path: str, n_stages: int, sizes: 
         actors = launched.group.actors
         ray.get([a.reset_peak_memory.remote() for a in actors], timeout=args.timeout)
         eng = Engine(launched.pipeline(), engine_cfg, tokenizer)
-        greedy = eng.generate([prompts["greedy"]], SamplingParams(max_tokens=args.tokens), timeout_s=600)[0]
-        out["greedy"] = list(greedy.output)
-        same = out["greedy"] == ref["greedy"]
-        detail = f"{len(out['greedy'])} tokens"
-        if tokenizer is not None:
-            out["text"], out["text_cpu"] = tokenizer.decode(out["greedy"]), tokenizer.decode(ref["greedy"])
-            detail += f": {out['text']!r}" + ("" if same else f" vs CPU {out['text_cpu']!r}")
-        run.check(f"{name}, {n_stages} stage(s): greedy tokens equal the CPU's", same, detail)
+        greedy_check(run, f"{name}, {n_stages} stage(s)", eng, prompts, args.tokens, ref, tokenizer, out)
         sampled = eng.generate([prompts["greedy"]], SamplingParams(max_tokens=args.tokens, temperature=0.8, seed=7),
                                timeout_s=600)[0]
         out["sampled"] = list(sampled.output)
@@ -479,15 +487,8 @@ def inproc_step(run: Check, args, name: str, path: str, n_stages: int, sizes: di
     out: dict = {"where": where}
     engine_cfg = EngineConfig(max_seqs=max(batches), max_len=max_len, token_budget=256, prefill_chunk=64,
                               micro_batches=1)
-    greedy = Engine(pipe, engine_cfg, tokenizer).generate([prompts["greedy"]], SamplingParams(max_tokens=args.tokens),
-                                                          timeout_s=600)[0]
-    out["greedy"] = list(greedy.output)
-    same = out["greedy"] == ref["greedy"]
-    detail = f"{len(out['greedy'])} tokens"
-    if tokenizer is not None:
-        out["text"], out["text_cpu"] = tokenizer.decode(out["greedy"]), tokenizer.decode(ref["greedy"])
-        detail += f": {out['text']!r}" + ("" if same else f" vs CPU {out['text_cpu']!r}")
-    run.check(f"{name}, {n_stages} in-process stage(s): greedy tokens equal the CPU's", same, detail)
+    greedy_check(run, f"{name}, {n_stages} in-process stage(s)", Engine(pipe, engine_cfg, tokenizer), prompts,
+                 args.tokens, ref, tokenizer, out)
     out["decode"] = []
     for b in batches:
         r = decode_tok_s(Engine(pipe, engine_cfg), b, args.tokens, prompts["decode"])
