@@ -244,14 +244,23 @@ def _ggml_linear(w: "QMatrix", x: torch.Tensor) -> torch.Tensor:
     M, (N, K) = x.shape[0], w.shape
 
     def build(ctx):
-        wt = _G.ggml_new_tensor_2d(ctx, int(w.ggml_type), K, N)
+        wt = graph_weight(ctx, w)
         xt = _G.ggml_new_tensor_2d(ctx, _G.GGML_TYPE_F32, K, M)
         return [wt, xt], _G.ggml_mul_mat(ctx, wt, xt), []
 
-    g = _graph(("linear", int(w.ggml_type), N, K, M), build)
+    g = _graph(("linear", w.graph_key, M), build)
     out = torch.empty(M, N)
-    g([w.data.data_ptr(), x.data_ptr()], out.data_ptr())
+    g([w.graph_ptr, x.data_ptr()], out.data_ptr())
     return out
+
+
+def graph_weight(ctx, w: "QMatrix"):
+    """The placeholder tensor of weight `w` in a graph being built: its type and shape (and
+    whatever else ggml must know at plan time); each call assigns its data from `w.graph_ptr`.
+    Every graph that reads a QMatrix makes its tensor here and puts `w.graph_key` in its cache
+    key, so one graph serves every weight of the same key."""
+    N, K = w.shape
+    return _G.ggml_new_tensor_2d(ctx, int(w.ggml_type), K, N)
 
 
 def _ggml_swiglu(gate: "QMatrix", up: "QMatrix", down: "QMatrix", x: torch.Tensor, act: "GLU",
@@ -261,9 +270,7 @@ def _ggml_swiglu(gate: "QMatrix", up: "QMatrix", down: "QMatrix", x: torch.Tenso
     M, (Fd, K), H = x.shape[0], gate.shape, down.shape[0]
 
     def build(ctx):
-        wg = _G.ggml_new_tensor_2d(ctx, int(gate.ggml_type), K, Fd)
-        wu = _G.ggml_new_tensor_2d(ctx, int(up.ggml_type), K, Fd)
-        wd = _G.ggml_new_tensor_2d(ctx, int(down.ggml_type), Fd, H)
+        wg, wu, wd = graph_weight(ctx, gate), graph_weight(ctx, up), graph_weight(ctx, down)
         xt = _G.ggml_new_tensor_2d(ctx, _G.GGML_TYPE_F32, K, M)
         inputs, scratch = [wg, wu, wd, xt], []
         g = _G.ggml_mul_mat(ctx, wg, xt)
@@ -287,10 +294,10 @@ def _ggml_swiglu(gate: "QMatrix", up: "QMatrix", down: "QMatrix", x: torch.Tenso
             y = _G.ggml_add(ctx, y, bd)
         return inputs, y, scratch
 
-    key = ("swiglu", int(gate.ggml_type), int(up.ggml_type), int(down.ggml_type), Fd, K, H, M, act, bias is not None)
+    key = ("swiglu", gate.graph_key, up.graph_key, down.graph_key, M, act, bias is not None)
     g = _graph(key, build)
     out = torch.empty(M, H)
-    ptrs = [gate.data.data_ptr(), up.data.data_ptr(), down.data.data_ptr(), x.data_ptr()]
+    ptrs = [gate.graph_ptr, up.graph_ptr, down.graph_ptr, x.data_ptr()]
     if bias is not None:
         ptrs += [b.data_ptr() for b in bias]
     g(ptrs, out.data_ptr())
@@ -384,6 +391,16 @@ class QMatrix:
     @property
     def device(self) -> torch.device:
         return self.data.device
+
+    @property
+    def graph_key(self) -> tuple:
+        """What a ggml graph built for this weight depends on (see graph_weight)."""
+        return (int(self.ggml_type), self.shape[0], self.shape[1])
+
+    @property
+    def graph_ptr(self) -> int:
+        """The address a graph's placeholder for this weight reads (see graph_weight)."""
+        return self.data.data_ptr()
 
     def to(self, device: torch.device | str) -> "QMatrix":
         """An owned copy on `device` (a cache slot)."""
