@@ -55,6 +55,9 @@ class StageModel(torch.nn.Module):
         self.route = route or current_route()
         announce(self.route, self.device)
         self.experts: Experts = experts if experts is not None else HostExperts(gguf, self.route)
+        host = getattr(self.experts, "host", self.experts)
+        if isinstance(host, HostExperts):
+            host.prepare(first, end)  # MOERAY_HOST_EXPERTS=repacked: the copy is made at load
 
         self.tok_embd = self._matrix("token_embd.weight") if self.has_embedding else None
         self.layers = torch.nn.ModuleList(self._load_layer(i) for i in range(first, end))

@@ -68,6 +68,46 @@ def set_mode(m: str | None) -> None:
     _mode = None if m is None else _checked(m, "repack")
 
 
+HOST_EXPERTS = ("mapped", "repacked")
+# Left free when copying host experts: what the rest of the process and the system still need.
+HEADROOM_BYTES = 1 << 30
+
+
+def host_experts() -> str:
+    """MOERAY_HOST_EXPERTS: "mapped" (default: routed experts read in place from the GGUF mapping,
+    no copy) or "repacked" (copied into ggml's repacked layout at load, as llama.cpp does)."""
+    m = os.environ.get("MOERAY_HOST_EXPERTS", "").strip().lower() or "mapped"
+    if m not in HOST_EXPERTS:
+        raise MoerayError(f"MOERAY_HOST_EXPERTS={m!r}: choose mapped (read the experts in place from the file "
+                          "mapping) or repacked (copy them into ggml's repacked layout at load: more RAM)")
+    return m
+
+
+def mem_available(meminfo: str = "/proc/meminfo") -> int | None:
+    """MemAvailable in bytes (the page cache of the mapping counts: it is reclaimable), or None."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_fits(n_bytes: int, what: str, available: int | None = None) -> None:
+    """Raise a one-line MoerayError when copying `n_bytes` of host experts would not leave
+    HEADROOM_BYTES of the memory available."""
+    if n_bytes <= 0:
+        return
+    available = mem_available() if available is None else available
+    if available is not None and n_bytes + HEADROOM_BYTES > available:
+        gib = 1 << 30
+        raise MoerayError(f"MOERAY_HOST_EXPERTS=repacked: the routed experts of {what} take {n_bytes / gib:.1f} GiB "
+                          f"repacked, {available / gib:.1f} GiB of memory is available (1 GiB is kept free); "
+                          "use MOERAY_HOST_EXPERTS=mapped (read in place from the file mapping) or free memory")
+
+
 def layout_line() -> str:
     """The layout part of the route line at start-up."""
     m = mode()
@@ -76,7 +116,8 @@ def layout_line() -> str:
     if handle() is None:
         return f"weights in ggml's plain layout ({_unavailable})"
     rows = "rows batch-invariant" if m == "on" else "Q4_K rows vary ~1e-7 with the batch"
-    return f"weights repacked where ggml has kernels (MOERAY_REPACK={m}: {rows})"
+    return (f"weights repacked where ggml has kernels (MOERAY_REPACK={m}: {rows}); "
+            f"host experts {host_experts()} (MOERAY_HOST_EXPERTS)")
 
 
 def _G():

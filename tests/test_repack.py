@@ -118,3 +118,81 @@ def test_the_trunk_is_repacked_on_load_and_computes_the_same(q4k_model):
     assert packed.trunk_bytes() == plain.trunk_bytes()
     ids = [1, 5, 9, 200, 7, 3]
     assert rel(packed.logits_all(ids), plain.logits_all(ids)) < TOLERANCE
+
+
+def routed(n: int, n_experts: int, k: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(n_experts, generator=g)[:k] for _ in range(n)])
+    w = torch.rand(n, k, generator=g)
+    return ids, w / w.sum(1, keepdim=True)
+
+
+def split_step(q4k_model):
+    """A stage with experts 0 and 3 of layer 1 in slots, and a step whose picks are partly hits."""
+    from moeray.stages.model import load_cached
+
+    model, cache = load_cached(q4k_model, (0, 2), n_slots=2)
+    for pair in cache.core.resident_pairs():
+        cache.core.evict(*pair)
+    for e in (0, 3):
+        cache.core.admit(1, e)
+    x = torch.randn(6, model.config.hidden, generator=torch.Generator().manual_seed(3))
+    ids, w = routed(6, model.config.n_experts, 2, seed=3)
+    return cache, x, ids, w
+
+
+def test_host_experts_repacked_give_the_mapped_experts_output(q4k_model, monkeypatch):
+    from moeray.stages.gguf_file import GGUFFile
+    from moeray.stages.moe import HostExperts
+
+    g = GGUFFile(q4k_model)
+    x = torch.randn(5, g.config.hidden, generator=torch.Generator().manual_seed(4))
+    ids, w = routed(5, g.config.n_experts, 2, seed=4)
+    mapped = HostExperts(g, "ggml")
+    monkeypatch.setenv("MOERAY_HOST_EXPERTS", "repacked")
+    packed = HostExperts(g, "ggml")
+    packed.prepare(0, 2)
+    assert all(p.repacked for p in packed.stack(1).parts) and not any(p.repacked for p in mapped.stack(1).parts)
+    out = packed.forward(1, x, ids, w)
+    assert rel(out, mapped.forward(1, x, ids, w)) < TOLERANCE
+    # mul_mat_id runs the repacked GEMV per row: a token alone gets the same bits as in the batch
+    assert torch.equal(out, torch.cat([packed.forward(1, x[i:i + 1], ids[i:i + 1], w[i:i + 1]) for i in range(5)]))
+
+
+def test_slots_fill_in_the_host_layout_and_a_split_step_keeps_its_bits(q4k_model, monkeypatch):
+    """Host experts repacked: a slot fill repacks the expert into its row, hits and misses read the
+    same layout, so a split step equals the all-host step bit for bit; every lookup is counted."""
+    from moeray.stages.moe import HostExperts
+
+    monkeypatch.setenv("MOERAY_HOST_EXPERTS", "repacked")
+    cache, x, ids, w = split_step(q4k_model)
+    store = cache.slot_store
+    assert all(p.repacked for p in store.stack(1).parts)
+    slot = cache.core.lookup(1, 3)
+    raw = np.concatenate([cache.host.gguf.expert_raw(1, kind, 3) for kind in ("gate", "up", "down")])
+    row = store.buffer[slot, :len(raw)]
+    assert not torch.equal(row, torch.from_numpy(raw))  # interleaved, not the file's order
+    assert cache.resident_bytes() == 2 * cache.host.gguf.expert_bytes(1)  # as many bytes
+    out = cache.forward(1, x, ids, w)
+    assert torch.equal(out, HostExperts(cache.host.gguf, "ggml").forward(1, x, ids, w))
+    hits = int(np.isin(ids.numpy(), [0, 3]).sum())
+    assert hits and cache.core.hits[1] == hits and cache.core.misses[1] == 2 * len(ids) - hits
+
+
+def test_fast_mode_repacks_slots_over_a_mapped_host(q4k_model):
+    repack.set_mode("fast")
+    cache, x, ids, w = split_step(q4k_model)
+    assert all(p.repacked for p in cache.slot_store.stack(1).parts)
+    assert not any(p.repacked for p in cache.host.stack(1).parts)
+    from moeray.stages.moe import HostExperts
+
+    assert rel(cache.forward(1, x, ids, w), HostExperts(cache.host.gguf, "ggml").forward(1, x, ids, w)) < TOLERANCE
+
+
+def test_repacked_host_experts_that_do_not_fit_fail_clearly(monkeypatch):
+    with pytest.raises(MoerayError, match=r"layers \[0, 48\) take 15\.0 GiB repacked, 8\.0 GiB of memory is "
+                                          r"available.*MOERAY_HOST_EXPERTS=mapped"):
+        repack.check_fits(15 << 30, "layers [0, 48)", available=8 << 30)
+    monkeypatch.setenv("MOERAY_HOST_EXPERTS", "copy")
+    with pytest.raises(MoerayError, match="MOERAY_HOST_EXPERTS='copy': choose mapped"):
+        repack.host_experts()
