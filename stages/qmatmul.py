@@ -276,15 +276,16 @@ def _activations(ctx, K: int, M: int, weights: list["QMatrix"]):
 
 
 def graph_mul_mat(ctx, w: "QMatrix", wt, x):
-    """ggml_mul_mat(wt, x) for weight `w` (wt its graph_weight placeholder) and a contiguous x
-    [K, M]: a repacked weight with `rows_alone` multiplies x as M planes of one row, so ggml runs
-    its GEMV for each row (the bits of a row then do not depend on M; its GEMM would round
-    differently). The result is [N, M] either way. Graphs over QMatrix weights multiply here."""
+    """ggml_mul_mat(wt, x) for weight `w` (wt its graph_weight placeholder) and x [K, M]. Graphs
+    over QMatrix weights multiply here: a repacked weight with `rows_alone` multiplies x as M
+    planes of one row, so ggml runs its GEMV for each row and a row's bits do not depend on M (its
+    GEMM would round differently). The result is [N, M] either way; the planes are copies (ggml_cont,
+    K x M and N x M floats), not views, so any graph can place them as ordinary intermediates."""
     M = x.contents.ne[1]
     if not w.rows_alone or M < 4 or x.contents.ne[2] != 1:  # below 4 rows ggml runs the GEMV anyway
         return _G.ggml_mul_mat(ctx, wt, x)
-    planes = _G.ggml_reshape_3d(ctx, x, x.contents.ne[0], 1, M)
-    return _G.ggml_reshape_2d(ctx, _G.ggml_mul_mat(ctx, wt, planes), w.shape[0], M)
+    planes = _G.ggml_cont_3d(ctx, x, x.contents.ne[0], 1, M)
+    return _G.ggml_cont_2d(ctx, _G.ggml_mul_mat(ctx, wt, planes), w.shape[0], M)
 
 
 def _ggml_swiglu(gate: "QMatrix", up: "QMatrix", down: "QMatrix", x: torch.Tensor, act: "GLU",

@@ -196,3 +196,29 @@ def test_repacked_host_experts_that_do_not_fit_fail_clearly(monkeypatch):
     monkeypatch.setenv("MOERAY_HOST_EXPERTS", "copy")
     with pytest.raises(MoerayError, match="MOERAY_HOST_EXPERTS='copy': choose mapped"):
         repack.host_experts()
+
+
+def test_graph_mul_mat_keeps_a_rows_bits_inside_a_bigger_graph():
+    """qmatmul.graph_mul_mat, what fused graphs multiply a QMatrix with: x made inside the graph
+    (here 2x), a Q4_K weight repacked, each row of a batch of 9 equal to that row alone."""
+    G = qmatmul.ggml_lib()
+    w = matrix(T.Q4_K, 64, 512)
+    w.repack()
+    assert w.rows_alone
+
+    def call(x):
+        M = x.shape[0]
+
+        def build(ctx):
+            wt, xt = qmatmul.graph_weight(ctx, w), G.ggml_new_tensor_2d(ctx, G.GGML_TYPE_F32, 512, M)
+            y = qmatmul.graph_mul_mat(ctx, w, wt, G.ggml_scale(ctx, xt, 2.0))
+            return [wt, xt], G.ggml_scale(ctx, y, 0.5), None
+
+        out = torch.empty(M, 64)
+        qmatmul.ggml_graph(("test-graph-mul-mat", w.graph_key, M), build)([w.graph_ptr, x.data_ptr()], out.data_ptr())
+        return out
+
+    x = torch.randn(9, 512, generator=torch.Generator().manual_seed(6))
+    batch = call(x)
+    assert torch.equal(batch, torch.cat([call(x[i:i + 1].contiguous()) for i in range(9)]))
+    assert rel(batch, w(x)) < TOLERANCE
