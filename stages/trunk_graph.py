@@ -18,10 +18,12 @@ Keys are read where they lie: a view of the pool when the step's block tables al
 (BatchMeta.read_view), else the step's whole blocks gathered with ggml_get_rows. Their count is
 padded to KEY_PAD (masked) so a decode step reuses its graph for KEY_PAD tokens.
 
-`TrunkGraphs.step(meta, kv)` says whether a step can run this way (None: the torch path runs it,
-e.g. a mixed prefill + decode step whose sequences add different token counts); which layers
-can at all is decided at load (`supports`): YaRN, attention sinks, sliding windows, split qkv
-weights, other attention kinds and the other routes keep the torch path.
+A step whose sequences add different token counts (prefill chunks beside decode tokens) pads
+its queries to [B, t_max] inside the graph (get_rows there and back), as the torch path pads them.
+`TrunkGraphs.step(meta, kv)` returns None where a step has no graph form (a 16-bit pool, a pool
+view that would run past the pool's end); which layers can at all is decided at load
+(`supports`): YaRN, attention sinks, sliding windows, split qkv weights, other attention kinds
+and the other routes keep the torch path.
 """
 from __future__ import annotations
 
@@ -122,6 +124,10 @@ class Step:
     mask: torch.Tensor  # float16 [B, 1, t, keys_pad]
     read_base: int  # view mode: the first key row; gather mode: -1
     gather: torch.Tensor | None  # int32 [n_kv_heads, B * blocks]: the blocks each head reads
+    pad: torch.Tensor | None = None  # int32 [B * t]: the packed token of each padded query row
+    unpad: torch.Tensor | None = None  # int32 [N]: the padded row of each packed token
+    rows: int = 0  # rows of the pool
+    gap: int = 0  # view mode: rows from one sequence's keys to the next's
 
 
 class TrunkGraphs:
@@ -135,8 +141,13 @@ class TrunkGraphs:
         """The step's shared inputs, or None when its shape has no graph form: sequences adding
         different token counts (mixed prefill + decode), a pool other than float32 on the host."""
         B, t = len(meta.n_new), meta.t_max
-        if any(n != t for n in meta.n_new) or kv.dtype != torch.float32 or meta.positions.device.type != "cpu":
+        if kv.dtype != torch.float32 or meta.positions.device.type != "cpu":
             return None
+        pad = unpad = None
+        if any(n != t for n in meta.n_new):  # queries padded to [B, t] (pad rows copy token 0, unread)
+            unpad = (meta.seq_of_token * t + meta.off_of_token).to(torch.int32)
+            pad = torch.zeros(B * t, dtype=torch.int32)
+            pad[unpad.long()] = torch.arange(meta.n_tokens, dtype=torch.int32)
         k0 = kv.k[0]
         rows = k0.shape[1]
         keys_pad = -(-meta.keys_max // KEY_PAD) * KEY_PAD
@@ -145,7 +156,7 @@ class TrunkGraphs:
             keys_pad = min(keys_pad, rows - base - (B - 1) * gap)
             if keys_pad < meta.keys_max:
                 return None
-            mode, gather = ("view", gap, rows), None
+            mode, gather = ("view", gap), None
         else:
             base, nb = -1, keys_pad // BLOCK_SIZE
             blocks = meta.read_blocks.view(B, -1)
@@ -153,12 +164,15 @@ class TrunkGraphs:
             if have < nb:  # padded blocks point at block 0: masked
                 blocks = torch.cat((blocks, blocks.new_zeros(B, nb - have)), 1)
             gather = blocks[:, :nb].reshape(1, -1).to(torch.int32).expand(kv.k[0].shape[0], -1).contiguous()
-            mode = ("gather", rows)
+            mode, gap = ("gather",), 0
+        # query t of sequence i (position starts[i] + t) sees keys 0 .. starts[i] + t; a pad row key 0
         q_pos = torch.tensor(meta.starts).view(B, 1, 1) + torch.arange(t).view(1, t, 1)
+        q_pos = torch.where(torch.arange(t).view(1, t, 1) < torch.tensor(meta.n_new).view(B, 1, 1), q_pos, 0)
         visible = torch.arange(keys_pad).view(1, 1, keys_pad) <= q_pos
         mask = torch.zeros(B, 1, t, keys_pad, dtype=torch.float16).masked_fill_(~visible.unsqueeze(1), float("-inf"))
-        return Step((B, t, keys_pad) + mode, B * t, meta.positions.to(torch.int32), meta.write_rows,
-                    mask, base, gather)
+        # the key: everything a graph's shapes depend on (the pool's rows, the step's tokens too)
+        return Step((B, t, keys_pad, pad is not None) + mode + (rows, meta.n_tokens), meta.n_tokens,
+                    meta.positions.to(torch.int32), meta.write_rows, mask, base, gather, pad, unpad, rows, gap)
 
     def layer(self, step: Step, x: torch.Tensor, r: torch.Tensor | None, attn_norm: torch.Tensor,
               attn: Attention, kv: KVPool, ffn_norm: torch.Tensor, router: torch.Tensor | None
@@ -183,6 +197,8 @@ class TrunkGraphs:
             extra = [k_read, v_read]
         else:
             extra = [step.gather.data_ptr()]
+        if step.pad is not None:
+            extra += [step.pad.data_ptr(), step.unpad.data_ptr()]
         ptrs = [x.data_ptr()] + ([r.data_ptr()] if r is not None else []) + [
             attn_norm.data_ptr(), w_qkv.graph_ptr, w_o.graph_ptr, ffn_norm.data_ptr(),
             step.positions.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), step.write_rows.data_ptr(),
@@ -197,7 +213,7 @@ class TrunkGraphs:
         cfg = self.cfg
         G = ggml_lib()
         F32 = G.GGML_TYPE_F32
-        B, t, keys_pad = step.key[:3]
+        B, t, keys_pad, padded = step.key[:4]
         N, H, D = step.n, cfg.hidden, cfg.head_dim
         nh, nkv = cfg.n_heads, cfg.n_kv_heads
         Q, KV = nh * D, nkv * D
@@ -207,7 +223,7 @@ class TrunkGraphs:
         freq_scale = 1.0 / cfg.rope_scale if cfg.rope_scaling == "linear" else 1.0
         scale = cfg.attn_scale or D ** -0.5
         view = step.read_base >= 0
-        rows = step.key[-1]
+        rows = step.rows
         w_qkv, w_o = attn.w_qkv[0], attn.w_o
         opt = (attn.b_qkv, attn.q_norm, attn.k_norm, attn.b_o)
 
@@ -228,7 +244,7 @@ class TrunkGraphs:
             mask = new(keys_pad, t, 1, B, type=G.GGML_TYPE_F16)
             inputs += [attn_norm, wq, wo, ffn_norm, pos, k_pool, v_pool, write_rows, mask]
             if view:
-                gap = step.key[4]
+                gap = step.gap
                 reads = []
                 for _ in range(2):  # [D, keys, kv heads, B] over the pool: head-major rows
                     kr = new(D, keys_pad, nkv, B)
@@ -249,7 +265,9 @@ class TrunkGraphs:
                     reads.append(G.ggml_view_4d(ctx, got, D, keys_pad, nkv, B, D * 4, got.contents.nb[2],
                                                 nb * BLOCK_SIZE * D * 4, 0))
                 k_read, v_read = reads
-            b_qkv = q_norm = k_norm = b_o = None
+            if padded:
+                pad, unpad = new(B * t, type=G.GGML_TYPE_I32), new(N, type=G.GGML_TYPE_I32)
+                inputs += [pad, unpad]
             extra = []
             for o, n in zip(opt, (Q + 2 * KV, D, D, H)):
                 extra.append(new(n) if o is not None else None)
@@ -276,10 +294,15 @@ class TrunkGraphs:
             # the step's k/v into the pool: [D, N, kv heads] rows at write_rows, every head
             wk = G.ggml_set_rows(ctx, k_pool, G.ggml_permute(ctx, k, 0, 2, 1, 3), write_rows)
             wv = G.ggml_set_rows(ctx, v_pool, G.ggml_permute(ctx, v, 0, 2, 1, 3), write_rows)
+            if padded:  # packed tokens -> [B, t] query rows
+                q = G.ggml_get_rows(ctx, G.ggml_reshape_2d(ctx, q, Q, N), pad)
             q4 = G.ggml_permute(ctx, G.ggml_reshape_4d(ctx, q, D, nh, t, B), 0, 2, 1, 3)  # [D, t, heads, B]
             o = G.ggml_flash_attn_ext(ctx, q4, k_read, v_read, mask, scale, 0.0, 0.0)  # [D, heads, t, B]
             G.ggml_flash_attn_ext_set_prec(o, G.GGML_PREC_F32)
-            o = G.ggml_mul_mat(ctx, wo, G.ggml_reshape_2d(ctx, o, Q, N))
+            o = G.ggml_reshape_2d(ctx, o, Q, B * t)
+            if padded:  # and back to the packed tokens
+                o = G.ggml_get_rows(ctx, o, unpad)
+            o = G.ggml_mul_mat(ctx, wo, o)
             if b_o is not None:
                 o = G.ggml_add(ctx, o, b_o)
             x_out = G.ggml_add(ctx, x, o)

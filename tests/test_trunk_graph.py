@@ -98,8 +98,8 @@ def test_default_model_prefill_chunks_then_decode(default):
 
 def test_sixteen_sequences_with_shared_prefix_blocks(default):
     """The engine's case: block tables (sequences 0-3 share their first block, so keys are
-    gathered by block), prompts continued past a shared prefix, then decode of all 16 together.
-    A step whose sequences add different token counts has no graph form: the torch path runs it."""
+    gathered by block), prompts continued past a shared prefix, decode of all 16 together, then a
+    mixed steps (one, then two sequences add two tokens, the others one)."""
     model = default.model
     prefix = token_ids(BLOCK_SIZE, seed=11)
     prompts = [token_ids(3 + i % 5, seed=20 + i) for i in range(16)]
@@ -127,7 +127,8 @@ def test_sixteen_sequences_with_shared_prefix_blocks(default):
         nxt = [[t] for t in feed[:16]]
         # a mixed step: sequence 0 adds two tokens while the others add one each
         mixed_new = [2] + [1] * 15
-        assert m.trunk is None or m.trunk.step(m.table_meta(mixed_new, lens, tables, kv), kv) is None
+        if m.trunk is not None:  # its queries are padded to [16, 2] rows inside the graph
+            assert m.trunk.step(m.table_meta(mixed_new, lens, tables, kv), kv).pad is not None
         for step in range(1, 5):
             logits, meta = run([1] * 16, lens, nxt, range(16))
             out.append(logits)
@@ -135,11 +136,16 @@ def test_sixteen_sequences_with_shared_prefix_blocks(default):
             nxt = [[t] for t in feed[16 * step:16 * step + 16]]
         logits, _ = run(mixed_new, lens, [nxt[0] * 2] + nxt[1:], range(16))
         out.append(logits)
+        lens = [n + k for n, k in zip(lens, mixed_new)]
+        # the same padded shape [16, 2] with one more token: a graph of its own
+        logits, _ = run([2, 2] + [1] * 14, lens, [nxt[0] * 2, nxt[1] * 2] + nxt[2:], range(16))
+        out.append(logits)
         return torch.cat(out)
 
     _close(default, fn, "16 sequences", routed_alike=False)
-    modes = {k[0][3] for k in default.graphs._graphs}
+    modes = {k[0][4] for k in default.graphs._graphs}
     assert {"view", "gather"} <= modes, modes  # keys read as a view (one sequence) and gathered (16)
+    assert any(k[0][3] for k in default.graphs._graphs)  # and the mixed step ran padded
 
 
 @pytest.fixture(scope="module")
