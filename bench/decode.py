@@ -64,11 +64,27 @@ def read_bandwidth_gb_s(n_bytes: int = 512 << 20, reps: int = 5) -> float:
     return n_bytes / best / 1e9
 
 
+def use_layout(layout: str | None) -> str:
+    """Apply a weight layout "REPACK:HOST" (MOERAY_REPACK on|fast|off, MOERAY_HOST_EXPERTS
+    mapped|repacked, stages/repack.py) to the models loaded next; None: this process's own."""
+    from moeray.stages import repack
+
+    if layout is not None:
+        mode, _, host = layout.partition(":")
+        repack.set_mode(mode)
+        os.environ["MOERAY_HOST_EXPERTS"] = host or "mapped"
+        repack.host_experts()  # a bad name fails here, before any model loads
+    return f"{repack.mode()}:{repack.host_experts()}"
+
+
 def bench_moeray(path: str, batch_sizes, n_prompt: int, n_decode: int, caches=("0", "all"),
-                 route: str | None = None) -> list[dict]:
-    """One row per (expert cache, batch). Cache "0": every routed expert is computed from the GGUF
-    mapping (the host path a miss takes); "all": every expert is resident in a slot (a card with
-    room for the whole model); a size such as "200MiB" is a simulated budget filled uniformly."""
+                 route: str | None = None, layouts=(None,)) -> list[dict]:
+    """One row per (layout, expert cache, batch). Cache "0": every routed expert is computed from
+    the GGUF mapping (the host path a miss takes); "all": every expert is resident in a slot (a
+    card with room for the whole model); a size such as "200MiB" is a simulated budget filled
+    uniformly. Each layout (see use_layout) loads the model again, one after the other."""
+    import gc
+
     from moeray.cluster.config import EngineConfig
     from moeray.cluster.generator import Generator
     from moeray.stages.gguf_file import GGUFFile
@@ -83,24 +99,29 @@ def bench_moeray(path: str, batch_sizes, n_prompt: int, n_decode: int, caches=("
                           prefill_chunk=n_prompt, micro_batches=1)
     rows = []
     cfg = GGUFFile(path).config
-    for cache in caches if cfg.is_moe else ("0",):
-        if cache == "0":
-            model = load_model(path, route=route)
-        else:
-            n_slots = cfg.n_layers * cfg.n_experts if cache == "all" else None
-            budget = None if cache == "all" else parse_size(cache)
-            model, _ = load_cached(path, route=route, budget_bytes=budget, n_slots=n_slots)
-        gen = Generator(model, tokenizer, config)
-        gen.generate([prompt_ids(tokenizer, 16, 0)], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
-        per_token = bytes_per_token(model)
-        for b in batch_sizes:
-            gen.generate([prompt_ids(tokenizer, n_prompt, i) for i in range(b)], params)
-            s = gen.stats
-            rows.append({"engine": "moeray", "route": model.route, "cache": cache, "batch": b,
-                         "prefill_tok_s": s.prefill_tok_s, "decode_tok_s": s.decode_tok_s,
-                         "prefill_tokens": s.prefill_tokens, "decode_tokens": s.decode_tokens,
-                         "weight_bytes_per_token": per_token})
-        del gen, model
+    for layout in layouts:
+        name = use_layout(layout)
+        for cache in caches if cfg.is_moe else ("0",):
+            t0 = time.perf_counter()
+            if cache == "0":
+                model = load_model(path, route=route)
+            else:
+                n_slots = cfg.n_layers * cfg.n_experts if cache == "all" else None
+                budget = None if cache == "all" else parse_size(cache)
+                model, _ = load_cached(path, route=route, budget_bytes=budget, n_slots=n_slots)
+            load_s = time.perf_counter() - t0
+            gen = Generator(model, tokenizer, config)
+            gen.generate([prompt_ids(tokenizer, 16, 0)], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
+            per_token = bytes_per_token(model)
+            for b in batch_sizes:
+                gen.generate([prompt_ids(tokenizer, n_prompt, i) for i in range(b)], params)
+                s = gen.stats
+                rows.append({"engine": "moeray", "route": model.route, "layout": name, "cache": cache,
+                             "batch": b, "prefill_tok_s": s.prefill_tok_s, "decode_tok_s": s.decode_tok_s,
+                             "prefill_tokens": s.prefill_tokens, "decode_tokens": s.decode_tokens,
+                             "weight_bytes_per_token": per_token, "load_s": load_s})
+            del gen, model
+            gc.collect()  # a repacked host copy is gigabytes: gone before the next load
     return rows
 
 
@@ -258,6 +279,9 @@ def main() -> int:
                     help="moeray expert caches to run: 0 (host path only), all (every expert resident), or sizes")
     ap.add_argument("--kernels", choices=("auto", "ggml", "dequant", "exact"), default="auto",
                     help="moeray's matmul route (auto: ggml when installed)")
+    ap.add_argument("--layouts", help="moeray weight layouts to run one after the other, REPACK:HOST each "
+                                      "(MOERAY_REPACK on|fast|off : MOERAY_HOST_EXPERTS mapped|repacked), "
+                                      "e.g. off:mapped,on:mapped,on:repacked (default: the environment's)")
     ap.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp reference")
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--profile", action="store_true",
@@ -287,7 +311,9 @@ def main() -> int:
         path = str(default_model_path())
 
     route = None if args.kernels == "auto" else args.kernels
-    rows = bench_moeray(path, args.batch, args.prompt_tokens, args.decode_tokens, args.caches.split(","), route)
+    layouts = args.layouts.split(",") if args.layouts else (None,)
+    rows = bench_moeray(path, args.batch, args.prompt_tokens, args.decode_tokens, args.caches.split(","), route,
+                        layouts)
     profile = None
     if args.profile:  # before llama.cpp runs: the same pages in memory as moeray's rows saw
         profile = profile_decode(path, args.prompt_tokens, args.decode_tokens, route)
@@ -307,14 +333,16 @@ def main() -> int:
     print(f"model {Path(path).name}, {threads} threads, {args.prompt_tokens} prompt tokens, "
           f"{args.decode_tokens} decode tokens per sequence, {platform.processor() or platform.machine()}, "
           f"torch {torch.backends.cpu.get_cpu_capability()}, read bandwidth {bandwidth:.1f} GB/s")
-    print(f"{'engine':<10} {'kernels':>8} {'cache':>6} {'batch':>5} {'prefill tok/s':>14} {'decode tok/s':>13} "
+    print(f"{'engine':<10} {'kernels':>8} {'layout':>13} {'cache':>6} {'batch':>5} {'prefill tok/s':>14} "
+          f"{'decode tok/s':>13} "
           f"{'prefill x':>10} {'decode x':>9} {'MB/token':>9} {'bound tok/s':>12}")
     for r in rows:
         px = f"{r['prefill_vs_llama_cpp']:.2f}" if "prefill_vs_llama_cpp" in r else "-"
         dx = f"{r['decode_vs_llama_cpp']:.2f}" if "decode_vs_llama_cpp" in r else "-"
         mb = f"{r['weight_bytes_per_token'] / 1e6:.0f}" if r.get("weight_bytes_per_token") else "-"
         bound = f"{r['bandwidth_bound_tok_s']:.0f}" if "bandwidth_bound_tok_s" in r else "-"
-        print(f"{r['engine']:<10} {r['route']:>8} {r['cache']:>6} {r['batch']:>5} {r['prefill_tok_s']:>14.1f} "
+        print(f"{r['engine']:<10} {r['route']:>8} {r.get('layout', '-'):>13} {r['cache']:>6} {r['batch']:>5} "
+              f"{r['prefill_tok_s']:>14.1f} "
               f"{r['decode_tok_s']:>13.1f} {px:>10} {dx:>9} {mb:>9} {bound:>12}")
     if profile is not None:
         print(f"where a decode token's time goes (batch 1, host path): {profile['ms_per_token']:.1f} ms/token")

@@ -2,7 +2,8 @@
 
 Slot s (of any layer, in either layout) is row s of a [n_slots, row] byte buffer, row = the
 largest expert the stage holds; an expert's gate, up and down blocks lie back to back in it
-(exactly the GGUF's bytes). For each layer the host builds a stack over the buffer with that
+(the GGUF's bytes, or as many in ggml's repacked layout, repacked as they are filled: each kind
+in the layout of the host stack, stages/moe.py HostExperts.stack_in). For each layer the host builds a stack over the buffer with that
 layer's block types and the row as the expert stride, and ggml's mul_mat_id reads the hits of a
 step from it in one call, indexed by slot. The buffer is allocated once; the OS commits its
 pages as slots are filled, so memory follows the filled slots, not the budget.
@@ -13,6 +14,8 @@ computed by torch on the card).
 from __future__ import annotations
 
 import torch
+
+from moeray.stages import repack
 
 KINDS = ("gate", "up", "down")
 
@@ -25,6 +28,9 @@ class SlotStore:
         stack = getattr(host, "stack", None)
         if device.type != "cpu" or stack is None:
             return None
+        prepare = getattr(host, "prepare", None)
+        if prepare is not None:
+            prepare(first, end)  # a repacked host copy is made (its memory checked first) now
         layers = [l for l in range(first, end) if host.gguf.expert_bytes(l) > 0]
         if not layers or any(stack(l) is None for l in layers):
             return None
@@ -45,10 +51,14 @@ class SlotStore:
     def load(self, layer: int, expert: int, slot: int) -> int:
         """Copy the expert's blocks (and biases) from the host copy into row `slot`; the bytes copied."""
         off = 0
-        w = self.host.weights(layer, expert)
-        for part in (w.gate, w.up, w.down):
+        w = self.host.weights(layer, expert)  # views of the mapping: the plain bytes
+        for part, p in zip((w.gate, w.up, w.down), self.stack(layer).parts):
             n = part.nbytes
-            self.buffer[slot, off:off + n].copy_(part.data)
+            dst = self.buffer[slot, off:off + n]
+            if p.repacked:
+                repack.repack_into(dst.data_ptr(), part.data.contiguous().data_ptr(), p.ggml_type, p.rows, p.cols, n)
+            else:
+                dst.copy_(part.data)
             off += n
         for i, b in enumerate(self.host.stack(layer).biases):
             if b is not None:

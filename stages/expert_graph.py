@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from gguf import GGMLQuantizationType as T
 
+from moeray.stages import repack
 from moeray.stages.qmatmul import FLOAT_TYPES, GLU, ggml_graph, ggml_lib, row_bytes
 
 KINDS = ("gate", "up", "down")
@@ -32,12 +33,15 @@ KINDS = ("gate", "up", "down")
 
 @dataclass(frozen=True)
 class Part:
-    """One kind (gate, up or down) of a stack: expert i's [rows, cols] blocks at base + i * stride."""
+    """One kind (gate, up or down) of a stack: expert i's [rows, cols] blocks at base + i * stride,
+    in ggml's plain layout or its repacked one (stages/repack.py: as many bytes, 8 rows
+    interleaved; mul_mat_id then runs ggml's repacked GEMV, row by row at every batch size)."""
     base: int
     ggml_type: T
     rows: int
     cols: int
     stride: int
+    repacked: bool = False
 
     @property
     def nbytes(self) -> int:
@@ -54,7 +58,7 @@ class Stack:
     biases: tuple = (None, None, None)
 
     def key(self) -> tuple:
-        return tuple((int(p.ggml_type), p.rows, p.cols, p.stride) for p in self.parts) + (
+        return tuple((int(p.ggml_type), p.rows, p.cols, p.stride, p.repacked) for p in self.parts) + (
             self.n, tuple(None if b is None else b.shape[1] for b in self.biases))
 
 
@@ -75,6 +79,8 @@ def _build(stack: Stack, act: GLU, N: int, k: int):
             t = G.ggml_new_tensor_3d(ctx, int(p.ggml_type), p.cols, p.rows, n)
             t.contents.nb[2] = p.stride  # a slot row may be longer than this layer's expert
             t.contents.nb[3] = p.stride * n
+            if p.repacked:
+                repack.mark(t, p.ggml_type, p.rows, p.cols)
             ws.append(t)
         H = pg.cols
         x = G.ggml_new_tensor_3d(ctx, G.GGML_TYPE_F32, H, 1, N)  # one row per token, broadcast over its k picks

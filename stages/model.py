@@ -8,6 +8,7 @@ requested layers are read.
 """
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
@@ -20,10 +21,13 @@ from moeray.stages.kv_cache import KVCache, KVPool, kv_dtype
 from moeray.stages.layers import Attention, BatchMeta, GatedAttention, make_batch_meta, rms_norm, slot_batch_meta
 from moeray.stages.mla import MLAttention
 from moeray.stages.moe import DenseFFN, Experts, HostExperts, MoEBlock
+from moeray.stages import repack
 from moeray.stages.qmatmul import QMatrix, announce, current_route
 from moeray.stages.rope import RoPE
 from moeray.stages.trunk_graph import TrunkGraphs, supports
 from moeray.stages.quant import dequantize
+
+log = logging.getLogger("moeray.kernels")
 
 
 class TransformerLayer(torch.nn.Module):
@@ -52,6 +56,9 @@ class StageModel(torch.nn.Module):
         self.route = route or current_route()
         announce(self.route, self.device)
         self.experts: Experts = experts if experts is not None else HostExperts(gguf, self.route)
+        host = getattr(self.experts, "host", self.experts)
+        if isinstance(host, HostExperts):
+            host.prepare(first, end)  # MOERAY_HOST_EXPERTS=repacked: the copy is made at load
 
         self.tok_embd = self._matrix("token_embd.weight") if self.has_embedding else None
         self.layers = torch.nn.ModuleList(self._load_layer(i) for i in range(first, end))
@@ -68,8 +75,22 @@ class StageModel(torch.nn.Module):
                 self.w_out = self.tok_embd if self.tok_embd is not None else self._matrix("token_embd.weight")
             else:
                 self.w_out = self._matrix("output.weight")
+        self._repack_trunk()
 
     # --- loading ---------------------------------------------------------------------------
+
+    def _repack_trunk(self) -> None:
+        """Every trunk matrix in ggml's repacked layout where the setting and ggml allow it
+        (stages/repack.py), once the load has cut and concatenated the plain bytes. The embedding
+        stays plain: it is read as rows. A tied head is that same matrix, so it stays plain too
+        (llama.cpp loads a second, repacked copy; moeray does not double a head's memory)."""
+        if self.tok_embd is not None:
+            self.tok_embd.keep_plain = True
+        mats = self.matrices()
+        self.repacked = sum(w.repack() for w in mats)
+        if self.route == "ggml":
+            log.info(f"moeray: trunk layout: {self.repacked} of {len(mats)} matrices repacked "
+                     f"(MOERAY_REPACK={repack.mode()})")
 
     def _vector(self, name: str) -> torch.Tensor:
         """Norm weights, biases, routers: small, float32, an owned copy (never the read-only mapping)."""
@@ -141,11 +162,12 @@ class StageModel(torch.nn.Module):
     def _mla(self, i: int) -> MLAttention:
         cfg, p, m, v = self.config, f"blk.{i}.", self._matrix, self._vector
         lora = cfg.q_lora_rank > 0
+        k_b, v_b = m(p + "attn_k_b.weight"), m(p + "attn_v_b.weight")
+        k_b.keep_plain = v_b.keep_plain = True  # dequantised per use (per-head batched products)
         return MLAttention(cfg, i, None if lora else m(p + "attn_q.weight"),
                            m(p + "attn_q_a.weight") if lora else None, v(p + "attn_q_a_norm.weight") if lora else None,
                            m(p + "attn_q_b.weight") if lora else None, m(p + "attn_kv_a_mqa.weight"),
-                           v(p + "attn_kv_a_norm.weight"), m(p + "attn_k_b.weight"), m(p + "attn_v_b.weight"),
-                           m(p + "attn_output.weight"))
+                           v(p + "attn_kv_a_norm.weight"), k_b, v_b, m(p + "attn_output.weight"))
 
     def _dense_ffn(self, i: int) -> DenseFFN:
         p, m = f"blk.{i}.", self._matrix

@@ -11,12 +11,14 @@ On the ggml route a layer's picks run as one graph over the stacked expert tenso
 """
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Callable, NamedTuple, Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
+from moeray.stages import repack
 from moeray.stages.arch import arch_of
 from moeray.stages.config import ModelConfig
 from moeray.stages.expert_graph import Part, Stack, add_picks, fusable, run
@@ -97,6 +99,23 @@ class HostExperts:
         self.on_route = on_route
         self.computed = 0  # experts computed from the host copy so far (a measure of host work)
         self._stacks: dict[int, Stack | None] = {}
+        self.layout = repack.host_experts()  # "mapped" (the file's bytes in place) or "repacked" (a copy)
+
+    def prepare(self, first: int, end: int) -> None:
+        """Build the stacks of layers [first, end) now (a stage's load, not its first step): with
+        MOERAY_HOST_EXPERTS=repacked that copies their routed experts into repacked memory,
+        after checking that it fits in the memory the system has available."""
+        if self.layout == "repacked" and self.route == "ggml":
+            todo = [l for l in range(first, end) if l not in self._stacks]
+            repack.check_fits(sum(self._repackable_bytes(l) for l in todo), f"layers [{first}, {end})")
+        for l in range(first, end):
+            self.stack(l)
+
+    def _repackable_bytes(self, layer: int) -> int:
+        if f"blk.{layer}.ffn_gate_exps.weight" not in self.gguf.tensors:
+            return 0
+        infos = [self.gguf.info(f"blk.{layer}.ffn_{kind}_exps.weight") for kind in EXPERT_KINDS]
+        return sum(t.n_bytes for t in infos if repack.wanted(t.ggml_type, t.shape[1], t.shape[2]))
 
     def stack(self, layer: int) -> Stack | None:
         """The layer's experts in the mapping as one stacked tensor per kind, for ggml's
@@ -110,15 +129,39 @@ class HostExperts:
                 raws = [as_uint8_tensor(self.gguf.raw(t.name)) for t in infos]
                 parts = tuple(Part(r.data_ptr(), t.ggml_type, t.shape[1], t.shape[2], t.n_bytes // t.shape[0])
                               for r, t in zip(raws, infos))
-                self._stacks[layer] = Stack(parts, infos[0].shape[0], raws, self.biases(layer))
+                stack = Stack(parts, infos[0].shape[0], raws, self.biases(layer))
+                if self.layout == "repacked":
+                    repack.check_fits(self._repackable_bytes(layer), f"layer {layer}")
+                    stack = self._repacked(stack)
+                self._stacks[layer] = stack
         return self._stacks[layer]
+
+    @staticmethod
+    def _repacked(stack: Stack) -> Stack:
+        """A copy of the mapped stack with every kind ggml has repacked kernels for repacked (whole
+        groups of 8 rows never straddle two experts: rows % 8 == 0, so the stacked tensor repacks
+        as one matrix of n * rows rows)."""
+        parts, owners = [], []
+        for p, raw in zip(stack.parts, stack.owner):
+            if not repack.wanted(p.ggml_type, p.rows, p.cols):
+                parts.append(p)
+                owners.append(raw)
+                continue
+            buf = torch.empty(raw.numel(), dtype=torch.uint8)
+            repack.repack_into(buf.data_ptr(), raw.data_ptr(), p.ggml_type, p.rows * stack.n, p.cols, raw.numel())
+            parts.append(replace(p, base=buf.data_ptr(), repacked=True))
+            owners.append(buf)
+        return Stack(tuple(parts), stack.n, owners, stack.biases)
 
     def stack_in(self, layer: int, base: int, row: int, n: int, owner, biases=(None, None, None)) -> Stack:
         """The layer's experts laid out as the rows of another buffer (a stage's slots): row i
-        holds one expert's gate, up and down blocks back to back from base + i * row."""
+        holds one expert's gate, up and down blocks back to back from base + i * row, each kind in
+        the host stack's layout (so a pick gets the same bits from either stack), or repacked
+        wherever ggml can under MOERAY_REPACK=fast."""
         parts, off = [], 0
         for p in self.stack(layer).parts:
-            parts.append(Part(base + off, p.ggml_type, p.rows, p.cols, row))
+            packed = p.repacked or (repack.mode() == "fast" and repack.wanted(p.ggml_type, p.rows, p.cols))
+            parts.append(Part(base + off, p.ggml_type, p.rows, p.cols, row, packed))
             off += p.nbytes
         return Stack(tuple(parts), n, owner, biases)
 

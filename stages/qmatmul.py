@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from moeray.errors import MoerayError
+from moeray.stages import repack
 from moeray.stages.quant import as_uint8_tensor, dequantize
 
 log = logging.getLogger("moeray.kernels")
@@ -91,7 +92,8 @@ def route_line(route: str, device: torch.device) -> str:
         n = ggml_threads()
         spin = "; torch's own ops on 1 thread" if n > 1 else ""
         return (f"moeray: kernels: ggml (quantised blocks, 8-bit activations; a GQA layer's trunk in one "
-                f"ggml graph, its routed experts in one mul_mat_id graph) on cpu, {n} thread(s){spin}")
+                f"ggml graph, its routed experts in one mul_mat_id graph) on cpu, {n} thread(s){spin}; "
+                f"{repack.layout_line()}")
     if route == "exact":
         return f"moeray: kernels: exact (float32 copies of every weight, debugging) on {device}"
     if _card_kernels(device) is not None:
@@ -245,7 +247,7 @@ def _ggml_linear(w: "QMatrix", x: torch.Tensor) -> torch.Tensor:
 
     def build(ctx):
         wt = graph_weight(ctx, w)
-        xt = _G.ggml_new_tensor_2d(ctx, _G.GGML_TYPE_F32, K, M)
+        xt = _activations(ctx, K, M, [w])
         return [wt, xt], _G.ggml_mul_mat(ctx, wt, xt), []
 
     g = _graph(("linear", w.graph_key, M), build)
@@ -256,11 +258,35 @@ def _ggml_linear(w: "QMatrix", x: torch.Tensor) -> torch.Tensor:
 
 def graph_weight(ctx, w: "QMatrix"):
     """The placeholder tensor of weight `w` in a graph being built: its type and shape (and
-    whatever else ggml must know at plan time); each call assigns its data from `w.graph_ptr`.
-    Every graph that reads a QMatrix makes its tensor here and puts `w.graph_key` in its cache
-    key, so one graph serves every weight of the same key."""
+    whatever else ggml must know at plan time: a repacked weight's buffer and kernels); each call
+    assigns its data from `w.graph_ptr`. Every graph that reads a QMatrix makes its tensor here
+    and puts `w.graph_key` in its cache key, so one graph serves every weight of the same key."""
     N, K = w.shape
-    return _G.ggml_new_tensor_2d(ctx, int(w.ggml_type), K, N)
+    t = _G.ggml_new_tensor_2d(ctx, int(w.ggml_type), K, N)
+    if w.layout == "repacked":
+        repack.mark(t, w.ggml_type, N, K)
+    return t
+
+
+def _activations(ctx, K: int, M: int, weights: list["QMatrix"]):
+    """The float32 input x [M, K] of a graph whose matmuls read `weights`: [K, M], or [K, 1, M]
+    (the same bytes: M planes of one row) when a repacked weight must see its rows alone."""
+    if M >= 4 and any(w.rows_alone for w in weights):
+        return _G.ggml_new_tensor_3d(ctx, _G.GGML_TYPE_F32, K, 1, M)
+    return _G.ggml_new_tensor_2d(ctx, _G.GGML_TYPE_F32, K, M)
+
+
+def graph_mul_mat(ctx, w: "QMatrix", wt, x):
+    """ggml_mul_mat(wt, x) for weight `w` (wt its graph_weight placeholder) and x [K, M]. Graphs
+    over QMatrix weights multiply here: a repacked weight with `rows_alone` multiplies x as M
+    planes of one row, so ggml runs its GEMV for each row and a row's bits do not depend on M (its
+    GEMM would round differently). The result is [N, M] either way; the planes are copies (ggml_cont,
+    K x M and N x M floats), not views, so any graph can place them as ordinary intermediates."""
+    M = x.contents.ne[1]
+    if not w.rows_alone or M < 4 or x.contents.ne[2] != 1:  # below 4 rows ggml runs the GEMV anyway
+        return _G.ggml_mul_mat(ctx, wt, x)
+    planes = _G.ggml_cont_3d(ctx, x, x.contents.ne[0], 1, M)
+    return _G.ggml_cont_2d(ctx, _G.ggml_mul_mat(ctx, wt, planes), w.shape[0], M)
 
 
 def _ggml_swiglu(gate: "QMatrix", up: "QMatrix", down: "QMatrix", x: torch.Tensor, act: "GLU",
@@ -271,7 +297,7 @@ def _ggml_swiglu(gate: "QMatrix", up: "QMatrix", down: "QMatrix", x: torch.Tenso
 
     def build(ctx):
         wg, wu, wd = graph_weight(ctx, gate), graph_weight(ctx, up), graph_weight(ctx, down)
-        xt = _G.ggml_new_tensor_2d(ctx, _G.GGML_TYPE_F32, K, M)
+        xt = _activations(ctx, K, M, [gate, up, down])  # h, from x, keeps its planes for down
         inputs, scratch = [wg, wu, wd, xt], []
         g = _G.ggml_mul_mat(ctx, wg, xt)
         u = _G.ggml_mul_mat(ctx, wu, xt)
@@ -344,10 +370,17 @@ def row_bytes(ggml_type: T, k: int) -> int:
 
 
 class QMatrix:
-    """W [N, K] in GGUF block form (`data`: uint8 [N * row_bytes]) or, on the exact route, float32."""
+    """W [N, K] in GGUF block form (`data`: uint8 [N * row_bytes]) or, on the exact route, float32.
 
-    def __init__(self, data: torch.Tensor, ggml_type: T, shape: tuple[int, int], route: str):
+    `layout` is "plain" (the GGUF's bytes) or "repacked" (ggml's interleaved rows, stages/repack.py:
+    `data` then holds those, as many bytes; only ggml's matmuls read them)."""
+
+    def __init__(self, data: torch.Tensor, ggml_type: T, shape: tuple[int, int], route: str,
+                 layout: str = "plain"):
         self.ggml_type, self.shape, self.route = T(ggml_type), (int(shape[0]), int(shape[1])), route
+        self.layout = layout
+        self.rows_alone = False  # repacked, and each activation row must run alone (repack.rows_alone)
+        self.keep_plain = False  # read as rows or dequantised too (embedding, MLA's k_b/v_b): never repacked
         if route == "exact" or self.ggml_type in FLOAT_TYPES:
             self.route = "exact"
             self.data = data if data.dtype == torch.float32 else dequantize(data, self.ggml_type, self.shape)
@@ -379,10 +412,26 @@ class QMatrix:
         (None when the parts differ in block type or route)."""
         first = parts[0]
         if any(p.ggml_type != first.ggml_type or p.shape[1] != first.shape[1] or p.route != first.route
-               for p in parts):
+               or p.layout != first.layout for p in parts):
             return None
         n = sum(p.shape[0] for p in parts)
-        return cls(torch.cat([p.data for p in parts]), first.ggml_type, (n, first.shape[1]), first.route)
+        # Repacked parts hold whole groups of 8 rows each, so their bytes concatenate too.
+        out = cls(torch.cat([p.data for p in parts]), first.ggml_type, (n, first.shape[1]), first.route,
+                  first.layout)
+        out.rows_alone = first.rows_alone
+        return out
+
+    def repack(self) -> bool:
+        """Hold the blocks in ggml's repacked layout when the setting and ggml allow it (the ggml
+        route on the host, a type and shape ggml has kernels for); True when it now does. Same
+        bytes, so memory is unchanged; the plain copy is dropped."""
+        if (self.layout != "plain" or self.keep_plain or self.route != "ggml" or self.data.device.type != "cpu"
+                or not repack.wanted(self.ggml_type, *self.shape)):
+            return self.layout == "repacked"
+        out = torch.empty_like(self.data)
+        repack.repack_into(out.data_ptr(), self.data.data_ptr(), self.ggml_type, *self.shape, self.nbytes)
+        self.data, self.layout, self.rows_alone = out, "repacked", repack.rows_alone(self.ggml_type)
+        return True
 
     @property
     def nbytes(self) -> int:
@@ -395,7 +444,7 @@ class QMatrix:
     @property
     def graph_key(self) -> tuple:
         """What a ggml graph built for this weight depends on (see graph_weight)."""
-        return (int(self.ggml_type), self.shape[0], self.shape[1])
+        return (int(self.ggml_type), self.shape[0], self.shape[1], self.layout, self.rows_alone)
 
     @property
     def graph_ptr(self) -> int:
@@ -404,9 +453,17 @@ class QMatrix:
 
     def to(self, device: torch.device | str) -> "QMatrix":
         """An owned copy on `device` (a cache slot)."""
+        self._plain("copied to another device")
         return QMatrix(to_device(self.data, device), self.ggml_type, self.shape, self.route)
 
+    def _plain(self, what: str) -> None:
+        if self.layout != "plain":
+            raise MoerayError(f"a repacked {self.ggml_type.name} {self.shape} matrix cannot be {what}: only "
+                              "ggml's matmuls read that layout (mark it keep_plain before repacking, or "
+                              "MOERAY_REPACK=off)")
+
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
+        self._plain("dequantised")
         if self.route == "exact":
             return self.data.to(dtype)
         return dequantize(self.data, self.ggml_type, self.shape).to(dtype)
@@ -415,6 +472,7 @@ class QMatrix:
         """Rows `ids` of W as float32 [len(ids), K] (an embedding lookup reads only those blocks)."""
         if self.route == "exact":
             return F.embedding(ids, self.data)
+        self._plain("read as rows")
         per_row = self.data.view(self.shape[0], -1)
         return dequantize(per_row[ids.to(per_row.device)], self.ggml_type, (ids.numel(), self.shape[1]))
 
@@ -430,7 +488,8 @@ class QMatrix:
         return _dequant_linear(self, x, DEVICE_SCRATCH_BYTES if self.data.device.type == "cuda" else None)
 
     def __repr__(self) -> str:
-        return f"QMatrix({self.ggml_type.name}, {self.shape}, {self.route}, {self.nbytes} B)"
+        layout = ", repacked" if self.layout == "repacked" else ""
+        return f"QMatrix({self.ggml_type.name}, {self.shape}, {self.route}{layout}, {self.nbytes} B)"
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ import torch
 
 from moeray.stages.kv_cache import BLOCK_SIZE, KVPool
 from moeray.stages.layers import Attention, BatchMeta
-from moeray.stages.qmatmul import _threadpool, ggml_lib, graph_weight
+from moeray.stages.qmatmul import _threadpool, ggml_lib, graph_mul_mat, graph_weight
 
 KEY_PAD = 64  # keys per graph shape: a decode step builds a new graph every KEY_PAD tokens
 
@@ -279,7 +279,7 @@ class TrunkGraphs:
                 inputs.append(w_router)
 
             a = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, x, eps), attn_norm)
-            qkv = G.ggml_mul_mat(ctx, wq, a)  # [Q + 2 KV, N]
+            qkv = graph_mul_mat(ctx, w_qkv, wq, a)  # [Q + 2 KV, N]
             if b_qkv is not None:
                 qkv = G.ggml_add(ctx, qkv, b_qkv)
             nb1 = qkv.contents.nb[1]
@@ -302,7 +302,7 @@ class TrunkGraphs:
             o = G.ggml_reshape_2d(ctx, o, Q, B * t)
             if padded:  # and back to the packed tokens
                 o = G.ggml_get_rows(ctx, o, unpad)
-            o = G.ggml_mul_mat(ctx, wo, o)
+            o = graph_mul_mat(ctx, w_o, wo, o)
             if b_o is not None:
                 o = G.ggml_add(ctx, o, b_o)
             x_out = G.ggml_add(ctx, x, o)

@@ -1,0 +1,228 @@
+"""Weights in ggml's repacked layout (CPU_REPACK, what llama.cpp loads its weights into by default).
+
+ggml-cpu can hold a weight's blocks with 8 rows interleaved block by block (Q4_0, Q4_K, IQ4_NL,
+MXFP4 on AVX2; more types on ARM and AVX-512 builds) and then multiplies them with its faster
+GEMV/GEMM kernels, for mul_mat and mul_mat_id alike (measured on a 4096 x 2048 Q4_K matrix, 2
+threads: 1.4x at one row, 1.7x at 64). The repacked bytes are exactly as many as the plain ones,
+and whole groups of 8 rows stay together, so a matrix whose rows split into groups of 8 (an
+expert in a stack, q/k/v concatenated) is repacked piece by piece.
+
+ggml learns that a tensor is repacked from two fields: `buffer` (a buffer of the CPU_REPACK type:
+its kernels are chosen by the buffer type) and `extra` (the kernel family for the block type,
+which ggml picks from type and shape). Both must be set before `ggml_graph_plan`. The bytes
+themselves may lie anywhere: here they live in torch storage (a QMatrix's `data`, a slot row),
+and one small CPU_REPACK buffer serves as the handle every repacked tensor points at. Repacking
+goes through ggml's own `set_tensor` of that buffer type, onto any destination address.
+
+Batch invariance. ggml's repacked matmul runs a GEMM over each 4 rows of activations and a GEMV
+over the rest. For Q4_K the two round differently (~1e-7 relative), so a row's result would depend
+on how many rows share its call; for Q4_0, IQ4_NL and MXFP4 they agree bit for bit. mul_mat_id
+(experts) runs the GEMV per row always. The setting (MOERAY_REPACK):
+- "on" (default): repack wherever ggml has kernels; a matrix of a type whose GEMM differs sees its
+  activations as one-row planes (`rows_alone`: ggml then runs the GEMV for each row), so every row
+  gets the same bits at every batch size, as with the plain layout;
+- "fast": the GEMM too for those types (faster prefill; rows differ by ~1e-7 with the batch);
+- "off": ggml's plain layout everywhere.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+
+from gguf import GGMLQuantizationType as T
+
+from moeray.errors import MoerayError
+
+MODES = ("on", "fast", "off")
+# Types whose repacked GEMM and GEMV give a row the same bits (tested: tests/test_repack.py); a
+# trunk matrix of another type would make a row's result depend on how many rows share its call.
+BATCH_INVARIANT = frozenset((T.Q4_0, T.IQ4_NL, T.MXFP4))
+
+_lock = threading.Lock()
+_handle = None  # the CPU_REPACK buffer every repacked tensor names; None: not looked up yet
+_unavailable = ""  # why repacking is off in this process ("" when it is available)
+_traits: dict[tuple, int] = {}
+_mode: str | None = None
+
+
+def _checked(m: str, where: str) -> str:
+    if m not in MODES:
+        raise MoerayError(f"{where}={m!r}: choose one of {', '.join(MODES)} (on: ggml's repacked layout "
+                          "where a row's result stays the same at every batch size; fast: also Q4_K, whose "
+                          "rows then differ by ~1e-7 between batch sizes; off: the plain layout)")
+    return m
+
+
+def mode() -> str:
+    """The layout setting of this process: set_mode's, else MOERAY_REPACK, default "on"."""
+    global _mode
+    if _mode is None:
+        _mode = _checked(os.environ.get("MOERAY_REPACK", "").strip().lower() or "on", "MOERAY_REPACK")
+    return _mode
+
+
+def set_mode(m: str | None) -> None:
+    """The layout of matrices made after this call (None: MOERAY_REPACK's again)."""
+    global _mode
+    _mode = None if m is None else _checked(m, "repack")
+
+
+HOST_EXPERTS = ("mapped", "repacked")
+# Left free when copying host experts: what the rest of the process and the system still need.
+HEADROOM_BYTES = 1 << 30
+
+
+def host_experts() -> str:
+    """MOERAY_HOST_EXPERTS: "mapped" (default: routed experts read in place from the GGUF mapping,
+    no copy) or "repacked" (copied into ggml's repacked layout at load, as llama.cpp does)."""
+    m = os.environ.get("MOERAY_HOST_EXPERTS", "").strip().lower() or "mapped"
+    if m not in HOST_EXPERTS:
+        raise MoerayError(f"MOERAY_HOST_EXPERTS={m!r}: choose mapped (read the experts in place from the file "
+                          "mapping) or repacked (copy them into ggml's repacked layout at load: more RAM)")
+    return m
+
+
+def mem_available(meminfo: str = "/proc/meminfo") -> int | None:
+    """MemAvailable in bytes (the page cache of the mapping counts: it is reclaimable), or None."""
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def check_fits(n_bytes: int, what: str, available: int | None = None) -> None:
+    """Raise a one-line MoerayError when copying `n_bytes` of host experts would not leave
+    HEADROOM_BYTES of the memory available."""
+    if n_bytes <= 0:
+        return
+    available = mem_available() if available is None else available
+    if available is not None and n_bytes + HEADROOM_BYTES > available:
+        gib = 1 << 30
+        raise MoerayError(f"MOERAY_HOST_EXPERTS=repacked: the routed experts of {what} take {n_bytes / gib:.1f} GiB "
+                          f"repacked, {available / gib:.1f} GiB of memory is available (1 GiB is kept free); "
+                          "use MOERAY_HOST_EXPERTS=mapped (read in place from the file mapping) or free memory")
+
+
+def layout_line() -> str:
+    """The layout part of the route line at start-up."""
+    m = mode()
+    if m == "off":
+        return "weights in ggml's plain layout (MOERAY_REPACK=off)"
+    if handle() is None:
+        return f"weights in ggml's plain layout ({_unavailable})"
+    rows = "rows batch-invariant" if m == "on" else "Q4_K rows vary ~1e-7 with the batch"
+    return (f"weights repacked where ggml has kernels (MOERAY_REPACK={m}: {rows}); "
+            f"host experts {host_experts()} (MOERAY_HOST_EXPERTS)")
+
+
+def _G():
+    from moeray.stages.qmatmul import ggml_lib
+
+    return ggml_lib()
+
+
+_LOG_DEBUG, _LOG_CONT = 1, 5
+
+
+def _quiet_debug_log(G) -> None:
+    """ggml's repack logs one DEBUG line per tensor it repacks (thousands: every slot fill) and its
+    default logger prints every level: drop DEBUG, print the rest to stderr as before."""
+    import sys
+
+    last = [0]
+
+    def log(level, text, _user):
+        if level != _LOG_CONT:
+            last[0] = level
+        if last[0] != _LOG_DEBUG and text:
+            sys.stderr.write(text.decode(errors="replace"))
+
+    cb = G.ggml_log_callback(log)
+    _quiet_debug_log.keep = cb  # ggml holds the pointer: keep the Python object alive
+    G.ggml_log_set(cb, None)
+
+
+def handle():
+    """The CPU_REPACK buffer, or None when this ggml has none (then every weight stays plain)."""
+    global _handle, _unavailable
+    with _lock:
+        if _handle is None and not _unavailable:
+            G = _G()
+            fp = G.ggml_backend_reg_get_proc_address(G.ggml_backend_cpu_reg(), b"ggml_backend_dev_get_extra_bufts")
+            bufts = []
+            if fp:
+                get = ctypes.CFUNCTYPE(ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)(fp)
+                arr = get(G.ggml_backend_dev_by_type(G.GGML_BACKEND_DEVICE_TYPE_CPU))
+                i = 0
+                while arr and arr[i]:
+                    bufts.append(arr[i])
+                    i += 1
+            buft = next((b for b in bufts if G.ggml_backend_buft_name(ctypes.c_void_p(b)) == b"CPU_REPACK"), None)
+            if buft is None:
+                _unavailable = "this ggml build has no CPU_REPACK buffer type"
+            else:
+                _quiet_debug_log(G)
+                # A handle only: no tensor's bytes live in it (64 bytes: ggml allocates nothing for 0).
+                _handle = G.ggml_backend_buft_alloc_buffer(ctypes.c_void_p(buft), 64)
+        return _handle
+
+
+def traits(ggml_type: T, rows: int, cols: int) -> int | None:
+    """ggml's repacked kernels for a [rows, cols] matrix of `ggml_type` (its `extra`), or None
+    where it has none for this type, shape or CPU."""
+    key = (int(ggml_type), rows % 16, cols % 8)  # what ggml's choice and its repack check read
+    if key in _traits:
+        return _traits[key] or None
+    h = handle()
+    extra = 0
+    if h is not None and cols % 8 == 0 and rows > 0:  # the repack functions also need columns % 8
+        G = _G()
+        ctx = G.ggml_init(G.ggml_init_params(mem_size=G.ggml_tensor_overhead() + 256, mem_buffer=None, no_alloc=True))
+        try:
+            t = G.ggml_new_tensor_2d(ctx, int(ggml_type), cols, rows)
+            G.ggml_backend_buffer_init_tensor(h, t)
+            extra = t.contents.extra or 0
+        finally:
+            G.ggml_free(ctx)
+    _traits[key] = extra
+    return extra or None
+
+
+def wanted(ggml_type: T, rows: int, cols: int) -> bool:
+    """Whether the setting repacks such a matrix (ggml has kernels for its type and shape)."""
+    return mode() != "off" and traits(ggml_type, rows, cols) is not None
+
+
+def rows_alone(ggml_type: T) -> bool:
+    """Whether a repacked matrix of this type must multiply each activation row on its own (by the
+    GEMV) to give the same bits at every batch size."""
+    return mode() == "on" and T(ggml_type) not in BATCH_INVARIANT
+
+
+def repack_into(dst: int, src: int, ggml_type: T, rows: int, cols: int, nbytes: int) -> None:
+    """Write the repacked form of the plain [rows, cols] blocks at address `src` (nbytes) to `dst`
+    (nbytes too). The caller checked traits() first: ggml aborts the process on a shape it cannot repack."""
+    extra = traits(ggml_type, rows, cols)
+    if extra is None:
+        raise ValueError(f"ggml has no repacked kernels for {T(ggml_type).name} [{rows}, {cols}]")
+    G = _G()
+    ctx = G.ggml_init(G.ggml_init_params(mem_size=G.ggml_tensor_overhead() + 256, mem_buffer=None, no_alloc=True))
+    try:
+        t = G.ggml_new_tensor_2d(ctx, int(ggml_type), cols, rows)
+        if G.ggml_nbytes(t) != nbytes:
+            raise ValueError(f"{T(ggml_type).name} [{rows}, {cols}] is {G.ggml_nbytes(t)} bytes, got {nbytes}")
+        t.contents.data, t.contents.buffer, t.contents.extra = dst, handle(), extra
+        G.ggml_backend_tensor_set(t, ctypes.c_void_p(src), 0, nbytes)
+    finally:
+        G.ggml_free(ctx)
+
+
+def mark(t, ggml_type: T, rows: int, cols: int) -> None:
+    """Make graph tensor `t` read its bytes as repacked (before the graph is planned)."""
+    t.contents.buffer = handle()
+    t.contents.extra = traits(ggml_type, rows, cols)
