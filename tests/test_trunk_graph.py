@@ -9,6 +9,9 @@ experts; measured here: 1e-2 to 3e-2 (the fused route is as close to the exact r
 ggml route: 3.0e-2 vs 3.3e-2 of the largest logit on the default model's 48-token prefill)."""
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -169,3 +172,21 @@ def test_gpt_oss_keeps_the_torch_path(tmp_path):
 
     path, _ = write_gpt_oss(tmp_path / "gpt-oss.gguf", "Q8_0")
     assert load_model(path, route="ggml").trunk is None
+
+
+def test_repacked_q4k_weights(tmp_path):
+    """Q4_K trunk matrices in ggml's repacked layout (the 30B shape's kind): the graph multiplies
+    them through qmatmul.graph_mul_mat, as the torch path's matmuls do."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from shapes import Shape, write_shape
+
+    s = Shape("qwen3moe", layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=4, used=2,
+              expert_ff=256, vocab=4096)
+    both = Both(write_shape("tiny", shape=s, path=tmp_path / "tiny.gguf", pool_blocks=1024))
+    from moeray.stages import repack
+
+    layer = both.model.layers[0].attn
+    assert both.model.repacked > 0 or not repack.wanted(layer.w_qkv[0].ggml_type, *layer.w_qkv[0].shape)
+    ids = token_ids(20, seed=2)
+    _close(both, lambda m: m.logits_all(ids), "Q4_K prefill")
+    _close(both, _prefill_then_decode(ids, 7), "Q4_K chunks + decode")
