@@ -53,9 +53,21 @@ def ray_init_address(address: str | None) -> str:
     return address or os.environ.get("RAY_ADDRESS") or "local"
 
 
+def local_ray_env() -> None:
+    """Settings the processes of a local Ray cluster inherit (set before ray.init starts them).
+
+    Log lines from actors stay readable (no dedup). Workers run at this process's priority: Ray
+    starts every worker (stage actors, the Serve replica) 15 nice levels below the raylet, so on a
+    machine with anything else runnable (the HTTP clients, Ray's own daemons) the model's threads
+    got the smallest CPU share, and ggml's helper threads lost their cores mid-graph (README "HTTP
+    load": 2 ggml threads at niceness 15 against 0)."""
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    os.environ.setdefault("RAY_worker_niceness", "0")
+
+
 def ensure_ray(address: str | None = None) -> None:
     """Join the cluster at `address`, or start a local one; log lines from actors stay readable."""
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    local_ray_env()
     import ray
 
     if not ray.is_initialized():
