@@ -34,7 +34,8 @@ import torch
 
 from moeray.stages.kv_cache import BLOCK_SIZE, KVPool
 from moeray.stages.layers import Attention, BatchMeta
-from moeray.stages.qmatmul import _threadpool, ggml_lib, graph_mul_mat, graph_weight
+from moeray.stages.qmatmul import (_threadpool, _weight_bytes, ggml_lib, ggml_threads, graph_mul_mat, graph_weight,
+                                   thread_settings)
 
 KEY_PAD = 64  # keys per graph shape: a decode step builds a new graph every KEY_PAD tokens
 
@@ -46,7 +47,6 @@ class MultiGraph:
 
     def __init__(self, build, n_nodes: int = 256):
         G = ggml_lib()
-        n_threads, pool = _threadpool()
         size = G.ggml_tensor_overhead() * n_nodes + G.ggml_graph_overhead() + 4096
         self.ctx = G.ggml_init(G.ggml_init_params(mem_size=size, mem_buffer=None, no_alloc=True))
         self.inputs, self.outputs, effects = build(self.ctx)
@@ -65,7 +65,12 @@ class MultiGraph:
         # Views (of inputs, outputs or intermediates) are re-pointed per call, each after its source.
         self._views = [(t.contents, t.contents.view_src.contents, t.contents.view_offs)
                        for t in self._all_views(nodes)]
-        self.plan = G.ggml_graph_plan(self.graph, n_threads, pool)
+        # ggml's threads as qmatmul's graphs use them: all of them, unless the settings say a graph
+        # reading this few weight bytes runs on one (qmatmul.ThreadSettings.parallel_bytes)
+        n = ggml_threads()
+        if n > 1 and _weight_bytes(self.graph) < thread_settings().parallel_bytes:
+            n = 1
+        self.plan = G.ggml_graph_plan(self.graph, n, _threadpool(n))
         self.work = torch.empty(max(1, self.plan.work_size), dtype=torch.uint8)
         self.plan.work_data = ctypes.cast(self.work.data_ptr(), ctypes.POINTER(ctypes.c_uint8))
         self._in = [t.contents for t in self.inputs]
