@@ -312,13 +312,16 @@ class MoEBlock(torch.nn.Module):
         self.shared = shared
         self.register_buffer("w_shared_gate", w_shared_gate, persistent=False)
 
-    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[N, H] -> (expert ids [N, k], weights [N, k]) in rank order."""
-        ids, weights = self.routing(F.linear(h, self.w_router), self.cfg, self.router_bias)
+    def route(self, h: torch.Tensor, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N, H] -> (expert ids [N, k], weights [N, k]) in rank order; `logits`: the router's
+        output [N, E] when the caller computed it already (the trunk graph does)."""
+        if logits is None:
+            logits = F.linear(h, self.w_router)
+        ids, weights = self.routing(logits, self.cfg, self.router_bias)
         return ids, weights.to(h.dtype)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.route(h)
+    def forward(self, h: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
+        ids, weights = self.route(h, logits)
         out = self.experts.forward(self.layer, h, ids, weights)
         if self.shared is not None:
             shared = self.shared(h)
