@@ -35,7 +35,7 @@ import torch
 from moeray.stages.kv_cache import BLOCK_SIZE, KVPool
 from moeray.stages.layers import Attention, BatchMeta
 from moeray.stages.qmatmul import (_threadpool, _weight_bytes, ggml_lib, ggml_threads, graph_mul_mat, graph_weight,
-                                   thread_settings)
+                                   place_scratch, thread_settings)
 
 KEY_PAD = 64  # keys per graph shape: a decode step builds a new graph every KEY_PAD tokens
 
@@ -46,7 +46,7 @@ class MultiGraph:
     gets a fixed place in one scratch buffer."""
 
     def __init__(self, build, n_nodes: int = 256):
-        G = ggml_lib()
+        G = self._G = ggml_lib()
         size = G.ggml_tensor_overhead() * n_nodes + G.ggml_graph_overhead() + 4096
         self.ctx = G.ggml_init(G.ggml_init_params(mem_size=size, mem_buffer=None, no_alloc=True))
         self.inputs, self.outputs, effects = build(self.ctx)
@@ -56,15 +56,17 @@ class MultiGraph:
         fixed = {ctypes.addressof(t.contents) for t in self.inputs + self.outputs}
         nodes = [G.ggml_graph_node(self.graph, i) for i in range(G.ggml_graph_n_nodes(self.graph))]
         scratch = [t for t in nodes if ctypes.addressof(t.contents) not in fixed and not t.contents.view_src]
-        sizes = [G.ggml_nbytes(t) for t in scratch]
-        self.scratch = torch.empty(sum(sizes) + 64 * len(sizes), dtype=torch.uint8)
-        off = 0
-        for t, n in zip(scratch, sizes):
-            t.contents.data = self.scratch.data_ptr() + off
-            off += (n + 63) // 64 * 64
-        # Views (of inputs, outputs or intermediates) are re-pointed per call, each after its source.
-        self._views = [(t.contents, t.contents.view_src.contents, t.contents.view_offs)
-                       for t in self._all_views(nodes)]
+        self.scratch = place_scratch(scratch)
+        # Views look into their source's bytes: placed once when it is an intermediate, re-pointed
+        # per call (each after its source) when it is an input or output, or a view of one.
+        self._views, moving = [], set(fixed)
+        for t in self._all_views(nodes):
+            v = (t.contents, t.contents.view_src.contents, t.contents.view_offs)
+            if ctypes.addressof(v[1]) in moving:
+                moving.add(ctypes.addressof(v[0]))
+                self._views.append(v)
+            else:
+                v[0].data = v[1].data + v[2]
         # ggml's threads as qmatmul's graphs use them: all of them, unless the settings say a graph
         # reading this few weight bytes runs on one (qmatmul.ThreadSettings.parallel_bytes)
         n = ggml_threads()
@@ -77,7 +79,6 @@ class MultiGraph:
         self._out = [t.contents for t in self.outputs]
         self._plan_ref = ctypes.byref(self.plan)
         self._compute = G.ggml_graph_compute
-        self._G = G
 
     def _all_views(self, nodes):
         """Every view tensor the graph reads, its sources before it."""
@@ -108,7 +109,7 @@ class MultiGraph:
         self._compute(self.graph, self._plan_ref)
 
     def __del__(self):
-        if getattr(self, "ctx", None) and self._G is not None:
+        if getattr(self, "ctx", None) and getattr(self, "_G", None) is not None:
             self._G.ggml_free(self.ctx)
 
 
