@@ -178,7 +178,7 @@ class TrunkGraphs:
         mask = torch.zeros(B, 1, t, keys_pad, dtype=torch.float16).masked_fill_(~visible.unsqueeze(1), float("-inf"))
         # the key: everything a graph's shapes depend on (the pool's rows, the step's tokens too)
         return Step((B, t, keys_pad, pad is not None) + mode + (rows, meta.n_tokens), meta.n_tokens,
-                    meta.positions.to(torch.int32), meta.write_rows, mask, base, gather, pad, unpad, rows, gap)
+                    meta.positions.to(torch.int32), meta.write_rows.to(torch.int64).contiguous(), mask, base, gather, pad, unpad, rows, gap)
 
     def layer(self, step: Step, x: torch.Tensor, r: torch.Tensor | None, attn_norm: torch.Tensor,
               attn: Attention, kv: KVPool, ffn_norm: torch.Tensor, router: torch.Tensor | None
