@@ -256,15 +256,16 @@ class HostExperts:
             out = run(self.stack(layer), self.act, xh, ids, wh)
         elif hit.all():
             out = run(slots, self.act, xh, torch.from_numpy(slot_of.astype(np.int32)), wh)
-        else:  # split: each stack gets its own picks, one row of x per pick
+        else:  # split: each stack gets its own picks, one row of x per pick (gathered in numpy)
             flat = hit.reshape(-1)
-            flat_hit = torch.from_numpy(flat.nonzero()[0])
-            flat_miss = torch.from_numpy((~flat).nonzero()[0])
-            flat_ids, flat_w = ids.reshape(-1, 1), wh.reshape(-1, 1)
-            self.computed += _n_distinct(ids.numpy().reshape(-1)[~flat])
-            slot_ids = torch.from_numpy(slot_of.reshape(-1, 1).astype(np.int32))
-            y_hit = run(slots, self.act, xh[flat_hit // k], slot_ids[flat_hit], flat_w[flat_hit])
-            y_miss = run(self.stack(layer), self.act, xh[flat_miss // k], flat_ids[flat_miss], flat_w[flat_miss])
+            flat_hit, flat_miss = np.flatnonzero(flat), np.flatnonzero(~flat)
+            x_np, w_np = xh.numpy(), wh.numpy().reshape(-1, 1)
+            ids_np = ids.numpy().reshape(-1, 1)
+            self.computed += _n_distinct(ids_np[flat_miss])
+            slot_ids = slot_of.reshape(-1, 1)[flat_hit].astype(np.int32)
+            t = torch.from_numpy
+            y_hit = run(slots, self.act, t(x_np[flat_hit // k]), t(slot_ids), t(w_np[flat_hit]))
+            y_miss = run(self.stack(layer), self.act, t(x_np[flat_miss // k]), t(ids_np[flat_miss]), t(w_np[flat_miss]))
             out = add_picks(N, k, [(flat_hit, y_hit), (flat_miss, y_miss)], xh.shape[1])
         return out if out.device == x.device else to_device(out, x.device)
 
