@@ -130,7 +130,7 @@ def profile_decode(path: str, n_prompt: int, n_decode: int, route: str | None = 
     each part of the stage's step (timers around the model's own methods), ms per token."""
     import torch
 
-    from moeray.stages import layers, model as model_mod, moe
+    from moeray.stages import layers, model as model_mod, moe, trunk_graph
     from moeray.stages.model import load_model
     from moeray.stages.tokenizer import Tokenizer
 
@@ -150,6 +150,9 @@ def profile_decode(path: str, n_prompt: int, n_decode: int, route: str | None = 
         return owner, name, real
 
     patches = [timed(layers.Attention, "forward", "attention (qkv, rope, kv write, sdpa, out proj)"),
+               timed(trunk_graph.TrunkGraphs, "layer", "trunk graph (norms, qkv, rope, kv write, attention, "
+                                                       "out proj, residual, router logits)"),
+               timed(trunk_graph.TrunkGraphs, "step", "trunk graph step inputs (positions, mask)"),
                timed(moe.MoEBlock, "route", "router + top-k"),
                timed(type(model.experts), "forward", "routed experts"),
                timed(model_mod, "rms_norm", "norms"),

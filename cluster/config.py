@@ -105,6 +105,8 @@ class ServeOptions:
     metrics_interval_s: float = 2.0
     # --local: bytes of the one simulated device (holds every expert of the default model)
     local_budget: int = 4 << 30
+    # --local: ggml's threads in the one process; None: every core it may run on (README "HTTP load")
+    threads: Optional[int] = None
 
 
 def resolve_model(path: str | None, rebuild: bool = False) -> str:

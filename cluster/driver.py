@@ -53,9 +53,21 @@ def ray_init_address(address: str | None) -> str:
     return address or os.environ.get("RAY_ADDRESS") or "local"
 
 
+def local_ray_env() -> None:
+    """Settings the processes of a local Ray cluster inherit (set before ray.init starts them).
+
+    Log lines from actors stay readable (no dedup). Workers run at this process's priority: Ray
+    starts every worker (stage actors, the Serve replica) 15 nice levels below the raylet, so on a
+    machine with anything else runnable (the HTTP clients, Ray's own daemons) the model's threads
+    got the smallest CPU share, and ggml's helper threads lost their cores mid-graph (README "HTTP
+    load": 2 ggml threads at niceness 15 against 0)."""
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    os.environ.setdefault("RAY_worker_niceness", "0")
+
+
 def ensure_ray(address: str | None = None) -> None:
     """Join the cluster at `address`, or start a local one; log lines from actors stay readable."""
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    local_ray_env()
     import ray
 
     if not ray.is_initialized():
@@ -506,6 +518,13 @@ def local_kv_plan(config, engine: EngineConfig, free_bytes: int, itemsize: int =
     n, rule = fixed_kv_blocks(config, engine, free_bytes, itemsize)
     if n is None:
         n, rule = blocks_for(context), "one sequence at the full context (--kv-blocks or --kv-fraction for more)"
+        # A model of long context (Qwen3-30B-A3B: 40,960 tokens, 7.5 GiB of float32 KV) would not
+        # fit the device beside its trunk: at most half of it, and the context shrinks to match.
+        fit = (free_bytes // 2) // max(1, sum(kv_bytes_by_layer(config, 1, itemsize)))
+        if engine.max_len is None and 1 <= fit < n:
+            n, context = fit, fit * BLOCK_SIZE
+            rule = (f"one sequence of {context} tokens, half the device (the model's {config.context_length} "
+                    "would not fit; --max-len or --kv-blocks to choose)")
     return KVPlan(n, BLOCK_SIZE, context, rule, [sum(kv_bytes_by_layer(config, n, itemsize))])
 
 

@@ -36,6 +36,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--local", action="store_true", help="the whole model in the Serve replica, no stage actors")
     p.add_argument("--max-waiting", type=int, default=ServeOptions.max_waiting,
                    help=f"requests queued for a slot before 429 (default {ServeOptions.max_waiting})")
+    p.add_argument("--threads", type=int, default=None,
+                   help="--local: ggml's threads in the one process (default: every core it may run on; each "
+                        "graph then learns whether one thread or all compute it faster; 1: one thread)")
     add_launch_arguments(p)
     add_engine_arguments(p)
     p.add_argument("--metrics-export-port", type=int, default=8080,
@@ -63,7 +66,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
             # 16 clients: 48.6 against 37.0 out tok/s with two lanes, README "HTTP load").
             engine.micro_batches = 1
     return ServeOptions(model=args.model, model_name=args.model_name, local=args.local, launch=launch, engine=engine,
-                        max_waiting=args.max_waiting, api_key=args.api_key or None)
+                        max_waiting=args.max_waiting, api_key=args.api_key or None, threads=args.threads)
 
 
 def check_ports(args: argparse.Namespace) -> None:
@@ -128,15 +131,15 @@ def stop_on_signals() -> None:
 
 def start_ray(address: str | None, metrics_port: int, dashboard: bool, dashboard_port: int = 8265) -> str | None:
     """Start a local Ray (or join `address`); returns the Ray dashboard's URL when one runs."""
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    from moeray.cluster.driver import local_ray_env, ray_init_address
+
+    local_ray_env()
     # Serve's HTTP proxy must answer a readiness check in 5 s by default; on a small machine busy
     # loading a model it can miss three in a row and be killed. The processes a local cluster starts
     # inherit these, so they take effect from ray.init on.
     os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
     os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "30")
     import ray
-
-    from moeray.cluster.driver import ray_init_address
 
     if ray.is_initialized():
         return None
@@ -196,6 +199,10 @@ def curl_example(url: str, model: str, api_key: str | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.threads is not None and (args.threads < 1 or not args.local):
+        from moeray.cluster.cli import CLIError
+
+        raise CLIError("--threads N (N >= 1) is for --local, the one process; stages take their cores' share")
     check_ports(args)
     try:
         ray_dashboard = start_ray(args.address, args.metrics_export_port, args.dashboard, args.dashboard_port)

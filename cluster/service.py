@@ -17,6 +17,11 @@ from moeray.cluster.engine_loop import EngineLoop, Stream
 from moeray.errors import MoerayError
 
 
+# How the one process of `moeray serve --local` uses ggml's threads (stages/qmatmul.ThreadSettings;
+# MOERAY_GGML_* override each): chosen by bench/serve_sweep.py beside llama-server, README "HTTP load".
+LOCAL_THREADS = dict(poll=1, parallel_bytes=1 << 20, adapt=True)
+
+
 def _rss_bytes() -> int:
     """This process's resident memory (Linux /proc; 0 elsewhere)."""
     try:
@@ -57,6 +62,10 @@ class Service:
                 import torch
 
                 torch.set_num_threads(opts.launch.torch_threads)
+            from moeray.stages.qmatmul import ThreadSettings, set_threads
+
+            set_threads(opts.threads or int(os.environ.get("MOERAY_THREADS") or 0) or len(os.sched_getaffinity(0)),
+                        ThreadSettings.from_env(ThreadSettings(**LOCAL_THREADS)))
             if opts.launch.kernels != "auto":
                 from moeray.stages.qmatmul import set_route
 

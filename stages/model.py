@@ -24,6 +24,7 @@ from moeray.stages.moe import DenseFFN, Experts, HostExperts, MoEBlock
 from moeray.stages import repack
 from moeray.stages.qmatmul import QMatrix, announce, current_route
 from moeray.stages.rope import RoPE
+from moeray.stages.trunk_graph import TrunkGraphs, supports
 from moeray.stages.quant import dequantize
 
 log = logging.getLogger("moeray.kernels")
@@ -61,6 +62,11 @@ class StageModel(torch.nn.Module):
 
         self.tok_embd = self._matrix("token_embd.weight") if self.has_embedding else None
         self.layers = torch.nn.ModuleList(self._load_layer(i) for i in range(first, end))
+        # Every layer's trunk as one ggml graph where each layer allows it (trunk_graph.supports)
+        self.trunk = None
+        if self.route == "ggml" and self.device.type == "cpu" and all(
+                supports(l.attn, cfg) for l in self.layers) and os.environ.get("MOERAY_TRUNK_GRAPH", "1") != "0":
+            self.trunk = TrunkGraphs(cfg)
         self.register_buffer("out_norm", None, persistent=False)
         self.w_out = None
         if self.has_head:
@@ -274,15 +280,35 @@ class StageModel(torch.nn.Module):
 
     @torch.inference_mode()
     def run_layers(self, hidden: torch.Tensor, meta: BatchMeta, kv: KVPool) -> torch.Tensor:
-        """Packed hidden [N, hidden] through this stage's layers; appends the step's k/v to `kv`."""
+        """Packed hidden [N, hidden] through this stage's layers; appends the step's k/v to `kv`.
+        On the ggml route a GQA stage runs each layer's trunk as one graph (stages/trunk_graph.py)
+        when the step's shape has one; otherwise (and on the other routes) the torch ops below."""
+        step = self.trunk.step(meta, kv) if self.trunk is not None else None
+        if step is not None:
+            x = self._run_graphs(hidden.float().contiguous(), step, kv)
+        else:
+            x = self._run_torch(hidden, meta, kv)
+        if meta.slots is not None:  # a fixed-slot cache keeps its own lengths
+            kv.advance(meta.slots, meta.n_new)
+        return x
+
+    def _run_graphs(self, x: torch.Tensor, step, kv: KVPool) -> torch.Tensor:
+        """Each layer's trunk in one graph, the previous layer's FFN output added inside it."""
+        r = None
+        for layer in self.layers:
+            moe = isinstance(layer.ffn, MoEBlock)
+            x, h, logits = self.trunk.layer(step, x, r, layer.attn_norm, layer.attn, kv, layer.ffn_norm,
+                                            layer.ffn.w_router if moe else None)
+            r = layer.ffn(h, logits) if moe else layer.ffn(h)
+        return x + r
+
+    def _run_torch(self, hidden: torch.Tensor, meta: BatchMeta, kv: KVPool) -> torch.Tensor:
         eps = self.config.rms_eps
         cos_sin = self.rope.cos_sin(meta.positions)
         x = hidden
         for layer in self.layers:
             x = x + layer.attn(rms_norm(x, layer.attn_norm, eps), meta, kv, self.rope, cos_sin)
             x = x + layer.ffn(rms_norm(x, layer.ffn_norm, eps))
-        if meta.slots is not None:  # a fixed-slot cache keeps its own lengths
-            kv.advance(meta.slots, meta.n_new)
         return x
 
     @torch.inference_mode()

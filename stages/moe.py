@@ -273,20 +273,23 @@ class HostExperts:
         xh = x if x.device.type == "cpu" else x.float().to("cpu")
         wh = weights.to("cpu", torch.float32)
         N, k = ids.shape
-        hit = None if slot_of is None else torch.from_numpy(slot_of >= 0)
-        if hit is None or not bool(hit.any()):
-            self.computed += len(torch.unique(ids))
+        # numpy over the [N, k] picks: a few microseconds, against a few tens for torch ops on them
+        hit = None if slot_of is None else slot_of >= 0
+        if hit is None or not hit.any():
+            self.computed += _n_distinct(ids.numpy())
             out = run(self.stack(layer), self.act, xh, ids, wh)
-        elif bool(hit.all()):
-            out = run(slots, self.act, xh, torch.from_numpy(slot_of), wh)
-        else:  # split: each stack gets its own picks, one row of x per pick
-            flat_hit = hit.reshape(-1).nonzero().squeeze(1)
-            flat_miss = (~hit).reshape(-1).nonzero().squeeze(1)
-            flat_ids, flat_w = ids.reshape(-1, 1), wh.reshape(-1, 1)
-            self.computed += len(torch.unique(flat_ids[flat_miss]))
-            slot_ids = torch.from_numpy(slot_of.reshape(-1, 1))
-            y_hit = run(slots, self.act, xh[flat_hit // k], slot_ids[flat_hit], flat_w[flat_hit])
-            y_miss = run(self.stack(layer), self.act, xh[flat_miss // k], flat_ids[flat_miss], flat_w[flat_miss])
+        elif hit.all():
+            out = run(slots, self.act, xh, torch.from_numpy(slot_of.astype(np.int32)), wh)
+        else:  # split: each stack gets its own picks, one row of x per pick (gathered in numpy)
+            flat = hit.reshape(-1)
+            flat_hit, flat_miss = np.flatnonzero(flat), np.flatnonzero(~flat)
+            x_np, w_np = xh.numpy(), wh.numpy().reshape(-1, 1)
+            ids_np = ids.numpy().reshape(-1, 1)
+            self.computed += _n_distinct(ids_np[flat_miss])
+            slot_ids = slot_of.reshape(-1, 1)[flat_hit].astype(np.int32)
+            t = torch.from_numpy
+            y_hit = run(slots, self.act, t(x_np[flat_hit // k]), t(slot_ids), t(w_np[flat_hit]))
+            y_miss = run(self.stack(layer), self.act, t(x_np[flat_miss // k]), t(ids_np[flat_miss]), t(w_np[flat_miss]))
             out = add_picks(N, k, [(flat_hit, y_hit), (flat_miss, y_miss)], xh.shape[1])
         return out if out.device == x.device else to_device(out, x.device)
 
@@ -301,6 +304,11 @@ class HostExperts:
         close = getattr(self.on_route, "close", None)
         if close is not None:
             close()
+
+
+def _n_distinct(ids: np.ndarray) -> int:
+    """Distinct experts among a call's picks (bincount: linear, no sort)."""
+    return int(np.count_nonzero(np.bincount(ids.reshape(-1)))) if ids.size else 0
 
 
 class DenseFFN(torch.nn.Module):
@@ -329,13 +337,16 @@ class MoEBlock(torch.nn.Module):
         self.shared = shared
         self.register_buffer("w_shared_gate", w_shared_gate, persistent=False)
 
-    def route(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[N, H] -> (expert ids [N, k], weights [N, k]) in rank order."""
-        ids, weights = self.routing(F.linear(h, self.w_router), self.cfg, self.router_bias)
+    def route(self, h: torch.Tensor, logits: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N, H] -> (expert ids [N, k], weights [N, k]) in rank order; `logits`: the router's
+        output [N, E] when the caller computed it already (the trunk graph does)."""
+        if logits is None:
+            logits = F.linear(h, self.w_router)
+        ids, weights = self.routing(logits, self.cfg, self.router_bias)
         return ids, weights.to(h.dtype)
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        ids, weights = self.route(h)
+    def forward(self, h: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
+        ids, weights = self.route(h, logits)
         out = self.experts.forward(self.layer, h, ids, weights)
         if self.shared is not None:
             shared = self.shared(h)

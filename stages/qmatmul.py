@@ -22,6 +22,7 @@ import ctypes
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -91,8 +92,9 @@ def route_line(route: str, device: torch.device) -> str:
     if route == "ggml":
         n = ggml_threads()
         spin = "; torch's own ops on 1 thread" if n > 1 else ""
-        return (f"moeray: kernels: ggml (quantised blocks, 8-bit activations; a layer's routed experts in "
-                f"one mul_mat_id graph) on cpu, {n} thread(s){spin}; {repack.layout_line()}")
+        return (f"moeray: kernels: ggml (quantised blocks, 8-bit activations; a GQA layer's trunk in one "
+                f"ggml graph, its routed experts in one mul_mat_id graph) on cpu, {n} thread(s){spin}; "
+                f"{repack.layout_line()}")
     if route == "exact":
         return f"moeray: kernels: exact (float32 copies of every weight, debugging) on {device}"
     if _card_kernels(device) is not None:
@@ -125,9 +127,39 @@ def announce(route: str, device: torch.device) -> None:
 # --- ggml ------------------------------------------------------------------------------------------
 
 _pool_lock = threading.Lock()
-_pool = None  # (n_threads, threadpool pointer)
+_pools: dict[tuple, object] = {}  # (threads, poll) -> ggml thread pool pointer, one per setting used
 _threads: int | None = None  # ggml's threads in this process, fixed at first use (or set_threads)
-SPIN_POLL = 100  # how long ggml's workers spin for the next graph before they sleep
+
+
+@dataclass
+class ThreadSettings:
+    """How ggml's threads are used (README "HTTP load" has the measurements behind each).
+
+    poll: how long ggml's workers spin for the next graph before they sleep (ggml's poll level:
+      0 sleeps at once; each level is ~131k pause rounds, ~1-5 ms here: level 1 bridges the torch
+      ops between a step's graphs but not the wait between steps; 100 spins for a good part of a
+      second).
+    parallel_bytes: a graph that reads fewer weight bytes starts on one thread (0: every graph
+      uses all threads): waking a worker and meeting it at every barrier costs more than it saves
+      on a graph of a few hundred microseconds.
+    adapt: each graph learns from its own calls whether one thread or all of them compute it
+      faster, and keeps trying the other now and then: big graphs split on a quiet machine, and
+      stop splitting on a loaded one (a helper thread preempted mid-graph stalls every barrier).
+    """
+    poll: int = 100
+    parallel_bytes: int = 0
+    adapt: bool = False
+
+    @classmethod
+    def from_env(cls, d: "ThreadSettings | None" = None) -> "ThreadSettings":
+        """MOERAY_GGML_POLL, MOERAY_GGML_PARALLEL_KB, MOERAY_GGML_ADAPT (0/1) over `d`'s values."""
+        d, env = d or cls(), os.environ
+        return cls(int(env.get("MOERAY_GGML_POLL") or d.poll),
+                   int(env.get("MOERAY_GGML_PARALLEL_KB") or d.parallel_bytes >> 10) << 10,
+                   env.get("MOERAY_GGML_ADAPT", "1" if d.adapt else "0") != "0")
+
+
+_settings = ThreadSettings.from_env()
 
 
 def ggml_threads() -> int:
@@ -136,34 +168,113 @@ def ggml_threads() -> int:
     return _threads
 
 
-def set_threads(n: int) -> None:
-    """Give ggml `n` threads (default: torch's count at first use, or MOERAY_THREADS).
+def set_threads(n: int, settings: ThreadSettings | None = None) -> None:
+    """Give ggml `n` threads (default: torch's count at first use, or MOERAY_THREADS), used as
+    `settings` say (default: as before, or from the environment).
 
     A decode token makes ~120 small graph calls (40-200 us each), so with more than one thread
     ggml's workers spin between graphs (measured: 34 ms/token against 54 ms when they sleep, 2
     cores). torch's own ops (norms, RoPE, attention: small at decode) then run on one thread: a
     second torch thread would fight the spinning worker for the cores (268 ms/token measured).
     """
-    global _threads, _pool
+    global _threads, _settings
     _threads = max(1, int(n))
+    if settings is not None:
+        _settings = settings
     if _threads > 1:
         torch.set_num_threads(1)
-    with _pool_lock:
-        _pool = None
     _graphs.clear()
 
 
-def _threadpool():
-    """One ggml thread pool per process: spinning between graphs when it has helpers to keep
-    warm, sleeping (poll 0) with one thread, where nothing needs waking."""
-    global _pool
-    n = ggml_threads()
+def thread_settings() -> ThreadSettings:
+    return _settings
+
+
+def _threadpool(n: int):
+    """The process's ggml thread pool of `n` threads: spinning `poll` for the next graph when it
+    has helpers to keep warm, none to wake with one thread."""
+    poll = _settings.poll if n > 1 else 0
     with _pool_lock:
-        if _pool is None or _pool[0] != n:
+        pool = _pools.get((n, poll))
+        if pool is None:
             params = _G.ggml_threadpool_params_default(n)
-            params.poll = SPIN_POLL if n > 1 else 0
-            _pool = (n, _G.ggml_threadpool_new(ctypes.byref(params)))
-        return _pool
+            params.poll = poll
+            pool = _pools[(n, poll)] = _G.ggml_threadpool_new(ctypes.byref(params))
+        return pool
+
+
+def _weight_bytes(graph) -> int:
+    """Bytes of weights one call of `graph` reads: every matmul's first operand, and of a
+    mul_mat_id's expert stack only the rows of the experts its ids can name."""
+    total = 0
+    for i in range(_G.ggml_graph_n_nodes(graph)):
+        t = _G.ggml_graph_node(graph, i).contents
+        if t.op == _G.GGML_OP_MUL_MAT:
+            total += _G.ggml_nbytes(t.src[0])
+        elif t.op == _G.GGML_OP_MUL_MAT_ID:
+            w, ids = t.src[0], t.src[2].contents
+            n_experts = max(1, w.contents.ne[2])
+            total += _G.ggml_nbytes(w) * min(n_experts, ids.ne[0] * ids.ne[1]) // n_experts
+    return total
+
+
+class ThreadChoice:
+    """One thread or all of them for one graph, chosen by the mean time of its own recent calls
+    with each (an exponential average), the other tried every `explore` calls so a change of load
+    is seen. The first call of each is not counted: it pays for cold caches and page faults."""
+
+    def __init__(self, first: int, explore: int = 32, weight: float = 0.25):
+        self.current, self.explore, self.weight = first, explore, weight
+        self.cost: list[float | None] = [None, None]  # seconds per call: [one thread, all]
+        self.seen = [0, 0]
+        self.calls = 0
+
+    def pick(self) -> int:
+        """0: one thread, 1: all of them. The other is tried less often the worse it was (every
+        `explore` x its cost ratio calls), so trying costs at most ~1/explore of the time."""
+        self.calls += 1
+        other = 1 - self.current
+        if self.cost[other] is None:
+            return other if self.seen[self.current] >= 2 else self.current
+        every = self.explore * max(1, round(self.cost[other] / max(self.cost[self.current], 1e-9)))
+        return other if self.calls % every == 0 else self.current
+
+    def record(self, i: int, seconds: float) -> None:
+        self.seen[i] += 1
+        if self.seen[i] == 1:
+            return
+        c = self.cost[i]
+        self.cost[i] = seconds if c is None else c + self.weight * (seconds - c)
+        if None not in self.cost:
+            self.current = 0 if self.cost[0] <= self.cost[1] else 1
+
+
+class GraphPlans:
+    """ggml's plan(s) for one graph as the thread settings say: one plan (one thread, or all of
+    them for a graph that reads at least `parallel_bytes` of weights), or with `adapt` a plan for
+    each and a ThreadChoice between them. Every graph class computes through this."""
+
+    def __init__(self, graph):
+        n, how = ggml_threads(), _settings
+        split = n > 1 and _weight_bytes(graph) >= how.parallel_bytes
+        counts = (1, n) if n > 1 and how.adapt else (n if split else 1,)
+        self.plans = [_G.ggml_graph_plan(graph, c, _threadpool(c)) for c in counts]
+        # One work buffer for every plan (they never run at once): the largest any of them needs.
+        self.work = torch.empty(max(1, *(p.work_size for p in self.plans)), dtype=torch.uint8)
+        for p in self.plans:
+            p.work_data = ctypes.cast(self.work.data_ptr(), ctypes.POINTER(ctypes.c_uint8))
+        self.n_threads = self.plans[-1 if split else 0].n_threads  # the first choice
+        self.choice = ThreadChoice(1 if split else 0) if len(self.plans) > 1 else None
+        self._refs = [ctypes.byref(p) for p in self.plans]
+
+    def compute(self, graph) -> None:
+        if self.choice is None:
+            _G.ggml_graph_compute(graph, self._refs[0])
+            return
+        i = self.choice.pick()
+        t0 = time.perf_counter()
+        _G.ggml_graph_compute(graph, self._refs[i])
+        self.choice.record(i, time.perf_counter() - t0)
 
 
 class _Graph:
@@ -171,8 +282,6 @@ class _Graph:
     torch storage that is re-assigned on every call, so one graph serves every expert of a shape."""
 
     def __init__(self, build, n_nodes: int = 64):
-        n_threads, pool = _threadpool()
-        self.n_threads = n_threads
         size = _G.ggml_tensor_overhead() * n_nodes + _G.ggml_graph_overhead() + 4096
         self.ctx = _G.ggml_init(_G.ggml_init_params(mem_size=size, mem_buffer=None, no_alloc=True))
         self.inputs, self.output, scratch = build(self.ctx)
@@ -198,20 +307,19 @@ class _Graph:
                 raise ValueError("a graph view must look into an intermediate result, not an input")
             t.contents.data = src.data + t.contents.view_offs
             placed.add(ctypes.addressof(t.contents))
-        self.plan = _G.ggml_graph_plan(self.graph, n_threads, pool)
-        self.work = torch.empty(max(1, self.plan.work_size), dtype=torch.uint8)
-        self.plan.work_data = ctypes.cast(self.work.data_ptr(), ctypes.POINTER(ctypes.c_uint8))
+        self.plans = GraphPlans(self.graph)
+        self.n_threads = self.plans.n_threads
         # The structs themselves, resolved once: a call then only writes pointers (decode makes
         # ~100 calls per token, so Python-side cost matters).
         self._in = [t.contents for t in self.inputs]
         self._out = self.output.contents
-        self._plan_ref = ctypes.byref(self.plan)
+        self._compute = self.plans.compute
 
     def __call__(self, pointers: list[int], out_ptr: int) -> None:
         for t, p in zip(self._in, pointers):
             t.data = p
         self._out.data = out_ptr
-        _G.ggml_graph_compute(self.graph, self._plan_ref)
+        self._compute(self.graph)
 
     def __del__(self):
         if _G is not None and getattr(self, "ctx", None):

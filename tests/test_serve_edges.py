@@ -311,6 +311,26 @@ def test_the_server_still_serves_after_all_that(server):
         assert json.loads(r.read())["status"] == "ok"
 
 
+def test_the_stage_and_the_replica_compute_at_the_priority_serve_was_started_with(server):
+    """Ray starts its workers 15 nice levels down; the model's processes (the stage actor, the
+    Serve replica) must not get the smallest CPU share beside the HTTP clients and Ray's daemons."""
+    import psutil
+
+    serve = psutil.Process(server["proc"].pid)
+    mine = serve.nice()
+    workers = {}
+    for p in serve.children(recursive=True):  # Ray's workers live in their own process groups
+        try:
+            cmd = p.cmdline()
+            if cmd and cmd[0].startswith("ray::"):
+                workers[cmd[0]] = p.nice()
+        except psutil.Error:
+            continue
+    model = {name: ni for name, ni in workers.items() if "StageActor" in name or "ServeReplica" in name}
+    assert any("StageActor" in n for n in model) and any("ServeReplica" in n for n in model), workers
+    assert set(model.values()) == {mine}, (mine, workers)
+
+
 def test_kill_stops_serve_the_stages_and_ray_with_exit_0(server):
     """`kill PID` (SIGTERM) of a running server: exit 0, no stack trace (Ray's C++ handler printed
     one and aborted), nothing of Ray left, and both ports free for the next start."""

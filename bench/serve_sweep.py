@@ -1,0 +1,185 @@
+"""HTTP load on several servers in one sitting: llama-server beside `moeray serve` variants.
+
+    python bench/serve_sweep.py --llama-server /work/llamacpp/build/bin/llama-server --clients 16 1 \\
+        --variant "1 thread=MOERAY_THREADS=1" --variant "2 threads, no spin=MOERAY_THREADS=2 MOERAY_GGML_POLL=0"
+
+Each server is started, driven by bench/load.py's streaming clients for every client count
+(`--duration` seconds each, after a short warm-up), and stopped before the next starts, so only
+one model is in memory at a time. A variant is `LABEL=ENV...[ -- SERVE FLAGS]`: environment
+settings for `moeray serve --local` and optional extra flags. The table gives out tok/s, TTFT and
+ITL, errors, the ratio to llama-server at the same client count, and the CPU cores the server's
+processes used over the run (their CPU time / wall time: the replica and everything Ray starts),
+with the machine's load average at the start of each row.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from urllib.parse import urlparse
+
+import psutil
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from load import Client, model_id, percentile  # noqa: E402
+
+from moeray.stages.transport import free_port  # noqa: E402
+
+
+def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode} before it was ready")
+        try:
+            with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    proc.kill()
+    raise SystemExit(f"server not ready in {timeout_s:.0f} s")
+
+
+def cpu_seconds(root: int) -> dict[int, float]:
+    """CPU seconds (user + system) of `root` and every process under it, by pid."""
+    out = {}
+    try:
+        procs = [psutil.Process(root)]
+        procs += procs[0].children(recursive=True)
+    except psutil.NoSuchProcess:
+        return out
+    for p in procs:
+        try:
+            t = p.cpu_times()
+            out[p.pid] = t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def drive(url: str, clients: int, seconds: float, max_tokens: int) -> dict:
+    """bench/load.py's clients for `seconds`: its figures for the window."""
+    u = urlparse(url)
+    args = argparse.Namespace(max_tokens=max_tokens, temperature=0.0, api_key=None, timeout=300.0, system="")
+    model = model_id(u, None, 30.0)
+    stop_at = time.monotonic() + seconds
+    cs = [Client(i, u, model, args, stop_at) for i in range(clients)]
+    t0 = time.perf_counter()
+    for c in cs:
+        c.start()
+    for c in cs:
+        c.join(seconds + args.timeout + 10)
+    wall = time.perf_counter() - t0
+    ttft = [x for c in cs for x in c.ttft]
+    itl = [x for c in cs for x in c.itl]
+    return {"wall": wall, "requests": sum(c.requests for c in cs), "tokens": sum(c.tokens for c in cs),
+            "tok_s": sum(c.tokens for c in cs) / wall, "ttft_p50": percentile(ttft, 0.5),
+            "itl_p50": percentile(itl, 0.5), "itl_p99": percentile(itl, 0.99),
+            "errors": [e for c in cs for e in c.errors]}
+
+
+def run_server(label: str, cmd: list[str], env: dict, url: str, args) -> list[dict]:
+    print(f"# {label}: {' '.join(shlex.quote(c) for c in cmd)}", file=sys.stderr, flush=True)
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    rows = []
+    try:
+        wait_ready(proc, url, args.ready_timeout)
+        drive(url, max(args.clients), args.warmup, args.max_tokens)  # graphs built, caches warm
+        for n in args.clients:
+            load = os.getloadavg()[0]
+            before = cpu_seconds(proc.pid)
+            r = drive(url, n, args.duration, args.max_tokens)
+            after = cpu_seconds(proc.pid)
+            used = {pid: after[pid] - before.get(pid, 0.0) for pid in after}
+            r.update(label=label, clients=n, load=load, cores=sum(used.values()) / r["wall"],
+                     top_cores=max(used.values(), default=0.0) / r["wall"])
+            rows.append(r)
+            print(f"#   {n} clients: {r['tok_s']:.1f} tok/s, ITL {r['itl_p50'] * 1e3:.0f} ms, "
+                  f"{len(r['errors'])} errors, {r['cores']:.2f} cores", file=sys.stderr, flush=True)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    return rows
+
+
+def parse_variant(text: str) -> tuple[str, dict, list[str]]:
+    label, _, rest = text.partition("=")
+    settings, _, flags = rest.partition(" -- ")
+    env = dict(kv.split("=", 1) for kv in settings.split())
+    return label.strip(), env, shlex.split(flags)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=None, help="GGUF file (default: the embedded default model)")
+    p.add_argument("--llama-server", metavar="PATH", help="llama-server binary to run first (same model)")
+    p.add_argument("--llama-threads", type=int, default=2)
+    p.add_argument("--ctx", type=int, default=8192, help="llama-server's context (all slots together)")
+    p.add_argument("--variant", action="append", default=[], metavar="LABEL=ENV... [-- FLAGS]")
+    p.add_argument("--clients", type=int, nargs="+", default=[16, 1])
+    p.add_argument("--duration", type=float, default=15.0)
+    p.add_argument("--warmup", type=float, default=5.0)
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--repeat", type=int, default=1,
+                   help="run every server this many times, in turn (A B A B: drifting load hits all alike)")
+    p.add_argument("--ready-timeout", type=float, default=900.0)
+    args = p.parse_args(argv)
+    if args.model is None:
+        from moeray.stages.default_model import FILE_NAME, cache_dir
+
+        args.model = str(cache_dir() / FILE_NAME)
+
+    servers = []  # (label, command, env, port)
+    if args.llama_server:
+        port = free_port()
+        cmd = [args.llama_server, "-m", args.model, "-np", str(max(args.clients)), "-c", str(args.ctx),
+               "-t", str(args.llama_threads), "--host", "127.0.0.1", "--port", str(port)]
+        env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+        servers.append((f"llama-server -np {max(args.clients)} -t {args.llama_threads}", cmd, env, port))
+    for text in args.variant or ["moeray serve --local="]:
+        label, settings, flags = parse_variant(text)
+        port = free_port()
+        cmd = [sys.executable, "-m", "moeray.cluster.cli", "serve", "--local", args.model, "--port", str(port),
+               "--metrics-export-port", str(free_port()), *flags]
+        servers.append((label, cmd, {**os.environ, **settings}, port))
+    rows = []
+    for _ in range(args.repeat):
+        for label, cmd, env, port in servers:
+            rows += run_server(label, cmd, env, f"http://127.0.0.1:{port}", args)
+    rows.sort(key=lambda r: [s[0] for s in servers].index(r["label"]))  # each server's runs together
+
+    base = {}  # llama-server's best run per client count: the yardstick
+    for r in rows:
+        if r["label"].startswith("llama-server") and r["tok_s"] > base.get(r["clients"], {}).get("tok_s", 0):
+            base[r["clients"]] = r
+    print(f"max_tokens {args.max_tokens}, {args.duration:.0f} s per row, {Path(args.model).name}")
+    print("| server | clients | out tok/s | TTFT p50 | ITL p50 | ITL p99 | errors | vs llama-server | cores | load |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        b = base.get(r["clients"])
+        ratio = f"{r['tok_s'] / b['tok_s']:.2f}×" if b and b is not r else ""
+        print(f"| {r['label']} | {r['clients']} | {r['tok_s']:.1f} | {r['ttft_p50'] * 1e3:.0f} ms | "
+              f"{r['itl_p50'] * 1e3:.0f} ms | {r['itl_p99'] * 1e3:.0f} ms | {len(r['errors'])} | {ratio} | "
+              f"{r['cores']:.2f} ({r['top_cores']:.2f}) | {r['load']:.1f} |")
+    for r in rows:
+        for e in r["errors"][:3]:
+            print(f"  {r['label']}: {e}", file=sys.stderr)
+    return 0 if not any(r["errors"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

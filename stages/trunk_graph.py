@@ -1,0 +1,311 @@
+"""A GQA layer's trunk as one ggml graph on the ggml route, as llama.cpp builds it.
+
+One call per layer computes, from the residual stream x (plus the previous layer's FFN output r,
+added first, so that residual add joins this graph):
+
+    x = x + r;  a = rms_norm(x) * attn_norm;  qkv = W_qkv a (+ b);  q/k RMSNorm per head (qwen3);
+    RoPE (ggml_rope_ext: NORM for llama, NEOX for qwen);  k, v written into the stage's KV pool
+    (ggml_set_rows at the step's rows);  flash attention over the pool's keys (ggml_flash_attn_ext,
+    a step mask, padded keys masked);  x = x + W_o o (+ b);  h = rms_norm(x) * ffn_norm;
+    logits = W_router h  (MoE layers)
+
+and returns x, h and the router logits; routing, the experts' mul_mat_id graph and a shared or
+dense FFN run between two such calls. One graph serves every layer of the same shape: weights,
+norms, pool and step inputs are placeholders whose data pointers are assigned per call
+(qmatmul.graph_weight / graph_key / graph_ptr for the weights).
+
+Keys are read where they lie: a view of the pool when the step's block tables allow one
+(BatchMeta.read_view), else the step's whole blocks gathered with ggml_get_rows. Their count is
+padded to KEY_PAD (masked) so a decode step reuses its graph for KEY_PAD tokens.
+
+A step whose sequences add different token counts (prefill chunks beside decode tokens) pads
+its queries to [B, t_max] inside the graph (get_rows there and back), as the torch path pads them.
+`TrunkGraphs.step(meta, kv)` returns None where a step has no graph form (a 16-bit pool, a pool
+view that would run past the pool's end); which layers can at all is decided at load
+(`supports`): YaRN, attention sinks, sliding windows, split qkv weights, other attention kinds
+and the other routes keep the torch path.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from moeray.stages.kv_cache import BLOCK_SIZE, KVPool
+from moeray.stages.layers import Attention, BatchMeta
+from moeray.stages.qmatmul import GraphPlans, ggml_lib, graph_mul_mat, graph_weight
+
+KEY_PAD = 64  # keys per graph shape: a decode step builds a new graph every KEY_PAD tokens
+
+
+class MultiGraph:
+    """A ggml graph with several outputs over placeholder tensors: inputs and outputs point at
+    torch storage assigned per call; views of them are re-pointed per call; every other node
+    gets a fixed place in one scratch buffer."""
+
+    def __init__(self, build, n_nodes: int = 256):
+        G = ggml_lib()
+        size = G.ggml_tensor_overhead() * n_nodes + G.ggml_graph_overhead() + 4096
+        self.ctx = G.ggml_init(G.ggml_init_params(mem_size=size, mem_buffer=None, no_alloc=True))
+        self.inputs, self.outputs, effects = build(self.ctx)
+        self.graph = G.ggml_new_graph(self.ctx)
+        for t in effects + self.outputs:  # side effects (KV writes) first: graph order is run order
+            G.ggml_build_forward_expand(self.graph, t)
+        fixed = {ctypes.addressof(t.contents) for t in self.inputs + self.outputs}
+        nodes = [G.ggml_graph_node(self.graph, i) for i in range(G.ggml_graph_n_nodes(self.graph))]
+        scratch = [t for t in nodes if ctypes.addressof(t.contents) not in fixed and not t.contents.view_src]
+        sizes = [G.ggml_nbytes(t) for t in scratch]
+        self.scratch = torch.empty(sum(sizes) + 64 * len(sizes), dtype=torch.uint8)
+        off = 0
+        for t, n in zip(scratch, sizes):
+            t.contents.data = self.scratch.data_ptr() + off
+            off += (n + 63) // 64 * 64
+        # Views (of inputs, outputs or intermediates) are re-pointed per call, each after its source.
+        self._views = [(t.contents, t.contents.view_src.contents, t.contents.view_offs)
+                       for t in self._all_views(nodes)]
+        self.plans = GraphPlans(self.graph)  # ggml's threads as every qmatmul graph uses them
+        self._in = [t.contents for t in self.inputs]
+        self._out = [t.contents for t in self.outputs]
+        self._compute = self.plans.compute
+        self._G = G
+
+    def _all_views(self, nodes):
+        """Every view tensor the graph reads, its sources before it."""
+        seen, order = set(), []
+
+        def visit(t):
+            a = ctypes.addressof(t.contents)
+            if a in seen or not t.contents.view_src:
+                return
+            seen.add(a)
+            visit(t.contents.view_src)
+            order.append(t)
+
+        for n in nodes:
+            visit(n)
+            for s in n.contents.src:
+                if s:
+                    visit(s)
+        return order
+
+    def __call__(self, inputs: list[int], outputs: list[int]) -> None:
+        for t, p in zip(self._in, inputs):
+            t.data = p
+        for t, p in zip(self._out, outputs):
+            t.data = p
+        for t, src, offs in self._views:
+            t.data = src.data + offs
+        self._compute(self.graph)
+
+    def __del__(self):
+        if getattr(self, "ctx", None) and self._G is not None:
+            self._G.ggml_free(self.ctx)
+
+
+def supports(attn, cfg) -> bool:
+    """Whether a layer's attention runs as a trunk graph (else the stage keeps the torch path)."""
+    return (type(attn) is Attention and len(attn.w_qkv) == 1 and attn.w_qkv[0].route == "ggml"
+            and attn.w_o.route == "ggml" and attn.sinks is None and not attn.window
+            and cfg.rope_scaling in ("none", "linear") and cfg.rope_style in ("normal", "neox"))
+
+
+@dataclass
+class Step:
+    """What every layer's call of one step shares: its shape and its per-step inputs."""
+    key: tuple
+    n: int
+    positions: torch.Tensor  # int32 [N]
+    write_rows: torch.Tensor  # int64 [N]
+    mask: torch.Tensor  # float16 [B, 1, t, keys_pad]
+    read_base: int  # view mode: the first key row; gather mode: -1
+    gather: torch.Tensor | None  # int32 [n_kv_heads, B * blocks]: the blocks each head reads
+    pad: torch.Tensor | None = None  # int32 [B * t]: the packed token of each padded query row
+    unpad: torch.Tensor | None = None  # int32 [N]: the padded row of each packed token
+    rows: int = 0  # rows of the pool
+    gap: int = 0  # view mode: rows from one sequence's keys to the next's
+
+
+class TrunkGraphs:
+    """The trunk graphs of one stage's layers (all GQA with the same shape)."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self._graphs: dict[tuple, MultiGraph] = {}
+
+    def step(self, meta: BatchMeta, kv: KVPool) -> Step | None:
+        """The step's shared inputs, or None when its shape has no graph form: sequences adding
+        different token counts (mixed prefill + decode), a pool other than float32 on the host."""
+        B, t = len(meta.n_new), meta.t_max
+        if kv.dtype != torch.float32 or meta.positions.device.type != "cpu":
+            return None
+        pad = unpad = None
+        if any(n != t for n in meta.n_new):  # queries padded to [B, t] (pad rows copy token 0, unread)
+            unpad = (meta.seq_of_token * t + meta.off_of_token).to(torch.int32)
+            pad = torch.zeros(B * t, dtype=torch.int32)
+            pad[unpad.long()] = torch.arange(meta.n_tokens, dtype=torch.int32)
+        k0 = kv.k[0]
+        rows = k0.shape[1]
+        keys_pad = -(-meta.keys_max // KEY_PAD) * KEY_PAD
+        if meta.read_view is not None:
+            base, gap = meta.read_view
+            keys_pad = min(keys_pad, rows - base - (B - 1) * gap)
+            if keys_pad < meta.keys_max:
+                return None
+            mode, gather = ("view", gap), None
+        else:
+            base, nb = -1, keys_pad // BLOCK_SIZE
+            blocks = meta.read_blocks.view(B, -1)
+            have = blocks.shape[1]
+            if have < nb:  # padded blocks point at block 0: masked
+                blocks = torch.cat((blocks, blocks.new_zeros(B, nb - have)), 1)
+            gather = blocks[:, :nb].reshape(1, -1).to(torch.int32).expand(kv.k[0].shape[0], -1).contiguous()
+            mode, gap = ("gather",), 0
+        # query t of sequence i (position starts[i] + t) sees keys 0 .. starts[i] + t; a pad row key 0
+        q_pos = torch.tensor(meta.starts).view(B, 1, 1) + torch.arange(t).view(1, t, 1)
+        q_pos = torch.where(torch.arange(t).view(1, t, 1) < torch.tensor(meta.n_new).view(B, 1, 1), q_pos, 0)
+        visible = torch.arange(keys_pad).view(1, 1, keys_pad) <= q_pos
+        mask = torch.zeros(B, 1, t, keys_pad, dtype=torch.float16).masked_fill_(~visible.unsqueeze(1), float("-inf"))
+        # the key: everything a graph's shapes depend on (the pool's rows, the step's tokens too)
+        return Step((B, t, keys_pad, pad is not None) + mode + (rows, meta.n_tokens), meta.n_tokens,
+                    meta.positions.to(torch.int32), meta.write_rows, mask, base, gather, pad, unpad, rows, gap)
+
+    def layer(self, step: Step, x: torch.Tensor, r: torch.Tensor | None, attn_norm: torch.Tensor,
+              attn: Attention, kv: KVPool, ffn_norm: torch.Tensor, router: torch.Tensor | None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(x + r + attention, its ffn-normed h, router logits [N, E] or None)."""
+        w_qkv, w_o = attn.w_qkv[0], attn.w_o
+        opt = (attn.b_qkv, attn.q_norm, attn.k_norm, attn.b_o)
+        key = (step.key, w_qkv.graph_key, w_o.graph_key, r is not None, tuple(o is not None for o in opt),
+               None if router is None else router.shape[0])
+        g = self._graphs.get(key)
+        if g is None:
+            if len(self._graphs) > 256:
+                self._graphs.clear()
+            g = self._graphs[key] = MultiGraph(self._builder(step, attn, r is not None, router))
+        k_pool, v_pool = kv.layer(attn.layer)
+        N, H = x.shape
+        x_out, h = torch.empty(N, H), torch.empty(N, H)
+        logits = None if router is None else torch.empty(N, router.shape[0])
+        row = k_pool.shape[2] * 4  # bytes per pool row
+        if step.read_base >= 0:
+            k_read, v_read = (k_pool.data_ptr() + step.read_base * row, v_pool.data_ptr() + step.read_base * row)
+            extra = [k_read, v_read]
+        else:
+            extra = [step.gather.data_ptr()]
+        if step.pad is not None:
+            extra += [step.pad.data_ptr(), step.unpad.data_ptr()]
+        ptrs = [x.data_ptr()] + ([r.data_ptr()] if r is not None else []) + [
+            attn_norm.data_ptr(), w_qkv.graph_ptr, w_o.graph_ptr, ffn_norm.data_ptr(),
+            step.positions.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), step.write_rows.data_ptr(),
+            step.mask.data_ptr()] + extra + [o.data_ptr() for o in opt if o is not None]
+        if router is not None:
+            ptrs.append(router.data_ptr())
+        outs = [x_out.data_ptr(), h.data_ptr()] + ([] if logits is None else [logits.data_ptr()])
+        g(ptrs, outs)
+        return x_out, h, logits
+
+    def _builder(self, step: Step, attn: Attention, has_r: bool, router: torch.Tensor | None):
+        cfg = self.cfg
+        G = ggml_lib()
+        F32 = G.GGML_TYPE_F32
+        B, t, keys_pad, padded = step.key[:4]
+        N, H, D = step.n, cfg.hidden, cfg.head_dim
+        nh, nkv = cfg.n_heads, cfg.n_kv_heads
+        Q, KV = nh * D, nkv * D
+        eps = cfg.rms_eps
+        mode = G.GGML_ROPE_TYPE_NORMAL if cfg.rope_style == "normal" else G.GGML_ROPE_TYPE_NEOX
+        n_rot = cfg.rope_dim or D
+        freq_scale = 1.0 / cfg.rope_scale if cfg.rope_scaling == "linear" else 1.0
+        scale = cfg.attn_scale or D ** -0.5
+        view = step.read_base >= 0
+        rows = step.rows
+        w_qkv, w_o = attn.w_qkv[0], attn.w_o
+        opt = (attn.b_qkv, attn.q_norm, attn.k_norm, attn.b_o)
+
+        def build(ctx):
+            def new(*ne, type=F32):
+                return getattr(G, f"ggml_new_tensor_{len(ne)}d")(ctx, type, *ne)
+
+            x = new(H, N)
+            inputs = [x]
+            if has_r:
+                r = new(H, N)
+                inputs.append(r)
+                x = G.ggml_add(ctx, x, r)
+            attn_norm, wq, wo, ffn_norm = new(H), graph_weight(ctx, w_qkv), graph_weight(ctx, w_o), new(H)
+            pos = new(N, type=G.GGML_TYPE_I32)
+            k_pool, v_pool = new(D, rows, nkv), new(D, rows, nkv)
+            write_rows = new(N, type=G.GGML_TYPE_I64)
+            mask = new(keys_pad, t, 1, B, type=G.GGML_TYPE_F16)
+            inputs += [attn_norm, wq, wo, ffn_norm, pos, k_pool, v_pool, write_rows, mask]
+            if view:
+                gap = step.gap
+                reads = []
+                for _ in range(2):  # [D, keys, kv heads, B] over the pool: head-major rows
+                    kr = new(D, keys_pad, nkv, B)
+                    kr.contents.nb[2] = rows * D * 4
+                    kr.contents.nb[3] = gap * D * 4
+                    reads.append(kr)
+                inputs += reads
+                k_read, v_read = reads
+            else:
+                nb = keys_pad // BLOCK_SIZE
+                idx = new(B * nb, nkv, type=G.GGML_TYPE_I32)
+                inputs.append(idx)
+                reads = []
+                for pool in (k_pool, v_pool):
+                    blocks = G.ggml_view_3d(ctx, pool, BLOCK_SIZE * D, rows // BLOCK_SIZE, nkv,
+                                            pool.contents.nb[1] * BLOCK_SIZE, pool.contents.nb[2], 0)
+                    got = G.ggml_get_rows(ctx, blocks, idx)  # [16 D, B * nb, kv heads]
+                    reads.append(G.ggml_view_4d(ctx, got, D, keys_pad, nkv, B, D * 4, got.contents.nb[2],
+                                                nb * BLOCK_SIZE * D * 4, 0))
+                k_read, v_read = reads
+            if padded:
+                pad, unpad = new(B * t, type=G.GGML_TYPE_I32), new(N, type=G.GGML_TYPE_I32)
+                inputs += [pad, unpad]
+            extra = []
+            for o, n in zip(opt, (Q + 2 * KV, D, D, H)):
+                extra.append(new(n) if o is not None else None)
+            b_qkv, q_norm, k_norm, b_o = extra
+            inputs += [e for e in extra if e is not None]
+            w_router = None
+            if router is not None:
+                w_router = new(H, router.shape[0])
+                inputs.append(w_router)
+
+            a = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, x, eps), attn_norm)
+            qkv = graph_mul_mat(ctx, w_qkv, wq, a)  # [Q + 2 KV, N]
+            if b_qkv is not None:
+                qkv = G.ggml_add(ctx, qkv, b_qkv)
+            nb1 = qkv.contents.nb[1]
+            q = G.ggml_view_3d(ctx, qkv, D, nh, N, D * 4, nb1, 0)
+            k = G.ggml_view_3d(ctx, qkv, D, nkv, N, D * 4, nb1, Q * 4)
+            v = G.ggml_view_3d(ctx, qkv, D, nkv, N, D * 4, nb1, (Q + KV) * 4)
+            if q_norm is not None:
+                q = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, q, eps), q_norm)
+                k = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, k, eps), k_norm)
+            q = G.ggml_rope_ext(ctx, q, pos, None, n_rot, mode, 0, cfg.rope_theta, freq_scale, 0.0, 1.0, 0.0, 0.0)
+            k = G.ggml_rope_ext(ctx, k, pos, None, n_rot, mode, 0, cfg.rope_theta, freq_scale, 0.0, 1.0, 0.0, 0.0)
+            # the step's k/v into the pool: [D, N, kv heads] rows at write_rows, every head
+            wk = G.ggml_set_rows(ctx, k_pool, G.ggml_permute(ctx, k, 0, 2, 1, 3), write_rows)
+            wv = G.ggml_set_rows(ctx, v_pool, G.ggml_permute(ctx, v, 0, 2, 1, 3), write_rows)
+            if padded:  # packed tokens -> [B, t] query rows
+                q = G.ggml_get_rows(ctx, G.ggml_reshape_2d(ctx, q, Q, N), pad)
+            q4 = G.ggml_permute(ctx, G.ggml_reshape_4d(ctx, q, D, nh, t, B), 0, 2, 1, 3)  # [D, t, heads, B]
+            o = G.ggml_flash_attn_ext(ctx, q4, k_read, v_read, mask, scale, 0.0, 0.0)  # [D, heads, t, B]
+            G.ggml_flash_attn_ext_set_prec(o, G.GGML_PREC_F32)
+            o = G.ggml_reshape_2d(ctx, o, Q, B * t)
+            if padded:  # and back to the packed tokens
+                o = G.ggml_get_rows(ctx, o, unpad)
+            o = graph_mul_mat(ctx, w_o, wo, o)
+            if b_o is not None:
+                o = G.ggml_add(ctx, o, b_o)
+            x_out = G.ggml_add(ctx, x, o)
+            h = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, x_out, eps), ffn_norm)
+            outputs = [x_out, h]
+            if w_router is not None:
+                outputs.append(G.ggml_mul_mat(ctx, w_router, h))
+            return inputs, outputs, [wk, wv]
+
+        return build

@@ -1,0 +1,76 @@
+"""ggml's threads as `moeray serve --local` uses them: each graph learns whether one thread or all
+of them compute it faster (stages/qmatmul.ThreadChoice), and whichever it picks, the numbers are
+the same: a row of the output is computed by one thread either way."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as QT
+
+from moeray.stages import qmatmul
+from moeray.stages.qmatmul import QMatrix, ThreadChoice, ThreadSettings
+
+pytest.importorskip("ggml")
+from quant_blocks import random_blocks  # noqa: E402
+
+
+def _run(choice: ThreadChoice, seconds: list[float], calls: int) -> list[int]:
+    """Drive `choice` for `calls` calls where option i costs seconds[i]; the options it picked."""
+    picked = []
+    for _ in range(calls):
+        i = choice.pick()
+        choice.record(i, seconds[i])
+        picked.append(i)
+    return picked
+
+
+def test_a_graph_keeps_the_faster_thread_count_and_still_tries_the_other():
+    for first in (0, 1):
+        c = ThreadChoice(first, explore=32)
+        picked = _run(c, [1e-3, 3e-3], 1000)  # one thread 3x faster: a loaded machine
+        assert c.current == 0
+        tail = picked[100:]
+        assert 0 < tail.count(1) <= len(tail) // (32 * 3) + 1  # tried, at most every 32 x 3 calls
+    c = ThreadChoice(0)
+    _run(c, [2e-3, 1e-3], 200)  # both threads faster: a quiet machine
+    assert c.current == 1
+
+
+def test_when_the_load_changes_the_choice_follows():
+    c = ThreadChoice(1, explore=16)
+    _run(c, [2e-3, 1e-3], 200)
+    assert c.current == 1
+    _run(c, [2e-3, 8e-3], 400)  # the machine got busy: splitting now costs 4x
+    assert c.current == 0
+    _run(c, [2e-3, 1e-3], 400)  # and quiet again
+    assert c.current == 1
+
+
+def test_first_calls_do_not_count():
+    c = ThreadChoice(1)
+    c.record(1, 10.0)  # a cold first call (page faults): ignored
+    assert c.cost == [None, None]
+
+
+@pytest.mark.parametrize("adapt", [False, True])
+def test_one_thread_or_two_the_output_is_bitwise_the_same(adapt):
+    rng = np.random.default_rng(0)
+    n, k, m = 512, 1024, 3
+    raw = random_blocks(QT.Q4_K, n * k // 256, rng, scale=0.01).reshape(-1)
+    w = QMatrix.from_raw(raw, QT.Q4_K, (n, k), "ggml")
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    before = (qmatmul.ggml_threads(), qmatmul.thread_settings())
+    try:
+        qmatmul.set_threads(1)
+        ref = w(x)
+        qmatmul.set_threads(2, ThreadSettings(poll=1, parallel_bytes=0, adapt=adapt))
+        outs = [w(x) for _ in range(80)]  # with adapt, both plans run (the other is tried every 32 calls)
+        g = next(iter(qmatmul._graphs.values()))
+        assert (g.plans.choice is not None) == adapt and g.plans.plans[-1].n_threads == 2
+        if adapt:
+            assert min(g.plans.choice.seen) >= 2
+    finally:
+        qmatmul.set_threads(*before)
+    for out in outs:
+        assert torch.equal(out, ref)
