@@ -28,7 +28,8 @@ class SlotStore:
             return None
         prepare = getattr(host, "prepare", None)
         if prepare is not None:
-            prepare(first, end)  # a repacked host copy is made (its memory checked first) now
+            # a repacked host copy is made now, its memory checked first beside the slots' own
+            prepare(first, end, reserve=n_slots * max(held_bytes))
         layers = [l for l in range(first, end) if host.gguf.expert_bytes(l) > 0]
         if not layers or any(stack(l) is None for l in layers):
             return None

@@ -107,10 +107,11 @@ class HostExperts:
         self.layout = repack.host_experts()
         self._packed: set[int] = set()
 
-    def prepare(self, first: int, end: int) -> None:
+    def prepare(self, first: int, end: int, reserve: int = 0) -> None:
         """Build the stacks of layers [first, end) now (a stage's load, not its first step): with
         MOERAY_HOST_EXPERTS=repacked that copies their routed experts into repacked memory,
-        after checking that it fits in the memory the system has available."""
+        after checking that it fits in the memory the system has available; with "auto" only when
+        4 GiB stay free beside `reserve` bytes (a cache's slots, which fill later)."""
         todo = [l for l in range(first, end) if l not in self._stacks]
         need = sum(self._repackable_bytes(l) for l in todo) if self.route == "ggml" else 0
         what = f"layers [{first}, {end})"
@@ -118,7 +119,7 @@ class HostExperts:
             repack.check_fits(need, what)
             self._packed.update(todo)
         elif need and self.layout == "auto":
-            if repack.fits(need, repack.AUTO_HEADROOM_BYTES):
+            if repack.fits(need + reserve, repack.AUTO_HEADROOM_BYTES):  # reserve: the stage's slots
                 self._packed.update(todo)
             log.info(repack.auto_line(need, what, todo[0] in self._packed))
         for l in range(first, end):

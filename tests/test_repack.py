@@ -241,3 +241,16 @@ def test_auto_copies_host_experts_only_when_memory_stays_free(q4k_model, monkeyp
     tight = HostExperts(g, "ggml")
     tight.prepare(0, 2)
     assert not any(p.repacked for p in tight.stack(1).parts)
+
+
+def test_auto_leaves_room_for_the_slots_of_the_cache(q4k_model, monkeypatch):
+    """A cache whose slots would take the memory the copy needs keeps the host experts mapped."""
+    from moeray.stages.model import load_cached
+
+    monkeypatch.delenv("MOERAY_HOST_EXPERTS", raising=False)
+    _, cache = load_cached(q4k_model, (0, 2), n_slots=2)
+    assert all(p.repacked for p in cache.host.stack(1).parts)
+    avail = repack.AUTO_HEADROOM_BYTES + (4 << 20) # room for the copy (~2 MB), not for 1000 slots beside it
+    monkeypatch.setattr(repack, "mem_available", lambda: avail)
+    _, cache = load_cached(q4k_model, (0, 2), n_slots=1000)
+    assert not any(p.repacked for p in cache.host.stack(1).parts)
