@@ -150,16 +150,24 @@ class ExpertCache:
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Count this call's lookups and let the policy act (at most one copy per step) before the
         experts run, so a swap made now already serves this call; then compute hits from slots and
-        misses through the host."""
+        misses through the host.
+
+        Per layer the bookkeeping is one host copy of the ids and a few numpy ops over [E]-sized
+        arrays (the picks per expert counted once, by bincount): a step with every expert
+        resident costs what the host path costs, whose graph it shares."""
         ids = ids.detach().to("cpu")  # one copy to the host per layer, for the counters and the grouping
-        self.on_route(layer, ids, weights)
+        ids_np = ids.numpy()
+        picks = self._route(layer, ids_np, weights)  # [E] picks of each expert in this call
         if self.slot_store is None:
             return self.host.forward(layer, x, ids, weights, self._slot_weights)
-        slot_of = self.core.slot_of[layer - self.first][ids.numpy()]  # [N, k]: -1 where a miss
-        hit_experts = np.unique(ids.numpy()[slot_of >= 0])
-        self.served_from_slot += len(hit_experts)
-        self.served_from_host += len(np.unique(ids.numpy())) - len(hit_experts)
-        return self.host.forward_stacks(layer, x, ids, weights, slot_of, self.slot_store.stack(layer))
+        table = self.core.slot_of[layer - self.first]  # read after the policy acted: -1 where a miss
+        resident, used = table >= 0, picks > 0
+        hit_experts = int(np.count_nonzero(used & resident))
+        self.served_from_slot += hit_experts
+        self.served_from_host += int(np.count_nonzero(used)) - hit_experts
+        if not hit_experts:  # every pick from the mapping: the host path itself
+            return self.host.forward_stacks(layer, x, ids, weights)
+        return self.host.forward_stacks(layer, x, ids, weights, table[ids_np], self.slot_store.stack(layer))
 
     def _slot_weights(self, layer: int, expert: int):
         slot = self.core.lookup(layer, expert)
@@ -171,10 +179,13 @@ class ExpertCache:
 
     def on_route(self, layer: int, expert_ids: torch.Tensor, weights: torch.Tensor | None = None) -> None:
         """Count the call's lookups, let the policy act, and record the routing if tracing."""
-        ids = expert_ids.detach().to("cpu").numpy()
-        self.core.route(layer, ids)
+        self._route(layer, expert_ids.detach().to("cpu").numpy(), weights)
+
+    def _route(self, layer: int, ids: np.ndarray, weights: torch.Tensor | None) -> np.ndarray:
+        picks = self.core.route(layer, ids)
         if self.trace_writer is not None:
             self.trace_writer.record(layer, ids, weights.detach().to("cpu", torch.float32).numpy())
+        return picks
 
     # -- statistics --------------------------------------------------------------------------------
     def layer_stats(self) -> list[LayerStats]:

@@ -180,8 +180,9 @@ class CacheCore:
         return self._copies_left is None or self._copies_left > 0
 
     # -- routing -------------------------------------------------------------------------------
-    def route(self, layer: int, expert_ids) -> None:
-        """Count one MoE call's lookups (expert_ids: [n_tokens, k]) and let the policy act."""
+    def route(self, layer: int, expert_ids) -> np.ndarray:
+        """Count one MoE call's lookups (expert_ids: [n_tokens, k]) and let the policy act; returns
+        the call's picks per expert ([n_experts], what the live profile adds)."""
         ids = np.asarray(expert_ids, dtype=np.int64).reshape(len(expert_ids), -1)
         if self._last_layer is None or layer <= self._last_layer:
             self.steps += 1
@@ -193,12 +194,15 @@ class CacheCore:
         i = layer - self.first
         self.policy.touch(layer, ids)
         n = ids.size
-        self.routed[i] += np.bincount(ids.ravel(), minlength=self.n_experts)
-        hit = int((self.slot_of[i, ids.ravel()] >= 0).sum()) if self.policy.counts_vectorised else self.policy.last_hits
+        picks = np.bincount(ids.ravel(), minlength=self.n_experts)
+        self.routed[i] += picks
+        # A pick hits when its expert is resident: the picks of the resident experts, summed.
+        hit = int(picks[self.slot_of[i] >= 0].sum()) if self.policy.counts_vectorised else self.policy.last_hits
         self.lookups[i] += n
         self.hits[i] += hit
         self.misses[i] += n - hit
         self.policy.after_call(layer)
+        return picks
 
     def reset_counters(self) -> None:
         self.lookups[:] = 0

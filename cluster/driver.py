@@ -518,6 +518,13 @@ def local_kv_plan(config, engine: EngineConfig, free_bytes: int, itemsize: int =
     n, rule = fixed_kv_blocks(config, engine, free_bytes, itemsize)
     if n is None:
         n, rule = blocks_for(context), "one sequence at the full context (--kv-blocks or --kv-fraction for more)"
+        # A model of long context (Qwen3-30B-A3B: 40,960 tokens, 7.5 GiB of float32 KV) would not
+        # fit the device beside its trunk: at most half of it, and the context shrinks to match.
+        fit = (free_bytes // 2) // max(1, sum(kv_bytes_by_layer(config, 1, itemsize)))
+        if engine.max_len is None and 1 <= fit < n:
+            n, context = fit, fit * BLOCK_SIZE
+            rule = (f"one sequence of {context} tokens, half the device (the model's {config.context_length} "
+                    "would not fit; --max-len or --kv-blocks to choose)")
     return KVPlan(n, BLOCK_SIZE, context, rule, [sum(kv_bytes_by_layer(config, n, itemsize))])
 
 

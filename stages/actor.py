@@ -149,7 +149,9 @@ class StageRunner:
         out: list[int | None] = [None] * len(batch.slots)
         if not want:
             return out
-        logits = self.model.head(x[meta.last_index[want]])
+        # A decode step in which every sequence samples: its rows are x itself, no gather.
+        rows = x if len(want) == len(batch.slots) == x.shape[0] else x[meta.last_index[want]]
+        logits = self.model.head(rows)
         params = [batch.sample[i] for i in want]
         slots = [batch.slots[i] for i in want]
         for slot, p in zip(slots, params):

@@ -11,6 +11,7 @@ On the ggml route a layer's picks run as one graph over the stacked expert tenso
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import Callable, NamedTuple, Protocol
 
@@ -26,6 +27,8 @@ from moeray.stages.gguf_file import EXPERT_KINDS, GGUFFile, expert_bytes
 from moeray.stages.qmatmul import SILU, GLU, ExpertBias, QMatrix, current_route, swiglu, to_device
 from moeray.stages.quant import as_uint8_tensor, dequantize
 from moeray.stages.routing import ROUTING
+
+log = logging.getLogger("moeray.kernels")
 
 RouteObserver = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, ids [N, k], weights [N, k])
 
@@ -99,15 +102,26 @@ class HostExperts:
         self.on_route = on_route
         self.computed = 0  # experts computed from the host copy so far (a measure of host work)
         self._stacks: dict[int, Stack | None] = {}
-        self.layout = repack.host_experts()  # "mapped" (the file's bytes in place) or "repacked" (a copy)
+        # MOERAY_HOST_EXPERTS: "mapped" (the file's bytes in place), "repacked" (a copy), "auto"
+        # (a copy when it fits, decided per prepare() call); _packed: the layers copied or to copy.
+        self.layout = repack.host_experts()
+        self._packed: set[int] = set()
 
-    def prepare(self, first: int, end: int) -> None:
+    def prepare(self, first: int, end: int, reserve: int = 0) -> None:
         """Build the stacks of layers [first, end) now (a stage's load, not its first step): with
         MOERAY_HOST_EXPERTS=repacked that copies their routed experts into repacked memory,
-        after checking that it fits in the memory the system has available."""
-        if self.layout == "repacked" and self.route == "ggml":
-            todo = [l for l in range(first, end) if l not in self._stacks]
-            repack.check_fits(sum(self._repackable_bytes(l) for l in todo), f"layers [{first}, {end})")
+        after checking that it fits in the memory the system has available; with "auto" only when
+        4 GiB stay free beside `reserve` bytes (a cache's slots, which fill later)."""
+        todo = [l for l in range(first, end) if l not in self._stacks]
+        need = sum(self._repackable_bytes(l) for l in todo) if self.route == "ggml" else 0
+        what = f"layers [{first}, {end})"
+        if need and self.layout == "repacked":
+            repack.check_fits(need, what)
+            self._packed.update(todo)
+        elif need and self.layout == "auto":
+            if repack.fits(need + reserve, repack.AUTO_HEADROOM_BYTES):  # reserve: the stage's slots
+                self._packed.update(todo)
+            log.info(repack.auto_line(need, what, todo[0] in self._packed))
         for l in range(first, end):
             self.stack(l)
 
@@ -130,8 +144,9 @@ class HostExperts:
                 parts = tuple(Part(r.data_ptr(), t.ggml_type, t.shape[1], t.shape[2], t.n_bytes // t.shape[0])
                               for r, t in zip(raws, infos))
                 stack = Stack(parts, infos[0].shape[0], raws, self.biases(layer))
-                if self.layout == "repacked":
-                    repack.check_fits(self._repackable_bytes(layer), f"layer {layer}")
+                if self.layout == "repacked" or layer in self._packed:
+                    if layer not in self._packed:  # built lazily, without prepare()
+                        repack.check_fits(self._repackable_bytes(layer), f"layer {layer}")
                     stack = self._repacked(stack)
                 self._stacks[layer] = stack
         return self._stacks[layer]
@@ -164,6 +179,16 @@ class HostExperts:
             parts.append(Part(base + off, p.ggml_type, p.rows, p.cols, row, packed))
             off += p.nbytes
         return Stack(tuple(parts), n, owner, biases)
+
+    @staticmethod
+    def write_part(src: QMatrix, part: Part, dst: torch.Tensor) -> None:
+        """Write one kind of an expert (its plain blocks, `src`) into `dst` (a slot row's bytes) in
+        `part`'s layout: a copy, or ggml's repack."""
+        if part.repacked:
+            data = src.data.contiguous()
+            repack.repack_into(dst.data_ptr(), data.data_ptr(), part.ggml_type, part.rows, part.cols, dst.numel())
+        else:
+            dst.copy_(src.data)
 
     def biases(self, layer: int) -> tuple:
         """float32 [E, rows] per kind where the file has blk.L.ffn_{kind}_exps.bias, else None."""
@@ -249,20 +274,23 @@ class HostExperts:
         xh = x if x.device.type == "cpu" else x.float().to("cpu")
         wh = weights.to("cpu", torch.float32)
         N, k = ids.shape
-        hit = None if slot_of is None else torch.from_numpy(slot_of >= 0)
-        if hit is None or not bool(hit.any()):
-            self.computed += len(torch.unique(ids))
+        # numpy over the [N, k] picks: a few microseconds, against a few tens for torch ops on them
+        hit = None if slot_of is None else slot_of >= 0
+        if hit is None or not hit.any():
+            self.computed += _n_distinct(ids.numpy())
             out = run(self.stack(layer), self.act, xh, ids, wh)
-        elif bool(hit.all()):
-            out = run(slots, self.act, xh, torch.from_numpy(slot_of), wh)
-        else:  # split: each stack gets its own picks, one row of x per pick
-            flat_hit = hit.reshape(-1).nonzero().squeeze(1)
-            flat_miss = (~hit).reshape(-1).nonzero().squeeze(1)
-            flat_ids, flat_w = ids.reshape(-1, 1), wh.reshape(-1, 1)
-            self.computed += len(torch.unique(flat_ids[flat_miss]))
-            slot_ids = torch.from_numpy(slot_of.reshape(-1, 1))
-            y_hit = run(slots, self.act, xh[flat_hit // k], slot_ids[flat_hit], flat_w[flat_hit])
-            y_miss = run(self.stack(layer), self.act, xh[flat_miss // k], flat_ids[flat_miss], flat_w[flat_miss])
+        elif hit.all():
+            out = run(slots, self.act, xh, torch.from_numpy(slot_of.astype(np.int32)), wh)
+        else:  # split: each stack gets its own picks, one row of x per pick (gathered in numpy)
+            flat = hit.reshape(-1)
+            flat_hit, flat_miss = np.flatnonzero(flat), np.flatnonzero(~flat)
+            x_np, w_np = xh.numpy(), wh.numpy().reshape(-1, 1)
+            ids_np = ids.numpy().reshape(-1, 1)
+            self.computed += _n_distinct(ids_np[flat_miss])
+            slot_ids = slot_of.reshape(-1, 1)[flat_hit].astype(np.int32)
+            t = torch.from_numpy
+            y_hit = run(slots, self.act, t(x_np[flat_hit // k]), t(slot_ids), t(w_np[flat_hit]))
+            y_miss = run(self.stack(layer), self.act, t(x_np[flat_miss // k]), t(ids_np[flat_miss]), t(w_np[flat_miss]))
             out = add_picks(N, k, [(flat_hit, y_hit), (flat_miss, y_miss)], xh.shape[1])
         return out if out.device == x.device else to_device(out, x.device)
 
@@ -277,6 +305,11 @@ class HostExperts:
         close = getattr(self.on_route, "close", None)
         if close is not None:
             close()
+
+
+def _n_distinct(ids: np.ndarray) -> int:
+    """Distinct experts among a call's picks (bincount: linear, no sort)."""
+    return int(np.count_nonzero(np.bincount(ids.reshape(-1)))) if ids.size else 0
 
 
 class DenseFFN(torch.nn.Module):

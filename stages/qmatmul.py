@@ -261,6 +261,34 @@ def place_scratch(tensors) -> torch.Tensor:
     return buf
 
 
+class GraphPlans:
+    """ggml's plan(s) for one graph as the thread settings say: one plan (one thread, or all of
+    them for a graph that reads at least `parallel_bytes` of weights), or with `adapt` a plan for
+    each and a ThreadChoice between them. Every graph class computes through this."""
+
+    def __init__(self, graph):
+        n, how = ggml_threads(), _settings
+        split = n > 1 and _weight_bytes(graph) >= how.parallel_bytes
+        counts = (1, n) if n > 1 and how.adapt else (n if split else 1,)
+        self.plans = [_G.ggml_graph_plan(graph, c, _threadpool(c)) for c in counts]
+        # One work buffer for every plan (they never run at once): the largest any of them needs.
+        self.work = torch.empty(max(1, *(p.work_size for p in self.plans)), dtype=torch.uint8)
+        for p in self.plans:
+            p.work_data = ctypes.cast(self.work.data_ptr(), ctypes.POINTER(ctypes.c_uint8))
+        self.n_threads = self.plans[-1 if split else 0].n_threads  # the first choice
+        self.choice = ThreadChoice(1 if split else 0) if len(self.plans) > 1 else None
+        self._refs = [ctypes.byref(p) for p in self.plans]
+
+    def compute(self, graph) -> None:
+        if self.choice is None:
+            _G.ggml_graph_compute(graph, self._refs[0])
+            return
+        i = self.choice.pick()
+        t0 = time.perf_counter()
+        _G.ggml_graph_compute(graph, self._refs[i])
+        self.choice.record(i, time.perf_counter() - t0)
+
+
 class _Graph:
     """One ggml compute graph over tensors that own no memory: weights, input and output point at
     torch storage that is re-assigned on every call, so one graph serves every expert of a shape."""
@@ -285,35 +313,19 @@ class _Graph:
                 raise ValueError("a graph view must look into an intermediate result, not an input")
             t.contents.data = src.data + t.contents.view_offs
             placed.add(ctypes.addressof(t.contents))
-        n, how = ggml_threads(), _settings
-        split = n > 1 and _weight_bytes(self.graph) >= how.parallel_bytes
-        counts = (1, n) if n > 1 and how.adapt else (n if split else 1,)
-        self.plans = [_G.ggml_graph_plan(self.graph, c, _threadpool(c)) for c in counts]
-        # One work buffer for every plan (they never run at once): the largest any of them needs.
-        self.work = torch.empty(max(1, *(p.work_size for p in self.plans)), dtype=torch.uint8)
-        for p in self.plans:
-            p.work_data = ctypes.cast(self.work.data_ptr(), ctypes.POINTER(ctypes.c_uint8))
-        self.plan = self.plans[-1 if split else 0]
-        self.n_threads = self.plan.n_threads
-        self.choice = ThreadChoice(1 if split else 0) if len(self.plans) > 1 else None
+        self.plans = GraphPlans(self.graph)
+        self.n_threads = self.plans.n_threads
         # The structs themselves, resolved once: a call then only writes pointers (decode makes
         # ~100 calls per token, so Python-side cost matters).
         self._in = [t.contents for t in self.inputs]
         self._out = self.output.contents
-        self._plan_refs = [ctypes.byref(p) for p in self.plans]
-        self._plan_ref = ctypes.byref(self.plan)
+        self._compute = self.plans.compute
 
     def __call__(self, pointers: list[int], out_ptr: int) -> None:
         for t, p in zip(self._in, pointers):
             t.data = p
         self._out.data = out_ptr
-        if self.choice is None:
-            _G.ggml_graph_compute(self.graph, self._plan_ref)
-            return
-        i = self.choice.pick()
-        t0 = time.perf_counter()
-        _G.ggml_graph_compute(self.graph, self._plan_refs[i])
-        self.choice.record(i, time.perf_counter() - t0)
+        self._compute(self.graph)
 
     def __del__(self):
         if _G is not None and getattr(self, "ctx", None):

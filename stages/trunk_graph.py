@@ -34,8 +34,7 @@ import torch
 
 from moeray.stages.kv_cache import BLOCK_SIZE, KVPool
 from moeray.stages.layers import Attention, BatchMeta
-from moeray.stages.qmatmul import (_threadpool, _weight_bytes, ggml_lib, ggml_threads, graph_mul_mat, graph_weight,
-                                   place_scratch, thread_settings)
+from moeray.stages.qmatmul import GraphPlans, ggml_lib, graph_mul_mat, graph_weight, place_scratch
 
 KEY_PAD = 64  # keys per graph shape: a decode step builds a new graph every KEY_PAD tokens
 
@@ -67,18 +66,10 @@ class MultiGraph:
                 self._views.append(v)
             else:
                 v[0].data = v[1].data + v[2]
-        # ggml's threads as qmatmul's graphs use them: all of them, unless the settings say a graph
-        # reading this few weight bytes runs on one (qmatmul.ThreadSettings.parallel_bytes)
-        n = ggml_threads()
-        if n > 1 and _weight_bytes(self.graph) < thread_settings().parallel_bytes:
-            n = 1
-        self.plan = G.ggml_graph_plan(self.graph, n, _threadpool(n))
-        self.work = torch.empty(max(1, self.plan.work_size), dtype=torch.uint8)
-        self.plan.work_data = ctypes.cast(self.work.data_ptr(), ctypes.POINTER(ctypes.c_uint8))
+        self.plans = GraphPlans(self.graph)  # ggml's threads as every qmatmul graph uses them
         self._in = [t.contents for t in self.inputs]
         self._out = [t.contents for t in self.outputs]
-        self._plan_ref = ctypes.byref(self.plan)
-        self._compute = G.ggml_graph_compute
+        self._compute = self.plans.compute
 
     def _all_views(self, nodes):
         """Every view tensor the graph reads, its sources before it."""
@@ -106,7 +97,7 @@ class MultiGraph:
             t.data = p
         for t, src, offs in self._views:
             t.data = src.data + offs
-        self._compute(self.graph, self._plan_ref)
+        self._compute(self.graph)
 
     def __del__(self):
         if getattr(self, "ctx", None) and getattr(self, "_G", None) is not None:

@@ -67,9 +67,9 @@ def test_one_thread_or_two_the_output_is_bitwise_the_same(adapt):
         qmatmul.set_threads(2, ThreadSettings(poll=1, parallel_bytes=0, adapt=adapt))
         outs = [w(x) for _ in range(80)]  # with adapt, both plans run (the other is tried every 32 calls)
         g = next(iter(qmatmul._graphs.values()))
-        assert (g.choice is not None) == adapt and g.plans[-1].n_threads == 2
+        assert (g.plans.choice is not None) == adapt and g.plans.plans[-1].n_threads == 2
         if adapt:
-            assert min(g.choice.seen) >= 2
+            assert min(g.plans.choice.seen) >= 2
     finally:
         qmatmul.set_threads(*before)
     for out in outs:
