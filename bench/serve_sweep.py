@@ -129,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="GGUF file (default: the embedded default model)")
     p.add_argument("--llama-server", metavar="PATH", help="llama-server binary to run first (same model)")
-    p.add_argument("--llama-threads", type=int, default=2)
+    p.add_argument("--llama-threads", type=int, nargs="+", default=[2],
+                   help="llama-server's -t, one run each (the first is the yardstick of the ratios)")
     p.add_argument("--ctx", type=int, default=8192, help="llama-server's context (all slots together)")
     p.add_argument("--variant", action="append", default=[], metavar="LABEL=ENV... [-- FLAGS]")
     p.add_argument("--clients", type=int, nargs="+", default=[16, 1])
@@ -146,11 +147,11 @@ def main(argv: list[str] | None = None) -> int:
         args.model = str(cache_dir() / FILE_NAME)
 
     servers = []  # (label, command with "{port}" and "{metrics}", env)
-    if args.llama_server:
+    for t in args.llama_threads if args.llama_server else []:
         cmd = [args.llama_server, "-m", args.model, "-np", str(max(args.clients)), "-c", str(args.ctx),
-               "-t", str(args.llama_threads), "--host", "127.0.0.1", "--port", "{port}"]
+               "-t", str(t), "--host", "127.0.0.1", "--port", "{port}"]
         env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
-        servers.append((f"llama-server -np {max(args.clients)} -t {args.llama_threads}", cmd, env))
+        servers.append((f"llama-server -np {max(args.clients)} -t {t}", cmd, env))
     for text in args.variant or ["moeray serve --local="]:
         label, settings, flags = parse_variant(text)
         local = [] if "--stages" in flags else ["--local"]  # --stages N: the pipeline of stage actors
@@ -166,9 +167,10 @@ def main(argv: list[str] | None = None) -> int:
             rows += run_server(label, cmd, env, f"http://127.0.0.1:{port}", args)
     rows.sort(key=lambda r: [s[0] for s in servers].index(r["label"]))  # each server's runs together
 
-    base = {}  # llama-server's best run per client count: the yardstick
+    base = {}  # the first llama-server's best run per client count: the yardstick
     for r in rows:
-        if r["label"].startswith("llama-server") and r["tok_s"] > base.get(r["clients"], {}).get("tok_s", 0):
+        if r["label"] == (servers[0][0] if args.llama_server else None) and \
+                r["tok_s"] > base.get(r["clients"], {}).get("tok_s", 0):
             base[r["clients"]] = r
     print(f"max_tokens {args.max_tokens}, {args.duration:.0f} s per row, {Path(args.model).name}")
     print("| server | clients | out tok/s | TTFT p50 | ITL p50 | ITL p99 | errors | vs llama-server | cores | load |")
