@@ -6,7 +6,8 @@
 Each server is started, driven by bench/load.py's streaming clients for every client count
 (`--duration` seconds each, after a short warm-up), and stopped before the next starts, so only
 one model is in memory at a time. A variant is `LABEL=ENV...[ -- SERVE FLAGS]`: environment
-settings for `moeray serve --local` and optional extra flags. The table gives out tok/s, TTFT and
+settings for `moeray serve --local` and optional extra flags (with `--stages N` among them, the
+pipeline of stage actors instead of --local). The table gives out tok/s, TTFT and
 ITL, errors, the ratio to llama-server at the same client count, and the CPU cores the server's
 processes used over the run (their CPU time / wall time: the replica and everything Ray starts),
 with the machine's load average at the start of each row.
@@ -14,6 +15,7 @@ with the machine's load average at the start of each row.
 from __future__ import annotations
 
 import argparse
+import http.client
 import os
 import shlex
 import subprocess
@@ -42,7 +44,7 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
             with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as r:
                 if r.status == 200:
                     return
-        except OSError:
+        except (OSError, http.client.HTTPException):
             pass
         time.sleep(1.0)
     proc.kill()
@@ -127,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="GGUF file (default: the embedded default model)")
     p.add_argument("--llama-server", metavar="PATH", help="llama-server binary to run first (same model)")
-    p.add_argument("--llama-threads", type=int, default=2)
+    p.add_argument("--llama-threads", type=int, nargs="+", default=[2],
+                   help="llama-server's -t, one run each (the first is the yardstick of the ratios)")
     p.add_argument("--ctx", type=int, default=8192, help="llama-server's context (all slots together)")
     p.add_argument("--variant", action="append", default=[], metavar="LABEL=ENV... [-- FLAGS]")
     p.add_argument("--clients", type=int, nargs="+", default=[16, 1])
@@ -143,28 +146,31 @@ def main(argv: list[str] | None = None) -> int:
 
         args.model = str(cache_dir() / FILE_NAME)
 
-    servers = []  # (label, command, env, port)
-    if args.llama_server:
-        port = free_port()
+    servers = []  # (label, command with "{port}" and "{metrics}", env)
+    for t in args.llama_threads if args.llama_server else []:
         cmd = [args.llama_server, "-m", args.model, "-np", str(max(args.clients)), "-c", str(args.ctx),
-               "-t", str(args.llama_threads), "--host", "127.0.0.1", "--port", str(port)]
+               "-t", str(t), "--host", "127.0.0.1", "--port", "{port}"]
         env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
-        servers.append((f"llama-server -np {max(args.clients)} -t {args.llama_threads}", cmd, env, port))
+        servers.append((f"llama-server -np {max(args.clients)} -t {t}", cmd, env))
     for text in args.variant or ["moeray serve --local="]:
         label, settings, flags = parse_variant(text)
-        port = free_port()
-        cmd = [sys.executable, "-m", "moeray.cluster.cli", "serve", "--local", args.model, "--port", str(port),
-               "--metrics-export-port", str(free_port()), *flags]
-        servers.append((label, cmd, {**os.environ, **settings}, port))
+        local = [] if "--stages" in flags else ["--local"]  # --stages N: the pipeline of stage actors
+        cmd = [sys.executable, "-m", "moeray.cluster.cli", "serve", *local, args.model, "--port", "{port}",
+               "--metrics-export-port", "{metrics}", *flags]
+        servers.append((label, cmd, {**os.environ, **settings}))
     rows = []
     for _ in range(args.repeat):
-        for label, cmd, env, port in servers:
+        for label, cmd, env in servers:
+            # Ports picked just before each start: one picked minutes earlier may be taken by then.
+            port, metrics = free_port(), free_port()
+            cmd = [c.replace("{port}", str(port)).replace("{metrics}", str(metrics)) for c in cmd]
             rows += run_server(label, cmd, env, f"http://127.0.0.1:{port}", args)
     rows.sort(key=lambda r: [s[0] for s in servers].index(r["label"]))  # each server's runs together
 
-    base = {}  # llama-server's best run per client count: the yardstick
+    base = {}  # the first llama-server's best run per client count: the yardstick
     for r in rows:
-        if r["label"].startswith("llama-server") and r["tok_s"] > base.get(r["clients"], {}).get("tok_s", 0):
+        if r["label"] == (servers[0][0] if args.llama_server else None) and \
+                r["tok_s"] > base.get(r["clients"], {}).get("tok_s", 0):
             base[r["clients"]] = r
     print(f"max_tokens {args.max_tokens}, {args.duration:.0f} s per row, {Path(args.model).name}")
     print("| server | clients | out tok/s | TTFT p50 | ITL p50 | ITL p99 | errors | vs llama-server | cores | load |")

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from moeray.stages import repack
-
 KINDS = ("gate", "up", "down")
 
 
@@ -30,7 +28,8 @@ class SlotStore:
             return None
         prepare = getattr(host, "prepare", None)
         if prepare is not None:
-            prepare(first, end)  # a repacked host copy is made (its memory checked first) now
+            # a repacked host copy is made now, its memory checked first beside the slots' own
+            prepare(first, end, reserve=n_slots * max(held_bytes))
         layers = [l for l in range(first, end) if host.gguf.expert_bytes(l) > 0]
         if not layers or any(stack(l) is None for l in layers):
             return None
@@ -54,11 +53,7 @@ class SlotStore:
         w = self.host.weights(layer, expert)  # views of the mapping: the plain bytes
         for part, p in zip((w.gate, w.up, w.down), self.stack(layer).parts):
             n = part.nbytes
-            dst = self.buffer[slot, off:off + n]
-            if p.repacked:
-                repack.repack_into(dst.data_ptr(), part.data.contiguous().data_ptr(), p.ggml_type, p.rows, p.cols, n)
-            else:
-                dst.copy_(part.data)
+            self.host.write_part(part, p, self.buffer[slot, off:off + n])
             off += n
         for i, b in enumerate(self.host.stack(layer).biases):
             if b is not None:

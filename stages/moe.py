@@ -11,6 +11,7 @@ On the ggml route a layer's picks run as one graph over the stacked expert tenso
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import replace
 from typing import Callable, NamedTuple, Protocol
 
@@ -26,6 +27,8 @@ from moeray.stages.gguf_file import EXPERT_KINDS, GGUFFile, expert_bytes
 from moeray.stages.qmatmul import SILU, GLU, ExpertBias, QMatrix, current_route, swiglu, to_device
 from moeray.stages.quant import as_uint8_tensor, dequantize
 from moeray.stages.routing import ROUTING
+
+log = logging.getLogger("moeray.kernels")
 
 RouteObserver = Callable[[int, torch.Tensor, torch.Tensor], None]  # (layer, ids [N, k], weights [N, k])
 
@@ -99,15 +102,26 @@ class HostExperts:
         self.on_route = on_route
         self.computed = 0  # experts computed from the host copy so far (a measure of host work)
         self._stacks: dict[int, Stack | None] = {}
-        self.layout = repack.host_experts()  # "mapped" (the file's bytes in place) or "repacked" (a copy)
+        # MOERAY_HOST_EXPERTS: "mapped" (the file's bytes in place), "repacked" (a copy), "auto"
+        # (a copy when it fits, decided per prepare() call); _packed: the layers copied or to copy.
+        self.layout = repack.host_experts()
+        self._packed: set[int] = set()
 
-    def prepare(self, first: int, end: int) -> None:
+    def prepare(self, first: int, end: int, reserve: int = 0) -> None:
         """Build the stacks of layers [first, end) now (a stage's load, not its first step): with
         MOERAY_HOST_EXPERTS=repacked that copies their routed experts into repacked memory,
-        after checking that it fits in the memory the system has available."""
-        if self.layout == "repacked" and self.route == "ggml":
-            todo = [l for l in range(first, end) if l not in self._stacks]
-            repack.check_fits(sum(self._repackable_bytes(l) for l in todo), f"layers [{first}, {end})")
+        after checking that it fits in the memory the system has available; with "auto" only when
+        4 GiB stay free beside `reserve` bytes (a cache's slots, which fill later)."""
+        todo = [l for l in range(first, end) if l not in self._stacks]
+        need = sum(self._repackable_bytes(l) for l in todo) if self.route == "ggml" else 0
+        what = f"layers [{first}, {end})"
+        if need and self.layout == "repacked":
+            repack.check_fits(need, what)
+            self._packed.update(todo)
+        elif need and self.layout == "auto":
+            if repack.fits(need + reserve, repack.AUTO_HEADROOM_BYTES):  # reserve: the stage's slots
+                self._packed.update(todo)
+            log.info(repack.auto_line(need, what, todo[0] in self._packed))
         for l in range(first, end):
             self.stack(l)
 
@@ -130,8 +144,9 @@ class HostExperts:
                 parts = tuple(Part(r.data_ptr(), t.ggml_type, t.shape[1], t.shape[2], t.n_bytes // t.shape[0])
                               for r, t in zip(raws, infos))
                 stack = Stack(parts, infos[0].shape[0], raws, self.biases(layer))
-                if self.layout == "repacked":
-                    repack.check_fits(self._repackable_bytes(layer), f"layer {layer}")
+                if self.layout == "repacked" or layer in self._packed:
+                    if layer not in self._packed:  # built lazily, without prepare()
+                        repack.check_fits(self._repackable_bytes(layer), f"layer {layer}")
                     stack = self._repacked(stack)
                 self._stacks[layer] = stack
         return self._stacks[layer]
@@ -164,6 +179,16 @@ class HostExperts:
             parts.append(Part(base + off, p.ggml_type, p.rows, p.cols, row, packed))
             off += p.nbytes
         return Stack(tuple(parts), n, owner, biases)
+
+    @staticmethod
+    def write_part(src: QMatrix, part: Part, dst: torch.Tensor) -> None:
+        """Write one kind of an expert (its plain blocks, `src`) into `dst` (a slot row's bytes) in
+        `part`'s layout: a copy, or ggml's repack."""
+        if part.repacked:
+            data = src.data.contiguous()
+            repack.repack_into(dst.data_ptr(), data.data_ptr(), part.ggml_type, part.rows, part.cols, dst.numel())
+        else:
+            dst.copy_(src.data)
 
     def biases(self, layer: int) -> tuple:
         """float32 [E, rows] per kind where the file has blk.L.ffn_{kind}_exps.bias, else None."""

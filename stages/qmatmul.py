@@ -249,6 +249,18 @@ class ThreadChoice:
             self.current = 0 if self.cost[0] <= self.cost[1] else 1
 
 
+def place_scratch(tensors) -> torch.Tensor:
+    """Fixed places for a graph's intermediate results, 64-byte aligned, in one buffer (returned:
+    the graph keeps it alive)."""
+    sizes = [_G.ggml_nbytes(t) for t in tensors]
+    buf = torch.empty(sum(sizes) + 64 * len(sizes), dtype=torch.uint8)
+    off = 0
+    for t, n in zip(tensors, sizes):
+        t.contents.data = buf.data_ptr() + off
+        off += (n + 63) // 64 * 64
+    return buf
+
+
 class GraphPlans:
     """ggml's plan(s) for one graph as the thread settings say: one plan (one thread, or all of
     them for a graph that reads at least `parallel_bytes` of weights), or with `adapt` a plan for
@@ -293,13 +305,7 @@ class _Graph:
             nodes = [_G.ggml_graph_node(self.graph, i) for i in range(_G.ggml_graph_n_nodes(self.graph))]
             scratch = [t for t in nodes if ctypes.addressof(t.contents) != out and not t.contents.view_src]
             views = [t for t in nodes if t.contents.view_src]
-        # Intermediate results get fixed places in one scratch buffer.
-        sizes = [_G.ggml_nbytes(t) for t in scratch]
-        self.scratch = torch.empty(sum(sizes) + 64 * len(sizes), dtype=torch.uint8)
-        off = 0
-        for t, n in zip(scratch, sizes):
-            t.contents.data = self.scratch.data_ptr() + off
-            off += (n + 63) // 64 * 64
+        self.scratch = place_scratch(scratch)
         placed = {ctypes.addressof(t.contents) for t in scratch}
         for t in views:  # in graph order, so a view of a view finds its source placed
             src = t.contents.view_src.contents

@@ -68,19 +68,36 @@ def set_mode(m: str | None) -> None:
     _mode = None if m is None else _checked(m, "repack")
 
 
-HOST_EXPERTS = ("mapped", "repacked")
-# Left free when copying host experts: what the rest of the process and the system still need.
+HOST_EXPERTS = ("auto", "mapped", "repacked")
+# Left free when copying host experts: what the rest of the process and the system still need
+# (an explicit "repacked" is held to the first, "auto" copies only when the second stays free).
 HEADROOM_BYTES = 1 << 30
+AUTO_HEADROOM_BYTES = 4 << 30
 
 
 def host_experts() -> str:
-    """MOERAY_HOST_EXPERTS: "mapped" (default: routed experts read in place from the GGUF mapping,
-    no copy) or "repacked" (copied into ggml's repacked layout at load, as llama.cpp does)."""
-    m = os.environ.get("MOERAY_HOST_EXPERTS", "").strip().lower() or "mapped"
+    """MOERAY_HOST_EXPERTS: "auto" (default: copied into ggml's repacked layout at load when that
+    leaves AUTO_HEADROOM_BYTES of memory available, else read in place), "mapped" (routed experts
+    read in place from the GGUF mapping, no copy) or "repacked" (always copied, as llama.cpp does)."""
+    m = os.environ.get("MOERAY_HOST_EXPERTS", "").strip().lower() or "auto"
     if m not in HOST_EXPERTS:
-        raise MoerayError(f"MOERAY_HOST_EXPERTS={m!r}: choose mapped (read the experts in place from the file "
-                          "mapping) or repacked (copy them into ggml's repacked layout at load: more RAM)")
+        raise MoerayError(f"MOERAY_HOST_EXPERTS={m!r}: choose auto (a repacked copy when it fits), mapped (read "
+                          "the experts in place from the file mapping) or repacked (always copy them into ggml's "
+                          "repacked layout at load: more RAM)")
     return m
+
+
+def fits(n_bytes: int, headroom: int, available: int | None = None) -> bool:
+    available = mem_available() if available is None else available
+    return available is None or n_bytes + headroom <= available
+
+
+def auto_line(n_bytes: int, what: str, packed: bool) -> str:
+    gib = n_bytes / (1 << 30)
+    if packed:
+        return f"moeray: host experts of {what}: a repacked copy, {gib:.1f} GiB (MOERAY_HOST_EXPERTS=auto)"
+    return (f"moeray: host experts of {what}: read in place from the mapping; a repacked copy ({gib:.1f} GiB) "
+            f"would leave under {AUTO_HEADROOM_BYTES >> 30} GiB available (MOERAY_HOST_EXPERTS=auto)")
 
 
 def mem_available(meminfo: str = "/proc/meminfo") -> int | None:
@@ -101,7 +118,7 @@ def check_fits(n_bytes: int, what: str, available: int | None = None) -> None:
     if n_bytes <= 0:
         return
     available = mem_available() if available is None else available
-    if available is not None and n_bytes + HEADROOM_BYTES > available:
+    if not fits(n_bytes, HEADROOM_BYTES, available):
         gib = 1 << 30
         raise MoerayError(f"MOERAY_HOST_EXPERTS=repacked: the routed experts of {what} take {n_bytes / gib:.1f} GiB "
                           f"repacked, {available / gib:.1f} GiB of memory is available (1 GiB is kept free); "
@@ -121,9 +138,11 @@ def layout_line() -> str:
 
 
 def _G():
-    from moeray.stages.qmatmul import ggml_lib
+    """ggml-python's module: qmatmul has loaded and checked it (stages/ggml_lib.py) before any
+    weight reaches this file; imported by name so that the two modules do not import each other."""
+    from ggml import ggml as G
 
-    return ggml_lib()
+    return G
 
 
 _LOG_DEBUG, _LOG_CONT = 1, 5

@@ -34,7 +34,7 @@ import torch
 
 from moeray.stages.kv_cache import BLOCK_SIZE, KVPool
 from moeray.stages.layers import Attention, BatchMeta
-from moeray.stages.qmatmul import GraphPlans, ggml_lib, graph_mul_mat, graph_weight
+from moeray.stages.qmatmul import GraphPlans, ggml_lib, graph_mul_mat, graph_weight, place_scratch
 
 KEY_PAD = 64  # keys per graph shape: a decode step builds a new graph every KEY_PAD tokens
 
@@ -45,7 +45,7 @@ class MultiGraph:
     gets a fixed place in one scratch buffer."""
 
     def __init__(self, build, n_nodes: int = 256):
-        G = ggml_lib()
+        G = self._G = ggml_lib()
         size = G.ggml_tensor_overhead() * n_nodes + G.ggml_graph_overhead() + 4096
         self.ctx = G.ggml_init(G.ggml_init_params(mem_size=size, mem_buffer=None, no_alloc=True))
         self.inputs, self.outputs, effects = build(self.ctx)
@@ -55,20 +55,21 @@ class MultiGraph:
         fixed = {ctypes.addressof(t.contents) for t in self.inputs + self.outputs}
         nodes = [G.ggml_graph_node(self.graph, i) for i in range(G.ggml_graph_n_nodes(self.graph))]
         scratch = [t for t in nodes if ctypes.addressof(t.contents) not in fixed and not t.contents.view_src]
-        sizes = [G.ggml_nbytes(t) for t in scratch]
-        self.scratch = torch.empty(sum(sizes) + 64 * len(sizes), dtype=torch.uint8)
-        off = 0
-        for t, n in zip(scratch, sizes):
-            t.contents.data = self.scratch.data_ptr() + off
-            off += (n + 63) // 64 * 64
-        # Views (of inputs, outputs or intermediates) are re-pointed per call, each after its source.
-        self._views = [(t.contents, t.contents.view_src.contents, t.contents.view_offs)
-                       for t in self._all_views(nodes)]
+        self.scratch = place_scratch(scratch)
+        # Views look into their source's bytes: placed once when it is an intermediate, re-pointed
+        # per call (each after its source) when it is an input or output, or a view of one.
+        self._views, moving = [], set(fixed)
+        for t in self._all_views(nodes):
+            v = (t.contents, t.contents.view_src.contents, t.contents.view_offs)
+            if ctypes.addressof(v[1]) in moving:
+                moving.add(ctypes.addressof(v[0]))
+                self._views.append(v)
+            else:
+                v[0].data = v[1].data + v[2]
         self.plans = GraphPlans(self.graph)  # ggml's threads as every qmatmul graph uses them
         self._in = [t.contents for t in self.inputs]
         self._out = [t.contents for t in self.outputs]
         self._compute = self.plans.compute
-        self._G = G
 
     def _all_views(self, nodes):
         """Every view tensor the graph reads, its sources before it."""
@@ -99,7 +100,7 @@ class MultiGraph:
         self._compute(self.graph)
 
     def __del__(self):
-        if getattr(self, "ctx", None) and self._G is not None:
+        if getattr(self, "ctx", None) and getattr(self, "_G", None) is not None:
             self._G.ggml_free(self.ctx)
 
 
@@ -168,7 +169,7 @@ class TrunkGraphs:
         mask = torch.zeros(B, 1, t, keys_pad, dtype=torch.float16).masked_fill_(~visible.unsqueeze(1), float("-inf"))
         # the key: everything a graph's shapes depend on (the pool's rows, the step's tokens too)
         return Step((B, t, keys_pad, pad is not None) + mode + (rows, meta.n_tokens), meta.n_tokens,
-                    meta.positions.to(torch.int32), meta.write_rows, mask, base, gather, pad, unpad, rows, gap)
+                    meta.positions.to(torch.int32), meta.write_rows.to(torch.int64).contiguous(), mask, base, gather, pad, unpad, rows, gap)
 
     def layer(self, step: Step, x: torch.Tensor, r: torch.Tensor | None, attn_norm: torch.Tensor,
               attn: Attention, kv: KVPool, ffn_norm: torch.Tensor, router: torch.Tensor | None

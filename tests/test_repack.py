@@ -148,7 +148,9 @@ def test_host_experts_repacked_give_the_mapped_experts_output(q4k_model, monkeyp
     g = GGUFFile(q4k_model)
     x = torch.randn(5, g.config.hidden, generator=torch.Generator().manual_seed(4))
     ids, w = routed(5, g.config.n_experts, 2, seed=4)
+    monkeypatch.setenv("MOERAY_HOST_EXPERTS", "mapped")
     mapped = HostExperts(g, "ggml")
+    mapped.prepare(0, 2)
     monkeypatch.setenv("MOERAY_HOST_EXPERTS", "repacked")
     packed = HostExperts(g, "ggml")
     packed.prepare(0, 2)
@@ -179,7 +181,8 @@ def test_slots_fill_in_the_host_layout_and_a_split_step_keeps_its_bits(q4k_model
     assert hits and cache.core.hits[1] == hits and cache.core.misses[1] == 2 * len(ids) - hits
 
 
-def test_fast_mode_repacks_slots_over_a_mapped_host(q4k_model):
+def test_fast_mode_repacks_slots_over_a_mapped_host(q4k_model, monkeypatch):
+    monkeypatch.setenv("MOERAY_HOST_EXPERTS", "mapped")
     repack.set_mode("fast")
     cache, x, ids, w = split_step(q4k_model)
     assert all(p.repacked for p in cache.slot_store.stack(1).parts)
@@ -194,7 +197,7 @@ def test_repacked_host_experts_that_do_not_fit_fail_clearly(monkeypatch):
                                           r"available.*MOERAY_HOST_EXPERTS=mapped"):
         repack.check_fits(15 << 30, "layers [0, 48)", available=8 << 30)
     monkeypatch.setenv("MOERAY_HOST_EXPERTS", "copy")
-    with pytest.raises(MoerayError, match="MOERAY_HOST_EXPERTS='copy': choose mapped"):
+    with pytest.raises(MoerayError, match="MOERAY_HOST_EXPERTS='copy': choose auto"):
         repack.host_experts()
 
 
@@ -222,3 +225,32 @@ def test_graph_mul_mat_keeps_a_rows_bits_inside_a_bigger_graph():
     batch = call(x)
     assert torch.equal(batch, torch.cat([call(x[i:i + 1].contiguous()) for i in range(9)]))
     assert rel(batch, w(x)) < TOLERANCE
+
+
+def test_auto_copies_host_experts_only_when_memory_stays_free(q4k_model, monkeypatch):
+    """The default: the repacked copy when it leaves 4 GiB available, else the mapping in place."""
+    from moeray.stages.gguf_file import GGUFFile
+    from moeray.stages.moe import HostExperts
+
+    g = GGUFFile(q4k_model)
+    monkeypatch.delenv("MOERAY_HOST_EXPERTS", raising=False)
+    roomy = HostExperts(g, "ggml")
+    roomy.prepare(0, 2)
+    assert roomy.layout == "auto" and all(p.repacked for p in roomy.stack(1).parts)
+    monkeypatch.setattr(repack, "mem_available", lambda: repack.AUTO_HEADROOM_BYTES)  # no room for a copy
+    tight = HostExperts(g, "ggml")
+    tight.prepare(0, 2)
+    assert not any(p.repacked for p in tight.stack(1).parts)
+
+
+def test_auto_leaves_room_for_the_slots_of_the_cache(q4k_model, monkeypatch):
+    """A cache whose slots would take the memory the copy needs keeps the host experts mapped."""
+    from moeray.stages.model import load_cached
+
+    monkeypatch.delenv("MOERAY_HOST_EXPERTS", raising=False)
+    _, cache = load_cached(q4k_model, (0, 2), n_slots=2)
+    assert all(p.repacked for p in cache.host.stack(1).parts)
+    avail = repack.AUTO_HEADROOM_BYTES + (4 << 20) # room for the copy (~2 MB), not for 1000 slots beside it
+    monkeypatch.setattr(repack, "mem_available", lambda: avail)
+    _, cache = load_cached(q4k_model, (0, 2), n_slots=1000)
+    assert not any(p.repacked for p in cache.host.stack(1).parts)
