@@ -11,6 +11,7 @@ from typing import Sequence
 import torch
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API allows
+NUCLEUS_LOOK = 64  # top-p: the likeliest tokens ranked before sorting the whole vocabulary
 
 
 @dataclass(frozen=True)
@@ -61,12 +62,20 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p: a token stays if the mass before it is < top_p.
-        mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-        drop = order[mass_before >= params.top_p]
-        probs[drop] = 0.0
-        probs = probs / probs.sum()
+        # Keep the smallest prefix (likeliest first) whose mass reaches top_p: a token stays if the
+        # mass before it is < top_p. The nucleus is mostly a few tokens, so the likeliest
+        # NUCLEUS_LOOK are ranked first (topk, ~0.1 ms) and the whole vocabulary sorted (~1.5 ms a
+        # 49k row) only when their mass falls short; the cumulative sums are the sort's own.
+        n = probs.numel()
+        for m in (min(n, max(NUCLEUS_LOOK, params.top_k)), n):
+            top, order = torch.topk(probs, m) if m < n else torch.sort(probs, descending=True)
+            mass_before = torch.cumsum(top, dim=-1) - top
+            if m == n or bool(mass_before[-1] >= params.top_p):
+                break
+        kept = torch.zeros_like(probs)
+        keep = order[mass_before < params.top_p]
+        kept[keep] = probs[keep]
+        probs = kept / kept.sum()
     return probs
 
 
