@@ -4,7 +4,9 @@ Starts a local Ray cluster (or joins one with --address), deploys the Serve app 
 runs the driver (probe -> plan -> load -> wire), prints the plan, the URL and a curl to paste,
 then serves until Ctrl-C or `kill` (SIGINT, SIGTERM: Serve, the stages and the local Ray are shut
 down in order, exit 0). With no model it serves the embedded default model on 4 simulated stages
-(no GPUs needed). Stop and start it again to reload: the replica owns the stages.
+(no GPUs needed). Stop and start it again to reload: the replica owns the stages. With --local
+the model and the HTTP server are in this process instead (cluster/local_server.py: no Serve
+proxy or replica between the client and the engine); Ray runs beside it for the metrics.
 
 Its HTTP port and, when it starts Ray, the metrics port are checked before Ray starts: a port in
 use is one line naming the flag that changes it (exit 2), not a Ray node that times out.
@@ -33,7 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get("MOERAY_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $MOERAY_API_KEY, else none)")
     p.add_argument("--model-name", help="the model id clients send (default: the file's name)")
-    p.add_argument("--local", action="store_true", help="the whole model in the Serve replica, no stage actors")
+    p.add_argument("--local", action="store_true",
+                   help="the whole model in this process, which serves the HTTP API itself (no Serve proxy or "
+                        "replica, no stage actors)")
     p.add_argument("--max-waiting", type=int, default=ServeOptions.max_waiting,
                    help=f"requests queued for a slot before 429 (default {ServeOptions.max_waiting})")
     p.add_argument("--threads", type=int, default=None,
@@ -204,12 +208,20 @@ def run(args: argparse.Namespace) -> int:
 
         raise CLIError("--threads N (N >= 1) is for --local, the one process; stages take their cores' share")
     check_ports(args)
+    local = None
     try:
         ray_dashboard = start_ray(args.address, args.metrics_export_port, args.dashboard, args.dashboard_port)
         stop_on_signals()
         opts = options_from_args(args)
-        print("moeray serve: deploying (probe -> plan -> load -> wire) ...", file=sys.stderr)
-        url = start_server(opts, args.host, args.port, args.ready_timeout)
+        if args.local:  # the model and the HTTP server in this process (cluster/local_server.py)
+            from moeray.cluster.local_server import LocalServer
+
+            print("moeray serve: loading the model in this process ...", file=sys.stderr)
+            local = LocalServer(opts, args.host, args.port, args.ready_timeout)
+            url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
+        else:
+            print("moeray serve: deploying (probe -> plan -> load -> wire) ...", file=sys.stderr)
+            url = start_server(opts, args.host, args.port, args.ready_timeout)
         report = stages_report(url, opts.api_key)
         for line in report["plan"]:
             print(line)
@@ -226,16 +238,21 @@ def run(args: argparse.Namespace) -> int:
         while True:  # serve until SIGINT / SIGTERM
             time.sleep(3600)
     except Stop as stop:
-        print(f"moeray serve: {stop}: shutting down Serve, the stages and Ray ...", file=sys.stderr, flush=True)
+        what = "the HTTP server, the engine and Ray" if args.local else "Serve, the stages and Ray"
+        print(f"moeray serve: {stop}: shutting down {what} ...", file=sys.stderr, flush=True)
     finally:
-        shutdown()
+        if local is not None:
+            local.close()
+        shutdown(serve_started=not args.local)
     print("moeray serve: stopped", file=sys.stderr)
     return 0
 
 
-def shutdown() -> None:
+def shutdown(serve_started: bool = True) -> None:
     """Serve (its replica owns the stage actors and closes them), then this driver's Ray: the
-    local cluster when this command started it, the connection when it joined one (--address)."""
+    local cluster when this command started it, the connection when it joined one (--address).
+    `--local` never starts Serve (asking Serve to shut down would wait for a controller that is
+    not there)."""
     import ray
 
     if not ray.is_initialized():
@@ -243,9 +260,10 @@ def shutdown() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
-        from ray import serve
+        if serve_started:
+            from ray import serve
 
-        serve.shutdown()
+            serve.shutdown()
     finally:
         ray.shutdown()
 

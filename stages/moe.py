@@ -22,12 +22,12 @@ import torch.nn.functional as F
 from moeray.stages import repack
 from moeray.stages.arch import arch_of
 from moeray.stages.config import ModelConfig
-from moeray.stages.expert_graph import Part, Stack, add_picks, fusable, run
+from moeray.stages.expert_graph import OneStack, Part, Stack, add_picks, fusable, run
 from moeray.stages.gguf_file import EXPERT_KINDS, GGUFFile, expert_bytes
 from moeray.stages.host_memory import weight_buffer
 from moeray.stages.qmatmul import SILU, GLU, ExpertBias, QMatrix, current_route, swiglu, to_device
 from moeray.stages.quant import as_uint8_tensor, dequantize
-from moeray.stages.routing import ROUTING
+from moeray.stages.routing import GRAPH_ROUTING, ROUTING
 
 log = logging.getLogger("moeray.kernels")
 
@@ -74,6 +74,10 @@ class Experts(Protocol):
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [N, H], ids/weights [N, k] -> Σ_r weights[:, r] · expert_{ids[:, r]}(x), [N, H]."""
         ...
+
+    # Optional (HostExperts, ExpertCache on the ggml route): the fused MoE layer's side.
+    # one_stack(layer) -> OneStack | None: the stack that serves every pick of the coming step;
+    # after_one_stack(layer, ids, weights, one): the counting forward would have done, afterwards.
 
 
 class _OnHost:
@@ -270,6 +274,21 @@ class HostExperts:
             lo = hi
         return out
 
+    def one_stack(self, layer: int, slots: Stack | None = None, slot_of: torch.Tensor | None = None
+                  ) -> OneStack | None:
+        """The mapping's stack serves every pick (None off the ggml route, or for float32
+        experts); or the stack `slots` (a stage's slot buffer) by `slot_of`, int32 [E]."""
+        stack = self.stack(layer)
+        if stack is None:
+            return None
+        return OneStack(stack) if slots is None else OneStack(slots, slot_of)
+
+    def after_one_stack(self, layer: int, ids: torch.Tensor, weights: torch.Tensor, one: OneStack) -> None:
+        """What forward counts, for a step whose experts ran inside the layer's graph."""
+        if self.on_route is not None:
+            self.on_route(layer, ids, weights)
+        self.computed += _n_distinct(ids.numpy())
+
     def forward_stacks(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                        slot_of: np.ndarray | None = None, slots: Stack | None = None) -> torch.Tensor:
         """Every pick of the layer in at most two ggml calls: picks whose `slot_of` entry is >= 0
@@ -339,7 +358,10 @@ class MoEBlock(torch.nn.Module):
         self.cfg, self.layer, self.experts = cfg, layer, experts
         self.register_buffer("w_router", w_router, persistent=False)  # [E, H] float32: small
         self.register_buffer("router_bias", router_bias, persistent=False)  # [E]: a selection bias, where the family has one
-        self.routing = ROUTING[arch_of(cfg).routing]
+        rule = arch_of(cfg).routing
+        self.routing = ROUTING[rule]
+        # the same rule as graph nodes (the trunk graph routes with it), where it has them
+        self.graph_routing = GRAPH_ROUTING.get(rule) if router_bias is None else None
         self.shared = shared
         self.register_buffer("w_shared_gate", w_shared_gate, persistent=False)
 
@@ -353,10 +375,30 @@ class MoEBlock(torch.nn.Module):
 
     def forward(self, h: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
         ids, weights = self.route(h, logits)
-        out = self.experts.forward(self.layer, h, ids, weights)
+        return self._with_shared(h, self.experts.forward(self.layer, h, ids, weights))
+
+    def _with_shared(self, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.shared is not None:
             shared = self.shared(h)
             if self.w_shared_gate is not None:
                 shared = torch.sigmoid(F.linear(h, self.w_shared_gate.view(1, -1))) * shared
             out = out + shared
         return out
+
+    # --- the fused layer: routing and routed experts inside the trunk graph (stages/trunk_graph.py)
+
+    def one_stack(self) -> OneStack | None:
+        """The stack that serves every pick of the coming step whatever the ids (Experts.one_stack),
+        so the routed experts can run inside the layer's trunk graph after its routing; else None."""
+        one = getattr(self.experts, "one_stack", None)
+        return one(self.layer) if one is not None else None
+
+    def after_graph(self, h: torch.Tensor | None, ids: torch.Tensor, weights: torch.Tensor,
+                    routed: torch.Tensor | None, one: OneStack | None) -> torch.Tensor:
+        """The FFN output of a layer whose routing ran in its trunk graph (ids, weights): the
+        routed experts computed now from h, or with `one` already in the graph (`routed`) and
+        only counted (as forward counts them); the shared expert added."""
+        if one is None:
+            return self._with_shared(h, self.experts.forward(self.layer, h, ids, weights))
+        self.experts.after_one_stack(self.layer, ids, weights, one)
+        return self._with_shared(h, routed)

@@ -29,12 +29,14 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from typing import Callable, NamedTuple
 
 import torch
 
+from moeray.stages.expert_graph import OneStack, moe_ffn, stack_pointers, stack_tensors
 from moeray.stages.kv_cache import BLOCK_SIZE, KVPool
 from moeray.stages.layers import Attention, BatchMeta
-from moeray.stages.qmatmul import GraphPlans, ggml_lib, graph_mul_mat, graph_weight, place_scratch
+from moeray.stages.qmatmul import GLU, GraphPlans, ggml_lib, graph_mul_mat, graph_weight, place_scratch
 
 KEY_PAD = 64  # keys per graph shape: a decode step builds a new graph every KEY_PAD tokens
 
@@ -127,11 +129,36 @@ class Step:
     gap: int = 0  # view mode: rows from one sequence's keys to the next's
 
 
+@dataclass(frozen=True)
+class Routed:
+    """An MoE layer's routing inside its trunk graph: the rule as graph nodes (stages/routing.py
+    GRAPH_ROUTING), and with `one` (the stack that serves every pick) the routed experts too;
+    keep_h: the caller needs the normed input still (the experts run after the graph, or a
+    shared expert does)."""
+    rule: Callable
+    one: OneStack | None = None
+    keep_h: bool = True
+
+
+class LayerOut(NamedTuple):
+    """A trunk graph's outputs: the residual stream x; h, the FFN's normed input (None where the
+    caller needs it not); the router logits [N, E] (MoE layers routed outside); with the routing
+    inside, ids [N, k] int32 and weights [N, k], and the routed experts' output [N, H] when they
+    ran inside too."""
+    x: torch.Tensor
+    h: torch.Tensor | None = None
+    logits: torch.Tensor | None = None
+    routed: torch.Tensor | None = None
+    ids: torch.Tensor | None = None
+    weights: torch.Tensor | None = None
+
+
 class TrunkGraphs:
     """The trunk graphs of one stage's layers (all GQA with the same shape)."""
 
     def __init__(self, cfg):
         self.cfg = cfg
+        self.act = GLU.of(cfg)
         self._graphs: dict[tuple, MultiGraph] = {}
 
     def step(self, meta: BatchMeta, kv: KVPool) -> Step | None:
@@ -172,22 +199,22 @@ class TrunkGraphs:
                     meta.positions.to(torch.int32), meta.write_rows.to(torch.int64).contiguous(), mask, base, gather, pad, unpad, rows, gap)
 
     def layer(self, step: Step, x: torch.Tensor, r: torch.Tensor | None, attn_norm: torch.Tensor,
-              attn: Attention, kv: KVPool, ffn_norm: torch.Tensor, router: torch.Tensor | None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """(x + r + attention, its ffn-normed h, router logits [N, E] or None)."""
+              attn: Attention, kv: KVPool, ffn_norm: torch.Tensor, router: torch.Tensor | None,
+              routed: Routed | None = None) -> LayerOut:
+        """x + r + attention, and after it the FFN's input h and the router's logits, or with
+        `routed` the routing (and the routed experts) too (see LayerOut)."""
         w_qkv, w_o = attn.w_qkv[0], attn.w_o
         opt = (attn.b_qkv, attn.q_norm, attn.k_norm, attn.b_o)
         key = (step.key, w_qkv.graph_key, w_o.graph_key, r is not None, tuple(o is not None for o in opt),
-               None if router is None else router.shape[0])
+               None if router is None else router.shape[0],
+               None if routed is None else (routed.rule, routed.one and routed.one.key(), routed.keep_h))
         g = self._graphs.get(key)
         if g is None:
             if len(self._graphs) > 256:
                 self._graphs.clear()
-            g = self._graphs[key] = MultiGraph(self._builder(step, attn, r is not None, router))
+            g = self._graphs[key] = MultiGraph(self._builder(step, attn, r is not None, router, routed))
         k_pool, v_pool = kv.layer(attn.layer)
         N, H = x.shape
-        x_out, h = torch.empty(N, H), torch.empty(N, H)
-        logits = None if router is None else torch.empty(N, router.shape[0])
         row = k_pool.shape[2] * 4  # bytes per pool row
         if step.read_base >= 0:
             k_read, v_read = (k_pool.data_ptr() + step.read_base * row, v_pool.data_ptr() + step.read_base * row)
@@ -202,11 +229,22 @@ class TrunkGraphs:
             step.mask.data_ptr()] + extra + [o.data_ptr() for o in opt if o is not None]
         if router is not None:
             ptrs.append(router.data_ptr())
-        outs = [x_out.data_ptr(), h.data_ptr()] + ([] if logits is None else [logits.data_ptr()])
-        g(ptrs, outs)
-        return x_out, h, logits
+        if routed is None:
+            out = LayerOut(torch.empty(N, H), torch.empty(N, H), None if router is None else torch.empty(N, router.shape[0]))
+        else:
+            k, one = self.cfg.n_experts_used, routed.one
+            out = LayerOut(torch.empty(N, H), torch.empty(N, H) if routed.keep_h else None,
+                           ids=torch.empty(N, k, dtype=torch.int32), weights=torch.empty(N, k),
+                           routed=None if one is None else torch.empty(N, H))
+            if one is not None:
+                ptrs += stack_pointers(one.stack)
+                if one.slot_of is not None:
+                    ptrs.append(one.slot_of.data_ptr())
+        g(ptrs, [t.data_ptr() for t in out if t is not None])  # LayerOut's order is the graph's
+        return out
 
-    def _builder(self, step: Step, attn: Attention, has_r: bool, router: torch.Tensor | None):
+    def _builder(self, step: Step, attn: Attention, has_r: bool, router: torch.Tensor | None,
+                 routed: Routed | None):
         cfg = self.cfg
         G = ggml_lib()
         F32 = G.GGML_TYPE_F32
@@ -223,6 +261,7 @@ class TrunkGraphs:
         rows = step.rows
         w_qkv, w_o = attn.w_qkv[0], attn.w_o
         opt = (attn.b_qkv, attn.q_norm, attn.k_norm, attn.b_o)
+        one = None if routed is None else routed.one
 
         def build(ctx):
             def new(*ne, type=F32):
@@ -274,6 +313,12 @@ class TrunkGraphs:
             if router is not None:
                 w_router = new(H, router.shape[0])
                 inputs.append(w_router)
+            if one is not None:  # the stack (weights, biases), then the slot table
+                ws, bias = stack_tensors(ctx, one.stack)
+                inputs += ws + [b for b in bias if b is not None]
+                if one.slot_of is not None:
+                    slot_of = new(1, router.shape[0], type=G.GGML_TYPE_I32)
+                    inputs.append(slot_of)
 
             a = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, x, eps), attn_norm)
             qkv = graph_mul_mat(ctx, w_qkv, wq, a)  # [Q + 2 KV, N]
@@ -304,9 +349,21 @@ class TrunkGraphs:
                 o = G.ggml_add(ctx, o, b_o)
             x_out = G.ggml_add(ctx, x, o)
             h = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, x_out, eps), ffn_norm)
-            outputs = [x_out, h]
-            if w_router is not None:
-                outputs.append(G.ggml_mul_mat(ctx, w_router, h))
-            return inputs, outputs, [wk, wv]
+            if routed is None:
+                outputs = [x_out, h]
+                if w_router is not None:
+                    outputs.append(G.ggml_mul_mat(ctx, w_router, h))
+                return inputs, outputs, [wk, wv]
+            # the routing (llama.cpp's build_moe_ffn) and, from one stack, the routed experts
+            ids, weights = routed.rule(ctx, G.ggml_mul_mat(ctx, w_router, h), cfg)  # [k, N] each
+            outputs = [x_out] + ([h] if routed.keep_h else [])
+            if one is not None:
+                k = ids.contents.ne[0]
+                picks = ids
+                if one.slot_of is not None:  # expert -> its slot's row of the slot stack
+                    picks = G.ggml_reshape_2d(ctx, G.ggml_get_rows(ctx, slot_of, G.ggml_reshape_1d(ctx, ids, k * N)), k, N)
+                outputs.append(moe_ffn(ctx, ws, bias, self.act, G.ggml_reshape_3d(ctx, h, H, 1, N), picks,
+                                       G.ggml_reshape_3d(ctx, weights, 1, k, N)))
+            return inputs, outputs + [ids, weights], [wk, wv]
 
         return build

@@ -75,7 +75,7 @@ def test_moeray_generate_json_schema_flag(default_model_path, tmp_path, capsys):
 
 @pytest.fixture(scope="module")
 def tool_server(tmp_path_factory):
-    """`moeray serve TOOLS.gguf --local` as a user starts it (Ray Serve, the whole model in the replica)."""
+    """`moeray serve TOOLS.gguf --local` as a user starts it (the whole model and the HTTP server in one process)."""
     openai = pytest.importorskip("openai")
     from serve_process import start_serve
     from tool_model import write_tool_model

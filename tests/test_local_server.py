@@ -1,0 +1,66 @@
+"""`moeray serve --local` is one process: the model, the engine and the HTTP server live in the
+`moeray serve` process itself (cluster/local_server.py), with no Serve proxy or replica between a
+client and the engine; Ray runs beside it for the metrics. Started and stopped as a user does."""
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+import urllib.request
+
+import pytest
+
+pytest.importorskip("ray")
+psutil = pytest.importorskip("psutil")
+
+from serve_process import start_serve  # noqa: E402
+
+from moeray.stages.transport import free_port  # noqa: E402
+
+
+def _stream(url: str, body: dict) -> list[str]:
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=120) as r:
+        assert r.status == 200 and r.headers["content-type"].startswith("text/event-stream")
+        return [line[6:] for line in r.read().decode().splitlines() if line.startswith("data: ")]
+
+
+def test_local_serves_from_its_own_process_exports_metrics_and_stops_with_exit_0(default_model_path):
+    metrics_port = free_port()
+    server = start_serve([str(default_model_path), "--local", "--max-seqs", "2", "--max-len", "512",
+                          "--model-name", "m", "--metrics-export-port", str(metrics_port), "--ready-timeout", "240"],
+                         free_port())
+    try:
+        under = [" ".join(p.cmdline()) for p in psutil.Process(server.proc.pid).children(recursive=True)]
+        assert not [c for c in under if "ServeReplica" in c or "ProxyActor" in c], under
+
+        events = _stream(server.url, {"model": "m", "messages": [{"role": "user", "content": "Name a colour."}],
+                                      "max_tokens": 6, "stream": True, "stream_options": {"include_usage": True},
+                                      "temperature": 0})
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+        usage = chunks[-1]["usage"]
+        assert chunks[-1]["choices"] == [] and 1 <= usage["completion_tokens"] <= 6 and text
+
+        # The engine's counters reach Prometheus from this process (Ray exports them every few seconds).
+        deadline, seen = time.monotonic() + 30, None
+        while time.monotonic() < deadline:
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+                page = r.read().decode()
+            found = re.search(r'^ray_moeray_tokens_generated_total\{[^}]*model="m"[^}]*\} (\S+)$', page, re.M)
+            seen = float(found.group(1)) if found else None
+            if seen is not None and seen >= usage["completion_tokens"]:
+                break
+            time.sleep(1)
+        assert seen is not None and seen >= usage["completion_tokens"], seen
+    finally:
+        server.proc.send_signal(signal.SIGTERM)
+        rc = server.proc.wait(90)
+    time.sleep(0.5)  # the stderr reader drains the last lines
+    err = "".join(server.errors)
+    assert rc == 0 and "shutting down the HTTP server, the engine and Ray" in err, err[-2000:]
+    assert err.rstrip().endswith("moeray serve: stopped") and "Traceback" not in err, err[-2000:]
