@@ -111,13 +111,15 @@ class HostExperts:
         # (a copy when it fits, decided per prepare() call); _packed: the layers copied or to copy.
         self.layout = repack.host_experts()
         self._packed: set[int] = set()
+        self._arena: torch.Tensor | None = None  # while prepare() copies: one buffer for its layers
+        self._arena_used = 0
 
     def prepare(self, first: int, end: int, reserve: int = 0) -> None:
         """Build the stacks of layers [first, end) now (a stage's load, not its first step): with
-        MOERAY_HOST_EXPERTS=repacked that copies their routed experts into huge-page memory,
-        repacked where ggml can,
-        after checking that it fits in the memory the system has available; with "auto" only when
-        4 GiB stay free beside `reserve` bytes (a cache's slots, which fill later)."""
+        MOERAY_HOST_EXPERTS=repacked that copies their routed experts into one huge-page buffer
+        (repacked where ggml can), after checking that it fits in the memory the system has
+        available; with "auto" only when 4 GiB stay free beside `reserve` bytes (a cache's slots,
+        which fill later)."""
         todo = [l for l in range(first, end) if l not in self._stacks]
         need = sum(self._copy_bytes(l) for l in todo) if self.route == "ggml" else 0
         what = f"layers [{first}, {end})"
@@ -128,8 +130,11 @@ class HostExperts:
             if repack.fits(need + reserve, repack.AUTO_HEADROOM_BYTES):  # reserve: the stage's slots
                 self._packed.update(todo)
             log.info(repack.auto_line(need, what, todo[0] in self._packed))
+        if todo and todo[0] in self._packed:  # one buffer for them all: far fewer page faults
+            self._arena, self._arena_used = weight_buffer(need + 64 * 3 * len(todo)), 0
         for l in range(first, end):
             self.stack(l)
+        self._arena = None  # the stacks' views keep it alive
 
     def _copy_bytes(self, layer: int) -> int:
         """Bytes a host copy of the layer's routed experts takes (0: a dense layer, or float32
@@ -155,24 +160,35 @@ class HostExperts:
                 if self.layout == "repacked" or layer in self._packed:
                     if layer not in self._packed:  # built lazily, without prepare()
                         repack.check_fits(self._copy_bytes(layer), f"layer {layer}")
-                    stack = self._copied(stack)
+                    stack = self._copied(stack, [t.name for t in infos])
                 self._stacks[layer] = stack
         return self._stacks[layer]
 
-    @staticmethod
-    def _copied(stack: Stack) -> Stack:
+    def _buffer(self, n: int) -> torch.Tensor:
+        """n bytes for a copied kind: the next 64-byte aligned piece of prepare()'s buffer, or a
+        buffer of its own for a layer built lazily."""
+        if self._arena is None:
+            return weight_buffer(n)
+        start = self._arena_used
+        self._arena_used = start + (n + 63) // 64 * 64
+        return self._arena[start:start + n]
+
+    def _copied(self, stack: Stack, names: list[str]) -> Stack:
         """A copy of the mapped stack in huge-page memory (stages/host_memory.py), every kind ggml
         has repacked kernels for repacked (whole groups of 8 rows never straddle two experts:
         rows % 8 == 0, so the stacked tensor repacks as one matrix of n * rows rows), the others
-        as the file's blocks."""
-        parts, owners = [], []
-        for p, raw in zip(stack.parts, stack.owner):
-            buf = weight_buffer(raw.numel())
+        as the file's blocks. Read from the file, not through the mapping (GGUFFile.read_into)."""
+        parts, owners, plain = [], [], None
+        for p, raw, name in zip(stack.parts, stack.owner, names):
+            buf = self._buffer(raw.numel())
             if repack.wanted(p.ggml_type, p.rows, p.cols):
-                repack.repack_into(buf.data_ptr(), raw.data_ptr(), p.ggml_type, p.rows * stack.n, p.cols, raw.numel())
+                if plain is None or plain.numel() < raw.numel():
+                    plain = torch.empty(raw.numel(), dtype=torch.uint8)  # reused for the next kinds
+                self.gguf.read_into(name, plain[:raw.numel()])
+                repack.repack_into(buf.data_ptr(), plain.data_ptr(), p.ggml_type, p.rows * stack.n, p.cols, raw.numel())
                 p = replace(p, repacked=True)
             else:
-                buf.copy_(raw)
+                self.gguf.read_into(name, buf)
             parts.append(replace(p, base=buf.data_ptr()))
             owners.append(buf)
         return Stack(tuple(parts), stack.n, owners, stack.biases)
