@@ -24,6 +24,7 @@ from moeray.stages.arch import arch_of
 from moeray.stages.config import ModelConfig
 from moeray.stages.expert_graph import OneStack, Part, Stack, add_picks, fusable, run
 from moeray.stages.gguf_file import EXPERT_KINDS, GGUFFile, expert_bytes
+from moeray.stages.host_memory import weight_buffer
 from moeray.stages.qmatmul import SILU, GLU, ExpertBias, QMatrix, current_route, swiglu, to_device
 from moeray.stages.quant import as_uint8_tensor, dequantize
 from moeray.stages.routing import GRAPH_ROUTING, ROUTING
@@ -110,14 +111,17 @@ class HostExperts:
         # (a copy when it fits, decided per prepare() call); _packed: the layers copied or to copy.
         self.layout = repack.host_experts()
         self._packed: set[int] = set()
+        self._arena: torch.Tensor | None = None  # while prepare() copies: one buffer for its layers
+        self._arena_used = 0
 
     def prepare(self, first: int, end: int, reserve: int = 0) -> None:
         """Build the stacks of layers [first, end) now (a stage's load, not its first step): with
-        MOERAY_HOST_EXPERTS=repacked that copies their routed experts into repacked memory,
-        after checking that it fits in the memory the system has available; with "auto" only when
-        4 GiB stay free beside `reserve` bytes (a cache's slots, which fill later)."""
+        MOERAY_HOST_EXPERTS=repacked that copies their routed experts into one huge-page buffer
+        (repacked where ggml can), after checking that it fits in the memory the system has
+        available; with "auto" only when 4 GiB stay free beside `reserve` bytes (a cache's slots,
+        which fill later)."""
         todo = [l for l in range(first, end) if l not in self._stacks]
-        need = sum(self._repackable_bytes(l) for l in todo) if self.route == "ggml" else 0
+        need = sum(self._copy_bytes(l) for l in todo) if self.route == "ggml" else 0
         what = f"layers [{first}, {end})"
         if need and self.layout == "repacked":
             repack.check_fits(need, what)
@@ -126,14 +130,19 @@ class HostExperts:
             if repack.fits(need + reserve, repack.AUTO_HEADROOM_BYTES):  # reserve: the stage's slots
                 self._packed.update(todo)
             log.info(repack.auto_line(need, what, todo[0] in self._packed))
+        if todo and todo[0] in self._packed:  # one buffer for them all: far fewer page faults
+            self._arena, self._arena_used = weight_buffer(need + 64 * 3 * len(todo)), 0
         for l in range(first, end):
             self.stack(l)
+        self._arena = None  # the stacks' views keep it alive
 
-    def _repackable_bytes(self, layer: int) -> int:
+    def _copy_bytes(self, layer: int) -> int:
+        """Bytes a host copy of the layer's routed experts takes (0: a dense layer, or float32
+        experts, which keep the exact torch math and are read in place)."""
         if f"blk.{layer}.ffn_gate_exps.weight" not in self.gguf.tensors:
             return 0
         infos = [self.gguf.info(f"blk.{layer}.ffn_{kind}_exps.weight") for kind in EXPERT_KINDS]
-        return sum(t.n_bytes for t in infos if repack.wanted(t.ggml_type, t.shape[1], t.shape[2]))
+        return sum(t.n_bytes for t in infos) if fusable(t.ggml_type for t in infos) else 0
 
     def stack(self, layer: int) -> Stack | None:
         """The layer's experts in the mapping as one stacked tensor per kind, for ggml's
@@ -150,25 +159,37 @@ class HostExperts:
                 stack = Stack(parts, infos[0].shape[0], raws, self.biases(layer))
                 if self.layout == "repacked" or layer in self._packed:
                     if layer not in self._packed:  # built lazily, without prepare()
-                        repack.check_fits(self._repackable_bytes(layer), f"layer {layer}")
-                    stack = self._repacked(stack)
+                        repack.check_fits(self._copy_bytes(layer), f"layer {layer}")
+                    stack = self._copied(stack, [t.name for t in infos])
                 self._stacks[layer] = stack
         return self._stacks[layer]
 
-    @staticmethod
-    def _repacked(stack: Stack) -> Stack:
-        """A copy of the mapped stack with every kind ggml has repacked kernels for repacked (whole
-        groups of 8 rows never straddle two experts: rows % 8 == 0, so the stacked tensor repacks
-        as one matrix of n * rows rows)."""
-        parts, owners = [], []
-        for p, raw in zip(stack.parts, stack.owner):
-            if not repack.wanted(p.ggml_type, p.rows, p.cols):
-                parts.append(p)
-                owners.append(raw)
-                continue
-            buf = torch.empty(raw.numel(), dtype=torch.uint8)
-            repack.repack_into(buf.data_ptr(), raw.data_ptr(), p.ggml_type, p.rows * stack.n, p.cols, raw.numel())
-            parts.append(replace(p, base=buf.data_ptr(), repacked=True))
+    def _buffer(self, n: int) -> torch.Tensor:
+        """n bytes for a copied kind: the next 64-byte aligned piece of prepare()'s buffer, or a
+        buffer of its own for a layer built lazily."""
+        if self._arena is None:
+            return weight_buffer(n)
+        start = self._arena_used
+        self._arena_used = start + (n + 63) // 64 * 64
+        return self._arena[start:start + n]
+
+    def _copied(self, stack: Stack, names: list[str]) -> Stack:
+        """A copy of the mapped stack in huge-page memory (stages/host_memory.py), every kind ggml
+        has repacked kernels for repacked (whole groups of 8 rows never straddle two experts:
+        rows % 8 == 0, so the stacked tensor repacks as one matrix of n * rows rows), the others
+        as the file's blocks. Read from the file, not through the mapping (GGUFFile.read_into)."""
+        parts, owners, plain = [], [], None
+        for p, raw, name in zip(stack.parts, stack.owner, names):
+            buf = self._buffer(raw.numel())
+            if repack.wanted(p.ggml_type, p.rows, p.cols):
+                if plain is None or plain.numel() < raw.numel():
+                    plain = torch.empty(raw.numel(), dtype=torch.uint8)  # reused for the next kinds
+                self.gguf.read_into(name, plain[:raw.numel()])
+                repack.repack_into(buf.data_ptr(), plain.data_ptr(), p.ggml_type, p.rows * stack.n, p.cols, raw.numel())
+                p = replace(p, repacked=True)
+            else:
+                self.gguf.read_into(name, buf)
+            parts.append(replace(p, base=buf.data_ptr()))
             owners.append(buf)
         return Stack(tuple(parts), stack.n, owners, stack.biases)
 
