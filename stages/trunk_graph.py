@@ -9,10 +9,19 @@ added first, so that residual add joins this graph):
     a step mask, padded keys masked);  x = x + W_o o (+ b);  h = rms_norm(x) * ffn_norm;
     logits = W_router h  (MoE layers)
 
-and returns x, h and the router logits; routing, the experts' mul_mat_id graph and a shared or
-dense FFN run between two such calls. One graph serves every layer of the same shape: weights,
-norms, pool and step inputs are placeholders whose data pointers are assigned per call
-(qmatmul.graph_weight / graph_key / graph_ptr for the weights).
+and returns x, h and the router logits. An MoE layer whose routing rule has a graph form
+(softmax top-k: stages/routing.py GRAPH_ROUTING) routes inside the graph too, as llama.cpp's
+build_moe_ffn does (soft_max, argsort_top_k, get_rows, renormalised), and returns the ids and
+weights; when one stack serves every pick (the host path, or every expert of the layer resident:
+MoEBlock.one_stack) its routed experts' mul_mat_id nodes join as well (stages/expert_graph.py
+moe_ffn), so the layer is one call. Otherwise the experts (and a shared or dense FFN) run between
+two such calls. One graph serves every layer of the same shape: weights, norms, pool and step
+inputs are placeholders whose data pointers are assigned per call (qmatmul.graph_weight /
+graph_key / graph_ptr for the weights).
+
+`TrunkGraphs.stage` chains every layer of a stage into one graph for a decode-sized step when
+each runs whole inside (no shared expert): one call a step, the next layer's residual add inside,
+as llama.cpp runs a token. The caller counts each layer's experts from the ids it returns.
 
 Keys are read where they lie: a view of the pool when the step's block tables allow one
 (BatchMeta.read_view), else the step's whole blocks gathered with ggml_get_rows. Their count is
