@@ -161,13 +161,41 @@ class ExpertCache:
         if self.slot_store is None:
             return self.host.forward(layer, x, ids, weights, self._slot_weights)
         table = self.core.slot_of[layer - self.first]  # read after the policy acted: -1 where a miss
-        resident, used = table >= 0, picks > 0
-        hit_experts = int(np.count_nonzero(used & resident))
-        self.served_from_slot += hit_experts
-        self.served_from_host += int(np.count_nonzero(used)) - hit_experts
+        hit_experts = self._served(picks, table >= 0)
         if not hit_experts:  # every pick from the mapping: the host path itself
             return self.host.forward_stacks(layer, x, ids, weights)
         return self.host.forward_stacks(layer, x, ids, weights, table[ids_np], self.slot_store.stack(layer))
+
+    def _served(self, picks: np.ndarray, from_slot: np.ndarray) -> int:
+        """Count the experts a call used by what served them; the number served from a slot."""
+        used = picks > 0
+        hit_experts = int(np.count_nonzero(used & from_slot))
+        self.served_from_slot += hit_experts
+        self.served_from_host += int(np.count_nonzero(used)) - hit_experts
+        return hit_experts
+
+    def one_stack(self, layer: int):
+        """The stack that serves every pick of the layer's coming step, known without its ids:
+        the slot buffer when every expert of the layer is resident, the mapping when none is
+        (None: a split layer, or slots that are objects on a card). Read before the policy acts
+        on the step: a swap it makes then serves from the next step on (the same bytes either
+        way: a slot holds the host stack's layout), while the counters count as forward does."""
+        if self.slot_store is None:
+            return None
+        table = self.core.slot_of[layer - self.first]
+        resident = table >= 0
+        if resident.all():
+            return self.host.one_stack(layer, self.slot_store.stack(layer), torch.from_numpy(table.astype(np.int32)))
+        return self.host.one_stack(layer) if not resident.any() else None
+
+    def after_one_stack(self, layer: int, ids: torch.Tensor, weights: torch.Tensor, one) -> None:
+        """forward's counting for a step whose experts ran inside the layer's graph: the lookups,
+        the policy's turn, the trace; the experts it used, by the stack that served them."""
+        picks = self._route(layer, ids.numpy(), weights)
+        slots = one.slot_of is not None
+        self._served(picks, np.full(picks.shape, slots))
+        if not slots:
+            self.host.computed += int(np.count_nonzero(picks))
 
     def _slot_weights(self, layer: int, expert: int):
         slot = self.core.lookup(layer, expert)

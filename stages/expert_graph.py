@@ -63,60 +63,95 @@ class Stack:
             self.n, tuple(None if b is None else b.shape[1] for b in self.biases))
 
 
+@dataclass(frozen=True)
+class OneStack:
+    """One stack serves every pick of a layer's step, known before its routing runs (every expert
+    of the layer resident, or none; the host path), so routing and experts can join the layer's
+    trunk graph. `slot_of`: int32 [E], expert -> row of a slot stack (None: the mapping's stack,
+    indexed by expert)."""
+    stack: Stack
+    slot_of: torch.Tensor | None = None
+
+    def key(self) -> tuple:
+        return self.stack.key() + (self.slot_of is not None,)
+
+
 def fusable(types) -> bool:
     """ggml's fused route serves block-quantised (and 16-bit) experts; float32 files keep the
     exact torch math (their tests compare against float references)."""
     return all(T(t) not in FLOAT_TYPES for t in types)
 
 
+def stack_tensors(ctx, stack: Stack) -> tuple[list, list]:
+    """The placeholders of a stack in a graph being built: its three weight tensors (data assigned
+    per call from the parts' bases) and its biases (None where absent), in input order."""
+    G = ggml_lib()
+    ws, bias = [], []
+    for p in stack.parts:
+        t = G.ggml_new_tensor_3d(ctx, int(p.ggml_type), p.cols, p.rows, stack.n)
+        t.contents.nb[2] = p.stride  # a slot row may be longer than this layer's expert
+        t.contents.nb[3] = p.stride * stack.n
+        if p.repacked:
+            repack.mark(t, p.ggml_type, p.rows, p.cols)
+        ws.append(t)
+    for b, p in zip(stack.biases, stack.parts):
+        if b is None:
+            bias.append(None)
+            continue
+        bt = G.ggml_new_tensor_2d(ctx, G.GGML_TYPE_F32, p.rows, stack.n)
+        bt.contents.nb[1] = b.stride(0) * 4  # slot biases are rows of the widest layer
+        bt.contents.nb[2] = bt.contents.nb[3] = b.stride(0) * 4 * stack.n
+        bias.append(bt)
+    return ws, bias
+
+
+def stack_pointers(stack: Stack) -> list[int]:
+    """The data pointers of stack_tensors' placeholders, in the same order."""
+    return [p.base for p in stack.parts] + [b.data_ptr() for b in stack.biases if b is not None]
+
+
+def moe_ffn(ctx, ws, bias, act: GLU, x, ids, w):
+    """Σ_r w[r] · expert_{ids[r]}(x) for every token: x [H, 1, N] float32 (one row per token,
+    broadcast over its picks), ids [k, N] int32, w [1, k, N] float32 -> [H, N] (a new tensor, not
+    a view: a graph may make it an output). The standalone graph below and the fused MoE layer
+    (stages/trunk_graph.py) both build their experts here."""
+    G = ggml_lib()
+    k = ids.contents.ne[0]
+
+    def biased(y, i):
+        return y if bias[i] is None else G.ggml_add_id(ctx, y, bias[i], ids)
+
+    gate = biased(G.ggml_mul_mat_id(ctx, ws[0], x, ids), 0)  # [F, k, N]
+    up = biased(G.ggml_mul_mat_id(ctx, ws[1], x, ids), 1)
+    if act.kind == "swiglu_oai":
+        h = G.ggml_swiglu_oai(ctx, gate, up, act.alpha, act.limit)
+    else:
+        h = G.ggml_swiglu_split(ctx, gate, up)
+    y = biased(G.ggml_mul_mat_id(ctx, ws[2], h, ids), 2)  # [H, k, N]
+    y = G.ggml_mul(ctx, y, w)
+    if k == 1:  # [H, 1, N]: the bytes of [H, N]
+        return y
+    # Σ over the k picks in rank order (llama.cpp's order)
+    H, N = y.contents.ne[0], y.contents.ne[2]
+    views = [G.ggml_view_2d(ctx, y, H, N, y.contents.nb[2], r * y.contents.nb[1]) for r in range(k)]
+    out = views[0]
+    for v in views[1:]:
+        out = G.ggml_add(ctx, out, v)
+    return out
+
+
 def _build(stack: Stack, act: GLU, N: int, k: int):
     """A builder for qmatmul's graph cache: inputs are (gate, up, down, x, ids, w, biases...)."""
     G = ggml_lib()
-    (pg, pu, pd), n = stack.parts, stack.n
+    H = stack.parts[0].cols
 
     def build(ctx):
-        ws = []
-        for p in (pg, pu, pd):
-            t = G.ggml_new_tensor_3d(ctx, int(p.ggml_type), p.cols, p.rows, n)
-            t.contents.nb[2] = p.stride  # a slot row may be longer than this layer's expert
-            t.contents.nb[3] = p.stride * n
-            if p.repacked:
-                repack.mark(t, p.ggml_type, p.rows, p.cols)
-            ws.append(t)
-        H = pg.cols
+        ws, bias = stack_tensors(ctx, stack)
         x = G.ggml_new_tensor_3d(ctx, G.GGML_TYPE_F32, H, 1, N)  # one row per token, broadcast over its k picks
         ids = G.ggml_new_tensor_2d(ctx, G.GGML_TYPE_I32, k, N)
         w = G.ggml_new_tensor_3d(ctx, G.GGML_TYPE_F32, 1, k, N)
-        inputs = [*ws, x, ids, w]
-        bias = []
-        for b, p in zip(stack.biases, (pg, pu, pd)):
-            if b is None:
-                bias.append(None)
-                continue
-            bt = G.ggml_new_tensor_2d(ctx, G.GGML_TYPE_F32, p.rows, n)
-            bt.contents.nb[1] = b.stride(0) * 4  # slot biases are rows of the widest layer
-            bt.contents.nb[2] = bt.contents.nb[3] = b.stride(0) * 4 * n
-            inputs.append(bt)
-            bias.append(bt)
-
-        def biased(y, i):
-            return y if bias[i] is None else G.ggml_add_id(ctx, y, bias[i], ids)
-
-        gate = biased(G.ggml_mul_mat_id(ctx, ws[0], x, ids), 0)  # [F, k, N]
-        up = biased(G.ggml_mul_mat_id(ctx, ws[1], x, ids), 1)
-        if act.kind == "swiglu_oai":
-            h = G.ggml_swiglu_oai(ctx, gate, up, act.alpha, act.limit)
-        else:
-            h = G.ggml_swiglu_split(ctx, gate, up)
-        y = biased(G.ggml_mul_mat_id(ctx, ws[2], h, ids), 2)  # [H, k, N]
-        y = G.ggml_mul(ctx, y, w)
-        out = y
-        if k > 1:  # Σ over the k picks in rank order (llama.cpp's order)
-            views = [G.ggml_view_2d(ctx, y, H, N, y.contents.nb[2], r * y.contents.nb[1]) for r in range(k)]
-            out = views[0]
-            for v in views[1:]:
-                out = G.ggml_add(ctx, out, v)
-        return inputs, out, None
+        inputs = [*ws, x, ids, w] + [b for b in bias if b is not None]
+        return inputs, moe_ffn(ctx, ws, bias, act, x, ids, w), None
 
     return build
 
@@ -129,9 +164,8 @@ def run(stack: Stack, act: GLU, x: torch.Tensor, ids: torch.Tensor, w: torch.Ten
     w32 = w.to(torch.float32).contiguous()
     g = ggml_graph(("moe", N, k, act, stack.key()), _build(stack, act, N, k))
     out = torch.empty(N, stack.parts[0].cols)
-    ptrs = [p.base for p in stack.parts] + [x.data_ptr(), ids32.data_ptr(), w32.data_ptr()]
-    ptrs += [b.data_ptr() for b in stack.biases if b is not None]
-    g(ptrs, out.data_ptr())
+    ptrs = stack_pointers(stack)
+    g(ptrs[:3] + [x.data_ptr(), ids32.data_ptr(), w32.data_ptr()] + ptrs[3:], out.data_ptr())
     return out
 
 

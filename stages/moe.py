@@ -22,11 +22,12 @@ import torch.nn.functional as F
 from moeray.stages import repack
 from moeray.stages.arch import arch_of
 from moeray.stages.config import ModelConfig
-from moeray.stages.expert_graph import Part, Stack, add_picks, fusable, run
+from moeray.stages.expert_graph import OneStack, Part, Stack, add_picks, fusable, run
 from moeray.stages.gguf_file import EXPERT_KINDS, GGUFFile, expert_bytes
+from moeray.stages.host_memory import weight_buffer
 from moeray.stages.qmatmul import SILU, GLU, ExpertBias, QMatrix, current_route, swiglu, to_device
 from moeray.stages.quant import as_uint8_tensor, dequantize
-from moeray.stages.routing import ROUTING
+from moeray.stages.routing import GRAPH_ROUTING, ROUTING
 
 log = logging.getLogger("moeray.kernels")
 
@@ -74,6 +75,10 @@ class Experts(Protocol):
         """x [N, H], ids/weights [N, k] -> Σ_r weights[:, r] · expert_{ids[:, r]}(x), [N, H]."""
         ...
 
+    # Optional (HostExperts, ExpertCache on the ggml route): the fused MoE layer's side.
+    # one_stack(layer) -> OneStack | None: the stack that serves every pick of the coming step;
+    # after_one_stack(layer, ids, weights, one): the counting forward would have done, afterwards.
+
 
 class _OnHost:
     """A step's activations on the host, copied from the card the first time a host-held expert
@@ -106,14 +111,17 @@ class HostExperts:
         # (a copy when it fits, decided per prepare() call); _packed: the layers copied or to copy.
         self.layout = repack.host_experts()
         self._packed: set[int] = set()
+        self._arena: torch.Tensor | None = None  # while prepare() copies: one buffer for its layers
+        self._arena_used = 0
 
     def prepare(self, first: int, end: int, reserve: int = 0) -> None:
         """Build the stacks of layers [first, end) now (a stage's load, not its first step): with
-        MOERAY_HOST_EXPERTS=repacked that copies their routed experts into repacked memory,
-        after checking that it fits in the memory the system has available; with "auto" only when
-        4 GiB stay free beside `reserve` bytes (a cache's slots, which fill later)."""
+        MOERAY_HOST_EXPERTS=repacked that copies their routed experts into one huge-page buffer
+        (repacked where ggml can), after checking that it fits in the memory the system has
+        available; with "auto" only when 4 GiB stay free beside `reserve` bytes (a cache's slots,
+        which fill later)."""
         todo = [l for l in range(first, end) if l not in self._stacks]
-        need = sum(self._repackable_bytes(l) for l in todo) if self.route == "ggml" else 0
+        need = sum(self._copy_bytes(l) for l in todo) if self.route == "ggml" else 0
         what = f"layers [{first}, {end})"
         if need and self.layout == "repacked":
             repack.check_fits(need, what)
@@ -122,14 +130,19 @@ class HostExperts:
             if repack.fits(need + reserve, repack.AUTO_HEADROOM_BYTES):  # reserve: the stage's slots
                 self._packed.update(todo)
             log.info(repack.auto_line(need, what, todo[0] in self._packed))
+        if todo and todo[0] in self._packed:  # one buffer for them all: far fewer page faults
+            self._arena, self._arena_used = weight_buffer(need + 64 * 3 * len(todo)), 0
         for l in range(first, end):
             self.stack(l)
+        self._arena = None  # the stacks' views keep it alive
 
-    def _repackable_bytes(self, layer: int) -> int:
+    def _copy_bytes(self, layer: int) -> int:
+        """Bytes a host copy of the layer's routed experts takes (0: a dense layer, or float32
+        experts, which keep the exact torch math and are read in place)."""
         if f"blk.{layer}.ffn_gate_exps.weight" not in self.gguf.tensors:
             return 0
         infos = [self.gguf.info(f"blk.{layer}.ffn_{kind}_exps.weight") for kind in EXPERT_KINDS]
-        return sum(t.n_bytes for t in infos if repack.wanted(t.ggml_type, t.shape[1], t.shape[2]))
+        return sum(t.n_bytes for t in infos) if fusable(t.ggml_type for t in infos) else 0
 
     def stack(self, layer: int) -> Stack | None:
         """The layer's experts in the mapping as one stacked tensor per kind, for ggml's
@@ -146,25 +159,37 @@ class HostExperts:
                 stack = Stack(parts, infos[0].shape[0], raws, self.biases(layer))
                 if self.layout == "repacked" or layer in self._packed:
                     if layer not in self._packed:  # built lazily, without prepare()
-                        repack.check_fits(self._repackable_bytes(layer), f"layer {layer}")
-                    stack = self._repacked(stack)
+                        repack.check_fits(self._copy_bytes(layer), f"layer {layer}")
+                    stack = self._copied(stack, [t.name for t in infos])
                 self._stacks[layer] = stack
         return self._stacks[layer]
 
-    @staticmethod
-    def _repacked(stack: Stack) -> Stack:
-        """A copy of the mapped stack with every kind ggml has repacked kernels for repacked (whole
-        groups of 8 rows never straddle two experts: rows % 8 == 0, so the stacked tensor repacks
-        as one matrix of n * rows rows)."""
-        parts, owners = [], []
-        for p, raw in zip(stack.parts, stack.owner):
-            if not repack.wanted(p.ggml_type, p.rows, p.cols):
-                parts.append(p)
-                owners.append(raw)
-                continue
-            buf = torch.empty(raw.numel(), dtype=torch.uint8)
-            repack.repack_into(buf.data_ptr(), raw.data_ptr(), p.ggml_type, p.rows * stack.n, p.cols, raw.numel())
-            parts.append(replace(p, base=buf.data_ptr(), repacked=True))
+    def _buffer(self, n: int) -> torch.Tensor:
+        """n bytes for a copied kind: the next 64-byte aligned piece of prepare()'s buffer, or a
+        buffer of its own for a layer built lazily."""
+        if self._arena is None:
+            return weight_buffer(n)
+        start = self._arena_used
+        self._arena_used = start + (n + 63) // 64 * 64
+        return self._arena[start:start + n]
+
+    def _copied(self, stack: Stack, names: list[str]) -> Stack:
+        """A copy of the mapped stack in huge-page memory (stages/host_memory.py), every kind ggml
+        has repacked kernels for repacked (whole groups of 8 rows never straddle two experts:
+        rows % 8 == 0, so the stacked tensor repacks as one matrix of n * rows rows), the others
+        as the file's blocks. Read from the file, not through the mapping (GGUFFile.read_into)."""
+        parts, owners, plain = [], [], None
+        for p, raw, name in zip(stack.parts, stack.owner, names):
+            buf = self._buffer(raw.numel())
+            if repack.wanted(p.ggml_type, p.rows, p.cols):
+                if plain is None or plain.numel() < raw.numel():
+                    plain = torch.empty(raw.numel(), dtype=torch.uint8)  # reused for the next kinds
+                self.gguf.read_into(name, plain[:raw.numel()])
+                repack.repack_into(buf.data_ptr(), plain.data_ptr(), p.ggml_type, p.rows * stack.n, p.cols, raw.numel())
+                p = replace(p, repacked=True)
+            else:
+                self.gguf.read_into(name, buf)
+            parts.append(replace(p, base=buf.data_ptr()))
             owners.append(buf)
         return Stack(tuple(parts), stack.n, owners, stack.biases)
 
@@ -265,6 +290,21 @@ class HostExperts:
             lo = hi
         return out
 
+    def one_stack(self, layer: int, slots: Stack | None = None, slot_of: torch.Tensor | None = None
+                  ) -> OneStack | None:
+        """The mapping's stack serves every pick (None off the ggml route, or for float32
+        experts); or the stack `slots` (a stage's slot buffer) by `slot_of`, int32 [E]."""
+        stack = self.stack(layer)
+        if stack is None:
+            return None
+        return OneStack(stack) if slots is None else OneStack(slots, slot_of)
+
+    def after_one_stack(self, layer: int, ids: torch.Tensor, weights: torch.Tensor, one: OneStack) -> None:
+        """What forward counts, for a step whose experts ran inside the layer's graph."""
+        if self.on_route is not None:
+            self.on_route(layer, ids, weights)
+        self.computed += _n_distinct(ids.numpy())
+
     def forward_stacks(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                        slot_of: np.ndarray | None = None, slots: Stack | None = None) -> torch.Tensor:
         """Every pick of the layer in at most two ggml calls: picks whose `slot_of` entry is >= 0
@@ -334,7 +374,10 @@ class MoEBlock(torch.nn.Module):
         self.cfg, self.layer, self.experts = cfg, layer, experts
         self.register_buffer("w_router", w_router, persistent=False)  # [E, H] float32: small
         self.register_buffer("router_bias", router_bias, persistent=False)  # [E]: a selection bias, where the family has one
-        self.routing = ROUTING[arch_of(cfg).routing]
+        rule = arch_of(cfg).routing
+        self.routing = ROUTING[rule]
+        # the same rule as graph nodes (the trunk graph routes with it), where it has them
+        self.graph_routing = GRAPH_ROUTING.get(rule) if router_bias is None else None
         self.shared = shared
         self.register_buffer("w_shared_gate", w_shared_gate, persistent=False)
 
@@ -348,10 +391,34 @@ class MoEBlock(torch.nn.Module):
 
     def forward(self, h: torch.Tensor, logits: torch.Tensor | None = None) -> torch.Tensor:
         ids, weights = self.route(h, logits)
-        out = self.experts.forward(self.layer, h, ids, weights)
+        return self._with_shared(h, self.experts.forward(self.layer, h, ids, weights))
+
+    def _with_shared(self, h: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.shared is not None:
             shared = self.shared(h)
             if self.w_shared_gate is not None:
                 shared = torch.sigmoid(F.linear(h, self.w_shared_gate.view(1, -1))) * shared
             out = out + shared
         return out
+
+    # --- the fused layer: routing and routed experts inside the trunk graph (stages/trunk_graph.py)
+
+    def one_stack(self) -> OneStack | None:
+        """The stack that serves every pick of the coming step whatever the ids (Experts.one_stack),
+        so the routed experts can run inside the layer's trunk graph after its routing; else None."""
+        one = getattr(self.experts, "one_stack", None)
+        return one(self.layer) if one is not None else None
+
+    def after_graph(self, h: torch.Tensor | None, ids: torch.Tensor, weights: torch.Tensor,
+                    routed: torch.Tensor | None, one: OneStack | None) -> torch.Tensor:
+        """The FFN output of a layer whose routing ran in its trunk graph (ids, weights): the
+        routed experts computed now from h, or with `one` already in the graph (`routed`) and
+        only counted (as forward counts them); the shared expert added."""
+        if one is None:
+            return self._with_shared(h, self.experts.forward(self.layer, h, ids, weights))
+        self.count_graph(ids, weights, one)
+        return self._with_shared(h, routed)
+
+    def count_graph(self, ids: torch.Tensor, weights: torch.Tensor, one: OneStack) -> None:
+        """The experts' counting for a step whose routed experts ran inside a graph."""
+        self.experts.after_one_stack(self.layer, ids, weights, one)

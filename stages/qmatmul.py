@@ -32,6 +32,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from moeray.errors import MoerayError
 from moeray.stages import repack
+from moeray.stages.host_memory import weight_buffer
 from moeray.stages.quant import as_uint8_tensor, dequantize
 
 log = logging.getLogger("moeray.kernels")
@@ -92,8 +93,9 @@ def route_line(route: str, device: torch.device) -> str:
     if route == "ggml":
         n = ggml_threads()
         spin = "; torch's own ops on 1 thread" if n > 1 else ""
-        return (f"moeray: kernels: ggml (quantised blocks, 8-bit activations; a GQA layer's trunk in one "
-                f"ggml graph, its routed experts in one mul_mat_id graph) on cpu, {n} thread(s){spin}; "
+        return (f"moeray: kernels: ggml (quantised blocks, 8-bit activations; a GQA layer's trunk, softmax "
+                f"top-k routing and routed experts in one ggml graph where one stack serves its picks, else "
+                f"the experts in mul_mat_id graphs after it) on cpu, {n} thread(s){spin}; "
                 f"{repack.layout_line()}")
     if route == "exact":
         return f"moeray: kernels: exact (float32 copies of every weight, debugging) on {device}"
@@ -541,7 +543,7 @@ class QMatrix:
         if (self.layout != "plain" or self.keep_plain or self.route != "ggml" or self.data.device.type != "cpu"
                 or not repack.wanted(self.ggml_type, *self.shape)):
             return self.layout == "repacked"
-        out = torch.empty_like(self.data)
+        out = weight_buffer(self.data.numel()).view(self.data.shape)  # huge pages: a token streams it whole
         repack.repack_into(out.data_ptr(), self.data.data_ptr(), self.ggml_type, *self.shape, self.nbytes)
         self.data, self.layout, self.rows_alone = out, "repacked", repack.rows_alone(self.ggml_type)
         return True

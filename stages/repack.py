@@ -76,9 +76,11 @@ AUTO_HEADROOM_BYTES = 4 << 30
 
 
 def host_experts() -> str:
-    """MOERAY_HOST_EXPERTS: "auto" (default: copied into ggml's repacked layout at load when that
-    leaves AUTO_HEADROOM_BYTES of memory available, else read in place), "mapped" (routed experts
-    read in place from the GGUF mapping, no copy) or "repacked" (always copied, as llama.cpp does)."""
+    """MOERAY_HOST_EXPERTS: "auto" (default: copied at load when that leaves AUTO_HEADROOM_BYTES of
+    memory available, else read in place), "mapped" (routed experts read in place from the GGUF
+    mapping, no copy) or "repacked" (always copied, as llama.cpp does). The copy lies in huge pages
+    (stages/host_memory.py), each kind in ggml's repacked layout where ggml has kernels for it
+    (stages/repack.py), as the file's blocks otherwise."""
     m = os.environ.get("MOERAY_HOST_EXPERTS", "").strip().lower() or "auto"
     if m not in HOST_EXPERTS:
         raise MoerayError(f"MOERAY_HOST_EXPERTS={m!r}: choose auto (a repacked copy when it fits), mapped (read "
@@ -95,8 +97,8 @@ def fits(n_bytes: int, headroom: int, available: int | None = None) -> bool:
 def auto_line(n_bytes: int, what: str, packed: bool) -> str:
     gib = n_bytes / (1 << 30)
     if packed:
-        return f"moeray: host experts of {what}: a repacked copy, {gib:.1f} GiB (MOERAY_HOST_EXPERTS=auto)"
-    return (f"moeray: host experts of {what}: read in place from the mapping; a repacked copy ({gib:.1f} GiB) "
+        return f"moeray: host experts of {what}: a copy in huge pages, repacked where ggml can, {gib:.1f} GiB (MOERAY_HOST_EXPERTS=auto)"
+    return (f"moeray: host experts of {what}: read in place from the mapping; a copy ({gib:.1f} GiB) "
             f"would leave under {AUTO_HEADROOM_BYTES >> 30} GiB available (MOERAY_HOST_EXPERTS=auto)")
 
 
@@ -121,7 +123,7 @@ def check_fits(n_bytes: int, what: str, available: int | None = None) -> None:
     if not fits(n_bytes, HEADROOM_BYTES, available):
         gib = 1 << 30
         raise MoerayError(f"MOERAY_HOST_EXPERTS=repacked: the routed experts of {what} take {n_bytes / gib:.1f} GiB "
-                          f"repacked, {available / gib:.1f} GiB of memory is available (1 GiB is kept free); "
+                          f"as a copy, {available / gib:.1f} GiB of memory is available (1 GiB is kept free); "
                           "use MOERAY_HOST_EXPERTS=mapped (read in place from the file mapping) or free memory")
 
 

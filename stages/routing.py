@@ -62,3 +62,28 @@ def topk_softmax(logits: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | No
 
 
 ROUTING = {"softmax_topk": softmax_topk, "topk_softmax": topk_softmax, "grouped_topk": grouped_topk}
+
+
+# --- the same rules as ggml graph nodes (the fused MoE layer, stages/trunk_graph.py) ----------
+
+def graph_softmax_topk(ctx, logits, cfg: ModelConfig):
+    """softmax_topk inside a ggml graph, as llama.cpp's build_moe_ffn builds it: logits [E, N] ->
+    (ids [k, N] int32 in rank order, weights [k, N] float32), both new tensors (graph outputs)."""
+    from moeray.stages.qmatmul import ggml_lib
+
+    G = ggml_lib()
+    E, N = logits.contents.ne[0], logits.contents.ne[1]
+    k = cfg.n_experts_used
+    probs = G.ggml_soft_max(ctx, logits)
+    ids = G.ggml_cont(ctx, G.ggml_argsort_top_k(ctx, probs, k))  # descending: rank order
+    weights = G.ggml_reshape_2d(ctx, G.ggml_get_rows(ctx, G.ggml_reshape_3d(ctx, probs, 1, E, N), ids), k, N)
+    if cfg.norm_topk_prob:  # the sum clamped as llama.cpp does (a top-k of a softmax never nears it)
+        total = G.ggml_clamp(ctx, G.ggml_sum_rows(ctx, weights), 6.103515625e-5, float("inf"))
+        weights = G.ggml_div(ctx, weights, total)
+    else:
+        weights = G.ggml_cont(ctx, weights)
+    return ids, weights
+
+
+# The routings that have a graph form; the others run in torch between the trunk and experts graphs.
+GRAPH_ROUTING = {"softmax_topk": graph_softmax_topk}

@@ -193,7 +193,7 @@ def test_fast_mode_repacks_slots_over_a_mapped_host(q4k_model, monkeypatch):
 
 
 def test_repacked_host_experts_that_do_not_fit_fail_clearly(monkeypatch):
-    with pytest.raises(MoerayError, match=r"layers \[0, 48\) take 15\.0 GiB repacked, 8\.0 GiB of memory is "
+    with pytest.raises(MoerayError, match=r"layers \[0, 48\) take 15\.0 GiB as a copy, 8\.0 GiB of memory is "
                                           r"available.*MOERAY_HOST_EXPERTS=mapped"):
         repack.check_fits(15 << 30, "layers [0, 48)", available=8 << 30)
     monkeypatch.setenv("MOERAY_HOST_EXPERTS", "copy")
@@ -254,3 +254,40 @@ def test_auto_leaves_room_for_the_slots_of_the_cache(q4k_model, monkeypatch):
     monkeypatch.setattr(repack, "mem_available", lambda: avail)
     _, cache = load_cached(q4k_model, (0, 2), n_slots=1000)
     assert not any(p.repacked for p in cache.host.stack(1).parts)
+
+
+@pytest.fixture(scope="module")
+def mixed_model(tmp_path_factory):
+    """A tiny qwen3moe whose hidden size (224) is no multiple of 256: gate and up are Q5_0, which
+    ggml cannot repack on AVX2, down (256 columns) is Q4_K."""
+    from shapes import Shape, write_shape
+
+    s = Shape("qwen3moe", layers=2, hidden=224, heads=4, kv_heads=2, head_dim=64, experts=4, used=2,
+              expert_ff=256, vocab=4096)
+    return write_shape("tiny-mixed", shape=s, path=tmp_path_factory.mktemp("mixed") / "mixed.gguf", pool_blocks=1024)
+
+
+def test_the_host_copy_holds_kinds_ggml_cannot_repack_as_the_files_blocks(mixed_model, monkeypatch):
+    """MOERAY_HOST_EXPERTS=repacked copies every kind: Q5_0's blocks as they are, Q4_K repacked;
+    the output is the mapping's (gate/up bit for bit, down within the repacked tolerance)."""
+    import ctypes
+
+    from moeray.stages.gguf_file import GGUFFile
+    from moeray.stages.moe import HostExperts
+
+    g = GGUFFile(mixed_model)
+    monkeypatch.setenv("MOERAY_HOST_EXPERTS", "mapped")
+    mapped = HostExperts(g, "ggml")
+    mapped.prepare(0, 2)
+    monkeypatch.setenv("MOERAY_HOST_EXPERTS", "repacked")
+    copied = HostExperts(g, "ggml")
+    copied.prepare(0, 2)
+    (gate, up, down), (mgate, _, _) = copied.stack(1).parts, mapped.stack(1).parts
+    assert (T(gate.ggml_type), T(down.ggml_type)) == (T.Q5_0, T.Q4_K)
+    assert not gate.repacked and not up.repacked and down.repacked
+    assert gate.base != mgate.base  # a copy, not the mapping
+    n = gate.stride * 4
+    assert ctypes.string_at(gate.base, n) == ctypes.string_at(mgate.base, n)  # the file's blocks
+    x = torch.randn(5, g.config.hidden, generator=torch.Generator().manual_seed(7))
+    ids, w = routed(5, g.config.n_experts, 2, seed=7)
+    assert rel(copied.forward(1, x, ids, w), mapped.forward(1, x, ids, w)) < TOLERANCE

@@ -38,12 +38,14 @@ class Both:
         assert self.model.trunk is not None, "this model's layers should run as trunk graphs"
         self.graphs = self.model.trunk
         self.calls = 0
-        layer = self.graphs.layer
+        for name in ("layer", "stage"):  # a layer's graph, or the stage's layers in one
+            setattr(self.graphs, name, self._counted(getattr(self.graphs, name)))
 
+    def _counted(self, call):
         def counted(*a, **kw):
             self.calls += 1
-            return layer(*a, **kw)
-        self.graphs.layer = counted
+            return call(*a, **kw)
+        return counted
 
     def run(self, fused: bool, fn):
         self.model.trunk = self.graphs if fused else None
@@ -190,3 +192,73 @@ def test_repacked_q4k_weights(tmp_path):
     ids = token_ids(20, seed=2)
     _close(both, lambda m: m.logits_all(ids), "Q4_K prefill")
     _close(both, _prefill_then_decode(ids, 7), "Q4_K chunks + decode")
+
+
+def test_fused_moe_layers_match_the_two_call_path_and_count_alike(tiny_files, monkeypatch):
+    """qwen3moe (3 layers x 8 experts) with 12 slots filled so that layer 0 holds every expert
+    (routing and experts inside its trunk graph, from the slots), layer 1 half of them (routing in
+    the graph, the experts in two expert graphs after it) and layer 2 none (inside, from the
+    mapping). Against MOERAY_FUSED_MOE=0 (torch routing, then the experts' graphs): the same logits
+    within the route's tolerance, the same experts, and the cache counts exactly what was routed."""
+    import numpy as np
+
+    from moeray.planner.profile import Profile
+    from moeray.stages import moe
+    from moeray.stages.model import load_cached
+
+    counts = np.zeros((3, 8), dtype=np.int64)
+    counts[0], counts[1, :4] = 1000, 500
+    model, cache = load_cached(tiny_files["qwen3moe"], route="ggml", profile=Profile.from_counts(counts), n_slots=12)
+    resident = cache.core.slot_of >= 0
+    assert resident.sum(1).tolist() == [8, 4, 0]
+    routed, expert_graphs = [], []
+    route, forward_stacks = cache.core.route, cache.host.forward_stacks
+    monkeypatch.setattr(cache.core, "route", lambda l, ids: routed.append((l, np.array(ids))) or route(l, ids))
+    monkeypatch.setattr(cache.host, "forward_stacks", lambda l, *a: expert_graphs.append(l) or forward_stacks(l, *a))
+    fn = _prefill_then_decode(token_ids(20), 9)
+    runs = {}
+    for fused in (True, False):
+        model.fuse_moe = fused
+        routed.clear(), expert_graphs.clear(), cache.core.reset_counters()
+        with torch.inference_mode():
+            logits = fn(model)
+        ids = [np.concatenate([i for l, i in routed if l == layer]) for layer in range(3)]  # [positions, k]
+        c = cache.core
+        for layer in range(3):  # every lookup counted: each pick once, a hit where resident
+            picks = np.bincount(ids[layer].ravel(), minlength=8)
+            assert c.routed[layer].tolist() == picks.tolist()
+            assert (c.lookups[layer], c.hits[layer]) == (ids[layer].size, picks[resident[layer]].sum())
+            assert c.misses[layer] == c.lookups[layer] - c.hits[layer]
+        runs[fused] = logits, np.sort(np.stack(ids), -1), set(expert_graphs)
+    (got, r_got, graphs_got), (ref, r_ref, graphs_ref) = runs[True], runs[False]
+    assert graphs_got == {1} and graphs_ref == {0, 1, 2}  # the split layer alone calls the experts' graphs
+    same = (r_got == r_ref).all(-1).all(0)
+    assert same.mean() >= 0.75, f"routing differs at {int((~same).sum())} positions"
+    err = (got - ref).abs().max(-1).values / ref.abs().max()
+    assert err[torch.from_numpy(same)].max() <= RTOL
+
+
+def test_the_stage_graph_is_its_layer_graphs_bit_for_bit(tiny_files):
+    """Decode steps run the stage's layers as one graph (every layer's routing and experts inside,
+    host path): the same bits as one graph per layer, the same experts counted, one call a step."""
+    routes = []
+    host = HostExperts(GGUFFile(tiny_files["qwen3moe"]), "ggml", on_route=lambda l, ids, w: routes.append((l, ids, w)))
+    model = load_model(tiny_files["qwen3moe"], route="ggml", experts=host)
+    calls = []
+    for name in ("layer", "stage"):
+        real = getattr(model.trunk, name)
+        setattr(model.trunk, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    fn = _prefill_then_decode(token_ids(20), 9)
+    runs = []
+    for stage in (True, False):
+        model.stage_graph = stage
+        routes.clear(), calls.clear()
+        with torch.inference_mode():
+            runs.append((fn(model), list(routes), list(calls), host.computed))
+    (got, r_got, c_got, n_got), (ref, r_ref, c_ref, n_ref) = runs
+    assert torch.equal(got, ref)
+    assert n_got == n_ref - n_got > 0  # the host copy's count of experts computed, alike
+    assert len(r_got) == len(r_ref) and all(a[0] == b[0] and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+                                            for a, b in zip(r_got, r_ref))
+    steps = 2 + 20 - 9 - 5  # two prefill chunks, then one token a step
+    assert c_got == ["stage"] * steps and c_ref == ["layer"] * 3 * steps  # 3 layers
