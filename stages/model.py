@@ -24,10 +24,15 @@ from moeray.stages.moe import DenseFFN, Experts, HostExperts, MoEBlock
 from moeray.stages import repack
 from moeray.stages.qmatmul import QMatrix, announce, current_route
 from moeray.stages.rope import RoPE
-from moeray.stages.trunk_graph import Routed, TrunkGraphs, supports
+from moeray.stages.trunk_graph import LayerSpec, Routed, TrunkGraphs, supports
 from moeray.stages.quant import dequantize
 
 log = logging.getLogger("moeray.kernels")
+
+# The most tokens a step may have to run the stage's layers as one graph: each intermediate of a
+# graph has its own scratch (nothing is reused between layers), so a stage graph's scratch grows
+# with layers x tokens; decode steps fit, prefill chunks keep one graph per layer.
+STAGE_TOKENS = 32
 
 
 class TransformerLayer(torch.nn.Module):
@@ -67,8 +72,10 @@ class StageModel(torch.nn.Module):
         if self.route == "ggml" and self.device.type == "cpu" and all(
                 supports(l.attn, cfg) for l in self.layers) and os.environ.get("MOERAY_TRUNK_GRAPH", "1") != "0":
             self.trunk = TrunkGraphs(cfg)
-        # MOERAY_FUSED_MOE=0: routing (torch) and experts after each trunk graph, never inside it
+        # MOERAY_FUSED_MOE=0: routing (torch) and experts after each trunk graph, never inside it;
+        # MOERAY_STAGE_GRAPH=0: one graph per layer, never the stage's layers in one
         self.fuse_moe = os.environ.get("MOERAY_FUSED_MOE", "1") != "0"
+        self.stage_graph = os.environ.get("MOERAY_STAGE_GRAPH", "1") != "0"
         self.register_buffer("out_norm", None, persistent=False)
         self.w_out = None
         if self.has_head:
@@ -299,8 +306,10 @@ class StageModel(torch.nn.Module):
         MoE layer's routing runs in that graph too where its rule has a graph form, and so do its
         routed experts when one stack serves every pick (MoEBlock.one_stack: the host path, or
         every expert resident): one call per layer. A layer split between slots and the mapping
-        runs its experts after the graph (at most two expert graphs), from the graph's ids."""
-        r = None
+        runs its experts after the graph (at most two expert graphs), from the graph's ids. When
+        every layer runs whole inside (no shared expert either) a decode-sized step runs the
+        stage's layers as ONE graph (TrunkGraphs.stage), as llama.cpp runs a token."""
+        specs = []
         for layer in self.layers:
             ffn = layer.ffn
             moe = isinstance(ffn, MoEBlock)
@@ -308,13 +317,22 @@ class StageModel(torch.nn.Module):
             if moe and self.fuse_moe and ffn.graph_routing is not None:
                 one = ffn.one_stack()
                 routed = Routed(ffn.graph_routing, one, one is None or ffn.shared is not None)
-            out = self.trunk.layer(step, x, r, layer.attn_norm, layer.attn, kv, layer.ffn_norm,
-                                   ffn.w_router if moe else None, routed)
+            specs.append(LayerSpec(layer.attn_norm, layer.attn, layer.ffn_norm, ffn.w_router if moe else None, routed))
+        if self.stage_graph and step.n <= STAGE_TOKENS and all(s.routed is not None and not s.routed.keep_h for s in specs):
+            x, ids, weights = self.trunk.stage(step, x, specs, kv)
+            ids = ids.long()
+            for layer, spec, i, w in zip(self.layers, specs, ids, weights):
+                layer.ffn.count_graph(i, w, spec.routed.one)
+            return x
+        r = None
+        for layer, spec in zip(self.layers, specs):
+            ffn = layer.ffn
+            out = self.trunk.layer(step, x, r, spec, kv)
             x = out.x
-            if routed is not None:
-                r = ffn.after_graph(out.h, out.ids.long(), out.weights, out.routed, routed.one)
+            if spec.routed is not None:
+                r = ffn.after_graph(out.h, out.ids.long(), out.weights, out.routed, spec.routed.one)
             else:
-                r = ffn(out.h, out.logits) if moe else ffn(out.h)
+                r = ffn(out.h, out.logits) if spec.router is not None else ffn(out.h)
         return x + r
 
     def _run_torch(self, hidden: torch.Tensor, meta: BatchMeta, kv: KVPool) -> torch.Tensor:

@@ -416,5 +416,9 @@ class MoEBlock(torch.nn.Module):
         only counted (as forward counts them); the shared expert added."""
         if one is None:
             return self._with_shared(h, self.experts.forward(self.layer, h, ids, weights))
-        self.experts.after_one_stack(self.layer, ids, weights, one)
+        self.count_graph(ids, weights, one)
         return self._with_shared(h, routed)
+
+    def count_graph(self, ids: torch.Tensor, weights: torch.Tensor, one: OneStack) -> None:
+        """The experts' counting for a step whose routed experts ran inside a graph."""
+        self.experts.after_one_stack(self.layer, ids, weights, one)

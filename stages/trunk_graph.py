@@ -48,10 +48,11 @@ class MultiGraph:
 
     def __init__(self, build, n_nodes: int = 256):
         G = self._G = ggml_lib()
-        size = G.ggml_tensor_overhead() * n_nodes + G.ggml_graph_overhead() + 4096
+        slots = max(2048, 2 * n_nodes)  # the graph's node table (ggml's default is 2048)
+        size = G.ggml_tensor_overhead() * n_nodes + G.ggml_graph_overhead_custom(slots, False) + 4096
         self.ctx = G.ggml_init(G.ggml_init_params(mem_size=size, mem_buffer=None, no_alloc=True))
         self.inputs, self.outputs, effects = build(self.ctx)
-        self.graph = G.ggml_new_graph(self.ctx)
+        self.graph = G.ggml_new_graph_custom(self.ctx, slots, False)
         for t in effects + self.outputs:  # side effects (KV writes) first: graph order is run order
             G.ggml_build_forward_expand(self.graph, t)
         fixed = {ctypes.addressof(t.contents) for t in self.inputs + self.outputs}
@@ -153,6 +154,47 @@ class LayerOut(NamedTuple):
     weights: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class LayerSpec:
+    """What one layer's trunk graph reads: its norms, attention, router [E, H] (MoE layers) and
+    with `routed` its routing (and experts) inside the graph."""
+    attn_norm: torch.Tensor
+    attn: Attention
+    ffn_norm: torch.Tensor
+    router: torch.Tensor | None = None
+    routed: Routed | None = None
+
+    def optional(self) -> tuple:
+        a = self.attn
+        return a.b_qkv, a.q_norm, a.k_norm, a.b_o
+
+    def key(self) -> tuple:
+        """Everything the layer's nodes depend on (layers of one key share a graph)."""
+        a, r = self.attn, self.routed
+        return (a.w_qkv[0].graph_key, a.w_o.graph_key, tuple(o is not None for o in self.optional()),
+                None if self.router is None else self.router.shape[0],
+                None if r is None else (r.rule, r.one and r.one.key(), r.keep_h))
+
+    def ptrs(self, step: Step, kv: KVPool) -> list[int]:
+        """The data pointers of the layer's inputs, in _layer_nodes' order."""
+        a = self.attn
+        k_pool, v_pool = kv.layer(a.layer)
+        ptrs = [self.attn_norm.data_ptr(), a.w_qkv[0].graph_ptr, a.w_o.graph_ptr, self.ffn_norm.data_ptr(),
+                k_pool.data_ptr(), v_pool.data_ptr()]
+        if step.read_base >= 0:  # the keys as views of the pool from the step's first row
+            row = k_pool.shape[2] * 4  # bytes per pool row
+            ptrs += [k_pool.data_ptr() + step.read_base * row, v_pool.data_ptr() + step.read_base * row]
+        ptrs += [o.data_ptr() for o in self.optional() if o is not None]
+        if self.router is not None:
+            ptrs.append(self.router.data_ptr())
+        one = None if self.routed is None else self.routed.one
+        if one is not None:
+            ptrs += stack_pointers(one.stack)
+            if one.slot_of is not None:
+                ptrs.append(one.slot_of.data_ptr())
+        return ptrs
+
+
 class TrunkGraphs:
     """The trunk graphs of one stage's layers (all GQA with the same shape)."""
 
@@ -198,56 +240,109 @@ class TrunkGraphs:
         return Step((B, t, keys_pad, pad is not None) + mode + (rows, meta.n_tokens), meta.n_tokens,
                     meta.positions.to(torch.int32), meta.write_rows.to(torch.int64).contiguous(), mask, base, gather, pad, unpad, rows, gap)
 
-    def layer(self, step: Step, x: torch.Tensor, r: torch.Tensor | None, attn_norm: torch.Tensor,
-              attn: Attention, kv: KVPool, ffn_norm: torch.Tensor, router: torch.Tensor | None,
-              routed: Routed | None = None) -> LayerOut:
+    def layer(self, step: Step, x: torch.Tensor, r: torch.Tensor | None, layer: LayerSpec, kv: KVPool) -> LayerOut:
         """x + r + attention, and after it the FFN's input h and the router's logits, or with
-        `routed` the routing (and the routed experts) too (see LayerOut)."""
-        w_qkv, w_o = attn.w_qkv[0], attn.w_o
-        opt = (attn.b_qkv, attn.q_norm, attn.k_norm, attn.b_o)
-        key = (step.key, w_qkv.graph_key, w_o.graph_key, r is not None, tuple(o is not None for o in opt),
-               None if router is None else router.shape[0],
-               None if routed is None else (routed.rule, routed.one and routed.one.key(), routed.keep_h))
+        `layer.routed` the routing (and the routed experts) too (see LayerOut)."""
+        g = self._graph((step.key, r is not None, layer.key()), lambda: self._builder(step, [layer], r is not None, False))
+        ptrs = [x.data_ptr()] + ([r.data_ptr()] if r is not None else []) + self._step_ptrs(step) + layer.ptrs(step, kv)
+        N, H = x.shape
+        routed = layer.routed
+        if routed is None:
+            router = layer.router
+            out = LayerOut(torch.empty(N, H), torch.empty(N, H), None if router is None else torch.empty(N, router.shape[0]))
+        else:
+            k = self.cfg.n_experts_used
+            out = LayerOut(torch.empty(N, H), torch.empty(N, H) if routed.keep_h else None,
+                           ids=torch.empty(N, k, dtype=torch.int32), weights=torch.empty(N, k),
+                           routed=None if routed.one is None else torch.empty(N, H))
+        g(ptrs, [t.data_ptr() for t in out if t is not None])  # LayerOut's order is the graph's
+        return out
+
+    def stage(self, step: Step, x: torch.Tensor, layers: list[LayerSpec], kv: KVPool
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every layer of the stage in one graph, as llama.cpp runs a token: each layer's routing
+        and routed experts inside (every `routed.one` set, no shared expert), each layer's FFN
+        output added to the residual inside. x [N, H] -> (the stream after the last layer's FFN,
+        ids [L, N, k] int32, weights [L, N, k]), for the caller's counting per layer."""
+        g = self._graph((step.key, "stage") + tuple(l.key() for l in layers),
+                        lambda: self._builder(step, layers, False, True), 96 * len(layers))
+        N, H = x.shape
+        L, k = len(layers), self.cfg.n_experts_used
+        out, ids, weights = torch.empty(N, H), torch.empty(L, N, k, dtype=torch.int32), torch.empty(L, N, k)
+        ptrs = [x.data_ptr()] + self._step_ptrs(step)
+        for layer in layers:
+            ptrs += layer.ptrs(step, kv)
+        size = N * k * 4  # bytes of one layer's ids (and weights)
+        outs = [out.data_ptr()]
+        for l in range(L):
+            outs += [ids.data_ptr() + l * size, weights.data_ptr() + l * size]
+        g(ptrs, outs)
+        return out, ids, weights
+
+    def _graph(self, key: tuple, builder, n_nodes: int = 256) -> MultiGraph:
         g = self._graphs.get(key)
         if g is None:
             if len(self._graphs) > 256:
                 self._graphs.clear()
-            g = self._graphs[key] = MultiGraph(self._builder(step, attn, r is not None, router, routed))
-        k_pool, v_pool = kv.layer(attn.layer)
-        N, H = x.shape
-        row = k_pool.shape[2] * 4  # bytes per pool row
-        if step.read_base >= 0:
-            k_read, v_read = (k_pool.data_ptr() + step.read_base * row, v_pool.data_ptr() + step.read_base * row)
-            extra = [k_read, v_read]
-        else:
-            extra = [step.gather.data_ptr()]
-        if step.pad is not None:
-            extra += [step.pad.data_ptr(), step.unpad.data_ptr()]
-        ptrs = [x.data_ptr()] + ([r.data_ptr()] if r is not None else []) + [
-            attn_norm.data_ptr(), w_qkv.graph_ptr, w_o.graph_ptr, ffn_norm.data_ptr(),
-            step.positions.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), step.write_rows.data_ptr(),
-            step.mask.data_ptr()] + extra + [o.data_ptr() for o in opt if o is not None]
-        if router is not None:
-            ptrs.append(router.data_ptr())
-        if routed is None:
-            out = LayerOut(torch.empty(N, H), torch.empty(N, H), None if router is None else torch.empty(N, router.shape[0]))
-        else:
-            k, one = self.cfg.n_experts_used, routed.one
-            out = LayerOut(torch.empty(N, H), torch.empty(N, H) if routed.keep_h else None,
-                           ids=torch.empty(N, k, dtype=torch.int32), weights=torch.empty(N, k),
-                           routed=None if one is None else torch.empty(N, H))
-            if one is not None:
-                ptrs += stack_pointers(one.stack)
-                if one.slot_of is not None:
-                    ptrs.append(one.slot_of.data_ptr())
-        g(ptrs, [t.data_ptr() for t in out if t is not None])  # LayerOut's order is the graph's
-        return out
+            g = self._graphs[key] = MultiGraph(builder(), n_nodes)
+        return g
 
-    def _builder(self, step: Step, attn: Attention, has_r: bool, router: torch.Tensor | None,
-                 routed: Routed | None):
+    @staticmethod
+    def _step_ptrs(step: Step) -> list[int]:
+        ptrs = [step.positions.data_ptr(), step.write_rows.data_ptr(), step.mask.data_ptr()]
+        if step.read_base < 0:
+            ptrs.append(step.gather.data_ptr())
+        if step.pad is not None:
+            ptrs += [step.pad.data_ptr(), step.unpad.data_ptr()]
+        return ptrs
+
+    def _builder(self, step: Step, layers: list[LayerSpec], has_r: bool, whole: bool):
+        """A MultiGraph builder: the step's shared inputs, then each layer's nodes (whole: chained
+        through their FFN outputs, the stage's graph; else the one layer's graph)."""
+        G = ggml_lib()
+        B, t, keys_pad, padded = step.key[:4]
+        N, H = step.n, self.cfg.hidden
+
+        def build(ctx):
+            def new(*ne, type=G.GGML_TYPE_F32):
+                return getattr(G, f"ggml_new_tensor_{len(ne)}d")(ctx, type, *ne)
+
+            x = new(H, N)
+            inputs = [x]
+            if has_r:
+                r = new(H, N)
+                inputs.append(r)
+                x = G.ggml_add(ctx, x, r)
+            shared = dict(pos=new(N, type=G.GGML_TYPE_I32), write_rows=new(N, type=G.GGML_TYPE_I64),
+                          mask=new(keys_pad, t, 1, B, type=G.GGML_TYPE_F16))
+            inputs += list(shared.values())
+            if step.read_base < 0:
+                shared["idx"] = new(B * (keys_pad // BLOCK_SIZE), self.cfg.n_kv_heads, type=G.GGML_TYPE_I32)
+                inputs.append(shared["idx"])
+            if padded:
+                shared["pad"], shared["unpad"] = new(B * t, type=G.GGML_TYPE_I32), new(N, type=G.GGML_TYPE_I32)
+                inputs += [shared["pad"], shared["unpad"]]
+            outputs, effects = [], []
+            for layer in layers:
+                ins, outs, writes = self._layer_nodes(ctx, new, step, shared, x, layer)
+                inputs += ins
+                effects += writes
+                if whole:  # the next layer's input: the residual plus this layer's routed experts
+                    x = G.ggml_add(ctx, outs[0], outs[1])
+                    outputs += outs[2:]
+                else:
+                    outputs += outs
+            # the layers' KV writes first, in layer order: graph order is run order, and a layer's
+            # attention (reached only through later layers or the outputs) then follows its write
+            return inputs, ([x] if whole else []) + outputs, effects
+
+        return build
+
+    def _layer_nodes(self, ctx, new, step: Step, shared: dict, x, layer: LayerSpec):
+        """One layer's nodes from its input x: (its inputs, in LayerSpec.ptrs' order; its outputs,
+        in LayerOut's order; its KV writes)."""
         cfg = self.cfg
         G = ggml_lib()
-        F32 = G.GGML_TYPE_F32
         B, t, keys_pad, padded = step.key[:4]
         N, H, D = step.n, cfg.hidden, cfg.head_dim
         nh, nkv = cfg.n_heads, cfg.n_kv_heads
@@ -257,113 +352,90 @@ class TrunkGraphs:
         n_rot = cfg.rope_dim or D
         freq_scale = 1.0 / cfg.rope_scale if cfg.rope_scaling == "linear" else 1.0
         scale = cfg.attn_scale or D ** -0.5
-        view = step.read_base >= 0
         rows = step.rows
+        attn, router, routed = layer.attn, layer.router, layer.routed
         w_qkv, w_o = attn.w_qkv[0], attn.w_o
-        opt = (attn.b_qkv, attn.q_norm, attn.k_norm, attn.b_o)
         one = None if routed is None else routed.one
+        pos, write_rows, mask = shared["pos"], shared["write_rows"], shared["mask"]
 
-        def build(ctx):
-            def new(*ne, type=F32):
-                return getattr(G, f"ggml_new_tensor_{len(ne)}d")(ctx, type, *ne)
+        attn_norm, wq, wo, ffn_norm = new(H), graph_weight(ctx, w_qkv), graph_weight(ctx, w_o), new(H)
+        k_pool, v_pool = new(D, rows, nkv), new(D, rows, nkv)
+        inputs = [attn_norm, wq, wo, ffn_norm, k_pool, v_pool]
+        if step.read_base >= 0:
+            reads = []
+            for _ in range(2):  # [D, keys, kv heads, B] over the pool: head-major rows
+                kr = new(D, keys_pad, nkv, B)
+                kr.contents.nb[2] = rows * D * 4
+                kr.contents.nb[3] = step.gap * D * 4
+                reads.append(kr)
+            inputs += reads
+            k_read, v_read = reads
+        else:
+            nb = keys_pad // BLOCK_SIZE
+            reads = []
+            for pool in (k_pool, v_pool):
+                blocks = G.ggml_view_3d(ctx, pool, BLOCK_SIZE * D, rows // BLOCK_SIZE, nkv,
+                                        pool.contents.nb[1] * BLOCK_SIZE, pool.contents.nb[2], 0)
+                got = G.ggml_get_rows(ctx, blocks, shared["idx"])  # [16 D, B * nb, kv heads]
+                reads.append(G.ggml_view_4d(ctx, got, D, keys_pad, nkv, B, D * 4, got.contents.nb[2],
+                                            nb * BLOCK_SIZE * D * 4, 0))
+            k_read, v_read = reads
+        b_qkv, q_norm, k_norm, b_o = (new(n) if o is not None else None
+                                      for o, n in zip(layer.optional(), (Q + 2 * KV, D, D, H)))
+        inputs += [e for e in (b_qkv, q_norm, k_norm, b_o) if e is not None]
+        w_router = None
+        if router is not None:
+            w_router = new(H, router.shape[0])
+            inputs.append(w_router)
+        if one is not None:  # the stack (weights, biases), then the slot table
+            ws, bias = stack_tensors(ctx, one.stack)
+            inputs += ws + [b for b in bias if b is not None]
+            if one.slot_of is not None:
+                slot_of = new(1, router.shape[0], type=G.GGML_TYPE_I32)
+                inputs.append(slot_of)
 
-            x = new(H, N)
-            inputs = [x]
-            if has_r:
-                r = new(H, N)
-                inputs.append(r)
-                x = G.ggml_add(ctx, x, r)
-            attn_norm, wq, wo, ffn_norm = new(H), graph_weight(ctx, w_qkv), graph_weight(ctx, w_o), new(H)
-            pos = new(N, type=G.GGML_TYPE_I32)
-            k_pool, v_pool = new(D, rows, nkv), new(D, rows, nkv)
-            write_rows = new(N, type=G.GGML_TYPE_I64)
-            mask = new(keys_pad, t, 1, B, type=G.GGML_TYPE_F16)
-            inputs += [attn_norm, wq, wo, ffn_norm, pos, k_pool, v_pool, write_rows, mask]
-            if view:
-                gap = step.gap
-                reads = []
-                for _ in range(2):  # [D, keys, kv heads, B] over the pool: head-major rows
-                    kr = new(D, keys_pad, nkv, B)
-                    kr.contents.nb[2] = rows * D * 4
-                    kr.contents.nb[3] = gap * D * 4
-                    reads.append(kr)
-                inputs += reads
-                k_read, v_read = reads
-            else:
-                nb = keys_pad // BLOCK_SIZE
-                idx = new(B * nb, nkv, type=G.GGML_TYPE_I32)
-                inputs.append(idx)
-                reads = []
-                for pool in (k_pool, v_pool):
-                    blocks = G.ggml_view_3d(ctx, pool, BLOCK_SIZE * D, rows // BLOCK_SIZE, nkv,
-                                            pool.contents.nb[1] * BLOCK_SIZE, pool.contents.nb[2], 0)
-                    got = G.ggml_get_rows(ctx, blocks, idx)  # [16 D, B * nb, kv heads]
-                    reads.append(G.ggml_view_4d(ctx, got, D, keys_pad, nkv, B, D * 4, got.contents.nb[2],
-                                                nb * BLOCK_SIZE * D * 4, 0))
-                k_read, v_read = reads
-            if padded:
-                pad, unpad = new(B * t, type=G.GGML_TYPE_I32), new(N, type=G.GGML_TYPE_I32)
-                inputs += [pad, unpad]
-            extra = []
-            for o, n in zip(opt, (Q + 2 * KV, D, D, H)):
-                extra.append(new(n) if o is not None else None)
-            b_qkv, q_norm, k_norm, b_o = extra
-            inputs += [e for e in extra if e is not None]
-            w_router = None
-            if router is not None:
-                w_router = new(H, router.shape[0])
-                inputs.append(w_router)
-            if one is not None:  # the stack (weights, biases), then the slot table
-                ws, bias = stack_tensors(ctx, one.stack)
-                inputs += ws + [b for b in bias if b is not None]
-                if one.slot_of is not None:
-                    slot_of = new(1, router.shape[0], type=G.GGML_TYPE_I32)
-                    inputs.append(slot_of)
-
-            a = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, x, eps), attn_norm)
-            qkv = graph_mul_mat(ctx, w_qkv, wq, a)  # [Q + 2 KV, N]
-            if b_qkv is not None:
-                qkv = G.ggml_add(ctx, qkv, b_qkv)
-            nb1 = qkv.contents.nb[1]
-            q = G.ggml_view_3d(ctx, qkv, D, nh, N, D * 4, nb1, 0)
-            k = G.ggml_view_3d(ctx, qkv, D, nkv, N, D * 4, nb1, Q * 4)
-            v = G.ggml_view_3d(ctx, qkv, D, nkv, N, D * 4, nb1, (Q + KV) * 4)
-            if q_norm is not None:
-                q = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, q, eps), q_norm)
-                k = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, k, eps), k_norm)
-            q = G.ggml_rope_ext(ctx, q, pos, None, n_rot, mode, 0, cfg.rope_theta, freq_scale, 0.0, 1.0, 0.0, 0.0)
-            k = G.ggml_rope_ext(ctx, k, pos, None, n_rot, mode, 0, cfg.rope_theta, freq_scale, 0.0, 1.0, 0.0, 0.0)
-            # the step's k/v into the pool: [D, N, kv heads] rows at write_rows, every head
-            wk = G.ggml_set_rows(ctx, k_pool, G.ggml_permute(ctx, k, 0, 2, 1, 3), write_rows)
-            wv = G.ggml_set_rows(ctx, v_pool, G.ggml_permute(ctx, v, 0, 2, 1, 3), write_rows)
-            if padded:  # packed tokens -> [B, t] query rows
-                q = G.ggml_get_rows(ctx, G.ggml_reshape_2d(ctx, q, Q, N), pad)
-            q4 = G.ggml_permute(ctx, G.ggml_reshape_4d(ctx, q, D, nh, t, B), 0, 2, 1, 3)  # [D, t, heads, B]
-            o = G.ggml_flash_attn_ext(ctx, q4, k_read, v_read, mask, scale, 0.0, 0.0)  # [D, heads, t, B]
-            G.ggml_flash_attn_ext_set_prec(o, G.GGML_PREC_F32)
-            o = G.ggml_reshape_2d(ctx, o, Q, B * t)
-            if padded:  # and back to the packed tokens
-                o = G.ggml_get_rows(ctx, o, unpad)
-            o = graph_mul_mat(ctx, w_o, wo, o)
-            if b_o is not None:
-                o = G.ggml_add(ctx, o, b_o)
-            x_out = G.ggml_add(ctx, x, o)
-            h = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, x_out, eps), ffn_norm)
-            if routed is None:
-                outputs = [x_out, h]
-                if w_router is not None:
-                    outputs.append(G.ggml_mul_mat(ctx, w_router, h))
-                return inputs, outputs, [wk, wv]
-            # the routing (llama.cpp's build_moe_ffn) and, from one stack, the routed experts
-            ids, weights = routed.rule(ctx, G.ggml_mul_mat(ctx, w_router, h), cfg)  # [k, N] each
-            outputs = [x_out] + ([h] if routed.keep_h else [])
-            if one is not None:
-                k = ids.contents.ne[0]
-                picks = ids
-                if one.slot_of is not None:  # expert -> its slot's row of the slot stack
-                    picks = G.ggml_reshape_2d(ctx, G.ggml_get_rows(ctx, slot_of, G.ggml_reshape_1d(ctx, ids, k * N)), k, N)
-                outputs.append(moe_ffn(ctx, ws, bias, self.act, G.ggml_reshape_3d(ctx, h, H, 1, N), picks,
-                                       G.ggml_reshape_3d(ctx, weights, 1, k, N)))
-            return inputs, outputs + [ids, weights], [wk, wv]
-
-        return build
+        a = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, x, eps), attn_norm)
+        qkv = graph_mul_mat(ctx, w_qkv, wq, a)  # [Q + 2 KV, N]
+        if b_qkv is not None:
+            qkv = G.ggml_add(ctx, qkv, b_qkv)
+        nb1 = qkv.contents.nb[1]
+        q = G.ggml_view_3d(ctx, qkv, D, nh, N, D * 4, nb1, 0)
+        k = G.ggml_view_3d(ctx, qkv, D, nkv, N, D * 4, nb1, Q * 4)
+        v = G.ggml_view_3d(ctx, qkv, D, nkv, N, D * 4, nb1, (Q + KV) * 4)
+        if q_norm is not None:
+            q = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, q, eps), q_norm)
+            k = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, k, eps), k_norm)
+        q = G.ggml_rope_ext(ctx, q, pos, None, n_rot, mode, 0, cfg.rope_theta, freq_scale, 0.0, 1.0, 0.0, 0.0)
+        k = G.ggml_rope_ext(ctx, k, pos, None, n_rot, mode, 0, cfg.rope_theta, freq_scale, 0.0, 1.0, 0.0, 0.0)
+        # the step's k/v into the pool: [D, N, kv heads] rows at write_rows, every head
+        wk = G.ggml_set_rows(ctx, k_pool, G.ggml_permute(ctx, k, 0, 2, 1, 3), write_rows)
+        wv = G.ggml_set_rows(ctx, v_pool, G.ggml_permute(ctx, v, 0, 2, 1, 3), write_rows)
+        if padded:  # packed tokens -> [B, t] query rows
+            q = G.ggml_get_rows(ctx, G.ggml_reshape_2d(ctx, q, Q, N), shared["pad"])
+        q4 = G.ggml_permute(ctx, G.ggml_reshape_4d(ctx, q, D, nh, t, B), 0, 2, 1, 3)  # [D, t, heads, B]
+        o = G.ggml_flash_attn_ext(ctx, q4, k_read, v_read, mask, scale, 0.0, 0.0)  # [D, heads, t, B]
+        G.ggml_flash_attn_ext_set_prec(o, G.GGML_PREC_F32)
+        o = G.ggml_reshape_2d(ctx, o, Q, B * t)
+        if padded:  # and back to the packed tokens
+            o = G.ggml_get_rows(ctx, o, shared["unpad"])
+        o = graph_mul_mat(ctx, w_o, wo, o)
+        if b_o is not None:
+            o = G.ggml_add(ctx, o, b_o)
+        x_out = G.ggml_add(ctx, x, o)
+        h = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, x_out, eps), ffn_norm)
+        if routed is None:
+            outputs = [x_out, h]
+            if w_router is not None:
+                outputs.append(G.ggml_mul_mat(ctx, w_router, h))
+            return inputs, outputs, [wk, wv]
+        # the routing (llama.cpp's build_moe_ffn) and, from one stack, the routed experts
+        ids, weights = routed.rule(ctx, G.ggml_mul_mat(ctx, w_router, h), cfg)  # [k, N] each
+        outputs = [x_out] + ([h] if routed.keep_h else [])
+        if one is not None:
+            n_k = ids.contents.ne[0]
+            picks = ids
+            if one.slot_of is not None:  # expert -> its slot's row of the slot stack
+                picks = G.ggml_reshape_2d(ctx, G.ggml_get_rows(ctx, slot_of, G.ggml_reshape_1d(ctx, ids, n_k * N)), n_k, N)
+            outputs.append(moe_ffn(ctx, ws, bias, self.act, G.ggml_reshape_3d(ctx, h, H, 1, N), picks,
+                                   G.ggml_reshape_3d(ctx, weights, 1, n_k, N)))
+        return inputs, outputs + [ids, weights], [wk, wv]

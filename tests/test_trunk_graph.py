@@ -38,12 +38,14 @@ class Both:
         assert self.model.trunk is not None, "this model's layers should run as trunk graphs"
         self.graphs = self.model.trunk
         self.calls = 0
-        layer = self.graphs.layer
+        for name in ("layer", "stage"):  # a layer's graph, or the stage's layers in one
+            setattr(self.graphs, name, self._counted(getattr(self.graphs, name)))
 
+    def _counted(self, call):
         def counted(*a, **kw):
             self.calls += 1
-            return layer(*a, **kw)
-        self.graphs.layer = counted
+            return call(*a, **kw)
+        return counted
 
     def run(self, fused: bool, fn):
         self.model.trunk = self.graphs if fused else None
@@ -234,3 +236,29 @@ def test_fused_moe_layers_match_the_two_call_path_and_count_alike(tiny_files, mo
     assert same.mean() >= 0.75, f"routing differs at {int((~same).sum())} positions"
     err = (got - ref).abs().max(-1).values / ref.abs().max()
     assert err[torch.from_numpy(same)].max() <= RTOL
+
+
+def test_the_stage_graph_is_its_layer_graphs_bit_for_bit(tiny_files):
+    """Decode steps run the stage's layers as one graph (every layer's routing and experts inside,
+    host path): the same bits as one graph per layer, the same experts counted, one call a step."""
+    routes = []
+    host = HostExperts(GGUFFile(tiny_files["qwen3moe"]), "ggml", on_route=lambda l, ids, w: routes.append((l, ids, w)))
+    model = load_model(tiny_files["qwen3moe"], route="ggml", experts=host)
+    calls = []
+    for name in ("layer", "stage"):
+        real = getattr(model.trunk, name)
+        setattr(model.trunk, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+    fn = _prefill_then_decode(token_ids(20), 9)
+    runs = []
+    for stage in (True, False):
+        model.stage_graph = stage
+        routes.clear(), calls.clear()
+        with torch.inference_mode():
+            runs.append((fn(model), list(routes), list(calls), host.computed))
+    (got, r_got, c_got, n_got), (ref, r_ref, c_ref, n_ref) = runs
+    assert torch.equal(got, ref)
+    assert n_got == n_ref - n_got > 0  # the host copy's count of experts computed, alike
+    assert len(r_got) == len(r_ref) and all(a[0] == b[0] and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+                                            for a, b in zip(r_got, r_ref))
+    steps = 2 + 20 - 9 - 5  # two prefill chunks, then one token a step
+    assert c_got == ["stage"] * steps and c_ref == ["layer"] * 3 * steps  # 3 layers
