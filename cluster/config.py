@@ -103,6 +103,9 @@ class ServeOptions:
     max_waiting: int = 64  # requests queued for a slot before 429
     api_key: Optional[str] = None
     metrics_interval_s: float = 2.0
+    # Metrics through Ray (ray.util.metrics -> Prometheus). False (`--local --no-metrics`): none, and
+    # no Ray at all: its metrics recorder cost the one process ~3 ms a token (README "HTTP load").
+    metrics: bool = True
     # --local: bytes of the one simulated device (holds every expert of the default model)
     local_budget: int = 4 << 30
     # --local: ggml's threads in the one process; None: every core it may run on (README "HTTP load")

@@ -6,7 +6,7 @@ uvicorn on a thread of its own. Serve's proxy and replica are not in the way: th
 streamed chunk crossed two processes and Ray's streaming calls, whose threads took CPU from ggml's
 on every token (README "HTTP load" has the figures, side by side). Ray still
 runs beside it for the metrics (`ray.util.metrics` from this driver, Prometheus on
---metrics-export-port) and the optional dashboard; the stage pipeline (`moeray serve` without
+--metrics-export-port) and the optional dashboard, unless `--no-metrics` leaves Ray out too; the stage pipeline (`moeray serve` without
 --local) keeps Serve, whose replica owns the stage actors.
 """
 from __future__ import annotations

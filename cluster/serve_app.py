@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP server: a FastAPI app over the engine, deployed with Ray Serve.
+"""The OpenAI-compatible HTTP server: a FastAPI app over the engine, deployed with Ray Serve (the
+stage pipeline) or served by uvicorn from the `moeray serve --local` process (cluster/local_server.py).
 
 Who owns what: the Serve deployment (one replica) owns everything behind it. Its constructor
 builds the Service (cluster/service.py), which runs the driver (probe -> plan -> load -> wire), so

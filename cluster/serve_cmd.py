@@ -43,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None,
                    help="--local: ggml's threads in the one process (default: every core it may run on; each "
                         "graph then learns whether one thread or all compute it faster; 1: one thread)")
+    p.add_argument("--no-metrics", action="store_true",
+                   help="--local: no Prometheus metrics and no Ray at all (Ray's metrics cost the one process "
+                        "~3 ms a token on a small machine; README \"HTTP load\")")
     add_launch_arguments(p)
     add_engine_arguments(p)
     p.add_argument("--metrics-export-port", type=int, default=8080,
@@ -70,7 +73,8 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
             # 16 clients: 48.6 against 37.0 out tok/s with two lanes, README "HTTP load").
             engine.micro_batches = 1
     return ServeOptions(model=args.model, model_name=args.model_name, local=args.local, launch=launch, engine=engine,
-                        max_waiting=args.max_waiting, api_key=args.api_key or None, threads=args.threads)
+                        max_waiting=args.max_waiting, api_key=args.api_key or None, threads=args.threads,
+                        metrics=not args.no_metrics)
 
 
 def check_ports(args: argparse.Namespace) -> None:
@@ -80,7 +84,7 @@ def check_ports(args: argparse.Namespace) -> None:
     from moeray.cluster.cli import CLIError
 
     wanted = [("--port", args.host, args.port)]
-    if not args.address:  # joining a cluster: its nodes export their own metrics
+    if not args.address and not args.no_metrics:  # joining a cluster: its nodes export their own metrics
         if args.metrics_export_port == 0:
             from moeray.stages.transport import free_port
 
@@ -207,10 +211,16 @@ def run(args: argparse.Namespace) -> int:
         from moeray.cluster.cli import CLIError
 
         raise CLIError("--threads N (N >= 1) is for --local, the one process; stages take their cores' share")
+    if args.no_metrics and (not args.local or args.address or args.dashboard):
+        from moeray.cluster.cli import CLIError
+
+        raise CLIError("--no-metrics is for --local on its own (no Ray at all): not with stages, --address or --dashboard")
     check_ports(args)
     local = None
     try:
-        ray_dashboard = start_ray(args.address, args.metrics_export_port, args.dashboard, args.dashboard_port)
+        ray_dashboard = None
+        if not args.no_metrics:
+            ray_dashboard = start_ray(args.address, args.metrics_export_port, args.dashboard, args.dashboard_port)
         stop_on_signals()
         opts = options_from_args(args)
         if args.local:  # the model and the HTTP server in this process (cluster/local_server.py)
@@ -226,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
         for line in report["plan"]:
             print(line)
         print(f"serving {report['model']} at {url}/v1 (context {report['context']} tokens)")
-        if not args.address:
+        if not args.address and not args.no_metrics:
             print(f"Ray metrics (Prometheus): http://127.0.0.1:{args.metrics_export_port}/metrics")
         if ray_dashboard:
             print(f"Ray dashboard (stage actors, logs, metrics): {ray_dashboard}")
@@ -238,7 +248,8 @@ def run(args: argparse.Namespace) -> int:
         while True:  # serve until SIGINT / SIGTERM
             time.sleep(3600)
     except Stop as stop:
-        what = "the HTTP server, the engine and Ray" if args.local else "Serve, the stages and Ray"
+        what = ("the HTTP server, the engine" + ("" if args.no_metrics else " and Ray")) if args.local else \
+            "Serve, the stages and Ray"
         print(f"moeray serve: {stop}: shutting down {what} ...", file=sys.stderr, flush=True)
     finally:
         if local is not None:

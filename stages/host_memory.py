@@ -4,9 +4,9 @@ transparent huge pages.
 A decode token reads its routed experts once, from scattered places (a few MiB per expert), so
 the cost is DRAM bandwidth plus the TLB: with 4 KiB pages a 2.65 MiB expert is ~680 page walks,
 with 2 MiB pages two. Linux's default THP mode ("madvise") gives huge pages only where a mapping
-asks, and neither the file mapping (page cache) nor torch's allocator asks. Measured on this
-machine (the default model's 30 layers of routed experts, batch 1, one thread, 8 interleaved
-rounds): 14.8 ms from the mapping, 13.9 ms from a torch copy, 13.2 ms from this buffer.
+asks, and neither the file mapping (page cache) nor torch's allocator asks. `bench/hugepages.py`
+measures it (README, "Weight layout"): on the default model, every expert resident went 23.3 ->
+19.6 ms a token, the host path 21.2 -> 20.7 (one thread, CPU time per token).
 
 `MOERAY_HUGEPAGES=0` turns it off (plain torch memory), e.g. where huge pages are scarce and the
 kernel's compaction at first touch would slow the load.

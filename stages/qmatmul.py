@@ -517,7 +517,9 @@ class QMatrix:
             w = dequantize(b, ggml_type, shape)  # F32: still a view of the mapping
             return cls(to_device(w, device) if copy or torch.device(device).type != "cpu" else w,
                        ggml_type, shape, "exact")
-        if copy or torch.device(device).type != "cpu":
+        if torch.device(device).type == "cpu" and copy:
+            b = weight_buffer(b.numel()).copy_(b.reshape(-1))  # huge pages: a token streams it whole
+        elif copy or torch.device(device).type != "cpu":
             b = to_device(b, device)
         return cls(b.reshape(-1), ggml_type, shape, route)
 

@@ -64,3 +64,21 @@ def test_local_serves_from_its_own_process_exports_metrics_and_stops_with_exit_0
     err = "".join(server.errors)
     assert rc == 0 and "shutting down the HTTP server, the engine and Ray" in err, err[-2000:]
     assert err.rstrip().endswith("moeray serve: stopped") and "Traceback" not in err, err[-2000:]
+
+
+def test_local_without_metrics_runs_no_ray_at_all(default_model_path):
+    """`--local --no-metrics`: the same API from one process and nothing else (no raylet, no GCS)."""
+    server = start_serve([str(default_model_path), "--local", "--no-metrics", "--max-seqs", "2", "--max-len", "512",
+                          "--model-name", "m", "--ready-timeout", "240"], free_port())
+    try:
+        assert psutil.Process(server.proc.pid).children(recursive=True) == []
+        assert not any("Ray metrics" in line for line in server.lines)
+        events = _stream(server.url, {"model": "m", "messages": [{"role": "user", "content": "Hi"}],
+                                      "max_tokens": 4, "stream": True, "temperature": 0})
+        assert events[-1] == "[DONE]" and json.loads(events[-2])["choices"][0]["finish_reason"] in ("stop", "length")
+    finally:
+        server.proc.send_signal(signal.SIGTERM)
+        rc = server.proc.wait(60)
+    time.sleep(0.5)
+    err = "".join(server.errors)
+    assert rc == 0 and err.rstrip().endswith("moeray serve: stopped") and "Traceback" not in err, err[-2000:]

@@ -141,19 +141,25 @@ def split_step(q4k_model):
     return cache, x, ids, w
 
 
+def mapped_and_copied(g, monkeypatch):
+    """The host experts of layers [0, 2) read in place, and copied (MOERAY_HOST_EXPERTS=repacked)."""
+    from moeray.stages.moe import HostExperts
+
+    out = []
+    for layout in ("mapped", "repacked"):
+        monkeypatch.setenv("MOERAY_HOST_EXPERTS", layout)
+        out.append(HostExperts(g, "ggml"))
+        out[-1].prepare(0, 2)
+    return out
+
+
 def test_host_experts_repacked_give_the_mapped_experts_output(q4k_model, monkeypatch):
     from moeray.stages.gguf_file import GGUFFile
-    from moeray.stages.moe import HostExperts
 
     g = GGUFFile(q4k_model)
     x = torch.randn(5, g.config.hidden, generator=torch.Generator().manual_seed(4))
     ids, w = routed(5, g.config.n_experts, 2, seed=4)
-    monkeypatch.setenv("MOERAY_HOST_EXPERTS", "mapped")
-    mapped = HostExperts(g, "ggml")
-    mapped.prepare(0, 2)
-    monkeypatch.setenv("MOERAY_HOST_EXPERTS", "repacked")
-    packed = HostExperts(g, "ggml")
-    packed.prepare(0, 2)
+    mapped, packed = mapped_and_copied(g, monkeypatch)
     assert all(p.repacked for p in packed.stack(1).parts) and not any(p.repacked for p in mapped.stack(1).parts)
     out = packed.forward(1, x, ids, w)
     assert rel(out, mapped.forward(1, x, ids, w)) < TOLERANCE
@@ -273,15 +279,9 @@ def test_the_host_copy_holds_kinds_ggml_cannot_repack_as_the_files_blocks(mixed_
     import ctypes
 
     from moeray.stages.gguf_file import GGUFFile
-    from moeray.stages.moe import HostExperts
 
     g = GGUFFile(mixed_model)
-    monkeypatch.setenv("MOERAY_HOST_EXPERTS", "mapped")
-    mapped = HostExperts(g, "ggml")
-    mapped.prepare(0, 2)
-    monkeypatch.setenv("MOERAY_HOST_EXPERTS", "repacked")
-    copied = HostExperts(g, "ggml")
-    copied.prepare(0, 2)
+    mapped, copied = mapped_and_copied(g, monkeypatch)
     (gate, up, down), (mgate, _, _) = copied.stack(1).parts, mapped.stack(1).parts
     assert (T(gate.ggml_type), T(down.ggml_type)) == (T.Q5_0, T.Q4_K)
     assert not gate.repacked and not up.repacked and down.repacked
