@@ -153,6 +153,7 @@ def profile_decode(path: str, n_prompt: int, n_decode: int, route: str | None = 
     patches = [timed(layers.Attention, "forward", "attention (qkv, rope, kv write, sdpa, out proj)"),
                timed(trunk_graph.TrunkGraphs, "layer", "trunk graph (norms, qkv, rope, kv write, attention, "
                                                        "out proj, residual, router logits)"),
+               timed(trunk_graph.TrunkGraphs, "stage", "stage graph (every layer's trunk, routing, experts)"),
                timed(trunk_graph.TrunkGraphs, "step", "trunk graph step inputs (positions, mask)"),
                timed(moe.MoEBlock, "route", "router + top-k"),
                timed(type(model.experts), "forward", "routed experts"),

@@ -21,6 +21,7 @@ with optional per-expert biases on gate, up and down (ggml's add_id, the op llam
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -58,9 +59,14 @@ class Stack:
     owner: object = None
     biases: tuple = (None, None, None)
 
-    def key(self) -> tuple:
+    @cached_property
+    def _key(self) -> tuple:
         return tuple((int(p.ggml_type), p.rows, p.cols, p.stride, p.repacked) for p in self.parts) + (
             self.n, tuple(None if b is None else b.shape[1] for b in self.biases))
+
+    def key(self) -> tuple:
+        """What a graph over this stack depends on (computed once: a decode step asks per layer)."""
+        return self._key
 
 
 @dataclass(frozen=True)

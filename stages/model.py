@@ -76,6 +76,7 @@ class StageModel(torch.nn.Module):
         # MOERAY_STAGE_GRAPH=0: one graph per layer, never the stage's layers in one
         self.fuse_moe = os.environ.get("MOERAY_FUSED_MOE", "1") != "0"
         self.stage_graph = os.environ.get("MOERAY_STAGE_GRAPH", "1") != "0"
+        self._specs = None  # each layer's trunk_graph.LayerSpec, made at the first graph step
         self.register_buffer("out_norm", None, persistent=False)
         self.w_out = None
         if self.has_head:
@@ -309,24 +310,25 @@ class StageModel(torch.nn.Module):
         runs its experts after the graph (at most two expert graphs), from the graph's ids. When
         every layer runs whole inside (no shared expert either) a decode-sized step runs the
         stage's layers as ONE graph (TrunkGraphs.stage), as llama.cpp runs a token."""
+        if self._specs is None:  # once, after load: each layer's FFN and fixed graph inputs
+            self._specs = [(l.ffn, LayerSpec(l.attn_norm, l.attn, l.ffn_norm,
+                                             l.ffn.w_router if isinstance(l.ffn, MoEBlock) else None))
+                           for l in self.layers]
         specs = []
-        for layer in self.layers:
-            ffn = layer.ffn
-            moe = isinstance(ffn, MoEBlock)
+        for ffn, base in self._specs:
             routed = None
-            if moe and self.fuse_moe and ffn.graph_routing is not None:
+            if base.router is not None and self.fuse_moe and ffn.graph_routing is not None:
                 one = ffn.one_stack()
                 routed = Routed(ffn.graph_routing, one, one is None or ffn.shared is not None)
-            specs.append(LayerSpec(layer.attn_norm, layer.attn, layer.ffn_norm, ffn.w_router if moe else None, routed))
+            specs.append(base if routed is None else base.with_routed(routed))
         if self.stage_graph and step.n <= STAGE_TOKENS and all(s.routed is not None and not s.routed.keep_h for s in specs):
             x, ids, weights = self.trunk.stage(step, x, specs, kv)
             ids = ids.long()
-            for layer, spec, i, w in zip(self.layers, specs, ids, weights):
-                layer.ffn.count_graph(i, w, spec.routed.one)
+            for (ffn, _), spec, i, w in zip(self._specs, specs, ids, weights):
+                ffn.count_graph(i, w, spec.routed.one)
             return x
         r = None
-        for layer, spec in zip(self.layers, specs):
-            ffn = layer.ffn
+        for (ffn, _), spec in zip(self._specs, specs):
             out = self.trunk.layer(step, x, r, spec, kv)
             x = out.x
             if spec.routed is not None:

@@ -9,10 +9,19 @@ added first, so that residual add joins this graph):
     a step mask, padded keys masked);  x = x + W_o o (+ b);  h = rms_norm(x) * ffn_norm;
     logits = W_router h  (MoE layers)
 
-and returns x, h and the router logits; routing, the experts' mul_mat_id graph and a shared or
-dense FFN run between two such calls. One graph serves every layer of the same shape: weights,
-norms, pool and step inputs are placeholders whose data pointers are assigned per call
-(qmatmul.graph_weight / graph_key / graph_ptr for the weights).
+and returns x, h and the router logits. An MoE layer whose routing rule has a graph form
+(softmax top-k: stages/routing.py GRAPH_ROUTING) routes inside the graph too, as llama.cpp's
+build_moe_ffn does (soft_max, argsort_top_k, get_rows, renormalised), and returns the ids and
+weights; when one stack serves every pick (the host path, or every expert of the layer resident:
+MoEBlock.one_stack) its routed experts' mul_mat_id nodes join as well (stages/expert_graph.py
+moe_ffn), so the layer is one call. Otherwise the experts (and a shared or dense FFN) run between
+two such calls. One graph serves every layer of the same shape: weights, norms, pool and step
+inputs are placeholders whose data pointers are assigned per call (qmatmul.graph_weight /
+graph_key / graph_ptr for the weights).
+
+`TrunkGraphs.stage` chains every layer of a stage into one graph for a decode-sized step when
+each runs whole inside (no shared expert): one call a step, the next layer's residual add inside,
+as llama.cpp runs a token. The caller counts each layer's experts from the ids it returns.
 
 Keys are read where they lie: a view of the pool when the step's block tables allow one
 (BatchMeta.read_view), else the step's whole blocks gathered with ggml_get_rows. Their count is
@@ -154,15 +163,29 @@ class LayerOut(NamedTuple):
     weights: torch.Tensor | None = None
 
 
-@dataclass(frozen=True)
 class LayerSpec:
     """What one layer's trunk graph reads: its norms, attention, router [E, H] (MoE layers) and
-    with `routed` its routing (and experts) inside the graph."""
-    attn_norm: torch.Tensor
-    attn: Attention
-    ffn_norm: torch.Tensor
-    router: torch.Tensor | None = None
-    routed: Routed | None = None
+    with `routed` its routing (and experts) inside the graph. A stage makes one per layer once
+    (its key and the pointers of its weights, fixed after load, computed then) and derives each
+    step's with `with_routed`: a decode step pays no per-layer tuple building for them."""
+    __slots__ = ("attn_norm", "attn", "ffn_norm", "router", "routed", "_key", "_ptrs")
+
+    def __init__(self, attn_norm: torch.Tensor, attn: Attention, ffn_norm: torch.Tensor,
+                 router: torch.Tensor | None = None, routed: Routed | None = None):
+        self.attn_norm, self.attn, self.ffn_norm, self.router, self.routed = attn_norm, attn, ffn_norm, router, routed
+        a = attn
+        opt = self.optional()
+        self._key = (a.w_qkv[0].graph_key, a.w_o.graph_key, tuple(o is not None for o in opt),
+                     None if router is None else router.shape[0])
+        self._ptrs = ([attn_norm.data_ptr(), a.w_qkv[0].graph_ptr, a.w_o.graph_ptr, ffn_norm.data_ptr()],
+                      [o.data_ptr() for o in opt if o is not None] + ([] if router is None else [router.data_ptr()]))
+
+    def with_routed(self, routed: Routed | None) -> "LayerSpec":
+        spec = object.__new__(LayerSpec)
+        for name in LayerSpec.__slots__:
+            setattr(spec, name, getattr(self, name))
+        spec.routed = routed
+        return spec
 
     def optional(self) -> tuple:
         a = self.attn
@@ -170,23 +193,18 @@ class LayerSpec:
 
     def key(self) -> tuple:
         """Everything the layer's nodes depend on (layers of one key share a graph)."""
-        a, r = self.attn, self.routed
-        return (a.w_qkv[0].graph_key, a.w_o.graph_key, tuple(o is not None for o in self.optional()),
-                None if self.router is None else self.router.shape[0],
-                None if r is None else (r.rule, r.one and r.one.key(), r.keep_h))
+        r = self.routed
+        return self._key + (None if r is None else (r.rule, r.one and r.one.key(), r.keep_h),)
 
     def ptrs(self, step: Step, kv: KVPool) -> list[int]:
         """The data pointers of the layer's inputs, in _layer_nodes' order."""
-        a = self.attn
-        k_pool, v_pool = kv.layer(a.layer)
-        ptrs = [self.attn_norm.data_ptr(), a.w_qkv[0].graph_ptr, a.w_o.graph_ptr, self.ffn_norm.data_ptr(),
-                k_pool.data_ptr(), v_pool.data_ptr()]
+        k_pool, v_pool = kv.layer(self.attn.layer)
+        k, v = k_pool.data_ptr(), v_pool.data_ptr()
+        ptrs = self._ptrs[0] + [k, v]
         if step.read_base >= 0:  # the keys as views of the pool from the step's first row
             row = k_pool.shape[2] * 4  # bytes per pool row
-            ptrs += [k_pool.data_ptr() + step.read_base * row, v_pool.data_ptr() + step.read_base * row]
-        ptrs += [o.data_ptr() for o in self.optional() if o is not None]
-        if self.router is not None:
-            ptrs.append(self.router.data_ptr())
+            ptrs += [k + step.read_base * row, v + step.read_base * row]
+        ptrs += self._ptrs[1]
         one = None if self.routed is None else self.routed.one
         if one is not None:
             ptrs += stack_pointers(one.stack)
