@@ -47,6 +47,23 @@ class LocalServer:
                 raise MoerayError(f"the HTTP server did not start on {host}:{port} within {ready_timeout_s:.0f} s")
             time.sleep(0.05)
 
+    def failure(self) -> str | None:
+        """Why this server can no longer serve (its engine thread or its HTTP thread died), else
+        None. Under Serve a dead replica is restarted; one process cannot restart itself, so
+        `moeray serve --local` exits on it and leaves the restart to a supervisor."""
+        loop = self.service.loop
+        if not loop.alive:
+            return f"the engine stopped: {loop.fatal or 'its thread ended'}"
+        if not self.thread.is_alive():
+            return "the HTTP server's thread ended"
+        return None
+
+    def wait(self, poll_s: float = 1.0) -> str:
+        """Block until failure() says why (a signal interrupts it first, as `moeray serve` stops)."""
+        while (why := self.failure()) is None:
+            time.sleep(poll_s)
+        return why
+
     def close(self, timeout_s: float = 30.0) -> None:
         self.server.should_exit = True
         self.thread.join(timeout_s)

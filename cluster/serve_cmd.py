@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
 
         raise CLIError("--no-metrics is for --local on its own (no Ray at all): not with stages, --address or --dashboard")
     check_ports(args)
-    local = None
+    local, rc = None, 0
     try:
         ray_dashboard = None
         if not args.no_metrics:
@@ -245,8 +245,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"live stage page: {url}/dashboard" + ("?key=$MOERAY_API_KEY" if opts.api_key else ""))
         print(curl_example(url, report["model"], opts.api_key))
         sys.stdout.flush()
-        while True:  # serve until SIGINT / SIGTERM
-            time.sleep(3600)
+        if local is not None:  # serve until SIGINT / SIGTERM, or until the one process cannot serve
+            why = local.wait()
+            print(f"moeray serve: {why}; exiting with status 1 so that a supervisor (systemd, Kubernetes, "
+                  "a shell loop) restarts the server", file=sys.stderr, flush=True)
+            rc = 1
+        else:
+            while True:  # serve until SIGINT / SIGTERM (Serve restarts a replica that dies)
+                time.sleep(3600)
     except Stop as stop:
         what = ("the HTTP server, the engine" + ("" if args.no_metrics else " and Ray")) if args.local else \
             "Serve, the stages and Ray"
@@ -256,7 +262,7 @@ def run(args: argparse.Namespace) -> int:
             local.close()
         shutdown(serve_started=not args.local)
     print("moeray serve: stopped", file=sys.stderr)
-    return 0
+    return rc
 
 
 def shutdown(serve_started: bool = True) -> None:

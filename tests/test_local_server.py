@@ -82,3 +82,59 @@ def test_local_without_metrics_runs_no_ray_at_all(default_model_path):
     time.sleep(0.5)
     err = "".join(server.errors)
     assert rc == 0 and err.rstrip().endswith("moeray serve: stopped") and "Traceback" not in err, err[-2000:]
+
+
+# `moeray serve --local` with the engine's step made to fail on its 3rd call (a fault injected at the
+# engine's boundary, in the server process itself): the one process cannot restart its engine as
+# Serve restarts a replica, so it must exit non-zero with the reason, not linger answering 503s.
+_FAILING_SERVE = """
+import sys
+from moeray.cluster import engine
+real, calls = engine.Engine.step, [0]
+def step(self):
+    calls[0] += 1
+    if calls[0] >= 3:
+        raise RuntimeError("injected: the step failed")
+    return real(self)
+engine.Engine.step = step
+from moeray.cluster.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_local_exits_with_status_1_and_the_reason_when_its_engine_dies(default_model_path):
+    import subprocess
+    import sys
+    import threading
+    import urllib.error
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", _FAILING_SERVE, "serve", str(default_model_path), "--local",
+                             "--no-metrics", "--max-seqs", "2", "--max-len", "512", "--model-name", "m",
+                             "--port", str(port), "--ready-timeout", "240"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines, errors = [], []
+    threading.Thread(target=lambda: lines.extend(proc.stdout), daemon=True).start()
+    threading.Thread(target=lambda: errors.extend(proc.stderr), daemon=True).start()
+    try:
+        deadline = time.monotonic() + 240
+        while not any(line.startswith("curl ") for line in lines):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(errors[-20:])
+            time.sleep(0.5)
+        body = {"model": "m", "messages": [{"role": "user", "content": "Count to twenty."}], "max_tokens": 16,
+                "temperature": 0}
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as failed:
+            urllib.request.urlopen(req, timeout=60)
+        assert failed.value.code == 503 and "injected: the step failed" in failed.value.read().decode()
+        rc = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    time.sleep(0.5)  # the stderr reader drains the last lines
+    err = "".join(errors)
+    assert rc == 1, err[-2000:]
+    assert "the engine stopped: RuntimeError: injected: the step failed; exiting with status 1" in err, err[-2000:]
+    assert err.rstrip().endswith("moeray serve: stopped"), err[-2000:]
