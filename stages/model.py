@@ -322,11 +322,13 @@ class StageModel(torch.nn.Module):
                 routed = Routed(ffn.graph_routing, one, one is None or ffn.shared is not None)
             specs.append(base if routed is None else base.with_routed(routed))
         if self.stage_graph and step.n <= STAGE_TOKENS and all(s.routed is not None and not s.routed.keep_h for s in specs):
-            x, ids, weights = self.trunk.stage(step, x, specs, kv)
-            ids = ids.long()
-            for (ffn, _), spec, i, w in zip(self._specs, specs, ids, weights):
-                ffn.count_graph(i, w, spec.routed.one)
-            return x
+            got = self.trunk.stage(step, x, specs, kv)
+            if got is not None:
+                x, ids, weights = got
+                ids = ids.long()
+                for (ffn, _), spec, i, w in zip(self._specs, specs, ids, weights):
+                    ffn.count_graph(i, w, spec.routed.one)
+                return x
         r = None
         for (ffn, _), spec in zip(self._specs, specs):
             out = self.trunk.layer(step, x, r, spec, kv)

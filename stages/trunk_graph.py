@@ -48,6 +48,11 @@ from moeray.stages.layers import Attention, BatchMeta
 from moeray.stages.qmatmul import GLU, GraphPlans, ggml_lib, graph_mul_mat, graph_weight, place_scratch
 
 KEY_PAD = 64  # keys per graph shape: a decode step builds a new graph every KEY_PAD tokens
+# A stage graph gives every intermediate of every layer its own scratch (nothing is reused between
+# layers): at most this much per graph (the default model at 16 tokens: ~30 MB; a 48-layer top-8
+# model's 16-token step would take ~200 MB and runs per layer), and at most STAGE_GRAPHS kept.
+STAGE_SCRATCH_BYTES = 96 << 20
+STAGE_GRAPHS = 4
 
 
 class MultiGraph:
@@ -220,6 +225,7 @@ class TrunkGraphs:
         self.cfg = cfg
         self.act = GLU.of(cfg)
         self._graphs: dict[tuple, MultiGraph] = {}
+        self._stages: dict[tuple, MultiGraph | bool] = {}  # stage graphs, oldest first
 
     def step(self, meta: BatchMeta, kv: KVPool) -> Step | None:
         """The step's shared inputs, or None when its shape has no graph form: sequences adding
@@ -277,13 +283,23 @@ class TrunkGraphs:
         return out
 
     def stage(self, step: Step, x: torch.Tensor, layers: list[LayerSpec], kv: KVPool
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """Every layer of the stage in one graph, as llama.cpp runs a token: each layer's routing
         and routed experts inside (every `routed.one` set, no shared expert), each layer's FFN
         output added to the residual inside. x [N, H] -> (the stream after the last layer's FFN,
-        ids [L, N, k] int32, weights [L, N, k]), for the caller's counting per layer."""
-        g = self._graph((step.key, "stage") + tuple(l.key() for l in layers),
-                        lambda: self._builder(step, layers, False, True), 96 * len(layers))
+        ids [L, N, k] int32, weights [L, N, k]), for the caller's counting per layer; None when the
+        step's graph would hold more than STAGE_SCRATCH_BYTES of intermediates."""
+        key = (step.key,) + tuple(l.key() for l in layers)
+        g = self._stages.get(key)
+        if g is None:
+            g = MultiGraph(self._builder(step, layers, False, True), 96 * len(layers))
+            if g.scratch.numel() > STAGE_SCRATCH_BYTES:
+                g = False  # too big a step for one graph (remembered): one graph per layer
+            if len(self._stages) >= STAGE_GRAPHS:
+                self._stages.pop(next(iter(self._stages)))  # the oldest shape (decode moves on)
+            self._stages[key] = g
+        if g is False:
+            return None
         N, H = x.shape
         L, k = len(layers), self.cfg.n_experts_used
         out, ids, weights = torch.empty(N, H), torch.empty(L, N, k, dtype=torch.int32), torch.empty(L, N, k)
