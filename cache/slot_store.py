@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import torch
 
-from moeray.stages.host_memory import weight_buffer
-
 KINDS = ("gate", "up", "down")
 
 
@@ -40,7 +38,7 @@ class SlotStore:
     def __init__(self, host, layers: list[int], n_slots: int, row: int):
         self.host, self.n_slots, self.row = host, n_slots, row
         # Huge pages: a hit streams its expert's rows as a miss streams the host copy's.
-        self.buffer = weight_buffer(max(1, n_slots) * row).view(max(1, n_slots), row)
+        self.buffer = host.weight_buffer(max(1, n_slots) * row).view(max(1, n_slots), row)
         # Biases (gpt-oss) per kind, [n_slots, widest rows] float32, where any layer has them.
         self.biases = []
         for i in range(3):

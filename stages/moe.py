@@ -164,6 +164,10 @@ class HostExperts:
                 self._stacks[layer] = stack
         return self._stacks[layer]
 
+    # Memory for streamed weights (huge pages, stages/host_memory.py), also for a CPU stage's slots
+    # (cache/slot_store.py asks the host: cache/ does not import stages/).
+    weight_buffer = staticmethod(weight_buffer)
+
     def _buffer(self, n: int) -> torch.Tensor:
         """n bytes for a copied kind: the next 64-byte aligned piece of prepare()'s buffer, or a
         buffer of its own for a layer built lazily."""
