@@ -83,9 +83,9 @@ def host_experts() -> str:
     (stages/repack.py), as the file's blocks otherwise."""
     m = os.environ.get("MOERAY_HOST_EXPERTS", "").strip().lower() or "auto"
     if m not in HOST_EXPERTS:
-        raise MoerayError(f"MOERAY_HOST_EXPERTS={m!r}: choose auto (a repacked copy when it fits), mapped (read "
-                          "the experts in place from the file mapping) or repacked (always copy them into ggml's "
-                          "repacked layout at load: more RAM)")
+        raise MoerayError(f"MOERAY_HOST_EXPERTS={m!r}: choose auto (a copy when it fits), mapped (read the "
+                          "experts in place from the file mapping) or repacked (always copy them at load, in ggml's "
+                          "repacked layout where it has kernels: more RAM)")
     return m
 
 
