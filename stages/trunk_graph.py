@@ -45,7 +45,7 @@ import torch
 from moeray.stages.expert_graph import OneStack, moe_ffn, stack_pointers, stack_tensors
 from moeray.stages.kv_cache import BLOCK_SIZE, KVPool
 from moeray.stages.layers import Attention, BatchMeta
-from moeray.stages.qmatmul import GLU, GraphPlans, ggml_lib, graph_mul_mat, graph_weight, place_scratch
+from moeray.stages.qmatmul import GLU, GraphPlans, QMatrix, ggml_lib, graph_mul_mat, graph_weight, place_scratch
 
 KEY_PAD = 64  # keys per graph shape: a decode step builds a new graph every KEY_PAD tokens
 # A stage graph gives every intermediate of every layer its own scratch (nothing is reused between
@@ -147,19 +147,55 @@ class Step:
 @dataclass(frozen=True)
 class Routed:
     """An MoE layer's routing inside its trunk graph: the rule as graph nodes (stages/routing.py
-    GRAPH_ROUTING), and with `one` (the stack that serves every pick) the routed experts too;
-    keep_h: the caller needs the normed input still (the experts run after the graph, or a
-    shared expert does)."""
+    GRAPH_ROUTING) with its selection bias [E] (None: none), and with `one` (the stack that serves
+    every pick) the routed experts too; keep_h: the caller needs the normed input still (the
+    experts run after the graph)."""
     rule: Callable
     one: OneStack | None = None
     keep_h: bool = True
+    bias: torch.Tensor | None = None
+
+
+class Dense:
+    """A SwiGLU FFN as graph nodes, down(silu(gate h) * up h), over the trunk's QMatrix weights: a
+    dense layer's FFN (DeepSeek's first layers, GLM's first), or an MoE layer's shared expert,
+    scaled by sigmoid(w_gate . h) where it is gated (qwen2moe). The same ggml ops as the torch
+    path's qmatmul.swiglu on the same h, so the same bits (the gate's dot product aside)."""
+    __slots__ = ("w", "w_gate", "_key", "_ptrs")
+
+    def __init__(self, gate: QMatrix, up: QMatrix, down: QMatrix, w_gate: torch.Tensor | None = None):
+        self.w, self.w_gate = (gate, up, down), w_gate
+        self._key = tuple(m.graph_key for m in self.w) + (w_gate is not None,)
+        self._ptrs = [m.graph_ptr for m in self.w] + ([] if w_gate is None else [w_gate.data_ptr()])
+
+    @staticmethod
+    def of(gate: QMatrix, up: QMatrix, down: QMatrix, w_gate: torch.Tensor | None = None) -> "Dense | None":
+        """The FFN's graph form, or None where its weights are not on the ggml route (float32)."""
+        ok = all(m.route == "ggml" and m.device.type == "cpu" for m in (gate, up, down))
+        return Dense(gate, up, down, w_gate) if ok else None
+
+    def key(self) -> tuple:
+        return self._key
+
+    def nodes(self, ctx, new, h):
+        """(its inputs, in `_ptrs` order; its output [H, N]) from h [H, N]."""
+        G = ggml_lib()
+        ws = [graph_weight(ctx, m) for m in self.w]
+        gate, up, down = self.w
+        y = graph_mul_mat(ctx, down, ws[2], G.ggml_mul(ctx, G.ggml_silu(ctx, graph_mul_mat(ctx, gate, ws[0], h)),
+                                                       graph_mul_mat(ctx, up, ws[1], h)))
+        if self.w_gate is None:
+            return ws, y
+        w_gate = new(h.contents.ne[0], 1)
+        return ws + [w_gate], G.ggml_mul(ctx, y, G.ggml_sigmoid(ctx, G.ggml_mul_mat(ctx, w_gate, h)))
 
 
 class LayerOut(NamedTuple):
     """A trunk graph's outputs: the residual stream x; h, the FFN's normed input (None where the
     caller needs it not); the router logits [N, E] (MoE layers routed outside); with the routing
-    inside, ids [N, k] int32 and weights [N, k], and the routed experts' output [N, H] when they
-    ran inside too."""
+    inside, ids [N, k] int32 and weights [N, k], and the routed experts' output [N, H] (with the
+    shared expert's added) when they ran inside too; `routed` is a dense layer's FFN output when
+    that ran inside."""
     x: torch.Tensor
     h: torch.Tensor | None = None
     logits: torch.Tensor | None = None
@@ -172,12 +208,14 @@ class LayerSpec:
     """What one layer's trunk graph reads: its norms, attention, router [E, H] (MoE layers) and
     with `routed` its routing (and experts) inside the graph. A stage makes one per layer once
     (its key and the pointers of its weights, fixed after load, computed then) and derives each
-    step's with `with_routed`: a decode step pays no per-layer tuple building for them."""
-    __slots__ = ("attn_norm", "attn", "ffn_norm", "router", "routed", "_key", "_ptrs")
+    step's with `with_routed`: a decode step pays no per-layer tuple building for them. `dense`:
+    the FFN inside the graph (a dense layer's), or an MoE layer's shared expert (with `routed.one`)."""
+    __slots__ = ("attn_norm", "attn", "ffn_norm", "router", "routed", "dense", "_key", "_ptrs")
 
     def __init__(self, attn_norm: torch.Tensor, attn: Attention, ffn_norm: torch.Tensor,
-                 router: torch.Tensor | None = None, routed: Routed | None = None):
+                 router: torch.Tensor | None = None, routed: Routed | None = None, dense: Dense | None = None):
         self.attn_norm, self.attn, self.ffn_norm, self.router, self.routed = attn_norm, attn, ffn_norm, router, routed
+        self.dense = dense
         a = attn
         opt = self.optional()
         self._key = (a.w_qkv[0].graph_key, a.w_o.graph_key, tuple(o is not None for o in opt),
@@ -185,12 +223,18 @@ class LayerSpec:
         self._ptrs = ([attn_norm.data_ptr(), a.w_qkv[0].graph_ptr, a.w_o.graph_ptr, ffn_norm.data_ptr()],
                       [o.data_ptr() for o in opt if o is not None] + ([] if router is None else [router.data_ptr()]))
 
-    def with_routed(self, routed: Routed | None) -> "LayerSpec":
+    def with_routed(self, routed: Routed | None, dense: Dense | None = None) -> "LayerSpec":
         spec = object.__new__(LayerSpec)
         for name in LayerSpec.__slots__:
             setattr(spec, name, getattr(self, name))
-        spec.routed = routed
+        spec.routed, spec.dense = routed, dense
         return spec
+
+    @property
+    def whole(self) -> bool:
+        """The layer's whole FFN runs inside its graph (it can join a stage graph)."""
+        r = self.routed
+        return (r.one is not None and not r.keep_h) if r is not None else self.router is None and self.dense is not None
 
     def optional(self) -> tuple:
         a = self.attn
@@ -198,8 +242,9 @@ class LayerSpec:
 
     def key(self) -> tuple:
         """Everything the layer's nodes depend on (layers of one key share a graph)."""
-        r = self.routed
-        return self._key + (None if r is None else (r.rule, r.one and r.one.key(), r.keep_h),)
+        r, d = self.routed, self.dense
+        return self._key + (None if r is None else (r.rule, r.one and r.one.key(), r.keep_h, r.bias is not None),
+                            None if d is None else d.key())
 
     def ptrs(self, step: Step, kv: KVPool) -> list[int]:
         """The data pointers of the layer's inputs, in _layer_nodes' order."""
@@ -210,11 +255,17 @@ class LayerSpec:
             row = k_pool.shape[2] * 4  # bytes per pool row
             ptrs += [k + step.read_base * row, v + step.read_base * row]
         ptrs += self._ptrs[1]
-        one = None if self.routed is None else self.routed.one
-        if one is not None:
-            ptrs += stack_pointers(one.stack)
-            if one.slot_of is not None:
-                ptrs.append(one.slot_of.data_ptr())
+        routed = self.routed
+        if routed is not None:
+            if routed.bias is not None:
+                ptrs.append(routed.bias.data_ptr())
+            one = routed.one
+            if one is not None:
+                ptrs += stack_pointers(one.stack)
+                if one.slot_of is not None:
+                    ptrs.append(one.slot_of.data_ptr())
+        if self.dense is not None:
+            ptrs += self.dense._ptrs
         return ptrs
 
 
@@ -271,7 +322,9 @@ class TrunkGraphs:
         ptrs = [x.data_ptr()] + ([r.data_ptr()] if r is not None else []) + self._step_ptrs(step) + layer.ptrs(step, kv)
         N, H = x.shape
         routed = layer.routed
-        if routed is None:
+        if routed is None and layer.dense is not None:  # a dense layer's FFN inside
+            out = LayerOut(torch.empty(N, H), routed=torch.empty(N, H))
+        elif routed is None:
             router = layer.router
             out = LayerOut(torch.empty(N, H), torch.empty(N, H), None if router is None else torch.empty(N, router.shape[0]))
         else:
@@ -284,11 +337,12 @@ class TrunkGraphs:
 
     def stage(self, step: Step, x: torch.Tensor, layers: list[LayerSpec], kv: KVPool
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Every layer of the stage in one graph, as llama.cpp runs a token: each layer's routing
-        and routed experts inside (every `routed.one` set, no shared expert), each layer's FFN
-        output added to the residual inside. x [N, H] -> (the stream after the last layer's FFN,
-        ids [L, N, k] int32, weights [L, N, k]), for the caller's counting per layer; None when the
-        step's graph would hold more than STAGE_SCRATCH_BYTES of intermediates."""
+        """Every layer of the stage in one graph, as llama.cpp runs a token: each layer's FFN
+        inside (every `layer.whole`: an MoE layer's routing, routed experts and shared expert, or
+        a dense layer's FFN), its output added to the residual inside. x [N, H] -> (the stream
+        after the last layer's FFN, ids [M, N, k] int32, weights [M, N, k] of its M MoE layers in
+        order), for the caller's counting per layer; None when the step's graph would hold more
+        than STAGE_SCRATCH_BYTES of intermediates."""
         key = (step.key,) + tuple(l.key() for l in layers)
         g = self._stages.get(key)
         if g is None:
@@ -301,7 +355,7 @@ class TrunkGraphs:
         if g is False:
             return None
         N, H = x.shape
-        L, k = len(layers), self.cfg.n_experts_used
+        L, k = sum(l.routed is not None for l in layers), self.cfg.n_experts_used
         out, ids, weights = torch.empty(N, H), torch.empty(L, N, k, dtype=torch.int32), torch.empty(L, N, k)
         ptrs = [x.data_ptr()] + self._step_ptrs(step)
         for layer in layers:
@@ -417,10 +471,13 @@ class TrunkGraphs:
         b_qkv, q_norm, k_norm, b_o = (new(n) if o is not None else None
                                       for o, n in zip(layer.optional(), (Q + 2 * KV, D, D, H)))
         inputs += [e for e in (b_qkv, q_norm, k_norm, b_o) if e is not None]
-        w_router = None
+        w_router = r_bias = None
         if router is not None:
             w_router = new(H, router.shape[0])
             inputs.append(w_router)
+        if routed is not None and routed.bias is not None:
+            r_bias = new(router.shape[0])
+            inputs.append(r_bias)
         if one is not None:  # the stack (weights, biases), then the slot table
             ws, bias = stack_tensors(ctx, one.stack)
             inputs += ws + [b for b in bias if b is not None]
@@ -457,19 +514,28 @@ class TrunkGraphs:
             o = G.ggml_add(ctx, o, b_o)
         x_out = G.ggml_add(ctx, x, o)
         h = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, x_out, eps), ffn_norm)
+        dense = None
+        if layer.dense is not None:  # a dense layer's FFN, or the shared expert (its inputs last)
+            ins, dense = layer.dense.nodes(ctx, new, h)
+            inputs += ins
         if routed is None:
+            if dense is not None:
+                return inputs, [x_out, dense], [wk, wv]
             outputs = [x_out, h]
             if w_router is not None:
                 outputs.append(G.ggml_mul_mat(ctx, w_router, h))
             return inputs, outputs, [wk, wv]
         # the routing (llama.cpp's build_moe_ffn) and, from one stack, the routed experts
-        ids, weights = routed.rule(ctx, G.ggml_mul_mat(ctx, w_router, h), cfg)  # [k, N] each
+        ids, weights = routed.rule(ctx, G.ggml_mul_mat(ctx, w_router, h), cfg, r_bias)  # [k, N] each
         outputs = [x_out] + ([h] if routed.keep_h else [])
         if one is not None:
             n_k = ids.contents.ne[0]
             picks = ids
             if one.slot_of is not None:  # expert -> its slot's row of the slot stack
                 picks = G.ggml_reshape_2d(ctx, G.ggml_get_rows(ctx, slot_of, G.ggml_reshape_1d(ctx, ids, n_k * N)), n_k, N)
-            outputs.append(moe_ffn(ctx, ws, bias, self.act, G.ggml_reshape_3d(ctx, h, H, 1, N), picks,
-                                   G.ggml_reshape_3d(ctx, weights, 1, n_k, N)))
+            y = moe_ffn(ctx, ws, bias, self.act, G.ggml_reshape_3d(ctx, h, H, 1, N), picks,
+                        G.ggml_reshape_3d(ctx, weights, 1, n_k, N))
+            if dense is not None:  # routed + shared, the torch path's order
+                y = G.ggml_add(ctx, G.ggml_reshape_2d(ctx, y, H, N), dense)
+            outputs.append(y)
         return inputs, outputs + [ids, weights], [wk, wv]

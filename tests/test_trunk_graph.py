@@ -21,7 +21,7 @@ from moeray.stages.kv_cache import BLOCK_SIZE
 from moeray.stages.model import load_model
 from moeray.stages.moe import HostExperts
 from moeray.stages.qmatmul import ggml_available
-from tiny_models import tiny_qwen2moe, tiny_qwen3moe, token_ids
+from tiny_models import tiny_glm4moe, tiny_qwen2moe, tiny_qwen3moe, token_ids
 
 pytestmark = pytest.mark.skipif(not ggml_available(), reason="ggml-python is not installed")
 
@@ -158,10 +158,13 @@ def test_sixteen_sequences_with_shared_prefix_blocks(default):
 def tiny_files(tmp_path_factory):
     root = tmp_path_factory.mktemp("trunk")
     return {"qwen3moe": write_gguf(tiny_qwen3moe(), root / "qwen3moe.gguf", "Q8_0"),
-            "qwen2moe": write_gguf(tiny_qwen2moe(), root / "qwen2moe.gguf", "Q8_0")}
+            "qwen2moe": write_gguf(tiny_qwen2moe(), root / "qwen2moe.gguf", "Q8_0"),
+            "glm4moe": write_gguf(tiny_glm4moe(), root / "glm4moe.gguf", "Q8_0"),
+            "glm4moe-groups": write_gguf(tiny_glm4moe(groups=(4, 2)), root / "glm4moe-groups.gguf", "Q8_0")}
 
 
-@pytest.mark.parametrize("name", ["qwen3moe", "qwen2moe"])  # q/k norms, neox RoPE; qkv biases, shared expert
+# q/k norms, neox RoPE; qkv biases, a gated shared expert; a dense layer, sigmoid + bias routing, partial RoPE
+@pytest.mark.parametrize("name", ["qwen3moe", "qwen2moe", "glm4moe"])
 def test_tiny_families(tiny_files, name):
     both = Both(tiny_files[name])
     _close(both, lambda m: m.logits_all(token_ids(20)), f"{name} prefill")
@@ -263,3 +266,95 @@ def test_the_stage_graph_is_its_layer_graphs_bit_for_bit(tiny_files):
                                             for a, b in zip(r_got, r_ref))
     steps = 2 + 20 - 9 - 5  # two prefill chunks, then one token a step
     assert c_got == ["stage"] * steps and c_ref == ["layer"] * 3 * steps  # 3 layers
+
+
+def _route_in_graph(rule, logits: torch.Tensor, cfg, bias: torch.Tensor | None):
+    """A graph routing rule (stages/routing.py GRAPH_ROUTING) alone in a graph: logits [N, E]
+    -> (ids [N, k] int32, weights [N, k])."""
+    from moeray.stages.qmatmul import ggml_lib
+    from moeray.stages.trunk_graph import MultiGraph
+
+    G = ggml_lib()
+    N, E = logits.shape
+
+    def build(ctx):
+        inputs = [G.ggml_new_tensor_2d(ctx, G.GGML_TYPE_F32, E, N)]
+        if bias is not None:
+            inputs.append(G.ggml_new_tensor_1d(ctx, G.GGML_TYPE_F32, E))
+        ids, weights = rule(ctx, inputs[0], cfg, inputs[1] if bias is not None else None)
+        return inputs, [ids, weights], []
+
+    ids, weights = torch.empty(N, cfg.n_experts_used, dtype=torch.int32), torch.empty(N, cfg.n_experts_used)
+    MultiGraph(build)([logits.data_ptr()] + ([] if bias is None else [bias.data_ptr()]),
+                      [ids.data_ptr(), weights.data_ptr()])
+    return ids, weights
+
+
+@pytest.mark.parametrize("rule,fields", [
+    ("softmax_topk", dict(norm_topk_prob=True)),
+    ("softmax_topk", dict(norm_topk_prob=False)),
+    # DeepSeek-V3 / Kimi-K2: sigmoid, bias, 8 groups of 8 (3 used), renormalised, scaled
+    ("grouped_topk", dict(expert_gating="sigmoid", score_bias=True, expert_groups=8, expert_groups_used=3,
+                          expert_weights_scale=2.5)),
+    ("grouped_topk", dict(expert_gating="sigmoid", score_bias=True, expert_weights_scale=2.5)),  # GLM-4.5
+    ("grouped_topk", dict(expert_gating="softmax", expert_groups=4, expert_groups_used=2, norm_topk_prob=False)),  # V2
+])
+def test_graph_routing_rules_choose_and_weigh_as_the_torch_rules(rule, fields):
+    """Each rule's graph form against its torch form (stages/routing.py) on random logits: the same
+    experts in the same rank order, the same weights within float32 rounding."""
+    from dataclasses import replace
+
+    from moeray.stages.config import ModelConfig
+    from moeray.stages.routing import GRAPH_ROUTING, ROUTING
+
+    cfg = replace(ModelConfig(arch="t", n_layers=1, hidden=8, n_heads=1, n_kv_heads=1, head_dim=8, vocab_size=8,
+                              context_length=8, rope_theta=1e4, rms_eps=1e-6, rope_style="neox", ffn_dim=0,
+                              n_experts=64, n_experts_used=6, expert_ffn_dim=8, shared_expert_ffn_dim=0,
+                              norm_topk_prob=True, qk_norm=False, tie_embeddings=True), **fields)
+    gen = torch.Generator().manual_seed(7)
+    for n in (1, 7, 32):
+        logits = torch.randn(n, 64, generator=gen)
+        bias = 0.3 * torch.randn(64, generator=gen) if cfg.score_bias else None
+        want_ids, want_w = ROUTING[rule](logits, cfg, bias)
+        ids, weights = _route_in_graph(GRAPH_ROUTING[rule], logits, cfg, bias)
+        assert torch.equal(ids.long(), want_ids), f"{rule} {fields}: other experts at {n} tokens"
+        assert (weights - want_w).abs().max() <= 1e-6 * want_w.abs().max()
+
+
+@pytest.mark.parametrize("name", ["qwen2moe", "glm4moe", "glm4moe-groups"])
+def test_shared_expert_dense_layers_and_sigmoid_routing_run_in_the_stage_graph(tiny_files, name):
+    """qwen2moe (a sigmoid-gated shared expert) and glm4moe (a dense first layer, sigmoid scores +
+    correction bias, renormalised and scaled, an ungated shared expert; with 4 groups of which 2
+    are chosen from): every layer's FFN inside its graph, a decode step as ONE stage graph. Against
+    MOERAY_FUSED_MOE=0 (torch routing, experts, shared expert and dense FFN after each layer's
+    graph): the same experts, logits within 1e-4 of the largest (measured: equal), the same
+    experts computed; and the stage graph gives the layer graphs' bits."""
+    routes = []
+    host = HostExperts(GGUFFile(tiny_files[name]), "ggml", on_route=lambda l, ids, w: routes.append((l, ids, w)))
+    model = load_model(tiny_files[name], route="ggml", experts=host)
+    calls = []
+    for call in ("layer", "stage"):
+        real = getattr(model.trunk, call)
+        setattr(model.trunk, call, lambda *a, real=real, call=call: calls.append(call) or real(*a))
+    fn = _prefill_then_decode(token_ids(20, seed=4), 9)
+    runs = {}
+    for fused, stage in ((True, True), (True, False), (False, False)):
+        model.fuse_moe, model.stage_graph = fused, stage
+        routes.clear(), calls.clear()
+        computed = host.computed
+        with torch.inference_mode():
+            runs[fused, stage] = fn(model), list(routes), list(calls), host.computed - computed
+    steps, layers = 2 + 20 - 9 - 5, 3  # two prefill chunks, then one token a step
+    (got, r_got, c_got, n_got), (per_layer, r_layer, c_layer, n_layer), (ref, r_ref, c_ref, n_ref) = (
+        runs[True, True], runs[True, False], runs[False, False])
+    assert c_got == ["stage"] * steps  # one graph a step (prefill chunks of <= 32 tokens too)
+    assert c_layer == c_ref == ["layer"] * layers * steps
+    assert torch.equal(got, per_layer)
+    assert n_got == n_layer == n_ref > 0
+    for a, b, c in zip(r_got, r_layer, r_ref):
+        assert a[0] == b[0] == c[0] and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+        assert torch.equal(a[1], c[1]), f"layer {a[0]}: other experts than the torch rule"
+        assert (a[2] - c[2]).abs().max() <= 1e-6
+    assert len(r_got) == len(r_ref) == (layers - (name != "qwen2moe")) * steps  # glm: layer 0 is dense
+    err = (got - ref).abs().max() / ref.abs().max()
+    assert err <= 1e-4, f"{name}: {err:.2e} of max |logit|"
