@@ -10,18 +10,20 @@ added first, so that residual add joins this graph):
     logits = W_router h  (MoE layers)
 
 and returns x, h and the router logits. An MoE layer whose routing rule has a graph form
-(softmax top-k: stages/routing.py GRAPH_ROUTING) routes inside the graph too, as llama.cpp's
-build_moe_ffn does (soft_max, argsort_top_k, get_rows, renormalised), and returns the ids and
-weights; when one stack serves every pick (the host path, or every expert of the layer resident:
-MoEBlock.one_stack) its routed experts' mul_mat_id nodes join as well (stages/expert_graph.py
-moe_ffn), so the layer is one call. Otherwise the experts (and a shared or dense FFN) run between
-two such calls. One graph serves every layer of the same shape: weights, norms, pool and step
-inputs are placeholders whose data pointers are assigned per call (qmatmul.graph_weight /
+(stages/routing.py GRAPH_ROUTING: softmax top-k; DeepSeek's / GLM's sigmoid scores with the
+exp_probs_b bias, group-limited top-k, renormalised and scaled) routes inside the graph too, as
+llama.cpp's build_moe_ffn does, and returns the ids and weights; when one stack serves every pick
+(the host path, or every expert of the layer resident: MoEBlock.one_stack) its routed experts'
+mul_mat_id nodes join as well (stages/expert_graph.py moe_ffn), and its shared expert (`Dense`,
+gated or not) beside them, so the layer is one call. A dense layer's FFN (DeepSeek's first
+layers, GLM's first) is graph nodes too. Otherwise the experts (and the shared expert) run
+between two such calls. One graph serves every layer of the same shape: weights, norms, pool and
+step inputs are placeholders whose data pointers are assigned per call (qmatmul.graph_weight /
 graph_key / graph_ptr for the weights).
 
 `TrunkGraphs.stage` chains every layer of a stage into one graph for a decode-sized step when
-each runs whole inside (no shared expert): one call a step, the next layer's residual add inside,
-as llama.cpp runs a token. The caller counts each layer's experts from the ids it returns.
+each runs whole inside (`LayerSpec.whole`): one call a step, the next layer's residual add inside,
+as llama.cpp runs a token. The caller counts each MoE layer's experts from the ids it returns.
 
 Keys are read where they lie: a view of the pool when the step's block tables allow one
 (BatchMeta.read_view), else the step's whole blocks gathered with ggml_get_rows. Their count is
