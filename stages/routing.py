@@ -67,8 +67,7 @@ ROUTING = {"softmax_topk": softmax_topk, "topk_softmax": topk_softmax, "grouped_
 # --- the same rules as ggml graph nodes (the fused MoE layer, stages/trunk_graph.py) ----------
 # Each: (ctx, logits [E, N], cfg, bias [E] placeholder or None) -> (ids [k, N] int32 in rank
 # order, weights [k, N] float32), both new tensors (graph outputs), as llama.cpp's build_moe_ffn
-# builds them. topk_softmax (gpt-oss) has no entry: its layers' attention (sinks, sliding
-# windows, YaRN) keeps the torch path, so no trunk graph would route with it.
+# builds them.
 
 def _picked(ctx, G, scores, ids, E: int, N: int, k: int):
     """scores [E, N] at ids [k, N] -> [k, N] (a view of get_rows' result)."""
@@ -128,5 +127,21 @@ def graph_grouped_topk(ctx, logits, cfg: ModelConfig, bias=None):
     return ids, weights
 
 
-# The routings that have a graph form; the others run in torch between the trunk and experts graphs.
-GRAPH_ROUTING = {"softmax_topk": graph_softmax_topk, "grouped_topk": graph_grouped_topk}
+def graph_topk_softmax(ctx, logits, cfg: ModelConfig, bias=None):
+    """topk_softmax inside a ggml graph (gpt-oss; build_moe_ffn's SOFTMAX_WEIGHT gating): the
+    router's bias added to the logits, the k largest, soft_max over those k."""
+    from moeray.stages.qmatmul import ggml_lib
+
+    G = ggml_lib()
+    E, N = logits.contents.ne[0], logits.contents.ne[1]
+    k = cfg.n_experts_used
+    if bias is not None:
+        logits = G.ggml_add(ctx, logits, bias)
+    ids = G.ggml_cont(ctx, G.ggml_argsort_top_k(ctx, logits, k))
+    return ids, G.ggml_soft_max(ctx, _picked(ctx, G, logits, ids, E, N, k))
+
+
+# The routings that have a graph form (every rule of ROUTING has one); a rule without one would run
+# in torch between the trunk and experts graphs.
+GRAPH_ROUTING = {"softmax_topk": graph_softmax_topk, "grouped_topk": graph_grouped_topk,
+                 "topk_softmax": graph_topk_softmax}

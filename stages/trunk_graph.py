@@ -124,10 +124,24 @@ class MultiGraph:
 
 
 def supports(attn, cfg) -> bool:
-    """Whether a layer's attention runs as a trunk graph (else the stage keeps the torch path)."""
+    """Whether a layer's attention runs as a trunk graph (else the stage keeps the torch path):
+    GQA with fused qkv on the ggml route; sinks, sliding windows and YaRN (gpt-oss) included."""
     return (type(attn) is Attention and len(attn.w_qkv) == 1 and attn.w_qkv[0].route == "ggml"
-            and attn.w_o.route == "ggml" and attn.sinks is None and not attn.window
-            and cfg.rope_scaling in ("none", "linear") and cfg.rope_style in ("normal", "neox"))
+            and attn.w_o.route == "ggml" and cfg.rope_style in ("normal", "neox"))
+
+
+def rope_factors(cfg) -> torch.Tensor | None:
+    """YaRN as ggml_rope_ext's per-dimension frequency divisors (its `freq_factors` input, with
+    ext_factor 0): base_i / yarn_i, so that ggml turns each pair by exactly the torch path's
+    frequency (stages/rope.py, truncated correction dims or not); None without YaRN."""
+    if cfg.rope_scaling != "yarn":
+        return None
+    from moeray.stages.rope import RoPE
+
+    rope = RoPE.from_config(cfg)
+    dim = rope.dim
+    base = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    return (base / rope.inv_freq).float().contiguous()
 
 
 @dataclass
@@ -144,6 +158,7 @@ class Step:
     unpad: torch.Tensor | None = None  # int32 [N]: the padded row of each packed token
     rows: int = 0  # rows of the pool
     gap: int = 0  # view mode: rows from one sequence's keys to the next's
+    windows: tuple = ()  # float16 masks like `mask` for each sliding window (TrunkGraphs.windows' order)
 
 
 @dataclass(frozen=True)
@@ -221,7 +236,7 @@ class LayerSpec:
         a = attn
         opt = self.optional()
         self._key = (a.w_qkv[0].graph_key, a.w_o.graph_key, tuple(o is not None for o in opt),
-                     None if router is None else router.shape[0])
+                     None if router is None else router.shape[0], a.window)
         self._ptrs = ([attn_norm.data_ptr(), a.w_qkv[0].graph_ptr, a.w_o.graph_ptr, ffn_norm.data_ptr()],
                       [o.data_ptr() for o in opt if o is not None] + ([] if router is None else [router.data_ptr()]))
 
@@ -240,7 +255,7 @@ class LayerSpec:
 
     def optional(self) -> tuple:
         a = self.attn
-        return a.b_qkv, a.q_norm, a.k_norm, a.b_o
+        return a.b_qkv, a.q_norm, a.k_norm, a.b_o, a.sinks
 
     def key(self) -> tuple:
         """Everything the layer's nodes depend on (layers of one key share a graph)."""
@@ -274,9 +289,11 @@ class LayerSpec:
 class TrunkGraphs:
     """The trunk graphs of one stage's layers (all GQA with the same shape)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, windows=()):
         self.cfg = cfg
         self.act = GLU.of(cfg)
+        self.windows = tuple(sorted(windows))  # the stage's sliding-window sizes (0 excluded)
+        self.factors = rope_factors(cfg)  # YaRN's frequency divisors, a step input
         self._graphs: dict[tuple, MultiGraph] = {}
         self._stages: dict[tuple, MultiGraph | bool] = {}  # stage graphs, oldest first
 
@@ -313,9 +330,13 @@ class TrunkGraphs:
         q_pos = torch.where(torch.arange(t).view(1, t, 1) < torch.tensor(meta.n_new).view(B, 1, 1), q_pos, 0)
         visible = torch.arange(keys_pad).view(1, 1, keys_pad) <= q_pos
         mask = torch.zeros(B, 1, t, keys_pad, dtype=torch.float16).masked_fill_(~visible.unsqueeze(1), float("-inf"))
+        # a sliding window of w: also keys more than w - 1 before the query hidden (layers.window_mask)
+        windows = tuple(mask.masked_fill((torch.arange(keys_pad).view(1, 1, keys_pad) <= q_pos - w).unsqueeze(1),
+                                         float("-inf")) for w in self.windows)
         # the key: everything a graph's shapes depend on (the pool's rows, the step's tokens too)
         return Step((B, t, keys_pad, pad is not None) + mode + (rows, meta.n_tokens), meta.n_tokens,
-                    meta.positions.to(torch.int32), meta.write_rows.to(torch.int64).contiguous(), mask, base, gather, pad, unpad, rows, gap)
+                    meta.positions.to(torch.int32), meta.write_rows.to(torch.int64).contiguous(), mask, base, gather,
+                    pad, unpad, rows, gap, windows)
 
     def layer(self, step: Step, x: torch.Tensor, r: torch.Tensor | None, layer: LayerSpec, kv: KVPool) -> LayerOut:
         """x + r + attention, and after it the FFN's input h and the router's logits, or with
@@ -377,9 +398,11 @@ class TrunkGraphs:
             g = self._graphs[key] = MultiGraph(builder(), n_nodes)
         return g
 
-    @staticmethod
-    def _step_ptrs(step: Step) -> list[int]:
+    def _step_ptrs(self, step: Step) -> list[int]:
         ptrs = [step.positions.data_ptr(), step.write_rows.data_ptr(), step.mask.data_ptr()]
+        ptrs += [m.data_ptr() for m in step.windows]
+        if self.factors is not None:
+            ptrs.append(self.factors.data_ptr())
         if step.read_base < 0:
             ptrs.append(step.gather.data_ptr())
         if step.pad is not None:
@@ -406,6 +429,12 @@ class TrunkGraphs:
             shared = dict(pos=new(N, type=G.GGML_TYPE_I32), write_rows=new(N, type=G.GGML_TYPE_I64),
                           mask=new(keys_pad, t, 1, B, type=G.GGML_TYPE_F16))
             inputs += list(shared.values())
+            shared["windows"] = {w: new(keys_pad, t, 1, B, type=G.GGML_TYPE_F16) for w in self.windows}
+            inputs += list(shared["windows"].values())
+            shared["factors"] = None
+            if self.factors is not None:
+                shared["factors"] = new(self.factors.numel())
+                inputs.append(shared["factors"])
             if step.read_base < 0:
                 shared["idx"] = new(B * (keys_pad // BLOCK_SIZE), self.cfg.n_kv_heads, type=G.GGML_TYPE_I32)
                 inputs.append(shared["idx"])
@@ -441,6 +470,8 @@ class TrunkGraphs:
         mode = G.GGML_ROPE_TYPE_NORMAL if cfg.rope_style == "normal" else G.GGML_ROPE_TYPE_NEOX
         n_rot = cfg.rope_dim or D
         freq_scale = 1.0 / cfg.rope_scale if cfg.rope_scaling == "linear" else 1.0
+        factors = shared["factors"]  # YaRN: its frequencies as divisors, its attention factor on cos/sin
+        mscale = cfg.yarn_attn_factor if factors is not None else 1.0
         scale = cfg.attn_scale or D ** -0.5
         rows = step.rows
         attn, router, routed = layer.attn, layer.router, layer.routed
@@ -470,9 +501,9 @@ class TrunkGraphs:
                 reads.append(G.ggml_view_4d(ctx, got, D, keys_pad, nkv, B, D * 4, got.contents.nb[2],
                                             nb * BLOCK_SIZE * D * 4, 0))
             k_read, v_read = reads
-        b_qkv, q_norm, k_norm, b_o = (new(n) if o is not None else None
-                                      for o, n in zip(layer.optional(), (Q + 2 * KV, D, D, H)))
-        inputs += [e for e in (b_qkv, q_norm, k_norm, b_o) if e is not None]
+        b_qkv, q_norm, k_norm, b_o, sinks = (new(n) if o is not None else None
+                                             for o, n in zip(layer.optional(), (Q + 2 * KV, D, D, H, nh)))
+        inputs += [e for e in (b_qkv, q_norm, k_norm, b_o, sinks) if e is not None]
         w_router = r_bias = None
         if router is not None:
             w_router = new(H, router.shape[0])
@@ -498,16 +529,20 @@ class TrunkGraphs:
         if q_norm is not None:
             q = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, q, eps), q_norm)
             k = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, k, eps), k_norm)
-        q = G.ggml_rope_ext(ctx, q, pos, None, n_rot, mode, 0, cfg.rope_theta, freq_scale, 0.0, 1.0, 0.0, 0.0)
-        k = G.ggml_rope_ext(ctx, k, pos, None, n_rot, mode, 0, cfg.rope_theta, freq_scale, 0.0, 1.0, 0.0, 0.0)
+        q = G.ggml_rope_ext(ctx, q, pos, factors, n_rot, mode, 0, cfg.rope_theta, freq_scale, 0.0, mscale, 0.0, 0.0)
+        k = G.ggml_rope_ext(ctx, k, pos, factors, n_rot, mode, 0, cfg.rope_theta, freq_scale, 0.0, mscale, 0.0, 0.0)
         # the step's k/v into the pool: [D, N, kv heads] rows at write_rows, every head
         wk = G.ggml_set_rows(ctx, k_pool, G.ggml_permute(ctx, k, 0, 2, 1, 3), write_rows)
         wv = G.ggml_set_rows(ctx, v_pool, G.ggml_permute(ctx, v, 0, 2, 1, 3), write_rows)
         if padded:  # packed tokens -> [B, t] query rows
             q = G.ggml_get_rows(ctx, G.ggml_reshape_2d(ctx, q, Q, N), shared["pad"])
         q4 = G.ggml_permute(ctx, G.ggml_reshape_4d(ctx, q, D, nh, t, B), 0, 2, 1, 3)  # [D, t, heads, B]
+        if attn.window:
+            mask = shared["windows"][attn.window]
         o = G.ggml_flash_attn_ext(ctx, q4, k_read, v_read, mask, scale, 0.0, 0.0)  # [D, heads, t, B]
         G.ggml_flash_attn_ext_set_prec(o, G.GGML_PREC_F32)
+        if sinks is not None:  # a learned logit per head in each softmax's denominator (gpt-oss)
+            G.ggml_flash_attn_ext_add_sinks(o, sinks)
         o = G.ggml_reshape_2d(ctx, o, Q, B * t)
         if padded:  # and back to the packed tokens
             o = G.ggml_get_rows(ctx, o, shared["unpad"])

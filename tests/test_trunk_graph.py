@@ -105,6 +105,18 @@ def test_sixteen_sequences_with_shared_prefix_blocks(default):
     """The engine's case: block tables (sequences 0-3 share their first block, so keys are
     gathered by block), prompts continued past a shared prefix, decode of all 16 together, then a
     mixed steps (one, then two sequences add two tokens, the others one)."""
+    _sixteen_sequences(default)
+
+
+def test_gpt_oss_sixteen_sequences_past_the_window(tmp_path):
+    """The same engine steps on gpt-oss: gathered keys, padded queries and the sliding-window
+    masks (prompts of 19-23 tokens pass the window of 8) with sinks, in the graph as in torch."""
+    from gpt_oss_model import write_gpt_oss
+
+    _sixteen_sequences(Both(write_gpt_oss(tmp_path / "gpt-oss.gguf", "Q8_0")[0]))
+
+
+def _sixteen_sequences(default: Both) -> None:
     model = default.model
     prefix = token_ids(BLOCK_SIZE, seed=11)
     prompts = [token_ids(3 + i % 5, seed=20 + i) for i in range(16)]
@@ -171,13 +183,21 @@ def test_tiny_families(tiny_files, name):
     _close(both, _prefill_then_decode(token_ids(20), 9), f"{name} chunks + decode")
 
 
-def test_gpt_oss_keeps_the_torch_path(tmp_path):
-    """Sinks, sliding windows and YaRN are not in the graph: such a model says so by running the
-    torch path (its own tests hold its numerics)."""
+def test_gpt_oss_runs_in_the_stage_graph(tmp_path):
+    """gpt-oss: attention sinks (flash_attn_ext's sinks), sliding windows of 8 on layers 0 and 2
+    (their own mask; 20 tokens cross it), YaRN (ggml_rope_ext with the torch path's frequencies as
+    freq_factors), top-k-then-softmax routing with the router's bias, swiglu_oai experts with
+    biases (MXFP4): against torch's ops within the route's bound (measured: 1e-5 of the residual
+    stream, equal logits), one stage graph a step."""
     from gpt_oss_model import write_gpt_oss
 
     path, _ = write_gpt_oss(tmp_path / "gpt-oss.gguf", "Q8_0")
-    assert load_model(path, route="ggml").trunk is None
+    both = Both(path)
+    assert [l.attn.window for l in both.model.layers] == [8, 0, 8] and both.model.layers[0].attn.sinks is not None
+    _close(both, lambda m: m.logits_all(token_ids(20)), "gpt-oss prefill")
+    calls = both.calls
+    _close(both, _prefill_then_decode(token_ids(20), 9), "gpt-oss chunks + decode")
+    assert both.calls - calls == 2 + 20 - 9 - 5  # one stage graph a step
 
 
 def test_repacked_q4k_weights(tmp_path):
@@ -298,6 +318,7 @@ def _route_in_graph(rule, logits: torch.Tensor, cfg, bias: torch.Tensor | None):
                           expert_weights_scale=2.5)),
     ("grouped_topk", dict(expert_gating="sigmoid", score_bias=True, expert_weights_scale=2.5)),  # GLM-4.5
     ("grouped_topk", dict(expert_gating="softmax", expert_groups=4, expert_groups_used=2, norm_topk_prob=False)),  # V2
+    ("topk_softmax", dict(router_bias=True)),  # gpt-oss
 ])
 def test_graph_routing_rules_choose_and_weigh_as_the_torch_rules(rule, fields):
     """Each rule's graph form against its torch form (stages/routing.py) on random logits: the same
@@ -314,7 +335,7 @@ def test_graph_routing_rules_choose_and_weigh_as_the_torch_rules(rule, fields):
     gen = torch.Generator().manual_seed(7)
     for n in (1, 7, 32):
         logits = torch.randn(n, 64, generator=gen)
-        bias = 0.3 * torch.randn(64, generator=gen) if cfg.score_bias else None
+        bias = 0.3 * torch.randn(64, generator=gen) if cfg.score_bias or cfg.router_bias else None
         want_ids, want_w = ROUTING[rule](logits, cfg, bias)
         ids, weights = _route_in_graph(GRAPH_ROUTING[rule], logits, cfg, bias)
         assert torch.equal(ids.long(), want_ids), f"{rule} {fields}: other experts at {n} tokens"
