@@ -33,8 +33,10 @@ A step whose sequences add different token counts (prefill chunks beside decode 
 its queries to [B, t_max] inside the graph (get_rows there and back), as the torch path pads them.
 `TrunkGraphs.step(meta, kv)` returns None where a step has no graph form (a 16-bit pool, a pool
 view that would run past the pool's end); which layers can at all is decided at load
-(`supports`): YaRN, attention sinks, sliding windows, split qkv weights, other attention kinds
-and the other routes keep the torch path.
+(`supports`): split qkv weights, other attention kinds (MLA, gated, DeltaNet) and the other routes
+keep the torch path. gpt-oss's attention is in: its sinks through flash_attn_ext's sinks, its
+sliding windows through a mask per window size (Step.windows), YaRN through rope_ext's
+freq_factors (`rope_factors`).
 """
 from __future__ import annotations
 
