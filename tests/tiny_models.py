@@ -131,15 +131,16 @@ def tiny_deepseek3(seed: int = 4, n_layers: int = N_LAYERS):
     return model
 
 
-def tiny_glm4moe(seed: int = 5, use_qk_norm: bool = True):
+def tiny_glm4moe(seed: int = 5, use_qk_norm: bool = True, groups: tuple[int, int] = (1, 1)):
     """GLM-4.5: q/k/v biases, per-head q/k norm (GLM-4.5; Air: none), partial NeoX RoPE over half of
     each head, layer 0 dense, then 8 experts top-2 by sigmoid scores with a correction bias,
-    renormalised, x2.5, an ungated shared expert; one MTP layer in the file (skipped)."""
+    renormalised, x2.5, an ungated shared expert; one MTP layer in the file (skipped).
+    groups: (n_group, topk_group), DeepSeek-V3's group-limited choice (GLM-4.5 has one group)."""
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
     cfg = Glm4MoeConfig(**_common(), intermediate_size=DENSE_FFN, moe_intermediate_size=EXPERT_FFN,
-                        n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
-                        first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
+                        n_routed_experts=8, num_experts_per_tok=2, n_group=groups[0], topk_group=groups[1],
+                        n_shared_experts=1, first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
                         use_qk_norm=use_qk_norm, attention_bias=True, num_nextn_predict_layers=1,
                         rope_parameters={"rope_type": "default", "rope_theta": 500000.0, "partial_rotary_factor": 0.5})
     torch.manual_seed(seed)
