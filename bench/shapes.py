@@ -28,7 +28,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T  # noqa: E402
 
 @dataclass(frozen=True)
 class Shape:
-    arch: str  # qwen3moe | qwen2moe
+    arch: str  # qwen3moe | qwen2moe | glm4moe
     layers: int
     hidden: int
     heads: int
@@ -38,7 +38,11 @@ class Shape:
     used: int
     expert_ff: int
     vocab: int
-    shared_ff: int = 0  # qwen2moe's shared expert
+    shared_ff: int = 0  # the shared expert (qwen2moe: gated; glm4moe: ungated, a multiple of expert_ff)
+    dense_lead: int = 0  # glm4moe: the first layers have a dense FFN of dense_ff
+    dense_ff: int = 0
+    groups: tuple[int, int] = (1, 1)  # glm4moe: expert groups, groups chosen from
+    weights_scale: float = 1.0  # glm4moe: routed_scaling_factor
     rope_theta: float = 1e6
     rms_eps: float = 1e-6
     context: int = 32768
@@ -124,7 +128,7 @@ def write_shape(name: str, seed: int = 0, shape: Shape | None = None, path: Path
         raise SystemExit(f"unknown shape {name!r}: choose one of {', '.join(SHAPES)}")
     s = shape or SHAPES[name]
     path = Path(path) if path is not None else shape_path(name)
-    record = {**asdict(s), "seed": seed, "writer": 1}
+    record = json.loads(json.dumps({**asdict(s), "seed": seed, "writer": 1}))  # tuples as the sidecar's lists
     meta = path.with_name(path.name + ".json")
     if path.is_file() and meta.is_file() and json.loads(meta.read_text()).get("shape") == record:
         return path
@@ -138,9 +142,19 @@ def write_shape(name: str, seed: int = 0, shape: Shape | None = None, path: Path
     w.add_uint32(f"{a}.block_count", s.layers)
     w.add_uint32(f"{a}.context_length", s.context)
     w.add_uint32(f"{a}.embedding_length", s.hidden)
-    w.add_uint32(f"{a}.feed_forward_length", s.expert_ff * s.used)
+    w.add_uint32(f"{a}.feed_forward_length", s.dense_ff or s.expert_ff * s.used)
     w.add_uint32(f"{a}.expert_feed_forward_length", s.expert_ff)
-    if s.shared_ff:
+    glm = a == "glm4moe"
+    if glm:  # sigmoid scores + correction bias, renormalised, scaled; half of each head rotated
+        w.add_uint32(f"{a}.expert_shared_count", s.shared_ff // s.expert_ff)
+        w.add_uint32(f"{a}.leading_dense_block_count", s.dense_lead)
+        w.add_uint32(f"{a}.expert_gating_func", int(gguf.ExpertGatingFuncType.SIGMOID))
+        w.add_bool(f"{a}.expert_weights_norm", s.norm_topk)
+        w.add_float32(f"{a}.expert_weights_scale", s.weights_scale)
+        w.add_uint32(f"{a}.expert_group_count", s.groups[0])
+        w.add_uint32(f"{a}.expert_group_used_count", s.groups[1])
+        w.add_uint32(f"{a}.rope.dimension_count", s.head_dim // 2)
+    elif s.shared_ff:
         w.add_uint32(f"{a}.expert_shared_feed_forward_length", s.shared_ff)
     w.add_uint32(f"{a}.attention.head_count", s.heads)
     w.add_uint32(f"{a}.attention.head_count_kv", s.kv_heads)
@@ -188,13 +202,21 @@ def write_shape(name: str, seed: int = 0, shape: Shape | None = None, path: Path
         else:
             for t, n in (("q", s.heads * D), ("k", s.kv_heads * D), ("v", s.kv_heads * D)):
                 vec(p + f"attn_{t}.bias", n, (rng.standard_normal(n) * 0.02).astype(np.float32))
-        vec(p + "ffn_norm.weight", H)
+        vec(p + ("post_attention_norm.weight" if glm else "ffn_norm.weight"), H)
+        if i < s.dense_lead:
+            add(p + "ffn_gate.weight", mat(s.dense_ff, H))
+            add(p + "ffn_up.weight", mat(s.dense_ff, H))
+            add(p + "ffn_down.weight", mat(H, s.dense_ff))
+            continue
         vec(p + "ffn_gate_inp.weight", 0, (rng.standard_normal((s.experts, H)) * 0.05).astype(np.float32))
+        if glm:
+            vec(p + "exp_probs_b.bias", s.experts, (rng.standard_normal(s.experts) * 0.01).astype(np.float32))
         add(p + "ffn_gate_exps.weight", mat(s.expert_ff, H, (s.experts,)))
         add(p + "ffn_up_exps.weight", mat(s.expert_ff, H, (s.experts,)))
         add(p + "ffn_down_exps.weight", mat(H, s.expert_ff, (s.experts,)))
-        if s.shared_ff:
+        if s.shared_ff and not glm:
             vec(p + "ffn_gate_inp_shexp.weight", 0, (rng.standard_normal(H) * 0.05).astype(np.float32))
+        if s.shared_ff:
             add(p + "ffn_gate_shexp.weight", mat(s.shared_ff, H))
             add(p + "ffn_up_shexp.weight", mat(s.shared_ff, H))
             add(p + "ffn_down_shexp.weight", mat(H, s.shared_ff))

@@ -334,6 +334,9 @@ class Launched:
     down: str | None = None  # why nothing serves now (what is left cannot hold the model)
     down_devices: int = -1  # the devices there were when that was found: retried when they change
     lost_cause: str = ""  # the node loss that started it
+    recovering: str | None = None  # what a recovery under way is about (None when none is): the stages
+    # are being restarted or re-planned, so there is nobody to ask for their numbers
+
 
     def pipeline(self) -> "RayPipeline":
         return RayPipeline(self.group, self)
@@ -356,6 +359,13 @@ class Launched:
         re-plan on the devices that are left (probe, plan, load, wire: a new split, caches filled
         again, KV pools sized anew). PlacementError when what is left cannot hold the model; the
         next call tries again (a node may have come back)."""
+        self.recovering = cause or "a stage failure"
+        try:
+            self._recover(cause)
+        finally:
+            self.recovering = None
+
+    def _recover(self, cause: str) -> None:
         t0 = time.monotonic()
         if self.down is None:  # a retry while nothing serves is not another failure
             self.faults["stage_failures"] += 1

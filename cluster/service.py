@@ -122,8 +122,10 @@ class Service:
             return {"stage_failures": self.engine.stats.failures, "down": down, "events": [],
                     "stages_serving": 0 if down else 1}
         down = down or self.launched.down
-        return {**self.launched.faults, "down": down, "events": list(self.launched.events),
-                "stages_serving": 0 if down else self.launched.group.n_stages}
+        recovering = self.launched.recovering
+        return {**self.launched.faults, "down": down, "recovering": recovering,
+                "events": list(self.launched.events),
+                "stages_serving": 0 if down or recovering else self.launched.group.n_stages}
 
     def _log(self, log):
         def say(line: str) -> None:
@@ -142,6 +144,8 @@ class Service:
 
     def stage_stats(self, timeout_s: float = 10.0):
         """Each stage's live numbers (StageActor.stats: StageStats), with a deadline."""
+        if self.launched is not None and self.launched.recovering is not None:
+            return []  # the stages are being restarted or re-planned: faults_report says why
         stats = [self.local.stage.stats()] if self.launched is None else self.launched.stage_stats(timeout_s)
         kv = self.kv_report()
         for s in stats:
@@ -156,6 +160,9 @@ class Service:
 
         from moeray.planner.profile import Profile
 
+        if self.launched is not None and self.launched.recovering is not None:
+            raise MoerayError(f"the stages are being restarted or re-planned (after: {self.launched.recovering}); "
+                              "ask again in a moment")
         cfg = self.header_config
         counts = np.zeros((cfg.n_layers, cfg.n_experts), dtype=np.int64)
         for st in self.stage_stats():

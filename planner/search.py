@@ -296,7 +296,11 @@ def plan_placement(spec: ModelSpec, devices: list[DeviceSpec], profile=None, obj
         C = np.full((S, L + 1, L + 1), np.inf)
         C[st, aa, bb] = ms
         if not np.isfinite(ms).any():
-            raise PlacementError("no placement fits: an explicit --trunk list needs more VRAM than a card has")
+            if policy.mode == "explicit":
+                raise PlacementError(f"no placement fits: no layer range's trunk fits on a card (--trunk {policy.text}: "
+                                     "the trunk a stage holds on its card needs more VRAM than the card has)")
+            raise PlacementError("no placement fits: no layer range fits on a card even with its trunk on the "
+                                 "host (a stage's KV cache and buffers need more VRAM than the card has)")
         if method == "auto":
             method = "enumeration" if S <= ENUMERATE_MAX_STAGES else "dp"
         if method == "enumeration":

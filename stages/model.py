@@ -24,14 +24,13 @@ from moeray.stages.moe import DenseFFN, Experts, HostExperts, MoEBlock
 from moeray.stages import repack
 from moeray.stages.qmatmul import QMatrix, announce, current_route
 from moeray.stages.rope import RoPE
-from moeray.stages.trunk_graph import LayerSpec, Routed, TrunkGraphs, supports
+from moeray.stages.trunk_graph import Dense, LayerSpec, Routed, TrunkGraphs, supports
 from moeray.stages.quant import dequantize
 
 log = logging.getLogger("moeray.kernels")
 
-# The most tokens a step may have to run the stage's layers as one graph: each intermediate of a
-# graph has its own scratch (nothing is reused between layers), so a stage graph's scratch grows
-# with layers x tokens; decode steps fit, prefill chunks keep one graph per layer.
+# The most tokens a step may have to run the stage's layers as one graph: decode steps; prefill
+# chunks keep one graph per layer (a stage graph per prompt length would be built for one use).
 STAGE_TOKENS = 32
 
 
@@ -71,7 +70,7 @@ class StageModel(torch.nn.Module):
         self.trunk = None
         if self.route == "ggml" and self.device.type == "cpu" and all(
                 supports(l.attn, cfg) for l in self.layers) and os.environ.get("MOERAY_TRUNK_GRAPH", "1") != "0":
-            self.trunk = TrunkGraphs(cfg)
+            self.trunk = TrunkGraphs(cfg, {l.attn.window for l in self.layers} - {0})
         # MOERAY_FUSED_MOE=0: routing (torch) and experts after each trunk graph, never inside it;
         # MOERAY_STAGE_GRAPH=0: one graph per layer, never the stage's layers in one
         self.fuse_moe = os.environ.get("MOERAY_FUSED_MOE", "1") != "0"
@@ -305,39 +304,59 @@ class StageModel(torch.nn.Module):
     def _run_graphs(self, x: torch.Tensor, step, kv: KVPool) -> torch.Tensor:
         """Each layer's trunk in one graph, the previous layer's FFN output added inside it. An
         MoE layer's routing runs in that graph too where its rule has a graph form, and so do its
-        routed experts when one stack serves every pick (MoEBlock.one_stack: the host path, or
-        every expert resident): one call per layer. A layer split between slots and the mapping
-        runs its experts after the graph (at most two expert graphs), from the graph's ids. When
-        every layer runs whole inside (no shared expert either) a decode-sized step runs the
-        stage's layers as ONE graph (TrunkGraphs.stage), as llama.cpp runs a token."""
+        routed experts and shared expert when one stack serves every pick (MoEBlock.one_stack:
+        the host path, or every expert resident): one call per layer; a dense layer's FFN runs
+        inside as well. A layer split between slots and the mapping runs its experts (and shared
+        expert) after the graph (at most two expert graphs), from the graph's ids. When every
+        layer runs whole inside, a decode-sized step runs the stage's layers as ONE graph
+        (TrunkGraphs.stage), as llama.cpp runs a token."""
         if self._specs is None:  # once, after load: each layer's FFN and fixed graph inputs
-            self._specs = [(l.ffn, LayerSpec(l.attn_norm, l.attn, l.ffn_norm,
-                                             l.ffn.w_router if isinstance(l.ffn, MoEBlock) else None))
-                           for l in self.layers]
+            self._specs = [self._graph_spec(l) for l in self.layers]
         specs = []
-        for ffn, base in self._specs:
-            routed = None
-            if base.router is not None and self.fuse_moe and ffn.graph_routing is not None:
-                one = ffn.one_stack()
-                routed = Routed(ffn.graph_routing, one, one is None or ffn.shared is not None)
-            specs.append(base if routed is None else base.with_routed(routed))
-        if self.stage_graph and step.n <= STAGE_TOKENS and all(s.routed is not None and not s.routed.keep_h for s in specs):
+        for ffn, base, dense in self._specs:
+            if not self.fuse_moe:
+                specs.append(base)
+            elif base.router is None:  # a dense layer: its FFN inside where it has a graph form
+                specs.append(base if dense is None else base.with_routed(None, dense))
+            elif ffn.graph_routing is None:
+                specs.append(base)
+            else:
+                one = ffn.one_stack()  # the shared expert joins the graph with the routed experts
+                shared = dense if one is not None else None
+                keep_h = one is None or (ffn.shared is not None and shared is None)
+                specs.append(base.with_routed(Routed(ffn.graph_routing, one, keep_h, ffn.router_bias), shared))
+        if self.stage_graph and step.n <= STAGE_TOKENS and all(s.whole for s in specs):
             got = self.trunk.stage(step, x, specs, kv)
             if got is not None:
                 x, ids, weights = got
                 ids = ids.long()
-                for (ffn, _), spec, i, w in zip(self._specs, specs, ids, weights):
+                moe = [(ffn, spec) for (ffn, _, _), spec in zip(self._specs, specs) if spec.routed is not None]
+                for (ffn, spec), i, w in zip(moe, ids, weights):
                     ffn.count_graph(i, w, spec.routed.one)
                 return x
         r = None
-        for (ffn, _), spec in zip(self._specs, specs):
+        for (ffn, _, _), spec in zip(self._specs, specs):
             out = self.trunk.layer(step, x, r, spec, kv)
             x = out.x
             if spec.routed is not None:
-                r = ffn.after_graph(out.h, out.ids.long(), out.weights, out.routed, spec.routed.one)
+                r = ffn.after_graph(out.h, out.ids.long(), out.weights, out.routed, spec.routed.one,
+                                    shared_inside=spec.dense is not None)
+            elif spec.dense is not None:
+                r = out.routed
             else:
                 r = ffn(out.h, out.logits) if spec.router is not None else ffn(out.h)
         return x + r
+
+    @staticmethod
+    def _graph_spec(layer: TransformerLayer) -> tuple:
+        """(the layer's FFN, its trunk_graph.LayerSpec, the graph form of its dense FFN or shared
+        expert: None where it has none or its weights are not on the ggml route)."""
+        ffn = layer.ffn
+        moe = isinstance(ffn, MoEBlock)
+        spec = LayerSpec(layer.attn_norm, layer.attn, layer.ffn_norm, ffn.w_router if moe else None)
+        d = ffn.shared if moe else ffn
+        dense = None if d is None else Dense.of(d.gate, d.up, d.down, ffn.w_shared_gate if moe else None)
+        return ffn, spec, dense
 
     def _run_torch(self, hidden: torch.Tensor, meta: BatchMeta, kv: KVPool) -> torch.Tensor:
         eps = self.config.rms_eps

@@ -380,8 +380,8 @@ class MoEBlock(torch.nn.Module):
         self.register_buffer("router_bias", router_bias, persistent=False)  # [E]: a selection bias, where the family has one
         rule = arch_of(cfg).routing
         self.routing = ROUTING[rule]
-        # the same rule as graph nodes (the trunk graph routes with it), where it has them
-        self.graph_routing = GRAPH_ROUTING.get(rule) if router_bias is None else None
+        # the same rule as graph nodes (the trunk graph routes with it, router_bias its input), where it has them
+        self.graph_routing = GRAPH_ROUTING.get(rule)
         self.shared = shared
         self.register_buffer("w_shared_gate", w_shared_gate, persistent=False)
 
@@ -414,14 +414,15 @@ class MoEBlock(torch.nn.Module):
         return one(self.layer) if one is not None else None
 
     def after_graph(self, h: torch.Tensor | None, ids: torch.Tensor, weights: torch.Tensor,
-                    routed: torch.Tensor | None, one: OneStack | None) -> torch.Tensor:
+                    routed: torch.Tensor | None, one: OneStack | None, shared_inside: bool = False) -> torch.Tensor:
         """The FFN output of a layer whose routing ran in its trunk graph (ids, weights): the
         routed experts computed now from h, or with `one` already in the graph (`routed`) and
-        only counted (as forward counts them); the shared expert added."""
+        only counted (as forward counts them); the shared expert added (shared_inside: the graph
+        added it already)."""
         if one is None:
             return self._with_shared(h, self.experts.forward(self.layer, h, ids, weights))
         self.count_graph(ids, weights, one)
-        return self._with_shared(h, routed)
+        return routed if shared_inside else self._with_shared(h, routed)
 
     def count_graph(self, ids: torch.Tensor, weights: torch.Tensor, one: OneStack) -> None:
         """The experts' counting for a step whose routed experts ran inside a graph."""

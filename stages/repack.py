@@ -18,10 +18,14 @@ Batch invariance. ggml's repacked matmul runs a GEMM over each 4 rows of activat
 over the rest. For Q4_K the two round differently (~1e-7 relative), so a row's result would depend
 on how many rows share its call; for Q4_0, IQ4_NL and MXFP4 they agree bit for bit. mul_mat_id
 (experts) runs the GEMV per row always. The setting (MOERAY_REPACK):
-- "on" (default): repack wherever ggml has kernels; a matrix of a type whose GEMM differs sees its
-  activations as one-row planes (`rows_alone`: ggml then runs the GEMV for each row), so every row
-  gets the same bits at every batch size, as with the plain layout;
-- "fast": the GEMM too for those types (faster prefill; rows differ by ~1e-7 with the batch);
+- "fast" (default): repack wherever ggml has kernels and let ggml take its GEMM for every 4 rows,
+  as llama.cpp does: a Q4_K row's result then differs by ~1e-7 relative between batch sizes;
+- "on": the batch-invariant choice: a matrix of a type whose GEMM differs sees its activations as
+  one-row planes (`rows_alone`: ggml then runs the GEMV for each row), so every row gets the same
+  bits at every batch size, as with the plain layout. It costs ~1.5x on those projections at 16
+  rows (the GEMV reads the weights once per row); padding rows to the GEMM's 4 instead would keep
+  invariance at 3.4x the GEMV's time for one row (measured on a 4096 x 2048 Q4_K matrix, 2 threads),
+  which batch-1 decode cannot afford;
 - "off": ggml's plain layout everywhere.
 """
 from __future__ import annotations
@@ -55,10 +59,10 @@ def _checked(m: str, where: str) -> str:
 
 
 def mode() -> str:
-    """The layout setting of this process: set_mode's, else MOERAY_REPACK, default "on"."""
+    """The layout setting of this process: set_mode's, else MOERAY_REPACK, default "fast"."""
     global _mode
     if _mode is None:
-        _mode = _checked(os.environ.get("MOERAY_REPACK", "").strip().lower() or "on", "MOERAY_REPACK")
+        _mode = _checked(os.environ.get("MOERAY_REPACK", "").strip().lower() or "fast", "MOERAY_REPACK")
     return _mode
 
 
@@ -134,7 +138,8 @@ def layout_line() -> str:
         return "weights in ggml's plain layout (MOERAY_REPACK=off)"
     if handle() is None:
         return f"weights in ggml's plain layout ({_unavailable})"
-    rows = "rows batch-invariant" if m == "on" else "Q4_K rows vary ~1e-7 with the batch"
+    rows = ("rows batch-invariant" if m == "on"
+            else "Q4_K rows vary ~1e-7 with the batch; MOERAY_REPACK=on keeps them batch-invariant")
     return (f"weights repacked where ggml has kernels (MOERAY_REPACK={m}: {rows}); "
             f"host experts {host_experts()} (MOERAY_HOST_EXPERTS)")
 

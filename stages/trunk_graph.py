@@ -10,18 +10,20 @@ added first, so that residual add joins this graph):
     logits = W_router h  (MoE layers)
 
 and returns x, h and the router logits. An MoE layer whose routing rule has a graph form
-(softmax top-k: stages/routing.py GRAPH_ROUTING) routes inside the graph too, as llama.cpp's
-build_moe_ffn does (soft_max, argsort_top_k, get_rows, renormalised), and returns the ids and
-weights; when one stack serves every pick (the host path, or every expert of the layer resident:
-MoEBlock.one_stack) its routed experts' mul_mat_id nodes join as well (stages/expert_graph.py
-moe_ffn), so the layer is one call. Otherwise the experts (and a shared or dense FFN) run between
-two such calls. One graph serves every layer of the same shape: weights, norms, pool and step
-inputs are placeholders whose data pointers are assigned per call (qmatmul.graph_weight /
+(stages/routing.py GRAPH_ROUTING: softmax top-k; DeepSeek's / GLM's sigmoid scores with the
+exp_probs_b bias, group-limited top-k, renormalised and scaled) routes inside the graph too, as
+llama.cpp's build_moe_ffn does, and returns the ids and weights; when one stack serves every pick
+(the host path, or every expert of the layer resident: MoEBlock.one_stack) its routed experts'
+mul_mat_id nodes join as well (stages/expert_graph.py moe_ffn), and its shared expert (`Dense`,
+gated or not) beside them, so the layer is one call. A dense layer's FFN (DeepSeek's first
+layers, GLM's first) is graph nodes too. Otherwise the experts (and the shared expert) run
+between two such calls. One graph serves every layer of the same shape: weights, norms, pool and
+step inputs are placeholders whose data pointers are assigned per call (qmatmul.graph_weight /
 graph_key / graph_ptr for the weights).
 
 `TrunkGraphs.stage` chains every layer of a stage into one graph for a decode-sized step when
-each runs whole inside (no shared expert): one call a step, the next layer's residual add inside,
-as llama.cpp runs a token. The caller counts each layer's experts from the ids it returns.
+each runs whole inside (`LayerSpec.whole`): one call a step, the next layer's residual add inside,
+as llama.cpp runs a token. The caller counts each MoE layer's experts from the ids it returns.
 
 Keys are read where they lie: a view of the pool when the step's block tables allow one
 (BatchMeta.read_view), else the step's whole blocks gathered with ggml_get_rows. Their count is
@@ -31,8 +33,10 @@ A step whose sequences add different token counts (prefill chunks beside decode 
 its queries to [B, t_max] inside the graph (get_rows there and back), as the torch path pads them.
 `TrunkGraphs.step(meta, kv)` returns None where a step has no graph form (a 16-bit pool, a pool
 view that would run past the pool's end); which layers can at all is decided at load
-(`supports`): YaRN, attention sinks, sliding windows, split qkv weights, other attention kinds
-and the other routes keep the torch path.
+(`supports`): split qkv weights, other attention kinds (MLA, gated, DeltaNet) and the other routes
+keep the torch path. gpt-oss's attention is in: its sinks through flash_attn_ext's sinks, its
+sliding windows through a mask per window size (Step.windows), YaRN through rope_ext's
+freq_factors (`rope_factors`).
 """
 from __future__ import annotations
 
@@ -45,12 +49,12 @@ import torch
 from moeray.stages.expert_graph import OneStack, moe_ffn, stack_pointers, stack_tensors
 from moeray.stages.kv_cache import BLOCK_SIZE, KVPool
 from moeray.stages.layers import Attention, BatchMeta
-from moeray.stages.qmatmul import GLU, GraphPlans, ggml_lib, graph_mul_mat, graph_weight, place_scratch
+from moeray.stages.qmatmul import GLU, GraphPlans, QMatrix, ggml_lib, graph_mul_mat, graph_weight, place_scratch
 
 KEY_PAD = 64  # keys per graph shape: a decode step builds a new graph every KEY_PAD tokens
-# A stage graph gives every intermediate of every layer its own scratch (nothing is reused between
-# layers): at most this much per graph (the default model at 16 tokens: ~30 MB; a 48-layer top-8
-# model's 16-token step would take ~200 MB and runs per layer), and at most STAGE_GRAPHS kept.
+# A graph's intermediates share scratch once their last reader has run (qmatmul.place_scratch), so
+# a stage graph needs about one layer's intermediates; a stage graph over this much (a step far
+# bigger than decode) runs per layer instead, and at most STAGE_GRAPHS are kept.
 STAGE_SCRATCH_BYTES = 96 << 20
 STAGE_GRAPHS = 4
 
@@ -72,7 +76,7 @@ class MultiGraph:
         fixed = {ctypes.addressof(t.contents) for t in self.inputs + self.outputs}
         nodes = [G.ggml_graph_node(self.graph, i) for i in range(G.ggml_graph_n_nodes(self.graph))]
         scratch = [t for t in nodes if ctypes.addressof(t.contents) not in fixed and not t.contents.view_src]
-        self.scratch = place_scratch(scratch)
+        self.scratch = place_scratch(scratch, nodes)
         # Views look into their source's bytes: placed once when it is an intermediate, re-pointed
         # per call (each after its source) when it is an input or output, or a view of one.
         self._views, moving = [], set(fixed)
@@ -122,10 +126,24 @@ class MultiGraph:
 
 
 def supports(attn, cfg) -> bool:
-    """Whether a layer's attention runs as a trunk graph (else the stage keeps the torch path)."""
+    """Whether a layer's attention runs as a trunk graph (else the stage keeps the torch path):
+    GQA with fused qkv on the ggml route; sinks, sliding windows and YaRN (gpt-oss) included."""
     return (type(attn) is Attention and len(attn.w_qkv) == 1 and attn.w_qkv[0].route == "ggml"
-            and attn.w_o.route == "ggml" and attn.sinks is None and not attn.window
-            and cfg.rope_scaling in ("none", "linear") and cfg.rope_style in ("normal", "neox"))
+            and attn.w_o.route == "ggml" and cfg.rope_style in ("normal", "neox"))
+
+
+def rope_factors(cfg) -> torch.Tensor | None:
+    """YaRN as ggml_rope_ext's per-dimension frequency divisors (its `freq_factors` input, with
+    ext_factor 0): base_i / yarn_i, so that ggml turns each pair by exactly the torch path's
+    frequency (stages/rope.py, truncated correction dims or not); None without YaRN."""
+    if cfg.rope_scaling != "yarn":
+        return None
+    from moeray.stages.rope import RoPE
+
+    rope = RoPE.from_config(cfg)
+    dim = rope.dim
+    base = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    return (base / rope.inv_freq).float().contiguous()
 
 
 @dataclass
@@ -142,24 +160,61 @@ class Step:
     unpad: torch.Tensor | None = None  # int32 [N]: the padded row of each packed token
     rows: int = 0  # rows of the pool
     gap: int = 0  # view mode: rows from one sequence's keys to the next's
+    windows: tuple = ()  # float16 masks like `mask` for each sliding window (TrunkGraphs.windows' order)
 
 
 @dataclass(frozen=True)
 class Routed:
     """An MoE layer's routing inside its trunk graph: the rule as graph nodes (stages/routing.py
-    GRAPH_ROUTING), and with `one` (the stack that serves every pick) the routed experts too;
-    keep_h: the caller needs the normed input still (the experts run after the graph, or a
-    shared expert does)."""
+    GRAPH_ROUTING) with its selection bias [E] (None: none), and with `one` (the stack that serves
+    every pick) the routed experts too; keep_h: the caller needs the normed input still (the
+    experts run after the graph)."""
     rule: Callable
     one: OneStack | None = None
     keep_h: bool = True
+    bias: torch.Tensor | None = None
+
+
+class Dense:
+    """A SwiGLU FFN as graph nodes, down(silu(gate h) * up h), over the trunk's QMatrix weights: a
+    dense layer's FFN (DeepSeek's first layers, GLM's first), or an MoE layer's shared expert,
+    scaled by sigmoid(w_gate . h) where it is gated (qwen2moe). The same ggml ops as the torch
+    path's qmatmul.swiglu on the same h, so the same bits (the gate's dot product aside)."""
+    __slots__ = ("w", "w_gate", "_key", "_ptrs")
+
+    def __init__(self, gate: QMatrix, up: QMatrix, down: QMatrix, w_gate: torch.Tensor | None = None):
+        self.w, self.w_gate = (gate, up, down), w_gate
+        self._key = tuple(m.graph_key for m in self.w) + (w_gate is not None,)
+        self._ptrs = [m.graph_ptr for m in self.w] + ([] if w_gate is None else [w_gate.data_ptr()])
+
+    @staticmethod
+    def of(gate: QMatrix, up: QMatrix, down: QMatrix, w_gate: torch.Tensor | None = None) -> "Dense | None":
+        """The FFN's graph form, or None where its weights are not on the ggml route (float32)."""
+        ok = all(m.route == "ggml" and m.device.type == "cpu" for m in (gate, up, down))
+        return Dense(gate, up, down, w_gate) if ok else None
+
+    def key(self) -> tuple:
+        return self._key
+
+    def nodes(self, ctx, new, h):
+        """(its inputs, in `_ptrs` order; its output [H, N]) from h [H, N]."""
+        G = ggml_lib()
+        ws = [graph_weight(ctx, m) for m in self.w]
+        gate, up, down = self.w
+        y = graph_mul_mat(ctx, down, ws[2], G.ggml_mul(ctx, G.ggml_silu(ctx, graph_mul_mat(ctx, gate, ws[0], h)),
+                                                       graph_mul_mat(ctx, up, ws[1], h)))
+        if self.w_gate is None:
+            return ws, y
+        w_gate = new(h.contents.ne[0], 1)
+        return ws + [w_gate], G.ggml_mul(ctx, y, G.ggml_sigmoid(ctx, G.ggml_mul_mat(ctx, w_gate, h)))
 
 
 class LayerOut(NamedTuple):
     """A trunk graph's outputs: the residual stream x; h, the FFN's normed input (None where the
     caller needs it not); the router logits [N, E] (MoE layers routed outside); with the routing
-    inside, ids [N, k] int32 and weights [N, k], and the routed experts' output [N, H] when they
-    ran inside too."""
+    inside, ids [N, k] int32 and weights [N, k], and the routed experts' output [N, H] (with the
+    shared expert's added) when they ran inside too; `routed` is a dense layer's FFN output when
+    that ran inside."""
     x: torch.Tensor
     h: torch.Tensor | None = None
     logits: torch.Tensor | None = None
@@ -172,34 +227,43 @@ class LayerSpec:
     """What one layer's trunk graph reads: its norms, attention, router [E, H] (MoE layers) and
     with `routed` its routing (and experts) inside the graph. A stage makes one per layer once
     (its key and the pointers of its weights, fixed after load, computed then) and derives each
-    step's with `with_routed`: a decode step pays no per-layer tuple building for them."""
-    __slots__ = ("attn_norm", "attn", "ffn_norm", "router", "routed", "_key", "_ptrs")
+    step's with `with_routed`: a decode step pays no per-layer tuple building for them. `dense`:
+    the FFN inside the graph (a dense layer's), or an MoE layer's shared expert (with `routed.one`)."""
+    __slots__ = ("attn_norm", "attn", "ffn_norm", "router", "routed", "dense", "_key", "_ptrs")
 
     def __init__(self, attn_norm: torch.Tensor, attn: Attention, ffn_norm: torch.Tensor,
-                 router: torch.Tensor | None = None, routed: Routed | None = None):
+                 router: torch.Tensor | None = None, routed: Routed | None = None, dense: Dense | None = None):
         self.attn_norm, self.attn, self.ffn_norm, self.router, self.routed = attn_norm, attn, ffn_norm, router, routed
+        self.dense = dense
         a = attn
         opt = self.optional()
         self._key = (a.w_qkv[0].graph_key, a.w_o.graph_key, tuple(o is not None for o in opt),
-                     None if router is None else router.shape[0])
+                     None if router is None else router.shape[0], a.window)
         self._ptrs = ([attn_norm.data_ptr(), a.w_qkv[0].graph_ptr, a.w_o.graph_ptr, ffn_norm.data_ptr()],
                       [o.data_ptr() for o in opt if o is not None] + ([] if router is None else [router.data_ptr()]))
 
-    def with_routed(self, routed: Routed | None) -> "LayerSpec":
+    def with_routed(self, routed: Routed | None, dense: Dense | None = None) -> "LayerSpec":
         spec = object.__new__(LayerSpec)
         for name in LayerSpec.__slots__:
             setattr(spec, name, getattr(self, name))
-        spec.routed = routed
+        spec.routed, spec.dense = routed, dense
         return spec
+
+    @property
+    def whole(self) -> bool:
+        """The layer's whole FFN runs inside its graph (it can join a stage graph)."""
+        r = self.routed
+        return (r.one is not None and not r.keep_h) if r is not None else self.router is None and self.dense is not None
 
     def optional(self) -> tuple:
         a = self.attn
-        return a.b_qkv, a.q_norm, a.k_norm, a.b_o
+        return a.b_qkv, a.q_norm, a.k_norm, a.b_o, a.sinks
 
     def key(self) -> tuple:
         """Everything the layer's nodes depend on (layers of one key share a graph)."""
-        r = self.routed
-        return self._key + (None if r is None else (r.rule, r.one and r.one.key(), r.keep_h),)
+        r, d = self.routed, self.dense
+        return self._key + (None if r is None else (r.rule, r.one and r.one.key(), r.keep_h, r.bias is not None),
+                            None if d is None else d.key())
 
     def ptrs(self, step: Step, kv: KVPool) -> list[int]:
         """The data pointers of the layer's inputs, in _layer_nodes' order."""
@@ -210,20 +274,28 @@ class LayerSpec:
             row = k_pool.shape[2] * 4  # bytes per pool row
             ptrs += [k + step.read_base * row, v + step.read_base * row]
         ptrs += self._ptrs[1]
-        one = None if self.routed is None else self.routed.one
-        if one is not None:
-            ptrs += stack_pointers(one.stack)
-            if one.slot_of is not None:
-                ptrs.append(one.slot_of.data_ptr())
+        routed = self.routed
+        if routed is not None:
+            if routed.bias is not None:
+                ptrs.append(routed.bias.data_ptr())
+            one = routed.one
+            if one is not None:
+                ptrs += stack_pointers(one.stack)
+                if one.slot_of is not None:
+                    ptrs.append(one.slot_of.data_ptr())
+        if self.dense is not None:
+            ptrs += self.dense._ptrs
         return ptrs
 
 
 class TrunkGraphs:
     """The trunk graphs of one stage's layers (all GQA with the same shape)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, windows=()):
         self.cfg = cfg
         self.act = GLU.of(cfg)
+        self.windows = tuple(sorted(windows))  # the stage's sliding-window sizes (0 excluded)
+        self.factors = rope_factors(cfg)  # YaRN's frequency divisors, a step input
         self._graphs: dict[tuple, MultiGraph] = {}
         self._stages: dict[tuple, MultiGraph | bool] = {}  # stage graphs, oldest first
 
@@ -260,9 +332,13 @@ class TrunkGraphs:
         q_pos = torch.where(torch.arange(t).view(1, t, 1) < torch.tensor(meta.n_new).view(B, 1, 1), q_pos, 0)
         visible = torch.arange(keys_pad).view(1, 1, keys_pad) <= q_pos
         mask = torch.zeros(B, 1, t, keys_pad, dtype=torch.float16).masked_fill_(~visible.unsqueeze(1), float("-inf"))
+        # a sliding window of w: also keys more than w - 1 before the query hidden (layers.window_mask)
+        windows = tuple(mask.masked_fill((torch.arange(keys_pad).view(1, 1, keys_pad) <= q_pos - w).unsqueeze(1),
+                                         float("-inf")) for w in self.windows)
         # the key: everything a graph's shapes depend on (the pool's rows, the step's tokens too)
         return Step((B, t, keys_pad, pad is not None) + mode + (rows, meta.n_tokens), meta.n_tokens,
-                    meta.positions.to(torch.int32), meta.write_rows.to(torch.int64).contiguous(), mask, base, gather, pad, unpad, rows, gap)
+                    meta.positions.to(torch.int32), meta.write_rows.to(torch.int64).contiguous(), mask, base, gather,
+                    pad, unpad, rows, gap, windows)
 
     def layer(self, step: Step, x: torch.Tensor, r: torch.Tensor | None, layer: LayerSpec, kv: KVPool) -> LayerOut:
         """x + r + attention, and after it the FFN's input h and the router's logits, or with
@@ -271,7 +347,9 @@ class TrunkGraphs:
         ptrs = [x.data_ptr()] + ([r.data_ptr()] if r is not None else []) + self._step_ptrs(step) + layer.ptrs(step, kv)
         N, H = x.shape
         routed = layer.routed
-        if routed is None:
+        if routed is None and layer.dense is not None:  # a dense layer's FFN inside
+            out = LayerOut(torch.empty(N, H), routed=torch.empty(N, H))
+        elif routed is None:
             router = layer.router
             out = LayerOut(torch.empty(N, H), torch.empty(N, H), None if router is None else torch.empty(N, router.shape[0]))
         else:
@@ -284,11 +362,12 @@ class TrunkGraphs:
 
     def stage(self, step: Step, x: torch.Tensor, layers: list[LayerSpec], kv: KVPool
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """Every layer of the stage in one graph, as llama.cpp runs a token: each layer's routing
-        and routed experts inside (every `routed.one` set, no shared expert), each layer's FFN
-        output added to the residual inside. x [N, H] -> (the stream after the last layer's FFN,
-        ids [L, N, k] int32, weights [L, N, k]), for the caller's counting per layer; None when the
-        step's graph would hold more than STAGE_SCRATCH_BYTES of intermediates."""
+        """Every layer of the stage in one graph, as llama.cpp runs a token: each layer's FFN
+        inside (every `layer.whole`: an MoE layer's routing, routed experts and shared expert, or
+        a dense layer's FFN), its output added to the residual inside. x [N, H] -> (the stream
+        after the last layer's FFN, ids [M, N, k] int32, weights [M, N, k] of its M MoE layers in
+        order), for the caller's counting per layer; None when the step's graph would hold more
+        than STAGE_SCRATCH_BYTES of intermediates."""
         key = (step.key,) + tuple(l.key() for l in layers)
         g = self._stages.get(key)
         if g is None:
@@ -301,7 +380,7 @@ class TrunkGraphs:
         if g is False:
             return None
         N, H = x.shape
-        L, k = len(layers), self.cfg.n_experts_used
+        L, k = sum(l.routed is not None for l in layers), self.cfg.n_experts_used
         out, ids, weights = torch.empty(N, H), torch.empty(L, N, k, dtype=torch.int32), torch.empty(L, N, k)
         ptrs = [x.data_ptr()] + self._step_ptrs(step)
         for layer in layers:
@@ -321,9 +400,11 @@ class TrunkGraphs:
             g = self._graphs[key] = MultiGraph(builder(), n_nodes)
         return g
 
-    @staticmethod
-    def _step_ptrs(step: Step) -> list[int]:
+    def _step_ptrs(self, step: Step) -> list[int]:
         ptrs = [step.positions.data_ptr(), step.write_rows.data_ptr(), step.mask.data_ptr()]
+        ptrs += [m.data_ptr() for m in step.windows]
+        if self.factors is not None:
+            ptrs.append(self.factors.data_ptr())
         if step.read_base < 0:
             ptrs.append(step.gather.data_ptr())
         if step.pad is not None:
@@ -350,6 +431,12 @@ class TrunkGraphs:
             shared = dict(pos=new(N, type=G.GGML_TYPE_I32), write_rows=new(N, type=G.GGML_TYPE_I64),
                           mask=new(keys_pad, t, 1, B, type=G.GGML_TYPE_F16))
             inputs += list(shared.values())
+            shared["windows"] = {w: new(keys_pad, t, 1, B, type=G.GGML_TYPE_F16) for w in self.windows}
+            inputs += list(shared["windows"].values())
+            shared["factors"] = None
+            if self.factors is not None:
+                shared["factors"] = new(self.factors.numel())
+                inputs.append(shared["factors"])
             if step.read_base < 0:
                 shared["idx"] = new(B * (keys_pad // BLOCK_SIZE), self.cfg.n_kv_heads, type=G.GGML_TYPE_I32)
                 inputs.append(shared["idx"])
@@ -385,6 +472,8 @@ class TrunkGraphs:
         mode = G.GGML_ROPE_TYPE_NORMAL if cfg.rope_style == "normal" else G.GGML_ROPE_TYPE_NEOX
         n_rot = cfg.rope_dim or D
         freq_scale = 1.0 / cfg.rope_scale if cfg.rope_scaling == "linear" else 1.0
+        factors = shared["factors"]  # YaRN: its frequencies as divisors, its attention factor on cos/sin
+        mscale = cfg.yarn_attn_factor if factors is not None else 1.0
         scale = cfg.attn_scale or D ** -0.5
         rows = step.rows
         attn, router, routed = layer.attn, layer.router, layer.routed
@@ -414,13 +503,16 @@ class TrunkGraphs:
                 reads.append(G.ggml_view_4d(ctx, got, D, keys_pad, nkv, B, D * 4, got.contents.nb[2],
                                             nb * BLOCK_SIZE * D * 4, 0))
             k_read, v_read = reads
-        b_qkv, q_norm, k_norm, b_o = (new(n) if o is not None else None
-                                      for o, n in zip(layer.optional(), (Q + 2 * KV, D, D, H)))
-        inputs += [e for e in (b_qkv, q_norm, k_norm, b_o) if e is not None]
-        w_router = None
+        b_qkv, q_norm, k_norm, b_o, sinks = (new(n) if o is not None else None
+                                             for o, n in zip(layer.optional(), (Q + 2 * KV, D, D, H, nh)))
+        inputs += [e for e in (b_qkv, q_norm, k_norm, b_o, sinks) if e is not None]
+        w_router = r_bias = None
         if router is not None:
             w_router = new(H, router.shape[0])
             inputs.append(w_router)
+        if routed is not None and routed.bias is not None:
+            r_bias = new(router.shape[0])
+            inputs.append(r_bias)
         if one is not None:  # the stack (weights, biases), then the slot table
             ws, bias = stack_tensors(ctx, one.stack)
             inputs += ws + [b for b in bias if b is not None]
@@ -439,16 +531,20 @@ class TrunkGraphs:
         if q_norm is not None:
             q = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, q, eps), q_norm)
             k = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, k, eps), k_norm)
-        q = G.ggml_rope_ext(ctx, q, pos, None, n_rot, mode, 0, cfg.rope_theta, freq_scale, 0.0, 1.0, 0.0, 0.0)
-        k = G.ggml_rope_ext(ctx, k, pos, None, n_rot, mode, 0, cfg.rope_theta, freq_scale, 0.0, 1.0, 0.0, 0.0)
+        q = G.ggml_rope_ext(ctx, q, pos, factors, n_rot, mode, 0, cfg.rope_theta, freq_scale, 0.0, mscale, 0.0, 0.0)
+        k = G.ggml_rope_ext(ctx, k, pos, factors, n_rot, mode, 0, cfg.rope_theta, freq_scale, 0.0, mscale, 0.0, 0.0)
         # the step's k/v into the pool: [D, N, kv heads] rows at write_rows, every head
         wk = G.ggml_set_rows(ctx, k_pool, G.ggml_permute(ctx, k, 0, 2, 1, 3), write_rows)
         wv = G.ggml_set_rows(ctx, v_pool, G.ggml_permute(ctx, v, 0, 2, 1, 3), write_rows)
         if padded:  # packed tokens -> [B, t] query rows
             q = G.ggml_get_rows(ctx, G.ggml_reshape_2d(ctx, q, Q, N), shared["pad"])
         q4 = G.ggml_permute(ctx, G.ggml_reshape_4d(ctx, q, D, nh, t, B), 0, 2, 1, 3)  # [D, t, heads, B]
+        if attn.window:
+            mask = shared["windows"][attn.window]
         o = G.ggml_flash_attn_ext(ctx, q4, k_read, v_read, mask, scale, 0.0, 0.0)  # [D, heads, t, B]
         G.ggml_flash_attn_ext_set_prec(o, G.GGML_PREC_F32)
+        if sinks is not None:  # a learned logit per head in each softmax's denominator (gpt-oss)
+            G.ggml_flash_attn_ext_add_sinks(o, sinks)
         o = G.ggml_reshape_2d(ctx, o, Q, B * t)
         if padded:  # and back to the packed tokens
             o = G.ggml_get_rows(ctx, o, shared["unpad"])
@@ -457,19 +553,28 @@ class TrunkGraphs:
             o = G.ggml_add(ctx, o, b_o)
         x_out = G.ggml_add(ctx, x, o)
         h = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, x_out, eps), ffn_norm)
+        dense = None
+        if layer.dense is not None:  # a dense layer's FFN, or the shared expert (its inputs last)
+            ins, dense = layer.dense.nodes(ctx, new, h)
+            inputs += ins
         if routed is None:
+            if dense is not None:
+                return inputs, [x_out, dense], [wk, wv]
             outputs = [x_out, h]
             if w_router is not None:
                 outputs.append(G.ggml_mul_mat(ctx, w_router, h))
             return inputs, outputs, [wk, wv]
         # the routing (llama.cpp's build_moe_ffn) and, from one stack, the routed experts
-        ids, weights = routed.rule(ctx, G.ggml_mul_mat(ctx, w_router, h), cfg)  # [k, N] each
+        ids, weights = routed.rule(ctx, G.ggml_mul_mat(ctx, w_router, h), cfg, r_bias)  # [k, N] each
         outputs = [x_out] + ([h] if routed.keep_h else [])
         if one is not None:
             n_k = ids.contents.ne[0]
             picks = ids
             if one.slot_of is not None:  # expert -> its slot's row of the slot stack
                 picks = G.ggml_reshape_2d(ctx, G.ggml_get_rows(ctx, slot_of, G.ggml_reshape_1d(ctx, ids, n_k * N)), n_k, N)
-            outputs.append(moe_ffn(ctx, ws, bias, self.act, G.ggml_reshape_3d(ctx, h, H, 1, N), picks,
-                                   G.ggml_reshape_3d(ctx, weights, 1, n_k, N)))
+            y = moe_ffn(ctx, ws, bias, self.act, G.ggml_reshape_3d(ctx, h, H, 1, N), picks,
+                        G.ggml_reshape_3d(ctx, weights, 1, n_k, N))
+            if dense is not None:  # routed + shared, the torch path's order
+                y = G.ggml_add(ctx, G.ggml_reshape_2d(ctx, y, H, N), dense)
+            outputs.append(y)
         return inputs, outputs + [ids, weights], [wk, wv]

@@ -77,7 +77,7 @@ def test_an_explicit_list_is_obeyed_and_charged_to_the_expert_budget():
     assert verdict(st, "lm_head") and verdict(st, "layer 1 trunk") and not verdict(st, "layer 0 trunk")
     assert st.trunk_bytes == 300 and st.expert_room == 300 and len(st.held_pairs) == 3
     assert plan.trunk_mode == "lmhead=gpu,layers=1"
-    with pytest.raises(PlacementError, match="--trunk list needs more VRAM"):
+    with pytest.raises(PlacementError, match="--trunk head=gpu,layers=all: the trunk a stage holds on its card needs more VRAM"):
         one_stage(free=250, head=200, layers=(100, 100), trunk="head=gpu,layers=all")
     with pytest.raises(PlacementError, match="unknown component"):
         TrunkPolicy.parse("tail=gpu", 4)

@@ -59,8 +59,9 @@ def test_a_repacked_matrix_multiplies_as_the_plain_one(qtype, mode):
 
 @pytest.mark.parametrize("qtype", REPACKED_TYPES, ids=lambda t: t.name)
 def test_a_repacked_rows_bits_do_not_depend_on_its_batch(qtype):
-    """The default ("on") keeps the plain layout's promise: a row alone or among 8 others gives
+    """MOERAY_REPACK=on keeps the plain layout's promise: a row alone or among 8 others gives
     the same bits (Q4_K runs each row through the GEMV; its GEMM would round differently)."""
+    repack.set_mode("on")
     w = matrix(qtype, 64, 512)
     assert w.repack()
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(2))
@@ -84,6 +85,19 @@ def test_a_repacked_matrix_refuses_to_be_read_as_rows():
     w.repack()
     with pytest.raises(MoerayError, match="repacked"):
         w.rows(torch.tensor([1]))
+
+
+def test_the_default_takes_ggmls_gemm_and_on_keeps_rows_batch_invariant(monkeypatch):
+    """The default is llama.cpp's choice (throughput: Q4_K's GEMM for every 4 rows); the route line
+    says what that means and names the batch-invariant setting."""
+    monkeypatch.delenv("MOERAY_REPACK", raising=False)
+    repack.set_mode(None)
+    assert repack.mode() == "fast" and not repack.rows_alone(T.Q4_K)
+    assert "MOERAY_REPACK=on keeps them batch-invariant" in repack.layout_line()
+    monkeypatch.setenv("MOERAY_REPACK", "on")
+    repack.set_mode(None)
+    assert repack.rows_alone(T.Q4_K) and not repack.rows_alone(T.Q4_0)
+    assert "rows batch-invariant" in repack.layout_line()
 
 
 def test_the_setting_names_its_choices(monkeypatch):
@@ -209,7 +223,9 @@ def test_repacked_host_experts_that_do_not_fit_fail_clearly(monkeypatch):
 
 def test_graph_mul_mat_keeps_a_rows_bits_inside_a_bigger_graph():
     """qmatmul.graph_mul_mat, what fused graphs multiply a QMatrix with: x made inside the graph
-    (here 2x), a Q4_K weight repacked, each row of a batch of 9 equal to that row alone."""
+    (here 2x), a Q4_K weight repacked, each row of a batch of 9 equal to that row alone
+    (MOERAY_REPACK=on, the batch-invariant setting)."""
+    repack.set_mode("on")
     G = qmatmul.ggml_lib()
     w = matrix(T.Q4_K, 64, 512)
     w.repack()

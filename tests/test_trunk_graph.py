@@ -21,7 +21,7 @@ from moeray.stages.kv_cache import BLOCK_SIZE
 from moeray.stages.model import load_model
 from moeray.stages.moe import HostExperts
 from moeray.stages.qmatmul import ggml_available
-from tiny_models import tiny_qwen2moe, tiny_qwen3moe, token_ids
+from tiny_models import tiny_glm4moe, tiny_qwen2moe, tiny_qwen3moe, token_ids
 
 pytestmark = pytest.mark.skipif(not ggml_available(), reason="ggml-python is not installed")
 
@@ -105,6 +105,18 @@ def test_sixteen_sequences_with_shared_prefix_blocks(default):
     """The engine's case: block tables (sequences 0-3 share their first block, so keys are
     gathered by block), prompts continued past a shared prefix, decode of all 16 together, then a
     mixed steps (one, then two sequences add two tokens, the others one)."""
+    _sixteen_sequences(default)
+
+
+def test_gpt_oss_sixteen_sequences_past_the_window(tmp_path):
+    """The same engine steps on gpt-oss: gathered keys, padded queries and the sliding-window
+    masks (prompts of 19-23 tokens pass the window of 8) with sinks, in the graph as in torch."""
+    from gpt_oss_model import write_gpt_oss
+
+    _sixteen_sequences(Both(write_gpt_oss(tmp_path / "gpt-oss.gguf", "Q8_0")[0]))
+
+
+def _sixteen_sequences(default: Both) -> None:
     model = default.model
     prefix = token_ids(BLOCK_SIZE, seed=11)
     prompts = [token_ids(3 + i % 5, seed=20 + i) for i in range(16)]
@@ -158,23 +170,34 @@ def test_sixteen_sequences_with_shared_prefix_blocks(default):
 def tiny_files(tmp_path_factory):
     root = tmp_path_factory.mktemp("trunk")
     return {"qwen3moe": write_gguf(tiny_qwen3moe(), root / "qwen3moe.gguf", "Q8_0"),
-            "qwen2moe": write_gguf(tiny_qwen2moe(), root / "qwen2moe.gguf", "Q8_0")}
+            "qwen2moe": write_gguf(tiny_qwen2moe(), root / "qwen2moe.gguf", "Q8_0"),
+            "glm4moe": write_gguf(tiny_glm4moe(), root / "glm4moe.gguf", "Q8_0"),
+            "glm4moe-groups": write_gguf(tiny_glm4moe(groups=(4, 2)), root / "glm4moe-groups.gguf", "Q8_0")}
 
 
-@pytest.mark.parametrize("name", ["qwen3moe", "qwen2moe"])  # q/k norms, neox RoPE; qkv biases, shared expert
+# q/k norms, neox RoPE; qkv biases, a gated shared expert; a dense layer, sigmoid + bias routing, partial RoPE
+@pytest.mark.parametrize("name", ["qwen3moe", "qwen2moe", "glm4moe"])
 def test_tiny_families(tiny_files, name):
     both = Both(tiny_files[name])
     _close(both, lambda m: m.logits_all(token_ids(20)), f"{name} prefill")
     _close(both, _prefill_then_decode(token_ids(20), 9), f"{name} chunks + decode")
 
 
-def test_gpt_oss_keeps_the_torch_path(tmp_path):
-    """Sinks, sliding windows and YaRN are not in the graph: such a model says so by running the
-    torch path (its own tests hold its numerics)."""
+def test_gpt_oss_runs_in_the_stage_graph(tmp_path):
+    """gpt-oss: attention sinks (flash_attn_ext's sinks), sliding windows of 8 on layers 0 and 2
+    (their own mask; 20 tokens cross it), YaRN (ggml_rope_ext with the torch path's frequencies as
+    freq_factors), top-k-then-softmax routing with the router's bias, swiglu_oai experts with
+    biases (MXFP4): against torch's ops within the route's bound (measured: 1e-5 of the residual
+    stream, equal logits), one stage graph a step."""
     from gpt_oss_model import write_gpt_oss
 
     path, _ = write_gpt_oss(tmp_path / "gpt-oss.gguf", "Q8_0")
-    assert load_model(path, route="ggml").trunk is None
+    both = Both(path)
+    assert [l.attn.window for l in both.model.layers] == [8, 0, 8] and both.model.layers[0].attn.sinks is not None
+    _close(both, lambda m: m.logits_all(token_ids(20)), "gpt-oss prefill")
+    calls = both.calls
+    _close(both, _prefill_then_decode(token_ids(20), 9), "gpt-oss chunks + decode")
+    assert both.calls - calls == 2 + 20 - 9 - 5  # one stage graph a step
 
 
 def test_repacked_q4k_weights(tmp_path):
@@ -263,3 +286,144 @@ def test_the_stage_graph_is_its_layer_graphs_bit_for_bit(tiny_files):
                                             for a, b in zip(r_got, r_ref))
     steps = 2 + 20 - 9 - 5  # two prefill chunks, then one token a step
     assert c_got == ["stage"] * steps and c_ref == ["layer"] * 3 * steps  # 3 layers
+
+
+def _route_in_graph(rule, logits: torch.Tensor, cfg, bias: torch.Tensor | None):
+    """A graph routing rule (stages/routing.py GRAPH_ROUTING) alone in a graph: logits [N, E]
+    -> (ids [N, k] int32, weights [N, k])."""
+    from moeray.stages.qmatmul import ggml_lib
+    from moeray.stages.trunk_graph import MultiGraph
+
+    G = ggml_lib()
+    N, E = logits.shape
+
+    def build(ctx):
+        inputs = [G.ggml_new_tensor_2d(ctx, G.GGML_TYPE_F32, E, N)]
+        if bias is not None:
+            inputs.append(G.ggml_new_tensor_1d(ctx, G.GGML_TYPE_F32, E))
+        ids, weights = rule(ctx, inputs[0], cfg, inputs[1] if bias is not None else None)
+        return inputs, [ids, weights], []
+
+    ids, weights = torch.empty(N, cfg.n_experts_used, dtype=torch.int32), torch.empty(N, cfg.n_experts_used)
+    MultiGraph(build)([logits.data_ptr()] + ([] if bias is None else [bias.data_ptr()]),
+                      [ids.data_ptr(), weights.data_ptr()])
+    return ids, weights
+
+
+@pytest.mark.parametrize("rule,fields", [
+    ("softmax_topk", dict(norm_topk_prob=True)),
+    ("softmax_topk", dict(norm_topk_prob=False)),
+    # DeepSeek-V3 / Kimi-K2: sigmoid, bias, 8 groups of 8 (3 used), renormalised, scaled
+    ("grouped_topk", dict(expert_gating="sigmoid", score_bias=True, expert_groups=8, expert_groups_used=3,
+                          expert_weights_scale=2.5)),
+    ("grouped_topk", dict(expert_gating="sigmoid", score_bias=True, expert_weights_scale=2.5)),  # GLM-4.5
+    ("grouped_topk", dict(expert_gating="softmax", expert_groups=4, expert_groups_used=2, norm_topk_prob=False)),  # V2
+    ("topk_softmax", dict(router_bias=True)),  # gpt-oss
+])
+def test_graph_routing_rules_choose_and_weigh_as_the_torch_rules(rule, fields):
+    """Each rule's graph form against its torch form (stages/routing.py) on random logits: the same
+    experts in the same rank order, the same weights within float32 rounding."""
+    from dataclasses import replace
+
+    from moeray.stages.config import ModelConfig
+    from moeray.stages.routing import GRAPH_ROUTING, ROUTING
+
+    cfg = replace(ModelConfig(arch="t", n_layers=1, hidden=8, n_heads=1, n_kv_heads=1, head_dim=8, vocab_size=8,
+                              context_length=8, rope_theta=1e4, rms_eps=1e-6, rope_style="neox", ffn_dim=0,
+                              n_experts=64, n_experts_used=6, expert_ffn_dim=8, shared_expert_ffn_dim=0,
+                              norm_topk_prob=True, qk_norm=False, tie_embeddings=True), **fields)
+    gen = torch.Generator().manual_seed(7)
+    for n in (1, 7, 32):
+        logits = torch.randn(n, 64, generator=gen)
+        bias = 0.3 * torch.randn(64, generator=gen) if cfg.score_bias or cfg.router_bias else None
+        want_ids, want_w = ROUTING[rule](logits, cfg, bias)
+        ids, weights = _route_in_graph(GRAPH_ROUTING[rule], logits, cfg, bias)
+        assert torch.equal(ids.long(), want_ids), f"{rule} {fields}: other experts at {n} tokens"
+        assert (weights - want_w).abs().max() <= 1e-6 * want_w.abs().max()
+
+
+@pytest.mark.parametrize("name", ["qwen2moe", "glm4moe", "glm4moe-groups"])
+def test_shared_expert_dense_layers_and_sigmoid_routing_run_in_the_stage_graph(tiny_files, name):
+    """qwen2moe (a sigmoid-gated shared expert) and glm4moe (a dense first layer, sigmoid scores +
+    correction bias, renormalised and scaled, an ungated shared expert; with 4 groups of which 2
+    are chosen from): every layer's FFN inside its graph, a decode step as ONE stage graph. Against
+    MOERAY_FUSED_MOE=0 (torch routing, experts, shared expert and dense FFN after each layer's
+    graph): the same experts, logits within 1e-4 of the largest (measured: equal), the same
+    experts computed; and the stage graph gives the layer graphs' bits."""
+    routes = []
+    host = HostExperts(GGUFFile(tiny_files[name]), "ggml", on_route=lambda l, ids, w: routes.append((l, ids, w)))
+    model = load_model(tiny_files[name], route="ggml", experts=host)
+    calls = []
+    for call in ("layer", "stage"):
+        real = getattr(model.trunk, call)
+        setattr(model.trunk, call, lambda *a, real=real, call=call: calls.append(call) or real(*a))
+    fn = _prefill_then_decode(token_ids(20, seed=4), 9)
+    runs = {}
+    for fused, stage in ((True, True), (True, False), (False, False)):
+        model.fuse_moe, model.stage_graph = fused, stage
+        routes.clear(), calls.clear()
+        computed = host.computed
+        with torch.inference_mode():
+            runs[fused, stage] = fn(model), list(routes), list(calls), host.computed - computed
+    steps, layers = 2 + 20 - 9 - 5, 3  # two prefill chunks, then one token a step
+    (got, r_got, c_got, n_got), (per_layer, r_layer, c_layer, n_layer), (ref, r_ref, c_ref, n_ref) = (
+        runs[True, True], runs[True, False], runs[False, False])
+    assert c_got == ["stage"] * steps  # one graph a step (prefill chunks of <= 32 tokens too)
+    assert c_layer == c_ref == ["layer"] * layers * steps
+    assert torch.equal(got, per_layer)
+    assert n_got == n_layer == n_ref > 0
+    for a, b, c in zip(r_got, r_layer, r_ref):
+        assert a[0] == b[0] == c[0] and torch.equal(a[1], b[1]) and torch.equal(a[2], b[2])
+        assert torch.equal(a[1], c[1]), f"layer {a[0]}: other experts than the torch rule"
+        assert (a[2] - c[2]).abs().max() <= 1e-6
+    assert len(r_got) == len(r_ref) == (layers - (name != "qwen2moe")) * steps  # glm: layer 0 is dense
+    err = (got - ref).abs().max() / ref.abs().max()
+    assert err <= 1e-4, f"{name}: {err:.2e} of max |logit|"
+
+
+@pytest.mark.parametrize("n_slots", [12, 16])
+def test_glm4moe_through_an_expert_cache_counts_every_lookup(tiny_files, n_slots, monkeypatch):
+    """glm4moe (layer 0 dense, no slots) behind an expert cache. 16 slots: both MoE layers hold
+    every expert, so each layer's routing, routed experts (from the slots, through the slot
+    table) and shared expert run inside its graph and a decode step is one stage graph. 12 slots:
+    layer 2 holds half, so its experts and shared expert run after its graph. Against
+    MOERAY_FUSED_MOE=0: logits within 1e-4 of the largest (measured: equal), and the cache counts
+    exactly what was routed, hits where resident."""
+    import numpy as np
+
+    from moeray.planner.profile import Profile
+    from moeray.stages.model import load_cached
+
+    counts = np.zeros((3, 8), dtype=np.int64)
+    counts[1], counts[2, :4] = 1000, 500
+    counts[2, 4:] = 100 if n_slots == 16 else 0
+    model, cache = load_cached(tiny_files["glm4moe"], route="ggml", profile=Profile.from_counts(counts), n_slots=n_slots)
+    resident = cache.core.slot_of >= 0
+    assert resident.sum(1).tolist() == [0, 8, 8 if n_slots == 16 else 4]
+    routed, calls = [], []
+    route = cache.core.route
+    monkeypatch.setattr(cache.core, "route", lambda l, ids: routed.append((l, np.array(ids))) or route(l, ids))
+    for call in ("layer", "stage"):
+        real = getattr(model.trunk, call)
+        monkeypatch.setattr(model.trunk, call, lambda *a, real=real, call=call: calls.append(call) or real(*a))
+    fn = _prefill_then_decode(token_ids(20, seed=6), 9)
+    runs = {}
+    for fused in (True, False):
+        model.fuse_moe = fused
+        routed.clear(), calls.clear(), cache.core.reset_counters()
+        with torch.inference_mode():
+            logits = fn(model)
+        ids = {layer: np.concatenate([i for l, i in routed if l == layer]) for layer in (1, 2)}
+        c = cache.core
+        for layer, got in ids.items():
+            picks = np.bincount(got.ravel(), minlength=8)
+            assert c.routed[layer].tolist() == picks.tolist()
+            assert (c.lookups[layer], c.hits[layer]) == (got.size, picks[resident[layer]].sum())
+        assert c.lookups[0] == 0
+        runs[fused] = logits, ids, list(calls)
+    (got, r_got, c_got), (ref, r_ref, c_ref) = runs[True], runs[False]
+    steps = 2 + 20 - 9 - 5
+    assert c_got == (["stage"] * steps if n_slots == 16 else ["layer"] * 3 * steps)
+    assert all(np.array_equal(r_got[l], r_ref[l]) for l in (1, 2))
+    err = (got - ref).abs().max() / ref.abs().max()
+    assert err <= 1e-4, f"{err:.2e} of max |logit|"

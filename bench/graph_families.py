@@ -1,0 +1,81 @@
+"""The fused MoE layer and the stage graph on the families with a shared expert, dense layers and
+sigmoid / biased routing (issue 22): decode ms a step with each mode, alternated in one process.
+
+Modes: `off` (MOERAY_FUSED_MOE=0: torch routing, then the experts, shared expert and dense FFN
+after each layer's trunk graph), `layer` (MOERAY_STAGE_GRAPH=0: each layer's whole FFN inside its
+graph), `stage` (the default: a decode step as one graph). Files: small synthetic GGUFs of the
+qwen2moe and glm4moe families (bench/shapes.py, random Q4_K blocks, written once into the cache
+dir, under 1 GB each); the host path, and every expert resident in slots.
+
+    flock /work/bench.lock python bench/graph_families.py [--batch 1 16] [--rounds 5]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from shapes import Shape, write_shape  # noqa: E402
+
+# Small members of each family (hidden 1024; Qwen1.5-MoE's and GLM-4.5-Air's proportions).
+SMALL = {
+    "qwen2moe": Shape("qwen2moe", layers=12, hidden=1024, heads=8, kv_heads=8, head_dim=128, experts=60, used=4,
+                      expert_ff=512, shared_ff=2048, vocab=49152, norm_topk=False),
+    "glm4moe": Shape("glm4moe", layers=12, hidden=1024, heads=8, kv_heads=2, head_dim=128, experts=64, used=8,
+                     expert_ff=512, shared_ff=512, dense_lead=1, dense_ff=4096, vocab=49152, weights_scale=2.5),
+}
+MODES = {"off": (False, False), "layer": (True, False), "stage": (True, True)}
+
+
+def decode_ms(model, batch: int, steps: int) -> float:
+    """ms a decode step of `batch` sequences after a 16-token prompt each."""
+    kv = model.new_kv_cache(batch, 16 + steps + 8)
+    logits = model.step([list(range(100, 116))] * batch, list(range(batch)), kv)
+    t = time.perf_counter()
+    for _ in range(steps):
+        logits = model.step([[int(x)] for x in logits.argmax(-1)], list(range(batch)), kv)
+    return 1e3 * (time.perf_counter() - t) / steps
+
+
+def main() -> None:
+    from moeray.stages.model import load_cached, load_model
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--family", nargs="+", default=list(SMALL), choices=list(SMALL))
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=24)
+    args = ap.parse_args()
+    torch.set_num_threads(2)
+    for family in args.family:
+        path = write_shape(f"small-{family}", shape=SMALL[family])
+        cfg = load_model(path, route="ggml").config
+        for where in ("host", "resident"):
+            if where == "host":
+                model = load_model(path, route="ggml")
+            else:
+                model, _ = load_cached(path, route="ggml", n_slots=len(cfg.moe_layers) * cfg.n_experts)
+            for batch in args.batch:
+                res = {k: [] for k in MODES}
+                with torch.inference_mode():
+                    for r in range(args.rounds + 1):  # round 0 warms every mode's graphs
+                        for k, (fuse, stage) in MODES.items():
+                            model.fuse_moe, model.stage_graph = fuse, stage
+                            ms = decode_ms(model, batch, args.steps if r else 4)
+                            if r:
+                                res[k].append(ms)
+                med = {k: statistics.median(v) for k, v in res.items()}
+                print(f"{family:9s} {where:8s} batch {batch:2d}: " + ", ".join(
+                    f"{k} {med[k]:.2f} ms" for k in MODES) + f"  | off/stage {med['off'] / med['stage']:.2f}x,"
+                      f" off/layer {med['off'] / med['layer']:.2f}x", flush=True)
+            del model
+
+
+if __name__ == "__main__":
+    main()
