@@ -54,9 +54,12 @@ from moeray.stages.qmatmul import GLU, GraphPlans, QMatrix, ggml_lib, graph_mul_
 KEY_PAD = 64  # keys per graph shape: a decode step builds a new graph every KEY_PAD tokens
 # A graph's intermediates share scratch once their last reader has run (qmatmul.place_scratch), so
 # a stage graph needs about one layer's intermediates; a stage graph over this much (a step far
-# bigger than decode) runs per layer instead, and at most STAGE_GRAPHS are kept.
+# bigger than decode) runs per layer instead. At most STAGE_GRAPHS_BYTES of them are kept, the least
+# recently used dropped first: served steps move between a few hot shapes (every sequence decoding,
+# at one or two key lengths) and rarer ones (a batch that is not full, a prompt's chunk).
 STAGE_SCRATCH_BYTES = 96 << 20
-STAGE_GRAPHS = 4
+STAGE_GRAPHS_BYTES = 4 * STAGE_SCRATCH_BYTES
+STAGE_GRAPHS = 64  # shapes remembered at most (those too big for one graph included)
 
 
 class MultiGraph:
@@ -369,14 +372,18 @@ class TrunkGraphs:
         order), for the caller's counting per layer; None when the step's graph would hold more
         than STAGE_SCRATCH_BYTES of intermediates."""
         key = (step.key,) + tuple(l.key() for l in layers)
-        g = self._stages.get(key)
+        g = self._stages.pop(key, None)
         if g is None:
             g = MultiGraph(self._builder(step, layers, False, True), 96 * len(layers))
             if g.scratch.numel() > STAGE_SCRATCH_BYTES:
                 g = False  # too big a step for one graph (remembered): one graph per layer
-            if len(self._stages) >= STAGE_GRAPHS:
-                self._stages.pop(next(iter(self._stages)))  # the oldest shape (decode moves on)
-            self._stages[key] = g
+            kept = g.scratch.numel() if g else 0
+            for old in self._stages.values():
+                kept += old.scratch.numel() if old else 0
+            while kept > STAGE_GRAPHS_BYTES or len(self._stages) >= STAGE_GRAPHS:  # least recently used first
+                old = self._stages.pop(next(iter(self._stages)))
+                kept -= old.scratch.numel() if old else 0
+        self._stages[key] = g  # the most recently used last
         if g is False:
             return None
         N, H = x.shape
