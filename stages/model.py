@@ -72,7 +72,8 @@ class StageModel(torch.nn.Module):
         if self.route == "ggml" and self.device.type == "cpu" and all(
                 supports(l.attn, cfg) for l in self.layers) and os.environ.get("MOERAY_TRUNK_GRAPH", "1") != "0":
             self.trunk = TrunkGraphs(cfg, {l.attn.window for l in self.layers} - {0})
-        # MOERAY_FUSED_MOE=0: routing (torch) and experts after each trunk graph, never inside it;
+        # MOERAY_FUSED_MOE=0: routing (torch), experts, shared expert and dense FFN after each trunk
+        # graph, never inside it;
         # MOERAY_STAGE_GRAPH=0: one graph per layer, never the stage's layers in one
         self.fuse_moe = os.environ.get("MOERAY_FUSED_MOE", "1") != "0"
         self.stage_graph = os.environ.get("MOERAY_STAGE_GRAPH", "1") != "0"
