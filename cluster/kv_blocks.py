@@ -7,7 +7,7 @@ no bookkeeping of their own. A block is
   * free        on the free list, holding nothing;
   * in use      by one or more sequences (`ref` counts them);
   * cached      in use by none, but holding a full block of some prompt, findable by the hash
-                of its token prefix: a later prompt with the same prefix reuses it instead of
+                of its token prefix (or a tail, below): a later prompt with the same prefix reuses it instead of
                 computing it again (prefix reuse). Cached blocks are handed out again, least
                 recently used first, when the free list is empty.
 
@@ -15,6 +15,15 @@ A full block of a prompt is named by the hash of (the previous block's hash, its
 so one hash names the whole prefix up to the block's end, as vLLM does. Shared blocks are
 read-only: a sequence reuses only full blocks that precede its first computed token, and
 writes only blocks of its own.
+
+Past the last full block a prompt usually goes on for a few tokens into a block that holds
+other tokens after them (another answer, or a finished sequence's partly filled last block: a
+*tail*, kept too). Every named block and tail is also listed under the prefix it follows, with
+its tokens, so `match_tail` finds the one that begins with the most of the prompt's next tokens:
+the sequence takes a block of its own and the stages copy those rows into it before its first
+step (`StepBatch.copies`), instead of computing them again. A chat client that sends the same
+question twice, or a conversation's next turn, then computes one token, as llama-server's slot
+cache does (README "HTTP load").
 
 A prompt's full blocks are named when it is admitted, before its prefill has run: they are
 *pending* until the step that writes them is handed to the pipeline. A request whose prefix
@@ -48,6 +57,10 @@ class BlockManager:
         self.block_of: dict[int, int] = {}  # hash -> block
         self.cached: OrderedDict[int, None] = OrderedDict()  # unreferenced hashed blocks, oldest first
         self.pending: set[int] = set()  # hashes whose block no step has written yet
+        # prefix hash (0: the empty prefix) -> {block: the tokens it holds after that prefix}, for
+        # the named blocks and the tails (match_tail); and each such block's prefix hash
+        self.follows: dict[int, dict[int, tuple[int, ...]]] = {}
+        self.parent_of: dict[int, int] = {}
         self.stats = KVStats()
 
     # ---------------------------------------------------------------- counts
@@ -104,14 +117,64 @@ class BlockManager:
         another block stays there)."""
         if not self.prefix_reuse or n_full <= start:
             return
-        for i, h in enumerate(self.prefix_hashes(tokens, n_full)):
-            if i < start:
-                continue
-            b = table[i]
-            if h not in self.block_of and b not in self.hash_of:
+        hashes = self.prefix_hashes(tokens, n_full)
+        for i in range(start, n_full):
+            b, h = table[i], hashes[i]
+            if h not in self.block_of and b not in self.hash_of and b not in self.parent_of:
                 self.block_of[h], self.hash_of[b] = b, h
+                self._follow(b, hashes[i - 1] if i else 0, tokens[i * BLOCK_SIZE:(i + 1) * BLOCK_SIZE])
                 if pending:
                     self.pending.add(h)
+
+    def register_written(self, table: list[int], tokens: list[int], n_tokens: int) -> None:
+        """A sequence done (or preempted) with the first `n_tokens` of `tokens` written in `table`:
+        its full blocks are named, and its partly filled last block is kept as a tail."""
+        if not self.prefix_reuse:
+            return
+        n_full, rest = divmod(n_tokens, BLOCK_SIZE)
+        self.register(table, tokens, n_full)
+        if rest and n_full < len(table) and table[n_full] not in self.parent_of:
+            parent = self.prefix_hashes(tokens, n_full)[-1] if n_full else 0
+            self._follow(table[n_full], parent, tokens[n_full * BLOCK_SIZE:n_tokens])
+
+    def match_tail(self, tokens: list[int], n_blocks: int) -> tuple[int | None, int]:
+        """(block, n): the written block whose first n tokens are the most of the tokens after
+        `tokens`' first n_blocks full blocks (which the caller shares), leaving at least one token
+        to compute; (None, 0) when none begins with them. Takes nothing."""
+        start = n_blocks * BLOCK_SIZE
+        want = tokens[start:len(tokens) - 1]
+        if not self.prefix_reuse or not want:
+            return None, 0
+        parent = self.prefix_hashes(tokens, n_blocks)[-1] if n_blocks else 0
+        best, n = None, 0
+        for b, held in self.follows.get(parent, {}).items():
+            if self.hash_of.get(b) in self.pending:
+                continue  # named at admission, not written yet
+            k = 0
+            for x, y in zip(want, held):
+                if x != y:
+                    break
+                k += 1
+            if k > n:
+                best, n = b, k
+        return best, n
+
+    def _follow(self, b: int, parent: int, tokens: list[int]) -> None:
+        self.parent_of[b] = parent
+        self.follows.setdefault(parent, {})[b] = tuple(tokens)
+
+    def _forget(self, b: int) -> None:
+        """Block b holds nothing findable any more."""
+        h = self.hash_of.pop(b, None)
+        if h is not None:
+            del self.block_of[h]
+            self.pending.discard(h)
+        parent = self.parent_of.pop(b, None)
+        if parent is not None:
+            kids = self.follows[parent]
+            del kids[b]
+            if not kids:
+                del self.follows[parent]
 
     def written(self, table: list[int], first: int, end: int) -> None:
         """Blocks [first, end) of `table` are written by a step just handed out: no longer pending."""
@@ -137,7 +200,7 @@ class BlockManager:
                 b = self.free.popleft()
             else:  # evict the least recently used cached block: its prefix is forgotten
                 b, _ = self.cached.popitem(last=False)
-                del self.block_of[self.hash_of.pop(b)]
+                self._forget(b)
             self.ref[b] = 1
             out.append(b)
         return out
@@ -148,11 +211,9 @@ class BlockManager:
         for b in reversed(table):  # a prefix's tail is evicted before its head
             self.ref[b] -= 1
             if self.ref[b] == 0:
-                h = self.hash_of.get(b)
-                if h in self.pending:  # never written (aborted, preempted mid-prompt): forget it
-                    self.pending.discard(h)
-                    del self.block_of[h], self.hash_of[b]
-                if b in self.hash_of:
+                if self.hash_of.get(b) in self.pending:  # never written (aborted, preempted mid-prompt)
+                    self._forget(b)
+                if b in self.parent_of:  # a named block or a tail
                     self.cached[b] = None
                 else:
                     self.free.append(b)
@@ -165,3 +226,5 @@ class BlockManager:
         self.block_of.clear()
         self.cached.clear()
         self.pending.clear()
+        self.follows.clear()
+        self.parent_of.clear()

@@ -59,6 +59,7 @@ class Request:
     table: list[int] = field(default_factory=list)  # KV blocks, in order
     kv_len: int = 0  # tokens whose KV the steps handed out so far write
     cached_tokens: int = 0  # prompt tokens whose KV was reused from a cached prefix (first admission)
+    copy: Optional[tuple[int, int, int]] = None  # (block, own block, rows) to copy before its first chunk
     preemptions: int = 0
     fresh: bool = False  # admitted, its first row not yet scheduled: the stages start its sampler over
     t_admit: int = -1  # admission order: the youngest is preempted first
@@ -93,13 +94,15 @@ class ScheduledStep:
     id: int
     lane: int
     rows: list[Row]  # in slot order: a lane's neighbouring slots read the KV cache as one view
+    copies: list[tuple[int, int, int]] = field(default_factory=list)  # KV rows the stages copy first
 
     def batch(self) -> StepBatch:
         return StepBatch(self.id, [r.req.slot for r in self.rows], [len(r.tokens) for r in self.rows],
                          [r.fresh for r in self.rows], [r.tokens for r in self.rows],
                          [r.req.params if r.sample else None for r in self.rows],
                          starts=[r.start for r in self.rows],
-                         tables=[r.req.table[:blocks_for(r.start + len(r.tokens))] for r in self.rows])
+                         tables=[r.req.table[:blocks_for(r.start + len(r.tokens))] for r in self.rows],
+                         copies=self.copies or None)
 
 
 @dataclass
@@ -146,7 +149,8 @@ class Scheduler:
 
     def admit(self) -> None:
         """Waiting requests, in order, take a free slot (in the lane with the most room) and the
-        blocks of their prompt, reusing the cached blocks of its longest known prefix."""
+        blocks of their prompt, reusing the cached blocks of its longest known prefix, and the
+        rows of a written block that go on with it (copied into its own block by the stages)."""
         bm = self.blocks
         while self.waiting and any(self.lane_slots):
             req = self.waiting[0]
@@ -156,14 +160,18 @@ class Scheduler:
             if wait:  # a running request is computing the rest of this prefix: reuse it when written
                 return
             bm.take_shared(shared)  # before allocating: a matched cached block must not be evicted
+            src, n_copy = bm.match_tail(req.prefill, len(shared))
+            held = shared + ([src] if src is not None else [])  # the source too, until its copy is handed out
+            bm.take_shared(held[len(shared):])
             total = len(req.prompt) + req.max_new if self.reserve_output else len(req.prefill) + 1
             own = bm.allocate(blocks_for(total) - len(shared))  # + the first output token
             if own is None:  # wait for blocks; first come, first served
-                bm.release(shared)
+                bm.release(held)
                 return
             self.waiting.popleft()
             req.table = shared + own
-            req.fed = req.kv_len = len(shared) * BLOCK_SIZE
+            req.fed = req.kv_len = len(shared) * BLOCK_SIZE + n_copy
+            req.copy = (src, own[0], n_copy) if src is not None else None
             # Its prompt's full blocks can be found from now on; pending until a step writes them.
             bm.register(req.table, req.prefill, len(req.prefill) // BLOCK_SIZE, len(shared), pending=True)
             if req.preemptions == 0:
@@ -200,9 +208,9 @@ class Scheduler:
         """Free a running sequence's blocks and put it first in line to be prefilled again, prompt
         and output so far (a cached prefix of it may survive and be reused)."""
         prefill = req.prompt + req.output
-        n_full = len(prefill) // BLOCK_SIZE
-        # Its full blocks hold exactly the prefix of prompt + output, whatever fed them: name them.
-        self.blocks.register(req.table, prefill, min(n_full, req.kv_len // BLOCK_SIZE))
+        self._drop_copy(req)
+        # Its blocks hold exactly the prefix of prompt + output, whatever fed them: name them.
+        self.blocks.register_written(req.table, prefill, req.kv_len)
         self.blocks.release(req.table)
         self.running.remove(req)
         self.lane_slots[req.lane].append(req.slot)
@@ -226,8 +234,13 @@ class Scheduler:
                 r.kv_len += 1
                 budget -= 1
         n_decode = len(rows)
+        copies = []
         for r in members:
             if r.status is RequestStatus.RUNNING and r.fed < len(r.prefill) and budget >= 1:
+                if r.copy is not None:  # its first chunk: the stages copy the reused rows first
+                    copies.append(r.copy)
+                    self.blocks.release([r.copy[0]])  # later steps may write it: they run after this one
+                    r.copy = None
                 n = min(self.config.prefill_chunk, len(r.prefill) - r.fed, budget)
                 rows.append(Row(r, r.prefill[r.fed:r.fed + n], r.fed, fresh=r.fresh,
                                 sample=r.fed + n == len(r.prefill)))
@@ -244,7 +257,7 @@ class Scheduler:
         self.stats.prefill_tokens += sum(len(row.tokens) for row in rows) - n_decode
         for row in rows:
             row.req.busy = True
-        return ScheduledStep(next(self._steps), lane, rows)
+        return ScheduledStep(next(self._steps), lane, rows, copies)
 
     def postprocess(self, step: ScheduledStep, tokens: Sequence[Optional[int]] | StepOutput) -> None:
         """Hand each row its sampled token (and its log-probabilities) and apply the finish rules."""
@@ -319,7 +332,18 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
             self.lane_slots[req.lane].append(req.slot)
-            # Its full blocks (prompt and output) stay findable until their blocks are needed.
-            self.blocks.register(req.table, req.prompt + req.output, req.kv_len // BLOCK_SIZE)
+            self._drop_copy(req)
+            # Its blocks (prompt and output) stay findable until they are needed.
+            self.blocks.register_written(req.table, req.prompt + req.output, req.kv_len)
             self.blocks.release(req.table)
             req.table = []
+
+    def _drop_copy(self, req: Request) -> None:
+        """A sequence leaves before its first chunk was handed out: the rows it was to copy were
+        never written into its block; the source it held goes back."""
+        if req.copy is not None:
+            src, _, n = req.copy
+            req.fed -= n
+            req.kv_len -= n
+            self.blocks.release([src])
+            req.copy = None

@@ -40,11 +40,14 @@ class StepBatch:
     sample: list[Any] | None = None  # last stage only: SamplingParams per sequence, None = no token wanted yet
     starts: list[int] | None = None  # tokens each sequence holds in KV before this step
     tables: list[list[int]] | None = None  # each sequence's KV blocks, at least up to its last new token
+    # (block, block, rows): copy the first rows of a written block into another before the step (a
+    # prompt that goes on with tokens another sequence wrote: cluster/kv_blocks.py, match_tail)
+    copies: list[tuple[int, int, int]] | None = None
 
     def for_stage(self, stage: int, n_stages: int) -> "StepBatch":
         return StepBatch(self.step_id, self.slots, self.n_new, self.fresh,
                          self.tokens if stage == 0 else None,
-                         self.sample if stage == n_stages - 1 else None, self.starts, self.tables)
+                         self.sample if stage == n_stages - 1 else None, self.starts, self.tables, self.copies)
 
 
 @dataclass(frozen=True)
@@ -134,6 +137,8 @@ class StageRunner:
                     self.grammars.reset(slot)
         if batch.starts is None or batch.tables is None:
             raise MoerayError("a step needs its sequences' start positions and KV block tables")
+        if batch.copies:
+            self.kv.copy_rows(batch.copies)
         return self.model.table_meta(batch.n_new, batch.starts, batch.tables, self.kv, batch.slots)
 
     def layers(self, x, meta):

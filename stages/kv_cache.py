@@ -85,6 +85,16 @@ class KVPool:
         i = self._index[layer]
         return self.k[i], self.v[i]
 
+    def copy_rows(self, copies: list[tuple[int, int, int]]) -> None:
+        """For each (src, dst, n): the first n rows of block src, every layer, into block dst."""
+        for src, dst, n in copies:
+            if not (0 <= src < self.n_blocks and 0 <= dst < self.n_blocks and 0 < n <= BLOCK_SIZE):
+                raise MoerayError(f"cannot copy {n} rows from KV block {src} to {dst} in a pool of {self.n_blocks}")
+            a, b = src * BLOCK_SIZE, dst * BLOCK_SIZE
+            for t in self.k + self.v:
+                if t is not None:
+                    t[:, b:b + n] = t[:, a:a + n]
+
     def check_tables(self, tables: list[list[int]], ends: list[int]) -> None:
         for table, end in zip(tables, ends):
             if len(table) * BLOCK_SIZE < end:

@@ -29,9 +29,8 @@ from moeray.stages.quant import dequantize
 
 log = logging.getLogger("moeray.kernels")
 
-# The most tokens a step may have to run the stage's layers as one graph: each intermediate of a
-# graph has its own scratch (nothing is reused between layers), so a stage graph's scratch grows
-# with layers x tokens; decode steps fit, prefill chunks keep one graph per layer.
+# The most tokens a step may have to run the stage's layers as one graph: decode steps; prefill
+# chunks keep one graph per layer (a stage graph per prompt length would be built for one use).
 STAGE_TOKENS = 32
 
 

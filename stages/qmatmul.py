@@ -251,16 +251,85 @@ class ThreadChoice:
             self.current = 0 if self.cost[0] <= self.cost[1] else 1
 
 
-def place_scratch(tensors) -> torch.Tensor:
+SCRATCH_REUSE = os.environ.get("MOERAY_SCRATCH_REUSE", "1") != "0"  # 0: every intermediate its own place
+
+
+def place_scratch(tensors, nodes=None) -> torch.Tensor:
     """Fixed places for a graph's intermediate results, 64-byte aligned, in one buffer (returned:
-    the graph keeps it alive)."""
-    sizes = [_G.ggml_nbytes(t) for t in tensors]
-    buf = torch.empty(sum(sizes) + 64 * len(sizes), dtype=torch.uint8)
-    off = 0
-    for t, n in zip(tensors, sizes):
-        t.contents.data = buf.data_ptr() + off
-        off += (n + 63) // 64 * 64
+    the graph keeps it alive). With `nodes` (the graph's nodes in run order) a place is reused once
+    every node that reads the result (directly or through a view of it) has run, as ggml's own
+    allocator does: ggml computes the nodes one after the other, so a stage graph of 30 layers
+    needs about one layer's intermediates, not 30 (less memory, and what a layer writes is still in
+    cache when the next one reads it)."""
+    sizes = [(_G.ggml_nbytes(t) + 63) // 64 * 64 for t in tensors]
+    if nodes is None or not SCRATCH_REUSE:
+        offsets, total = [], 0
+        for n in sizes:
+            offsets.append(total)
+            total += n
+    else:
+        offsets, total = _reused_offsets(tensors, sizes, nodes)
+    buf = torch.empty(total + 64, dtype=torch.uint8)
+    base = (buf.data_ptr() + 63) // 64 * 64
+    for t, off in zip(tensors, offsets):
+        t.contents.data = base + off
     return buf
+
+
+def _reused_offsets(tensors, sizes, nodes) -> tuple[list[int], int]:
+    """Offsets for `tensors` (intermediates, each a node) such that two share bytes only when one's
+    last reader runs before the other is computed: first fit in a free list, freed after the last
+    reader. Returns (offsets, bytes)."""
+    key = ctypes.addressof
+    index = {key(t.contents): i for i, t in enumerate(tensors)}
+    made = {}
+    last = {}
+    for step, node in enumerate(nodes):
+        i = index.get(key(node.contents))
+        if i is not None:
+            made[i] = step
+        for src in node.contents.src:
+            if not src:
+                continue
+            root = src.contents.view_src or src  # views of views point at their root
+            j = index.get(key(root.contents))
+            if j is not None:
+                last[j] = step
+    free: list[list[int]] = []  # [offset, size], sorted by offset, coalesced
+    top, offsets = 0, [0] * len(tensors)
+    ending: dict[int, list[int]] = {}
+    for i in sorted(made, key=made.get):
+        ending.setdefault(max(last.get(i, made[i]), made[i]), []).append(i)
+    by_step = sorted(made.items(), key=lambda kv: kv[1])
+    pos = 0
+    for step in range(len(nodes)):
+        while pos < len(by_step) and by_step[pos][1] == step:
+            i = by_step[pos][0]
+            pos += 1
+            need = sizes[i]
+            for f in free:
+                if f[1] >= need:
+                    offsets[i] = f[0]
+                    f[0] += need
+                    f[1] -= need
+                    break
+            else:
+                offsets[i], top = top, top + need
+            free = [f for f in free if f[1]]
+        for i in ending.get(step, ()):
+            free.append([offsets[i], sizes[i]])
+            free.sort()
+            merged = [free[0]]
+            for f in free[1:]:
+                if merged[-1][0] + merged[-1][1] == f[0]:
+                    merged[-1][1] += f[1]
+                else:
+                    merged.append(f)
+            free = merged
+    missing = set(range(len(tensors))) - set(made)
+    for i in sorted(missing):  # not a node of the graph (never computed): a place of its own
+        offsets[i], top = top, top + sizes[i]
+    return offsets, top
 
 
 class GraphPlans:

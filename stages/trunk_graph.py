@@ -52,9 +52,9 @@ from moeray.stages.layers import Attention, BatchMeta
 from moeray.stages.qmatmul import GLU, GraphPlans, QMatrix, ggml_lib, graph_mul_mat, graph_weight, place_scratch
 
 KEY_PAD = 64  # keys per graph shape: a decode step builds a new graph every KEY_PAD tokens
-# A stage graph gives every intermediate of every layer its own scratch (nothing is reused between
-# layers): at most this much per graph (the default model at 16 tokens: ~30 MB; a 48-layer top-8
-# model's 16-token step would take ~200 MB and runs per layer), and at most STAGE_GRAPHS kept.
+# A graph's intermediates share scratch once their last reader has run (qmatmul.place_scratch), so
+# a stage graph needs about one layer's intermediates; a stage graph over this much (a step far
+# bigger than decode) runs per layer instead, and at most STAGE_GRAPHS are kept.
 STAGE_SCRATCH_BYTES = 96 << 20
 STAGE_GRAPHS = 4
 
@@ -76,7 +76,7 @@ class MultiGraph:
         fixed = {ctypes.addressof(t.contents) for t in self.inputs + self.outputs}
         nodes = [G.ggml_graph_node(self.graph, i) for i in range(G.ggml_graph_n_nodes(self.graph))]
         scratch = [t for t in nodes if ctypes.addressof(t.contents) not in fixed and not t.contents.view_src]
-        self.scratch = place_scratch(scratch)
+        self.scratch = place_scratch(scratch, nodes)
         # Views look into their source's bytes: placed once when it is an intermediate, re-pointed
         # per call (each after its source) when it is an input or output, or a view of one.
         self._views, moving = [], set(fixed)

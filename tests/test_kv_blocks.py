@@ -158,3 +158,54 @@ def test_a_prompt_longer_than_the_kv_pool_is_refused_clearly(tiny_model):
         eng.add(list(range(1, 40)))
     r = eng.add(list(range(1, 20)), SamplingParams(max_tokens=100, ignore_eos=True))
     assert r.max_new == 32 - 19  # capped by what one sequence can hold
+
+
+def test_a_prompt_that_goes_on_into_a_written_block_copies_its_rows_and_computes_the_rest(tiny_model):
+    """A repeated question, a conversation's next turn and a prompt that leaves a shared prefix in
+    the middle of a block: each reuses every token another sequence wrote (copied into a block of
+    its own), computes only what is new (one token at least), and gets the tokens it gets without
+    any reuse."""
+    system = list(range(1, 2 * BLOCK_SIZE + 7))  # 2 full blocks and 6 tokens into the third
+    question = system + [120, 121, 122]
+    params = SamplingParams(max_tokens=9, ignore_eos=True)
+    first_answer = _engine(tiny_model, 64, prefix_reuse=False).generate([question], params)[0].output
+    turn2 = question + first_answer + [130, 131]
+    other = system + [140, 141]  # leaves the first question's block after 6 tokens
+    asked = [question, question, turn2, other]
+
+    plain = _engine(tiny_model, 64, prefix_reuse=False)
+    want = [plain.generate([p], params)[0].output for p in asked]
+    eng = _engine(tiny_model, 64)
+    got, cached, computed = [], [], []
+    for p in asked:  # one after the other, as one client sends them
+        before = eng.stats.prefill_tokens
+        r = eng.generate([p], params)[0]
+        got.append(r.output)
+        cached.append(r.cached_tokens)
+        computed.append(eng.stats.prefill_tokens - before)
+    assert got == want  # the copied rows are the KV the sequence would have computed
+    # The same question again: all of it but its last token (whose logits give the answer's first).
+    assert cached[1] == len(question) - 1 and computed[1] == 1
+    # The next turn: the question and the answer so far (its last token was sampled, never fed).
+    assert cached[2] == len(question) + len(first_answer) - 1 and computed[2] == len(turn2) - cached[2]
+    assert cached[3] == len(system) and computed[3] == 2
+    assert eng.scheduler.blocks.n_used == 0  # the sources held for the copies went back
+
+
+def test_tails_are_found_by_the_prefix_they_follow_and_the_copy_source_is_held_until_handed_out():
+    bm = BlockManager(6)
+    prompt = list(range(1, BLOCK_SIZE + 10))  # 1 full block and 9 tokens
+    a = bm.allocate(2)
+    bm.register_written(a, prompt, len(prompt))
+    bm.release(a)
+    assert bm.n_cached == 2 and bm.n_available == 6  # the full block and the tail, both cached
+    assert bm.match_prefix(prompt) == ([a[0]], False)
+    # A prompt with the same 1 + 9 tokens and more: the tail's 9 rows; the same prompt: 8 (one is left).
+    assert bm.match_tail(prompt + [99], 1) == (a[1], 9)
+    assert bm.match_tail(prompt, 1) == (a[1], 8)
+    assert bm.match_tail(prompt[:BLOCK_SIZE] + [7, 7], 1) == (None, 0)  # nothing begins with these
+    bm.take_shared([a[1]])  # held as a copy source: not handed out again
+    assert bm.allocate(6) is None and bm.n_available == 5
+    bm.release([a[1]])
+    got = bm.allocate(6)  # evicted at last: found no more
+    assert got is not None and bm.match_tail(prompt + [99], 1) == (None, 0) and not bm.follows

@@ -20,6 +20,7 @@ from tiny_models import (
     tiny_llama,
     tiny_mixtral,
     tiny_qwen2moe,
+    tiny_deepseek2,
     tiny_deepseek3,
     tiny_glm4moe,
     tiny_qwen3moe,
@@ -39,6 +40,8 @@ MODELS = {
     "qwen2moe-normtopk": lambda: tiny_qwen2moe(norm_topk_prob=True),
     "qwen3moe": tiny_qwen3moe,
     "deepseek3": tiny_deepseek3,  # MLA over the latent KV, YaRN + mscale, a dense layer, grouped sigmoid routing
+    "deepseek2": tiny_deepseek2,  # V2-Lite: MLA without the q LoRA, softmax routing unnormalised x2, 2 shared experts
+    "deepseek2-qlora": lambda: tiny_deepseek2(q_lora_rank=64),  # V2 / V2.5: the q LoRA
     "glm4moe": tiny_glm4moe,  # partial rope, q/k norm, qkv biases, a dense layer, sigmoid + bias, an MTP layer
     "glm4moe-air": lambda: tiny_glm4moe(use_qk_norm=False),
 }
@@ -179,7 +182,7 @@ def _logits_and_routing(path, route):
 
 @pytest.mark.parametrize("route", ["dequant", "ggml"])
 @pytest.mark.parametrize("ft", ("F16", "Q8_0"))
-@pytest.mark.parametrize("name", ["llama", "mixtral", "qwen2moe", "qwen3moe", "deepseek3", "glm4moe"])
+@pytest.mark.parametrize("name", ["llama", "mixtral", "qwen2moe", "qwen3moe", "deepseek3", "deepseek2", "glm4moe"])
 def test_quantised_routes_stay_within_their_measured_tolerance(cases, name, ft, route):
     if route == "ggml" and not ggml_available():
         pytest.skip("ggml-python is not installed (the README's set-up builds it)")

@@ -452,19 +452,25 @@ def test_what_cannot_be_done_is_a_400_naming_the_parameter(server, extra, param,
     assert data["error"]["param"] == param and words in data["error"]["message"], data
 
 
-def test_a_repeated_system_prompt_is_served_from_cached_kv_and_reported(server, client):
+def test_a_repeated_system_prompt_is_served_from_cached_kv_and_reported(server, client, default_model_path):
     """Prefix reuse as a client sees it: the second request with the same system prompt reports the
-    reused tokens in usage.prompt_tokens_details.cached_tokens, as OpenAI does; /v1/stages and the
-    Ray metrics show the KV ledger (blocks used/free per stage, prefix hit rate, preemptions)."""
+    reused tokens in usage.prompt_tokens_details.cached_tokens, as OpenAI does: every token the two
+    prompts share, up to where the questions part ("Capital of "), in the middle of a block;
+    /v1/stages and the Ray metrics show the KV ledger (blocks used/free per stage, prefix hit rate,
+    preemptions)."""
+    from moeray.stages.tokenizer import Tokenizer
+
     system = "You answer questions about geography. " * 8  # ~60 tokens: 3 full blocks and more
     kw = dict(model="moeray-test", max_tokens=2, temperature=0.0)
-    first = client.chat.completions.create(messages=[{"role": "system", "content": system},
-                                                     {"role": "user", "content": "Capital of Spain?"}], **kw)
-    second = client.chat.completions.create(messages=[{"role": "system", "content": system},
-                                                      {"role": "user", "content": "Capital of Italy?"}], **kw)
+    chats = [[{"role": "system", "content": system}, {"role": "user", "content": f"Capital of {c}?"}]
+             for c in ("Spain", "Italy")]
+    first = client.chat.completions.create(messages=chats[0], **kw)
+    second = client.chat.completions.create(messages=chats[1], **kw)
     assert first.usage.prompt_tokens > 48
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert cached >= 48 and cached % 16 == 0 and cached < second.usage.prompt_tokens
+    a, b = (Tokenizer.from_gguf(default_model_path).encode_chat(m) for m in chats)
+    shared = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert shared % 16 and cached == shared > 48
     report = get(server, "/v1/stages")
     kv = report["kv"]
     assert kv["cached_tokens"] >= cached and 0 < kv["prefix_hit_rate"] < 1 and kv["preemptions"] == 0

@@ -131,6 +131,26 @@ def tiny_deepseek3(seed: int = 4, n_layers: int = N_LAYERS):
     return model
 
 
+def tiny_deepseek2(seed: int = 6, n_layers: int = N_LAYERS, q_lora_rank: int | None = None):
+    """DeepSeek-V2-Lite: MLA without the q LoRA (one attn_q; q_lora_rank: V2's LoRA'd q), YaRN with
+    mscale, layer 0 dense, then 8 experts top-2 by softmax scores (no bias, no groups: topk_method
+    "greedy"), the weights not renormalised but x2.0, two ungated shared experts."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    cfg = DeepseekV2Config(
+        vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=n_layers, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=MAX_POS, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        attn_implementation="eager", intermediate_size=DENSE_FFN, moe_intermediate_size=EXPERT_FFN,
+        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=2, first_k_dense_replace=1,
+        routed_scaling_factor=2.0, norm_topk_prob=False, topk_method="greedy", q_lora_rank=q_lora_rank,
+        kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                         "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+                         "mscale": 0.707, "mscale_all_dim": 0.707})
+    torch.manual_seed(seed)
+    return _finish(DeepseekV2ForCausalLM(cfg), seed)
+
+
 def tiny_glm4moe(seed: int = 5, use_qk_norm: bool = True, groups: tuple[int, int] = (1, 1)):
     """GLM-4.5: q/k/v biases, per-head q/k norm (GLM-4.5; Air: none), partial NeoX RoPE over half of
     each head, layer 0 dense, then 8 experts top-2 by sigmoid scores with a correction bias,

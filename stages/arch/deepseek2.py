@@ -10,7 +10,7 @@
   mscale = 1 + 0.1 * mscale_all_dim * ln(factor), and cos/sin stay unscaled (llama.cpp's
   deepseek2.cpp and transformers agree).
 - The first leading_dense_block_count layers have a dense FFN; the rest are MoE with sigmoid
-  scores (DeepSeek-V3; V2: softmax), the exp_probs_b score-correction bias, group-limited top-k,
+  scores (DeepSeek-V3; V2: softmax, tested against transformers' DeepseekV2), the exp_probs_b score-correction bias, group-limited top-k,
   renormalisation and routed_scaling_factor (stages/routing.py grouped_topk), and an ungated
   shared expert of expert_shared_count x expert width.
 
@@ -37,8 +37,8 @@ class Deepseek2(Architecture):
     routing = "grouped_topk"
     rope_style = "normal"
     norm_topk_default = False  # llama.cpp's default when expert_weights_norm is absent
-    hf_classes = ("DeepseekV3ForCausalLM",)
-    hf_model_types = ("deepseek_v3", "kimi_k2")
+    hf_classes = ("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM")
+    hf_model_types = ("deepseek_v3", "kimi_k2", "deepseek_v2")
 
     # --- metadata -> config ----------------------------------------------------------------
 
@@ -100,10 +100,18 @@ class Deepseek2(Architecture):
         w.add_leading_dense_block_count(int(hf.first_k_dense_replace or 0))
         w.add_expert_shared_count(int(hf.n_shared_experts or 0))
         w.add_expert_weights_scale(float(hf.routed_scaling_factor))
-        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)  # DeepseekV3TopkRouter (config.json's scoring_func)
-        if hf.n_group:
-            w.add_expert_group_count(int(hf.n_group))
-            w.add_expert_group_used_count(int(hf.topk_group))
+        if getattr(hf, "model_type", "") == "deepseek_v2":
+            # DeepseekV2TopkRouter: softmax scores, no score bias, the weights as picked (times
+            # routed_scaling_factor). As llama.cpp's converter does, no groups are written: V2's
+            # group_limited_greedy (a group's best expert decides) has no GGUF field, and
+            # llama.cpp's group rule is V3's (a group's two best), so a V2 file routes over all
+            # experts (V2-Lite's "greedy" exactly; V2/V2.5's grouped choice approximately).
+            w.add_expert_gating_func(gguf.ExpertGatingFuncType.SOFTMAX)
+        else:
+            w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)  # DeepseekV3TopkRouter (config.json's scoring_func)
+            if hf.n_group:
+                w.add_expert_group_count(int(hf.n_group))
+                w.add_expert_group_used_count(int(hf.topk_group))
         params = getattr(hf, "rope_parameters", None) or {}
         if params.get("rope_type") == "yarn" and params.get("mscale_all_dim") is not None:
             w.add_rope_scaling_yarn_log_mul(0.1 * float(params["mscale_all_dim"]))
