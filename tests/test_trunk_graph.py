@@ -427,3 +427,27 @@ def test_glm4moe_through_an_expert_cache_counts_every_lookup(tiny_files, n_slots
     assert all(np.array_equal(r_got[l], r_ref[l]) for l in (1, 2))
     err = (got - ref).abs().max() / ref.abs().max()
     assert err <= 1e-4, f"{err:.2e} of max |logit|"
+
+
+def test_gpt_oss_with_every_expert_resident_is_the_host_path_bit_for_bit(tmp_path):
+    """gpt-oss's experts from the slots inside the stage graph (their biases as slot rows, picked
+    through the slot table): the host path's logits bit for bit, one stage graph a step, every
+    lookup a hit."""
+    from gpt_oss_model import write_gpt_oss
+
+    from moeray.stages.model import load_cached
+
+    path, _ = write_gpt_oss(tmp_path / "gpt-oss.gguf", "Q8_0")
+    host = load_model(path, route="ggml")
+    cfg = host.config
+    cached, cache = load_cached(path, route="ggml", n_slots=cfg.n_layers * cfg.n_experts)
+    assert (cache.core.slot_of >= 0).all()
+    calls = []
+    real = cached.trunk.stage
+    cached.trunk.stage = lambda *a: calls.append(1) or real(*a)
+    fn = _prefill_then_decode(token_ids(20), 9)
+    with torch.inference_mode():
+        want, got = fn(host), fn(cached)
+    assert torch.equal(got, want)
+    c = cache.core
+    assert len(calls) == 2 + 20 - 9 - 5 and c.hits.sum() == c.lookups.sum() == 20 * cfg.n_layers * cfg.n_experts_used
