@@ -8,8 +8,8 @@ each layer's trunk graph, then torch routing, the experts, shared expert and den
 decode step as one graph; gpt-oss before this: `torch`, its sinks, windows and YaRN had no graph
 form). Files: small synthetic GGUFs of the qwen2moe, glm4moe and gpt-oss families (bench/shapes.py,
 random Q4_K blocks, MXFP4 experts for gpt-oss, written once into the cache dir, under 1 GB each);
-the host path, every expert resident in slots, and (`--half`) half of each layer's experts
-resident (split layers: routed experts after the graph, the shared expert inside).
+`--where`: the host path, every expert resident in slots, half of each layer's experts resident
+(split layers: routed experts after the graph, the shared expert inside).
 
     flock /work/bench.lock python bench/graph_families.py [--batch 1 16] [--rounds 5]
 """
@@ -57,13 +57,13 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=24)
-    ap.add_argument("--half", action="store_true", help="also half of each layer's experts resident")
+    ap.add_argument("--where", nargs="+", default=["host", "resident"], choices=["host", "resident", "half"])
     args = ap.parse_args()
     torch.set_num_threads(2)
     for family in args.family:
         path = write_shape(f"small-{family}", shape=SMALL[family])
         cfg = load_model(path, route="ggml").config
-        for where in ("host", "resident") + (("half",) if args.half else ()):
+        for where in args.where:
             if where == "host":
                 model = load_model(path, route="ggml")
             else:
