@@ -1,11 +1,15 @@
-"""The fused MoE layer and the stage graph on the families with a shared expert, dense layers and
-sigmoid / biased routing (issue 22): decode ms a step with each mode, alternated in one process.
+"""The fused MoE layer and the stage graph on the families with a shared expert, dense layers,
+sigmoid / biased routing, and gpt-oss (issue 22): decode ms a step with each mode, alternated in
+one process.
 
-Modes: `off` (MOERAY_FUSED_MOE=0: torch routing, then the experts, shared expert and dense FFN
-after each layer's trunk graph), `layer` (MOERAY_STAGE_GRAPH=0: each layer's whole FFN inside its
-graph), `stage` (the default: a decode step as one graph). Files: small synthetic GGUFs of the
-qwen2moe and glm4moe families (bench/shapes.py, random Q4_K blocks, written once into the cache
-dir, under 1 GB each); the host path, and every expert resident in slots.
+Modes: `torch` (MOERAY_TRUNK_GRAPH=0: torch's ops between the matmuls), `off` (MOERAY_FUSED_MOE=0:
+each layer's trunk graph, then torch routing, the experts, shared expert and dense FFN after it),
+`layer` (MOERAY_STAGE_GRAPH=0: each layer's whole FFN inside its graph), `stage` (the default: a
+decode step as one graph; gpt-oss before this: `torch`, its sinks, windows and YaRN had no graph
+form). Files: small synthetic GGUFs of the qwen2moe, glm4moe and gpt-oss families (bench/shapes.py,
+random Q4_K blocks, MXFP4 experts for gpt-oss, written once into the cache dir, under 1 GB each);
+`--where`: the host path, every expert resident in slots, half of each layer's experts resident
+(split layers: routed experts after the graph, the shared expert inside).
 
     flock /work/bench.lock python bench/graph_families.py [--batch 1 16] [--rounds 5]
 """
@@ -29,8 +33,10 @@ SMALL = {
                       expert_ff=512, shared_ff=2048, vocab=49152, norm_topk=False),
     "glm4moe": Shape("glm4moe", layers=12, hidden=1024, heads=8, kv_heads=2, head_dim=128, experts=64, used=8,
                      expert_ff=512, shared_ff=512, dense_lead=1, dense_ff=4096, vocab=49152, weights_scale=2.5),
+    "gpt-oss": Shape("gpt-oss", layers=12, hidden=1024, heads=16, kv_heads=4, head_dim=64, experts=32, used=4,
+                     expert_ff=1024, vocab=49152, rope_theta=150000.0),
 }
-MODES = {"off": (False, False), "layer": (True, False), "stage": (True, True)}
+MODES = {"torch": None, "off": (False, False), "layer": (True, False), "stage": (True, True)}
 
 
 def decode_ms(model, batch: int, steps: int) -> float:
@@ -51,29 +57,33 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--where", nargs="+", default=["host", "resident"], choices=["host", "resident", "half"])
     args = ap.parse_args()
     torch.set_num_threads(2)
     for family in args.family:
         path = write_shape(f"small-{family}", shape=SMALL[family])
         cfg = load_model(path, route="ggml").config
-        for where in ("host", "resident"):
+        for where in args.where:
             if where == "host":
                 model = load_model(path, route="ggml")
             else:
-                model, _ = load_cached(path, route="ggml", n_slots=len(cfg.moe_layers) * cfg.n_experts)
+                per_layer = cfg.n_experts if where == "resident" else cfg.n_experts // 2
+                model, _ = load_cached(path, route="ggml", n_slots=len(cfg.moe_layers) * per_layer)
+            trunk = model.trunk
             for batch in args.batch:
                 res = {k: [] for k in MODES}
                 with torch.inference_mode():
                     for r in range(args.rounds + 1):  # round 0 warms every mode's graphs
-                        for k, (fuse, stage) in MODES.items():
-                            model.fuse_moe, model.stage_graph = fuse, stage
+                        for k, mode in MODES.items():
+                            model.trunk = None if mode is None else trunk
+                            model.fuse_moe, model.stage_graph = mode or (False, False)
                             ms = decode_ms(model, batch, args.steps if r else 4)
                             if r:
                                 res[k].append(ms)
                 med = {k: statistics.median(v) for k, v in res.items()}
                 print(f"{family:9s} {where:8s} batch {batch:2d}: " + ", ".join(
                     f"{k} {med[k]:.2f} ms" for k in MODES) + f"  | off/stage {med['off'] / med['stage']:.2f}x,"
-                      f" off/layer {med['off'] / med['layer']:.2f}x", flush=True)
+                      f" torch/stage {med['torch'] / med['stage']:.2f}x", flush=True)
             del model
 
 

@@ -28,7 +28,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T  # noqa: E402
 
 @dataclass(frozen=True)
 class Shape:
-    arch: str  # qwen3moe | qwen2moe | glm4moe
+    arch: str  # qwen3moe | qwen2moe | glm4moe | gpt-oss
     layers: int
     hidden: int
     heads: int
@@ -43,6 +43,7 @@ class Shape:
     dense_ff: int = 0
     groups: tuple[int, int] = (1, 1)  # glm4moe: expert groups, groups chosen from
     weights_scale: float = 1.0  # glm4moe: routed_scaling_factor
+    window: int = 128  # gpt-oss: the sliding window of its even layers (YaRN x32 over 4096, sinks, MXFP4 experts)
     rope_theta: float = 1e6
     rms_eps: float = 1e-6
     context: int = 32768
@@ -99,6 +100,10 @@ def _pools(rng, n_blocks: int) -> dict:
             halves = (rng.uniform(0.5, 1.5, n_blocks) * scale).astype(np.float16)
             p[:, off:off + 2] = halves.view(np.uint8).reshape(-1, 2)
         pools[qtype] = p.reshape(-1)
+    block, size = GGML_QUANT_SIZES[T.MXFP4]  # an E8M0 scale byte, then 16 bytes of FP4 pairs
+    p = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
+    p[:, 0] = rng.integers(116, 120, n_blocks)  # 2^-11 .. 2^-8
+    pools[T.MXFP4] = p.reshape(-1)
     return pools
 
 
@@ -144,7 +149,12 @@ def write_shape(name: str, seed: int = 0, shape: Shape | None = None, path: Path
     w.add_uint32(f"{a}.embedding_length", s.hidden)
     w.add_uint32(f"{a}.feed_forward_length", s.dense_ff or s.expert_ff * s.used)
     w.add_uint32(f"{a}.expert_feed_forward_length", s.expert_ff)
-    glm = a == "glm4moe"
+    glm, oss = a == "glm4moe", a == "gpt-oss"
+    if oss:  # gpt-oss-20b's rope and window
+        w.add_string(f"{a}.rope.scaling.type", "yarn")
+        w.add_float32(f"{a}.rope.scaling.factor", 32.0)
+        w.add_uint32(f"{a}.rope.scaling.original_context_length", 4096)
+        w.add_uint32(f"{a}.attention.sliding_window", s.window)
     if glm:  # sigmoid scores + correction bias, renormalised, scaled; half of each head rotated
         w.add_uint32(f"{a}.expert_shared_count", s.shared_ff // s.expert_ff)
         w.add_uint32(f"{a}.leading_dense_block_count", s.dense_lead)
@@ -176,8 +186,9 @@ def write_shape(name: str, seed: int = 0, shape: Shape | None = None, path: Path
 
     seed_of = iter(range(1, 1 << 30))
 
-    def mat(rows, cols, lead=()):
-        return _Blocks(pools, matrix_type(cols), rows, cols, lead, next(seed_of)), matrix_type(cols)
+    def mat(rows, cols, lead=(), qtype=None):
+        qtype = qtype or matrix_type(cols)
+        return _Blocks(pools, qtype, rows, cols, lead, next(seed_of)), qtype
 
     def add(tname, arr_type):
         arr, qtype = arr_type
@@ -202,7 +213,10 @@ def write_shape(name: str, seed: int = 0, shape: Shape | None = None, path: Path
         else:
             for t, n in (("q", s.heads * D), ("k", s.kv_heads * D), ("v", s.kv_heads * D)):
                 vec(p + f"attn_{t}.bias", n, (rng.standard_normal(n) * 0.02).astype(np.float32))
-        vec(p + ("post_attention_norm.weight" if glm else "ffn_norm.weight"), H)
+        if oss:
+            vec(p + "attn_output.bias", H, (rng.standard_normal(H) * 0.02).astype(np.float32))
+            vec(p + "attn_sinks.weight", s.heads, rng.standard_normal(s.heads).astype(np.float32))
+        vec(p + ("post_attention_norm.weight" if glm or oss else "ffn_norm.weight"), H)
         if i < s.dense_lead:
             add(p + "ffn_gate.weight", mat(s.dense_ff, H))
             add(p + "ffn_up.weight", mat(s.dense_ff, H))
@@ -211,9 +225,14 @@ def write_shape(name: str, seed: int = 0, shape: Shape | None = None, path: Path
         vec(p + "ffn_gate_inp.weight", 0, (rng.standard_normal((s.experts, H)) * 0.05).astype(np.float32))
         if glm:
             vec(p + "exp_probs_b.bias", s.experts, (rng.standard_normal(s.experts) * 0.01).astype(np.float32))
-        add(p + "ffn_gate_exps.weight", mat(s.expert_ff, H, (s.experts,)))
-        add(p + "ffn_up_exps.weight", mat(s.expert_ff, H, (s.experts,)))
-        add(p + "ffn_down_exps.weight", mat(H, s.expert_ff, (s.experts,)))
+        x = T.MXFP4 if oss else None  # gpt-oss's published experts
+        add(p + "ffn_gate_exps.weight", mat(s.expert_ff, H, (s.experts,), x))
+        add(p + "ffn_up_exps.weight", mat(s.expert_ff, H, (s.experts,), x))
+        add(p + "ffn_down_exps.weight", mat(H, s.expert_ff, (s.experts,), x))
+        if oss:
+            vec(p + "ffn_gate_inp.bias", s.experts, (rng.standard_normal(s.experts) * 0.05).astype(np.float32))
+            for kind, n in (("gate", s.expert_ff), ("up", s.expert_ff), ("down", H)):
+                vec(p + f"ffn_{kind}_exps.bias", 0, (rng.standard_normal((s.experts, n)) * 0.02).astype(np.float32))
         if s.shared_ff and not glm:
             vec(p + "ffn_gate_inp_shexp.weight", 0, (rng.standard_normal(H) * 0.05).astype(np.float32))
         if s.shared_ff:

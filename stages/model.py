@@ -71,7 +71,8 @@ class StageModel(torch.nn.Module):
         if self.route == "ggml" and self.device.type == "cpu" and all(
                 supports(l.attn, cfg) for l in self.layers) and os.environ.get("MOERAY_TRUNK_GRAPH", "1") != "0":
             self.trunk = TrunkGraphs(cfg, {l.attn.window for l in self.layers} - {0})
-        # MOERAY_FUSED_MOE=0: routing (torch) and experts after each trunk graph, never inside it;
+        # MOERAY_FUSED_MOE=0: routing (torch), experts, shared expert and dense FFN after each trunk
+        # graph, never inside it;
         # MOERAY_STAGE_GRAPH=0: one graph per layer, never the stage's layers in one
         self.fuse_moe = os.environ.get("MOERAY_FUSED_MOE", "1") != "0"
         self.stage_graph = os.environ.get("MOERAY_STAGE_GRAPH", "1") != "0"
@@ -304,10 +305,10 @@ class StageModel(torch.nn.Module):
     def _run_graphs(self, x: torch.Tensor, step, kv: KVPool) -> torch.Tensor:
         """Each layer's trunk in one graph, the previous layer's FFN output added inside it. An
         MoE layer's routing runs in that graph too where its rule has a graph form, and so do its
-        routed experts and shared expert when one stack serves every pick (MoEBlock.one_stack:
-        the host path, or every expert resident): one call per layer; a dense layer's FFN runs
-        inside as well. A layer split between slots and the mapping runs its experts (and shared
-        expert) after the graph (at most two expert graphs), from the graph's ids. When every
+        routed experts when one stack serves every pick (MoEBlock.one_stack: the host path, or
+        every expert resident): one call per layer; a shared expert and a dense layer's FFN run
+        inside as well. A layer split between slots and the mapping runs its routed experts after
+        the graph (at most two expert graphs), from the graph's ids. When every
         layer runs whole inside, a decode-sized step runs the stage's layers as ONE graph
         (TrunkGraphs.stage), as llama.cpp runs a token."""
         if self._specs is None:  # once, after load: each layer's FFN and fixed graph inputs
@@ -321,10 +322,9 @@ class StageModel(torch.nn.Module):
             elif ffn.graph_routing is None:
                 specs.append(base)
             else:
-                one = ffn.one_stack()  # the shared expert joins the graph with the routed experts
-                shared = dense if one is not None else None
-                keep_h = one is None or (ffn.shared is not None and shared is None)
-                specs.append(base.with_routed(Routed(ffn.graph_routing, one, keep_h, ffn.router_bias), shared))
+                one = ffn.one_stack()  # the shared expert runs inside whether the routed experts do or not
+                keep_h = one is None or (ffn.shared is not None and dense is None)
+                specs.append(base.with_routed(Routed(ffn.graph_routing, one, keep_h, ffn.router_bias), dense))
         if self.stage_graph and step.n <= STAGE_TOKENS and all(s.whole for s in specs):
             got = self.trunk.stage(step, x, specs, kv)
             if got is not None:

@@ -418,9 +418,10 @@ class MoEBlock(torch.nn.Module):
         """The FFN output of a layer whose routing ran in its trunk graph (ids, weights): the
         routed experts computed now from h, or with `one` already in the graph (`routed`) and
         only counted (as forward counts them); the shared expert added (shared_inside: the graph
-        added it already)."""
+        computed it: `routed` is then the shared expert's output alone, or added already)."""
         if one is None:
-            return self._with_shared(h, self.experts.forward(self.layer, h, ids, weights))
+            out = self.experts.forward(self.layer, h, ids, weights)
+            return out + routed if shared_inside else self._with_shared(h, out)
         self.count_graph(ids, weights, one)
         return routed if shared_inside else self._with_shared(h, routed)
 

@@ -216,8 +216,8 @@ class LayerOut(NamedTuple):
     """A trunk graph's outputs: the residual stream x; h, the FFN's normed input (None where the
     caller needs it not); the router logits [N, E] (MoE layers routed outside); with the routing
     inside, ids [N, k] int32 and weights [N, k], and the routed experts' output [N, H] (with the
-    shared expert's added) when they ran inside too; `routed` is a dense layer's FFN output when
-    that ran inside."""
+    shared expert's added) when they ran inside too, else the shared expert's alone where it ran
+    inside; `routed` is a dense layer's FFN output when that ran inside."""
     x: torch.Tensor
     h: torch.Tensor | None = None
     logits: torch.Tensor | None = None
@@ -231,7 +231,7 @@ class LayerSpec:
     with `routed` its routing (and experts) inside the graph. A stage makes one per layer once
     (its key and the pointers of its weights, fixed after load, computed then) and derives each
     step's with `with_routed`: a decode step pays no per-layer tuple building for them. `dense`:
-    the FFN inside the graph (a dense layer's), or an MoE layer's shared expert (with `routed.one`)."""
+    the FFN inside the graph (a dense layer's), or an MoE layer's shared expert."""
     __slots__ = ("attn_norm", "attn", "ffn_norm", "router", "routed", "dense", "_key", "_ptrs")
 
     def __init__(self, attn_norm: torch.Tensor, attn: Attention, ffn_norm: torch.Tensor,
@@ -359,7 +359,7 @@ class TrunkGraphs:
             k = self.cfg.n_experts_used
             out = LayerOut(torch.empty(N, H), torch.empty(N, H) if routed.keep_h else None,
                            ids=torch.empty(N, k, dtype=torch.int32), weights=torch.empty(N, k),
-                           routed=None if routed.one is None else torch.empty(N, H))
+                           routed=None if routed.one is None and layer.dense is None else torch.empty(N, H))
         g(ptrs, [t.data_ptr() for t in out if t is not None])  # LayerOut's order is the graph's
         return out
 
@@ -584,4 +584,6 @@ class TrunkGraphs:
             if dense is not None:  # routed + shared, the torch path's order
                 y = G.ggml_add(ctx, G.ggml_reshape_2d(ctx, y, H, N), dense)
             outputs.append(y)
+        elif dense is not None:  # the experts run after the graph; the shared expert already ran
+            outputs.append(dense)
         return inputs, outputs + [ids, weights], [wk, wv]

@@ -16,10 +16,11 @@ from moeray.stages.gguf_file import GGUFFile  # noqa: E402
 from moeray.stages.model import load_model  # noqa: E402
 
 
-@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "glm4moe"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "glm4moe", "gpt-oss"])
 def test_a_shaped_file_has_the_shape_and_runs(tmp_path, arch):
     extra = {"qwen2moe": dict(shared_ff=512, norm_topk=False),  # glm4moe: layer 0 dense, a shared expert
-             "glm4moe": dict(shared_ff=256, dense_lead=1, dense_ff=512, groups=(2, 1), weights_scale=2.5)}.get(arch, {})
+             "glm4moe": dict(shared_ff=256, dense_lead=1, dense_ff=512, groups=(2, 1), weights_scale=2.5),
+             "gpt-oss": dict(window=8)}.get(arch, {})
     ff = 352 if arch == "qwen2moe" else 256  # 352: not a multiple of 256, so its down rows take Q5_0
     s = Shape(arch, layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=4, used=2,
               expert_ff=ff, vocab=49408, **extra)
@@ -28,11 +29,15 @@ def test_a_shaped_file_has_the_shape_and_runs(tmp_path, arch):
     cfg = g.config
     assert (cfg.arch, cfg.n_layers, cfg.hidden, cfg.n_experts, cfg.n_experts_used, cfg.expert_ffn_dim,
             cfg.vocab_size) == (arch, 2, 256, 4, 2, ff, 49408)
-    assert g.info("blk.1.ffn_gate_exps.weight").ggml_type.name == "Q4_K"
-    assert g.info("blk.1.ffn_down_exps.weight").ggml_type.name == ("Q5_0" if ff % 256 else "Q4_K")
+    oss = arch == "gpt-oss"  # MXFP4 experts, as published
+    assert g.info("blk.1.ffn_gate_exps.weight").ggml_type.name == ("MXFP4" if oss else "Q4_K")
+    assert g.info("blk.1.ffn_down_exps.weight").ggml_type.name == ("MXFP4" if oss else "Q5_0" if ff % 256 else "Q4_K")
     if arch == "glm4moe":
         assert (cfg.n_dense_leading, cfg.expert_gating, cfg.score_bias, cfg.expert_groups, cfg.expert_weights_scale,
                 cfg.shared_expert_ffn_dim, cfg.shared_expert_gate, cfg.rope_dim) == (1, "sigmoid", True, 2, 2.5, 256, False, 32)
+    if oss:
+        assert (cfg.rope_scaling, cfg.sliding_window, cfg.swa_layers, cfg.attn_sinks, cfg.expert_bias, cfg.router_bias) == (
+            "yarn", 8, (True, False), True, True, True)
     model = load_model(g)
     logits = model.step([[1, 2, 3, 4]], [0], model.new_kv_cache(1, 8))
     assert logits.shape == (1, 49408) and bool(torch.isfinite(logits).all())

@@ -386,7 +386,7 @@ def test_glm4moe_through_an_expert_cache_counts_every_lookup(tiny_files, n_slots
     """glm4moe (layer 0 dense, no slots) behind an expert cache. 16 slots: both MoE layers hold
     every expert, so each layer's routing, routed experts (from the slots, through the slot
     table) and shared expert run inside its graph and a decode step is one stage graph. 12 slots:
-    layer 2 holds half, so its experts and shared expert run after its graph. Against
+    layer 2 holds half, so its routed experts run after its graph (its shared expert inside). Against
     MOERAY_FUSED_MOE=0: logits within 1e-4 of the largest (measured: equal), and the cache counts
     exactly what was routed, hits where resident."""
     import numpy as np
@@ -400,9 +400,12 @@ def test_glm4moe_through_an_expert_cache_counts_every_lookup(tiny_files, n_slots
     model, cache = load_cached(tiny_files["glm4moe"], route="ggml", profile=Profile.from_counts(counts), n_slots=n_slots)
     resident = cache.core.slot_of >= 0
     assert resident.sum(1).tolist() == [0, 8, 8 if n_slots == 16 else 4]
-    routed, calls = [], []
+    routed, calls, shared = [], [], []
     route = cache.core.route
     monkeypatch.setattr(cache.core, "route", lambda l, ids: routed.append((l, np.array(ids))) or route(l, ids))
+    for layer in model.layers[1:]:  # the shared expert's torch form (qmatmul.swiglu's one graph)
+        real = layer.ffn.shared.forward
+        monkeypatch.setattr(layer.ffn.shared, "forward", lambda h, real=real: shared.append(1) or real(h))
     for call in ("layer", "stage"):
         real = getattr(model.trunk, call)
         monkeypatch.setattr(model.trunk, call, lambda *a, real=real, call=call: calls.append(call) or real(*a))
@@ -410,9 +413,10 @@ def test_glm4moe_through_an_expert_cache_counts_every_lookup(tiny_files, n_slots
     runs = {}
     for fused in (True, False):
         model.fuse_moe = fused
-        routed.clear(), calls.clear(), cache.core.reset_counters()
+        routed.clear(), calls.clear(), shared.clear(), cache.core.reset_counters()
         with torch.inference_mode():
             logits = fn(model)
+        assert len(shared) == (0 if fused else 2 * (2 + 20 - 9 - 5))  # inside every layer's graph, split or not
         ids = {layer: np.concatenate([i for l, i in routed if l == layer]) for layer in (1, 2)}
         c = cache.core
         for layer, got in ids.items():
@@ -427,3 +431,27 @@ def test_glm4moe_through_an_expert_cache_counts_every_lookup(tiny_files, n_slots
     assert all(np.array_equal(r_got[l], r_ref[l]) for l in (1, 2))
     err = (got - ref).abs().max() / ref.abs().max()
     assert err <= 1e-4, f"{err:.2e} of max |logit|"
+
+
+def test_gpt_oss_with_every_expert_resident_is_the_host_path_bit_for_bit(tmp_path):
+    """gpt-oss's experts from the slots inside the stage graph (their biases as slot rows, picked
+    through the slot table): the host path's logits bit for bit, one stage graph a step, every
+    lookup a hit."""
+    from gpt_oss_model import write_gpt_oss
+
+    from moeray.stages.model import load_cached
+
+    path, _ = write_gpt_oss(tmp_path / "gpt-oss.gguf", "Q8_0")
+    host = load_model(path, route="ggml")
+    cfg = host.config
+    cached, cache = load_cached(path, route="ggml", n_slots=cfg.n_layers * cfg.n_experts)
+    assert (cache.core.slot_of >= 0).all()
+    calls = []
+    real = cached.trunk.stage
+    cached.trunk.stage = lambda *a: calls.append(1) or real(*a)
+    fn = _prefill_then_decode(token_ids(20), 9)
+    with torch.inference_mode():
+        want, got = fn(host), fn(cached)
+    assert torch.equal(got, want)
+    c = cache.core
+    assert len(calls) == 2 + 20 - 9 - 5 and c.hits.sum() == c.lookups.sum() == 20 * cfg.n_layers * cfg.n_experts_used

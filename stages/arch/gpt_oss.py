@@ -7,7 +7,8 @@ Every layer is GQA attention then an MoE FFN:
   layers the whole context (llama.cpp's swa pattern 2, transformers' layer_types). Their KV is
   kept whole and the window is a mask (README, "gpt-oss");
 - YaRN RoPE over NeoX halves, with transformers' un-truncated correction range (the model's own
-  rope: its HF config says truncate=False; ggml rounds the range outwards, a small difference);
+  rope: its HF config says truncate=False; llama.cpp's ggml rounds the range outwards, a small
+  difference; moeray's trunk graph hands ggml these frequencies as freq_factors and keeps them);
 - the FFN's norm is stored as post_attention_norm;
 - the router has a bias; the k largest logits are softmaxed among themselves (routing
   `topk_softmax`); experts carry biases and use the clamped SwiGLU (expert_act "swiglu_oai",
