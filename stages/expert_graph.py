@@ -135,8 +135,8 @@ def moe_ffn(ctx, ws, bias, act: GLU, x, ids, w):
         h = G.ggml_swiglu_split(ctx, gate, up)
     y = biased(G.ggml_mul_mat_id(ctx, ws[2], h, ids), 2)  # [H, k, N]
     y = G.ggml_mul(ctx, y, w)
-    if k == 1:  # [H, 1, N]: the bytes of [H, N]
-        return y
+    if k == 1:  # [H, 1, N] -> [H, N]: a copy, not a view, so a graph may make it an output and
+        return G.ggml_cont_2d(ctx, y, y.contents.ne[0], y.contents.ne[2])  # the stage graph can add it
     # Σ over the k picks in rank order (llama.cpp's order)
     H, N = y.contents.ne[0], y.contents.ne[2]
     views = [G.ggml_view_2d(ctx, y, H, N, y.contents.nb[2], r * y.contents.nb[1]) for r in range(k)]

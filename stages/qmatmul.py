@@ -279,8 +279,8 @@ def place_scratch(tensors, nodes=None) -> torch.Tensor:
 
 def _reused_offsets(tensors, sizes, nodes) -> tuple[list[int], int]:
     """Offsets for `tensors` (intermediates, each a node) such that two share bytes only when one's
-    last reader runs before the other is computed: first fit in a free list, freed after the last
-    reader. Returns (offsets, bytes)."""
+    last reader, and the node after it, run before the other is computed: first fit in a free
+    list. Returns (offsets, bytes)."""
     key = ctypes.addressof
     index = {key(t.contents): i for i, t in enumerate(tensors)}
     made = {}
@@ -295,7 +295,9 @@ def _reused_offsets(tensors, sizes, nodes) -> tuple[list[int], int]:
             root = src.contents.view_src or src  # views of views point at their root
             j = index.get(key(root.contents))
             if j is not None:
-                last[j] = step
+                # read until the NEXT node too: ggml-cpu fuses RMS_NORM + MUL (ggml_cpu_try_fuse_ops),
+                # and the fused MUL then reads the norm's source while it writes its own result
+                last[j] = step + 1
     free: list[list[int]] = []  # [offset, size], sorted by offset, coalesced
     top, offsets = 0, [0] * len(tensors)
     ending: dict[int, list[int]] = {}

@@ -288,6 +288,29 @@ def test_the_stage_graph_is_its_layer_graphs_bit_for_bit(tiny_files):
     assert c_got == ["stage"] * steps and c_ref == ["layer"] * 3 * steps  # 3 layers
 
 
+def test_top1_routing_decodes_several_sequences_in_the_stage_graph(tmp_path):
+    """One expert a token (k = 1): the routed output [H, 1, N] becomes [H, N] before the stage graph
+    adds it to the residual (before: ggml's add asserted and aborted the process at 2 tokens).
+    Two sequences decode together: one stage graph a step, the layer graphs' bits."""
+    path = write_gguf(tiny_qwen3moe(top_k=1), tmp_path / "top1.gguf", "Q8_0")
+    model = load_model(path, route="ggml")
+    calls = []
+    real = model.trunk.stage
+    model.trunk.stage = lambda *a: calls.append(1) or real(*a)
+    ids = token_ids(12)
+    runs = []
+    for stage in (True, False):
+        model.stage_graph = stage
+        kv = model.new_kv_cache(2, 32)
+        with torch.inference_mode():
+            out = [model.step([ids, ids[:5]], [0, 1], kv)]
+            for t in range(4):
+                out.append(model.step([[3 + t], [40 + t]], [0, 1], kv))
+        runs.append(torch.stack(out))
+    assert len(calls) == 5  # the 17-token first step as well
+    assert torch.equal(runs[0], runs[1])
+
+
 def _route_in_graph(rule, logits: torch.Tensor, cfg, bias: torch.Tensor | None):
     """A graph routing rule (stages/routing.py GRAPH_ROUTING) alone in a graph: logits [N, E]
     -> (ids [N, k] int32, weights [N, k])."""

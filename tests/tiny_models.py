@@ -94,12 +94,12 @@ def tiny_qwen2moe(seed: int = 2, norm_topk_prob: bool = False):
     return _finish(Qwen2MoeForCausalLM(cfg), seed)
 
 
-def tiny_qwen3moe(seed: int = 3, norm_topk_prob: bool = True):
-    """Qwen3-MoE: 8 experts, top-2, renormalised (as llama.cpp runs it), per-head q/k RMSNorm."""
+def tiny_qwen3moe(seed: int = 3, norm_topk_prob: bool = True, top_k: int = 2):
+    """Qwen3-MoE: 8 experts, top-2 (or top_k), renormalised (as llama.cpp runs it), per-head q/k RMSNorm."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     cfg = Qwen3MoeConfig(**_common(), intermediate_size=DENSE_FFN, moe_intermediate_size=EXPERT_FFN,
-                         num_experts=8, num_experts_per_tok=2, norm_topk_prob=norm_topk_prob,
+                         num_experts=8, num_experts_per_tok=top_k, norm_topk_prob=norm_topk_prob,
                          rope_theta=1000000.0)
     torch.manual_seed(seed)
     return _finish(Qwen3MoeForCausalLM(cfg), seed)
