@@ -337,7 +337,6 @@ class Launched:
     recovering: str | None = None  # what a recovery under way is about (None when none is): the stages
     # are being restarted or re-planned, so there is nobody to ask for their numbers
 
-
     def pipeline(self) -> "RayPipeline":
         return RayPipeline(self.group, self)
 

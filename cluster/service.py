@@ -93,17 +93,16 @@ class Service:
             engine_cfg = self.launched.engine  # the context and the KV blocks the plan settled
         self.engine = Engine(pipeline, engine_cfg, self.tokenizer)
         self.metrics = self.poller = None
-        try:
-            if not opts.metrics:
-                raise ImportError("metrics off")  # serve without them, as without Ray
-            from moeray.cluster.metrics import Metrics, Poller
+        if opts.metrics:  # --no-metrics: none
+            try:
+                from moeray.cluster.metrics import Metrics, Poller
 
-            self.metrics = Metrics(self.model_name)
-            self.poller = Poller(self.metrics, self.stage_stats, lambda: (self.loop.counts["running"],
-                                                                          self.loop.counts["waiting"]),
-                                 opts.metrics_interval_s, read_kv=self.kv_report, read_faults=self.faults_report)
-        except ImportError:  # no Ray, or --no-metrics: serve without metrics
-            pass
+                self.metrics = Metrics(self.model_name)
+                self.poller = Poller(self.metrics, self.stage_stats, lambda: (self.loop.counts["running"],
+                                                                              self.loop.counts["waiting"]),
+                                     opts.metrics_interval_s, read_kv=self.kv_report, read_faults=self.faults_report)
+            except ImportError:  # no Ray: serve without metrics
+                pass
         self.loop = EngineLoop(self.engine, max_waiting=opts.max_waiting, on_tokens=self._on_tokens).start()
         if self.poller is not None:
             self.poller.start()

@@ -280,58 +280,48 @@ def place_scratch(tensors, nodes=None) -> torch.Tensor:
 def _reused_offsets(tensors, sizes, nodes) -> tuple[list[int], int]:
     """Offsets for `tensors` (intermediates, each a node) such that two share bytes only when one's
     last reader, and the node after it, run before the other is computed: first fit in a free
-    list. Returns (offsets, bytes)."""
+    list, walking the nodes in run order. Returns (offsets, bytes)."""
     key = ctypes.addressof
     index = {key(t.contents): i for i, t in enumerate(tensors)}
-    made = {}
-    last = {}
+    free_after: dict[int, int] = {}  # tensor -> the node after which its bytes may be reused
     for step, node in enumerate(nodes):
-        i = index.get(key(node.contents))
-        if i is not None:
-            made[i] = step
+        free_after.setdefault(index.get(key(node.contents)), step)  # read by nobody: free after itself
         for src in node.contents.src:
-            if not src:
-                continue
-            root = src.contents.view_src or src  # views of views point at their root
-            j = index.get(key(root.contents))
+            j = index.get(key((src.contents.view_src or src).contents)) if src else None  # a view's root
             if j is not None:
                 # read until the NEXT node too: ggml-cpu fuses RMS_NORM + MUL (ggml_cpu_try_fuse_ops),
                 # and the fused MUL then reads the norm's source while it writes its own result
-                last[j] = step + 1
-    free: list[list[int]] = []  # [offset, size], sorted by offset, coalesced
-    top, offsets = 0, [0] * len(tensors)
+                free_after[j] = step + 1
     ending: dict[int, list[int]] = {}
-    for i in sorted(made, key=made.get):
-        ending.setdefault(max(last.get(i, made[i]), made[i]), []).append(i)
-    by_step = sorted(made.items(), key=lambda kv: kv[1])
-    pos = 0
-    for step in range(len(nodes)):
-        while pos < len(by_step) and by_step[pos][1] == step:
-            i = by_step[pos][0]
-            pos += 1
-            need = sizes[i]
-            for f in free:
-                if f[1] >= need:
-                    offsets[i] = f[0]
-                    f[0] += need
-                    f[1] -= need
-                    break
+    for i, step in free_after.items():
+        if i is not None:
+            ending.setdefault(step, []).append(i)
+    offsets: list[int | None] = [None] * len(tensors)
+    free: list[list[int]] = []  # [offset, size] holes, sorted by offset, coalesced
+    top = 0
+    for step, node in enumerate(nodes):
+        i = index.get(key(node.contents))
+        if i is not None:
+            hole = next((f for f in free if f[1] >= sizes[i]), None)
+            if hole is None:
+                offsets[i], top = top, top + sizes[i]
             else:
-                offsets[i], top = top, top + need
-            free = [f for f in free if f[1]]
-        for i in ending.get(step, ()):
-            free.append([offsets[i], sizes[i]])
-            free.sort()
-            merged = [free[0]]
-            for f in free[1:]:
-                if merged[-1][0] + merged[-1][1] == f[0]:
-                    merged[-1][1] += f[1]
-                else:
-                    merged.append(f)
-            free = merged
-    missing = set(range(len(tensors))) - set(made)
-    for i in sorted(missing):  # not a node of the graph (never computed): a place of its own
-        offsets[i], top = top, top + sizes[i]
+                offsets[i] = hole[0]
+                hole[0] += sizes[i]
+                hole[1] -= sizes[i]
+        for j in ending.get(step, ()):
+            free.append([offsets[j], sizes[j]])
+        free.sort()
+        merged: list[list[int]] = []
+        for f in free:
+            if merged and merged[-1][0] + merged[-1][1] == f[0]:
+                merged[-1][1] += f[1]
+            elif f[1]:
+                merged.append(f)
+        free = merged
+    for i, off in enumerate(offsets):
+        if off is None:  # not a node of the graph (never computed): a place of its own
+            offsets[i], top = top, top + sizes[i]
     return offsets, top
 
 
