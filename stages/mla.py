@@ -27,6 +27,8 @@ from moeray.stages.rope import RoPE
 
 
 class MLAttention(torch.nn.Module):
+    window = 0  # no sliding window
+
     def __init__(self, cfg: ModelConfig, layer: int, w_q: QMatrix | None, w_q_a: QMatrix | None,
                  q_a_norm: torch.Tensor | None, w_q_b: QMatrix | None, w_kv_a: QMatrix, kv_a_norm: torch.Tensor,
                  w_k_b: QMatrix, w_v_b: QMatrix, w_o: QMatrix):
@@ -42,6 +44,12 @@ class MLAttention(torch.nn.Module):
         self.rope_dim = cfg.rope_dim
         self.nope = cfg.head_dim - cfg.rope_dim
         self.scale = cfg.attn_scale or cfg.head_dim ** -0.5
+
+    def weights(self) -> list:
+        """Its weights in the order its trunk-graph form reads them (stages/trunk_graph.py
+        TrunkGraphs._mla_nodes): the q projection (or q_a, its norm, q_b), kv_a, its norm, k_b, v_b, output."""
+        q = [self.w_q] if self.w_q is not None else [self.w_q_a, self.q_a_norm, self.w_q_b]
+        return q + [self.w_kv_a, self.kv_a_norm, self.w_k_b, self.w_v_b, self.w_o]
 
     def forward(self, x: torch.Tensor, meta: BatchMeta, kv: KVPool, rope: RoPE,
                 cos_sin: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]) -> torch.Tensor:

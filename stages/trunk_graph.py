@@ -1,4 +1,4 @@
-"""A GQA layer's trunk as one ggml graph on the ggml route, as llama.cpp builds it.
+"""A layer's trunk (GQA or MLA attention) as one ggml graph on the ggml route, as llama.cpp builds it.
 
 One call per layer computes, from the residual stream x (plus the previous layer's FFN output r,
 added first, so that residual add joins this graph):
@@ -33,10 +33,17 @@ A step whose sequences add different token counts (prefill chunks beside decode 
 its queries to [B, t_max] inside the graph (get_rows there and back), as the torch path pads them.
 `TrunkGraphs.step(meta, kv)` returns None where a step has no graph form (a 16-bit pool, a pool
 view that would run past the pool's end); which layers can at all is decided at load
-(`supports`): split qkv weights, other attention kinds (MLA, gated, DeltaNet) and the other routes
+(`supports`): split qkv weights, other attention kinds (gated, DeltaNet) and the other routes
 keep the torch path. gpt-oss's attention is in: its sinks through flash_attn_ext's sinks, its
 sliding windows through a mask per window size (Step.windows), YaRN through rope_ext's
 freq_factors (`rope_factors`).
+
+MLA (DeepSeek-V2/V3, Kimi-K2; stages/mla.py) is in too, in the weight-absorbed form of llama.cpp's
+deepseek2.cpp (`_mla_nodes`): q (or q_a -> norm -> q_b), kv_a split into the latent (normed) and
+the rope key, RoPE on q_pe and k_pe, [latent, k_pe] written into the layer's one latent pool,
+q_lat = k_b^T q_nope per head (a batched mul_mat), flash_attn_ext with every query head over the
+one key head of C + R values and the value a view of its first C, then v_b per head and the
+output. Where k_b / v_b are float in the file they are multiplied as float32, as the torch path does.
 """
 from __future__ import annotations
 
@@ -49,6 +56,7 @@ import torch
 from moeray.stages.expert_graph import OneStack, moe_ffn, stack_pointers, stack_tensors
 from moeray.stages.kv_cache import BLOCK_SIZE, KVPool
 from moeray.stages.layers import Attention, BatchMeta
+from moeray.stages.mla import MLAttention
 from moeray.stages.qmatmul import GLU, GraphPlans, QMatrix, ggml_lib, graph_mul_mat, graph_weight, place_scratch
 
 KEY_PAD = 64  # keys per graph shape: a decode step builds a new graph every KEY_PAD tokens
@@ -130,9 +138,17 @@ class MultiGraph:
 
 def supports(attn, cfg) -> bool:
     """Whether a layer's attention runs as a trunk graph (else the stage keeps the torch path):
-    GQA with fused qkv on the ggml route; sinks, sliding windows and YaRN (gpt-oss) included."""
+    GQA with fused qkv on the ggml route, sinks, sliding windows and YaRN (gpt-oss) included; MLA
+    (DeepSeek, Kimi) with every matrix on the ggml route (k_b / v_b also float)."""
+    if cfg.rope_style not in ("normal", "neox"):
+        return False
+    if type(attn) is MLAttention:  # k_b / v_b may be float (read as float32 by the per-head products)
+        heads = (attn.w_k_b, attn.w_v_b)
+        rest = [w for w in attn.weights() if isinstance(w, QMatrix) and all(w is not h for h in heads)]
+        return all(w.route == "ggml" for w in rest) and all(
+            w.route == "ggml" or (w.route == "exact" and w.data.device.type == "cpu") for w in heads)
     return (type(attn) is Attention and len(attn.w_qkv) == 1 and attn.w_qkv[0].route == "ggml"
-            and attn.w_o.route == "ggml" and cfg.rope_style in ("normal", "neox"))
+            and attn.w_o.route == "ggml")
 
 
 def rope_factors(cfg) -> torch.Tensor | None:
@@ -239,11 +255,16 @@ class LayerSpec:
         self.attn_norm, self.attn, self.ffn_norm, self.router, self.routed = attn_norm, attn, ffn_norm, router, routed
         self.dense = dense
         a = attn
-        opt = self.optional()
-        self._key = (a.w_qkv[0].graph_key, a.w_o.graph_key, tuple(o is not None for o in opt),
-                     None if router is None else router.shape[0], a.window)
-        self._ptrs = ([attn_norm.data_ptr(), a.w_qkv[0].graph_ptr, a.w_o.graph_ptr, ffn_norm.data_ptr()],
-                      [o.data_ptr() for o in opt if o is not None] + ([] if router is None else [router.data_ptr()]))
+        E = None if router is None else router.shape[0]
+        if type(a) is MLAttention:  # its weights in MLAttention.weights' order
+            ws = a.weights()
+            self._key = (("mla",) + tuple(w.graph_key if isinstance(w, QMatrix) else w.shape for w in ws), E, 0)
+            fixed = [w.graph_ptr if isinstance(w, QMatrix) else w.data_ptr() for w in ws]
+        else:
+            opt = self.optional()
+            self._key = (a.w_qkv[0].graph_key, a.w_o.graph_key, tuple(o is not None for o in opt), E, a.window)
+            fixed = [a.w_qkv[0].graph_ptr, a.w_o.graph_ptr] + [o.data_ptr() for o in opt if o is not None]
+        self._ptrs = ([attn_norm.data_ptr(), ffn_norm.data_ptr()] + fixed, [] if router is None else [router.data_ptr()])
 
     def with_routed(self, routed: Routed | None, dense: Dense | None = None) -> "LayerSpec":
         spec = object.__new__(LayerSpec)
@@ -270,12 +291,10 @@ class LayerSpec:
 
     def ptrs(self, step: Step, kv: KVPool) -> list[int]:
         """The data pointers of the layer's inputs, in _layer_nodes' order."""
-        k_pool, v_pool = kv.layer(self.attn.layer)
-        k, v = k_pool.data_ptr(), v_pool.data_ptr()
-        ptrs = self._ptrs[0] + [k, v]
+        pools = [p for p in kv.layer(self.attn.layer) if p is not None]  # k and v; MLA's one latent pool
+        ptrs = self._ptrs[0] + [p.data_ptr() for p in pools]
         if step.read_base >= 0:  # the keys as views of the pool from the step's first row
-            row = k_pool.shape[2] * 4  # bytes per pool row
-            ptrs += [k + step.read_base * row, v + step.read_base * row]
+            ptrs += [p.data_ptr() + step.read_base * p.shape[2] * 4 for p in pools]  # bytes per pool row
         ptrs += self._ptrs[1]
         routed = self.routed
         if routed is not None:
@@ -374,7 +393,7 @@ class TrunkGraphs:
         key = (step.key,) + tuple(l.key() for l in layers)
         g = self._stages.pop(key, None)
         if g is None:
-            g = MultiGraph(self._builder(step, layers, False, True), 96 * len(layers))
+            g = MultiGraph(self._builder(step, layers, False, True), 160 * len(layers))
             if g.scratch.numel() > STAGE_SCRATCH_BYTES:
                 g = False  # too big a step for one graph (remembered): one graph per layer
             kept = g.scratch.numel() if g else 0
@@ -471,48 +490,15 @@ class TrunkGraphs:
         in LayerOut's order; its KV writes)."""
         cfg = self.cfg
         G = ggml_lib()
-        B, t, keys_pad, padded = step.key[:4]
-        N, H, D = step.n, cfg.hidden, cfg.head_dim
-        nh, nkv = cfg.n_heads, cfg.n_kv_heads
-        Q, KV = nh * D, nkv * D
-        eps = cfg.rms_eps
-        mode = G.GGML_ROPE_TYPE_NORMAL if cfg.rope_style == "normal" else G.GGML_ROPE_TYPE_NEOX
-        n_rot = cfg.rope_dim or D
-        freq_scale = 1.0 / cfg.rope_scale if cfg.rope_scaling == "linear" else 1.0
-        factors = shared["factors"]  # YaRN: its frequencies as divisors, its attention factor on cos/sin
-        mscale = cfg.yarn_attn_factor if factors is not None else 1.0
-        scale = cfg.attn_scale or D ** -0.5
-        rows = step.rows
+        N, H = step.n, cfg.hidden
         attn, router, routed = layer.attn, layer.router, layer.routed
-        w_qkv, w_o = attn.w_qkv[0], attn.w_o
         one = None if routed is None else routed.one
-        pos, write_rows, mask = shared["pos"], shared["write_rows"], shared["mask"]
 
-        attn_norm, wq, wo, ffn_norm = new(H), graph_weight(ctx, w_qkv), graph_weight(ctx, w_o), new(H)
-        k_pool, v_pool = new(D, rows, nkv), new(D, rows, nkv)
-        inputs = [attn_norm, wq, wo, ffn_norm, k_pool, v_pool]
-        if step.read_base >= 0:
-            reads = []
-            for _ in range(2):  # [D, keys, kv heads, B] over the pool: head-major rows
-                kr = new(D, keys_pad, nkv, B)
-                kr.contents.nb[2] = rows * D * 4
-                kr.contents.nb[3] = step.gap * D * 4
-                reads.append(kr)
-            inputs += reads
-            k_read, v_read = reads
-        else:
-            nb = keys_pad // BLOCK_SIZE
-            reads = []
-            for pool in (k_pool, v_pool):
-                blocks = G.ggml_view_3d(ctx, pool, BLOCK_SIZE * D, rows // BLOCK_SIZE, nkv,
-                                        pool.contents.nb[1] * BLOCK_SIZE, pool.contents.nb[2], 0)
-                got = G.ggml_get_rows(ctx, blocks, shared["idx"])  # [16 D, B * nb, kv heads]
-                reads.append(G.ggml_view_4d(ctx, got, D, keys_pad, nkv, B, D * 4, got.contents.nb[2],
-                                            nb * BLOCK_SIZE * D * 4, 0))
-            k_read, v_read = reads
-        b_qkv, q_norm, k_norm, b_o, sinks = (new(n) if o is not None else None
-                                             for o, n in zip(layer.optional(), (Q + 2 * KV, D, D, H, nh)))
-        inputs += [e for e in (b_qkv, q_norm, k_norm, b_o, sinks) if e is not None]
+        attn_norm, ffn_norm = new(H), new(H)
+        a = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, x, cfg.rms_eps), attn_norm)
+        nodes = self._mla_nodes if type(attn) is MLAttention else self._gqa_nodes
+        ins, o, writes = nodes(ctx, new, step, shared, a, layer)
+        inputs = [attn_norm, ffn_norm] + ins
         w_router = r_bias = None
         if router is not None:
             w_router = new(H, router.shape[0])
@@ -527,7 +513,95 @@ class TrunkGraphs:
                 slot_of = new(1, router.shape[0], type=G.GGML_TYPE_I32)
                 inputs.append(slot_of)
 
-        a = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, x, eps), attn_norm)
+        x_out = G.ggml_add(ctx, x, o)
+        h = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, x_out, cfg.rms_eps), ffn_norm)
+        dense = None
+        if layer.dense is not None:  # a dense layer's FFN, or the shared expert (its inputs last)
+            ins, dense = layer.dense.nodes(ctx, new, h)
+            inputs += ins
+        if routed is None:
+            if dense is not None:
+                return inputs, [x_out, dense], writes
+            outputs = [x_out, h]
+            if w_router is not None:
+                outputs.append(G.ggml_mul_mat(ctx, w_router, h))
+            return inputs, outputs, writes
+        # the routing (llama.cpp's build_moe_ffn) and, from one stack, the routed experts
+        ids, weights = routed.rule(ctx, G.ggml_mul_mat(ctx, w_router, h), cfg, r_bias)  # [k, N] each
+        outputs = [x_out] + ([h] if routed.keep_h else [])
+        if one is not None:
+            n_k = ids.contents.ne[0]
+            picks = ids
+            if one.slot_of is not None:  # expert -> its slot's row of the slot stack
+                picks = G.ggml_reshape_2d(ctx, G.ggml_get_rows(ctx, slot_of, G.ggml_reshape_1d(ctx, ids, n_k * N)), n_k, N)
+            y = moe_ffn(ctx, ws, bias, self.act, G.ggml_reshape_3d(ctx, h, H, 1, N), picks,
+                        G.ggml_reshape_3d(ctx, weights, 1, n_k, N))
+            if dense is not None:  # routed + shared, the torch path's order
+                y = G.ggml_add(ctx, G.ggml_reshape_2d(ctx, y, H, N), dense)
+            outputs.append(y)
+        elif dense is not None:  # the experts run after the graph; the shared expert already ran
+            outputs.append(dense)
+        return inputs, outputs + [ids, weights], writes
+
+    def _pools(self, ctx, new, step: Step, shared: dict, D: int, heads: int, n: int):
+        """A layer's n KV pools [D, rows, heads] and the step's keys read from each,
+        [D, keys_pad, heads, B]: (the inputs, the pools then in view mode the reads; pools; reads)."""
+        G = ggml_lib()
+        B, t, keys_pad = step.key[:3]
+        rows = step.rows
+        pools = [new(D, rows, heads) for _ in range(n)]
+        if step.read_base >= 0:
+            reads = []
+            for _ in range(n):  # [D, keys, heads, B] over the pool: head-major rows
+                kr = new(D, keys_pad, heads, B)
+                kr.contents.nb[2] = rows * D * 4
+                kr.contents.nb[3] = step.gap * D * 4
+                reads.append(kr)
+            return pools + reads, pools, reads
+        nb = keys_pad // BLOCK_SIZE
+        reads = []
+        for pool in pools:
+            blocks = G.ggml_view_3d(ctx, pool, BLOCK_SIZE * D, rows // BLOCK_SIZE, heads,
+                                    pool.contents.nb[1] * BLOCK_SIZE, pool.contents.nb[2], 0)
+            got = G.ggml_get_rows(ctx, blocks, shared["idx"])  # [16 D, B * nb, heads]
+            reads.append(G.ggml_view_4d(ctx, got, D, keys_pad, heads, B, D * 4, got.contents.nb[2],
+                                        nb * BLOCK_SIZE * D * 4, 0))
+        return pools, pools, reads
+
+    def _rope(self, ctx, shared: dict, x, n_rot: int):
+        """ggml_rope_ext as the torch path's RoPE turns x (stages/rope.py): its style, linear
+        scaling, YaRN through its frequencies as divisors and its attention factor on cos/sin."""
+        cfg, G = self.cfg, ggml_lib()
+        mode = G.GGML_ROPE_TYPE_NORMAL if cfg.rope_style == "normal" else G.GGML_ROPE_TYPE_NEOX
+        freq_scale = 1.0 / cfg.rope_scale if cfg.rope_scaling == "linear" else 1.0
+        factors = shared["factors"]
+        mscale = cfg.yarn_attn_factor if factors is not None else 1.0
+        return G.ggml_rope_ext(ctx, x, shared["pos"], factors, n_rot, mode, 0, cfg.rope_theta, freq_scale, 0.0,
+                               mscale, 0.0, 0.0)
+
+    def _gqa_nodes(self, ctx, new, step: Step, shared: dict, a, layer: LayerSpec):
+        """GQA from the normed input a [H, N]: (its inputs: weights, optional vectors, pools and
+        reads; its output W_o o (+ b) [H, N]; its KV writes)."""
+        cfg = self.cfg
+        G = ggml_lib()
+        B, t, keys_pad, padded = step.key[:4]
+        N, H, D = step.n, cfg.hidden, cfg.head_dim
+        nh, nkv = cfg.n_heads, cfg.n_kv_heads
+        Q, KV = nh * D, nkv * D
+        eps = cfg.rms_eps
+        n_rot = cfg.rope_dim or D
+        scale = cfg.attn_scale or D ** -0.5
+        attn = layer.attn
+        w_qkv, w_o = attn.w_qkv[0], attn.w_o
+        write_rows, mask = shared["write_rows"], shared["mask"]
+
+        wq, wo = graph_weight(ctx, w_qkv), graph_weight(ctx, w_o)
+        b_qkv, q_norm, k_norm, b_o, sinks = (new(n) if o is not None else None
+                                             for o, n in zip(layer.optional(), (Q + 2 * KV, D, D, H, nh)))
+        inputs = [wq, wo] + [e for e in (b_qkv, q_norm, k_norm, b_o, sinks) if e is not None]
+        ins, (k_pool, v_pool), (k_read, v_read) = self._pools(ctx, new, step, shared, D, nkv, 2)
+        inputs += ins
+
         qkv = graph_mul_mat(ctx, w_qkv, wq, a)  # [Q + 2 KV, N]
         if b_qkv is not None:
             qkv = G.ggml_add(ctx, qkv, b_qkv)
@@ -538,8 +612,7 @@ class TrunkGraphs:
         if q_norm is not None:
             q = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, q, eps), q_norm)
             k = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, k, eps), k_norm)
-        q = G.ggml_rope_ext(ctx, q, pos, factors, n_rot, mode, 0, cfg.rope_theta, freq_scale, 0.0, mscale, 0.0, 0.0)
-        k = G.ggml_rope_ext(ctx, k, pos, factors, n_rot, mode, 0, cfg.rope_theta, freq_scale, 0.0, mscale, 0.0, 0.0)
+        q, k = self._rope(ctx, shared, q, n_rot), self._rope(ctx, shared, k, n_rot)
         # the step's k/v into the pool: [D, N, kv heads] rows at write_rows, every head
         wk = G.ggml_set_rows(ctx, k_pool, G.ggml_permute(ctx, k, 0, 2, 1, 3), write_rows)
         wv = G.ggml_set_rows(ctx, v_pool, G.ggml_permute(ctx, v, 0, 2, 1, 3), write_rows)
@@ -558,32 +631,68 @@ class TrunkGraphs:
         o = graph_mul_mat(ctx, w_o, wo, o)
         if b_o is not None:
             o = G.ggml_add(ctx, o, b_o)
-        x_out = G.ggml_add(ctx, x, o)
-        h = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, x_out, eps), ffn_norm)
-        dense = None
-        if layer.dense is not None:  # a dense layer's FFN, or the shared expert (its inputs last)
-            ins, dense = layer.dense.nodes(ctx, new, h)
-            inputs += ins
-        if routed is None:
-            if dense is not None:
-                return inputs, [x_out, dense], [wk, wv]
-            outputs = [x_out, h]
-            if w_router is not None:
-                outputs.append(G.ggml_mul_mat(ctx, w_router, h))
-            return inputs, outputs, [wk, wv]
-        # the routing (llama.cpp's build_moe_ffn) and, from one stack, the routed experts
-        ids, weights = routed.rule(ctx, G.ggml_mul_mat(ctx, w_router, h), cfg, r_bias)  # [k, N] each
-        outputs = [x_out] + ([h] if routed.keep_h else [])
-        if one is not None:
-            n_k = ids.contents.ne[0]
-            picks = ids
-            if one.slot_of is not None:  # expert -> its slot's row of the slot stack
-                picks = G.ggml_reshape_2d(ctx, G.ggml_get_rows(ctx, slot_of, G.ggml_reshape_1d(ctx, ids, n_k * N)), n_k, N)
-            y = moe_ffn(ctx, ws, bias, self.act, G.ggml_reshape_3d(ctx, h, H, 1, N), picks,
-                        G.ggml_reshape_3d(ctx, weights, 1, n_k, N))
-            if dense is not None:  # routed + shared, the torch path's order
-                y = G.ggml_add(ctx, G.ggml_reshape_2d(ctx, y, H, N), dense)
-            outputs.append(y)
-        elif dense is not None:  # the experts run after the graph; the shared expert already ran
-            outputs.append(dense)
-        return inputs, outputs + [ids, weights], [wk, wv]
+        return inputs, o, [wk, wv]
+
+    def _mla_nodes(self, ctx, new, step: Step, shared: dict, a, layer: LayerSpec):
+        """MLA (stages/mla.py, the weight-absorbed form of llama.cpp's deepseek2.cpp) from the normed
+        input a [H, N]: (its inputs: MLAttention.weights, the latent pool and its read; its output
+        [H, N]; its latent KV write). Every query head reads the one key head [latent, k_pe] of
+        C + R values a cached token; the value is the first C of the same rows (a view)."""
+        cfg = self.cfg
+        G = ggml_lib()
+        B, t, keys_pad, padded = step.key[:4]
+        N, nh, C = step.n, cfg.n_heads, cfg.kv_lora_rank
+        attn = layer.attn
+        R, nope, Dv = attn.rope_dim, attn.nope, cfg.v_head_dim
+        D = nope + R  # a query head's width as the file has it
+        eps = cfg.rms_eps
+
+        def weight(w):
+            if not isinstance(w, QMatrix):
+                return new(w.numel())
+            if w.route == "exact":  # a float k_b / v_b, held as float32
+                return new(w.shape[1], w.shape[0])
+            return graph_weight(ctx, w)
+
+        ws = [weight(w) for w in attn.weights()]
+        if attn.w_q is not None:
+            wq, wkv, kv_norm, wk_b, wv_b, wo = ws
+            q = graph_mul_mat(ctx, attn.w_q, wq, a)
+        else:  # q through its LoRA bottleneck and its norm
+            wq_a, q_norm, wq_b, wkv, kv_norm, wk_b, wv_b, wo = ws
+            q = graph_mul_mat(ctx, attn.w_q_a, wq_a, a)
+            q = graph_mul_mat(ctx, attn.w_q_b, wq_b, G.ggml_mul(ctx, G.ggml_rms_norm(ctx, q, eps), q_norm))
+        # k_b / v_b as one matrix per head (plain blocks: MLAttention keeps them unrepacked)
+        wk_b = G.ggml_reshape_3d(ctx, wk_b, nope, C, nh)  # [nope, C, heads]
+        wv_b = G.ggml_reshape_3d(ctx, wv_b, C, Dv, nh)  # [C, v, heads]
+        ins, (pool,), (k_read,) = self._pools(ctx, new, step, shared, C + R, 1, 1)
+        inputs = ws + ins
+
+        nb1 = q.contents.nb[1]
+        q_nope = G.ggml_view_3d(ctx, q, nope, nh, N, D * 4, nb1, 0)
+        q_pe = self._rope(ctx, shared, G.ggml_view_3d(ctx, q, R, nh, N, D * 4, nb1, nope * 4), R)  # [R, heads, N]
+        ckv = graph_mul_mat(ctx, attn.w_kv_a, wkv, a)  # [C + R, N]
+        latent = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, G.ggml_view_2d(ctx, ckv, C, N, ckv.contents.nb[1], 0), eps),
+                            kv_norm)
+        k_pe = self._rope(ctx, shared, G.ggml_view_3d(ctx, ckv, R, 1, N, ckv.contents.nb[1], ckv.contents.nb[1], C * 4), R)
+        # the step's latent and rope key into the pool: one row of C + R per token
+        entry = G.ggml_concat(ctx, latent, G.ggml_reshape_2d(ctx, k_pe, R, N), 0)  # [C + R, N]
+        write = G.ggml_set_rows(ctx, pool, G.ggml_reshape_3d(ctx, entry, C + R, N, 1), shared["write_rows"])
+
+        # the query into latent space per head: q_lat = k_b^T q_nope, then [q_lat, q_pe]
+        q_lat = G.ggml_mul_mat(ctx, wk_b, G.ggml_permute(ctx, q_nope, 0, 2, 1, 3))  # [C, N, heads]
+        query = G.ggml_concat(ctx, G.ggml_permute(ctx, q_lat, 0, 2, 1, 3), q_pe, 0)  # [C + R, heads, N]
+        if padded:  # packed tokens -> [B, t] query rows
+            query = G.ggml_get_rows(ctx, G.ggml_reshape_2d(ctx, query, (C + R) * nh, N), shared["pad"])
+        q4 = G.ggml_permute(ctx, G.ggml_reshape_4d(ctx, query, C + R, nh, t, B), 0, 2, 1, 3)  # [C + R, t, heads, B]
+        kr = k_read.contents
+        v_read = G.ggml_view_4d(ctx, k_read, C, kr.ne[1], kr.ne[2], kr.ne[3], kr.nb[1], kr.nb[2], kr.nb[3], 0)
+        o = G.ggml_flash_attn_ext(ctx, q4, k_read, v_read, shared["mask"], attn.scale, 0.0, 0.0)  # [C, heads, t, B]
+        G.ggml_flash_attn_ext_set_prec(o, G.GGML_PREC_F32)
+        o = G.ggml_reshape_2d(ctx, o, C * nh, B * t)
+        if padded:  # and back to the packed tokens
+            o = G.ggml_get_rows(ctx, o, shared["unpad"])
+        # out of latent space per head through v_b, then the output projection
+        o = G.ggml_mul_mat(ctx, wv_b, G.ggml_permute(ctx, G.ggml_reshape_3d(ctx, o, C, nh, N), 0, 2, 1, 3))  # [v, N, heads]
+        o = G.ggml_cont_2d(ctx, G.ggml_permute(ctx, o, 0, 2, 1, 3), Dv * nh, N)
+        return inputs, graph_mul_mat(ctx, attn.w_o, wo, o), [write]
