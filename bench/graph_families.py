@@ -35,6 +35,11 @@ SMALL = {
                      expert_ff=512, shared_ff=512, dense_lead=1, dense_ff=4096, vocab=49152, weights_scale=2.5),
     "gpt-oss": Shape("gpt-oss", layers=12, hidden=1024, heads=16, kv_heads=4, head_dim=64, experts=32, used=4,
                      expert_ff=1024, vocab=49152, rope_theta=150000.0),
+    # DeepSeek-V3 / Kimi-K2's attention at hidden 1024: MLA with a q LoRA, the 512 + 64 latent,
+    # 128 + 64 per query head; a dense first layer, sigmoid + bias routing in 8 groups of 4, 2 shared
+    "deepseek2": Shape("deepseek2", layers=12, hidden=1024, heads=8, kv_heads=1, head_dim=192, experts=64, used=6,
+                       expert_ff=512, shared_ff=1024, dense_lead=1, dense_ff=4096, vocab=49152, groups=(8, 4),
+                       weights_scale=2.5, rope_theta=10000.0, kv_lora=512, q_lora=384, rope_dim=64, v_dim=128),
 }
 MODES = {"torch": None, "off": (False, False), "layer": (True, False), "stage": (True, True)}
 

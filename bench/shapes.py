@@ -28,7 +28,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T  # noqa: E402
 
 @dataclass(frozen=True)
 class Shape:
-    arch: str  # qwen3moe | qwen2moe | glm4moe | gpt-oss
+    arch: str  # qwen3moe | qwen2moe | glm4moe | gpt-oss | deepseek2
     layers: int
     hidden: int
     heads: int
@@ -48,6 +48,12 @@ class Shape:
     rms_eps: float = 1e-6
     context: int = 32768
     norm_topk: bool = True
+    # deepseek2 (MLA): head_dim = nope + rope_dim per query head; the latent of kv_lora; q through
+    # a LoRA of q_lora (0: one attn_q); v_dim values per head. Sigmoid + bias routing as glm4moe.
+    kv_lora: int = 0
+    q_lora: int = 0
+    rope_dim: int = 0
+    v_dim: int = 0
 
 
 # Published configs (config.json of each model on its hub page).
@@ -149,13 +155,23 @@ def write_shape(name: str, seed: int = 0, shape: Shape | None = None, path: Path
     w.add_uint32(f"{a}.embedding_length", s.hidden)
     w.add_uint32(f"{a}.feed_forward_length", s.dense_ff or s.expert_ff * s.used)
     w.add_uint32(f"{a}.expert_feed_forward_length", s.expert_ff)
-    glm, oss = a == "glm4moe", a == "gpt-oss"
+    glm, oss, mla = a == "glm4moe", a == "gpt-oss", a == "deepseek2"
     if oss:  # gpt-oss-20b's rope and window
         w.add_string(f"{a}.rope.scaling.type", "yarn")
         w.add_float32(f"{a}.rope.scaling.factor", 32.0)
         w.add_uint32(f"{a}.rope.scaling.original_context_length", 4096)
         w.add_uint32(f"{a}.attention.sliding_window", s.window)
-    if glm:  # sigmoid scores + correction bias, renormalised, scaled; half of each head rotated
+    if mla:  # DeepSeek-V3's YaRN (x40 over 4096, mscale_all_dim 1) and MLA as llama.cpp's converter writes it
+        w.add_string(f"{a}.rope.scaling.type", "yarn")
+        w.add_float32(f"{a}.rope.scaling.factor", 40.0)
+        w.add_uint32(f"{a}.rope.scaling.original_context_length", 4096)
+        w.add_float32(f"{a}.rope.scaling.yarn_log_multiplier", 0.1)
+        w.add_uint32(f"{a}.attention.kv_lora_rank", s.kv_lora)
+        if s.q_lora:
+            w.add_uint32(f"{a}.attention.q_lora_rank", s.q_lora)
+        w.add_uint32(f"{a}.attention.key_length_mla", s.head_dim)
+        w.add_uint32(f"{a}.attention.value_length_mla", s.v_dim)
+    if glm or mla:  # sigmoid scores + correction bias, renormalised, scaled; half of each head rotated
         w.add_uint32(f"{a}.expert_shared_count", s.shared_ff // s.expert_ff)
         w.add_uint32(f"{a}.leading_dense_block_count", s.dense_lead)
         w.add_uint32(f"{a}.expert_gating_func", int(gguf.ExpertGatingFuncType.SIGMOID))
@@ -163,13 +179,13 @@ def write_shape(name: str, seed: int = 0, shape: Shape | None = None, path: Path
         w.add_float32(f"{a}.expert_weights_scale", s.weights_scale)
         w.add_uint32(f"{a}.expert_group_count", s.groups[0])
         w.add_uint32(f"{a}.expert_group_used_count", s.groups[1])
-        w.add_uint32(f"{a}.rope.dimension_count", s.head_dim // 2)
+        w.add_uint32(f"{a}.rope.dimension_count", s.rope_dim or s.head_dim // 2)
     elif s.shared_ff:
         w.add_uint32(f"{a}.expert_shared_feed_forward_length", s.shared_ff)
     w.add_uint32(f"{a}.attention.head_count", s.heads)
-    w.add_uint32(f"{a}.attention.head_count_kv", s.kv_heads)
-    w.add_uint32(f"{a}.attention.key_length", s.head_dim)
-    w.add_uint32(f"{a}.attention.value_length", s.head_dim)
+    w.add_uint32(f"{a}.attention.head_count_kv", 1 if mla else s.kv_heads)
+    w.add_uint32(f"{a}.attention.key_length", s.kv_lora + s.rope_dim if mla else s.head_dim)  # MLA: the MQA view
+    w.add_uint32(f"{a}.attention.value_length", s.kv_lora if mla else s.head_dim)
     w.add_float32(f"{a}.rope.freq_base", s.rope_theta)
     w.add_float32(f"{a}.attention.layer_norm_rms_epsilon", s.rms_eps)
     w.add_uint32(f"{a}.expert_count", s.experts)
@@ -203,16 +219,30 @@ def write_shape(name: str, seed: int = 0, shape: Shape | None = None, path: Path
     for i in range(s.layers):
         p = f"blk.{i}."
         vec(p + "attn_norm.weight", H)
-        add(p + "attn_q.weight", mat(s.heads * D, H))
-        add(p + "attn_k.weight", mat(s.kv_heads * D, H))
-        add(p + "attn_v.weight", mat(s.kv_heads * D, H))
-        add(p + "attn_output.weight", mat(H, s.heads * D))
-        if a == "qwen3moe":
-            vec(p + "attn_q_norm.weight", D)
-            vec(p + "attn_k_norm.weight", D)
+        if mla:
+            C, R = s.kv_lora, s.rope_dim
+            if s.q_lora:
+                add(p + "attn_q_a.weight", mat(s.q_lora, H))
+                vec(p + "attn_q_a_norm.weight", s.q_lora)
+                add(p + "attn_q_b.weight", mat(s.heads * D, s.q_lora))
+            else:
+                add(p + "attn_q.weight", mat(s.heads * D, H))
+            add(p + "attn_kv_a_mqa.weight", mat(C + R, H))
+            vec(p + "attn_kv_a_norm.weight", C)
+            add(p + "attn_k_b.weight", mat(C, D - R, (s.heads,)))
+            add(p + "attn_v_b.weight", mat(s.v_dim, C, (s.heads,)))
+            add(p + "attn_output.weight", mat(H, s.heads * s.v_dim))
         else:
-            for t, n in (("q", s.heads * D), ("k", s.kv_heads * D), ("v", s.kv_heads * D)):
-                vec(p + f"attn_{t}.bias", n, (rng.standard_normal(n) * 0.02).astype(np.float32))
+            add(p + "attn_q.weight", mat(s.heads * D, H))
+            add(p + "attn_k.weight", mat(s.kv_heads * D, H))
+            add(p + "attn_v.weight", mat(s.kv_heads * D, H))
+            add(p + "attn_output.weight", mat(H, s.heads * D))
+            if a == "qwen3moe":
+                vec(p + "attn_q_norm.weight", D)
+                vec(p + "attn_k_norm.weight", D)
+            else:
+                for t, n in (("q", s.heads * D), ("k", s.kv_heads * D), ("v", s.kv_heads * D)):
+                    vec(p + f"attn_{t}.bias", n, (rng.standard_normal(n) * 0.02).astype(np.float32))
         if oss:
             vec(p + "attn_output.bias", H, (rng.standard_normal(H) * 0.02).astype(np.float32))
             vec(p + "attn_sinks.weight", s.heads, rng.standard_normal(s.heads).astype(np.float32))
@@ -223,7 +253,7 @@ def write_shape(name: str, seed: int = 0, shape: Shape | None = None, path: Path
             add(p + "ffn_down.weight", mat(H, s.dense_ff))
             continue
         vec(p + "ffn_gate_inp.weight", 0, (rng.standard_normal((s.experts, H)) * 0.05).astype(np.float32))
-        if glm:
+        if glm or mla:
             vec(p + "exp_probs_b.bias", s.experts, (rng.standard_normal(s.experts) * 0.01).astype(np.float32))
         x = T.MXFP4 if oss else None  # gpt-oss's published experts
         add(p + "ffn_gate_exps.weight", mat(s.expert_ff, H, (s.experts,), x))
@@ -233,7 +263,7 @@ def write_shape(name: str, seed: int = 0, shape: Shape | None = None, path: Path
             vec(p + "ffn_gate_inp.bias", s.experts, (rng.standard_normal(s.experts) * 0.05).astype(np.float32))
             for kind, n in (("gate", s.expert_ff), ("up", s.expert_ff), ("down", H)):
                 vec(p + f"ffn_{kind}_exps.bias", 0, (rng.standard_normal((s.experts, n)) * 0.02).astype(np.float32))
-        if s.shared_ff and not glm:
+        if s.shared_ff and not (glm or mla):
             vec(p + "ffn_gate_inp_shexp.weight", 0, (rng.standard_normal(H) * 0.05).astype(np.float32))
         if s.shared_ff:
             add(p + "ffn_gate_shexp.weight", mat(s.shared_ff, H))
