@@ -464,7 +464,7 @@ class TrunkGraphs:
                 shared["factors"] = new(self.factors.numel())
                 inputs.append(shared["factors"])
             if step.read_base < 0:
-                shared["idx"] = new(B * (keys_pad // BLOCK_SIZE), self.cfg.n_kv_heads, type=G.GGML_TYPE_I32)
+                shared["idx"] = new(B * (keys_pad // BLOCK_SIZE), step.gather.shape[0], type=G.GGML_TYPE_I32)  # per pool head
                 inputs.append(shared["idx"])
             if padded:
                 shared["pad"], shared["unpad"] = new(B * t, type=G.GGML_TYPE_I32), new(N, type=G.GGML_TYPE_I32)
