@@ -507,8 +507,8 @@ def _resident_is_the_host_path_bit_for_bit(path) -> None:
     assert len(calls) == 2 + 20 - 9 - 5 and c.hits.sum() == c.lookups.sum() == 20 * moe * cfg.n_experts_used
 
 
-@pytest.mark.parametrize("name", ["deepseek3", "deepseek2"])
-def test_mla_layer_graph_against_the_torch_attention(tiny_files, name):
+@pytest.mark.parametrize("name,attn_factor", [("deepseek3", None), ("deepseek2", None), ("deepseek3", 1.25)])
+def test_mla_layer_graph_against_the_torch_attention(tiny_files, name, attn_factor):
     """One MLA layer (DeepSeek's dense first layer: q LoRA or one attn_q, the latent and its norm,
     YaRN RoPE on the decoupled dims, the latent cache written in the graph, absorbed attention,
     v_b, the output) as its stage graph against stages/mla.py's torch form, over a prefill and
@@ -516,10 +516,17 @@ def test_mla_layer_graph_against_the_torch_attention(tiny_files, name):
     3e-2 of each row's largest value (measured: 1.3e-2, from the 8-bit activations ggml's
     quantised products take where torch multiplies float32; without YaRN's frequencies 0.17, the
     value read from the wrong columns 1.1, without the latent norm 0.37, without DeepSeek's
-    mscale^2 in the softmax scale 0.1)."""
+    mscale^2 in the softmax scale 0.1). attn_factor: a YaRN attention factor on cos / sin (a file's
+    rope.scaling.yarn_attn_factor; DeepSeek's own configs give 1), in rope_ext as in stages/rope.py
+    (without it in the graph: 0.43)."""
+    from dataclasses import replace
+
     from moeray.stages.model import StageModel
 
-    stage = StageModel(GGUFFile(tiny_files[name]), 0, 1, route="ggml")
+    g = GGUFFile(tiny_files[name])
+    if attn_factor is not None:
+        g.config = replace(g.config, yarn_attn_factor=attn_factor)
+    stage = StageModel(g, 0, 1, route="ggml")
     assert stage.trunk is not None and type(stage.layers[0].attn).__name__ == "MLAttention"
     assert stage.layers[0].attn.w_k_b.route == "ggml"
     ids = token_ids(20)
