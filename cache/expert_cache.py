@@ -83,6 +83,7 @@ class ExpertCache:
         self.served_from_host = 0
         self.filled_pairs: list[tuple[int, int]] = []
         self.trace_writer = None
+        self._one: dict[int, object] = {}  # one_stack's answer per layer, until residency changes
 
     @property
     def policy(self) -> str:
@@ -90,6 +91,7 @@ class ExpertCache:
 
     # -- slots -----------------------------------------------------------------------------------
     def _load(self, layer: int, expert: int, slot: int) -> None:
+        self._one.clear()
         if self.slot_store is not None:
             n = self.slot_store.load(layer, expert, slot)  # copied into the slot's row of the buffer
         else:
@@ -100,6 +102,7 @@ class ExpertCache:
             raise RuntimeError(f"slot of layer {layer} holds {n} bytes, {self.held_bytes[layer - self.first]} charged")
 
     def _unload(self, layer: int, expert: int, slot: int) -> None:
+        self._one.clear()
         if self.slot_store is not None:
             self.slot_store.unload(slot)
         else:
@@ -182,11 +185,16 @@ class ExpertCache:
         way: a slot holds the host stack's layout), while the counters count as forward does."""
         if self.slot_store is None:
             return None
+        if layer in self._one:  # asked per layer per step; kept until a slot is loaded or unloaded
+            return self._one[layer]
         table = self.core.slot_of[layer - self.first]
         resident = table >= 0
         if resident.all():
-            return self.host.one_stack(layer, self.slot_store.stack(layer), torch.from_numpy(table.astype(np.int32)))
-        return self.host.one_stack(layer) if not resident.any() else None
+            one = self.host.one_stack(layer, self.slot_store.stack(layer), torch.from_numpy(table.astype(np.int32)))
+        else:
+            one = self.host.one_stack(layer) if not resident.any() else None
+        self._one[layer] = one
+        return one
 
     def after_one_stack(self, layer: int, ids: torch.Tensor, weights: torch.Tensor, one) -> None:
         """forward's counting for a step whose experts ran inside the layer's graph: the lookups,
@@ -196,6 +204,18 @@ class ExpertCache:
         self._served(picks, np.full(picks.shape, slots))
         if not slots:
             self.host.computed += int(np.count_nonzero(picks))
+
+    def after_stage(self, layers: list[int], ids: torch.Tensor, weights: torch.Tensor, ones: list) -> None:
+        """after_one_stack for every MoE layer of a step that ran as one stage graph (ids, weights
+        [L, N, k], ones: each layer's OneStack), counted in one pass over the layers' picks."""
+        if self.trace_writer is not None:  # the trace records each layer's call
+            for l, i, w, one in zip(layers, ids, weights, ones):
+                self.after_one_stack(l, i, w, one)
+            return
+        picks = self.core.route_layers(layers, ids.numpy())
+        from_slot = np.array([one.slot_of is not None for one in ones])[:, None]
+        self._served(picks, np.broadcast_to(from_slot, picks.shape))
+        self.host.computed += int(np.count_nonzero(picks[~from_slot[:, 0]]))
 
     def _slot_weights(self, layer: int, expert: int):
         slot = self.core.lookup(layer, expert)

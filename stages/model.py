@@ -77,6 +77,7 @@ class StageModel(torch.nn.Module):
         self.fuse_moe = os.environ.get("MOERAY_FUSED_MOE", "1") != "0"
         self.stage_graph = os.environ.get("MOERAY_STAGE_GRAPH", "1") != "0"
         self._specs = None  # each layer's trunk_graph.LayerSpec, made at the first graph step
+        self._step_specs_for = None  # (each layer's OneStack, the specs made for them)
         self.register_buffer("out_norm", None, persistent=False)
         self.w_out = None
         if self.has_head:
@@ -311,28 +312,12 @@ class StageModel(torch.nn.Module):
         the graph (at most two expert graphs), from the graph's ids. When every
         layer runs whole inside, a decode-sized step runs the stage's layers as ONE graph
         (TrunkGraphs.stage), as llama.cpp runs a token."""
-        if self._specs is None:  # once, after load: each layer's FFN and fixed graph inputs
-            self._specs = [self._graph_spec(l) for l in self.layers]
-        specs = []
-        for ffn, base, dense in self._specs:
-            if not self.fuse_moe:
-                specs.append(base)
-            elif base.router is None:  # a dense layer: its FFN inside where it has a graph form
-                specs.append(base if dense is None else base.with_routed(None, dense))
-            elif ffn.graph_routing is None:
-                specs.append(base)
-            else:
-                one = ffn.one_stack()  # the shared expert runs inside whether the routed experts do or not
-                keep_h = one is None or (ffn.shared is not None and dense is None)
-                specs.append(base.with_routed(Routed(ffn.graph_routing, one, keep_h, ffn.router_bias), dense))
+        specs = self._step_specs()
         if self.stage_graph and step.n <= STAGE_TOKENS and all(s.whole for s in specs):
             got = self.trunk.stage(step, x, specs, kv)
             if got is not None:
                 x, ids, weights = got
-                ids = ids.long()
-                moe = [(ffn, spec) for (ffn, _, _), spec in zip(self._specs, specs) if spec.routed is not None]
-                for (ffn, spec), i, w in zip(moe, ids, weights):
-                    ffn.count_graph(i, w, spec.routed.one)
+                self._count_stage(specs, ids.long(), weights)
                 return x
         r = None
         for (ffn, _, _), spec in zip(self._specs, specs):
@@ -346,6 +331,42 @@ class StageModel(torch.nn.Module):
             else:
                 r = ffn(out.h, out.logits) if spec.router is not None else ffn(out.h)
         return x + r
+
+    def _step_specs(self) -> list:
+        """Each layer's LayerSpec for this step: its routing (and routed experts where one stack
+        serves every pick) inside the graph. Made again only when a layer's stack changes (a slot
+        filled or emptied), not per step: 30-60 layers of spec and key building cost ~0.5 ms."""
+        if self._specs is None:  # once, after load: each layer's FFN and fixed graph inputs
+            self._specs = [self._graph_spec(l) for l in self.layers]
+        ones = [ffn.one_stack() if self.fuse_moe and base.router is not None and ffn.graph_routing is not None
+                else None for ffn, base, _ in self._specs]
+        kept = self._step_specs_for
+        if kept is not None and all(a is b for a, b in zip(kept[0], ones)):
+            return kept[1]
+        specs = []
+        for (ffn, base, dense), one in zip(self._specs, ones):
+            if not self.fuse_moe:
+                specs.append(base)
+            elif base.router is None:  # a dense layer: its FFN inside where it has a graph form
+                specs.append(base if dense is None else base.with_routed(None, dense))
+            elif ffn.graph_routing is None:
+                specs.append(base)
+            else:  # the shared expert runs inside whether the routed experts do or not
+                keep_h = one is None or (ffn.shared is not None and dense is None)
+                specs.append(base.with_routed(Routed(ffn.graph_routing, one, keep_h, ffn.router_bias), dense))
+        self._step_specs_for = (ones, specs)
+        return specs
+
+    def _count_stage(self, specs: list, ids: torch.Tensor, weights: torch.Tensor) -> None:
+        """The experts' counting for a step that ran as one stage graph (ids, weights [M, N, k] of
+        its M MoE layers in order): in one call where the experts count a whole stage at once."""
+        moe = [(ffn, spec) for (ffn, _, _), spec in zip(self._specs, specs) if spec.routed is not None]
+        after_stage = getattr(self.experts, "after_stage", None)
+        if after_stage is not None and all(ffn.experts is self.experts for ffn, _ in moe):
+            after_stage([ffn.layer for ffn, _ in moe], ids, weights, [spec.routed.one for _, spec in moe])
+            return
+        for (ffn, spec), i, w in zip(moe, ids, weights):
+            ffn.count_graph(i, w, spec.routed.one)
 
     @staticmethod
     def _graph_spec(layer: TransformerLayer) -> tuple:

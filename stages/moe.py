@@ -111,6 +111,7 @@ class HostExperts:
         # (a copy when it fits, decided per prepare() call); _packed: the layers copied or to copy.
         self.layout = repack.host_experts()
         self._packed: set[int] = set()
+        self._one: dict[int, OneStack] = {}  # one_stack's answer per layer (the mapping's stack)
         self._arena: torch.Tensor | None = None  # while prepare() copies: one buffer for its layers
         self._arena_used = 0
 
@@ -301,13 +302,30 @@ class HostExperts:
         stack = self.stack(layer)
         if stack is None:
             return None
-        return OneStack(stack) if slots is None else OneStack(slots, slot_of)
+        if slots is not None:
+            return OneStack(slots, slot_of)
+        one = self._one.get(layer)  # the same object every step: the stage graph's key is then cheap
+        if one is None or one.stack is not stack:
+            one = self._one[layer] = OneStack(stack)
+        return one
 
     def after_one_stack(self, layer: int, ids: torch.Tensor, weights: torch.Tensor, one: OneStack) -> None:
         """What forward counts, for a step whose experts ran inside the layer's graph."""
         if self.on_route is not None:
             self.on_route(layer, ids, weights)
         self.computed += _n_distinct(ids.numpy())
+
+    def after_stage(self, layers: list[int], ids: torch.Tensor, weights: torch.Tensor, ones: list) -> None:
+        """after_one_stack for every MoE layer of a step that ran as one stage graph (ids, weights
+        [L, N, k]): the distinct experts of each layer counted in one bincount."""
+        if self.on_route is not None:
+            for l, i, w, one in zip(layers, ids, weights, ones):
+                self.after_one_stack(l, i, w, one)
+            return
+        L = ids.shape[0]
+        if L:
+            flat = (np.arange(L)[:, None] * self.config.n_experts + ids.numpy().reshape(L, -1)).ravel()
+            self.computed += int(np.count_nonzero(np.bincount(flat)))
 
     def forward_stacks(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                        slot_of: np.ndarray | None = None, slots: Stack | None = None) -> torch.Tensor:
