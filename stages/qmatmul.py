@@ -93,7 +93,7 @@ def route_line(route: str, device: torch.device) -> str:
     if route == "ggml":
         n = ggml_threads()
         spin = "; torch's own ops on 1 thread" if n > 1 else ""
-        return (f"moeray: kernels: ggml (quantised blocks, 8-bit activations; a GQA layer's trunk, softmax "
+        return (f"moeray: kernels: ggml (quantised blocks, 8-bit activations; a GQA or MLA layer's trunk, softmax "
                 f"top-k routing and routed experts in one ggml graph where one stack serves its picks, else "
                 f"the experts in mul_mat_id graphs after it) on cpu, {n} thread(s){spin}; "
                 f"{repack.layout_line()}")
