@@ -441,8 +441,11 @@ def test_glm4moe_through_an_expert_cache_counts_every_lookup(tiny_files, n_slots
     resident = cache.core.slot_of >= 0
     assert resident.sum(1).tolist() == [0, 8, 8 if n_slots == 16 else 4]
     routed, calls, shared = [], [], []
-    route = cache.core.route
+    route, route_layers = cache.core.route, cache.core.route_layers
     monkeypatch.setattr(cache.core, "route", lambda l, ids: routed.append((l, np.array(ids))) or route(l, ids))
+    # a stage graph's step is counted for all its layers in one call (static policy: never through route)
+    monkeypatch.setattr(cache.core, "route_layers", lambda ls, ids: routed.extend(
+        (l, np.array(i)) for l, i in zip(ls, ids)) or route_layers(ls, ids))
     for layer in model.layers[1:]:  # the shared expert's torch form (qmatmul.swiglu's one graph)
         real = layer.ffn.shared.forward
         monkeypatch.setattr(layer.ffn.shared, "forward", lambda h, real=real: shared.append(1) or real(h))
@@ -568,3 +571,44 @@ def test_deepseek_sixteen_sequences_with_shared_prefix_blocks(tiny_files):
     steps padded; the torch path's logits within 3e-2 of the largest (measured: 104 of 112 rows
     equal bit for bit, the others up to 1.4e-2)."""
     _sixteen_sequences(Both(tiny_files["deepseek3-float-heads"]), rtol=3e-2)
+
+
+def test_a_residency_change_between_decode_steps_reaches_the_stage_graph(tiny_files):
+    """A stage keeps each layer's stack, graph spec and the stage graph's input pointers from step
+    to step while its slots stay as they are. A change between two decode steps must reach the
+    next one: layer 2's experts emptied and loaded back into each other's slots (a kept slot table
+    would now read the wrong expert's bytes), then layer 1's emptied (served from the mapping):
+    the logits stay the host path's bit for bit, one stage graph a step, every lookup counted."""
+    from moeray.stages.model import load_cached
+
+    path = tiny_files["qwen3moe"]
+    host = load_model(path, route="ggml")
+    cfg = host.config
+    E, k = cfg.n_experts, cfg.n_experts_used
+    cached, cache = load_cached(path, route="ggml", n_slots=cfg.n_layers * E)
+    core = cache.core
+    calls = []
+    real = cached.trunk.stage
+    cached.trunk.stage = lambda *a: calls.append(1) or real(*a)
+    ids = token_ids(12, seed=4)
+    before = core.slot_of[2].copy()
+    with torch.inference_mode():
+        kvs = [m.new_kv_cache(1, 40) for m in (host, cached)]
+        logits = [m.step([ids], [0], kv) for m, kv in zip((host, cached), kvs)]
+        for step in range(9):
+            if step == 3:  # a free list is a stack: expert 0 now takes the slot expert 7 had, ...
+                for e in range(E):
+                    core.evict(2, e)
+                for e in range(E):
+                    core.admit(2, e)
+                assert (core.slot_of[2] != before).all()
+            if step == 6:
+                for e in range(E):
+                    core.evict(1, e)
+                core.reset_counters()
+            tok = int(logits[0][0].argmax())
+            logits = [m.step([[tok]], [0], kv) for m, kv in zip((host, cached), kvs)]
+            assert torch.equal(logits[1], logits[0]), f"decode step {step}"
+    assert len(calls) == 10  # the prefill and every decode step one stage graph
+    assert core.lookups.tolist() == [3 * k] * 3
+    assert core.hits.tolist() == [3 * k, 0, 3 * k] and core.misses[1] == 3 * k
