@@ -25,7 +25,7 @@ import time
 from moeray.cluster.config import EngineConfig
 from moeray.cluster.engine import Engine
 from moeray.cluster.local_pipeline import LocalPipeline
-from moeray.cluster.service import LOCAL_THREADS
+from moeray.cluster.service import local_threads
 from moeray.stages.sampling import SamplingParams
 
 KV_BLOCKS = 1024
@@ -37,10 +37,12 @@ def load(model: str | None) -> LocalPipeline:
 
     from moeray.stages.default_model import FILE_NAME, cache_dir
     from moeray.stages.default_profile import default_profile_for
+    from moeray.stages.gguf_file import read_gguf_header
     from moeray.stages.qmatmul import ThreadSettings, set_threads
 
-    set_threads(len(os.sched_getaffinity(0)), ThreadSettings.from_env(ThreadSettings(**LOCAL_THREADS)))
     path = model or str(cache_dir() / FILE_NAME)
+    set_threads(len(os.sched_getaffinity(0)), ThreadSettings.from_env(ThreadSettings(**local_threads(
+        read_gguf_header(path).token_bytes()))))
     profile = default_profile_for(path)
     return LocalPipeline.from_file(path, KV_BLOCKS, 4 << 30, None if profile is None else str(profile), "static", 32)
 

@@ -20,6 +20,20 @@ from moeray.errors import MoerayError
 # How the one process of `moeray serve --local` uses ggml's threads (stages/qmatmul.ThreadSettings;
 # MOERAY_GGML_* override each): chosen by bench/serve_sweep.py beside llama-server, README "HTTP load".
 LOCAL_THREADS = dict(poll=1, parallel_bytes=1 << 20, adapt=True)
+# A model whose decode token reads more than BIG_TOKEN_BYTES of weights keeps every thread on every
+# graph, its workers spinning (poll 100) between them: its steps take hundreds of milliseconds, so
+# what one thread saves per graph (a wake-up, the barriers) is small beside them, and adapting was
+# measured to lose: the 30B-A3B shape served to 4 clients gave 9.0 / 9.1 / 8.4 tok/s adapting
+# against 11.6 / 12.1 / 11.7 with every thread fixed (README "HTTP load"), while the default
+# model's 1-client rate fell from 60 to 44 tok/s without adapting (poll 1).
+BIG_TOKEN_BYTES = 1 << 30
+BIG_LOCAL_THREADS = dict(poll=100, parallel_bytes=1 << 20, adapt=False)
+
+
+def local_threads(token_bytes: int) -> dict:
+    """`moeray serve --local`'s ggml thread settings for a model whose decode token reads
+    `token_bytes` of weights (MOERAY_GGML_* still override them)."""
+    return BIG_LOCAL_THREADS if token_bytes > BIG_TOKEN_BYTES else LOCAL_THREADS
 
 
 def _rss_bytes() -> int:
@@ -65,7 +79,7 @@ class Service:
             from moeray.stages.qmatmul import ThreadSettings, set_threads
 
             set_threads(opts.threads or int(os.environ.get("MOERAY_THREADS") or 0) or len(os.sched_getaffinity(0)),
-                        ThreadSettings.from_env(ThreadSettings(**LOCAL_THREADS)))
+                        ThreadSettings.from_env(ThreadSettings(**local_threads(header.token_bytes()))))
             if opts.launch.kernels != "auto":
                 from moeray.stages.qmatmul import set_route
 

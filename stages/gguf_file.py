@@ -60,6 +60,13 @@ class GGUFHeader:
     def trunk_bytes(self) -> dict:
         return trunk_bytes(self.tensors, self.config)
 
+    def token_bytes(self) -> int:
+        """Weight bytes one decode token reads as stored: every layer's trunk and the head once,
+        k routed experts per MoE layer (the embedding's one row aside)."""
+        t, cfg = self.trunk_bytes(), self.config
+        return sum(t["layers"]) + t["head"] + cfg.n_experts_used * sum(
+            self.expert_bytes(l) for l in range(cfg.n_layers))
+
 
 # --- header parsing -------------------------------------------------------------------------
 

@@ -74,3 +74,21 @@ def test_one_thread_or_two_the_output_is_bitwise_the_same(adapt):
         qmatmul.set_threads(*before)
     for out in outs:
         assert torch.equal(out, ref)
+
+
+def test_serve_local_picks_its_threads_by_what_a_token_reads(default_model_path):
+    """GGUFHeader.token_bytes, from the header alone, is what a loaded model's decode token reads
+    (the trunk and head once, k routed experts per MoE layer: bench/decode.py's MB/token); `moeray
+    serve --local` adapts its graphs' thread counts below 1 GiB of it (the default model: 147 MB)
+    and keeps every thread fixed above (a 30B-A3B model reads ~1.9 GB)."""
+    from moeray.cluster.service import BIG_LOCAL_THREADS, BIG_TOKEN_BYTES, LOCAL_THREADS, local_threads
+    from moeray.stages.gguf_file import read_gguf_header
+    from moeray.stages.model import load_model
+
+    header = read_gguf_header(default_model_path)
+    model = load_model(default_model_path, route="ggml")
+    cfg = model.config
+    read = model.trunk_bytes() + cfg.n_experts_used * sum(model.experts.slot_bytes(l) for l in range(cfg.n_layers))
+    assert header.token_bytes() == read
+    assert local_threads(header.token_bytes()) is LOCAL_THREADS and LOCAL_THREADS["adapt"]
+    assert local_threads(BIG_TOKEN_BYTES + 1) is BIG_LOCAL_THREADS and not BIG_LOCAL_THREADS["adapt"]
