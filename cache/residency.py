@@ -210,9 +210,10 @@ class CacheCore:
         per (layer, expert), [L, n_experts]. A policy that acts on each call (adaptive, lru) is
         given every call, one layer at a time, as before."""
         ids = np.asarray(expert_ids, dtype=np.int64)
-        if type(self.policy) is not _Policy or len(layers) == 0:
-            return np.stack([self.route(l, i) for l, i in zip(layers, ids)]) if len(layers) else \
-                np.zeros((0, self.n_experts), dtype=np.int64)
+        if not len(layers):
+            return np.zeros((0, self.n_experts), dtype=np.int64)
+        if type(self.policy) is not _Policy:
+            return np.stack([self.route(l, i) for l, i in zip(layers, ids)])
         L, N = ids.shape[0], ids.shape[1]
         if self._last_layer is None or layers[0] <= self._last_layer:  # the step's first layer, as route()
             self.steps += 1
