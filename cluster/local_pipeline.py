@@ -13,7 +13,8 @@ from moeray.stages.sampling import StepOutput
 
 class LocalPipeline:
     """The whole model in this process, one stage. `from_file` loads it as a StageActor does (a
-    device budget, an expert cache): `moeray serve --local`. `from_model` runs a model already
+    device budget; an expert cache when the device holds every expert, else every expert computed
+    from the host copy: see StageActor.load's `whole_cache_only`): `moeray serve --local`. `from_model` runs a model already
     loaded (its cache attached by the caller): `moeray generate`."""
 
     n_stages = 1
@@ -34,7 +35,7 @@ class LocalPipeline:
         cfg = read_gguf_header(path).config
         pipe = cls(stage, kv_blocks, max_seqs if cfg.deltanet is not None else 0)
         pipe.load_report = stage.load(path, 0, cfg.n_layers, kv_blocks, profile=profile, cache_policy=cache_policy,
-                                      state_slots=max_seqs)
+                                      state_slots=max_seqs, whole_cache_only=True)
         return pipe
 
     @classmethod

@@ -36,6 +36,19 @@ def local_threads(token_bytes: int) -> dict:
     return BIG_LOCAL_THREADS if token_bytes > BIG_TOKEN_BYTES else LOCAL_THREADS
 
 
+def _experts_line(cfg, report) -> str:
+    """Where `--local`'s routed experts live (StageActor.load, whole_cache_only)."""
+    from moeray.units import format_bytes
+
+    if not cfg.is_moe:
+        return "experts: none (a dense model)"
+    if report.cache_slots:
+        return f"experts: {report.cache_resident} resident in {report.cache_slots} slots of the simulated device"
+    return (f"experts: every routed expert computed from host memory ({format_bytes(report.free_bytes)} of the "
+            "simulated device is left after KV and trunk, less than all of them; a part of them there would "
+            "read no fewer bytes and split each layer's step)")
+
+
 def _rss_bytes() -> int:
     """This process's resident memory (Linux /proc; 0 elsewhere)."""
     try:
@@ -98,6 +111,7 @@ class Service:
                                                  profile, opts.launch.cache_policy, engine_cfg.max_seqs)
             pipeline = self.local
             self.lines.append(f"one process: layers 0-{header.config.n_layers - 1} on {self.local.stage.device.name}")
+            self.lines.append(_experts_line(header.config, self.local.load_report))
             self.lines.append(kv.line())
         else:
             from moeray.cluster.driver import launch

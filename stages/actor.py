@@ -311,7 +311,7 @@ class StageActor:
 
     def load(self, path: str, first: int, end: int, kv_blocks: int,
              trunk_on_card: int | None = None, profile: str | None = None,
-             cache_policy: str = "static", state_slots: int = 1) -> LoadReport:
+             cache_policy: str = "static", state_slots: int = 1, whole_cache_only: bool = False) -> LoadReport:
         """Load layers [first, end) (+ embedding / head at the ends) and allocate a KV pool of
         `kv_blocks` blocks (stages/kv_cache.py) and, for recurrent (DeltaNet) layers, `state_slots`
         sequence states (one per engine sequence slot: stages/deltanet.py),
@@ -322,6 +322,13 @@ class StageActor:
         experts are not loaded: they stay in the file mapping, and what is left of the device
         after KV and trunk becomes this stage's expert cache, filled hottest-first from `profile`
         (a path every node can read; None = uniform) and kept by `cache_policy`.
+
+        `whole_cache_only` (`moeray serve --local`): cache the experts only when the room left holds
+        every one of them; else compute them all from the host copy, as a stage with no room does.
+        A simulated device lives in the host's own memory, so a partial cache there reads no fewer
+        bytes, and it splits every layer's experts between two stacks: the layer's step then leaves
+        the stage graph (the 30B-A3B shape, 4 sequences: 355 ms a step with 24 slots a layer, 339
+        with 1, 315 with none; README "HTTP load").
         """
         from moeray.stages.gguf_file import GGUFFile
         from moeray.stages.arch import arch_of
@@ -345,7 +352,9 @@ class StageActor:
         trunk = stage_trunk_bytes(gguf, first, end)
         self.memory.charge(trunk if trunk_on_card is None else trunk_on_card, f"trunk of layers {first}-{end - 1}")
         experts, cache = HostExperts(gguf), None
-        if any(cfg.is_moe_layer(l) for l in range(first, end)):  # a range of dense layers caches nothing
+        moe_layers = [l for l in range(first, end) if cfg.is_moe_layer(l)]
+        every_expert = cfg.n_experts * sum(experts.slot_bytes(l) for l in moe_layers)
+        if moe_layers and (not whole_cache_only or every_expert <= self.memory.free):  # dense layers cache nothing
             from moeray.cache.attach import build_cache
 
             cache = build_cache(experts, first, end, self.device.torch_device, self.memory.free, profile,
