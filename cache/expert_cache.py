@@ -167,7 +167,9 @@ class ExpertCache:
         hit_experts = self._served(picks, table >= 0)
         if not hit_experts:  # every pick from the mapping: the host path itself
             return self.host.forward_stacks(layer, x, ids, weights)
-        return self.host.forward_stacks(layer, x, ids, weights, table[ids_np], self.slot_store.stack(layer))
+        lo, slots = self._slot_window(layer, table)
+        slot_of = table[ids_np]
+        return self.host.forward_stacks(layer, x, ids, weights, np.where(slot_of >= 0, slot_of - lo, -1), slots)
 
     def _served(self, picks: np.ndarray, from_slot: np.ndarray) -> int:
         """Count the experts a call used by what served them; the number served from a slot."""
@@ -190,11 +192,19 @@ class ExpertCache:
         table = self.core.slot_of[layer - self.first]
         resident = table >= 0
         if resident.all():
-            one = self.host.one_stack(layer, self.slot_store.stack(layer), torch.from_numpy(table.astype(np.int32)))
+            lo, slots = self._slot_window(layer, table)
+            one = self.host.one_stack(layer, slots, torch.from_numpy((table - lo).astype(np.int32)))
         else:
             one = self.host.one_stack(layer) if not resident.any() else None
         self._one[layer] = one
         return one
+
+    def _slot_window(self, layer: int, table: np.ndarray):
+        """(lo, the slot stack over rows lo .. the last the layer's residents use; `table`: the
+        layer's slot_of row): a hit's index in it is its slot - lo."""
+        held = table[table >= 0]
+        lo = int(held.min())
+        return lo, self.slot_store.window(layer, lo, int(held.max()) - lo + 1)
 
     def after_one_stack(self, layer: int, ids: torch.Tensor, weights: torch.Tensor, one) -> None:
         """forward's counting for a step whose experts ran inside the layer's graph: the lookups,
