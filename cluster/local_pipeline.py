@@ -14,8 +14,8 @@ from moeray.stages.sampling import StepOutput
 class LocalPipeline:
     """The whole model in this process, one stage. `from_file` loads it as a StageActor does (a
     device budget; an expert cache when the device holds every expert, else every expert computed
-    from the host copy: see StageActor.load's `whole_cache_only`): `moeray serve --local`. `from_model` runs a model already
-    loaded (its cache attached by the caller): `moeray generate`."""
+    from the host copy: StageActor.load's `whole_cache_only`): `moeray serve --local`.
+    `from_model` runs a model already loaded (its cache attached by the caller): `moeray generate`."""
 
     n_stages = 1
 
