@@ -38,17 +38,17 @@ from moeray.planner.slots import per_layer_slots  # noqa: E402
 
 def record(trace_dir: Path, max_tokens: int, threads: int) -> list[Path]:
     """Greedy runs of every bundled prompt, one at a time, with routing recorded; returns the trace
-    paths. Recorded as the default model's profile is (stages/default_profile.py): every expert of
+    paths. Recorded as the default model's profile is (stages/runtime/default_profile.py): every expert of
     a layer is the same FFN, so each layer computes one expert; the routing is the model's own."""
     import torch
 
     from moeray.cache.attach import routing_trace
-    from moeray.stages.default_model import default_model_path, load_prompts, prompt_token_ids
-    from moeray.stages.default_profile import _OneExpertPerLayer, greedy
-    from moeray.stages.gguf_file import GGUFFile
-    from moeray.stages.model import load_model
-    from moeray.stages.moe import HostExperts
-    from moeray.stages.tokenizer import Tokenizer
+    from moeray.stages.gguf.default_model import default_model_path, load_prompts, prompt_token_ids
+    from moeray.stages.runtime.default_profile import _OneExpertPerLayer, greedy
+    from moeray.stages.gguf.reader import GGUFFile
+    from moeray.stages.runtime.model import load_model
+    from moeray.stages.blocks.moe import HostExperts
+    from moeray.stages.text.tokenizer import Tokenizer
 
     torch.set_num_threads(threads)
     gguf = GGUFFile(default_model_path(quiet=True))
@@ -139,9 +139,9 @@ def run_bench(paths: list[Path], sizes: list[int], layout: str, profile_from: st
 
 def slot_bytes_report() -> dict:
     """Bytes one slot holds on this process's kernel route against the expert's bytes in the GGUF."""
-    from moeray.stages.default_model import default_model_path
-    from moeray.stages.gguf_file import GGUFFile
-    from moeray.stages.moe import HostExperts
+    from moeray.stages.gguf.default_model import default_model_path
+    from moeray.stages.gguf.reader import GGUFFile
+    from moeray.stages.blocks.moe import HostExperts
 
     host = HostExperts(GGUFFile(default_model_path(quiet=True)))
     gguf_type = host.gguf.info("blk.0.ffn_gate_exps.weight").ggml_type.name

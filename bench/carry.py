@@ -100,7 +100,7 @@ def prepare() -> None:
     if not list(WHEELS.glob("gguf-*.whl")):
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-d",
                         str(WHEELS), GGUF_WHEEL], check=True)
-    from moeray.stages.default_model import source_gguf_path
+    from moeray.stages.gguf.default_model import source_gguf_path
 
     split_source(source_gguf_path().read_bytes())
     sizes = {p.name: p.stat().st_size for p in sorted(CARRY.rglob("*")) if p.is_file()}

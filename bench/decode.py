@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/shapes.py
 
 def prompt_ids(tokenizer, n_tokens: int, index: int) -> list[int]:
     """A prompt of exactly n_tokens made from the bundled prompts, different for each index."""
-    from moeray.stages.default_model import load_prompts
+    from moeray.stages.gguf.default_model import load_prompts
 
     prompts = load_prompts()
     ids: list[int] = []
@@ -67,8 +67,8 @@ def read_bandwidth_gb_s(n_bytes: int = 512 << 20, reps: int = 5) -> float:
 
 def use_layout(layout: str | None) -> str:
     """Apply a weight layout "REPACK:HOST" (MOERAY_REPACK on|fast|off, MOERAY_HOST_EXPERTS
-    mapped|repacked, stages/repack.py) to the models loaded next; None: this process's own."""
-    from moeray.stages import repack
+    mapped|repacked, stages/kernels/repack.py) to the models loaded next; None: this process's own."""
+    from moeray.stages.kernels import repack
 
     if layout is not None:
         mode, _, host = layout.partition(":")
@@ -88,10 +88,10 @@ def bench_moeray(path: str, batch_sizes, n_prompt: int, n_decode: int, caches=("
 
     from moeray.cluster.config import EngineConfig
     from moeray.cluster.generator import Generator
-    from moeray.stages.gguf_file import GGUFFile
-    from moeray.stages.model import load_cached, load_model
-    from moeray.stages.sampling import SamplingParams
-    from moeray.stages.tokenizer import Tokenizer
+    from moeray.stages.gguf.reader import GGUFFile
+    from moeray.stages.runtime.model import load_cached, load_model
+    from moeray.stages.text.sampling import SamplingParams
+    from moeray.stages.text.tokenizer import Tokenizer
     from moeray.units import parse_size
 
     tokenizer = Tokenizer.from_gguf(path)
@@ -131,9 +131,12 @@ def profile_decode(path: str, n_prompt: int, n_decode: int, route: str | None = 
     each part of the stage's step (timers around the model's own methods), ms per token."""
     import torch
 
-    from moeray.stages import layers, model as model_mod, moe, trunk_graph
-    from moeray.stages.model import load_model
-    from moeray.stages.tokenizer import Tokenizer
+    from moeray.stages.blocks import attention as layers
+    from moeray.stages.runtime import model as model_mod
+    from moeray.stages.blocks import moe
+    from moeray.stages.runtime import trunk_graph
+    from moeray.stages.runtime.model import load_model
+    from moeray.stages.text.tokenizer import Tokenizer
 
     model = load_model(path, route=route)
     spent: dict[str, float] = {}
@@ -185,7 +188,7 @@ def _quiet(level, text, user_data):  # llama.cpp logs every context it makes; th
 
 def llama_cpp_in_child(path: str, threads: int, batch_sizes, n_prompt: int, n_decode: int) -> list[dict]:
     """bench_llama_cpp in a child process: llama-cpp-python brings its own libggml, and one mapped
-    beside ggml-python's would turn moeray's kernels off in this process (stages/ggml_lib.py)."""
+    beside ggml-python's would turn moeray's kernels off in this process (stages/kernels/ggml_lib.py)."""
     import subprocess
 
     cmd = [sys.executable, __file__, "--llama-cpp-child", "--model", path, "--threads", str(threads),
@@ -210,7 +213,7 @@ def bench_llama_cpp(path: str, threads: int, batch_sizes, n_prompt: int, n_decod
 
     import numpy as np
 
-    from moeray.stages.tokenizer import Tokenizer
+    from moeray.stages.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_gguf(path)
     quiet = L.llama_log_callback(_quiet)  # kept referenced while C holds the pointer
@@ -308,7 +311,7 @@ def main() -> int:
     elif args.model:
         path = args.model
     else:
-        from moeray.stages.default_model import default_model_path
+        from moeray.stages.gguf.default_model import default_model_path
 
         path = str(default_model_path())
 

@@ -32,8 +32,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from moeray.stages import qmatmul
-    from moeray.stages.deltanet import (DeltaNetShape, gated_delta_chunked, gated_delta_step, ggml_gated_delta,
+    from moeray.stages.kernels import qmatmul
+    from moeray.stages.blocks.deltanet import (DeltaNetShape, gated_delta_chunked, gated_delta_step, ggml_gated_delta,
                                         l2norm)
 
     qmatmul.set_threads(args.threads)  # ggml's pool; torch then runs on one thread, as on the route

@@ -75,7 +75,7 @@ def write_synthetic(path: Path, quick: bool, seed: int = 0) -> Path:
     import numpy as np
     from transformers import MixtralConfig
 
-    from moeray.stages.gguf_writer import write_gguf
+    from moeray.stages.gguf.writer import write_gguf
 
     s = synthetic_sizes(quick)
     meta = path.with_suffix(".json")
@@ -117,8 +117,8 @@ def write_synthetic(path: Path, quick: bool, seed: int = 0) -> Path:
 def model_bytes(path: str, max_seqs: int, max_len: int) -> dict:
     """Trunk (KV of every layer included), one copy of every expert, as the planner prices them."""
     from moeray.cluster.driver import held_spec, kv_layer_bytes
-    from moeray.stages.kv_cache import blocks_for
-    from moeray.stages.gguf_file import read_gguf_header
+    from moeray.stages.blocks.kv_cache import blocks_for
+    from moeray.stages.gguf.reader import read_gguf_header
 
     header = read_gguf_header(path)
     spec = held_spec(header, kv_layer_bytes(header.config, max_seqs * blocks_for(max_len)))
@@ -143,8 +143,8 @@ def device_logits(path: str, tokens: list[int], device: str, cache_bytes: int, k
     `cache_bytes` (hits on the device, misses on the host), and what the device spent doing it."""
     import torch
 
-    from moeray.stages.model import load_cached
-    from moeray.stages.qmatmul import set_route
+    from moeray.stages.runtime.model import load_cached
+    from moeray.stages.kernels.qmatmul import set_route
 
     set_route(kernels)
     if device.startswith("cuda"):
@@ -167,7 +167,7 @@ def device_logits(path: str, tokens: list[int], device: str, cache_bytes: int, k
 
 
 def card_views() -> dict:
-    from moeray.stages.device import cuda_views
+    from moeray.stages.runtime.device import cuda_views
 
     return cuda_views(0)
 
@@ -220,7 +220,7 @@ class Check:
 def probe_step(run: Check, args, path: str) -> dict:
     """A StageActor's own report (the path every stage takes; built here, in this process) and
     torch's and NVML's view of the card."""
-    from moeray.stages.actor import StageActor
+    from moeray.stages.runtime.actor import StageActor
 
     budget = None if args.device == "cuda" else 256 * MiB
     rep = StageActor(0, 1, budget, None, args.kernels).probe(path)
@@ -271,9 +271,9 @@ def reference(path: str, tokens: list[int], prompts: dict, n_new: int, kernels: 
     from moeray.cluster.config import EngineConfig
     from moeray.cluster.engine import Engine
     from moeray.cluster.local_pipeline import LocalPipeline
-    from moeray.stages.kv_cache import blocks_for
-    from moeray.stages.model import load_model
-    from moeray.stages.sampling import SamplingParams
+    from moeray.stages.blocks.kv_cache import blocks_for
+    from moeray.stages.runtime.model import load_model
+    from moeray.stages.text.sampling import SamplingParams
 
     model = load_model(path, "cpu", route=kernels)
     logits = model.logits_all(tokens).float().numpy()
@@ -314,7 +314,7 @@ def logits_step(run: Check, args, name: str, path: str, tokens: list[int], ref: 
 def decode_tok_s(engine, batch: int, n_tokens: int, prompt: list[int]) -> dict:
     """`batch` copies of a prompt (each its own sequence), `n_tokens` each, end tokens ignored:
     decode tok/s over the window where every sequence is decoding."""
-    from moeray.stages.sampling import SamplingParams
+    from moeray.stages.text.sampling import SamplingParams
 
     t0 = time.perf_counter()
     reqs = engine.generate([list(prompt)] * batch, SamplingParams(max_tokens=n_tokens, ignore_eos=True),
@@ -328,7 +328,7 @@ def decode_tok_s(engine, batch: int, n_tokens: int, prompt: list[int]) -> dict:
 def greedy_check(run: Check, what: str, engine, prompts: dict, n_tokens: int, ref: dict, tokenizer,
                  out: dict) -> None:
     """The greedy prompt through `engine`: its tokens (and text) into `out`, checked against the CPU's."""
-    from moeray.stages.sampling import SamplingParams
+    from moeray.stages.text.sampling import SamplingParams
 
     greedy = engine.generate([prompts["greedy"]], SamplingParams(max_tokens=n_tokens), timeout_s=600)[0]
     out["greedy"] = list(greedy.output)
@@ -349,7 +349,7 @@ def pipeline_step(run: Check, args, name: str, path: str, n_stages: int, sizes: 
     from moeray.cluster.config import EngineConfig, LaunchOptions
     from moeray.cluster.driver import launch
     from moeray.cluster.engine import Engine
-    from moeray.stages.sampling import SamplingParams
+    from moeray.stages.text.sampling import SamplingParams
 
     batches = args.batches
     room = stage_room(sizes, n_stages, expert_share)
@@ -447,7 +447,7 @@ def pipeline_step(run: Check, args, name: str, path: str, n_stages: int, sizes: 
 def card_share_for(room: int, free_per_card: int | None, n_stages: int) -> float:
     """The part of the card a capped stage is planned with: its room plus the reserve every
     process keeps back (Ray counts shares to 4 decimals: round up, never past 1 / n)."""
-    from moeray.stages.device import CUDA_RESERVE_BYTES
+    from moeray.stages.runtime.device import CUDA_RESERVE_BYTES
 
     return min(math.floor(1e4 / n_stages), math.ceil(1e4 * (room + CUDA_RESERVE_BYTES) / free_per_card)) / 1e4
 
@@ -460,8 +460,8 @@ def inproc_step(run: Check, args, name: str, path: str, n_stages: int, sizes: di
 
     from moeray.cluster.config import EngineConfig
     from moeray.cluster.engine import Engine
-    from moeray.stages.kv_cache import blocks_for
-    from moeray.stages.sampling import SamplingParams
+    from moeray.stages.blocks.kv_cache import blocks_for
+    from moeray.stages.text.sampling import SamplingParams
 
     batches = args.batches
     room = stage_room(sizes, n_stages, expert_share)
@@ -620,7 +620,7 @@ def default_model_file(run: Check, work: Path) -> tuple[str | None, str]:
     on the bare image, built from the source the two calls carried (bench/carry.py)."""
     from carry import joined_source
 
-    from moeray.stages import default_model as dm
+    from moeray.stages.gguf import default_model as dm
 
     try:
         dm.source_gguf_path()
@@ -690,7 +690,7 @@ def main(argv=None) -> int:
     work = Path(args.work) if args.work else out_dir / "models"
     work.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("MOERAY_ROUTE", args.kernels)  # the driver process prices with the stages' route
-    from moeray.stages.qmatmul import set_route
+    from moeray.stages.kernels.qmatmul import set_route
 
     set_route(args.kernels)
     run = Check(out_dir, args)
@@ -713,7 +713,7 @@ def main(argv=None) -> int:
 
         run.step("start Ray", ensure_ray)
 
-    from moeray.stages.tokenizer import Tokenizer
+    from moeray.stages.text.tokenizer import Tokenizer
 
     default_path = None
     if "default" in models:
@@ -801,7 +801,7 @@ def link_step(run: Check, args) -> dict:
     """StageLink between two processes (gloo: what two stages on one card use), no Ray."""
     from inproc import link_hops
 
-    from moeray.stages.gguf_file import read_gguf_header  # noqa: F401  (imports settle before the spawn)
+    from moeray.stages.gguf.reader import read_gguf_header  # noqa: F401  (imports settle before the spawn)
 
     hidden = 2048
     res = link_hops("cuda:0" if args.device == "cuda" else "cpu", hidden, (1, 16), args.hop_reps)

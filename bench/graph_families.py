@@ -55,7 +55,7 @@ def decode_ms(model, batch: int, steps: int) -> float:
 
 
 def main() -> None:
-    from moeray.stages.model import load_cached, load_model
+    from moeray.stages.runtime.model import load_cached, load_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--family", nargs="+", default=list(SMALL), choices=list(SMALL))

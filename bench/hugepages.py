@@ -1,4 +1,4 @@
-"""Huge pages vs plain memory for the weights a decode token streams (stages/host_memory.py), on
+"""Huge pages vs plain memory for the weights a decode token streams (stages/kernels/host_memory.py), on
 the default model, in one process: four models loaded side by side (the host path read from the
 mapping vs from the huge-page copy; every expert resident in plain vs huge-page slots) and decoded
 in turn, 8 rounds, so drifting load hits all alike. The time is the process's CPU time per token
@@ -38,11 +38,11 @@ def main() -> int:
 
     torch.set_num_threads(1)
     from decode import prompt_ids
-    from moeray.stages import qmatmul
-    from moeray.stages.default_model import default_model_path
-    from moeray.stages.gguf_file import GGUFFile
-    from moeray.stages.model import load_cached, load_model
-    from moeray.stages.tokenizer import Tokenizer
+    from moeray.stages.kernels import qmatmul
+    from moeray.stages.gguf.default_model import default_model_path
+    from moeray.stages.gguf.reader import GGUFFile
+    from moeray.stages.runtime.model import load_cached, load_model
+    from moeray.stages.text.tokenizer import Tokenizer
 
     qmatmul.set_threads(1)
     path = str(default_model_path())

@@ -61,8 +61,8 @@ class InProcessPipeline:
              card_share: float = 1.0) -> "InProcessPipeline":
         """n stages over the file's layers split evenly; each probes its device (`simulated` bytes
         each on the CPU, else `card_share` of the card) and loads as a Ray stage would."""
-        from moeray.stages.actor import StageActor
-        from moeray.stages.gguf_file import read_gguf_header
+        from moeray.stages.runtime.actor import StageActor
+        from moeray.stages.gguf.reader import read_gguf_header
 
         n_layers = read_gguf_header(path).config.n_layers
         cuts = [round(i * n_layers / n_stages) for i in range(n_stages + 1)]
@@ -92,7 +92,7 @@ def _hop_worker(rank: int, port: int, device: str, hidden: int, rows_list: list[
     from carry import bootstrap
 
     bootstrap()  # a spawned process starts bare: moeray from the checkout again
-    from moeray.stages.transport import StageLink
+    from moeray.stages.runtime.transport import StageLink
 
     link = StageLink("127.0.0.1", port, rank, 2, 60.0, "gloo", compute_device=device)
     import torch
@@ -118,7 +118,7 @@ def link_hops(device: str, hidden: int, rows_list=(1, 16), reps: int = 100) -> d
     """ms per hop of [rows, hidden] float32 activations between two processes over StageLink."""
     import torch.multiprocessing as mp
 
-    from moeray.stages.transport import free_port
+    from moeray.stages.runtime.transport import free_port
 
     with mp.Manager() as manager:
         results = manager.dict()

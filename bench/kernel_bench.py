@@ -1,6 +1,6 @@
 """GB/s of the quantised matmul kernels against the memory bandwidth measured in the same run.
 
-On CUDA: the Triton kernels of stages/triton_kernels.py (GEMV at M=1, the 16-row tiles at
+On CUDA: the Triton kernels of stages/kernels/triton_kernels.py (GEMV at M=1, the 16-row tiles at
 M=16, the prefill route at M=512) and, beside them, the torch dequantise-per-use route they
 replace, on the issue's target shape [1, 4096] x [4096, 14336] for every block type with a
 kernel; each timed by triton.testing.do_bench, which empties the L2 (60 MB on an H200, larger
@@ -62,9 +62,9 @@ def run(device: str, quick: bool, say=print) -> dict:
     import torch
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-    from moeray.stages import triton_kernels as tk
-    from moeray.stages.qmatmul import QMatrix, _dequant_linear
-    from moeray.stages.quant import dequantize
+    from moeray.stages.kernels import triton_kernels as tk
+    from moeray.stages.kernels.qmatmul import QMatrix, _dequant_linear
+    from moeray.stages.gguf.quant import dequantize
 
     cuda = device.startswith("cuda")
     N, K = SHAPE if (cuda and not quick) else (512, 512)
@@ -107,7 +107,7 @@ def sweep(device: str, rng, say) -> list[dict]:
     import torch
     from gguf import GGMLQuantizationType as T
 
-    from moeray.stages import triton_kernels as tk
+    from moeray.stages.kernels import triton_kernels as tk
 
     N, K = SHAPE
     raw = torch.from_numpy(_random_blocks(T.Q4_K, N * K // 256, rng).reshape(-1)).to(device)
@@ -132,8 +132,8 @@ def grouped(device: str, quick: bool, say=print) -> dict:
     import torch.nn.functional as F
     from gguf import GGMLQuantizationType as T
 
-    from moeray.stages import triton_kernels as tk
-    from moeray.stages.qmatmul import QMatrix
+    from moeray.stages.kernels import triton_kernels as tk
+    from moeray.stages.kernels.qmatmul import QMatrix
 
     H, Fd, S, k = (2048, 768, 128, 8) if not quick else (256, 256, 8, 2)
     rng = np.random.default_rng(1)

@@ -1,10 +1,10 @@
-"""MLA decode: the weight-absorbed form stages/mla.py runs vs decompressing the latent cache.
+"""MLA decode: the weight-absorbed form stages/blocks/mla.py runs vs decompressing the latent cache.
 
 One DeepSeek-V3 layer's attention (128 heads, kv_lora 512, rope 64, nope 128, v 128) for one
 decode token over a cached context of T tokens, float32 on the CPU, side by side in one run:
   absorbed    q_lat = k_b^T q_nope per head, attention over the [latent, rope key] rows as they are
               cached (one key head of 576 shared by all query heads, the heads laid out as query
-              rows as stages/mla.py does), out = v_b (softmax . latent)
+              rows as stages/blocks/mla.py does), out = v_b (softmax . latent)
   decompress  k = [k_b c, k_pe] and v = v_b c for every cached token (what a cache of full keys
               would hold), then ordinary multi-head attention over 192-wide heads
 

@@ -23,7 +23,7 @@ MiB = 1 << 20
 
 def decode_tok_s(engine, batch: int, n_tokens: int, prompt_len: int = 8) -> dict:
     """Run `batch` prompts for `n_tokens` each; decode tok/s over the window where all decode."""
-    from moeray.stages.sampling import SamplingParams
+    from moeray.stages.text.sampling import SamplingParams
 
     prompts = [[1] + [(17 * i + 3 * j) % 4000 + 100 for j in range(prompt_len - 1)] for i in range(batch)]
     t0 = time.perf_counter()
@@ -83,7 +83,7 @@ def main(argv=None) -> int:
     from moeray.cluster.engine import Engine
     from moeray.cluster.local_pipeline import LocalPipeline
     from moeray.units import parse_sizes
-    from moeray.stages.gguf_file import read_gguf_header
+    from moeray.stages.gguf.reader import read_gguf_header
 
     path = resolve_model(args.model)
     batches = [int(b) for b in args.batches.split(",")]

@@ -33,7 +33,7 @@ from load import Client, model_id  # noqa: E402  (bench/load.py: the same client
 from moeray.cache.replay import belady  # noqa: E402
 from moeray.cache.residency import Slots  # noqa: E402
 from moeray.cache.trace import Trace, read_trace  # noqa: E402
-from moeray.stages.transport import free_port  # noqa: E402
+from moeray.stages.runtime.transport import free_port  # noqa: E402
 
 
 def get_json(url: str, timeout: float = 30.0) -> dict:

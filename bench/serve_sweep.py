@@ -32,7 +32,7 @@ sys.path.insert(0, str(HERE))
 
 from load import Client, model_id, percentile  # noqa: E402
 
-from moeray.stages.transport import free_port  # noqa: E402
+from moeray.stages.runtime.transport import free_port  # noqa: E402
 
 
 def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ready-timeout", type=float, default=900.0)
     args = p.parse_args(argv)
     if args.model is None:
-        from moeray.stages.default_model import FILE_NAME, cache_dir
+        from moeray.stages.gguf.default_model import FILE_NAME, cache_dir
 
         args.model = str(cache_dir() / FILE_NAME)
 

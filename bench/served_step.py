@@ -26,7 +26,7 @@ from moeray.cluster.config import EngineConfig
 from moeray.cluster.engine import Engine
 from moeray.cluster.local_pipeline import LocalPipeline
 from moeray.cluster.service import local_threads
-from moeray.stages.sampling import SamplingParams
+from moeray.stages.text.sampling import SamplingParams
 
 KV_BLOCKS = 1024
 
@@ -35,10 +35,10 @@ def load(model: str | None) -> LocalPipeline:
     """The model as `moeray serve --local` holds it (its ggml thread settings, every expert resident)."""
     import os
 
-    from moeray.stages.default_model import FILE_NAME, cache_dir
-    from moeray.stages.default_profile import default_profile_for
-    from moeray.stages.gguf_file import read_gguf_header
-    from moeray.stages.qmatmul import ThreadSettings, set_threads
+    from moeray.stages.gguf.default_model import FILE_NAME, cache_dir
+    from moeray.stages.runtime.default_profile import default_profile_for
+    from moeray.stages.gguf.reader import read_gguf_header
+    from moeray.stages.kernels.qmatmul import ThreadSettings, set_threads
 
     path = model or str(cache_dir() / FILE_NAME)
     set_threads(len(os.sched_getaffinity(0)), ThreadSettings.from_env(ThreadSettings(**local_threads(

@@ -117,14 +117,14 @@ def _tokenizer_fields():
     """The default model's tokeniser (a gpt2 BPE vocabulary), for the padding below."""
     import gguf
 
-    from moeray.stages.default_model import default_model_path
+    from moeray.stages.gguf.default_model import default_model_path
 
     r = gguf.GGUFReader(default_model_path(quiet=True))
     return {n: f for n, f in r.fields.items() if n.startswith("tokenizer.")}
 
 
 def shape_path(name: str) -> Path:
-    from moeray.stages.default_model import cache_dir
+    from moeray.stages.gguf.default_model import cache_dir
 
     return cache_dir() / f"shape-{name}-q4_k-random.gguf"
 

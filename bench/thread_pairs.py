@@ -44,12 +44,12 @@ def main(argv: list[str] | None = None) -> int:
 
     from moeray.cluster.config import EngineConfig
     from moeray.cluster.generator import Generator
-    from moeray.stages import qmatmul
-    from moeray.stages.default_model import FILE_NAME, cache_dir
-    from moeray.stages.gguf_file import GGUFFile
-    from moeray.stages.model import load_cached, load_model
-    from moeray.stages.sampling import SamplingParams
-    from moeray.stages.tokenizer import Tokenizer
+    from moeray.stages.kernels import qmatmul
+    from moeray.stages.gguf.default_model import FILE_NAME, cache_dir
+    from moeray.stages.gguf.reader import GGUFFile
+    from moeray.stages.runtime.model import load_cached, load_model
+    from moeray.stages.text.sampling import SamplingParams
+    from moeray.stages.text.tokenizer import Tokenizer
 
     path = args.model or str(cache_dir() / FILE_NAME)
     qmatmul.set_threads(1)

@@ -1,7 +1,7 @@
 """Build the expert path of one stage: an ExpertCache in front of the host copy, filled from a
 profile, optionally recording every routing decision.
 
-    host = HostExperts(gguf)                                   # moeray.stages.moe
+    host = HostExperts(gguf)                                   # moeray.stages.blocks.moe
     cache = build_cache(host, first, end, "cpu", budget_bytes, profile, "adaptive")
     model = StageModel(gguf, first, end, "cpu", experts=cache)  # the MoE blocks are built with it
     ... model.step(...) ...

@@ -4,7 +4,7 @@ blocks are built with.
 A hit is computed from a slot: a copy of the expert's three matrices in their stored block form
 (the GGUF's bytes, so a slot costs exactly the expert's GGUF size) on the stage's device. A miss is
 computed from the host copy (the GGUF mapping), as llama.cpp's --cpu-moe, Strata and colibri
-do. The host object (moeray.stages.moe.HostExperts) is handed in, so this package imports nothing
+do. The host object (moeray.stages.blocks.moe.HostExperts) is handed in, so this package imports nothing
 of moeray.stages. A slot holds the same bytes as the host copy and the experts' outputs are added
 in the same order whatever serves them, so on the CPU the output is identical for every cache size
 and policy.

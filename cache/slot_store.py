@@ -3,7 +3,7 @@
 Slot s (of any layer, in either layout) is row s of a [n_slots, row] byte buffer, row = the
 largest expert the stage holds; an expert's gate, up and down blocks lie back to back in it
 (the GGUF's bytes, or as many in ggml's repacked layout, repacked as they are filled: each kind
-in the layout of the host stack, stages/moe.py HostExperts.stack_in). For each layer the host builds a stack over the buffer with that
+in the layout of the host stack, stages/blocks/moe.py HostExperts.stack_in). For each layer the host builds a stack over the buffer with that
 layer's block types and the row as the expert stride, and ggml's mul_mat_id reads the hits of a
 step from it in one call, indexed by slot. The buffer is allocated once; the OS commits its
 pages as slots are filled, so memory follows the filled slots, not the budget.

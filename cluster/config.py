@@ -63,7 +63,7 @@ class LaunchOptions:
     # so the planner is told exactly that instead of being free to place pieces on the host.
     trunk: str = "head=gpu,embed=gpu,layers=all"
     # Routing profile: the planner's heat and the caches' fill. None: the embedded default model's
-    # recorded profile (stages/default_profile.py; the driver resolves it), uniform for other models.
+    # recorded profile (stages/runtime/default_profile.py; the driver resolves it), uniform for other models.
     profile: Optional[str] = None
     # Every stage's expert cache: adaptive measured best on bench/cache.py's replay of the default
     # model (within 0.2 points of static when the profile is the traffic, up to 2.7 points better
@@ -117,7 +117,7 @@ def resolve_model(path: str | None, rebuild: bool = False) -> str:
     from pathlib import Path
 
     if path is None:
-        from moeray.stages.default_model import default_model_path
+        from moeray.stages.gguf.default_model import default_model_path
 
         return str(default_model_path(rebuild=rebuild))
     if not Path(path).is_file():

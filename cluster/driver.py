@@ -23,7 +23,7 @@ from typing import Any
 from moeray.cluster.config import EngineConfig, LaunchOptions
 from moeray.cluster.remote import StageFailedError, StagesLate, as_ready, error_of, gather, gather_one
 from moeray.errors import MoerayError, PlacementError
-from moeray.stages.actor import LoadReport, ProbeReport, StageStats, StepBatch
+from moeray.stages.runtime.actor import LoadReport, ProbeReport, StageStats, StepBatch
 
 DEVICE_RESOURCE = "moeray_device"  # declare it on nodes (ray start --resources) to stand in for GPUs
 SIM_CPU = 0.01  # what a simulated stage reserves: stages must not hold whole cores (2-core hosts)
@@ -152,7 +152,7 @@ class StageGroup:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from moeray.stages.actor import StageActor
+        from moeray.stages.runtime.actor import StageActor
 
         budget = None if self.simulate is None else self.simulate[i]
         return ray.remote(StageActor).options(
@@ -176,7 +176,7 @@ class StageGroup:
 
     def connect(self, timeout_s: float = 30.0) -> None:
         """(Re-)form the stages' process group; stage 0's node hosts the rendezvous."""
-        from moeray.stages.transport import link_backend
+        from moeray.stages.runtime.transport import link_backend
 
         addr = gather_one(self.actors[0].node_ip.remote(), self.timeout_s, "connect")
         port = gather_one(self.actors[0].free_port.remote(), self.timeout_s, "connect")
@@ -198,7 +198,7 @@ class StageGroup:
         """Each stage loads only its layer range, a KV pool of `kv_blocks` blocks and (recurrent
         layers) `state_slots` sequence states; `progress(stage, report)` as each one finishes."""
         trunk_on_card = trunk_on_card or [0] * len(ranges)
-        from moeray.stages.gguf_file import read_gguf_header
+        from moeray.stages.gguf.reader import read_gguf_header
 
         self.kv_blocks = kv_blocks
         self.state_slots = state_slots if any(state_bytes_by_layer(read_gguf_header(path).config, 1)) else 0
@@ -477,14 +477,14 @@ def kv_layer_bytes(config, n_blocks: int, itemsize: int = 4, layer: int | None =
     largest layer's, the figure a message quotes)."""
     if layer is None:
         return max(kv_bytes_by_layer(config, n_blocks, itemsize), default=0)
-    from moeray.stages.kv_cache import kv_block_bytes
+    from moeray.stages.blocks.kv_cache import kv_block_bytes
 
     return n_blocks * kv_block_bytes(config, range(layer, layer + 1), itemsize)
 
 
 def kv_bytes_by_layer(config, n_blocks: int, itemsize: int = 4) -> list[int]:
     """Each layer's KV pool with `n_blocks` blocks, at its architecture's values per token."""
-    from moeray.stages.kv_cache import kv_block_bytes
+    from moeray.stages.blocks.kv_cache import kv_block_bytes
 
     return [n_blocks * kv_block_bytes(config, range(l, l + 1), itemsize) for l in range(config.n_layers)]
 
@@ -504,7 +504,7 @@ def kv_context(config, engine: EngineConfig) -> int:
 def fixed_kv_blocks(config, engine: EngineConfig, free_bytes: int, itemsize: int) -> tuple[int | None, str]:
     """(blocks, rule) when --kv-blocks or --kv-fraction fixes the budget, (None, '') for auto."""
     from moeray.planner.kv import blocks_for_fraction
-    from moeray.stages.kv_cache import kv_block_bytes
+    from moeray.stages.blocks.kv_cache import kv_block_bytes
 
     if engine.kv_blocks is not None:
         return engine.kv_blocks, "--kv-blocks"
@@ -521,7 +521,7 @@ def local_kv_plan(config, engine: EngineConfig, free_bytes: int, itemsize: int =
     """The KV budget of a one-process server (no expert trade: its device holds every expert):
     --kv-blocks / --kv-fraction, else one sequence at the full context."""
     from moeray.planner.kv import KVPlan
-    from moeray.stages.kv_cache import BLOCK_SIZE, blocks_for
+    from moeray.stages.blocks.kv_cache import BLOCK_SIZE, blocks_for
 
     context = kv_context(config, engine)
     n, rule = fixed_kv_blocks(config, engine, free_bytes, itemsize)
@@ -550,15 +550,15 @@ def held_spec(header, kv_bytes_per_layer: int | list[int] = 0, route: str | None
     """The planner's ModelSpec in the bytes a stage really holds on its device.
 
     On the quantised routes a slot and the trunk hold the GGUF's own blocks (float32 only for
-    vectors and routers), on the exact route float32 copies: `held_bytes` in stages/gguf_file.py
+    vectors and routers), on the exact route float32 copies: `held_bytes` in stages/gguf/reader.py
     prices both, and the stage is charged the same numbers. A layer's KV cache is on the card with
     its trunk whatever the split, so it is priced as part of that layer's trunk: the search then
     charges every candidate range exactly the KV it would allocate. `kv_bytes_per_layer`: one
     figure for every layer, or a list (kv_bytes_by_layer) where the layers' KV differ.
     """
     from moeray.planner.spec import ModelSpec, TrunkBytes
-    from moeray.stages.gguf_file import expert_bytes, trunk_bytes, trunk_pieces
-    from moeray.stages.qmatmul import current_route
+    from moeray.stages.gguf.reader import expert_bytes, trunk_bytes, trunk_pieces
+    from moeray.stages.kernels.qmatmul import current_route
 
     route = route or current_route()
     cfg = header.config
@@ -586,7 +586,7 @@ def plan_from_reports(header, reports: list[ProbeReport], opts: LaunchOptions, e
     from moeray.planner.devices import DeviceSpec
     from moeray.planner.kv import KVPlan, trade_kv
     from moeray.planner.search import parse_split, plan_placement, proportional_split
-    from moeray.stages.kv_cache import BLOCK_SIZE, blocks_for
+    from moeray.stages.blocks.kv_cache import BLOCK_SIZE, blocks_for
 
     cfg, S, L = header.config, len(reports), header.config.n_layers
     itemsize = kv_itemsize(r.device.kind for r in reports)
@@ -679,7 +679,7 @@ def launch(path: str, opts: LaunchOptions = LaunchOptions(), engine: EngineConfi
     """Probe -> plan -> load -> wire, with KV pools of the plan's block count; `Launched.engine` is
     `engine` with max_len (the context) and kv_blocks resolved: build the Engine with it.
     `log` gets every line a user should see at startup."""
-    from moeray.stages.gguf_file import read_gguf_header
+    from moeray.stages.gguf.reader import read_gguf_header
 
     ensure_ray(opts.address)
     header = read_gguf_header(path)
@@ -690,7 +690,7 @@ def launch(path: str, opts: LaunchOptions = LaunchOptions(), engine: EngineConfi
         log(line)
 
     if opts.profile is None:  # the embedded default model's recorded routing (None for other models)
-        from moeray.stages.default_profile import default_profile_for
+        from moeray.stages.runtime.default_profile import default_profile_for
 
         found = default_profile_for(path)
         if found is not None:
@@ -807,7 +807,7 @@ class RayPipeline:
         import ray
         from ray.exceptions import RayActorError
 
-        from moeray.stages.transport import TransportError
+        from moeray.stages.runtime.transport import TransportError
 
         ray.wait(handle, num_returns=len(handle), timeout=2.0)
         errors = [(i, exc) for i, ref in enumerate(handle) if (exc := error_of(ref)) is not None]

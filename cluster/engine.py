@@ -33,8 +33,8 @@ from moeray.cluster.config import EngineConfig
 from moeray.cluster.remote import StageFailedError
 from moeray.cluster.scheduler import EngineStats, Request, ScheduledStep, Scheduler
 from moeray.errors import MoerayError
-from moeray.stages.actor import StepBatch
-from moeray.stages.sampling import SamplingParams, StepOutput, StopStringStream
+from moeray.stages.runtime.actor import StepBatch
+from moeray.stages.text.sampling import SamplingParams, StepOutput, StopStringStream
 
 log = logging.getLogger("moeray")
 

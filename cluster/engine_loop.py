@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional, Sequence
 from moeray.cluster.remote import StageFailedError
 from moeray.cluster.scheduler import RequestStatus
 from moeray.errors import MoerayError
-from moeray.stages.sampling import SamplingParams
+from moeray.stages.text.sampling import SamplingParams
 
 
 class OverloadedError(MoerayError):

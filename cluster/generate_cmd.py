@@ -11,7 +11,7 @@ import sys
 
 from moeray.cluster.config import CACHE_POLICIES, LaunchOptions, resolve_model
 from moeray.errors import MoerayError
-from moeray.stages.sampling import SamplingParams
+from moeray.stages.text.sampling import SamplingParams
 
 __all__ = ["add_arguments", "run", "resolve_model"]
 
@@ -61,21 +61,21 @@ def run(args: argparse.Namespace) -> int:
     grammar = _grammar(args)
     path = resolve_model(args.model, args.rebuild)
     if args.profile is None:  # the embedded default model's recorded routing (None for other models)
-        from moeray.stages.default_profile import default_profile_for
+        from moeray.stages.runtime.default_profile import default_profile_for
 
         args.profile = default_profile_for(path)
 
     from moeray.cluster.generator import Generator
-    from moeray.stages.gguf_file import GGUFFile
-    from moeray.stages.model import memory_report
-    from moeray.stages.tokenizer import Tokenizer
+    from moeray.stages.gguf.reader import GGUFFile
+    from moeray.stages.runtime.model import memory_report
+    from moeray.stages.text.tokenizer import Tokenizer
 
     gguf = GGUFFile(path)  # validates the whole file before anything is loaded
     tokenizer = Tokenizer.from_metadata(gguf.metadata, source=path)
     if grammar is not None:
         import dataclasses
 
-        from moeray.stages.grammar import GrammarError, check_grammar
+        from moeray.stages.text.grammar import GrammarError, check_grammar
 
         try:
             check_grammar(grammar, tokenizer)
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
             raise MoerayError(f"--json-schema: {exc}") from None
         params = dataclasses.replace(params, grammar=grammar)
     if getattr(args, "exact", False):
-        from moeray.stages.qmatmul import set_route
+        from moeray.stages.kernels.qmatmul import set_route
 
         set_route("exact")
     model, cache = _load_with_experts(gguf, args)
@@ -109,11 +109,11 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _grammar(args) -> str | None:
-    """--json / --json-schema as a grammar (stages/grammar.py), the one `response_format` gives."""
+    """--json / --json-schema as a grammar (stages/text/grammar.py), the one `response_format` gives."""
     import json
     import os
 
-    from moeray.stages.grammar import json_grammar
+    from moeray.stages.text.grammar import json_grammar
 
     if args.json_schema is None:
         return json_grammar(None) if args.json else None
@@ -141,8 +141,8 @@ def _load_with_experts(gguf, args):
     front of the host copy. A budget of 0 runs every expert from the host copy; --record-routing
     still records."""
     from moeray.cache.attach import routing_trace
-    from moeray.stages.model import StageModel, load_cached
-    from moeray.stages.moe import HostExperts
+    from moeray.stages.runtime.model import StageModel, load_cached
+    from moeray.stages.blocks.moe import HostExperts
     from moeray.units import parse_size
 
     cfg = gguf.config

@@ -11,8 +11,8 @@ from moeray.cluster.engine import Engine
 from moeray.cluster.local_pipeline import LocalPipeline
 from moeray.cluster.scheduler import Request
 from moeray.errors import MoerayError
-from moeray.stages.kv_cache import blocks_for
-from moeray.stages.sampling import SamplingParams
+from moeray.stages.blocks.kv_cache import blocks_for
+from moeray.stages.text.sampling import SamplingParams
 
 
 @dataclass

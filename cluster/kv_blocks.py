@@ -1,6 +1,6 @@
 """Block accounting of the KV cache: the engine's one ledger of which block holds what.
 
-Every stage has a pool of the same `n_blocks` blocks (stages/kv_cache.py); the engine decides
+Every stage has a pool of the same `n_blocks` blocks (stages/blocks/kv_cache.py); the engine decides
 which blocks each sequence uses and sends the block tables with every step, so the stages hold
 no bookkeeping of their own. A block is
 
@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
-from moeray.stages.kv_cache import BLOCK_SIZE
+from moeray.stages.blocks.kv_cache import BLOCK_SIZE
 
 
 @dataclass

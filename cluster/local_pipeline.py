@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from moeray.stages.actor import StepBatch
-from moeray.stages.sampling import StepOutput
+from moeray.stages.runtime.actor import StepBatch
+from moeray.stages.text.sampling import StepOutput
 
 
 class LocalPipeline:
@@ -28,8 +28,8 @@ class LocalPipeline:
     @classmethod
     def from_file(cls, path: str, kv_blocks: int, simulated_budget: int | None = None,
                   profile: str | None = None, cache_policy: str = "static", max_seqs: int = 1) -> "LocalPipeline":
-        from moeray.stages.actor import StageActor
-        from moeray.stages.gguf_file import read_gguf_header
+        from moeray.stages.runtime.actor import StageActor
+        from moeray.stages.gguf.reader import read_gguf_header
 
         stage = StageActor(0, 1, simulated_budget if simulated_budget is not None else 1 << 62)
         cfg = read_gguf_header(path).config
@@ -41,7 +41,7 @@ class LocalPipeline:
     @classmethod
     def from_model(cls, model, kv_blocks: int, max_seqs: int = 1) -> "LocalPipeline":
         """`max_seqs`: the engine's sequence slots, each a DeltaNet state where the model has them."""
-        from moeray.stages.actor import StageRunner
+        from moeray.stages.runtime.actor import StageRunner
 
         kv = model.new_kv_pool(kv_blocks, max_seqs)
         return cls(StageRunner(model, kv), kv_blocks, max_seqs if kv.state is not None else 0)

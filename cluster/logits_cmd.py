@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     ids = parse_tokens(args.tokens)
     path = resolve_model(args.model)
 
-    from moeray.stages.model import load_model
+    from moeray.stages.runtime.model import load_model
 
     model = load_model(path, route="exact" if args.exact else None)
     vocab = model.config.vocab_size

@@ -78,7 +78,7 @@ class _Request(BaseModel):
     safety_identifier: Optional[StrictStr] = None
     prompt_cache_key: Optional[StrictStr] = None
     metadata: Optional[dict[StrictStr, StrictStr]] = None
-    response_format: Optional["ResponseFormat"] = None  # structured output (stages/grammar.py)
+    response_format: Optional["ResponseFormat"] = None  # structured output (stages/text/grammar.py)
 
     @model_validator(mode="before")
     @classmethod

@@ -62,7 +62,7 @@ def spec_from_gguf(path: str, route: str | None = None) -> ModelSpec:
     import os
 
     from moeray.stages.arch import arch_of
-    from moeray.stages.gguf_file import expert_bytes, read_gguf_header, trunk_bytes, trunk_pieces  # torch-free
+    from moeray.stages.gguf.reader import expert_bytes, read_gguf_header, trunk_bytes, trunk_pieces  # torch-free
 
     route = route or ("exact" if os.environ.get("MOERAY_ROUTE", "").strip().lower() == "exact" else "quantised")
     h = read_gguf_header(path)
@@ -79,7 +79,7 @@ def spec_from_gguf(path: str, route: str | None = None) -> ModelSpec:
                      kv_token_bytes=[KV_ITEMSIZE * arch.kv_values(cfg, l) for l in range(cfg.n_layers)])
 
 
-KV_ITEMSIZE = 2  # a card's KV pool is 16-bit (stages/kv_cache.py kv_dtype)
+KV_ITEMSIZE = 2  # a card's KV pool is 16-bit (stages/blocks/kv_cache.py kv_dtype)
 
 
 def kv_line(per_token: list[int], split, n_tokens: int) -> str:
@@ -113,7 +113,7 @@ def run(args) -> int:
     devices = parse_devices(args.devices) if args.devices else load_devices_json(args.devices_json)
     profile_path = args.profile
     if profile_path is None and args.model:
-        from moeray.stages.default_profile import default_profile_for  # torch only if it must be recorded
+        from moeray.stages.runtime.default_profile import default_profile_for  # torch only if it must be recorded
 
         profile_path = default_profile_for(args.model)
         if profile_path is not None:

@@ -1,7 +1,7 @@
 """What a request asks beyond plain text: log-probabilities, structured output and tools.
 
 The server (cluster/serve_app.py) turns these request fields into SamplingParams (`logprobs`,
-`grammar`: both act on the last stage, stages/actor.py StageRunner.sample) and the engine's
+`grammar`: both act on the last stage, stages/runtime/actor.py StageRunner.sample) and the engine's
 TokenLogprobs back into OpenAI's response shapes. Every field either does what it asks or is a
 400 naming it.
 """
@@ -13,8 +13,8 @@ from typing import Optional
 
 from moeray.cluster import openai_schema as oa
 from moeray.cluster.tools import ToolsUnsupported, check_tools_supported, forced_call_grammar
-from moeray.stages.grammar import GrammarError, check_grammar, schema_from_response_format
-from moeray.stages.sampling import TokenLogprob
+from moeray.stages.text.grammar import GrammarError, check_grammar, schema_from_response_format
+from moeray.stages.text.sampling import TokenLogprob
 
 
 @dataclass

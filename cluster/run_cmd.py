@@ -15,7 +15,7 @@ import time
 
 from moeray.cluster.config import (add_engine_arguments, add_launch_arguments, engine_config_from_args,
                                    launch_options_from_args, simulated_devices)
-from moeray.stages.sampling import SamplingParams
+from moeray.stages.text.sampling import SamplingParams
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,8 +48,8 @@ def run(args: argparse.Namespace) -> int:
     from moeray.cluster.config import resolve_model
     from moeray.cluster.driver import launch
     from moeray.cluster.engine import Engine
-    from moeray.stages.gguf_file import GGUFFile
-    from moeray.stages.tokenizer import Tokenizer
+    from moeray.stages.gguf.reader import GGUFFile
+    from moeray.stages.text.tokenizer import Tokenizer
 
     path = resolve_model(args.model)
     gguf = GGUFFile(path)  # validate the whole file before any actor starts

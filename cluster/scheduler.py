@@ -29,9 +29,9 @@ from typing import Optional, Sequence
 from moeray.cluster.config import EngineConfig
 from moeray.cluster.kv_blocks import BlockManager
 from moeray.errors import MoerayError
-from moeray.stages.actor import StepBatch
-from moeray.stages.kv_cache import BLOCK_SIZE, blocks_for
-from moeray.stages.sampling import SamplingParams, StepOutput, StopStringStream, TokenLogprob
+from moeray.stages.runtime.actor import StepBatch
+from moeray.stages.blocks.kv_cache import BLOCK_SIZE, blocks_for
+from moeray.stages.text.sampling import SamplingParams, StepOutput, StopStringStream, TokenLogprob
 
 
 class RequestStatus(Enum):

@@ -48,7 +48,7 @@ from moeray.cluster.engine_loop import EngineDownError, Finished, OverloadedErro
 from moeray.cluster.service import Service
 from moeray.cluster.tools import ToolCallStream, parse_tool_calls, template_messages
 from moeray.errors import MoerayError
-from moeray.stages.sampling import SamplingParams
+from moeray.stages.text.sampling import SamplingParams
 
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's resource of the head node
 DEFAULT_MAX_TOKENS = 256  # when a request gives none (capped by the room its prompt leaves)

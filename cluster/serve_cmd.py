@@ -86,7 +86,7 @@ def check_ports(args: argparse.Namespace) -> None:
     wanted = [("--port", args.host, args.port)]
     if not args.address and not args.no_metrics:  # joining a cluster: its nodes export their own metrics
         if args.metrics_export_port == 0:
-            from moeray.stages.transport import free_port
+            from moeray.stages.runtime.transport import free_port
 
             args.metrics_export_port = free_port()
         wanted.append(("--metrics-export-port", "", args.metrics_export_port))

@@ -64,15 +64,15 @@ class Service:
     def __init__(self, opts: ServeOptions, log=print):
         from moeray.cluster.engine import Engine
         from moeray.cluster.local_pipeline import LocalPipeline
-        from moeray.stages.gguf_file import read_gguf_header
-        from moeray.stages.tokenizer import Tokenizer
+        from moeray.stages.gguf.reader import read_gguf_header
+        from moeray.stages.text.tokenizer import Tokenizer
 
         self.opts = opts
         self.path = resolve_model(opts.model)
         if opts.model_name:
             self.model_name = opts.model_name
         elif opts.model is None:
-            from moeray.stages.default_model import MODEL_NAME
+            from moeray.stages.gguf.default_model import MODEL_NAME
 
             self.model_name = MODEL_NAME
         else:
@@ -89,17 +89,17 @@ class Service:
                 import torch
 
                 torch.set_num_threads(opts.launch.torch_threads)
-            from moeray.stages.qmatmul import ThreadSettings, set_threads
+            from moeray.stages.kernels.qmatmul import ThreadSettings, set_threads
 
             set_threads(opts.threads or int(os.environ.get("MOERAY_THREADS") or 0) or len(os.sched_getaffinity(0)),
                         ThreadSettings.from_env(ThreadSettings(**local_threads(header.token_bytes()))))
             if opts.launch.kernels != "auto":
-                from moeray.stages.qmatmul import set_route
+                from moeray.stages.kernels.qmatmul import set_route
 
                 set_route(opts.launch.kernels)
             profile = opts.launch.profile
             if profile is None:  # the embedded default model's recorded routing, as the driver uses
-                from moeray.stages.default_profile import default_profile_for
+                from moeray.stages.runtime.default_profile import default_profile_for
 
                 found = default_profile_for(self.path)
                 profile = None if found is None else str(found)

@@ -8,7 +8,7 @@ dropped.
 Tool calls are written in the Hermes format that Qwen2/2.5/3, Hermes and many other templates
 teach their models: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, one block per
 call. `parse_tool_calls` takes them out of the generated text; `tool_choice: "required"` or a named
-function constrains generation with a grammar (stages/grammar.py) so that the output is such a
+function constrains generation with a grammar (stages/text/grammar.py) so that the output is such a
 block whose arguments match the function's JSON schema, and the parse cannot fail.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from moeray.stages.grammar import JSON_STYLE, lark_grammar
+from moeray.stages.text.grammar import JSON_STYLE, lark_grammar
 
 CALL_OPEN, CALL_CLOSE = "<tool_call>", "</tool_call>"
 _CALL_RE = re.compile(re.escape(CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(CALL_CLOSE), re.DOTALL)

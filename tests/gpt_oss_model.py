@@ -29,7 +29,7 @@ def harmony_tokenizer(vocab_size: int):
 
 def write_gpt_oss(path: Path, file_type: str = "F32", n_layers: int = 3, seed: int = 4):
     """(path, the transformers model holding exactly the file's weights)."""
-    from moeray.stages.gguf_writer import dequantized_state_dict, write_gguf
+    from moeray.stages.gguf.writer import dequantized_state_dict, write_gguf
     from tiny_models import VOCAB, tiny_gpt_oss
 
     model = tiny_gpt_oss(seed, n_layers)

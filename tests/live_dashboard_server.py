@@ -57,7 +57,7 @@ def _start(d: "LiveServer", default_model_path, port: int, metrics_port: int, ra
 @pytest.fixture(scope="session")
 def dashboard_server(default_model_path):
     pytest.importorskip("ray")
-    from moeray.stages.transport import free_port
+    from moeray.stages.runtime.transport import free_port
 
     d = LiveServer("", 0, None, 0, [])  # the defaults: key, model name, stages
     for attempt in (1, 2):  # on a loaded machine Ray's own startup can time out once

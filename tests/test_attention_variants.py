@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 import torch
 
-from moeray.stages.config import ModelConfig
-from moeray.stages.kv_cache import KVCache, KVPool
-from moeray.stages.layers import Attention, make_batch_meta, slot_batch_meta
-from moeray.stages.qmatmul import QMatrix
+from moeray.stages.arch.config import ModelConfig
+from moeray.stages.blocks.kv_cache import KVCache, KVPool
+from moeray.stages.blocks.attention import Attention, make_batch_meta, slot_batch_meta
+from moeray.stages.kernels.qmatmul import QMatrix
 
 H, NH, NKV, D, T = 48, 4, 2, 16, 40
 CFG = ModelConfig("test", 1, H, NH, NKV, D, 100, 256, 10000.0, 1e-5, "neox", 0, 0, 0, 0, 0, False, False, False,
@@ -18,7 +18,7 @@ CFG = ModelConfig("test", 1, H, NH, NKV, D, 100, 256, 10000.0, 1e-5, "neox", 0, 
 
 
 def _rope():
-    from moeray.stages.rope import RoPE
+    from moeray.stages.blocks.rope import RoPE
 
     return RoPE(D, 10000.0, "neox")
 

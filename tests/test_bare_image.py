@@ -121,7 +121,7 @@ def test_shape30b_is_qwen3_30b_a3b_shaped(tmp_path):
     sys.path.insert(0, str(ROOT / "bench"))
     import shape30b
 
-    from moeray.stages.gguf_file import GGUFFile
+    from moeray.stages.gguf.reader import GGUFFile
 
     c = Qwen3MoeConfig()
     assert shape30b.FULL == dict(hidden=c.hidden_size, heads=c.num_attention_heads, kv_heads=c.num_key_value_heads,

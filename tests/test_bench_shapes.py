@@ -12,8 +12,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 from shapes import Shape, write_shape  # noqa: E402
 
-from moeray.stages.gguf_file import GGUFFile  # noqa: E402
-from moeray.stages.model import load_model  # noqa: E402
+from moeray.stages.gguf.reader import GGUFFile  # noqa: E402
+from moeray.stages.runtime.model import load_model  # noqa: E402
 
 
 @pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "glm4moe", "gpt-oss", "deepseek2"])

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeray.stages.gguf_file import GGUFFile, read_gguf_header
-from moeray.stages.gguf_writer import write_gguf
-from moeray.stages.kv_cache import BLOCK_SIZE, kv_block_bytes, kv_token_bytes
-from moeray.stages.model import StageModel, load_model
+from moeray.stages.gguf.reader import GGUFFile, read_gguf_header
+from moeray.stages.gguf.writer import write_gguf
+from moeray.stages.blocks.kv_cache import BLOCK_SIZE, kv_block_bytes, kv_token_bytes
+from moeray.stages.runtime.model import StageModel, load_model
 from tiny_models import tiny_deepseek3, token_ids
 
 
@@ -63,7 +63,7 @@ def _llama_cpp_tensor_names(arch_name: str) -> set[str]:
 def test_the_writer_uses_llama_cpps_names_and_reads_back_exactly(tmp_path):
     import gguf
 
-    from moeray.stages.gguf_writer import dequantized_state_dict
+    from moeray.stages.gguf.writer import dequantized_state_dict
 
     model = tiny_deepseek3()
     path = write_gguf(model, tmp_path / "ds.gguf", "F32")

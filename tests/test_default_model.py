@@ -7,13 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from moeray.stages import default_model as dm
-from moeray.stages.gguf_file import GGUFFile
+from moeray.stages.gguf import default_model as dm
+from moeray.stages.gguf.reader import GGUFFile
 
 
 @pytest.fixture(scope="module")
 def tokenizer(smollm2_dense_path):
-    from moeray.stages.tokenizer import Tokenizer
+    from moeray.stages.text.tokenizer import Tokenizer
 
     return Tokenizer.from_gguf(smollm2_dense_path)
 
@@ -23,7 +23,7 @@ def tokenizer(smollm2_dense_path):
 # ggml's 8-bit activation rounding would blur. The quantised route has its own test below.
 @pytest.fixture(scope="module")
 def dense(smollm2_dense_path):
-    from moeray.stages.model import load_model
+    from moeray.stages.runtime.model import load_model
 
     return load_model(smollm2_dense_path, route="exact")
 
@@ -35,8 +35,8 @@ def routing_observers() -> list:
 
 @pytest.fixture(scope="module")
 def moe(default_model_path, routing_observers):
-    from moeray.stages.model import load_model
-    from moeray.stages.moe import HostExperts
+    from moeray.stages.runtime.model import load_model
+    from moeray.stages.blocks.moe import HostExperts
 
     gguf = GGUFFile(default_model_path)
     host = HostExperts(gguf, "exact", on_route=lambda *a: [f(*a) for f in routing_observers])
@@ -74,7 +74,7 @@ def test_experts_are_the_dense_ffn_bytes(default_model_path, smollm2_dense_path)
 
 def test_moe_greedy_text_equals_dense(dense, moe, tokenizer):
     from moeray.cluster.generator import Generator
-    from moeray.stages.sampling import SamplingParams
+    from moeray.stages.text.sampling import SamplingParams
 
     prompts = [p for p in dm.prompt_token_ids(tokenizer)][::4][:3]  # a chat, a code and a prose prompt
     params = SamplingParams(max_tokens=32, ignore_eos=True)

@@ -8,8 +8,8 @@ import numpy as np
 
 from moeray.cache.trace import read_trace
 from moeray.planner.profile import Profile
-from moeray.stages import default_profile as dp
-from moeray.stages.default_model import FILE_NAME, load_prompts
+from moeray.stages.runtime import default_profile as dp
+from moeray.stages.gguf.default_model import FILE_NAME, load_prompts
 
 
 def test_profile_lies_beside_the_model_and_counts_its_trace(default_model_path):

@@ -4,8 +4,8 @@ and ggml's op on the ggml route; chunked prefill carried across pieces resumes e
 import pytest
 import torch
 
-from moeray.stages import qmatmul
-from moeray.stages.deltanet import (DeltaNetShape, causal_conv, causal_conv_step, gated_delta_chunked,
+from moeray.stages.kernels import qmatmul
+from moeray.stages.blocks.deltanet import (DeltaNetShape, causal_conv, causal_conv_step, gated_delta_chunked,
                                     gated_delta_step, gated_norm, ggml_gated_delta, l2norm)
 
 M = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")

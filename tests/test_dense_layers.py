@@ -16,7 +16,7 @@ import torch
 from moeray.planner.devices import DeviceSpec
 from moeray.planner.profile import Profile
 from moeray.planner.search import plan_placement
-from moeray.stages.gguf_file import GGUFFile, read_gguf_header
+from moeray.stages.gguf.reader import GGUFFile, read_gguf_header
 from test_gguf_file import tiny_config, write_synthetic_gguf
 
 E = 4
@@ -66,7 +66,7 @@ def test_plan_has_no_pairs_and_no_slots_in_the_dense_layer(mixed, capsys):
 
 def test_cache_trace_and_profile_skip_the_dense_layer(mixed, tmp_path):
     from moeray.cache.trace import read_trace
-    from moeray.stages.model import load_cached, load_model
+    from moeray.stages.runtime.model import load_cached, load_model
 
     gguf = GGUFFile(mixed)
     blob = gguf.expert_bytes(1)
@@ -86,7 +86,7 @@ def test_cache_trace_and_profile_skip_the_dense_layer(mixed, tmp_path):
     prof = Profile.from_counts(table).for_layers(gguf.config.moe_layers)
     assert len(prof.pairs) == 3 * E and 0 not in prof.layers_array()
     # a stage of only the dense layer runs without any expert cache
-    from moeray.stages.model import StageModel
+    from moeray.stages.runtime.model import StageModel
 
     stage = StageModel(gguf, 0, 1)
     assert stage.run_layers(stage.embed([ids]), stage.batch_meta([len(ids)], [0], stage.new_kv_cache(1, 8)),

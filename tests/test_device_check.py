@@ -98,7 +98,7 @@ def test_cuda_requested_without_cuda_is_one_clear_line(tmp_path):
 def test_dequantize_builds_on_the_input_device(qtype):
     """Every buffer of the fast paths is made on the input's device: run on `meta` (no data), any
     buffer made on the CPU by default would raise, as it would on CUDA."""
-    from moeray.stages.quant import dequantize
+    from moeray.stages.gguf.quant import dequantize
 
     block, size = GGML_QUANT_SIZES[qtype]
     out = dequantize(torch.empty(3 * size, dtype=torch.uint8, device="meta"), qtype, (3, block))
@@ -108,7 +108,7 @@ def test_dequantize_builds_on_the_input_device(qtype):
 @pytest.mark.parametrize("qtype", (T.Q8_0, T.Q4_1, T.Q6_K), ids=lambda t: t.name)
 def test_dequant_matmul_in_row_blocks_equals_the_whole(qtype):
     """A card expands a big weight a block of rows at a time (bounded scratch): same product."""
-    from moeray.stages.qmatmul import QMatrix, _dequant_linear, row_bytes
+    from moeray.stages.kernels.qmatmul import QMatrix, _dequant_linear, row_bytes
 
     block, _ = GGML_QUANT_SIZES[qtype]
     N, K = 40, 2 * block
@@ -145,7 +145,7 @@ def test_gpus_per_stage_is_checked_before_anything_starts():
 
 
 def test_a_stage_sharing_a_card_is_planned_with_its_share():
-    from moeray.stages.device import CUDA_RESERVE_BYTES, DeviceInfo, share_of_card
+    from moeray.stages.runtime.device import CUDA_RESERVE_BYTES, DeviceInfo, share_of_card
 
     GiB = 1 << 30
     card = DeviceInfo("cuda", "NVIDIA H200", 140 * GiB, 120 * GiB, "cuda:0", "00000000:65:00.0", "nvml",
@@ -163,7 +163,7 @@ def test_a_stage_sharing_a_card_is_planned_with_its_share():
 
 def test_cuda_stage_threads_split_the_node_cores():
     """Ray starts an actor that reserves no CPU on 1 thread; a CUDA stage's misses need more."""
-    from moeray.stages.device import stage_threads
+    from moeray.stages.runtime.device import stage_threads
 
     assert stage_threads(16, 1, 1.0, 1) == 16  # one card, one stage: every core for its misses
     assert stage_threads(16, 1, 0.5, 2) == 8  # two stages share the card and the node
@@ -173,7 +173,7 @@ def test_cuda_stage_threads_split_the_node_cores():
 
 
 def test_link_backend_nccl_only_between_distinct_cards():
-    from moeray.stages.transport import link_backend
+    from moeray.stages.runtime.transport import link_backend
 
     a, b = ("cuda", "node1", "00000000:65:00.0"), ("cuda", "node1", "00000000:66:00.0")
     assert link_backend([a, b]) == "nccl"
@@ -190,7 +190,7 @@ def test_link_backend_nccl_only_between_distinct_cards():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
 @pytest.mark.parametrize("qtype", FAST_TYPES, ids=lambda t: t.name)
 def test_cuda_dequantize_equals_cpu(qtype):
-    from moeray.stages.quant import dequantize
+    from moeray.stages.gguf.quant import dequantize
 
     block, _ = GGML_QUANT_SIZES[qtype]
     raw = _blocks(qtype, 64)
@@ -202,7 +202,7 @@ def test_cuda_dequantize_equals_cpu(qtype):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
 def test_cuda_probe_reads_nvml_by_bus_id():
-    from moeray.stages.device import cuda_views, probe_cuda
+    from moeray.stages.runtime.device import cuda_views, probe_cuda
 
     info, views = probe_cuda(0), cuda_views(0)
     assert info.memory_source == "nvml", info.memory_source
@@ -218,8 +218,8 @@ def test_cuda_stage_logits_equal_cpu_with_half_the_experts_on_the_card(tmp_path)
     sys.path.insert(0, str(ROOT / "bench"))
     from device_check import device_logits, write_synthetic
 
-    from moeray.stages.gguf_file import GGUFFile
-    from moeray.stages.qmatmul import current_route, set_route
+    from moeray.stages.gguf.reader import GGUFFile
+    from moeray.stages.kernels.qmatmul import current_route, set_route
 
     path = str(write_synthetic(tmp_path / "moe.gguf", quick=True))
     tokens = list(range(2, 26))

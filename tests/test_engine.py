@@ -14,7 +14,7 @@ from moeray.cluster.generator import Generator
 from moeray.cluster.remote import StageFailedError
 from moeray.cluster.scheduler import RequestStatus
 from moeray.errors import MoerayError
-from moeray.stages.sampling import SamplingParams
+from moeray.stages.text.sampling import SamplingParams
 from fakes import CharTokenizer
 
 
@@ -203,7 +203,7 @@ def test_the_cache_policy_reaches_the_stage_cache(tmp_path):
 def test_generator_greedy_equals_a_plain_model_loop_and_streams_the_same_text(tmp_path):
     import torch
 
-    from moeray.stages.model import load_model
+    from moeray.stages.runtime.model import load_model
     from test_gguf_file import tiny_config, write_synthetic_gguf
 
     model = load_model(write_synthetic_gguf(tmp_path / "tiny.gguf", tiny_config("qwen3moe"), seed=5))

@@ -12,9 +12,9 @@ from moeray.cache.expert_cache import ExpertCache
 from moeray.cache.residency import CacheCore, Slots
 from moeray.planner.profile import Profile
 from moeray.planner.slots import per_layer_slots
-from moeray.stages.gguf_writer import write_gguf
-from moeray.stages.model import StageModel, load_cached, load_model
-from moeray.stages.moe import HostExperts
+from moeray.stages.gguf.writer import write_gguf
+from moeray.stages.runtime.model import StageModel, load_cached, load_model
+from moeray.stages.blocks.moe import HostExperts
 from tiny_models import tiny_mixtral, token_ids
 
 
@@ -190,7 +190,7 @@ def _default_model(request):
     try:
         return request.getfixturevalue("default_model_path")
     except pytest.FixtureLookupError:
-        from moeray.stages.default_model import default_model_path
+        from moeray.stages.gguf.default_model import default_model_path
 
         return default_model_path(quiet=True)
 

@@ -9,13 +9,14 @@ import torch
 from gguf import GGMLQuantizationType as T
 from gguf import quants
 
-from moeray.stages import expert_graph, qmatmul
-from moeray.stages.expert_graph import Part, Stack
-from moeray.stages.qmatmul import GLU
-from moeray.stages.gguf_file import GGUFFile
-from moeray.stages.model import load_cached
-from moeray.stages.moe import HostExperts
-from moeray.stages.qmatmul import ggml_available
+from moeray.stages.blocks import expert_graph
+from moeray.stages.kernels import qmatmul
+from moeray.stages.blocks.expert_graph import Part, Stack
+from moeray.stages.kernels.qmatmul import GLU
+from moeray.stages.gguf.reader import GGUFFile
+from moeray.stages.runtime.model import load_cached
+from moeray.stages.blocks.moe import HostExperts
+from moeray.stages.kernels.qmatmul import ggml_available
 
 pytestmark = pytest.mark.skipif(not ggml_available(), reason="ggml-python is not installed")
 
@@ -90,7 +91,7 @@ def test_hits_come_from_the_slot_buffer_and_a_split_step_gives_the_same_bits(ggu
     ref = HostExperts(gguf, "ggml").forward(1, x, ids, w)
     calls = []
     real = expert_graph.run
-    monkeypatch.setattr("moeray.stages.moe.run", lambda stack, *a: calls.append(stack) or real(stack, *a))
+    monkeypatch.setattr("moeray.stages.blocks.moe.run", lambda stack, *a: calls.append(stack) or real(stack, *a))
     out = cache.forward(1, x, ids, w)
     assert torch.equal(out, ref)
     assert [s.owner is cache.slot_store.buffer for s in calls] == [True, False]

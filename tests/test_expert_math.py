@@ -12,9 +12,9 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import quantize
 
 from moeray.errors import MoerayError
-from moeray.stages.gguf_file import TensorInfo, expert_bytes, tensor_role, trunk_bytes
-from moeray.stages.moe import ExpertWeights
-from moeray.stages.qmatmul import GLU, SILU, ExpertBias, QMatrix, ggml_available
+from moeray.stages.gguf.reader import TensorInfo, expert_bytes, tensor_role, trunk_bytes
+from moeray.stages.blocks.moe import ExpertWeights
+from moeray.stages.kernels.qmatmul import GLU, SILU, ExpertBias, QMatrix, ggml_available
 
 H, F, E, K = 64, 96, 4, 2
 needs_ggml = pytest.mark.skipif(not ggml_available(), reason="ggml-python is not installed (the README's set-up builds it)")
@@ -102,7 +102,7 @@ def test_ggml_route_swiglu_oai_with_biases_within_its_tolerance(hf_experts):
 
 
 def test_expert_act_comes_from_the_config():
-    from moeray.stages.config import ModelConfig
+    from moeray.stages.arch.config import ModelConfig
     cfg = ModelConfig("gpt-oss", 2, H, 4, 2, 16, 100, 128, 1e4, 1e-5, "neox", 0, E, K, F, 0, False, False, False)
     assert GLU.of(cfg) == SILU
     oai = dataclasses.replace(cfg, expert_act="swiglu_oai", swiglu_limit=5.5)

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("ggml")
 
-from moeray.stages.ggml_lib import foreign_libraries, foreign_line, mapped_libraries  # noqa: E402
+from moeray.stages.kernels.ggml_lib import foreign_libraries, foreign_line, mapped_libraries  # noqa: E402
 
 STUB = r"""
 #include <signal.h>

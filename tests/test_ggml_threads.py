@@ -8,8 +8,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from moeray.stages import qmatmul
-from moeray.stages.qmatmul import QMatrix, ThreadChoice, ThreadSettings
+from moeray.stages.kernels import qmatmul
+from moeray.stages.kernels.qmatmul import QMatrix, ThreadChoice, ThreadSettings
 
 pytest.importorskip("ggml")
 from quant_blocks import random_blocks  # noqa: E402
@@ -82,8 +82,8 @@ def test_serve_local_picks_its_threads_by_what_a_token_reads(default_model_path)
     serve --local` adapts its graphs' thread counts below 1 GiB of it (the default model: 147 MB)
     and keeps every thread fixed above (a 30B-A3B model reads ~1.9 GB)."""
     from moeray.cluster.service import BIG_LOCAL_THREADS, BIG_TOKEN_BYTES, LOCAL_THREADS, local_threads
-    from moeray.stages.gguf_file import read_gguf_header
-    from moeray.stages.model import load_model
+    from moeray.stages.gguf.reader import read_gguf_header
+    from moeray.stages.runtime.model import load_model
 
     header = read_gguf_header(default_model_path)
     model = load_model(default_model_path, route="ggml")

@@ -15,10 +15,10 @@ from gguf import GGMLQuantizationType as QT
 from gguf import GGUFWriter
 from gguf.quants import quantize
 
-from moeray.stages.config import ModelConfig
+from moeray.stages.arch.config import ModelConfig
 from moeray.errors import (MissingTensorError, NotGGUFError, TensorShapeError, TruncatedGGUFError,
                            UnsupportedArchitectureError, UnsupportedQuantError)
-from moeray.stages.gguf_file import GGUFFile, expected_tensor_shapes, read_gguf_header, write_header_only
+from moeray.stages.gguf.reader import GGUFFile, expected_tensor_shapes, read_gguf_header, write_header_only
 
 
 def smollm2_path() -> str:
@@ -118,7 +118,7 @@ def test_synthetic_file_reads_and_matches_config(good):
 def test_expert_slab_is_that_experts_slice_of_the_tensor(good):
     g = GGUFFile(good)
     full = g.dequantize("blk.1.ffn_up_exps.weight")
-    from moeray.stages.quant import dequantize
+    from moeray.stages.gguf.quant import dequantize
     info = g.tensors["blk.1.ffn_up_exps.weight"]
     for e in range(4):
         one = dequantize(g.expert_raw(1, "up", e), info.ggml_type, info.shape[1:]).numpy()

@@ -11,7 +11,7 @@ import torch
 
 import gguf
 from gguf import GGMLQuantizationType as QT
-from moeray.stages.gguf_writer import (
+from moeray.stages.gguf.writer import (
     dequantized_state_dict,
     gguf_tensors_from_hf,
     llama_permute,
@@ -205,7 +205,7 @@ def test_refuses_an_architecture_it_cannot_write(tmp_path):
 
 def test_rows_that_do_not_fill_q8_0_blocks_fall_back_to_f16():
     """As llama.cpp's converter does on QuantError: a 72-wide row cannot be cut into 32-blocks."""
-    from moeray.stages.gguf_writer import tensor_type
+    from moeray.stages.gguf.writer import tensor_type
 
     assert tensor_type("blk.0.attn_q.weight", np.zeros((64, 72), np.float32), QT.Q8_0) == QT.F16
     assert tensor_type("blk.0.attn_q.weight", np.zeros((72, 64), np.float32), QT.Q8_0) == QT.Q8_0

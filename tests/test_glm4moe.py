@@ -6,9 +6,9 @@ import logging
 
 import pytest
 
-from moeray.stages.gguf_file import GGUFFile, read_gguf_header
-from moeray.stages.gguf_writer import write_gguf
-from moeray.stages.model import load_model
+from moeray.stages.gguf.reader import GGUFFile, read_gguf_header
+from moeray.stages.gguf.writer import write_gguf
+from moeray.stages.runtime.model import load_model
 from tiny_models import N_LAYERS, tiny_glm4moe
 
 
@@ -40,7 +40,7 @@ def test_the_writer_uses_llama_cpps_names_and_reads_back_exactly(tmp_path):
     import gguf
     import torch
 
-    from moeray.stages.gguf_writer import dequantized_state_dict
+    from moeray.stages.gguf.writer import dequantized_state_dict
 
     model = tiny_glm4moe()
     path = write_gguf(model, tmp_path / "glm.gguf", "F32")

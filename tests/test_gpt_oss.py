@@ -9,9 +9,9 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from gpt_oss_model import write_gpt_oss
-from moeray.stages.gguf_file import GGUFFile, read_gguf_header
-from moeray.stages.model import load_model
-from moeray.stages.qmatmul import ggml_available
+from moeray.stages.gguf.reader import GGUFFile, read_gguf_header
+from moeray.stages.runtime.model import load_model
+from moeray.stages.kernels.qmatmul import ggml_available
 from tiny_models import EXPERT_FFN, HIDDEN, N_HEADS, token_ids
 
 RTOL = 1e-4  # of the largest |logit|, the exact route
@@ -96,7 +96,7 @@ def test_ggml_route_within_its_measured_tolerance(files):
 
 
 def test_harmony_chat_template_and_end_tokens_come_from_the_gguf(files):
-    from moeray.stages.tokenizer import Tokenizer
+    from moeray.stages.text.tokenizer import Tokenizer
 
     path, _ = files["F32"]
     tok = Tokenizer.from_gguf(path)

@@ -10,13 +10,13 @@ import ctypes
 import pytest
 import torch
 
-from moeray.stages.qmatmul import ggml_available, ggml_lib
+from moeray.stages.kernels.qmatmul import ggml_available, ggml_lib
 
 pytestmark = pytest.mark.skipif(not ggml_available(), reason="ggml-python is not installed")
 
 
 def test_a_long_graph_reuses_scratch_and_computes_the_same():
-    from moeray.stages.trunk_graph import MultiGraph
+    from moeray.stages.runtime.trunk_graph import MultiGraph
 
     G = ggml_lib()
     H, N, depth = 256, 8, 40
@@ -61,7 +61,7 @@ def test_no_result_lands_on_what_the_node_before_read():
     """x -> scale -> rms_norm -> mul(w) chains: ggml computes a norm and the mul after it as one
     fused kernel that reads the norm's source while writing the mul's result, so that source must
     stay untouched one node longer than its last reader."""
-    from moeray.stages.trunk_graph import MultiGraph
+    from moeray.stages.runtime.trunk_graph import MultiGraph
 
     G = ggml_lib()
     H, N, depth = 64, 6, 12

@@ -37,12 +37,12 @@ NEW_TOKENS = 16
 def setup(default_model_path, tmp_path_factory):
     from moeray.cache.attach import routing_trace
     from moeray.cluster.driver import held_spec, kv_layer_bytes
-    from moeray.stages.kv_cache import blocks_for
-    from moeray.stages.default_profile import _OneExpertPerLayer, default_profile_for, greedy
-    from moeray.stages.gguf_file import GGUFFile
-    from moeray.stages.model import load_model
-    from moeray.stages.moe import HostExperts
-    from moeray.stages.tokenizer import Tokenizer
+    from moeray.stages.blocks.kv_cache import blocks_for
+    from moeray.stages.runtime.default_profile import _OneExpertPerLayer, default_profile_for, greedy
+    from moeray.stages.gguf.reader import GGUFFile
+    from moeray.stages.runtime.model import load_model
+    from moeray.stages.blocks.moe import HostExperts
+    from moeray.stages.text.tokenizer import Tokenizer
 
     gguf = GGUFFile(default_model_path)
     cfg = gguf.config

@@ -1,4 +1,4 @@
-"""Huge-page host buffers for streamed weights (stages/host_memory.py): aligned, writable,
+"""Huge-page host buffers for streamed weights (stages/kernels/host_memory.py): aligned, writable,
 returned to the system when the last view goes, and plain torch memory when turned off."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import gc
 
 import torch
 
-from moeray.stages import host_memory
+from moeray.stages.kernels import host_memory
 
 
 def _rss_mib() -> int:

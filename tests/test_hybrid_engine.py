@@ -15,11 +15,11 @@ import torch
 from moeray.cluster.config import EngineConfig
 from moeray.cluster.engine import Engine
 from moeray.cluster.local_pipeline import LocalPipeline
-from moeray.stages.actor import StageRunner
-from moeray.stages.gguf_writer import write_gguf
-from moeray.stages.kv_cache import blocks_for
-from moeray.stages.model import StageModel
-from moeray.stages.sampling import SamplingParams
+from moeray.stages.runtime.actor import StageRunner
+from moeray.stages.gguf.writer import write_gguf
+from moeray.stages.blocks.kv_cache import blocks_for
+from moeray.stages.runtime.model import StageModel
+from moeray.stages.text.sampling import SamplingParams
 from tiny_hybrid import tiny_qwen3next
 
 MAX_SEQS = 8

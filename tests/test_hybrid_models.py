@@ -1,5 +1,5 @@
 """The hybrid families (qwen3next, qwen35moe) against transformers: tiny random checkpoints
-written as llama.cpp's converter lays them out (stages/gguf_writer.py + stages/arch/), logits
+written as llama.cpp's converter lays them out (stages/gguf/writer.py + stages/arch/), logits
 within 1e-4 of max |logit| on the exact route, the ggml route at its measured tolerance, and
 prefill in chunks equal to one-shot prefill; Qwen3.5's multimodal RoPE on text positions is
 plain partial RoPE."""
@@ -8,11 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeray.stages.gguf_file import GGUFFile
-from moeray.stages.gguf_writer import write_gguf
-from moeray.stages.layers import RoPE
-from moeray.stages.model import load_model
-from moeray.stages.qmatmul import ggml_available
+from moeray.stages.gguf.reader import GGUFFile
+from moeray.stages.gguf.writer import write_gguf
+from moeray.stages.blocks.attention import RoPE
+from moeray.stages.runtime.model import load_model
+from moeray.stages.kernels.qmatmul import ggml_available
 from tiny_hybrid import HYBRID_BUILDERS
 from tiny_models import token_ids
 
@@ -105,7 +105,7 @@ GGML_SAME_ROUTING = {"F16": 0.9, "Q8_0": 0.5}
 
 
 def _logits_and_routing(path, route):
-    from moeray.stages.moe import HostExperts
+    from moeray.stages.blocks.moe import HostExperts
 
     gguf, seen = GGUFFile(path), []
     host = HostExperts(gguf, route, on_route=lambda layer, ids, w: seen.append(ids.sort(-1).values))
@@ -158,7 +158,7 @@ def test_iq3_experts_load_price_and_run(tmp_path, qtype):
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
     from moeray.cluster.driver import held_spec
-    from moeray.stages.gguf_file import read_gguf_header
+    from moeray.stages.gguf.reader import read_gguf_header
     from quant_blocks import with_random_experts
     from tiny_hybrid import tiny_qwen3next
 

@@ -70,7 +70,7 @@ def test_the_planner_loads_neither_torch_nor_ray():
             "for m in pkgutil.iter_modules(p.__path__):\n"
             "    importlib.import_module('moeray.planner.' + m.name)\n"
             "import moeray.cluster.plan_cmd\n"
-            "import moeray.stages.arch as arch, moeray.stages.gguf_file\n"
+            "import moeray.stages.arch as arch, moeray.stages.gguf.reader\n"
             "assert len(arch.supported()) >= 3  # every architecture module imported\n"
             "bad = [m for m in ('torch', 'ray') if m in sys.modules]\n"
             "assert not bad, bad\n")

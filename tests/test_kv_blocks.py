@@ -19,14 +19,14 @@ from moeray.cluster.local_pipeline import LocalPipeline
 from moeray.cluster.scheduler import RequestStatus
 from moeray.cluster.kv_blocks import BlockManager
 from moeray.errors import MoerayError
-from moeray.stages.kv_cache import BLOCK_SIZE, blocks_for, kv_block_bytes
-from moeray.stages.sampling import SamplingParams
+from moeray.stages.blocks.kv_cache import BLOCK_SIZE, blocks_for, kv_block_bytes
+from moeray.stages.text.sampling import SamplingParams
 from test_gguf_file import tiny_config, write_synthetic_gguf
 
 
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory):
-    from moeray.stages.model import load_model
+    from moeray.stages.runtime.model import load_model
 
     path = write_synthetic_gguf(tmp_path_factory.mktemp("kv") / "dense.gguf", tiny_config("llama", n_experts=0), seed=5)
     return load_model(str(path))

@@ -12,7 +12,7 @@ import torch
 
 llama_cpp = pytest.importorskip("llama_cpp")
 
-from moeray.stages.gguf_writer import write_gguf  # noqa: E402
+from moeray.stages.gguf.writer import write_gguf  # noqa: E402
 from tiny_models import VOCAB, tiny_deepseek2, tiny_deepseek3, tiny_glm4moe, token_ids  # noqa: E402
 
 

@@ -8,11 +8,11 @@ from moeray.cluster.config import EngineConfig
 from moeray.cluster.engine import Engine
 from moeray.cluster.local_pipeline import LocalPipeline
 from moeray.cluster.service import _experts_line
-from moeray.stages.gguf_file import GGUFFile
-from moeray.stages.kv_cache import kv_block_bytes, kv_dtype
-from moeray.stages.model import stage_trunk_bytes
-from moeray.stages.moe import HostExperts
-from moeray.stages.sampling import SamplingParams
+from moeray.stages.gguf.reader import GGUFFile
+from moeray.stages.blocks.kv_cache import kv_block_bytes, kv_dtype
+from moeray.stages.runtime.model import stage_trunk_bytes
+from moeray.stages.blocks.moe import HostExperts
+from moeray.stages.text.sampling import SamplingParams
 
 KV_BLOCKS = 16
 

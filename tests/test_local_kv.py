@@ -7,8 +7,8 @@ import dataclasses
 
 from moeray.cluster.config import EngineConfig
 from moeray.cluster.driver import kv_bytes_by_layer, local_kv_plan
-from moeray.stages.gguf_file import read_gguf_header
-from moeray.stages.kv_cache import BLOCK_SIZE
+from moeray.stages.gguf.reader import read_gguf_header
+from moeray.stages.blocks.kv_cache import BLOCK_SIZE
 
 
 def test_a_long_context_gets_half_the_device_and_says_so(default_model_path):

@@ -16,7 +16,7 @@ psutil = pytest.importorskip("psutil")
 
 from serve_process import start_serve  # noqa: E402
 
-from moeray.stages.transport import free_port  # noqa: E402
+from moeray.stages.runtime.transport import free_port  # noqa: E402
 
 
 def _stream(url: str, body: dict) -> list[str]:

@@ -9,8 +9,8 @@ import random
 import pytest
 import torch
 
-from moeray.stages.actor import StageRunner, StepBatch
-from moeray.stages.kv_cache import blocks_for
+from moeray.stages.runtime.actor import StageRunner, StepBatch
+from moeray.stages.blocks.kv_cache import blocks_for
 
 N_PROMPT, CHUNK, N_DECODE = 6000, 512, 3
 SPLIT = [(0, 8), (8, 15), (15, 23), (23, 30)]
@@ -19,8 +19,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_a_6000_token_prompt_on_4_stages_of_blocks_matches_the_contiguous_cache(default_model_path):
-    from moeray.stages.gguf_file import GGUFFile
-    from moeray.stages.model import StageModel
+    from moeray.stages.gguf.reader import GGUFFile
+    from moeray.stages.runtime.model import StageModel
 
     gguf = GGUFFile(default_model_path)
     assert gguf.config.context_length == 8192

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from moeray.errors import MoerayError
-from moeray.stages.gguf_file import GGUFFile
-from moeray.stages.model import StageModel, load_model, memory_report
+from moeray.stages.gguf.reader import GGUFFile
+from moeray.stages.runtime.model import StageModel, load_model, memory_report
 from test_gguf_file import smollm2_path, tiny_config, write_synthetic_gguf
 
 ARCHS = ["llama", "qwen2moe", "qwen3moe"]
@@ -27,7 +27,7 @@ def exact_route():
     run the exact route: ggml rounds activations to 8 bits, which turns the 1e-7 differences of two
     attention kernels (masked vs causal) into 1e-3. The quantised routes have their own tests
     (test_parity_transformers.py, test_quantised_route.py)."""
-    from moeray.stages import qmatmul
+    from moeray.stages.kernels import qmatmul
 
     old = qmatmul.current_route()
     qmatmul.set_route("exact")
@@ -198,8 +198,8 @@ def test_kv_cache_overflow_is_a_clear_error(tiny_files):
 
 
 def test_each_used_expert_is_computed_once_per_step_and_observed(tiny_files):
-    from moeray.stages.gguf_file import GGUFFile
-    from moeray.stages.moe import HostExperts
+    from moeray.stages.gguf.reader import GGUFFile
+    from moeray.stages.blocks.moe import HostExperts
 
     seen = []
     gguf = GGUFFile(tiny_files["llama"])

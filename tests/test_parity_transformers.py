@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeray.stages.gguf_writer import dequantized_state_dict, write_gguf
-from moeray.stages.model import load_model as _load_model
-from moeray.stages.qmatmul import ggml_available
+from moeray.stages.gguf.writer import dequantized_state_dict, write_gguf
+from moeray.stages.runtime.model import load_model as _load_model
+from moeray.stages.kernels.qmatmul import ggml_available
 from tiny_models import (
     EXPERT_FFN,
     HEAD_DIM,
@@ -171,8 +171,8 @@ ROUTE_RTOL = {"dequant": 1e-5, "ggml": 1e-1}  # ggml measured: up to 7e-2 (qwen3
 
 
 def _logits_and_routing(path, route):
-    from moeray.stages.gguf_file import GGUFFile
-    from moeray.stages.moe import HostExperts
+    from moeray.stages.gguf.reader import GGUFFile
+    from moeray.stages.blocks.moe import HostExperts
 
     gguf, seen = GGUFFile(path), []
     host = HostExperts(gguf, route, on_route=lambda layer, ids, w: seen.append(ids.sort(-1).values))

@@ -103,7 +103,7 @@ def tiny_moe_gguf(path, L=3, E=4, k=2, H=64, F=32, V=128):
 
 
 def test_plan_from_a_header_only_gguf_without_torch(tmp_path):
-    from moeray.stages.gguf_file import write_header_only
+    from moeray.stages.gguf.reader import write_header_only
 
     tiny_moe_gguf(tmp_path / "m.gguf")
     write_header_only(tmp_path / "m.gguf", tmp_path / "head.gguf")
@@ -124,7 +124,7 @@ def test_plan_from_a_header_only_gguf_without_torch(tmp_path):
 def test_plan_of_the_default_model_uses_its_recorded_profile_without_torch(default_model_path):
     """`moeray plan` on the embedded model prices with its recorded profile (counts, fitted b) and
     stays torch-free once the profile exists; any other model without --profile gets the uniform share."""
-    from moeray.stages.default_profile import default_profile_for
+    from moeray.stages.runtime.default_profile import default_profile_for
 
     profile = default_profile_for(default_model_path, quiet=True)  # recorded here if it is missing
     code = ("import sys; from moeray.cluster.cli import main; "
@@ -186,7 +186,7 @@ def test_the_plan_reads_at_a_glance_and_verbose_keeps_every_decision(tmp_path, c
 def test_plan_with_no_model_plans_the_default_model(default_model_path):
     """`moeray plan --devices ...` with no MODEL is the embedded default model, as for every other
     command: the same plan as naming its file, short (a stage a line), and still torch-free."""
-    from moeray.stages.default_profile import default_profile_for
+    from moeray.stages.runtime.default_profile import default_profile_for
 
     default_profile_for(default_model_path, quiet=True)  # recorded here if it is missing
     devices = ["--devices", "60MiB,60MiB,60MiB,60MiB"]

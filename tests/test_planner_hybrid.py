@@ -73,7 +73,7 @@ def test_more_sequences_leave_less_room_for_experts(spec_path, capsys):
 
 def test_plan_of_a_hybrid_gguf_offers_dnproj_and_charges_state(tmp_path, capsys):
     """From a GGUF header: the DeltaNet layers' projections as their own piece, the state line."""
-    from moeray.stages.gguf_writer import write_gguf
+    from moeray.stages.gguf.writer import write_gguf
     from tiny_hybrid import tiny_qwen3next
 
     path = write_gguf(tiny_qwen3next(), tmp_path / "q3n.gguf", "Q8_0")

@@ -60,7 +60,7 @@ def test_the_default_model_on_the_default_cards_serves_its_whole_context(default
     reserved before) and the planner says so; a bigger KV budget is refused with the fix named."""
     from moeray.cluster.config import DEFAULT_SIMULATED, EngineConfig, LaunchOptions
     from moeray.cluster.driver import plan_from_reports
-    from moeray.stages.gguf_file import read_gguf_header
+    from moeray.stages.gguf.reader import read_gguf_header
     from moeray.units import parse_sizes
     from test_ray_units import _reports
 

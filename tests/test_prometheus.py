@@ -33,7 +33,7 @@ def prometheus(request, tmp_path_factory):
     binary = shutil.which("prometheus")
     if binary is None:
         pytest.skip("no prometheus binary (Debian: apt-get install prometheus; .ci/run installs it as root)")
-    from moeray.stages.transport import free_port
+    from moeray.stages.runtime.transport import free_port
 
     dashboard_server = request.getfixturevalue("dashboard_server")  # started only when Prometheus is here
 

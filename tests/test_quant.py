@@ -9,8 +9,8 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as reference
 from gguf.quants import quantize
 
-from moeray.stages.qmatmul import QMatrix, ggml_available
-from moeray.stages.quant import dequantize
+from moeray.stages.kernels.qmatmul import QMatrix, ggml_available
+from moeray.stages.gguf.quant import dequantize
 from quant_blocks import ggml_to_float, random_blocks, with_random_experts
 from test_gguf_file import smollm2_path
 
@@ -45,7 +45,7 @@ def test_k_quants_match_reference_on_random_blocks(qtype):
 
 @pytest.mark.parametrize("name", ["token_embd.weight", "blk.7.ffn_down.weight", "blk.29.attn_k.weight"])
 def test_matches_reference_on_smollm2_tensors(name):
-    from moeray.stages.gguf_file import GGUFFile
+    from moeray.stages.gguf.reader import GGUFFile
     g = GGUFFile(smollm2_path())
     info = g.tensors[name]
     raw = g.raw(name)
@@ -105,7 +105,7 @@ def moe_256(tmp_path_factory):
     differ by the experts' 8-bit activations alone (a second layer's near-tie could flip)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    from moeray.stages.gguf_writer import write_gguf
+    from moeray.stages.gguf.writer import write_gguf
     cfg = Qwen3MoeConfig(vocab_size=300, hidden_size=256, num_hidden_layers=1, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=64, intermediate_size=256, moe_intermediate_size=256,
                          num_experts=4, num_experts_per_tok=2, max_position_embeddings=128, tie_word_embeddings=False)
@@ -117,8 +117,8 @@ def moe_256(tmp_path_factory):
 @pytest.mark.parametrize("qtype", CODEBOOK_TYPES, ids=lambda t: t.name)
 def test_model_with_codebook_experts_is_priced_at_its_bytes_and_runs_on_every_route(moe_256, tmp_path, qtype):
     from moeray.cluster.driver import held_spec
-    from moeray.stages.gguf_file import read_gguf_header
-    from moeray.stages.model import load_model
+    from moeray.stages.gguf.reader import read_gguf_header
+    from moeray.stages.runtime.model import load_model
 
     path = with_random_experts(moe_256, tmp_path / f"{qtype.name}.gguf", qtype, np.random.default_rng(int(qtype)))
     header = read_gguf_header(path)

@@ -9,10 +9,10 @@ import sys
 import pytest
 import torch
 
-from moeray.stages import qmatmul
-from moeray.stages.gguf_file import GGUFFile
-from moeray.stages.model import load_cached, load_model, stage_trunk_bytes
-from moeray.stages.qmatmul import QMatrix, ggml_available
+from moeray.stages.kernels import qmatmul
+from moeray.stages.gguf.reader import GGUFFile
+from moeray.stages.runtime.model import load_cached, load_model, stage_trunk_bytes
+from moeray.stages.kernels.qmatmul import QMatrix, ggml_available
 
 needs_ggml = pytest.mark.skipif(not ggml_available(), reason="ggml-python is not installed (the README's set-up builds it)")
 
@@ -71,9 +71,9 @@ def test_ggml_greedy_tokens_are_ones_the_exact_model_rates_best(gguf, default_mo
     Measured on these prompts: 16 of 16 tokens the exact route's own argmax on two prompts; on the
     chat prompt two picks at near-ties (margins 0.08 and 0.28), max gap 0.28."""
     from moeray.cluster.generator import Generator
-    from moeray.stages import default_model as dm
-    from moeray.stages.sampling import SamplingParams
-    from moeray.stages.tokenizer import Tokenizer
+    from moeray.stages.gguf import default_model as dm
+    from moeray.stages.text.sampling import SamplingParams
+    from moeray.stages.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(default_model_path)
     prompts = dm.prompt_token_ids(tok)[::4][:3]  # a chat, a code and a prose prompt
@@ -96,6 +96,6 @@ def test_the_route_is_announced_and_a_wrong_one_is_refused(gguf, caplog):
     assert any("kernels: dequant" in r.getMessage() for r in caplog.records)
     with pytest.raises(Exception, match="choose one of ggml, dequant, exact"):
         qmatmul.set_route("fp32")
-    r = subprocess.run([sys.executable, "-c", "from moeray.stages.qmatmul import current_route; current_route()"],
+    r = subprocess.run([sys.executable, "-c", "from moeray.stages.kernels.qmatmul import current_route; current_route()"],
                        env={"MOERAY_ROUTE": "fast", "PATH": ""}, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "MOERAY_ROUTE='fast'" in r.stderr

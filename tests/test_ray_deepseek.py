@@ -9,7 +9,7 @@ ray = pytest.importorskip("ray")
 from moeray.cluster.config import EngineConfig, LaunchOptions  # noqa: E402
 from moeray.cluster.driver import launch  # noqa: E402
 from moeray.cluster.engine import Engine  # noqa: E402
-from moeray.stages.sampling import SamplingParams  # noqa: E402
+from moeray.stages.text.sampling import SamplingParams  # noqa: E402
 
 MiB = 1 << 20
 MAX_SEQS, MAX_LEN = 3, 48
@@ -19,7 +19,7 @@ N_NEW = 6
 
 @pytest.fixture(scope="module")
 def ds_path(tmp_path_factory):
-    from moeray.stages.gguf_writer import write_gguf
+    from moeray.stages.gguf.writer import write_gguf
     from tiny_models import tiny_deepseek3
 
     return write_gguf(tiny_deepseek3(n_layers=4), tmp_path_factory.mktemp("ds") / "ds4.gguf", "Q8_0")
@@ -38,7 +38,7 @@ def launched(ds_path):
 def test_four_stages_give_the_one_process_greedy_tokens(launched, ds_path):
     import torch
 
-    from moeray.stages.model import load_model
+    from moeray.stages.runtime.model import load_model
 
     model = load_model(str(ds_path))
     want = []

@@ -9,9 +9,9 @@ ray = pytest.importorskip("ray")
 
 from moeray.cluster.config import EngineConfig, LaunchOptions  # noqa: E402
 from moeray.cluster.driver import kv_layer_bytes, launch  # noqa: E402
-from moeray.stages.kv_cache import blocks_for  # noqa: E402
+from moeray.stages.blocks.kv_cache import blocks_for  # noqa: E402
 from moeray.cluster.engine import Engine  # noqa: E402
-from moeray.stages.sampling import SamplingParams  # noqa: E402
+from moeray.stages.text.sampling import SamplingParams  # noqa: E402
 
 MAX_SEQS, MAX_LEN, N_NEW = 3, 48, 6
 PROMPTS = [list(range(5, 17)), [7, 3, 250, 9], list(range(100, 121))]  # 12, 4 and 21 tokens; window 8
@@ -29,13 +29,13 @@ def model_path(tmp_path_factory):
 def reference(model_path):
     """Greedy tokens of the whole model in this process, one prompt at a time."""
     from greedy import one_process_greedy
-    from moeray.stages.model import load_model
+    from moeray.stages.runtime.model import load_model
 
     return one_process_greedy(load_model(model_path, route="exact"), PROMPTS, N_NEW, MAX_LEN)
 
 
 def test_four_stages_give_the_one_process_greedy_tokens(model_path, reference):
-    from moeray.stages.gguf_file import expert_bytes, read_gguf_header, trunk_bytes
+    from moeray.stages.gguf.reader import expert_bytes, read_gguf_header, trunk_bytes
 
     h = read_gguf_header(model_path)
     trunk = trunk_bytes(h.tensors, h.config, "exact")  # the exact route: float32 copies, no ties broken by rounding

@@ -10,7 +10,7 @@ ray = pytest.importorskip("ray")
 from moeray.cluster.config import EngineConfig, LaunchOptions  # noqa: E402
 from moeray.cluster.driver import launch, state_bytes_by_layer  # noqa: E402
 from moeray.cluster.engine import Engine  # noqa: E402
-from moeray.stages.sampling import SamplingParams  # noqa: E402
+from moeray.stages.text.sampling import SamplingParams  # noqa: E402
 
 MiB = 1 << 20
 MAX_SEQS, MAX_LEN = 4, 96
@@ -20,7 +20,7 @@ N_NEW = 8
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
-    from moeray.stages.gguf_writer import write_gguf
+    from moeray.stages.gguf.writer import write_gguf
     from tiny_hybrid import tiny_qwen3next
 
     path = write_gguf(tiny_qwen3next(), tmp_path_factory.mktemp("rayhy") / "qwen3next.gguf", "F32")
@@ -34,7 +34,7 @@ def launched(tmp_path_factory):
 def _greedy(path, prompt, n):
     import torch
 
-    from moeray.stages.model import load_model
+    from moeray.stages.runtime.model import load_model
 
     model = load_model(path)
     kv = model.new_kv_cache(1, len(prompt) + n)
@@ -46,7 +46,7 @@ def _greedy(path, prompt, n):
 
 
 def test_stages_hold_the_priced_state_and_give_the_one_process_tokens(launched):
-    from moeray.stages.gguf_file import read_gguf_header
+    from moeray.stages.gguf.reader import read_gguf_header
 
     cfg = read_gguf_header(launched.path).config
     state = state_bytes_by_layer(cfg, MAX_SEQS)

@@ -9,7 +9,7 @@ ray = pytest.importorskip("ray")
 from moeray.cluster.config import EngineConfig, LaunchOptions  # noqa: E402
 from moeray.cluster.driver import DEVICE_RESOURCE, launch  # noqa: E402
 from moeray.cluster.engine import Engine  # noqa: E402
-from moeray.stages.sampling import SamplingParams  # noqa: E402
+from moeray.stages.text.sampling import SamplingParams  # noqa: E402
 
 MiB = 1 << 20
 PROMPTS = [[504, 3575, 282, 4649, 314], [1, 9, 33]]
@@ -31,7 +31,7 @@ def cluster():
 def test_stages_on_distinct_nodes_give_the_one_process_tokens(cluster, default_model_path):
     import torch
 
-    from moeray.stages.model import load_model
+    from moeray.stages.runtime.model import load_model
 
     _, workers = cluster
     opts = LaunchOptions(2, simulate=[320 * MiB, 320 * MiB], strategy="SPREAD", torch_threads=1, timeout_s=180)

@@ -129,7 +129,7 @@ def _recovered(url: str, replans: int, deadline_s: float) -> dict:
 def test_a_lost_node_is_replanned_around_and_too_little_left_is_a_503_with_the_reason(cluster, default_model_path):
     from moeray.cluster.serve_app import build_app
     from moeray.cluster.service import Service
-    from moeray.stages.transport import free_port
+    from moeray.stages.runtime.transport import free_port
 
     lines: list[str] = []
     opts = ServeOptions(model=str(default_model_path), model_name="m",

@@ -16,7 +16,7 @@ from moeray.cluster.driver import kv_layer_bytes, launch  # noqa: E402
 from moeray.cluster.engine import Engine  # noqa: E402
 from moeray.cluster.remote import StageFailedError  # noqa: E402
 from moeray.cluster.scheduler import RequestStatus  # noqa: E402
-from moeray.stages.sampling import SamplingParams  # noqa: E402
+from moeray.stages.text.sampling import SamplingParams  # noqa: E402
 
 MiB = 1 << 20
 # "12GiB,12GiB,8GiB,8GiB" scaled to the default model (Q8_0 embedding and head ~29 MiB each, Q4_1
@@ -42,7 +42,7 @@ def launched(default_model_path):
 def reference(default_model_path):
     """Greedy tokens from the whole model in this process, one prompt at a time (no engine)."""
     from greedy import one_process_greedy
-    from moeray.stages.model import load_model
+    from moeray.stages.runtime.model import load_model
 
     return one_process_greedy(load_model(str(default_model_path)), PROMPTS, N_NEW, MAX_LEN)
 
@@ -82,7 +82,7 @@ def test_stages_report_their_own_budgets_and_the_plan_uses_them(launched):
 
 
 def _config(launched):
-    from moeray.stages.gguf_file import read_gguf_header
+    from moeray.stages.gguf.reader import read_gguf_header
 
     return read_gguf_header(launched.path).config
 
@@ -98,7 +98,7 @@ def test_each_stage_measures_the_hit_rate_its_plan_predicted(launched):
     # Served-style traffic the recorded profile never saw, through the real stages (default
     # profile fill, adaptive caches): every stage's counted hit rate lands within 10 points of the
     # rate the plan printed for it. Counted as the difference of the stages' counters over this run.
-    from moeray.stages.tokenizer import Tokenizer
+    from moeray.stages.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(launched.path)
     prompts = [tok.encode(t) for t in ("Which planets have rings, and why do some not?",
@@ -137,7 +137,7 @@ def test_killing_a_stage_fails_requests_clearly_and_the_next_one_succeeds(launch
 
 def test_moeray_run_prints_plan_text_speed_and_stages(launched, reference, default_model_path, capsys):
     from moeray.cluster.cli import main
-    from moeray.stages.tokenizer import Tokenizer
+    from moeray.stages.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(default_model_path)
     assert tok.encode("The capital of France is") == PROMPTS[0]

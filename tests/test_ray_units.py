@@ -5,12 +5,12 @@ import os
 
 import pytest
 
-from moeray.stages.actor import file_fingerprint
+from moeray.stages.runtime.actor import file_fingerprint
 from moeray.cache.budget import BudgetExceededError
-from moeray.stages.device import device_ledger, measure_layer_ms, measure_miss_ms, probe_device
+from moeray.stages.runtime.device import device_ledger, measure_layer_ms, measure_miss_ms, probe_device
 from moeray.units import parse_size, parse_sizes
 from moeray.errors import MoerayError
-from moeray.stages.gguf_file import read_gguf_header
+from moeray.stages.gguf.reader import read_gguf_header
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -81,7 +81,7 @@ def test_fingerprint_tells_files_apart(tmp_path):
 
 
 def test_speed_probe_times_the_real_layer(smollm2_path, default_model_path):
-    from moeray.stages.gguf_file import GGUFFile
+    from moeray.stages.gguf.reader import GGUFFile
 
     dense = GGUFFile(smollm2_path)
     assert measure_layer_ms(dense, reps=5, budget_s=0.5) > 0
@@ -93,8 +93,8 @@ def test_speed_probe_times_the_real_layer(smollm2_path, default_model_path):
 
 
 def _reports(budgets, layer_ms=(1.0, 1.0), miss_ms=0.5):
-    from moeray.stages.actor import FileFingerprint, ProbeReport
-    from moeray.stages.device import simulated_device
+    from moeray.stages.runtime.actor import FileFingerprint, ProbeReport
+    from moeray.stages.runtime.device import simulated_device
 
     return [ProbeReport(i, 0, simulated_device(b, i), layer_ms[i % len(layer_ms)], miss_ms, 0.0,
                         FileFingerprint(0, "")) for i, b in enumerate(budgets)]

@@ -88,7 +88,7 @@ def node(tmp_path):
     why = _needs()
     if why:
         pytest.skip(why)
-    from moeray.stages.transport import free_port
+    from moeray.stages.runtime.transport import free_port
 
     home = Path(tempfile.mkdtemp(prefix="mru", dir="/tmp"))  # short: Ray's socket paths must stay < 108 chars
     key = tmp_path / "key"
@@ -142,7 +142,7 @@ def node(tmp_path):
 
 
 def test_ray_up_the_onprem_file_then_moeray_serve_answers_then_ray_down(node, tmp_path):
-    from moeray.stages.transport import free_port
+    from moeray.stages.runtime.transport import free_port
 
     sys.path.insert(0, str(REPO / "tests"))
     from tool_model import write_tool_model

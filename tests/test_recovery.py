@@ -14,8 +14,8 @@ from moeray.cluster.engine_loop import EngineDownError, EngineLoop, Finished
 from moeray.cluster.remote import StageFailedError
 from moeray.cluster.scheduler import RequestStatus
 from moeray.errors import PlacementError
-from moeray.stages.kv_cache import BLOCK_SIZE
-from moeray.stages.sampling import SamplingParams
+from moeray.stages.blocks.kv_cache import BLOCK_SIZE
+from moeray.stages.text.sampling import SamplingParams
 from test_engine import engine, ids
 
 

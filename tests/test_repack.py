@@ -1,4 +1,4 @@
-"""ggml's repacked weight layout (CPU_REPACK, stages/repack.py): the same products as the plain
+"""ggml's repacked weight layout (CPU_REPACK, stages/kernels/repack.py): the same products as the plain
 layout on real GGUF blocks, a row's bits independent of its batch, the trunk repacked on load with
 the embedding left readable, expert slots filled repacked, and the setting's errors."""
 from __future__ import annotations
@@ -12,8 +12,9 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from moeray.errors import MoerayError
-from moeray.stages import qmatmul, repack
-from moeray.stages.qmatmul import QMatrix, ggml_available, swiglu
+from moeray.stages.kernels import qmatmul
+from moeray.stages.kernels import repack
+from moeray.stages.kernels.qmatmul import QMatrix, ggml_available, swiglu
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -118,8 +119,8 @@ def q4k_model(tmp_path_factory):
 
 
 def test_the_trunk_is_repacked_on_load_and_computes_the_same(q4k_model):
-    from moeray.stages.gguf_file import GGUFFile
-    from moeray.stages.model import load_model
+    from moeray.stages.gguf.reader import GGUFFile
+    from moeray.stages.runtime.model import load_model
 
     g = GGUFFile(q4k_model)
     repack.set_mode("off")
@@ -143,7 +144,7 @@ def routed(n: int, n_experts: int, k: int, seed: int):
 
 def split_step(q4k_model):
     """A stage with experts 0 and 3 of layer 1 in slots, and a step whose picks are partly hits."""
-    from moeray.stages.model import load_cached
+    from moeray.stages.runtime.model import load_cached
 
     model, cache = load_cached(q4k_model, (0, 2), n_slots=2)
     for pair in cache.core.resident_pairs():
@@ -157,7 +158,7 @@ def split_step(q4k_model):
 
 def mapped_and_copied(g, monkeypatch):
     """The host experts of layers [0, 2) read in place, and copied (MOERAY_HOST_EXPERTS=repacked)."""
-    from moeray.stages.moe import HostExperts
+    from moeray.stages.blocks.moe import HostExperts
 
     out = []
     for layout in ("mapped", "repacked"):
@@ -168,7 +169,7 @@ def mapped_and_copied(g, monkeypatch):
 
 
 def test_host_experts_repacked_give_the_mapped_experts_output(q4k_model, monkeypatch):
-    from moeray.stages.gguf_file import GGUFFile
+    from moeray.stages.gguf.reader import GGUFFile
 
     g = GGUFFile(q4k_model)
     x = torch.randn(5, g.config.hidden, generator=torch.Generator().manual_seed(4))
@@ -184,7 +185,7 @@ def test_host_experts_repacked_give_the_mapped_experts_output(q4k_model, monkeyp
 def test_slots_fill_in_the_host_layout_and_a_split_step_keeps_its_bits(q4k_model, monkeypatch):
     """Host experts repacked: a slot fill repacks the expert into its row, hits and misses read the
     same layout, so a split step equals the all-host step bit for bit; every lookup is counted."""
-    from moeray.stages.moe import HostExperts
+    from moeray.stages.blocks.moe import HostExperts
 
     monkeypatch.setenv("MOERAY_HOST_EXPERTS", "repacked")
     cache, x, ids, w = split_step(q4k_model)
@@ -207,7 +208,7 @@ def test_fast_mode_repacks_slots_over_a_mapped_host(q4k_model, monkeypatch):
     cache, x, ids, w = split_step(q4k_model)
     assert all(p.repacked for p in cache.slot_store.stack(1).parts)
     assert not any(p.repacked for p in cache.host.stack(1).parts)
-    from moeray.stages.moe import HostExperts
+    from moeray.stages.blocks.moe import HostExperts
 
     assert rel(cache.forward(1, x, ids, w), HostExperts(cache.host.gguf, "ggml").forward(1, x, ids, w)) < TOLERANCE
 
@@ -251,8 +252,8 @@ def test_graph_mul_mat_keeps_a_rows_bits_inside_a_bigger_graph():
 
 def test_auto_copies_host_experts_only_when_memory_stays_free(q4k_model, monkeypatch):
     """The default: the repacked copy when it leaves 4 GiB available, else the mapping in place."""
-    from moeray.stages.gguf_file import GGUFFile
-    from moeray.stages.moe import HostExperts
+    from moeray.stages.gguf.reader import GGUFFile
+    from moeray.stages.blocks.moe import HostExperts
 
     g = GGUFFile(q4k_model)
     monkeypatch.delenv("MOERAY_HOST_EXPERTS", raising=False)
@@ -267,7 +268,7 @@ def test_auto_copies_host_experts_only_when_memory_stays_free(q4k_model, monkeyp
 
 def test_auto_leaves_room_for_the_slots_of_the_cache(q4k_model, monkeypatch):
     """A cache whose slots would take the memory the copy needs keeps the host experts mapped."""
-    from moeray.stages.model import load_cached
+    from moeray.stages.runtime.model import load_cached
 
     monkeypatch.delenv("MOERAY_HOST_EXPERTS", raising=False)
     _, cache = load_cached(q4k_model, (0, 2), n_slots=2)
@@ -294,7 +295,7 @@ def test_the_host_copy_holds_kinds_ggml_cannot_repack_as_the_files_blocks(mixed_
     the output is the mapping's (gate/up bit for bit, down within the repacked tolerance)."""
     import ctypes
 
-    from moeray.stages.gguf_file import GGUFFile
+    from moeray.stages.gguf.reader import GGUFFile
 
     g = GGUFFile(mixed_model)
     mapped, copied = mapped_and_copied(g, monkeypatch)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from moeray.stages.arch import get_arch
-from moeray.stages.rope import RoPE, Yarn
+from moeray.stages.blocks.rope import RoPE, Yarn
 
 
 def _hf_yarn(rope_parameters: dict, head_dim: int, max_pos: int):

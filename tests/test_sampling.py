@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeray.stages.sampling import SamplingParams, StopStringStream, filtered_probs, sample
+from moeray.stages.text.sampling import SamplingParams, StopStringStream, filtered_probs, sample
 from fakes import CharTokenizer
 
 torch.manual_seed(0)
@@ -84,7 +84,7 @@ def test_earliest_of_several_stop_strings_wins():
 
 
 def test_partial_utf8_is_held_back(smollm2_dense_path):
-    from moeray.stages.tokenizer import Tokenizer
+    from moeray.stages.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(smollm2_dense_path)
     text = "ok 🙂🙂 done"
@@ -95,7 +95,7 @@ def test_partial_utf8_is_held_back(smollm2_dense_path):
 
 
 def test_a_grammar_mask_limits_greedy_and_sampled_rows_and_logprobs_are_the_models_own():
-    from moeray.stages.sampling import token_logprobs
+    from moeray.stages.text.sampling import token_logprobs
 
     allowed = torch.zeros(50, dtype=torch.bool)
     allowed[[3, 17, 41]] = True
@@ -128,7 +128,7 @@ class CountingTokenizer:
 def _tokenizers(smollm2_dense_path):
     from test_tokenizer import _spm_metadata
 
-    from moeray.stages.tokenizer import Tokenizer
+    from moeray.stages.text.tokenizer import Tokenizer
 
     yield "byte-level BPE", Tokenizer.from_gguf(smollm2_dense_path)
     yield "sentencepiece (byte fallback)", Tokenizer.from_metadata(_spm_metadata()[1])
@@ -139,7 +139,7 @@ def test_window_decoder_text_is_the_whole_decode_at_every_token_and_its_cost_sta
     multi-byte characters split over tokens, SentencePiece's leading spaces, random ids."""
     import random
 
-    from moeray.stages.sampling import WindowDecoder
+    from moeray.stages.text.sampling import WindowDecoder
 
     rng = random.Random(0)
     texts = ["Héllo wörld!  日本語のテキスト 🙂🙂 emoji, tabs\tand\nnewlines. The quick brown fox 12345. " * 8,

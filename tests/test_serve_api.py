@@ -23,7 +23,7 @@ ray = pytest.importorskip("ray")
 openai = pytest.importorskip("openai")
 
 from moeray.cluster.metrics import exported_name  # noqa: E402
-from moeray.stages.transport import free_port  # noqa: E402
+from moeray.stages.runtime.transport import free_port  # noqa: E402
 
 MiB = 1 << 20
 KEY = "test-key-123"
@@ -369,7 +369,7 @@ def _stepped_logprobs(path, prompt: list[int], ids: list[int], chunk: int) -> np
     computes them: the prompt prefilled `chunk` tokens at a time, then one decode step per token."""
     import torch
 
-    from moeray.stages.model import load_model
+    from moeray.stages.runtime.model import load_model
 
     model = load_model(path)
     kv = model.new_kv_cache(1, len(prompt) + len(ids))
@@ -382,7 +382,7 @@ def _stepped_logprobs(path, prompt: list[int], ids: list[int], chunk: int) -> np
 
 
 def test_chat_logprobs_are_moeray_logits_of_the_same_tokens_streamed_and_not(client, default_model_path, tmp_path):
-    from moeray.stages.tokenizer import Tokenizer
+    from moeray.stages.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(default_model_path)
     messages = [{"role": "user", "content": CHAT_Q}]
@@ -477,7 +477,7 @@ def test_a_repeated_system_prompt_is_served_from_cached_kv_and_reported(server, 
     prompts share, up to where the questions part ("Capital of "), in the middle of a block;
     /v1/stages and the Ray metrics show the KV ledger (blocks used/free per stage, prefix hit rate,
     preemptions)."""
-    from moeray.stages.tokenizer import Tokenizer
+    from moeray.stages.text.tokenizer import Tokenizer
 
     system = "You answer questions about geography. " * 8  # ~60 tokens: 3 full blocks and more
     kw = dict(model="moeray-test", max_tokens=2, temperature=0.0)

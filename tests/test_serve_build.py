@@ -53,7 +53,7 @@ def _get(url: str, timeout: float = 10.0) -> dict:
 
 
 def test_serve_run_of_the_config_file_answers_a_chat_completion(tmp_path, default_model_path):
-    from moeray.stages.transport import free_port
+    from moeray.stages.runtime.transport import free_port
 
     port = free_port()
     config = yaml.safe_load(SERVE_YAML.read_text())

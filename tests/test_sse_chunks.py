@@ -10,7 +10,7 @@ import pytest
 from moeray.cluster import openai_schema as oa
 from moeray.cluster import request_extras as xt
 from moeray.cluster.serve_app import Call, ChatChunks, CompletionChunks
-from moeray.stages.sampling import SamplingParams
+from moeray.stages.text.sampling import SamplingParams
 
 TEXTS = ["Paris", " the", "", "é", "日本語", "🙂 emoji", 'quote " and \\ backslash', "new\nline\ttab\r",
          "\x00\x01\x1f\x7f", "\u2028\u2029", "\ufffd", "</script>", "{\"json\": [1, 2]}"]

@@ -80,7 +80,7 @@ def tool_server(tmp_path_factory):
     from serve_process import start_serve
     from tool_model import write_tool_model
 
-    from moeray.stages.transport import free_port
+    from moeray.stages.runtime.transport import free_port
 
     path = write_tool_model(tmp_path_factory.mktemp("tools") / "tools.gguf")
     server = start_serve([str(path), "--local", "--max-seqs", "4", "--max-len", "1024", "--model-name", "tools",
@@ -109,7 +109,7 @@ def post(url: str, body: dict) -> tuple[int, dict]:
 
 def test_the_template_receives_the_tools(tool_server):
     from moeray.cluster.tools import template_messages, template_renders_tools
-    from moeray.stages.tokenizer import Tokenizer
+    from moeray.stages.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(tool_server[2])
     assert template_renders_tools(tok)

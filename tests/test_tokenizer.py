@@ -6,7 +6,7 @@ import io
 
 import pytest
 
-from moeray.stages.tokenizer import Tokenizer
+from moeray.stages.text.tokenizer import Tokenizer
 
 TEXTS = [
     "Hello world!",

@@ -1,5 +1,5 @@
-"""The card's GGUF kernels (stages/triton_kernels.py) run on the CPU through Triton's interpreter
-(TRITON_INTERPRET=1) against the torch dequantiser (stages/quant.py, itself equal to gguf's numpy
+"""The card's GGUF kernels (stages/kernels/triton_kernels.py) run on the CPU through Triton's interpreter
+(TRITON_INTERPRET=1) against the torch dequantiser (stages/gguf/quant.py, itself equal to gguf's numpy
 reference): dequantisation bit for bit, the decode GEMV, the small-batch tl.dot path, the prefill
 route (dequantise into the scratch, then a float matmul) and the grouped MoE hit path against a
 per-expert loop. Shapes are tiny: the interpreter runs each program in Python (seconds in all).
@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
-from moeray.stages.quant import dequantize
+from moeray.stages.gguf.quant import dequantize
 
 pytest.importorskip("triton", reason="triton is not installed (pip install '.[test]')")
 
@@ -45,7 +45,7 @@ interpreted = pytest.mark.skipif(not INTERPRETED, reason="run by test_kernels_in
 
 @pytest.fixture(scope="module")
 def tk():
-    from moeray.stages import triton_kernels as mod
+    from moeray.stages.kernels import triton_kernels as mod
 
     old = mod.BLOCK_N
     mod.BLOCK_N = 64  # fewer programs: the interpreter's cost is per program
@@ -152,8 +152,8 @@ def test_a_type_without_a_kernel_is_one_clear_error(tk):
 def test_qmatrix_multiplies_through_the_kernels_where_enabled(tk, monkeypatch):
     """QMatrix's CUDA route, run here on CPU tensors through the interpreter (MOERAY_TRITON=1 is
     the tests' switch; on a card it is on by default): same product, and the route line says so."""
-    from moeray.stages import qmatmul
-    from moeray.stages.qmatmul import QMatrix, route_line
+    from moeray.stages.kernels import qmatmul
+    from moeray.stages.kernels.qmatmul import QMatrix, route_line
 
     raw = _matrix(T.Q6_K, 8, 256, seed=5)
     w = QMatrix(raw, T.Q6_K, (8, 256), "dequant")
@@ -178,7 +178,7 @@ def test_qmatrix_multiplies_through_the_kernels_where_enabled(tk, monkeypatch):
 @pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason=NO_CUDA)
 @pytest.mark.parametrize("qtype", KERNEL_TYPES, ids=lambda t: t.name)
 def test_cuda_kernels_equal_the_cpu_dequantiser(qtype):
-    from moeray.stages import triton_kernels as tk
+    from moeray.stages.kernels import triton_kernels as tk
 
     N, K = 300, 2 * _k(qtype) + (32 if GGML_QUANT_SIZES[qtype][0] == 32 else 0)
     raw = _matrix(qtype, N, K, seed=int(qtype))
@@ -194,7 +194,7 @@ def test_cuda_kernels_equal_the_cpu_dequantiser(qtype):
 @pytest.mark.cuda
 @pytest.mark.skipif(INTERPRETED or not torch.cuda.is_available(), reason=NO_CUDA)
 def test_cuda_graph_of_the_grouped_hit_path_equals_the_eager_call():
-    from moeray.stages import triton_kernels as tk
+    from moeray.stages.kernels import triton_kernels as tk
 
     H, Fd, S, k, n = 512, 256, 4, 2, 3
     stacks = [(torch.stack([_matrix(T.Q4_K, *shape, seed=10 * i + s) for s in range(S)]).cuda(), int(T.Q4_K))
@@ -235,7 +235,7 @@ def test_kernels_compile_for_hopper_without_int_to_float_conversions():
     """Built for sm_90 here (Triton's bundled ptxas, no GPU): the Q4_K GEMV reads its 4-bit codes
     in 16-byte loads and no kernel converts codes with cvt (a quarter-rate instruction on the
     card; the kernels build floats from the codes' bits instead); the 16-row tiles compile too."""
-    from moeray.stages import triton_kernels as tk
+    from moeray.stages.kernels import triton_kernels as tk
 
     gemv = _compile_for_sm90(tk, T.Q4_K, 1)
     assert "ld.global.v4.b32" in gemv  # the 128 code bytes of a block: 16-byte vector loads

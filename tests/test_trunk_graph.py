@@ -1,5 +1,5 @@
-"""A layer's trunk as one ggml graph (stages/trunk_graph.py) against the torch ops it replaces on
-the ggml route (stages/layers.py: the reference), on the default model and tiny random families.
+"""A layer's trunk as one ggml graph (stages/runtime/trunk_graph.py) against the torch ops it replaces on
+the ggml route (stages/blocks/attention.py: the reference), on the default model and tiny random families.
 
 Both sides quantise activations to 8 bits before each matmul, so a 1e-7 difference upstream (RoPE
 in float32 vs float64, flash attention's online softmax vs SDPA) can move one rounding step and
@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from moeray.stages.gguf_file import GGUFFile
-from moeray.stages.gguf_writer import write_gguf
-from moeray.stages.kv_cache import BLOCK_SIZE
-from moeray.stages.model import load_model
-from moeray.stages.moe import HostExperts
-from moeray.stages.qmatmul import ggml_available
+from moeray.stages.gguf.reader import GGUFFile
+from moeray.stages.gguf.writer import write_gguf
+from moeray.stages.blocks.kv_cache import BLOCK_SIZE
+from moeray.stages.runtime.model import load_model
+from moeray.stages.blocks.moe import HostExperts
+from moeray.stages.kernels.qmatmul import ggml_available
 from tiny_models import tiny_deepseek2, tiny_deepseek3, tiny_glm4moe, tiny_qwen2moe, tiny_qwen3moe, token_ids
 
 pytestmark = pytest.mark.skipif(not ggml_available(), reason="ggml-python is not installed")
@@ -183,7 +183,7 @@ def _float_heads(root) -> dict:
     """DeepSeek files whose attn_k_b / attn_v_b stay float (the rest Q8_0): every other product is
     the same ggml op on both paths, so the graph and the torch path differ only where flash
     attention's and SDPA's last bits do (and a quantised product then rounds a step apart)."""
-    from moeray.stages import gguf_writer
+    from moeray.stages.gguf import writer as gguf_writer
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(gguf_writer, "_ALWAYS_F32", gguf_writer._ALWAYS_F32 + ("attn_k_b.weight", "attn_v_b.weight"))
@@ -225,7 +225,7 @@ def test_repacked_q4k_weights(tmp_path):
     s = Shape("qwen3moe", layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=4, used=2,
               expert_ff=256, vocab=4096)
     both = Both(write_shape("tiny", shape=s, path=tmp_path / "tiny.gguf", pool_blocks=1024))
-    from moeray.stages import repack
+    from moeray.stages.kernels import repack
 
     layer = both.model.layers[0].attn
     assert both.model.repacked > 0 or not repack.wanted(layer.w_qkv[0].ggml_type, *layer.w_qkv[0].shape)
@@ -243,8 +243,8 @@ def test_fused_moe_layers_match_the_two_call_path_and_count_alike(tiny_files, mo
     import numpy as np
 
     from moeray.planner.profile import Profile
-    from moeray.stages import moe
-    from moeray.stages.model import load_cached
+    from moeray.stages.blocks import moe
+    from moeray.stages.runtime.model import load_cached
 
     counts = np.zeros((3, 8), dtype=np.int64)
     counts[0], counts[1, :4] = 1000, 500
@@ -328,10 +328,10 @@ def test_top1_routing_decodes_several_sequences_in_the_stage_graph(tmp_path):
 
 
 def _route_in_graph(rule, logits: torch.Tensor, cfg, bias: torch.Tensor | None):
-    """A graph routing rule (stages/routing.py GRAPH_ROUTING) alone in a graph: logits [N, E]
+    """A graph routing rule (stages/blocks/routing.py GRAPH_ROUTING) alone in a graph: logits [N, E]
     -> (ids [N, k] int32, weights [N, k])."""
-    from moeray.stages.qmatmul import ggml_lib
-    from moeray.stages.trunk_graph import MultiGraph
+    from moeray.stages.kernels.qmatmul import ggml_lib
+    from moeray.stages.runtime.trunk_graph import MultiGraph
 
     G = ggml_lib()
     N, E = logits.shape
@@ -360,12 +360,12 @@ def _route_in_graph(rule, logits: torch.Tensor, cfg, bias: torch.Tensor | None):
     ("topk_softmax", dict(router_bias=True)),  # gpt-oss
 ])
 def test_graph_routing_rules_choose_and_weigh_as_the_torch_rules(rule, fields):
-    """Each rule's graph form against its torch form (stages/routing.py) on random logits: the same
+    """Each rule's graph form against its torch form (stages/blocks/routing.py) on random logits: the same
     experts in the same rank order, the same weights within float32 rounding."""
     from dataclasses import replace
 
-    from moeray.stages.config import ModelConfig
-    from moeray.stages.routing import GRAPH_ROUTING, ROUTING
+    from moeray.stages.arch.config import ModelConfig
+    from moeray.stages.blocks.routing import GRAPH_ROUTING, ROUTING
 
     cfg = replace(ModelConfig(arch="t", n_layers=1, hidden=8, n_heads=1, n_kv_heads=1, head_dim=8, vocab_size=8,
                               context_length=8, rope_theta=1e4, rms_eps=1e-6, rope_style="neox", ffn_dim=0,
@@ -432,7 +432,7 @@ def test_glm4moe_through_an_expert_cache_counts_every_lookup(tiny_files, n_slots
     import numpy as np
 
     from moeray.planner.profile import Profile
-    from moeray.stages.model import load_cached
+    from moeray.stages.runtime.model import load_cached
 
     counts = np.zeros((3, 8), dtype=np.int64)
     counts[1], counts[2, :4] = 1000, 500
@@ -492,7 +492,7 @@ def test_deepseek_with_every_expert_resident_is_the_host_path_bit_for_bit(tiny_f
 
 
 def _resident_is_the_host_path_bit_for_bit(path) -> None:
-    from moeray.stages.model import load_cached
+    from moeray.stages.runtime.model import load_cached
 
     host = load_model(path, route="ggml")
     cfg = host.config
@@ -514,17 +514,17 @@ def _resident_is_the_host_path_bit_for_bit(path) -> None:
 def test_mla_layer_graph_against_the_torch_attention(tiny_files, name, attn_factor):
     """One MLA layer (DeepSeek's dense first layer: q LoRA or one attn_q, the latent and its norm,
     YaRN RoPE on the decoupled dims, the latent cache written in the graph, absorbed attention,
-    v_b, the output) as its stage graph against stages/mla.py's torch form, over a prefill and
+    v_b, the output) as its stage graph against stages/blocks/mla.py's torch form, over a prefill and
     decode steps, with k_b / v_b in Q8_0 as llama.cpp quantises them: the residual stream within
     3e-2 of each row's largest value (measured: 1.3e-2, from the 8-bit activations ggml's
     quantised products take where torch multiplies float32; without YaRN's frequencies 0.17, the
     value read from the wrong columns 1.1, without the latent norm 0.37, without DeepSeek's
     mscale^2 in the softmax scale 0.1). attn_factor: a YaRN attention factor on cos / sin (a file's
-    rope.scaling.yarn_attn_factor; DeepSeek's own configs give 1), in rope_ext as in stages/rope.py
+    rope.scaling.yarn_attn_factor; DeepSeek's own configs give 1), in rope_ext as in stages/blocks/rope.py
     (without it in the graph: 0.43)."""
     from dataclasses import replace
 
-    from moeray.stages.model import StageModel
+    from moeray.stages.runtime.model import StageModel
 
     g = GGUFFile(tiny_files[name])
     if attn_factor is not None:
@@ -579,7 +579,7 @@ def test_a_residency_change_between_decode_steps_reaches_the_stage_graph(tiny_fi
     next one: layer 2's experts emptied and loaded back into each other's slots (a kept slot table
     would now read the wrong expert's bytes), then layer 1's emptied (served from the mapping):
     the logits stay the host path's bit for bit, one stage graph a step, every lookup counted."""
-    from moeray.stages.model import load_cached
+    from moeray.stages.runtime.model import load_cached
 
     path = tiny_files["qwen3moe"]
     host = load_model(path, route="ggml")

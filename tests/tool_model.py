@@ -35,7 +35,7 @@ def write_tool_model(path: Path, seed: int = 3) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from moeray.stages.gguf_writer import write_gguf
+    from moeray.stages.gguf.writer import write_gguf
     from tiny_models import VOCAB, tiny_qwen3moe
 
     tok = Tokenizer(models.BPE())

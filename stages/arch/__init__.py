@@ -1,4 +1,5 @@
-"""The architectures moeray runs: one module per model family, found here by name.
+"""Model families: what each architecture is (GGUF keys, tensor names, layer kinds, routing rule),
+one module each, and the ModelConfig they fill. Imports nothing else of stages/.
 
 Each module `stages/arch/<name>.py` defines `ARCH`, an `Architecture` (stages/arch/base.py);
 adding a family is adding its module, nothing else registers it. Everything outside this
@@ -14,7 +15,7 @@ from typing import Any
 
 from moeray.errors import UnsupportedArchitectureError
 from moeray.stages.arch.base import Architecture
-from moeray.stages.config import ModelConfig
+from moeray.stages.arch.config import ModelConfig
 
 _REGISTRY: dict[str, Architecture] | None = None
 
@@ -58,7 +59,7 @@ def config_from_metadata(meta: dict[str, Any], tensor_shapes: dict[str, tuple[in
 
 
 def by_hf_class(config: Any) -> Architecture:
-    """The architecture llama.cpp's converter writes a transformers config as (stages/gguf_writer.py)."""
+    """The architecture llama.cpp's converter writes a transformers config as (stages/gguf/writer.py)."""
     archs = getattr(config, "architectures", None) or []
     for arch in _registry().values():
         if any(a in arch.hf_classes for a in archs):

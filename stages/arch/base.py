@@ -2,10 +2,10 @@
 
 An `Architecture` turns GGUF metadata into a `ModelConfig`, names each layer's tensors, says how
 each layer is built (its attention kind and its FFN kind: dense or MoE), which routing function
-its MoE blocks use (stages/routing.py), and how many KV values a token takes in each layer (the
+its MoE blocks use (stages/blocks/routing.py), and how many KV values a token takes in each layer (the
 KV pool and the planner price KV from it). The blocks themselves (attention variants, RoPE
-variants, the dense FFN, the MoE block) stay shared in stages/layers.py, stages/rope.py and
-stages/moe.py; an architecture only picks and wires them.
+variants, the dense FFN, the MoE block) stay shared in stages/blocks/attention.py, stages/blocks/rope.py and
+stages/blocks/moe.py; an architecture only picks and wires them.
 
 Torch-free: the planner and `moeray plan` read configs and tensor tables from headers alone.
 """
@@ -15,7 +15,7 @@ import math
 from typing import Any
 
 from moeray.errors import GGUFError, UnsupportedArchitectureError
-from moeray.stages.config import ModelConfig
+from moeray.stages.arch.config import ModelConfig
 
 Shapes = dict[str, tuple[int, ...]]
 
@@ -88,7 +88,7 @@ def moe_tensors(cfg: ModelConfig, p: str) -> Shapes:
 
 
 def mla_tensors(cfg: ModelConfig, p: str) -> Shapes:
-    """Multi-head latent attention (stages/mla.py) as llama.cpp's current converter writes it:
+    """Multi-head latent attention (stages/blocks/mla.py) as llama.cpp's current converter writes it:
     kv_b_proj split per head into attn_k_b [heads, kv_lora, nope] and attn_v_b [heads, v, kv_lora]."""
     H, nh, C, R = cfg.hidden, cfg.n_heads, cfg.kv_lora_rank, cfg.rope_dim
     nope, v = cfg.head_dim - R, cfg.v_head_dim or cfg.head_dim
@@ -116,11 +116,11 @@ class Architecture:
     (a llama-like stack of [attention, FFN] layers with GQA and softmax top-k routing)."""
 
     name: str = ""
-    routing: str = "softmax_topk"  # a function of stages/routing.py
+    routing: str = "softmax_topk"  # a function of stages/blocks/routing.py
     rope_style: str = "neox"  # "normal" where the converter permutes q/k rows (llama)
     norm_topk_default: bool = True  # renormalise the top-k weights when the file does not say
     qk_norm: bool = False  # per-head q/k RMSNorm required in every layer
-    # The converter's side (stages/gguf_writer.py): transformers classes and model_types written
+    # The converter's side (stages/gguf/writer.py): transformers classes and model_types written
     # as this architecture, and whether q/k rows are permuted for "normal" RoPE.
     hf_classes: tuple[str, ...] = ()
     hf_model_types: tuple[str, ...] = ()
@@ -201,7 +201,7 @@ class Architecture:
         return cfg.is_moe_layer(layer)
 
     def attention_kind(self, cfg: ModelConfig, layer: int) -> str:
-        """Which shared attention block layer `layer` is built with (stages/model.py builds it)."""
+        """Which shared attention block layer `layer` is built with (stages/runtime/model.py builds it)."""
         return cfg.attention
 
     def attention_window(self, cfg: ModelConfig, layer: int) -> int:
@@ -229,7 +229,7 @@ class Architecture:
         return t
 
     def kv_layout(self, cfg: ModelConfig, layer: int) -> tuple[int, int, int]:
-        """(heads, key width, value width) of layer `layer`'s KV pool (stages/kv_cache.py KVPool);
+        """(heads, key width, value width) of layer `layer`'s KV pool (stages/blocks/kv_cache.py KVPool);
         value width 0: the latent layout, the key row is all a token holds."""
         return KV_LAYOUT.get(self.attention_kind(cfg, layer), KV_LAYOUT["gqa"])(cfg)
 
@@ -243,7 +243,7 @@ class Architecture:
         the stage holds it for every sequence slot, the planner and driver charge it like KV."""
         return 0
 
-    # --- the converter's side (stages/gguf_writer.py) ---------------------------------------
+    # --- the converter's side (stages/gguf/writer.py) ---------------------------------------
 
     def write_metadata(self, w: Any, hf_config: Any) -> None:
         """Keys beyond the common ones that llama.cpp's converter writes for this family."""

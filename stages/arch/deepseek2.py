@@ -1,6 +1,6 @@
 """deepseek2: DeepSeek-V2/V3/R1 and Kimi-K2 (llama.cpp's `deepseek2`).
 
-- Multi-head latent attention (stages/mla.py): q through a LoRA bottleneck with its own RMSNorm
+- Multi-head latent attention (stages/blocks/mla.py): q through a LoRA bottleneck with its own RMSNorm
   (attn_q_a, attn_q_a_norm, attn_q_b; or one attn_q), the KV through a compressed latent
   (attn_kv_a_mqa -> kv_lora_rank latent + one shared RoPE key, attn_kv_a_norm), every head's
   key and value from the latent (attn_k_b, attn_v_b). The KV cache holds kv_lora_rank +
@@ -11,7 +11,7 @@
   deepseek2.cpp and transformers agree).
 - The first leading_dense_block_count layers have a dense FFN; the rest are MoE with sigmoid
   scores (DeepSeek-V3; V2: softmax, tested against transformers' DeepseekV2), the exp_probs_b score-correction bias, group-limited top-k,
-  renormalisation and routed_scaling_factor (stages/routing.py grouped_topk), and an ungated
+  renormalisation and routed_scaling_factor (stages/blocks/routing.py grouped_topk), and an ungated
   shared expert of expert_shared_count x expert width.
 
 As llama.cpp's current converter (DeepseekV2Model) writes it: head_count_kv 1, key_length

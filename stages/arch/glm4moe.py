@@ -3,7 +3,7 @@
 GQA attention with q/k/v biases, an optional per-head q/k RMSNorm (GLM-4.5 has it, Air not),
 partial NeoX RoPE (the first half of each head: rope.dimension_count = head_dim / 2); the first
 leading_dense_block_count layers dense, then MoE: sigmoid scores with the exp_probs_b
-correction bias, top-k renormalised and scaled by routed_scaling_factor (stages/routing.py
+correction bias, top-k renormalised and scaled by routed_scaling_factor (stages/blocks/routing.py
 grouped_topk, one group), plus an ungated shared expert. The pre-FFN norm is stored as
 post_attention_norm (llama.cpp's ATTN_POST_NORM).
 

@@ -2,7 +2,7 @@
 
 Every layer is GQA attention then an MoE FFN:
 - q/k/v and output biases; attention sinks, a learned logit per head that joins each query's
-  softmax and attends to nothing (stages/layers.py);
+  softmax and attends to nothing (stages/blocks/attention.py);
 - alternating windows: layers 0, 2, 4, ... see the last `sliding_window` (128) tokens, the odd
   layers the whole context (llama.cpp's swa pattern 2, transformers' layer_types). Their KV is
   kept whole and the window is a mask (README, "gpt-oss");
@@ -62,7 +62,7 @@ class GptOss(Architecture):
         )
         return f
 
-    # --- the converter's side (stages/gguf_writer.py) ---------------------------------------
+    # --- the converter's side (stages/gguf/writer.py) ---------------------------------------
 
     def write_metadata(self, w: Any, hf_config: Any) -> None:
         w.add_sliding_window(int(hf_config.sliding_window))

@@ -1,6 +1,6 @@
 """qwen3next: Qwen3-Next, the hybrid linear-attention MoE (llama.cpp's `qwen3next`).
 
-Three of every four layers are Gated DeltaNet (stages/deltanet.py: a short causal conv and a
+Three of every four layers are Gated DeltaNet (stages/blocks/deltanet.py: a short causal conv and a
 fixed-size recurrent state per sequence, no KV); every fourth is full attention whose q
 projection also yields a per-head output gate (sigmoid(gate) * attention before attn_output),
 with per-head q/k RMSNorm and partial NeoX RoPE (the first rope.dimension_count dims of each
@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from moeray.stages.arch.base import Architecture, moe_tensors
-from moeray.stages.config import ModelConfig
-from moeray.stages.deltanet_shape import DeltaNetShape
+from moeray.stages.arch.config import ModelConfig
+from moeray.stages.arch.deltanet_shape import DeltaNetShape
 
 
 class Qwen3Next(Architecture):
@@ -98,7 +98,7 @@ class Qwen3Next(Architecture):
         """One sequence's DeltaNet state in this layer (conv + recurrent, float32)."""
         return cfg.deltanet.state_bytes() if cfg.recurrent[layer] else 0
 
-    # --- the converter's side (stages/gguf_writer.py) ---------------------------------------
+    # --- the converter's side (stages/gguf/writer.py) ---------------------------------------
 
     def write_metadata(self, w: Any, hf: Any) -> None:
         w.add_expert_shared_feed_forward_length(int(hf.shared_expert_intermediate_size))

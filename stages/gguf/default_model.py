@@ -72,7 +72,7 @@ def sha256_of(path: Path) -> str:
 
 def router_directions() -> np.ndarray:
     """d per layer, int8 [n_layers, hidden] in {-1, 0, +1}, from data/router_directions.json."""
-    layers = json.loads((Path(__file__).parent / "data" / "router_directions.json").read_text())["layers"]
+    layers = json.loads((Path(__file__).parents[1] / "data" / "router_directions.json").read_text())["layers"]
     return np.array([[{"+": 1, "-": -1, "0": 0}[ch] for ch in row] for row in layers], dtype=np.int8)
 
 
@@ -216,7 +216,7 @@ def default_model_path(rebuild: bool = False, quiet: bool = False) -> Path:
 def _recipe() -> str:
     """Changes whenever the build could: this module or the stored router directions."""
     h = hashlib.sha256(Path(__file__).read_bytes())
-    h.update((Path(__file__).parent / "data" / "router_directions.json").read_bytes())
+    h.update((Path(__file__).parents[1] / "data" / "router_directions.json").read_bytes())
     return h.hexdigest()[:16]
 
 
@@ -229,7 +229,7 @@ def _read_record(path: Path) -> dict:
 
 def load_prompts() -> list[dict]:
     """The bundled prompt set: [{"kind": "chat" | "code" | "prose", "text": ...}, ...]."""
-    return json.loads((Path(__file__).parent / "data" / "prompts.json").read_text())["prompts"]
+    return json.loads((Path(__file__).parents[1] / "data" / "prompts.json").read_text())["prompts"]
 
 
 def prompt_token_ids(tokenizer) -> list[list[int]]:

@@ -1,4 +1,4 @@
-"""Transformer pieces: RMSNorm and attention over the KV cache (RoPE variants: stages/rope.py).
+"""Transformer pieces: RMSNorm and attention over the KV cache (RoPE variants: stages/blocks/rope.py).
 
 Tokens of a step are packed: all sequences' new tokens in one [N, hidden] matrix, so every
 projection is one matmul. Only the attention itself is per sequence, done as one padded SDPA
@@ -11,10 +11,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from moeray.stages.config import ModelConfig
-from moeray.stages.kv_cache import BLOCK_SIZE, KVCache, KVPool, blocks_for
-from moeray.stages.qmatmul import QMatrix
-from moeray.stages.rope import RoPE
+from moeray.stages.arch.config import ModelConfig
+from moeray.stages.blocks.kv_cache import BLOCK_SIZE, KVCache, KVPool, blocks_for
+from moeray.stages.kernels.qmatmul import QMatrix
+from moeray.stages.blocks.rope import RoPE
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -25,7 +25,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 @dataclass
 class BatchMeta:
     """Where each new token of a step sits and where its keys are read: built once per step per
-    stage from the step's start positions and block tables (see stages/kv_cache.py)."""
+    stage from the step's start positions and block tables (see stages/blocks/kv_cache.py)."""
     n_new: list[int]  # new tokens per sequence
     starts: list[int]  # tokens the sequence held before this step
     positions: torch.Tensor  # [N] absolute position of each packed token
@@ -44,7 +44,7 @@ class BatchMeta:
     read_blocks: torch.Tensor | None
     slots: list[int] | None = None  # fixed-slot KVCache callers: the slots whose lengths advance
     # Recurrent (DeltaNet) layers: the state slot each sequence continues (the engine's sequence
-    # slots; stages/deltanet.py); a sequence starting at position 0 begins from zeros.
+    # slots; stages/blocks/deltanet.py); a sequence starting at position 0 begins from zeros.
     state_slots: list[int] | None = None
     _window_masks: dict = field(default_factory=dict, repr=False)
 

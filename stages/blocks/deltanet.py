@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moeray.stages.deltanet_shape import DeltaNetShape
+from moeray.stages.arch.deltanet_shape import DeltaNetShape
 
 CHUNK = 64  # tokens per chunk of the chunked rule (the references' default)
 
@@ -125,7 +125,7 @@ def ggml_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     dividing H_v: v head h reads q/k head h % H_q (ggml's tiled broadcast); v [B, T, H_v, D_v];
     g, beta [B, T, H_v]; state [B, H_v, D_k, D_v] -> (o [B, T, H_v, D_v], state [B, H_v, D_k, D_v]).
     """
-    from moeray.stages.qmatmul import _G, _graph
+    from moeray.stages.kernels.qmatmul import _G, _graph
 
     B, T, Hq, Dk = q.shape
     Hv, Dv = v.shape[2], v.shape[3]
@@ -230,7 +230,7 @@ class GatedDeltaNet(torch.nn.Module):
         return torch.stack(outs), torch.stack(states)
 
     def forward(self, x: torch.Tensor, meta, kv, rope=None, cos_sin=None) -> torch.Tensor:
-        """x [N, hidden]: the packed tokens of the step's sequences (`meta`, stages/layers.py);
+        """x [N, hidden]: the packed tokens of the step's sequences (`meta`, stages/blocks/attention.py);
         sequence i continues the state in slot meta.state_slots[i] of `kv.state` (from zeros when
         it starts at position 0) and leaves its new state there. RoPE plays no part here."""
         n_new, starts, slots, state = meta.n_new, meta.starts, meta.state_slots, kv.state

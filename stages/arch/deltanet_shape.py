@@ -1,7 +1,7 @@
 """The sizes of a Gated DeltaNet layer and of the state one sequence keeps in it.
 
 Torch-free: configs (stages/arch/qwen3next.py), the planner and the driver price the state from
-these numbers alone; stages/deltanet.py computes with them.
+these numbers alone; stages/blocks/deltanet.py computes with them.
 """
 from __future__ import annotations
 

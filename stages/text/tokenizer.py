@@ -26,7 +26,7 @@ _END_OF_GENERATION_TEXTS = (
 
 def read_tokenizer_metadata(path: str | Path) -> dict[str, Any]:
     """The `tokenizer.*` keys and `general.architecture` of a GGUF, as Python values."""
-    from moeray.stages.gguf_file import read_gguf_header
+    from moeray.stages.gguf.reader import read_gguf_header
 
     metadata = read_gguf_header(path).metadata
     return {k: v for k, v in metadata.items() if k.startswith("tokenizer.") or k == "general.architecture"}

@@ -83,8 +83,8 @@ def host_experts() -> str:
     """MOERAY_HOST_EXPERTS: "auto" (default: copied at load when that leaves AUTO_HEADROOM_BYTES of
     memory available, else read in place), "mapped" (routed experts read in place from the GGUF
     mapping, no copy) or "repacked" (always copied, as llama.cpp does). The copy lies in huge pages
-    (stages/host_memory.py), each kind in ggml's repacked layout where ggml has kernels for it
-    (stages/repack.py), as the file's blocks otherwise."""
+    (stages/kernels/host_memory.py), each kind in ggml's repacked layout where ggml has kernels for it
+    (stages/kernels/repack.py), as the file's blocks otherwise."""
     m = os.environ.get("MOERAY_HOST_EXPERTS", "").strip().lower() or "auto"
     if m not in HOST_EXPERTS:
         raise MoerayError(f"MOERAY_HOST_EXPERTS={m!r}: choose auto (a copy when it fits), mapped (read the "
@@ -145,7 +145,7 @@ def layout_line() -> str:
 
 
 def _G():
-    """ggml-python's module: qmatmul has loaded and checked it (stages/ggml_lib.py) before any
+    """ggml-python's module: qmatmul has loaded and checked it (stages/kernels/ggml_lib.py) before any
     weight reaches this file; imported by name so that the two modules do not import each other."""
     from ggml import ggml as G
 

@@ -19,11 +19,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from moeray.stages.config import ModelConfig
-from moeray.stages.kv_cache import KVPool
-from moeray.stages.layers import BatchMeta, _read, rms_norm
-from moeray.stages.qmatmul import QMatrix
-from moeray.stages.rope import RoPE
+from moeray.stages.arch.config import ModelConfig
+from moeray.stages.blocks.kv_cache import KVPool
+from moeray.stages.blocks.attention import BatchMeta, _read, rms_norm
+from moeray.stages.kernels.qmatmul import QMatrix
+from moeray.stages.blocks.rope import RoPE
 
 
 class MLAttention(torch.nn.Module):
@@ -46,7 +46,7 @@ class MLAttention(torch.nn.Module):
         self.scale = cfg.attn_scale or cfg.head_dim ** -0.5
 
     def weights(self) -> list:
-        """Its weights in the order its trunk-graph form reads them (stages/trunk_graph.py
+        """Its weights in the order its trunk-graph form reads them (stages/runtime/trunk_graph.py
         TrunkGraphs._mla_nodes): the q projection (or q_a, its norm, q_b), kv_a, its norm, k_b, v_b, output."""
         q = [self.w_q] if self.w_q is not None else [self.w_q_a, self.q_a_norm, self.w_q_b]
         return q + [self.w_kv_a, self.kv_a_norm, self.w_k_b, self.w_v_b, self.w_o]

@@ -27,8 +27,8 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 
-from moeray.stages import repack
-from moeray.stages.qmatmul import FLOAT_TYPES, GLU, ggml_graph, ggml_lib, row_bytes
+from moeray.stages.kernels import repack
+from moeray.stages.kernels.qmatmul import FLOAT_TYPES, GLU, ggml_graph, ggml_lib, row_bytes
 
 KINDS = ("gate", "up", "down")
 
@@ -36,7 +36,7 @@ KINDS = ("gate", "up", "down")
 @dataclass(frozen=True)
 class Part:
     """One kind (gate, up or down) of a stack: expert i's [rows, cols] blocks at base + i * stride,
-    in ggml's plain layout or its repacked one (stages/repack.py: as many bytes, 8 rows
+    in ggml's plain layout or its repacked one (stages/kernels/repack.py: as many bytes, 8 rows
     interleaved; mul_mat_id then runs ggml's repacked GEMV, row by row at every batch size)."""
     base: int
     ggml_type: T
@@ -120,7 +120,7 @@ def moe_ffn(ctx, ws, bias, act: GLU, x, ids, w):
     """Σ_r w[r] · expert_{ids[r]}(x) for every token: x [H, 1, N] float32 (one row per token,
     broadcast over its picks), ids [k, N] int32, w [1, k, N] float32 -> [H, N] (a new tensor, not
     a view: a graph may make it an output). The standalone graph below and the fused MoE layer
-    (stages/trunk_graph.py) both build their experts here."""
+    (stages/runtime/trunk_graph.py) both build their experts here."""
     G = ggml_lib()
     k = ids.contents.ne[0]
 

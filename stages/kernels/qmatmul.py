@@ -7,9 +7,9 @@ trunk weights and cache slots) and computes y = x @ W.T by one of three routes:
 - "ggml": ggml's CPU kernels (the ones llama.cpp runs) straight on the blocks, through the
   `ggml-python` binding. Activations are quantised to 8 bits inside, as llama.cpp does, so results
   differ from float32 by ~5e-3 relative. Fastest on CPU for every block type we meet (KERNELS.md).
-- "dequant": dequantise the blocks on each use (stages/quant.py) and run F.linear. The pure-torch
+- "dequant": dequantise the blocks on each use (stages/gguf/quant.py) and run F.linear. The pure-torch
   fallback when ggml is not installed. On CUDA devices the blocks are read on the card by the
-  Triton kernels of stages/triton_kernels.py instead, when triton imports (MOERAY_TRITON=0: off).
+  Triton kernels of stages/kernels/triton_kernels.py instead, when triton imports (MOERAY_TRITON=0: off).
 - "exact": dequantised to float32 once at load (4 bytes a weight). For debugging and for parity
   tests against float references (`--exact`); never the serving default.
 
@@ -31,9 +31,9 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from moeray.errors import MoerayError
-from moeray.stages import repack
-from moeray.stages.host_memory import weight_buffer
-from moeray.stages.quant import as_uint8_tensor, dequantize
+from moeray.stages.kernels import repack
+from moeray.stages.kernels.host_memory import weight_buffer
+from moeray.stages.gguf.quant import as_uint8_tensor, dequantize
 
 log = logging.getLogger("moeray.kernels")
 
@@ -43,7 +43,7 @@ ROUTES = ("ggml", "dequant", "exact")
 FLOAT_TYPES = frozenset((T.F32, T.F64))
 
 try:  # ggml-python: optional, built from source by the README's set-up (`ggml` extra)
-    from moeray.stages.ggml_lib import load as _load_ggml
+    from moeray.stages.kernels.ggml_lib import load as _load_ggml
 
     _G = _load_ggml()  # its own libggml, checked: a foreign one on LD_LIBRARY_PATH would segfault
     _GGML_ERROR = None
@@ -110,7 +110,7 @@ def _card_kernels(device: torch.device):
     imports triton), else None."""
     if device.type == "cpu" and os.environ.get("MOERAY_TRITON", "") != "1":
         return None
-    from moeray.stages import triton_kernels
+    from moeray.stages.kernels import triton_kernels
 
     return triton_kernels if triton_kernels.enabled_for(device) else None
 
@@ -549,7 +549,7 @@ def row_bytes(ggml_type: T, k: int) -> int:
 class QMatrix:
     """W [N, K] in GGUF block form (`data`: uint8 [N * row_bytes]) or, on the exact route, float32.
 
-    `layout` is "plain" (the GGUF's bytes) or "repacked" (ggml's interleaved rows, stages/repack.py:
+    `layout` is "plain" (the GGUF's bytes) or "repacked" (ggml's interleaved rows, stages/kernels/repack.py:
     `data` then holds those, as many bytes; only ggml's matmuls read them)."""
 
     def __init__(self, data: torch.Tensor, ggml_type: T, shape: tuple[int, int], route: str,

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from moeray.stages.deltanet_shape import DeltaNetShape
+from moeray.stages.arch.deltanet_shape import DeltaNetShape
 
 
 @dataclass(frozen=True)
@@ -35,7 +35,7 @@ class ModelConfig:
     eos_token_id: int | None = None
     qkv_bias: bool = False  # attn_q/k/v carry a bias (qwen2moe)
     rope_scale: float = 1.0  # the rope scaling factor (linear: positions are divided by it; yarn: its factor)
-    rope_scaling: str = "none"  # "none", "linear" or "yarn" (stages/rope.py)
+    rope_scaling: str = "none"  # "none", "linear" or "yarn" (stages/blocks/rope.py)
     rope_dim: int = 0  # values of each head that RoPE rotates; 0 = all of head_dim (< head_dim: partial)
     rope_orig_context: int = 0  # yarn: the context the model was trained at
     yarn_beta_fast: float = 32.0
@@ -46,11 +46,11 @@ class ModelConfig:
     n_dense_leading: int = 0  # the first layers of an MoE model have a dense FFN instead (DeepSeek, GLM)
     attention: str = "gqa"  # the attention block's kind (stages/arch/base.py ATTENTION_TENSORS)
     attn_scale: float = 0.0  # the softmax scale; 0 = 1/sqrt(head_dim) (DeepSeek's YaRN: mscale^2/sqrt(head_dim))
-    # MLA (stages/mla.py): head_dim is qk_nope + qk_rope (rope_dim), each token's KV the latent + rope key
+    # MLA (stages/blocks/mla.py): head_dim is qk_nope + qk_rope (rope_dim), each token's KV the latent + rope key
     q_lora_rank: int = 0  # q through a rank-r bottleneck with its own RMSNorm (0: one q projection)
     kv_lora_rank: int = 0  # the compressed latent every head's key and value come from
     v_head_dim: int = 0  # values per head (0: head_dim)
-    # Routing (stages/routing.py grouped_topk): scores, score-correction bias, groups, scaling
+    # Routing (stages/blocks/routing.py grouped_topk): scores, score-correction bias, groups, scaling
     expert_gating: str = "softmax"  # "softmax" or "sigmoid" over the router's logits
     score_bias: bool = False  # exp_probs_b: added to the scores for choosing only, not to the weights
     expert_groups: int = 1  # experts split in this many groups ...
@@ -60,7 +60,7 @@ class ModelConfig:
     # whether it is one (a recurrent state per sequence instead of KV).
     deltanet: DeltaNetShape | None = None
     recurrent: tuple[bool, ...] = ()
-    # The routed experts' activation (stages/qmatmul.py GLU): "silu" = silu(g) * u; "swiglu_oai"
+    # The routed experts' activation (stages/kernels/qmatmul.py GLU): "silu" = silu(g) * u; "swiglu_oai"
     # (gpt-oss) clamps g and u at swiglu_limit and computes (u + 1) * g * sigmoid(swiglu_alpha * g).
     expert_act: str = "silu"
     swiglu_alpha: float = 1.702

@@ -21,7 +21,7 @@ import sys
 from pathlib import Path
 
 from moeray.errors import MoerayError
-from moeray.stages.default_model import FILE_NAME, _read_record, _sidecar, load_prompts, prompt_token_ids
+from moeray.stages.gguf.default_model import FILE_NAME, _read_record, _sidecar, load_prompts, prompt_token_ids
 
 PROFILE_NAME = FILE_NAME.removesuffix(".gguf") + ".profile.msgpack"
 TRACE_NAME = FILE_NAME.removesuffix(".gguf") + ".routing.trace"
@@ -40,7 +40,7 @@ class _OneExpertPerLayer:
 
     def forward(self, layer, x, ids, weights):
         if layer not in self.checked:
-            from moeray.stages.gguf_file import EXPERT_KINDS
+            from moeray.stages.gguf.reader import EXPERT_KINDS
 
             gguf = self.host.gguf
             for kind in EXPERT_KINDS:
@@ -82,10 +82,10 @@ def record_profile(model_path, dst, max_tokens: int = MAX_TOKENS, quiet: bool = 
     from moeray.cache.attach import routing_trace
     from moeray.cache.trace import read_trace
     from moeray.planner.profile import Profile
-    from moeray.stages.gguf_file import GGUFFile
-    from moeray.stages.model import load_model
-    from moeray.stages.moe import HostExperts
-    from moeray.stages.tokenizer import Tokenizer
+    from moeray.stages.gguf.reader import GGUFFile
+    from moeray.stages.runtime.model import load_model
+    from moeray.stages.blocks.moe import HostExperts
+    from moeray.stages.text.tokenizer import Tokenizer
 
     dst = Path(dst)
     if not quiet:
@@ -115,7 +115,7 @@ def profile_inputs(model_path: Path) -> dict:
     """What the profile depends on: the model file, the prompts, and how it is recorded."""
     rec, stat = _read_record(model_path), model_path.stat()
     checked = rec.get("size") == stat.st_size and rec.get("mtime_ns") == stat.st_mtime_ns
-    data = Path(__file__).parent / "data"
+    data = Path(__file__).parents[1] / "data"
     return {"model": rec["sha256"] if checked else f"{stat.st_size}:{stat.st_mtime_ns}",
             "prompts": hashlib.sha256((data / "prompts.json").read_bytes()).hexdigest()[:16],
             "recorder": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16],

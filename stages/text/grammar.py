@@ -50,7 +50,7 @@ def lark_grammar(lark: str) -> str:
 
 
 def ll_tokenizer(tokenizer, n_vocab: Optional[int] = None):
-    """llguidance's view of a moeray Tokenizer (stages/tokenizer.py): the same `tokenizers` backend,
+    """llguidance's view of a moeray Tokenizer (stages/text/tokenizer.py): the same `tokenizers` backend,
     and the tokenizer's end tokens as the grammar's EOS set. Building one takes ~1 s for a 49k
     vocabulary, so it is made once per tokenizer and process."""
     import llguidance

@@ -226,8 +226,8 @@ def measure_layer_ms(gguf, device: str = "cpu", context: int = 256, reps: int = 
     `miss_ms`)."""
     import torch
 
-    from moeray.stages.model import StageModel
-    from moeray.stages.moe import HostExperts
+    from moeray.stages.runtime.model import StageModel
+    from moeray.stages.blocks.moe import HostExperts
 
     cfg = gguf.config
     layer = cfg.moe_layers[len(cfg.moe_layers) // 2] if cfg.is_moe else cfg.n_layers // 2
@@ -255,7 +255,7 @@ def measure_miss_ms(gguf, reps: int = 20, budget_s: float = 1.0) -> float:
     (the host path a miss takes: HostExperts on the file mapping). 0.0 for a dense model."""
     import torch
 
-    from moeray.stages.moe import HostExperts
+    from moeray.stages.blocks.moe import HostExperts
 
     cfg = gguf.config
     if not cfg.is_moe:

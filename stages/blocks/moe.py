@@ -6,7 +6,7 @@ copy); an ExpertCache (moeray.cache) counts each lookup, computes hot experts fr
 passes the rest to the host copy. Weights are quantised blocks, never float32 copies.
 
 On the ggml route a layer's picks run as one graph over the stacked expert tensor
-(stages/expert_graph.py: mul_mat_id, tokens grouped inside the op); the per-expert path below
+(stages/blocks/expert_graph.py: mul_mat_id, tokens grouped inside the op); the per-expert path below
 (`ExpertWeights`, one call per expert) is the torch route's, for dequant/exact and CUDA slots.
 """
 from __future__ import annotations
@@ -19,15 +19,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from moeray.stages import repack
+from moeray.stages.kernels import repack
 from moeray.stages.arch import arch_of
-from moeray.stages.config import ModelConfig
-from moeray.stages.expert_graph import OneStack, Part, Stack, add_picks, fusable, run
-from moeray.stages.gguf_file import EXPERT_KINDS, GGUFFile, expert_bytes
-from moeray.stages.host_memory import weight_buffer
-from moeray.stages.qmatmul import SILU, GLU, ExpertBias, QMatrix, current_route, swiglu, to_device
-from moeray.stages.quant import as_uint8_tensor, dequantize
-from moeray.stages.routing import GRAPH_ROUTING, ROUTING
+from moeray.stages.arch.config import ModelConfig
+from moeray.stages.blocks.expert_graph import OneStack, Part, Stack, add_picks, fusable, run
+from moeray.stages.gguf.reader import EXPERT_KINDS, GGUFFile, expert_bytes
+from moeray.stages.kernels.host_memory import weight_buffer
+from moeray.stages.kernels.qmatmul import SILU, GLU, ExpertBias, QMatrix, current_route, swiglu, to_device
+from moeray.stages.gguf.quant import as_uint8_tensor, dequantize
+from moeray.stages.blocks.routing import GRAPH_ROUTING, ROUTING
 
 log = logging.getLogger("moeray.kernels")
 
@@ -165,7 +165,7 @@ class HostExperts:
                 self._stacks[layer] = stack
         return self._stacks[layer]
 
-    # Memory for streamed weights (huge pages, stages/host_memory.py), also for a CPU stage's slots
+    # Memory for streamed weights (huge pages, stages/kernels/host_memory.py), also for a CPU stage's slots
     # (cache/slot_store.py asks the host: cache/ does not import stages/).
     weight_buffer = staticmethod(weight_buffer)
 
@@ -179,7 +179,7 @@ class HostExperts:
         return self._arena[start:start + n]
 
     def _copied(self, stack: Stack, names: list[str]) -> Stack:
-        """A copy of the mapped stack in huge-page memory (stages/host_memory.py), every kind ggml
+        """A copy of the mapped stack in huge-page memory (stages/kernels/host_memory.py), every kind ggml
         has repacked kernels for repacked (whole groups of 8 rows never straddle two experts:
         rows % 8 == 0, so the stacked tensor repacks as one matrix of n * rows rows), the others
         as the file's blocks. Read from the file, not through the mapping (GGUFFile.read_into)."""
@@ -386,7 +386,7 @@ class DenseFFN(torch.nn.Module):
 
 
 class MoEBlock(torch.nn.Module):
-    """Router -> the architecture's routing function (stages/routing.py) -> experts; plus a shared
+    """Router -> the architecture's routing function (stages/blocks/routing.py) -> experts; plus a shared
     expert, gated (qwen2moe: sigmoid(w . h) scales it) or not."""
 
     def __init__(self, cfg: ModelConfig, layer: int, w_router: torch.Tensor, experts: Experts,
@@ -423,7 +423,7 @@ class MoEBlock(torch.nn.Module):
             out = out + shared
         return out
 
-    # --- the fused layer: routing and routed experts inside the trunk graph (stages/trunk_graph.py)
+    # --- the fused layer: routing and routed experts inside the trunk graph (stages/runtime/trunk_graph.py)
 
     def one_stack(self) -> OneStack | None:
         """The stack that serves every pick of the coming step whatever the ids (Experts.one_stack),

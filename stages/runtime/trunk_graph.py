@@ -10,11 +10,11 @@ added first, so that residual add joins this graph):
     logits = W_router h  (MoE layers)
 
 and returns x, h and the router logits. An MoE layer whose routing rule has a graph form
-(stages/routing.py GRAPH_ROUTING: softmax top-k; DeepSeek's / GLM's sigmoid scores with the
+(stages/blocks/routing.py GRAPH_ROUTING: softmax top-k; DeepSeek's / GLM's sigmoid scores with the
 exp_probs_b bias, group-limited top-k, renormalised and scaled) routes inside the graph too, as
 llama.cpp's build_moe_ffn does, and returns the ids and weights; when one stack serves every pick
 (the host path, or every expert of the layer resident: MoEBlock.one_stack) its routed experts'
-mul_mat_id nodes join as well (stages/expert_graph.py moe_ffn), and its shared expert (`Dense`,
+mul_mat_id nodes join as well (stages/blocks/expert_graph.py moe_ffn), and its shared expert (`Dense`,
 gated or not) beside them, so the layer is one call. A dense layer's FFN (DeepSeek's first
 layers, GLM's first) is graph nodes too. Otherwise the experts (and the shared expert) run
 between two such calls. One graph serves every layer of the same shape: weights, norms, pool and
@@ -38,7 +38,7 @@ keep the torch path. gpt-oss's attention is in: its sinks through flash_attn_ext
 sliding windows through a mask per window size (Step.windows), YaRN through rope_ext's
 freq_factors (`rope_factors`).
 
-MLA (DeepSeek-V2/V3, Kimi-K2; stages/mla.py) is in too, in the weight-absorbed form of llama.cpp's
+MLA (DeepSeek-V2/V3, Kimi-K2; stages/blocks/mla.py) is in too, in the weight-absorbed form of llama.cpp's
 deepseek2.cpp (`_mla_nodes`): q (or q_a -> norm -> q_b), kv_a split into the latent (normed) and
 the rope key, RoPE on q_pe and k_pe, [latent, k_pe] written into the layer's one latent pool,
 q_lat = k_b^T q_nope per head (a batched mul_mat), flash_attn_ext with every query head over the
@@ -53,11 +53,11 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from moeray.stages.expert_graph import OneStack, moe_ffn, stack_pointers, stack_tensors
-from moeray.stages.kv_cache import BLOCK_SIZE, KVPool
-from moeray.stages.layers import Attention, BatchMeta
-from moeray.stages.mla import MLAttention
-from moeray.stages.qmatmul import GLU, GraphPlans, QMatrix, ggml_lib, graph_mul_mat, graph_weight, place_scratch
+from moeray.stages.blocks.expert_graph import OneStack, moe_ffn, stack_pointers, stack_tensors
+from moeray.stages.blocks.kv_cache import BLOCK_SIZE, KVPool
+from moeray.stages.blocks.attention import Attention, BatchMeta
+from moeray.stages.blocks.mla import MLAttention
+from moeray.stages.kernels.qmatmul import GLU, GraphPlans, QMatrix, ggml_lib, graph_mul_mat, graph_weight, place_scratch
 
 KEY_PAD = 64  # keys per graph shape: a decode step builds a new graph every KEY_PAD tokens
 # A graph's intermediates share scratch once their last reader has run (qmatmul.place_scratch), so
@@ -164,10 +164,10 @@ def supports(attn, cfg) -> bool:
 def rope_factors(cfg) -> torch.Tensor | None:
     """YaRN as ggml_rope_ext's per-dimension frequency divisors (its `freq_factors` input, with
     ext_factor 0): base_i / yarn_i, so that ggml turns each pair by exactly the torch path's
-    frequency (stages/rope.py, truncated correction dims or not); None without YaRN."""
+    frequency (stages/blocks/rope.py, truncated correction dims or not); None without YaRN."""
     if cfg.rope_scaling != "yarn":
         return None
-    from moeray.stages.rope import RoPE
+    from moeray.stages.blocks.rope import RoPE
 
     rope = RoPE.from_config(cfg)
     dim = rope.dim
@@ -194,7 +194,7 @@ class Step:
 
 @dataclass(frozen=True)
 class Routed:
-    """An MoE layer's routing inside its trunk graph: the rule as graph nodes (stages/routing.py
+    """An MoE layer's routing inside its trunk graph: the rule as graph nodes (stages/blocks/routing.py
     GRAPH_ROUTING) with its selection bias [E] (None: none), and with `one` (the stack that serves
     every pick) the routed experts too; keep_h: the caller needs the normed input still (the
     experts run after the graph)."""
@@ -595,7 +595,7 @@ class TrunkGraphs:
         return pools, pools, reads
 
     def _rope(self, ctx, shared: dict, x, n_rot: int):
-        """ggml_rope_ext as the torch path's RoPE turns x (stages/rope.py): its style, linear
+        """ggml_rope_ext as the torch path's RoPE turns x (stages/blocks/rope.py): its style, linear
         scaling, YaRN through its frequencies as divisors and its attention factor on cos/sin."""
         cfg, G = self.cfg, ggml_lib()
         mode = G.GGML_ROPE_TYPE_NORMAL if cfg.rope_style == "normal" else G.GGML_ROPE_TYPE_NEOX
@@ -660,7 +660,7 @@ class TrunkGraphs:
         return inputs, o, [wk, wv]
 
     def _mla_nodes(self, ctx, new, step: Step, shared: dict, a, layer: LayerSpec):
-        """MLA (stages/mla.py, the weight-absorbed form of llama.cpp's deepseek2.cpp) from the normed
+        """MLA (stages/blocks/mla.py, the weight-absorbed form of llama.cpp's deepseek2.cpp) from the normed
         input a [H, N]: (its inputs: MLAttention.weights, the latent pool and its read; its output
         [H, N]; its latent KV write). Every query head reads the one key head [latent, k_pe] of
         C + R values a cached token; the value is the first C of the same rows (a view)."""

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from moeray.stages.device import DeviceInfo, device_ledger, measure_speed, probe_device
+from moeray.stages.runtime.device import DeviceInfo, device_ledger, measure_speed, probe_device
 from moeray.errors import MoerayError
 
 
@@ -29,7 +29,7 @@ class StepBatch:
     """One micro-batch of one engine step, as a stage sees it.
 
     Every stage gets the same slots, token counts, start positions and KV block tables (the engine
-    owns the block accounting; stages/kv_cache.py); only stage 0 gets the token ids and only the
+    owns the block accounting; stages/blocks/kv_cache.py); only stage 0 gets the token ids and only the
     last stage the sampling params.
     """
     step_id: int
@@ -148,7 +148,7 @@ class StageRunner:
         """A token per sequence whose params ask for one (its prompt is fully fed), else None; a
         StepOutput when some sequence asked for log-probabilities too. A sequence with a grammar
         samples only among the tokens its grammar allows next, from the same logits."""
-        from moeray.stages.sampling import StepOutput, sample, token_logprobs
+        from moeray.stages.text.sampling import StepOutput, sample, token_logprobs
 
         want = [i for i, p in enumerate(batch.sample) if p is not None]
         out: list[int | None] = [None] * len(batch.slots)
@@ -183,8 +183,8 @@ class StageRunner:
 
     def _grammars(self, n_vocab: int):
         if self.grammars is None:
-            from moeray.stages.grammar import GrammarMasks
-            from moeray.stages.tokenizer import Tokenizer
+            from moeray.stages.text.grammar import GrammarMasks
+            from moeray.stages.text.tokenizer import Tokenizer
 
             tokenizer = Tokenizer.from_metadata(self.model.gguf.metadata, source=self.model.gguf.path)
             self.grammars = GrammarMasks(tokenizer, n_vocab)
@@ -220,12 +220,12 @@ class StageActor:
                  torch_threads: int | None = None, route: str | None = None, card_share: float = 1.0):
         import torch
 
-        from moeray.stages.qmatmul import set_route
+        from moeray.stages.kernels.qmatmul import set_route
 
         if torch_threads is None and simulated_budget is None:
             # A CUDA stage computes its misses on the host, but Ray starts an actor that reserves no
             # CPU with OMP_NUM_THREADS=1: give it its part of the node's cores instead.
-            from moeray.stages.device import host_threads_for_stage
+            from moeray.stages.runtime.device import host_threads_for_stage
 
             torch_threads = host_threads_for_stage(card_share, n_stages)
         if torch_threads:
@@ -267,7 +267,7 @@ class StageActor:
 
     def probe(self, path: str) -> ProbeReport:
         """Everything the planner needs from this stage, measured here, before any weight is loaded."""
-        from moeray.stages.gguf_file import GGUFFile
+        from moeray.stages.gguf.reader import GGUFFile
 
         t = time.perf_counter()
         speed = measure_speed(GGUFFile(path), self.device.torch_device)
@@ -287,7 +287,7 @@ class StageActor:
         return ray.util.get_node_ip_address()
 
     def free_port(self) -> int:
-        from moeray.stages.transport import free_port
+        from moeray.stages.runtime.transport import free_port
 
         return free_port()
 
@@ -297,7 +297,7 @@ class StageActor:
                 backend: str | None = None) -> int:
         """Join the stages' process group. backend: the driver's choice for the whole group
         (transport.link_backend: gloo when stages share a card); None: nccl on CUDA, else gloo."""
-        from moeray.stages.transport import StageLink
+        from moeray.stages.runtime.transport import StageLink
 
         backend = backend or ("nccl" if self.device.kind == "cuda" else "gloo")
         self.link = StageLink(master_addr, master_port, self.stage, self.n_stages, timeout_s, backend,
@@ -313,8 +313,8 @@ class StageActor:
              trunk_on_card: int | None = None, profile: str | None = None,
              cache_policy: str = "static", state_slots: int = 1, whole_cache_only: bool = False) -> LoadReport:
         """Load layers [first, end) (+ embedding / head at the ends) and allocate a KV pool of
-        `kv_blocks` blocks (stages/kv_cache.py) and, for recurrent (DeltaNet) layers, `state_slots`
-        sequence states (one per engine sequence slot: stages/deltanet.py),
+        `kv_blocks` blocks (stages/blocks/kv_cache.py) and, for recurrent (DeltaNet) layers, `state_slots`
+        sequence states (one per engine sequence slot: stages/blocks/deltanet.py),
         charging both to this device's budget (a simulated device refuses what does not fit).
 
         `trunk_on_card` is the trunk the plan put on the card, in the bytes the planner priced
@@ -330,11 +330,11 @@ class StageActor:
         the stage graph (the 30B-A3B shape, 4 sequences: 355 ms a step with 24 slots a layer, 339
         with 1, 315 with none; README "HTTP load").
         """
-        from moeray.stages.gguf_file import GGUFFile
+        from moeray.stages.gguf.reader import GGUFFile
         from moeray.stages.arch import arch_of
-        from moeray.stages.kv_cache import BLOCK_SIZE, kv_block_bytes, kv_dtype
-        from moeray.stages.model import StageModel, stage_trunk_bytes
-        from moeray.stages.moe import HostExperts
+        from moeray.stages.blocks.kv_cache import BLOCK_SIZE, kv_block_bytes, kv_dtype
+        from moeray.stages.runtime.model import StageModel, stage_trunk_bytes
+        from moeray.stages.blocks.moe import HostExperts
 
         t = time.perf_counter()
         self.model = None

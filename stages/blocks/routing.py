@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from moeray.stages.config import ModelConfig
+from moeray.stages.arch.config import ModelConfig
 
 
 def softmax_topk(logits: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | None = None
@@ -64,7 +64,7 @@ def topk_softmax(logits: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | No
 ROUTING = {"softmax_topk": softmax_topk, "topk_softmax": topk_softmax, "grouped_topk": grouped_topk}
 
 
-# --- the same rules as ggml graph nodes (the fused MoE layer, stages/trunk_graph.py) ----------
+# --- the same rules as ggml graph nodes (the fused MoE layer, stages/runtime/trunk_graph.py) ----------
 # Each: (ctx, logits [E, N], cfg, bias [E] placeholder or None) -> (ids [k, N] int32 in rank
 # order, weights [k, N] float32), both new tensors (graph outputs), as llama.cpp's build_moe_ffn
 # builds them.
@@ -76,7 +76,7 @@ def _picked(ctx, G, scores, ids, E: int, N: int, k: int):
 
 def graph_softmax_topk(ctx, logits, cfg: ModelConfig, bias=None):
     """softmax_topk inside a ggml graph (no bias: the rule has none)."""
-    from moeray.stages.qmatmul import ggml_lib
+    from moeray.stages.kernels.qmatmul import ggml_lib
 
     G = ggml_lib()
     E, N = logits.contents.ne[0], logits.contents.ne[1]
@@ -98,7 +98,7 @@ def graph_grouped_topk(ctx, logits, cfg: ModelConfig, bias=None):
     the best `expert_groups_used` groups kept (the others' scores set to -inf through get_rows /
     fill / set_rows); the k best; their uncorrected scores, renormalised (+1e-20, as the torch
     rule), times expert_weights_scale."""
-    from moeray.stages.qmatmul import ggml_lib
+    from moeray.stages.kernels.qmatmul import ggml_lib
 
     G = ggml_lib()
     E, N = logits.contents.ne[0], logits.contents.ne[1]
@@ -130,7 +130,7 @@ def graph_grouped_topk(ctx, logits, cfg: ModelConfig, bias=None):
 def graph_topk_softmax(ctx, logits, cfg: ModelConfig, bias=None):
     """topk_softmax inside a ggml graph (gpt-oss; build_moe_ffn's SOFTMAX_WEIGHT gating): the
     router's bias added to the logits, the k largest, soft_max over those k."""
-    from moeray.stages.qmatmul import ggml_lib
+    from moeray.stages.kernels.qmatmul import ggml_lib
 
     G = ggml_lib()
     E, N = logits.contents.ne[0], logits.contents.ne[1]

@@ -24,7 +24,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()  # generation ends before the first of these in the text
     ignore_eos: bool = False
     logprobs: int | None = None  # None = none; n = the sampled token's log-probability and the n likeliest
-    grammar: str | None = None  # an llguidance grammar (stages/grammar.py) the text must follow
+    grammar: str | None = None  # an llguidance grammar (stages/text/grammar.py) the text must follow
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

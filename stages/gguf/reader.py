@@ -17,14 +17,14 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from moeray.stages.arch import arch_of, config_from_metadata
-from moeray.stages.config import ModelConfig
+from moeray.stages.arch.config import ModelConfig
 from moeray.errors import (GGUFError, MissingTensorError, NotGGUFError, TensorShapeError,
                            TruncatedGGUFError, UnsupportedQuantError)
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 
-# Weight formats moeray dequantises (stages/quant.py has fast paths for the common ones and falls
+# Weight formats moeray dequantises (stages/gguf/quant.py has fast paths for the common ones and falls
 # back to gguf.quants for the rest).
 SUPPORTED_TYPES = frozenset(GGMLQuantizationType[n] for n in (
     "F32", "F16", "BF16", "F64", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K",

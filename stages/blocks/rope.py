@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from moeray.stages.config import ModelConfig
+from moeray.stages.arch.config import ModelConfig
 
 
 @dataclass(frozen=True)

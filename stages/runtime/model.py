@@ -15,17 +15,17 @@ import torch
 
 from moeray.errors import MoerayError
 from moeray.stages.arch import arch_of
-from moeray.stages.deltanet import DeltaState, GatedDeltaNet
-from moeray.stages.gguf_file import GGUFFile, tensor_role, trunk_bytes
-from moeray.stages.kv_cache import KVCache, KVPool, kv_dtype
-from moeray.stages.layers import Attention, BatchMeta, GatedAttention, make_batch_meta, rms_norm, slot_batch_meta
-from moeray.stages.mla import MLAttention
-from moeray.stages.moe import DenseFFN, Experts, HostExperts, MoEBlock
-from moeray.stages import repack
-from moeray.stages.qmatmul import QMatrix, announce, current_route
-from moeray.stages.rope import RoPE
-from moeray.stages.trunk_graph import Dense, LayerSpec, Routed, TrunkGraphs, supports
-from moeray.stages.quant import dequantize
+from moeray.stages.blocks.deltanet import DeltaState, GatedDeltaNet
+from moeray.stages.gguf.reader import GGUFFile, tensor_role, trunk_bytes
+from moeray.stages.blocks.kv_cache import KVCache, KVPool, kv_dtype
+from moeray.stages.blocks.attention import Attention, BatchMeta, GatedAttention, make_batch_meta, rms_norm, slot_batch_meta
+from moeray.stages.blocks.mla import MLAttention
+from moeray.stages.blocks.moe import DenseFFN, Experts, HostExperts, MoEBlock
+from moeray.stages.kernels import repack
+from moeray.stages.kernels.qmatmul import QMatrix, announce, current_route
+from moeray.stages.blocks.rope import RoPE
+from moeray.stages.runtime.trunk_graph import Dense, LayerSpec, Routed, TrunkGraphs, supports
+from moeray.stages.gguf.quant import dequantize
 
 log = logging.getLogger("moeray.kernels")
 
@@ -92,7 +92,7 @@ class StageModel(torch.nn.Module):
 
     def _repack_trunk(self) -> None:
         """Every trunk matrix in ggml's repacked layout where the setting and ggml allow it
-        (stages/repack.py), once the load has cut and concatenated the plain bytes. The embedding
+        (stages/kernels/repack.py), once the load has cut and concatenated the plain bytes. The embedding
         stays plain: it is read as rows. A tied head is that same matrix, so it stays plain too
         (llama.cpp loads a second, repacked copy; moeray does not double a head's memory)."""
         if self.tok_embd is not None:
@@ -292,7 +292,7 @@ class StageModel(torch.nn.Module):
     @torch.inference_mode()
     def run_layers(self, hidden: torch.Tensor, meta: BatchMeta, kv: KVPool) -> torch.Tensor:
         """Packed hidden [N, hidden] through this stage's layers; appends the step's k/v to `kv`.
-        On the ggml route a GQA stage runs each layer's trunk as one graph (stages/trunk_graph.py)
+        On the ggml route a GQA stage runs each layer's trunk as one graph (stages/runtime/trunk_graph.py)
         when the step's shape has one; otherwise (and on the other routes) the torch ops below."""
         step = self.trunk.step(meta, kv) if self.trunk is not None else None
         if step is not None:

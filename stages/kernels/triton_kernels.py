@@ -15,7 +15,7 @@ tile of blocks in registers and multiplies it at once:
 - `grouped_swiglu(...)`: the MoE hit path of one layer in three such launches plus the weighted
   sum: sum_r weights[:, r] * down(silu(gate x) * up x) of expert slots[:, r].
 
-Block layouts follow ggml-quants.c (and stages/quant.py, the torch dequantiser these are tested
+Block layouts follow ggml-quants.c (and stages/gguf/quant.py, the torch dequantiser these are tested
 against through Triton's interpreter, TRITON_INTERPRET=1, on CPU tensors). Every block type is
 read in 32-element segments; a program walks K 256 elements (8 segments) at a time.
 Types: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4 (GGML type ids 2, 3, 8, 12, 13, 14, 39).

@@ -55,7 +55,7 @@ def blocks_for(n_tokens: int) -> int:
 class KVPool:
     """k/v of every layer of the stage, [n_kv_heads, n_blocks * BLOCK_SIZE, head_dim] each.
 
-    The latent layout (MLA, stages/mla.py; v_dim=0): one [1, rows, head_dim] tensor per layer
+    The latent layout (MLA, stages/blocks/mla.py; v_dim=0): one [1, rows, head_dim] tensor per layer
     holding each token's compressed latent and RoPE key, and no v (the latent is the value).
     Either way the rows are addressed by the same block tables.
 
