@@ -1,10 +1,22 @@
 """Choosing the next token, and turning generated tokens into text that respects stop strings.
 
-Sampling is per sequence: each row of a batch has its own temperature / top-k / top-p and its own
-`torch.Generator`, so a seeded request draws the same tokens whether it runs alone or batched.
+Sampling is per sequence: each row of a batch has its own parameters and its own
+`torch.Generator`, so a seeded request draws the same tokens whether it runs alone or batched,
+and a row whose parameters ask for nothing beyond temperature / top-k / top-p is left exactly as
+the model wrote it, whatever its neighbours ask.
+
+The processors run in vLLM's order (docs/sampling.md):
+  1. a grammar's mask (structured output, forced tool calls)
+  2. logit_bias                                   } can change even a greedy choice:
+  3. repetition, then frequency, then presence    } `adjust_logits`
+  4. greedy (temperature 0) takes the argmax here; else divide by the temperature,
+  5. min_p, 6. top_k, 7. top_p, and draw          } `filtered_probs`
+Log-probabilities are the model's own (before all of these), as vLLM reports them by default.
 """
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -12,14 +24,21 @@ import torch
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API allows
 NUCLEUS_LOOK = 64  # top-p: the likeliest tokens ranked before sorting the whole vocabulary
+PENALTY_RANGE = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
+BIAS_RANGE = 100.0  # a logit_bias value lies in [-100, 100] (OpenAI's range)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 128
     temperature: float = 0.0  # 0 = greedy
-    top_k: int = 0  # 0 = no top-k cut
+    top_k: int = 0  # 0 = no top-k cut (-1, vLLM's spelling of it, is read as 0)
     top_p: float = 1.0  # 1 = no nucleus cut
+    min_p: float = 0.0  # 0 = no cut; else tokens less likely than min_p x the likeliest one are dropped
+    repetition_penalty: float = 1.0  # 1 = none; tokens of the prompt or the output: positive logits / it, negative x it
+    presence_penalty: float = 0.0  # subtracted from the logit of every token generated at least once
+    frequency_penalty: float = 0.0  # subtracted once per time a token was generated
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit); a dict is taken too
     seed: int | None = None  # None = nondeterministic
     stop: tuple[str, ...] = ()  # generation ends before the first of these in the text
     ignore_eos: bool = False
@@ -27,21 +46,47 @@ class SamplingParams:
     grammar: str | None = None  # an llguidance grammar (stages/text/grammar.py) the text must follow
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
+        if not self.temperature >= 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (no cut) or at least 1, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise ValueError(f"repetition_penalty must be a number > 0 (1 = none), got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -PENALTY_RANGE <= getattr(self, name) <= PENALTY_RANGE:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
             raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+        bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
+        bias = tuple(sorted((int(t), float(v)) for t, v in bias))
+        for token, value in bias:
+            if token < 0:
+                raise ValueError(f"logit_bias: {token} is not a token id")
+            if not -BIAS_RANGE <= value <= BIAS_RANGE:
+                raise ValueError(f"logit_bias: the bias of token {token} must be in [-100, 100], got {value}")
+        object.__setattr__(self, "logit_bias", bias)
+        object.__setattr__(self, "top_k", max(self.top_k, 0))
         object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def needs_history(self) -> bool:
+        """The penalties read what the sequence holds: its last stage keeps a TokenHistory."""
+        return self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Something runs before temperature that may change even a greedy choice."""
+        return self.needs_history or bool(self.logit_bias)
 
     def new_generator(self) -> torch.Generator | None:
         if self.greedy:
@@ -54,9 +99,83 @@ class SamplingParams:
         return gen
 
 
+class TokenHistory:
+    """What the penalties read of one sequence, kept where it is sampled (the last stage): which
+    tokens its prompt holds (repetition_penalty) and how many times each token was generated (all
+    three penalties). Dense over the vocabulary (5 bytes a token: 240 KiB for 49k tokens), so a step
+    reads it in a few vector operations whatever the sequence's length, and a sampled token adds
+    one count (`add`), never a recount."""
+
+    def __init__(self, n_vocab: int, prompt: Sequence[int] = (), output: Sequence[int] = (),
+                 device: torch.device | str = "cpu"):
+        self.in_prompt = torch.zeros(n_vocab, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(n_vocab, dtype=torch.float32, device=device)  # exact to 2**24
+        ids = torch.tensor([t for t in prompt if 0 <= t < n_vocab], dtype=torch.long, device=device)
+        self.in_prompt[ids] = True
+        out = torch.tensor([t for t in output if 0 <= t < n_vocab], dtype=torch.long, device=device)
+        self.counts.index_add_(0, out, torch.ones(len(out), device=device))
+
+    def add(self, token: int) -> None:
+        if 0 <= token < self.counts.numel():
+            self.counts[token] += 1
+
+
+@functools.lru_cache(maxsize=256)
+def _bias_tensors(bias: tuple[tuple[int, float], ...], n_vocab: int, device: str):
+    kept = [(t, v) for t, v in bias if t < n_vocab]  # the server checked them against its tokenizer
+    ids = torch.tensor([t for t, _ in kept], dtype=torch.long, device=device)
+    return ids, torch.tensor([v for _, v in kept], dtype=torch.float32, device=device)
+
+
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, history: TokenHistory | None = None,
+                  drafted: Sequence[int] = ()) -> torch.Tensor:
+    """The processors that may change even a greedy choice, in vLLM's order: logit_bias, then the
+    repetition, frequency and presence penalties. New float32 logits; `logits` is not touched.
+
+    `logits` is one position [vocab] or n consecutive positions of one sequence [n, vocab]
+    (speculative decoding verifies several at once); `drafted` are the n - 1 tokens between those
+    positions: position j has also generated drafted[:j].
+
+    repetition_penalty (HF's and vLLM's definition): for every token in the prompt or the output, a
+    positive logit is divided by it and a negative one multiplied. frequency and presence (OpenAI's
+    definition): logit -= frequency_penalty x count + presence_penalty x (count > 0), over the
+    output only.
+    """
+    out = logits.to(torch.float32, copy=True)
+    if params.logit_bias:
+        ids, values = _bias_tensors(params.logit_bias, out.shape[-1], str(out.device))
+        out[..., ids] += values
+    if not params.needs_history:
+        return out
+    if history is None:
+        raise ValueError("the penalties need the sequence's TokenHistory")
+    counts = history.counts
+    if drafted:
+        if out.dim() != 2 or len(drafted) != out.shape[0] - 1:
+            raise ValueError(f"{len(drafted)} drafted tokens do not lie between {tuple(out.shape)[:-1]} positions")
+        extra = torch.zeros_like(out)
+        for j, token in enumerate(drafted):
+            extra[j + 1:, token] += 1
+        counts = counts + extra
+    generated = counts > 0
+    if params.repetition_penalty != 1:
+        r = params.repetition_penalty
+        out = torch.where(generated | history.in_prompt, torch.where(out > 0, out / r, out * r), out)
+    if params.frequency_penalty:
+        out -= params.frequency_penalty * counts
+    if params.presence_penalty:
+        out -= params.presence_penalty * generated.to(out.dtype)
+    return out
+
+
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Probabilities of one row [vocab] after temperature, top-k and top-p (zeros outside the cut)."""
+    """Probabilities of one row [vocab] after temperature, min-p, top-k and top-p (zeros outside
+    the cut): the last steps before a draw, on logits `adjust_logits` has already processed."""
     logits = logits.float() / params.temperature
+    if params.min_p > 0:
+        # Relative to the likeliest token, after temperature (vLLM's order): p >= min_p * p_max.
+        probs = torch.softmax(logits, dim=-1)
+        logits = logits.masked_fill(probs < params.min_p * probs.max(), float("-inf"))
     if 0 < params.top_k < logits.numel():
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -79,17 +198,33 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     return probs
 
 
-def sample(
-    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
-    allowed: Sequence[torch.Tensor | None] | None = None,
-) -> list[int]:
-    """One next token per row of `logits` [n, vocab]; `allowed[row]` (bool [vocab], a grammar's
-    mask) leaves only those tokens to choose from."""
-    if allowed is not None and any(a is not None for a in allowed):
-        logits = logits.clone()
+def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
+                   histories: Sequence[TokenHistory | None] | None = None,
+                   allowed: Sequence[torch.Tensor | None] | None = None) -> torch.Tensor:
+    """Steps 1-3 for a batch [n, vocab]: a row's grammar mask (`allowed[row]`, bool [vocab]: only
+    those tokens stay), logit_bias and penalties (`histories[row]`). Rows that ask for none of them
+    keep the model's values bit for bit; `logits` itself is not touched (its log-probabilities are
+    reported)."""
+    masked = allowed is not None and any(a is not None for a in allowed)
+    adjusted = [row for row, p in enumerate(params) if p.adjusts_logits]
+    if not masked and not adjusted:
+        return logits
+    logits = logits.to(torch.float32, copy=True)
+    if masked:
         for row, a in enumerate(allowed):
             if a is not None:
                 logits[row].masked_fill_(~a.to(logits.device), float("-inf"))
+    for row in adjusted:
+        logits[row] = adjust_logits(logits[row], params[row], histories[row] if histories is not None else None)
+    return logits
+
+
+def sample(
+    logits: torch.Tensor, params: Sequence[SamplingParams], generators: Sequence[torch.Generator | None],
+    allowed: Sequence[torch.Tensor | None] | None = None, histories: Sequence[TokenHistory | None] | None = None,
+) -> list[int]:
+    """One next token per row of `logits` [n, vocab] (process_logits, then greedy or a draw)."""
+    logits = process_logits(logits, params, histories, allowed)
     greedy_ids = argmax_rows(logits) if any(p.greedy for p in params) else []
     out = []
     for row, (p, gen) in enumerate(zip(params, generators)):
