@@ -81,6 +81,7 @@ class Service:
         self.header_config = header.config
         engine_cfg = opts.engine
         self.tokenizer = Tokenizer.from_metadata(header.metadata, source=self.path)
+        self.tokenizer.max_token_bytes  # noqa: B018 - read the vocabulary once now, not on a request
         self.created = oa.now()
         self.launched = None
         self.lines: list[str] = []

@@ -28,6 +28,14 @@ PENALTY_RANGE = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's
 BIAS_RANGE = 100.0  # a logit_bias value lies in [-100, 100] (OpenAI's range)
 
 
+class BadSamplingParam(ValueError):
+    """A sampling parameter out of its range; `param` names it (the HTTP 400's `param`)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 128
@@ -47,29 +55,32 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+            raise BadSamplingParam("temperature", f"temperature must be >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+            raise BadSamplingParam("top_p", f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
-            raise ValueError(f"top_k must be -1 or 0 (no cut) or at least 1, got {self.top_k}")
+            raise BadSamplingParam("top_k", f"top_k must be -1 or 0 (no cut) or at least 1, got {self.top_k}")
         if not 0 <= self.min_p <= 1:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+            raise BadSamplingParam("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if not 0 < self.repetition_penalty < math.inf:
-            raise ValueError(f"repetition_penalty must be a number > 0 (1 = none), got {self.repetition_penalty}")
+            raise BadSamplingParam("repetition_penalty",
+                                   f"repetition_penalty must be a number > 0 (1 = none), got {self.repetition_penalty}")
         for name in ("presence_penalty", "frequency_penalty"):
             if not -PENALTY_RANGE <= getattr(self, name) <= PENALTY_RANGE:
-                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+                raise BadSamplingParam(name, f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise BadSamplingParam("max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-            raise ValueError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
+            raise BadSamplingParam("top_logprobs",
+                                   f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
         bias = self.logit_bias.items() if isinstance(self.logit_bias, dict) else self.logit_bias
         bias = tuple(sorted((int(t), float(v)) for t, v in bias))
         for token, value in bias:
             if token < 0:
-                raise ValueError(f"logit_bias: {token} is not a token id")
+                raise BadSamplingParam("logit_bias", f"logit_bias: {token} is not a token id")
             if not -BIAS_RANGE <= value <= BIAS_RANGE:
-                raise ValueError(f"logit_bias: the bias of token {token} must be in [-100, 100], got {value}")
+                raise BadSamplingParam("logit_bias",
+                                       f"logit_bias: the bias of token {token} must be in [-100, 100], got {value}")
         object.__setattr__(self, "logit_bias", bias)
         object.__setattr__(self, "top_k", max(self.top_k, 0))
         object.__setattr__(self, "stop", tuple(s for s in self.stop if s))
