@@ -207,6 +207,20 @@ def test_a_mixed_batch_changes_only_the_rows_that_ask_and_their_neighbours_draw_
         assert [d[row] for d in drawn] == [sample(logits[row:row + 1], [params[row]], [g])[0] for _ in range(200)]
 
 
+def test_a_huge_penalty_never_makes_a_token_impossible_only_a_grammar_does():
+    """repetition_penalty 1e38 on negative logits overflows float32: such a token becomes the least
+    likely, never -inf, so a grammar that allows only repeated tokens still has a distribution."""
+    logits = -torch.rand(V, generator=torch.Generator().manual_seed(4)) * 50 - 1  # all negative
+    allowed = torch.zeros(V, dtype=torch.bool)
+    allowed[[7, 9]] = True  # both in the prompt: both penalised
+    p = SamplingParams(temperature=1.0, repetition_penalty=1e38, seed=1)
+    out = process_logits(logits[None], [p], [TokenHistory(V, PROMPT, OUTPUT)], [allowed])[0]
+    assert torch.isfinite(out[allowed]).all() and torch.isneginf(out[~allowed]).all()
+    g = p.new_generator()
+    assert {sample(logits[None], [p], [g], [allowed], [TokenHistory(V, PROMPT, OUTPUT)])[0] for _ in range(50)} <= {7, 9}
+    assert SamplingParams(temperature=1e-9).greedy  # as vLLM: dividing by it would overflow
+
+
 def test_a_seeded_penalised_row_repeats_its_draws_and_its_counts_steer_them():
     logits = torch.zeros(V)  # all alike: only the penalties tell the tokens apart
     p = SamplingParams(temperature=1.0, presence_penalty=2, frequency_penalty=2, seed=5)

@@ -26,6 +26,8 @@ MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API allows
 NUCLEUS_LOOK = 64  # top-p: the likeliest tokens ranked before sorting the whole vocabulary
 PENALTY_RANGE = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
 BIAS_RANGE = 100.0  # a logit_bias value lies in [-100, 100] (OpenAI's range)
+GREEDY_BELOW = 1e-5  # a temperature this small samples greedily, as in vLLM (dividing by it overflows)
+FLOAT_MIN = torch.finfo(torch.float32).min
 
 
 class BadSamplingParam(ValueError):
@@ -87,7 +89,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
     @property
     def needs_history(self) -> bool:
@@ -171,7 +173,12 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, history: TokenHi
     generated = counts > 0
     if params.repetition_penalty != 1:
         r = params.repetition_penalty
-        out = torch.where(generated | history.in_prompt, torch.where(out > 0, out / r, out * r), out)
+        # A large penalty must not overflow a logit to -inf: only a grammar makes a token impossible
+        # (a row of -inf has no distribution to draw from).
+        lowered = out * r
+        lowered = torch.where(torch.isinf(lowered) & torch.isfinite(out), FLOAT_MIN, lowered)
+        scaled = torch.where(out > 0, out / r, lowered)
+        out = torch.where(generated | history.in_prompt, scaled, out)
     if params.frequency_penalty:
         out -= params.frequency_penalty * counts
     if params.presence_penalty:
