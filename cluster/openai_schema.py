@@ -23,15 +23,13 @@ INT64 = dict(ge=-(1 << 63), le=(1 << 63) - 1)
 # ---------------------------------------------------------------- which parameters moeray does
 
 # OpenAI's parameters that moeray does not implement, with the values that ask for nothing
-# (null always does). Anything else is a 400 naming the parameter. Chat and completions share
-# the first table; each endpoint adds its own.
-_UNSUPPORTED_BOTH: dict[str, tuple] = {}
+# (null always does). Anything else is a 400 naming the parameter.
 UNSUPPORTED_CHAT: dict[str, tuple] = {
-    **_UNSUPPORTED_BOTH, "store": (False,), "modalities": (["text"],), "audio": (), "prediction": (),
-    "reasoning_effort": (), "verbosity": (), "web_search_options": (), "service_tier": ("auto", "default"),
+    "store": (False,), "modalities": (["text"],), "audio": (), "prediction": (),
+    "verbosity": (), "web_search_options": (), "service_tier": ("auto", "default"),
     "functions": (), "function_call": (),
 }
-UNSUPPORTED_COMPLETIONS: dict[str, tuple] = {**_UNSUPPORTED_BOTH, "best_of": (1,), "echo": (False,), "suffix": ()}
+UNSUPPORTED_COMPLETIONS: dict[str, tuple] = {"best_of": (1,), "echo": (False,), "suffix": ()}
 
 
 def _asks_nothing(value: Any, neutral: tuple) -> bool:
@@ -180,6 +178,8 @@ class ChatMessage(BaseModel):
     name: Optional[StrictStr] = None
     tool_calls: Optional[list[dict]] = None  # an assistant's earlier calls
     tool_call_id: Optional[StrictStr] = None  # a tool message answers this call
+    reasoning_content: Optional[StrictStr] = None  # an assistant's earlier reasoning (vLLM's name)
+    reasoning: Optional[StrictStr] = None  # the same, by its newer name
 
     @field_validator("content")
     @classmethod
@@ -214,6 +214,9 @@ class ChatCompletionRequest(_Request):
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[StrictBool] = None
+    # Variables of the chat template (Qwen3's enable_thinking, DeepSeek-V3.1's thinking), as vLLM takes them.
+    chat_template_kwargs: Optional[dict[StrictStr, Any]] = None
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None  # a template variable too
 
 
 class CompletionRequest(_Request):
@@ -275,13 +278,12 @@ class ToolCallOut(BaseModel):
     function: ToolCallFunction
 
 
-class ToolCallDelta(ToolCallOut):
-    index: int  # which call of the message this delta adds to
 
 
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str]
+    reasoning_content: Optional[str] = None  # the thinking, apart from the answer (as vLLM and llama-server)
     tool_calls: Optional[list[ToolCallOut]] = None
 
 
@@ -304,7 +306,10 @@ class ChatCompletion(BaseModel):
 class Delta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
-    tool_calls: Optional[list[ToolCallDelta]] = None
+    reasoning_content: Optional[str] = None
+    # {"index", "id", "type", "function": {"name", "arguments"}} as OpenAI streams a call: the id, type and
+    # name in its first piece only, then argument fragments (plain dicts: absent keys stay absent).
+    tool_calls: Optional[list[dict]] = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -47,8 +47,8 @@ from moeray.cluster import request_sampling as rs
 from moeray.cluster.config import ServeOptions
 from moeray.cluster.engine_loop import EngineDownError, Finished, OverloadedError
 from moeray.cluster.service import Service
-from moeray.cluster.tools import ToolCallStream, parse_tool_calls, template_messages
 from moeray.errors import MoerayError
+from moeray.stages.text.chat import ChatFormatError, Delta
 from moeray.stages.text.sampling import SamplingParams
 
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's resource of the head node
@@ -289,31 +289,43 @@ async def collect(request: Request, calls: list[Call]) -> list[str]:
 
 
 def chat_prompt(service: Service, body: oa.ChatCompletionRequest, extras: xt.Extras) -> list[int]:
-    """The conversation rendered with the model's template, then tokenized (a worker thread runs this)."""
+    """The prompt's tokens, rendered as the model's chat format calls its template (extras.turn); a
+    worker thread runs this (rendering and tokenizing a long conversation take a while)."""
     messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text(),
-                 **m.model_dump(include={"name", "tool_calls", "tool_call_id"}, exclude_none=True)}
+                 **m.model_dump(include={"name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning"},
+                                exclude_none=True)}
                 for m in body.messages]
     try:
-        text = service.tokenizer.apply_chat_template(template_messages(messages), tools=extras.tools)
+        extras.turn = service.chat.render(service.tokenizer, messages, extras.tools, extras.variables,
+                                          read_calls=extras.read_calls)
+    except ChatFormatError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
     except MoerayError as exc:
         raise APIError(400, str(exc), param="messages") from None
     except TemplateError as exc:  # the template's own raise_exception(...): roles out of order, ...
         raise APIError(400, f"the model's chat template rejected the messages: {exc}", param="messages",
                        code="invalid_value") from None
-    return encode_prompt(service, text, "messages")
+    refuse_untokenized(service, extras.turn.prompt, "messages")
+    xt.force_call(service, extras, bad_request)
+    return service.tokenizer.encode(extras.turn.prompt)
 
 
 def encode_prompt(service: Service, text: str, param: str) -> list[int]:
-    """A prompt's token ids, or a 400 before any tokenizing when its bytes alone show it cannot fit:
-    no token stands for more than `max_token_bytes` of text (Tokenizer.min_tokens; a 20 MB prompt
-    is refused in milliseconds, not tokenized for 40 s). A worker thread runs this: tokenizing
-    lets go of the GIL, so the engine thread steps and the event loop answers meanwhile."""
+    """A prompt text's token ids (a worker thread runs this: tokenizing lets go of the GIL, so the
+    engine thread steps and the event loop answers meanwhile)."""
+    refuse_untokenized(service, text, param)
+    return service.tokenizer.encode(text)
+
+
+def refuse_untokenized(service: Service, text: str, param: str) -> None:
+    """A 400 before any tokenizing when a prompt's bytes alone show it cannot fit: no token stands
+    for more than `max_token_bytes` of text (Tokenizer.min_tokens; a 20 MB prompt is refused in
+    milliseconds, not tokenized for 40 s)."""
     floor = service.tokenizer.min_tokens(text)
     if floor >= service.context:
         raise APIError(400, f"this model's context is {service.context} tokens; the prompt has at least {floor} "
                        f"tokens (no token stands for more than {service.tokenizer.max_token_bytes} of its "
                        "bytes), which leaves no room for a completion", param=param, code="context_length_exceeded")
-    return service.tokenizer.encode(text)
 
 
 async def chat_completions(body: oa.ChatCompletionRequest, request: Request):
@@ -329,8 +341,11 @@ async def chat_completions(body: oa.ChatCompletionRequest, request: Request):
 
 
 def chat_choice(call: Call, text: str) -> oa.ChatChoice:
-    content, calls = parse_tool_calls(text) if call.extras.tools else (text, [])
-    message = oa.ResponseMessage(content=(content or None) if calls else content, tool_calls=[
+    """One choice's message: what the chat format's reader makes of its text."""
+    reply = call.extras.turn.parse(text)
+    calls = reply.tool_calls
+    message = oa.ResponseMessage(content=(reply.content or None) if calls else reply.content,
+                                 reasoning_content=reply.reasoning or None, tool_calls=[
         oa.ToolCallOut(id=c.id, function=oa.ToolCallFunction(name=c.name, arguments=c.arguments))
         for c in calls] or None)
     return oa.ChatChoice(index=call.index, message=message,
@@ -380,12 +395,14 @@ class TextChunk:
 
 
 class ChatChunks:
-    """The SSE chunks of a streamed chat completion: the role, the content (held back while it may
-    be a tool call), then the tool calls, the finish reason and the usage."""
+    """The SSE chunks of a streamed chat completion: the role, then what the chat format's reader
+    makes of each text delta (reasoning, content, a tool call's id and name, then its argument
+    fragments; a possible marker held back until it is whole), and the finish reason."""
 
     def __init__(self, call: Call):
         self.call = call
-        self.held = ToolCallStream() if call.extras.tools else None
+        turn = call.extras.turn
+        self.reader = turn.reader() if turn is not None and turn.format.name != "plain" else None
         self.sent_logprobs = 0
         self.plain = TextChunk(self._chunk(oa.Delta(content=TextChunk.MARK)))
 
@@ -399,29 +416,35 @@ class ChatChunks:
         lps, self.sent_logprobs = all_lps[self.sent_logprobs:], len(all_lps)
         return _chat_logprobs(self.call, lps) if lps else None
 
+    def _read(self, d: Delta, lps=None) -> str:
+        if not d and lps is None:
+            return ""
+        calls = [{"index": c.index, **({"id": c.id, "type": "function"} if c.id else {}),
+                  "function": {**({"name": c.name} if c.name else {}), "arguments": c.arguments}} for c in d.calls]
+        return self._chunk(oa.Delta(content=d.content or None, reasoning_content=d.reasoning or None,
+                                    tool_calls=calls or None), lps=lps)
+
     def opening(self) -> Iterable[str]:
         yield self._chunk(oa.Delta(role="assistant", content=""))
 
     def text(self, text: str) -> str | bytes:
-        if self.held is None and self.call.extras.logprobs is None:
-            return self.plain(text) if text else ""  # what nearly every chunk is: text alone
-        if self.held is not None:
-            text = self.held.push(text)
-        lps = self._new_logprobs()
-        return self._chunk(oa.Delta(content=text), lps=lps) if text or lps else ""
+        if self.reader is None:
+            if self.call.extras.logprobs is None:
+                return self.plain(text) if text else ""  # what nearly every chunk is: text alone
+            lps = self._new_logprobs()
+            return self._chunk(oa.Delta(content=text), lps=lps) if text or lps else ""
+        return self._read(self.reader.feed(text), self._new_logprobs())
 
     def closing(self) -> Iterable[str]:
         c = self.call
         finish = c.out.finish_reason
-        rest, calls = self.held.finish() if self.held is not None else ("", [])
-        lps = self._new_logprobs()
-        if rest or lps:
-            yield self._chunk(oa.Delta(content=rest), lps=lps)
-        if calls:
-            finish = "tool_calls"
-            yield self._chunk(oa.Delta(tool_calls=[
-                oa.ToolCallDelta(index=i, id=t.id, function=oa.ToolCallFunction(name=t.name, arguments=t.arguments))
-                for i, t in enumerate(calls)]))
+        if self.reader is not None:
+            if line := self._read(self.reader.close(), self._new_logprobs()):
+                yield line
+            if self.reader.message.tool_calls:
+                finish = "tool_calls"
+        elif lps := self._new_logprobs():
+            yield self._chunk(oa.Delta(content=""), lps=lps)
         yield self._chunk(oa.Delta(), finish)
 
     @staticmethod
