@@ -131,11 +131,15 @@ def test_logit_bias_and_penalties_are_what_vllm_and_openai_define(p):
 
 
 def test_a_history_counts_each_sampled_token_once_as_a_recount_would():
-    h = TokenHistory(V, PROMPT, OUTPUT[:2])
-    for t in OUTPUT[2:]:
+    import random
+
+    rng = random.Random(0)
+    output = OUTPUT + [rng.randrange(V) for _ in range(300)]  # more distinct tokens than its first arrays hold
+    h = TokenHistory(V, PROMPT, output[:2])
+    for t in output[2:]:
         h.add(t)
-    assert h.counts.tolist() == [float(OUTPUT.count(t)) for t in range(V)]
-    assert h.in_prompt.nonzero().flatten().tolist() == sorted(set(PROMPT))
+    held = dict(zip(h.ids.tolist(), zip(h.counts.tolist(), h.in_prompt.tolist())))
+    assert held == {t: (float(output.count(t)), t in PROMPT) for t in set(PROMPT) | set(output)}
 
 
 def test_several_positions_of_one_sequence_see_the_tokens_drafted_before_them():

@@ -113,24 +113,58 @@ class SamplingParams:
 
 
 class TokenHistory:
-    """What the penalties read of one sequence, kept where it is sampled (the last stage): which
-    tokens its prompt holds (repetition_penalty) and how many times each token was generated (all
-    three penalties). Dense over the vocabulary (5 bytes a token: 240 KiB for 49k tokens), so a step
-    reads it in a few vector operations whatever the sequence's length, and a sampled token adds
-    one count (`add`), never a recount."""
+    """What the penalties read of one sequence, kept where it is sampled (the last stage): the
+    tokens it holds (prompt and output, each once: `ids`), whether each is in the prompt
+    (repetition_penalty reads it) and how many times it was generated (all three read it).
+
+    Sparse: the penalties touch only these tokens, so a step gathers and scatters them instead of
+    passing over the whole vocabulary (a few thousand of 49k-152k), and a sequence holds 13 bytes a
+    distinct token rather than 5 a vocabulary entry. A sampled token adds one count (`add`), never
+    a recount; the arrays grow by doubling."""
 
     def __init__(self, n_vocab: int, prompt: Sequence[int] = (), output: Sequence[int] = (),
                  device: torch.device | str = "cpu"):
-        self.in_prompt = torch.zeros(n_vocab, dtype=torch.bool, device=device)
-        self.counts = torch.zeros(n_vocab, dtype=torch.float32, device=device)  # exact to 2**24
-        ids = torch.tensor([t for t in prompt if 0 <= t < n_vocab], dtype=torch.long, device=device)
-        self.in_prompt[ids] = True
-        out = torch.tensor([t for t in output if 0 <= t < n_vocab], dtype=torch.long, device=device)
-        self.counts.index_add_(0, out, torch.ones(len(out), device=device))
+        self.n_vocab, self.device = n_vocab, device
+        kept_prompt = {t: None for t in prompt if 0 <= t < n_vocab}
+        counts: dict[int, int] = {t: 0 for t in kept_prompt}
+        for t in output:
+            if 0 <= t < n_vocab:
+                counts[t] = counts.get(t, 0) + 1
+        self.pos = {t: i for i, t in enumerate(counts)}  # token -> its column in the arrays
+        self.n = len(counts)
+        cap = max(64, 2 * self.n)
+        self._ids = torch.zeros(cap, dtype=torch.long, device=device)
+        self._counts = torch.zeros(cap, dtype=torch.float32, device=device)  # exact to 2**24
+        self._in_prompt = torch.zeros(cap, dtype=torch.bool, device=device)
+        self._ids[:self.n] = torch.tensor(list(counts), dtype=torch.long)
+        self._counts[:self.n] = torch.tensor(list(counts.values()), dtype=torch.float32)
+        self._in_prompt[:self.n] = torch.tensor([t in kept_prompt for t in counts], dtype=torch.bool)
+
+    @property
+    def ids(self) -> torch.Tensor:
+        return self._ids[:self.n]
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """Times each of `ids` was generated (0: only in the prompt)."""
+        return self._counts[:self.n]
+
+    @property
+    def in_prompt(self) -> torch.Tensor:
+        return self._in_prompt[:self.n]
 
     def add(self, token: int) -> None:
-        if 0 <= token < self.counts.numel():
-            self.counts[token] += 1
+        if not 0 <= token < self.n_vocab:
+            return
+        i = self.pos.get(token)
+        if i is None:
+            if self.n == self._ids.numel():
+                self._ids, self._counts, self._in_prompt = (torch.cat([a, torch.zeros_like(a)])
+                                                           for a in (self._ids, self._counts, self._in_prompt))
+            i = self.pos[token] = self.n
+            self._ids[i] = token
+            self.n += 1
+        self._counts[i] += 1
 
 
 @functools.lru_cache(maxsize=256)
@@ -154,36 +188,74 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, history: TokenHi
     definition): logit -= frequency_penalty x count + presence_penalty x (count > 0), over the
     output only.
     """
-    out = logits.to(torch.float32, copy=True)
-    if params.logit_bias:
-        ids, values = _bias_tensors(params.logit_bias, out.shape[-1], str(out.device))
-        out[..., ids] += values
+    return _adjust_(logits.to(torch.float32, copy=True), params, history, drafted)
+
+
+def _adjust_(out: torch.Tensor, params: SamplingParams, history: TokenHistory | None,
+             drafted: Sequence[int] = ()) -> torch.Tensor:
+    """adjust_logits in place on float32 `out`."""
+    _bias_(out, params)
     if not params.needs_history:
         return out
     if history is None:
         raise ValueError("the penalties need the sequence's TokenHistory")
-    counts = history.counts
+    ids, counts, in_prompt = history.ids, history.counts, history.in_prompt
     if drafted:
         if out.dim() != 2 or len(drafted) != out.shape[0] - 1:
             raise ValueError(f"{len(drafted)} drafted tokens do not lie between {tuple(out.shape)[:-1]} positions")
-        extra = torch.zeros_like(out)
+        new = [t for t in dict.fromkeys(drafted) if t not in history.pos and 0 <= t < out.shape[-1]]
+        column = {**history.pos, **{t: history.n + i for i, t in enumerate(new)}}
+        ids = torch.cat([ids, torch.tensor(new, dtype=torch.long, device=ids.device)])
+        in_prompt = torch.cat([in_prompt, torch.zeros(len(new), dtype=torch.bool, device=ids.device)])
+        counts = torch.cat([counts, counts.new_zeros(len(new))]).expand(out.shape[0], -1).clone()
         for j, token in enumerate(drafted):
-            extra[j + 1:, token] += 1
-        counts = counts + extra
-    generated = counts > 0
-    if params.repetition_penalty != 1:
-        r = params.repetition_penalty
-        # A large penalty must not overflow a logit to -inf: only a grammar makes a token impossible
-        # (a row of -inf has no distribution to draw from).
-        lowered = out * r
-        lowered = torch.where(torch.isinf(lowered) & torch.isfinite(out), FLOAT_MIN, lowered)
-        scaled = torch.where(out > 0, out / r, lowered)
-        out = torch.where(generated | history.in_prompt, scaled, out)
-    if params.frequency_penalty:
-        out -= params.frequency_penalty * counts
-    if params.presence_penalty:
-        out -= params.presence_penalty * generated.to(out.dtype)
+            if token in column:
+                counts[j + 1:, column[token]] += 1
+    # Only the tokens the sequence holds change: gathered, penalised, scattered back.
+    values = _penalised(out.index_select(-1, ids), counts, in_prompt, params.repetition_penalty,
+                        params.frequency_penalty, params.presence_penalty)
+    out.index_copy_(-1, ids, values)
     return out
+
+
+def _bias_(out: torch.Tensor, params: SamplingParams) -> None:
+    if params.logit_bias:
+        ids, values = _bias_tensors(params.logit_bias, out.shape[-1], str(out.device))
+        out.index_add_(-1, ids, values.expand(*out.shape[:-1], -1) if out.dim() == 2 else values)
+
+
+def _penalised(values: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor, repetition, frequency,
+               presence) -> torch.Tensor:
+    """The three penalties on the gathered logits of the tokens a sequence holds; each penalty a
+    number or one per value. A penalty that is off leaves a value exactly as it was (x * 1, x / 1,
+    x - 0)."""
+    generated = counts > 0
+    # A large penalty must not overflow a logit to -inf: only a grammar makes a token impossible
+    # (a row of -inf has no distribution to draw from).
+    lowered = values * repetition
+    lowered = torch.where(torch.isinf(lowered) & torch.isfinite(values), FLOAT_MIN, lowered)
+    values = torch.where(generated | in_prompt, torch.where(values > 0, values / repetition, lowered), values)
+    return values - (frequency * counts + presence * generated.to(values.dtype))
+
+
+def _penalise_rows_(logits: torch.Tensor, rows: list[int], params: Sequence[SamplingParams],
+                    histories: Sequence[TokenHistory]) -> None:
+    """The penalties of several rows of a batch [n, vocab] at once, in place: every row's tokens
+    gathered into one vector, each with its row's penalties, penalised and scattered back (a
+    dozen operations per step whatever the number of rows)."""
+    hs = [histories[row] for row in rows]
+    dev = logits.device
+    lengths = torch.tensor([h.n for h in hs], device=dev)
+    flat = torch.cat([h.ids for h in hs]) + torch.tensor(rows, device=dev).repeat_interleave(lengths) * logits.shape[1]
+
+    def each(name: str) -> torch.Tensor:
+        return torch.tensor([getattr(params[row], name) for row in rows], device=dev).repeat_interleave(lengths)
+
+    view = logits.view(-1)
+    values = _penalised(view.index_select(0, flat), torch.cat([h.counts for h in hs]),
+                        torch.cat([h.in_prompt for h in hs]), each("repetition_penalty"), each("frequency_penalty"),
+                        each("presence_penalty"))
+    view.index_copy_(0, flat, values)
 
 
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -232,8 +304,13 @@ def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
         for row, a in enumerate(allowed):
             if a is not None:
                 logits[row].masked_fill_(~a.to(logits.device), float("-inf"))
-    for row in adjusted:
-        logits[row] = adjust_logits(logits[row], params[row], histories[row] if histories is not None else None)
+    for row in adjusted:  # logit_bias first (vLLM's order), then the penalties of every row at once
+        _bias_(logits[row], params[row])
+    penalised = [row for row in adjusted if params[row].needs_history]
+    if penalised:
+        if histories is None or any(histories[row] is None for row in penalised):
+            raise ValueError("the penalties need each sequence's TokenHistory")
+        _penalise_rows_(logits, penalised, params, histories)
     return logits
 
 
