@@ -184,6 +184,23 @@ def test_completion_stream_stop_string_and_length(client):
     assert streamed[-1].choices == [] and streamed[-1].usage.completion_tokens == 6  # usage once, last
 
 
+def test_penalties_over_the_stages_equal_moeray_generate(client, default_model_path):
+    """The penalties read a history only the last stage keeps (its prompt sent to it with the first
+    chunk): over two Ray stages a penalised greedy request gives what one process gives."""
+    prompt, flags = "a b a b a b a b a b", {"presence_penalty": 1.5, "frequency_penalty": 0.5,
+                                             "repetition_penalty": 1.3, "logit_bias": {"253": -2}}
+    served = client.completions.create(model="moeray-test", prompt=prompt, max_tokens=8, temperature=0,
+                                       **{k: v for k, v in flags.items() if k in ("presence_penalty", "frequency_penalty")},
+                                       logit_bias=flags["logit_bias"],
+                                       extra_body={"repetition_penalty": flags["repetition_penalty"]})
+    r = subprocess.run([sys.executable, "-m", "moeray.cluster.cli", "generate", str(default_model_path), "--prompt",
+                        prompt, "--max-tokens", "8", "--presence-penalty", "1.5", "--frequency-penalty", "0.5",
+                        "--repetition-penalty", "1.3", "--logit-bias", "253=-2"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert served.choices[0].text == r.stdout.rstrip("\n") and served.choices[0].text.split() != ["a", "b"] * 4
+
+
 def test_seeded_sampling_repeats(client):
     kw = dict(model="moeray-test", prompt="Once upon a time", max_tokens=6, temperature=0.9, top_p=0.95, seed=7)
     a, b = (client.completions.create(**kw).choices[0].text for _ in range(2))
