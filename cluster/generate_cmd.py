@@ -74,7 +74,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rebuild", action="store_true", help="rebuild the embedded default model first")
     p.add_argument("--exact", action="store_true",
                    help="debugging: dequantise every weight to float32 once (4 bytes a weight) instead of "
-                        "computing from the GGUF's blocks; also MOERAY_ROUTE=exact|dequant|ggml")
+                        "computing from the GGUF's blocks; also MOERAY_BACKEND=exact|dequant|ggml")
     c = p.add_argument_group("expert cache (hits from slots on the device, misses from the host copy)")
     c.add_argument("--cache-budget", default="auto", metavar="SIZE",
                    help="bytes the expert cache may hold, e.g. 1GiB or 0 (no cache). auto: on CUDA all free VRAM "
@@ -121,9 +121,9 @@ def run(args: argparse.Namespace) -> int:
             raise MoerayError(f"--json-schema: {exc}") from None
         params = dataclasses.replace(params, grammar=grammar)
     if getattr(args, "exact", False):
-        from moeray.stages.kernels.qmatmul import set_route
+        from moeray.stages.kernels.qmatmul import set_backend
 
-        set_route("exact")
+        set_backend("exact")
     model, cache = _load_with_experts(gguf, args)
     prompt = (tokenizer.encode(fmt.render(tokenizer, [{"role": "user", "content": args.prompt}]).prompt) if args.chat
               else tokenizer.encode(args.prompt))

@@ -113,7 +113,7 @@ def test_a_preempted_sequence_keeps_its_output_counts(tiny_model, recorded):
 
 
 def test_the_history_travels_to_the_last_stage_only():
-    b = StepBatch(0, [0, 1], [3, 1], [True, False], tokens=[[1, 2, 3], [4]],
+    b = StepBatch(step_id=0, slots=[0, 1], n_new=[3, 1], fresh=[True, False], tokens=[[1, 2, 3], [4]],
                   sample=[SamplingParams(presence_penalty=1), None], starts=[0, 9], tables=[[0], [1]],
                   history=[([1, 2, 3], []), None])
     assert b.for_stage(0, 3).history is None and b.for_stage(1, 3).history is None

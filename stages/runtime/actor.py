@@ -17,16 +17,20 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Optional
 
 from moeray.stages.runtime.device import DeviceInfo, device_ledger, measure_speed, probe_device
 from moeray.errors import MoerayError
 
+if TYPE_CHECKING:
+    from moeray.stages.text.sampling import SamplingParams
 
-@dataclass
+
+@dataclass(kw_only=True)
 class StepBatch:
-    """One micro-batch of one engine step, as a stage sees it.
+    """One micro-batch of one engine step, as a stage sees it: one entry per sequence in each list,
+    built by keyword (cluster/scheduler.py ScheduledStep.batch).
 
     Every stage gets the same slots, token counts, start positions and KV block tables (the engine
     owns the block accounting; stages/blocks/kv_cache.py); only stage 0 gets the token ids and only the
@@ -37,7 +41,7 @@ class StepBatch:
     n_new: list[int]  # new tokens per sequence: a prefill chunk or 1
     fresh: list[bool]  # this chunk starts a new sequence in its slot: reset KV and sampler first
     tokens: list[list[int]] | None = None  # stage 0 only
-    sample: list[Any] | None = None  # last stage only: SamplingParams per sequence, None = no token wanted yet
+    sample: list[SamplingParams | None] | None = None  # last stage only; None: no token wanted yet
     starts: list[int] | None = None  # tokens each sequence holds in KV before this step
     tables: list[list[int]] | None = None  # each sequence's KV blocks, at least up to its last new token
     # (block, block, rows): copy the first rows of a written block into another before the step (a
@@ -49,10 +53,8 @@ class StepBatch:
 
     def for_stage(self, stage: int, n_stages: int) -> "StepBatch":
         last = stage == n_stages - 1
-        return StepBatch(self.step_id, self.slots, self.n_new, self.fresh,
-                         self.tokens if stage == 0 else None,
-                         self.sample if last else None, self.starts, self.tables, self.copies,
-                         self.history if last else None)
+        return replace(self, tokens=self.tokens if stage == 0 else None, sample=self.sample if last else None,
+                       history=self.history if last else None)
 
 
 @dataclass(frozen=True)
@@ -97,7 +99,7 @@ class StageStats:
     steps: int = 0
     step_s: float = 0.0  # time in steps, incl. waiting for the previous stage's activations
     tokens_in: int = 0
-    route: str = ""  # the kernels the stage runs: ggml | dequant | exact
+    backend: str = ""  # the kernels the stage runs: ggml | dequant | exact
     trunk_held_bytes: int = 0  # what the trunk really holds on the device ...
     trunk_gguf_bytes: int = 0  # ... and the same tensors' bytes in the GGUF
     cache: Optional[dict[str, Any]] = None
@@ -238,10 +240,10 @@ def _nvml_process_bytes(pci_bus_id: str) -> tuple[int | None, str]:
 
 class StageActor:
     def __init__(self, stage: int, n_stages: int, simulated_budget: int | None = None,
-                 torch_threads: int | None = None, route: str | None = None, card_share: float = 1.0):
+                 torch_threads: int | None = None, backend: str | None = None, card_share: float = 1.0):
         import torch
 
-        from moeray.stages.kernels.qmatmul import set_route
+        from moeray.stages.kernels.qmatmul import set_backend
 
         if torch_threads is None and simulated_budget is None:
             # A CUDA stage computes its misses on the host, but Ray starts an actor that reserves no
@@ -252,8 +254,8 @@ class StageActor:
         if torch_threads:
             # Simulated stages share the host's cores; without this each grabs all of them.
             torch.set_num_threads(torch_threads)
-        if route:  # the kernels of this process: every StageModel it builds uses them
-            set_route(route)
+        if backend:  # the kernels of this process: every StageModel it builds uses them
+            set_backend(backend)
         self.stage, self.n_stages = stage, n_stages
         self.simulated_budget = simulated_budget
         self.card_share = card_share  # the part of its GPU Ray gave this stage (0.5: two stages per card)
@@ -390,7 +392,7 @@ class StageActor:
         kv = model.new_kv_pool(kv_blocks, state_slots)
         self.model, self.runner = model, StageRunner(model, kv)
         # Fixed once loaded: measured here, not again on every stats poll.
-        self.trunk_bytes = (resident, stage_trunk_bytes(gguf, first, end, route=None))
+        self.trunk_bytes = (resident, stage_trunk_bytes(gguf, first, end, backend=None))
         self.steps, self.step_s, self.tokens_in = 0, 0.0, 0
         self.hidden = model.config.hidden
         return LoadReport(self.stage, (first, end), time.perf_counter() - t, dict(self.memory.parts),
@@ -479,7 +481,7 @@ class StageActor:
         if self.model is not None:
             out.layers, out.steps, out.step_s, out.tokens_in = ((self.model.first, self.model.end), self.steps,
                                                                  self.step_s, self.tokens_in)
-            out.route, (out.trunk_held_bytes, out.trunk_gguf_bytes) = self.model.route, self.trunk_bytes
+            out.backend, (out.trunk_held_bytes, out.trunk_gguf_bytes) = self.model.backend, self.trunk_bytes
             cache = getattr(self.model.experts, "stats", None)
             if callable(cache):
                 out.cache = cache()
