@@ -152,17 +152,23 @@ def _builder(arch: str):
 
 def family_model(family: Family) -> Path:
     """write_family_model's file, made once per machine (in the cache beside the default model):
-    the key is everything it depends on (this file, the template, the library versions)."""
+    the key is everything it depends on (the recipe, the family, its template, the GGUF writer and
+    tokenizer, the library versions)."""
     import hashlib
+    import inspect
     import os
 
     import torch
     import transformers
 
     from llama_templates import template
+    from moeray.stages.gguf import writer
+    from moeray.stages.text import tokenizer
 
-    key = hashlib.sha256("\n".join([Path(__file__).read_text(), template(family.template), repr(family),
-                                     torch.__version__, transformers.__version__]).encode()).hexdigest()[:16]
+    parts = [inspect.getsource(write_family_model), inspect.getsource(fast_tokenizer), repr(family), repr(WEATHER),
+             template(family.template), inspect.getsource(writer), inspect.getsource(tokenizer), VOCAB, MAX_POS,
+             torch.__version__, transformers.__version__]
+    key = hashlib.sha256("\n".join(map(str, parts)).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("MOERAY_CACHE_DIR") or Path.home() / ".cache" / "moeray") / "chat-models"
     path = cache / f"{family.name}-{key}.gguf"
     if not path.exists():

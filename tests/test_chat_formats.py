@@ -443,3 +443,23 @@ def test_reasoning_before_a_forced_call_only_where_the_model_reasons(tokenizers)
     opened = chat_format(tok.chat_template).render(tok, msgs, TOOLS).forced_grammar(tok)
     xml = xml_call("Paris")
     assert accepts(opened, tok, f"I need Paris.\n</think>\n\n{xml}") and not accepts(opened, tok, xml)
+
+
+def test_the_markers_are_whole_tokens_as_read_from_a_gguf(tmp_path):
+    """Every family's control and text tokens, written to a GGUF and read back (Tokenizer.from_gguf),
+    encode as the one token at their id, as llama.cpp matches them: DeepSeek's <｜User｜> is spelled
+    outside the byte alphabet, which transformers' converter leaves out."""
+    import tiny_models
+
+    from moeray.stages.gguf.writer import write_gguf
+    from moeray.stages.text.tokenizer import Tokenizer
+
+    for fam in FAMILIES.values():
+        fast = fast_tokenizer(fam, template(fam.template), ["What is the weather in Paris?"], 320)
+        path = write_gguf(tiny_models.tiny_llama(), tmp_path / f"{fam.name}.gguf", tokenizer=fast)
+        tok = Tokenizer.from_gguf(path)
+        for marker in fam.control + fam.text_tokens:
+            i = fast.convert_tokens_to_ids(marker)
+            assert tok.encode(f"a{marker}b", add_bos=False) == tok.encode("a", add_bos=False) + [i] + tok.encode("b", add_bos=False), (fam.name, marker)
+            if i not in tok.end_ids:  # (an end token is no text)
+                assert tok.with_rendered([marker]).decode([i]) == marker, marker

@@ -75,6 +75,7 @@ class Tokenizer:
 
         tokens: list[str] = list(tok_dict["tokens"])
         token_types = list(metadata.get("tokenizer.ggml.token_type") or [])
+        backend = _keep_control_tokens_whole(backend, tokens, token_types)
         bos_id = metadata.get("tokenizer.ggml.bos_token_id")
         eos_id = metadata.get("tokenizer.ggml.eos_token_id")
         # llama.cpp adds BOS to a sentencepiece vocabulary unless the file says otherwise.
@@ -255,6 +256,30 @@ def without_lone_surrogates(text: str) -> str:
     """`text` with every lone surrogate code point replaced by U+FFFD (a str holds a surrogate only
     when it is unpaired: json.loads joins a valid pair into one code point)."""
     return _LONE_SURROGATE.sub("\ufffd", text)
+
+
+def _keep_control_tokens_whole(backend: Any, tokens: list[str], token_types: list[int]) -> Any:
+    """The backend with every control token of the file matched whole in text at its own id, as
+    llama.cpp matches it (chat templates write them): transformers' converter leaves out a byte-level
+    vocabulary's control tokens spelled outside the byte alphabet, such as DeepSeek's <｜User｜> and
+    <｜end▁of▁sentence｜>, which then reach the model as a dozen byte pieces."""
+    import json
+
+    from tokenizers import Tokenizer as Backend
+
+    present = set(backend.get_added_tokens_decoder())
+    missing = [(i, tok) for i, (tok, kind) in enumerate(zip(tokens, token_types))
+               if kind == 3 and i not in present and backend.token_to_id(tok) is None]
+    if not missing:
+        return backend
+    spec = json.loads(backend.to_str())
+    vocab = spec["model"].get("vocab")
+    if not isinstance(vocab, dict):
+        return backend
+    vocab.update({tok: i for i, tok in missing})  # at its own id: an added token takes the id its text has there
+    spec["added_tokens"] += [{"id": i, "content": tok, "single_word": False, "lstrip": False, "rstrip": False,
+                              "normalized": False, "special": True} for i, tok in missing]
+    return Backend.from_str(json.dumps(spec))
 
 
 def _always_prefix_space(backend: Any) -> None:
