@@ -45,6 +45,7 @@ class Tokenizer:
     end_ids: frozenset[int] = field(default_factory=frozenset)  # any of these ends a generation
     special_ids: frozenset[int] = field(default_factory=frozenset)
     rendered_ids: frozenset[int] = field(default_factory=frozenset)  # control tokens decoded as text (harmony)
+    n_tokens: int | None = None  # the file's vocabulary size (the backend may count an added token twice)
 
     # -- construction ---------------------------------------------------------------------------
     @classmethod
@@ -96,12 +97,13 @@ class Tokenizer:
             end_ids=frozenset(end_ids),
             special_ids=special - rendered,
             rendered_ids=rendered,
+            n_tokens=len(tokens),
         )
 
     # -- use ------------------------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:
-        return self.backend.get_vocab_size(with_added_tokens=True)
+        return self.n_tokens or self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_bos: bool | None = None) -> list[int]:
         """Token ids of `text`; special tokens written in the text (e.g. <|im_start|>) stay whole.
