@@ -34,8 +34,13 @@ def add_arguments(p) -> None:
     p.add_argument("--trunk", default="auto", help="auto, off, or e.g. head=gpu,embed=cpu,layers=0-20+30-47")
     p.add_argument("--mass", choices=("auto", "curve", "counts"), default="auto",
                    help="counts: the profile's measured shares; curve: H(f)=1-(1-f)^b, b fitted to the profile's "
-                        "counts (MOERAY_SPLIT_COVER_B overrides; no profile: b=1, the uniform share); "
+                        "counts (--cover-b sets it; no profile: b=1, the uniform share); "
                         "auto (default): counts when the profile has them")
+    p.add_argument("--cover-b", type=float, metavar="B", default=None,
+                   help="b of the mass curve H(f)=1-(1-f)^b, which then prices every pair (default: fitted)")
+    p.add_argument("--backend", choices=("auto", "ggml", "dequant", "exact"), default="auto",
+                   help="the stages' kernel backend, priced: exact holds float32 copies (4 bytes a weight), the "
+                        "others the GGUF's blocks (default auto)")
     p.add_argument("--max-seqs", type=int, default=1,
                    help="sequences that may run at once: each holds its recurrent state (DeltaNet layers) on the "
                         "layer's card, charged like KV (default 1)")
@@ -57,14 +62,12 @@ def add_arguments(p) -> None:
 
 def spec_from_gguf(path: str, backend: str | None = None) -> ModelSpec:
     """The model's sizes as a stage holds them: the GGUF's own blocks (float32 vectors and
-    routers) on the quantised backends, float32 on the exact one (MOERAY_BACKEND=exact) - the same
-    pricing as the driver's, from stages/gguf_file.held_bytes."""
-    import os
-
+    routers) on the quantised backends, float32 on the exact one - the same pricing as the
+    driver's, from stages/gguf/reader.held_bytes."""
     from moeray.stages.arch import arch_of
     from moeray.stages.gguf.reader import expert_bytes, read_gguf_header, trunk_bytes, trunk_pieces  # torch-free
 
-    backend = backend or ("exact" if os.environ.get("MOERAY_BACKEND", "").strip().lower() == "exact" else "quantised")
+    backend = "exact" if backend == "exact" else "quantised"
     h = read_gguf_header(path)
     cfg = h.config
     if not cfg.n_experts:
@@ -93,6 +96,11 @@ def kv_line(per_token: list[int], split, n_tokens: int) -> str:
 
 
 def run(args) -> int:
+    from moeray.cluster.config import LaunchOptions, with_overrides
+    from moeray.stages.kernels.settings import StageOptions
+
+    # The flags, with this process's debugging overrides (MOERAY_BACKEND, MOERAY_SPLIT_COVER_B) named
+    opts = with_overrides(LaunchOptions(stage=StageOptions(backend=args.backend), cover_b=args.cover_b))
     if args.model and args.spec:
         raise PlacementError("give a MODEL.gguf or --spec model.json, not both")
     if bool(args.devices) == bool(args.devices_json):
@@ -101,7 +109,7 @@ def run(args) -> int:
         from moeray.cluster.config import resolve_model  # torch-free; builds the default model once
 
         args.model = resolve_model(args.model)
-    spec = spec_from_gguf(args.model) if args.model else ModelSpec.from_json(args.spec)
+    spec = spec_from_gguf(args.model, opts.stage.backend) if args.model else ModelSpec.from_json(args.spec)
     if args.max_seqs < 1:
         raise PlacementError(f"--max-seqs {args.max_seqs}: at least one sequence runs")
     per_seq_state = list(spec.state_bytes)
@@ -112,12 +120,10 @@ def run(args) -> int:
     spec = spec.with_kv_for(args.kv_tokens)
     devices = parse_devices(args.devices) if args.devices else load_devices_json(args.devices_json)
     profile_path = args.profile
-    if profile_path is None and args.model:
-        from moeray.stages.runtime.default_profile import default_profile_for  # torch only if it must be recorded
+    if args.model:
+        from moeray.stages.runtime.default_profile import resolve_profile  # torch only if it must be recorded
 
-        profile_path = default_profile_for(args.model)
-        if profile_path is not None:
-            print(f"profile: {profile_path} (the default model's recorded routing)", file=sys.stderr)
+        profile_path = resolve_profile(args.profile, args.model, say=lambda line: print(line, file=sys.stderr))
     profile = Profile.load(profile_path, spec.n_layers, spec.n_experts) if profile_path else None
     try:
         mins = [int(x) for x in str(args.min_layers).split(",")]
@@ -125,7 +131,7 @@ def run(args) -> int:
         raise PlacementError(f"--min-layers {args.min_layers!r}: a number or one number per stage") from None
     plan = plan_placement(spec, devices, profile, objective=args.stages_objective, split=args.split,
                           trunk=args.trunk, handoff_ms=args.handoff_ms, min_layers=mins[0] if len(mins) == 1 else mins,
-                          mass=args.mass, cpu_factor=args.cpu_factor, method=args.method)
+                          mass=args.mass, cpu_factor=args.cpu_factor, method=args.method, cover_b=opts.cover_b)
     out = sys.stderr if args.json == "-" else sys.stdout
     if any(per_seq_state):
         from moeray.planner.report import state_line

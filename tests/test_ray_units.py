@@ -102,7 +102,8 @@ def _reports(budgets, layer_ms=(1.0, 1.0), miss_ms=0.5):
 
 def test_plan_prices_what_a_stage_holds_from_the_reported_budgets(default_model_path):
     from moeray.cluster.config import EngineConfig, LaunchOptions
-    from moeray.cluster.driver import held_spec, kv_layer_bytes, plan_from_reports
+    from moeray.cluster.driver import held_spec, plan_from_reports
+    from moeray.stages.blocks.kv_cache import kv_layer_bytes
     from moeray.errors import PlacementError
 
     header = read_gguf_header(default_model_path)

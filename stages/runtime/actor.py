@@ -6,6 +6,10 @@ Life of a stage:
                          dimensions, and the file's size and sampled hash as this node sees it.
   2. `connect(...)`     join the stages' process group (activations go stage to stage over it).
   3. `load(...)`        load only layers [first, end) (+ embedding / head), allocate the KV pool.
+
+It computes as the StageOptions it is constructed with say (stages/kernels/settings.py: backend,
+threads, layouts, graphs): the driver's, sent to every stage whatever node it runs on. Its own
+environment is never read; `options()` reports what it runs with.
   4. `step(batch)`      run one micro-batch through this stage's layers (StageRunner).
 
 The class is plain Python; the driver wraps it with `ray.remote` when it spawns stages, so
@@ -17,9 +21,10 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Optional
 
+from moeray.stages.kernels.settings import StageOptions
 from moeray.stages.runtime.device import DeviceInfo, device_ledger, measure_speed, probe_device
 from moeray.errors import MoerayError
 
@@ -96,6 +101,7 @@ class StageStats:
     step_s: float = 0.0  # time in steps, incl. waiting for the previous stage's activations
     tokens_in: int = 0
     backend: str = ""  # the kernels the stage runs: ggml | dequant | exact
+    options: dict = field(default_factory=dict)  # the StageOptions it runs with, as `StageActor.options()`
     trunk_held_bytes: int = 0  # what the trunk really holds on the device ...
     trunk_gguf_bytes: int = 0  # ... and the same tensors' bytes in the GGUF
     cache: Optional[dict[str, Any]] = None
@@ -220,11 +226,13 @@ def _nvml_process_bytes(pci_bus_id: str) -> tuple[int | None, str]:
 
 class StageActor:
     def __init__(self, stage: int, n_stages: int, simulated_budget: int | None = None,
-                 torch_threads: int | None = None, backend: str | None = None, card_share: float = 1.0):
+                 torch_threads: int | None = None, options: StageOptions | None = None, card_share: float = 1.0):
         import torch
 
-        from moeray.stages.kernels.qmatmul import set_backend
+        from moeray.stages.kernels import settings
 
+        if options is not None:  # the driver's decision: this process's, whatever its environment says
+            settings.use(options)
         if torch_threads is None and simulated_budget is None:
             # A CUDA stage computes its misses on the host, but Ray starts an actor that reserves no
             # CPU with OMP_NUM_THREADS=1: give it its part of the node's cores instead.
@@ -234,8 +242,6 @@ class StageActor:
         if torch_threads:
             # Simulated stages share the host's cores; without this each grabs all of them.
             torch.set_num_threads(torch_threads)
-        if backend:  # the kernels of this process: every StageModel it builds uses them
-            set_backend(backend)
         self.stage, self.n_stages = stage, n_stages
         self.simulated_budget = simulated_budget
         self.card_share = card_share  # the part of its GPU Ray gave this stage (0.5: two stages per card)
@@ -265,6 +271,22 @@ class StageActor:
     def describe(self) -> str:
         """repr(self), for callers on the other side of Ray (whose handles repr as ActorHandle)."""
         return repr(self)
+
+    def options(self) -> dict[str, Any]:
+        """The StageOptions this stage computes with, each as its kernels resolve it now: the
+        backend "auto" names the one it picked, threads the count ggml runs; `run_path` the
+        loaded layers' (StageModel.path), None before loading."""
+        from moeray.stages.kernels import repack, settings
+        from moeray.stages.kernels.qmatmul import current_backend, ggml_available, ggml_threads, thread_settings
+
+        out = settings.current().as_dict()
+        ts = thread_settings()
+        out.update(backend=current_backend(), repack=repack.mode(), host_experts=repack.host_experts(),
+                   ggml_poll=ts.poll, ggml_parallel_kb=ts.parallel_bytes >> 10, ggml_adapt=ts.adapt)
+        if ggml_available():
+            out["threads"] = ggml_threads()
+        out["run_path"] = None if self.model is None else asdict(self.model.path)
+        return out
 
     # ---------------------------------------------------------------- before loading
 
@@ -327,17 +349,12 @@ class StageActor:
         (a path every node can read; None = uniform) and kept by `cache_policy`.
 
         `whole_cache_only` (`moeray serve --local`): cache the experts only when the room left holds
-        every one of them; else compute them all from the host copy, as a stage with no room does.
-        A simulated device lives in the host's own memory, so a partial cache there reads no fewer
-        bytes, and it splits every layer's experts between two stacks: the layer's step then leaves
-        the stage graph (the 30B-A3B shape, 4 sequences: 355 ms a step with 24 slots a layer, 339
-        with 1, 315 with none; README "HTTP load").
+        every one of them (stages/runtime/model.py load_cached, the one stage builder, says why).
         """
         from moeray.stages.gguf.reader import GGUFFile
         from moeray.stages.arch import arch_of
         from moeray.stages.blocks.kv_cache import BLOCK_SIZE, kv_block_bytes, kv_dtype
-        from moeray.stages.runtime.model import StageModel, stage_trunk_bytes
-        from moeray.stages.blocks.moe import HostExperts
+        from moeray.stages.runtime.model import load_cached, stage_trunk_bytes
 
         t = time.perf_counter()
         self.model = None
@@ -354,17 +371,11 @@ class StageActor:
             self.memory.charge(state, f"DeltaNet state ({state_slots} sequence slots)")
         trunk = stage_trunk_bytes(gguf, first, end)
         self.memory.charge(trunk if trunk_on_card is None else trunk_on_card, f"trunk of layers {first}-{end - 1}")
-        experts, cache = HostExperts(gguf), None
-        moe_layers = [l for l in range(first, end) if cfg.is_moe_layer(l)]
-        every_expert = cfg.n_experts * sum(experts.slot_bytes(l) for l in moe_layers)
-        if moe_layers and (not whole_cache_only or every_expert <= self.memory.free):  # dense layers cache nothing
-            from moeray.cache.attach import build_cache
-
-            cache = build_cache(experts, first, end, self.device.torch_device, self.memory.free, profile,
-                                cache_policy, layout="per-layer")
+        model, cache = load_cached(gguf, (first, end), self.device.torch_device, budget_bytes=self.memory.free,
+                                   profile=profile, policy=cache_policy, layout="per-layer",
+                                   whole_cache_only=whole_cache_only)
+        if cache is not None:
             self.memory.charge(cache.budget.capacity, f"expert cache ({cache.slots.n_slots} slots)")
-            experts = cache
-        model = StageModel(gguf, first, end, self.device.torch_device, experts)
         resident = model.trunk_bytes()
         if resident > trunk:  # the header's price is the runtime's size by construction; say so if not
             raise MoerayError(f"stage {self.stage}: the trunk of layers {first}-{end - 1} holds {resident} bytes, "
@@ -458,6 +469,7 @@ class StageActor:
         the previous stage's activations), and its expert cache's lookups and hits when it has one."""
         out = StageStats(self.stage, self.device.name, self.device.node_ip, placed=dict(self.memory.parts),
                          free_bytes=self.memory.free, pid=os.getpid(), node_id=self.device.node_id)
+        out.options = self.options()
         if self.model is not None:
             out.layers, out.steps, out.step_s, out.tokens_in = ((self.model.first, self.model.end), self.steps,
                                                                  self.step_s, self.tokens_in)
