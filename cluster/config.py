@@ -118,6 +118,8 @@ class ServeOptions:
     # --local: bytes of the one simulated device (holds every expert of the default model)
     local_budget: int = 4 << 30
     # (--local's ggml threads are launch.stage.threads; None: every core the one process may run on)
+    # How chat templates are called and replies read (stages/text/chat/): None = the GGUF's own family
+    chat_format: Optional[str] = None
 
 
 def resolve_model(path: str | None, rebuild: bool = False) -> str:
@@ -134,6 +136,15 @@ def resolve_model(path: str | None, rebuild: bool = False) -> str:
 
 
 # ---------------------------------------------------------------- command-line flags
+
+
+def add_chat_format_argument(p: argparse.ArgumentParser) -> None:
+    from moeray.stages.text.chat import FORMATS
+
+    p.add_argument("--chat-format", choices=("auto", *FORMATS), default="auto", metavar="NAME",
+                   help="how the chat template is called and replies are read (reasoning, tool calls): "
+                        f"{', '.join(FORMATS)}; auto (default): the GGUF's family, from its template's markers "
+                        "(docs/chat-formats.md)")
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from moeray.cluster.config import CACHE_POLICIES, LaunchOptions, resolve_model
+from moeray.cluster.config import CACHE_POLICIES, LaunchOptions, add_chat_format_argument, resolve_model
 from moeray.errors import MoerayError
 from moeray.stages.text.sampling import SamplingParams
 
@@ -21,6 +21,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="GGUF file (default: the embedded upcycled SmolLM2 MoE)")
     p.add_argument("--prompt", required=True, help="the prompt text")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user turn with the model's chat template")
+    add_chat_format_argument(p)
     p.add_argument("--max-tokens", type=int, default=d.max_tokens)
     p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, default=d.top_k, help="0 = off")
@@ -68,10 +69,13 @@ def run(args: argparse.Namespace) -> int:
     from moeray.cluster.generator import Generator
     from moeray.stages.gguf.reader import GGUFFile
     from moeray.stages.runtime.model import memory_report
+    from moeray.stages.text.chat import chat_format
     from moeray.stages.text.tokenizer import Tokenizer
 
     gguf = GGUFFile(path)  # validates the whole file before anything is loaded
     tokenizer = Tokenizer.from_metadata(gguf.metadata, source=path)
+    fmt = chat_format(tokenizer.chat_template, gguf.metadata.get("general.architecture"), getattr(args, "chat_format", None))
+    tokenizer = tokenizer.with_rendered(fmt.markers())  # the reply shows the format's markers
     if grammar is not None:
         import dataclasses
 
@@ -87,7 +91,8 @@ def run(args: argparse.Namespace) -> int:
 
         set_backend("exact")
     model, cache = _load_with_experts(gguf, args)
-    prompt = tokenizer.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else tokenizer.encode(args.prompt)
+    prompt = (tokenizer.encode(fmt.render(tokenizer, [{"role": "user", "content": args.prompt}]).prompt) if args.chat
+              else tokenizer.encode(args.prompt))
 
     generator = Generator(model, tokenizer)
     for delta in generator.stream(prompt, params):

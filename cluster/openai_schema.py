@@ -30,7 +30,7 @@ _UNSUPPORTED_BOTH: dict[str, tuple] = {
 }
 UNSUPPORTED_CHAT: dict[str, tuple] = {
     **_UNSUPPORTED_BOTH, "store": (False,), "modalities": (["text"],), "audio": (), "prediction": (),
-    "reasoning_effort": (), "verbosity": (), "web_search_options": (), "service_tier": ("auto", "default"),
+    "verbosity": (), "web_search_options": (), "service_tier": ("auto", "default"),
     "functions": (), "function_call": (),
 }
 UNSUPPORTED_COMPLETIONS: dict[str, tuple] = {**_UNSUPPORTED_BOTH, "best_of": (1,), "echo": (False,), "suffix": ()}
@@ -163,6 +163,8 @@ class ChatMessage(BaseModel):
     name: Optional[StrictStr] = None
     tool_calls: Optional[list[dict]] = None  # an assistant's earlier calls
     tool_call_id: Optional[StrictStr] = None  # a tool message answers this call
+    reasoning_content: Optional[StrictStr] = None  # an assistant's earlier reasoning (vLLM's name)
+    reasoning: Optional[StrictStr] = None  # the same, by its newer name
 
     @field_validator("content")
     @classmethod
@@ -197,6 +199,9 @@ class ChatCompletionRequest(_Request):
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[StrictBool] = None
+    # Variables of the chat template (Qwen3's enable_thinking, DeepSeek-V3.1's thinking), as vLLM takes them.
+    chat_template_kwargs: Optional[dict[StrictStr, Any]] = None
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None  # a template variable too
 
 
 class CompletionRequest(_Request):
@@ -258,13 +263,12 @@ class ToolCallOut(BaseModel):
     function: ToolCallFunction
 
 
-class ToolCallDelta(ToolCallOut):
-    index: int  # which call of the message this delta adds to
 
 
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str]
+    reasoning_content: Optional[str] = None  # the thinking, apart from the answer (as vLLM and llama-server)
     tool_calls: Optional[list[ToolCallOut]] = None
 
 
@@ -287,7 +291,10 @@ class ChatCompletion(BaseModel):
 class Delta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
-    tool_calls: Optional[list[ToolCallDelta]] = None
+    reasoning_content: Optional[str] = None
+    # {"index", "id", "type", "function": {"name", "arguments"}} as OpenAI streams a call: the id, type and
+    # name in its first piece only, then argument fragments (plain dicts: absent keys stay absent).
+    tool_calls: Optional[list[dict]] = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -13,7 +13,8 @@ import argparse
 import sys
 import time
 
-from moeray.cluster.config import (add_engine_arguments, add_launch_arguments, engine_config_from_args,
+from moeray.cluster.config import (add_chat_format_argument, add_engine_arguments, add_launch_arguments,
+                                   engine_config_from_args,
                                    launch_options_from_args, simulated_devices)
 from moeray.stages.text.sampling import SamplingParams
 
@@ -28,6 +29,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int, default=d.top_k)
     p.add_argument("--top-p", type=float, default=d.top_p)
     p.add_argument("--seed", type=int, default=d.seed)
+    add_chat_format_argument(p)
     add_launch_arguments(p)
     add_engine_arguments(p)
 
@@ -49,12 +51,16 @@ def run(args: argparse.Namespace) -> int:
     from moeray.cluster.driver import launch
     from moeray.cluster.engine import Engine
     from moeray.stages.gguf.reader import GGUFFile
+    from moeray.stages.text.chat import chat_format
     from moeray.stages.text.tokenizer import Tokenizer
 
     path = resolve_model(args.model)
     gguf = GGUFFile(path)  # validate the whole file before any actor starts
     tok = Tokenizer.from_metadata(gguf.metadata, source=path)
-    prompts = [tok.encode_chat([{"role": "user", "content": p}]) if args.chat else tok.encode(p) for p in args.prompt]
+    fmt = chat_format(tok.chat_template, gguf.metadata.get("general.architecture"), getattr(args, "chat_format", None))
+    tok = tok.with_rendered(fmt.markers())
+    prompts = [tok.encode(fmt.render(tok, [{"role": "user", "content": p}]).prompt) if args.chat else tok.encode(p)
+               for p in args.prompt]
     del gguf
 
     launched = launch(path, opts, engine_cfg, log=lambda line: print(line, file=sys.stderr))

@@ -46,8 +46,8 @@ from moeray.cluster import request_extras as xt
 from moeray.cluster.config import ServeOptions
 from moeray.cluster.engine_loop import EngineDownError, Finished, OverloadedError
 from moeray.cluster.service import Service
-from moeray.cluster.tools import ToolCallStream, parse_tool_calls, template_messages
 from moeray.errors import MoerayError
+from moeray.stages.text.chat import ChatFormatError, Delta
 from moeray.stages.text.sampling import SamplingParams
 
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's resource of the head node
@@ -245,16 +245,23 @@ async def collect(request: Request, call: Call) -> str:
 
 
 def chat_prompt(service: Service, body: oa.ChatCompletionRequest, extras: xt.Extras) -> list[int]:
+    """The prompt's tokens, rendered as the model's chat format calls its template (extras.turn)."""
     messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text(),
-                 **m.model_dump(include={"name", "tool_calls", "tool_call_id"}, exclude_none=True)}
+                 **m.model_dump(include={"name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning"},
+                                exclude_none=True)}
                 for m in body.messages]
     try:
-        return service.tokenizer.encode_chat(template_messages(messages), tools=extras.tools)
+        extras.turn = service.chat.render(service.tokenizer, messages, extras.tools, extras.variables,
+                                          read_calls=extras.read_calls)
+    except ChatFormatError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
     except MoerayError as exc:
         raise APIError(400, str(exc), param="messages") from None
     except TemplateError as exc:  # the template's own raise_exception(...): roles out of order, ...
         raise APIError(400, f"the model's chat template rejected the messages: {exc}", param="messages",
                        code="invalid_value") from None
+    xt.force_call(service, extras, bad_request)
+    return service.tokenizer.encode(extras.turn.prompt)
 
 
 async def chat_completions(body: oa.ChatCompletionRequest, request: Request):
@@ -264,8 +271,10 @@ async def chat_completions(body: oa.ChatCompletionRequest, request: Request):
     if body.stream:
         return await sse_response(call, ChatChunks(call))
     text = await collect(request, call)
-    content, calls = parse_tool_calls(text) if extras.tools else (text, [])
-    message = oa.ResponseMessage(content=(content or None) if calls else content, tool_calls=[
+    reply = extras.turn.parse(text)
+    calls = reply.tool_calls
+    message = oa.ResponseMessage(content=(reply.content or None) if calls else reply.content,
+                                 reasoning_content=reply.reasoning or None, tool_calls=[
         oa.ToolCallOut(id=c.id, function=oa.ToolCallFunction(name=c.name, arguments=c.arguments))
         for c in calls] or None)
     return oa.ChatCompletion(id=call.id, created=call.created, model=call.model, choices=[
@@ -315,12 +324,14 @@ class TextChunk:
 
 
 class ChatChunks:
-    """The SSE chunks of a streamed chat completion: the role, the content (held back while it may
-    be a tool call), then the tool calls, the finish reason and the usage."""
+    """The SSE chunks of a streamed chat completion: the role, then what the chat format's reader
+    makes of each text delta (reasoning, content, a tool call's id and name, then its argument
+    fragments; a possible marker held back until it is whole), the finish reason and the usage."""
 
     def __init__(self, call: Call):
         self.call = call
-        self.held = ToolCallStream() if call.extras.tools else None
+        turn = call.extras.turn
+        self.reader = turn.reader() if turn is not None and turn.format.name != "plain" else None
         self.sent_logprobs = 0
         self.plain = TextChunk(self._chunk(oa.Delta(content=TextChunk.MARK)))
 
@@ -334,29 +345,35 @@ class ChatChunks:
         lps, self.sent_logprobs = all_lps[self.sent_logprobs:], len(all_lps)
         return _chat_logprobs(self.call, lps) if lps else None
 
+    def _read(self, d: Delta, lps=None) -> str:
+        if not d and lps is None:
+            return ""
+        calls = [{"index": c.index, **({"id": c.id, "type": "function"} if c.id else {}),
+                  "function": {**({"name": c.name} if c.name else {}), "arguments": c.arguments}} for c in d.calls]
+        return self._chunk(oa.Delta(content=d.content or None, reasoning_content=d.reasoning or None,
+                                    tool_calls=calls or None), lps=lps)
+
     def opening(self) -> Iterable[str]:
         yield self._chunk(oa.Delta(role="assistant", content=""))
 
     def text(self, text: str) -> str | bytes:
-        if self.held is None and self.call.extras.logprobs is None:
-            return self.plain(text) if text else ""  # what nearly every chunk is: text alone
-        if self.held is not None:
-            text = self.held.push(text)
-        lps = self._new_logprobs()
-        return self._chunk(oa.Delta(content=text), lps=lps) if text or lps else ""
+        if self.reader is None:
+            if self.call.extras.logprobs is None:
+                return self.plain(text) if text else ""  # what nearly every chunk is: text alone
+            lps = self._new_logprobs()
+            return self._chunk(oa.Delta(content=text), lps=lps) if text or lps else ""
+        return self._read(self.reader.feed(text), self._new_logprobs())
 
     def closing(self) -> Iterable[str]:
         c = self.call
         finish = c.out.finish_reason
-        rest, calls = self.held.finish() if self.held is not None else ("", [])
-        lps = self._new_logprobs()
-        if rest or lps:
-            yield self._chunk(oa.Delta(content=rest), lps=lps)
-        if calls:
-            finish = "tool_calls"
-            yield self._chunk(oa.Delta(tool_calls=[
-                oa.ToolCallDelta(index=i, id=t.id, function=oa.ToolCallFunction(name=t.name, arguments=t.arguments))
-                for i, t in enumerate(calls)]))
+        if self.reader is not None:
+            if line := self._read(self.reader.close(), self._new_logprobs()):
+                yield line
+            if self.reader.message.tool_calls:
+                finish = "tool_calls"
+        elif lps := self._new_logprobs():
+            yield self._chunk(oa.Delta(content=""), lps=lps)
         yield self._chunk(oa.Delta(), finish, c.usage())
         if c.include_usage:
             yield _sse(oa.ChatCompletionChunk(id=c.id, created=c.created, model=c.model, choices=[], usage=c.usage()))

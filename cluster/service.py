@@ -65,6 +65,7 @@ class Service:
         from moeray.cluster.engine import Engine
         from moeray.cluster.local_pipeline import LocalPipeline
         from moeray.stages.gguf.reader import read_gguf_header
+        from moeray.stages.text.chat import chat_format
         from moeray.stages.text.tokenizer import Tokenizer
 
         self.opts = opts
@@ -81,6 +82,11 @@ class Service:
         self.header_config = header.config
         engine_cfg = opts.engine
         self.tokenizer = Tokenizer.from_metadata(header.metadata, source=self.path)
+        # How this family's template is called and its replies read (--chat-format, else from the file);
+        # the detokenizer shows the format's markers, control tokens or not.
+        self.chat = chat_format(self.tokenizer.chat_template, header.metadata.get("general.architecture"),
+                                opts.chat_format)
+        self.tokenizer = self.tokenizer.with_rendered(self.chat.markers())
         self.created = oa.now()
         self.launched = None
         self.lines: list[str] = []

@@ -545,7 +545,8 @@ def load_cached(path: str | os.PathLike | GGUFFile, layers: tuple[int, int] | No
     expert computed from the host copy: a simulated device lives in the host's own memory, so a
     partial cache there reads no fewer bytes, and it splits every layer's experts between two
     stacks, which takes the layer's step out of the stage graph (the 30B-A3B shape, 4 sequences:
-    355 ms a step with 24 slots a layer, 339 with 1, 315 with none)."""
+    355 ms a step with 24 slots a layer, 339 with 1, 315 with none; docs/architecture.md, "The expert
+    cache")."""
     from moeray.cache.attach import build_cache
 
     gguf = path if isinstance(path, GGUFFile) else GGUFFile(path)

@@ -116,9 +116,11 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None, template: str | None = None, **variables: Any) -> str:
         """The prompt text for a conversation, rendered as transformers' apply_chat_template does;
-        `tools` (OpenAI's function specs) reach the template as its `tools` variable."""
+        `tools` (OpenAI's function specs) reach the template as its `tools` variable, `variables`
+        (chat_template_kwargs such as enable_thinking, reasoning_effort) as theirs. `template`: the
+        file's template as a chat format adapted it (stages/text/chat/kimi_k2.py)."""
         from transformers.utils.chat_template_utils import render_jinja_template
 
         if not self.chat_template:
@@ -129,10 +131,11 @@ class Tokenizer:
             rendered, _ = render_jinja_template(
                 conversations=[messages],
                 tools=tools,
-                chat_template=self.chat_template,
+                chat_template=template or self.chat_template,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=bos,
                 eos_token=eos,
+                **variables,
             )
         except Exception as exc:  # noqa: BLE001 - a template's raise_exception(), or data it cannot print
             raise MoerayError(f"the model's chat template refused this conversation: {exc}") from None
@@ -140,6 +143,17 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
         return self.encode(self.apply_chat_template(messages, tools=tools))
+
+    def with_rendered(self, texts: Sequence[str]) -> "Tokenizer":
+        """This tokenizer with the control tokens spelled `texts` decoded as text: a chat format's
+        markers (DeepSeek's and Kimi's call markers are control tokens) must reach its reader, as
+        llama-server's parsers get the markers they preserve. End tokens stay ends, not text."""
+        import dataclasses
+
+        ids = {i for t in texts if (i := self.backend.token_to_id(t)) is not None and i in self.special_ids - self.end_ids}
+        if not ids:
+            return self
+        return dataclasses.replace(self, special_ids=self.special_ids - ids, rendered_ids=self.rendered_ids | ids)
 
     def token_text(self, token_id: int) -> str:
         """One token's own text, special tokens included (log-probabilities name tokens by it)."""
