@@ -65,7 +65,6 @@ class RunPath:
         return f"{where} as ggml graphs: {ffn}{stage}; steps without a graph form as torch ops"
 
 
-
 class TransformerLayer(torch.nn.Module):
     def __init__(self, attn_norm: torch.Tensor, attn: Attention, ffn_norm: torch.Tensor,
                  ffn: DenseFFN | MoEBlock):
