@@ -224,7 +224,7 @@ def add_stage_arguments(p: argparse.ArgumentParser) -> None:
                         "serve --local: by model size)")
     g.add_argument("--ggml-parallel-kb", type=int, metavar="KB", default=d.ggml_parallel_kb,
                    help="a graph reading fewer KiB of weights runs on one thread (default 0, serve --local: 1024)")
-    g.add_argument("--ggml-adapt", action=argparse.BooleanOptionalAction, default=d.ggml_adapt,
+    g.add_argument("--ggml-adapt", choices=("on", "off"), default=None,
                    help="each graph learns whether one thread or all compute it faster (default off, "
                         "serve --local: on for models under 1 GiB a token)")
     g.add_argument("--triton", choices=TRITON, default=d.triton,
@@ -234,16 +234,16 @@ def add_stage_arguments(p: argparse.ArgumentParser) -> None:
                        ("trunk-graph", "a layer's trunk as one ggml graph (off: torch's ops)"),
                        ("fused-moe", "routing and experts inside the trunk graph"),
                        ("stage-graph", "a decode step's layers as one graph")):
-        g.add_argument(f"--no-{name}", dest=name.replace("-", "_"), action="store_false",
-                       help=f"debugging: turn off {what} (default on)")
+        g.add_argument(f"--no-{name}", action="store_true", help=f"debugging: turn off {what} (default on)")
 
 
 def stage_options_from_args(args: argparse.Namespace, threads: Optional[int] = None) -> StageOptions:
     return StageOptions(backend=args.backend, threads=threads, ggml_poll=args.ggml_poll,
-                        ggml_parallel_kb=args.ggml_parallel_kb, ggml_adapt=args.ggml_adapt, repack=args.repack,
-                        host_experts=args.host_experts, hugepages=args.hugepages, scratch_reuse=args.scratch_reuse,
-                        trunk_graph=args.trunk_graph, fused_moe=args.fused_moe, stage_graph=args.stage_graph,
-                        triton=args.triton)
+                        ggml_parallel_kb=args.ggml_parallel_kb,
+                        ggml_adapt=None if args.ggml_adapt is None else args.ggml_adapt == "on", repack=args.repack,
+                        host_experts=args.host_experts, hugepages=not args.no_hugepages,
+                        scratch_reuse=not args.no_scratch_reuse, trunk_graph=not args.no_trunk_graph,
+                        fused_moe=not args.no_fused_moe, stage_graph=not args.no_stage_graph, triton=args.triton)
 
 
 def with_overrides(opts: LaunchOptions, say=lambda line: print(line, file=sys.stderr)) -> LaunchOptions:

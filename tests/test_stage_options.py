@@ -127,3 +127,17 @@ def test_launch_options_carry_the_stage_options():
     assert LaunchOptions().stage == StageOptions()
     with pytest.raises(MoerayError, match="cover_b"):
         LaunchOptions(cover_b=0)
+
+
+def test_serves_config_file_spells_them_as_the_flags():
+    """ray_configs/serve.yaml's `args` go through `moeray serve`'s parser (cluster/serve_build.py):
+    a stage option there is the flag without its dashes, a switch true turns it on."""
+    from moeray.cluster.config import stage_options_from_args
+    from moeray.cluster.serve_build import _parser, argv_from
+
+    args = _parser().parse_args(argv_from({"repack": "off", "no_fused_moe": True, "ggml_adapt": "on",
+                                           "backend": "dequant", "host_experts": "mapped"}))
+    got = stage_options_from_args(args)
+    assert (got.repack, got.fused_moe, got.ggml_adapt, got.backend, got.host_experts) == \
+        ("off", False, True, "dequant", "mapped")
+    assert stage_options_from_args(_parser().parse_args([])) == StageOptions()
