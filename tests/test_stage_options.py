@@ -45,6 +45,22 @@ def test_a_bad_option_is_one_line_naming_where_it_came_from(monkeypatch):
         environment.fold(StageOptions(), "stage")
 
 
+def test_nothing_is_read_at_import_time():
+    """Importing the kernels and the stage model reads no variable (two were read at import once):
+    a bad override fails where the options are first asked for, as one line."""
+    import subprocess
+    import sys
+
+    code = ("import moeray.stages.kernels.qmatmul, moeray.stages.runtime.model, moeray.cluster.driver\n"
+            "print('imported')\n"
+            "from moeray.stages.kernels import settings\n"
+            "settings.current()\n")
+    env = {"PATH": "/usr/bin:/bin", "MOERAY_GGML_POLL": "lots", "MOERAY_SCRATCH_REUSE": "2"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert r.stdout.strip() == "imported" and r.returncode != 0
+    assert "MOERAY_GGML_POLL='lots'" in r.stderr.strip().splitlines()[-1]
+
+
 def _launch_args(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     add_launch_arguments(p)
