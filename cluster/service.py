@@ -87,6 +87,7 @@ class Service:
         self.chat = chat_format(self.tokenizer.chat_template, header.metadata.get("general.architecture"),
                                 opts.chat_format)
         self.tokenizer = self.tokenizer.with_rendered(self.chat.markers())
+        self.tokenizer.max_token_bytes  # noqa: B018 - read the vocabulary once now, not on a request
         self.created = oa.now()
         self.launched = None
         self.lines: list[str] = []

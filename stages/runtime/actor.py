@@ -39,7 +39,7 @@ class StepBatch:
 
     Every stage gets the same slots, token counts, start positions and KV block tables (the engine
     owns the block accounting; stages/blocks/kv_cache.py); only stage 0 gets the token ids and only the
-    last stage the sampling params.
+    last stage the sampling params and the token histories its penalties read.
     """
     step_id: int
     slots: list[int]
@@ -52,10 +52,14 @@ class StepBatch:
     # (block, block, rows): copy the first rows of a written block into another before the step (a
     # prompt that goes on with tokens another sequence wrote: cluster/kv_blocks.py, match_tail)
     copies: list[tuple[int, int, int]] | None = None
+    # last stage only: (prompt, output so far) of a sequence starting in its slot whose params have
+    # penalties (SamplingParams.needs_history), else None; the stage then counts what it samples
+    history: list[tuple[list[int], list[int]] | None] | None = None
 
     def for_stage(self, stage: int, n_stages: int) -> "StepBatch":
-        return replace(self, tokens=self.tokens if stage == 0 else None,
-                       sample=self.sample if stage == n_stages - 1 else None)
+        last = stage == n_stages - 1
+        return replace(self, tokens=self.tokens if stage == 0 else None, sample=self.sample if last else None,
+                       history=self.history if last else None)
 
 
 @dataclass(frozen=True)
@@ -137,11 +141,17 @@ class StageRunner:
         self.model, self.kv = model, kv  # kv: a KVPool
         self.generators: dict[int, Any] = {}  # slot -> the torch.Generator of its sequence
         self.grammars = None  # stages/grammar.GrammarMasks, made on the first constrained request
+        # slot -> its sequence's TokenHistory (penalties), or the (prompt, output) it is built from
+        # on the sequence's first sampled row (where the vocabulary and the device are known)
+        self.histories: dict[int, Any] = {}
 
     def begin(self, batch: StepBatch):
-        for slot, fresh in zip(batch.slots, batch.fresh):
+        for i, (slot, fresh) in enumerate(zip(batch.slots, batch.fresh)):
             if fresh:  # a new sequence in this slot: a sampler from its own seed
                 self.generators.pop(slot, None)
+                self.histories.pop(slot, None)
+                if batch.history is not None and batch.history[i] is not None:
+                    self.histories[slot] = batch.history[i]
                 if self.grammars is not None:
                     self.grammars.reset(slot)
         if batch.starts is None or batch.tables is None:
@@ -156,8 +166,9 @@ class StageRunner:
     def sample(self, batch: StepBatch, x, meta):
         """A token per sequence whose params ask for one (its prompt is fully fed), else None; a
         StepOutput when some sequence asked for log-probabilities too. A sequence with a grammar
-        samples only among the tokens its grammar allows next, from the same logits."""
-        from moeray.stages.text.sampling import StepOutput, sample, token_logprobs
+        samples only among the tokens its grammar allows next, from the same logits; one with
+        penalties reads its TokenHistory, which counts each token it samples here."""
+        from moeray.stages.text.sampling import StepOutput, TokenHistory, sample, token_logprobs
 
         want = [i for i, p in enumerate(batch.sample) if p is not None]
         out: list[int | None] = [None] * len(batch.slots)
@@ -171,13 +182,22 @@ class StageRunner:
         for slot, p in zip(slots, params):
             if slot not in self.generators:
                 self.generators[slot] = p.new_generator()
+            if p.needs_history:
+                if isinstance(self.histories.get(slot), tuple):  # its first sampled row: count what it holds
+                    prompt, output = self.histories[slot]
+                    self.histories[slot] = TokenHistory(logits.shape[-1], prompt, output, logits.device)
+                elif slot not in self.histories:
+                    raise MoerayError(f"slot {slot}: penalties asked for, but the sequence's tokens never came")
+        histories = [self.histories.get(slot) for slot in slots] if any(p.needs_history for p in params) else None
         allowed = None
         if any(p.grammar for p in params):
             grammars = self._grammars(logits.shape[-1])
             allowed = [grammars.allowed(slot, p.grammar) if p.grammar else None for slot, p in zip(slots, params)]
-        toks = sample(logits, params, [self.generators[slot] for slot in slots], allowed)
-        for i, tok in zip(want, toks):
+        toks = sample(logits, params, [self.generators[slot] for slot in slots], allowed, histories)
+        for i, slot, p, tok in zip(want, slots, params, toks):
             out[i] = tok
+            if p.needs_history:
+                self.histories[slot].add(tok)
         if allowed is not None:
             for slot, p, tok in zip(slots, params, toks):
                 if p.grammar:
