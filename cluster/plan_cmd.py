@@ -55,17 +55,17 @@ def add_arguments(p) -> None:
     p.add_argument("--plot", metavar="PNG", help="draw the plan (needs matplotlib: moeray[plot])")
 
 
-def spec_from_gguf(path: str, route: str | None = None) -> ModelSpec:
+def spec_from_gguf(path: str, route: str | None = None, header=None) -> ModelSpec:
     """The model's sizes as a stage holds them: the GGUF's own blocks (float32 vectors and
     routers) on the quantised routes, float32 on the exact one (MOERAY_ROUTE=exact) - the same
-    pricing as the driver's, from stages/gguf_file.held_bytes."""
+    pricing as the driver's, from stages/gguf_file.held_bytes. `header`: already read."""
     import os
 
     from moeray.stages.arch import arch_of
     from moeray.stages.gguf.reader import expert_bytes, read_gguf_header, trunk_bytes, trunk_pieces  # torch-free
 
     route = route or ("exact" if os.environ.get("MOERAY_ROUTE", "").strip().lower() == "exact" else "quantised")
-    h = read_gguf_header(path)
+    h = header or read_gguf_header(path)
     cfg = h.config
     if not cfg.n_experts:
         raise PlacementError(f"{path}: a dense model (no routed experts); there is no expert cache to place")
@@ -101,7 +101,12 @@ def run(args) -> int:
         from moeray.cluster.config import resolve_model  # torch-free; builds the default model once
 
         args.model = resolve_model(args.model)
-    spec = spec_from_gguf(args.model) if args.model else ModelSpec.from_json(args.spec)
+    header = None
+    if args.model:
+        from moeray.stages.gguf.reader import read_gguf_header  # torch-free; a model in parts: every part's header
+
+        header = read_gguf_header(args.model)
+    spec = spec_from_gguf(args.model, header=header) if args.model else ModelSpec.from_json(args.spec)
     if args.max_seqs < 1:
         raise PlacementError(f"--max-seqs {args.max_seqs}: at least one sequence runs")
     per_seq_state = list(spec.state_bytes)
@@ -133,10 +138,19 @@ def run(args) -> int:
         plan.notes.append(state_line(per_seq_state, plan.split, args.max_seqs))
     if args.kv_tokens and any(per_token_kv):
         plan.notes.append(kv_line(per_token_kv, plan.split, args.kv_tokens))
-    for line in plan.lines(verbose=args.verbose):
+    parts_lines = []
+    if header is not None:  # a model in parts: which files each stage's node needs
+        from moeray.stages.gguf.parts import stage_parts_lines
+
+        parts_lines = stage_parts_lines(header, plan.split)
+    for line in plan.lines(verbose=args.verbose) + parts_lines:
         print(line, file=out)
     if args.json:
-        text = json.dumps(plan.to_json(), indent=1)
+        js = plan.to_json()
+        if header is not None and header.in_parts:
+            for s, (a, b) in zip(js["stages"], plan.split):
+                s["parts"] = [header.parts[j].name for j in header.stage_parts(a, b)]
+        text = json.dumps(js, indent=1)
         if args.json == "-":
             print(text)
         else:

@@ -52,7 +52,9 @@ def run(args: argparse.Namespace) -> int:
     from moeray.stages.text.tokenizer import Tokenizer
 
     path = resolve_model(args.model)
-    gguf = GGUFFile(path)  # validate the whole file before any actor starts
+    # The directory validated before any actor starts; the files themselves (every part) are
+    # checked on the nodes that read them, once the plan says which (cluster/driver.py).
+    gguf = GGUFFile(path, parts=())
     tok = Tokenizer.from_metadata(gguf.metadata, source=path)
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) if args.chat else tok.encode(p) for p in args.prompt]
     del gguf

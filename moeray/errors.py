@@ -43,3 +43,7 @@ class ProfileError(MoerayError, ValueError):
 
 class PlacementError(MoerayError):
     """No placement of the model fits the devices."""
+
+
+class ModelPartsError(GGUFError):
+    """A model in parts (llama.cpp's gguf-split) whose parts are missing, mixed or cut short."""
