@@ -214,7 +214,7 @@ class StageGroup:
             return []
         from moeray.stages.gguf.parts import stage_parts_lines
 
-        return [f"{line}, on {self.where(i)}: checked" for i, line in enumerate(stage_parts_lines(header, ranges))]
+        return [f"{line}; checked on {self.where(i)}" for i, line in enumerate(stage_parts_lines(header, ranges))]
 
     def connect(self, timeout_s: float = 30.0) -> None:
         """(Re-)form the stages' process group; stage 0's node hosts the rendezvous."""

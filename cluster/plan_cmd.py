@@ -52,6 +52,9 @@ def add_arguments(p) -> None:
     p.add_argument("--verbose", action="store_true",
                    help="print every trunk decision and slot layout, not only those that depart from the default")
     p.add_argument("--json", metavar="PATH", help="write the plan as JSON (- for stdout)")
+    p.add_argument("--headers-to", metavar="DIR",
+                   help="also write header-only copies of the model's file(s) into DIR, under their own names "
+                        "(every part of a model in parts): what a machine that only plans, or runs the driver, needs")
     p.add_argument("--plot", metavar="PNG", help="draw the plan (needs matplotlib: moeray[plot])")
 
 
@@ -92,6 +95,19 @@ def kv_line(per_token: list[int], split, n_tokens: int) -> str:
             f"charged to their layers' cards: {stages}")
 
 
+def write_headers(header, folder: str) -> None:
+    """Header-only copies of every file of the model (each part under its own name) into `folder`."""
+    import os
+
+    from moeray.stages.gguf.reader import write_header_only
+    from moeray.units import format_bytes
+
+    os.makedirs(folder, exist_ok=True)
+    for p in header.parts:
+        n = write_header_only(p.path, os.path.join(folder, p.name))
+        print(f"header of {p.name}: {format_bytes(n)} written to {folder}", file=sys.stderr)
+
+
 def run(args) -> int:
     if args.model and args.spec:
         raise PlacementError("give a MODEL.gguf or --spec model.json, not both")
@@ -106,6 +122,8 @@ def run(args) -> int:
         from moeray.stages.gguf.reader import read_gguf_header  # torch-free; a model in parts: every part's header
 
         header = read_gguf_header(args.model)
+        if args.headers_to:
+            write_headers(header, args.headers_to)
     spec = spec_from_gguf(args.model, header=header) if args.model else ModelSpec.from_json(args.spec)
     if args.max_seqs < 1:
         raise PlacementError(f"--max-seqs {args.max_seqs}: at least one sequence runs")
