@@ -41,8 +41,9 @@ def test_smollm2_special_ids(smollm2):
     ours, _ = smollm2
     assert ours.encode("<|im_start|>") == [1]
     assert ours.bos_id == 1 and ours.eos_id == 2 and not ours.add_bos
-    # <|im_end|> ends a chat turn, <|endoftext|> a document: both end a generation (llama.cpp's EOG set).
-    assert ours.end_ids == {0, 2}
+    # <|im_end|> ends a chat turn, <|endoftext|> a document: both end a generation; llama.cpp also
+    # takes <reponame> (4) for a fill-in-the-middle repository token, which ends one too (its EOG set).
+    assert ours.end_ids == {0, 2, 4}
 
 
 @pytest.mark.parametrize(

@@ -152,6 +152,19 @@ class _Cursor:
         self.pos += n
         return s
 
+    def strings(self, count: int) -> list[str]:
+        out, unpack = [], struct.unpack_from
+        for _ in range(count):
+            if self.pos + 8 > len(self.buf):
+                self.need(8)
+            n = unpack("<Q", self.buf, self.pos)[0]
+            start = self.pos + 8
+            if start + n > len(self.buf):
+                self.need(8 + n)
+            out.append(self.buf[start:start + n].decode("utf-8", errors="replace"))
+            self.pos = start + n
+        return out
+
     def value(self, vtype: int) -> Any:
         if vtype in _SCALARS:
             return self.unpack(_SCALARS[vtype])
@@ -165,6 +178,8 @@ class _Cursor:
                 arr = np.frombuffer(self.buf, dtype=dt, count=count, offset=self.pos).tolist()
                 self.pos += count * dt.itemsize
                 return arr
+            if etype == _STRING:  # token lists and merges: hundreds of thousands of strings
+                return self.strings(count)
             return [self.value(etype) for _ in range(count)]
         raise NotGGUFError(f"{self.path}: unknown GGUF metadata value type {vtype}; the file is corrupt "
                            "or from a newer GGUF version than moeray knows")
