@@ -319,6 +319,20 @@ def _shape_matches(actual: tuple[int, ...], expected: tuple[int, ...]) -> bool:
 
 # --- the full, memory-mapped file ----------------------------------------------------------
 
+_LAYOUTS: dict[tuple, tuple] = {}
+
+
+def _layout(path: str) -> tuple[int, dict[str, tuple[int, int]]]:
+    """(data offset, {tensor: (offset, bytes)}) of one file as it is now; kept per process while the
+    file is unchanged (a stage checks its files at probe, check and load: one parse)."""
+    st = os.stat(path)
+    key = (path, st.st_size, st.st_mtime_ns, st.st_ino)
+    if key not in _LAYOUTS:
+        d = _read_directory(path)
+        _LAYOUTS[key] = (d.data_offset, {n: (t.offset, t.n_bytes) for n, t in d.tensors.items()})
+    return _LAYOUTS[key]
+
+
 class GGUFFile:
     """A validated GGUF model, memory-mapped. Tensor bytes are views into the mapping (no copies).
 
@@ -371,9 +385,8 @@ class GGUFFile:
                 f"{p.path}: truncated: {which}the tensor directory needs {p.data_end} bytes but the file has {size} "
                 f"({p.data_end - size} missing); it was cut short while copying or downloading; fetch it again")
         if self._shipped:
-            d = _read_directory(p.path)
-            mine = {n: (t.offset, t.n_bytes) for n, t in self.tensors.items() if t.part == i}
-            if d.data_offset != p.data_offset or {n: (t.offset, t.n_bytes) for n, t in d.tensors.items()} != mine:
+            mine = (p.data_offset, {n: (t.offset, t.n_bytes) for n, t in self.tensors.items() if t.part == i})
+            if _layout(p.path) != mine:
                 raise ModelPartsError(
                     f"{p.path}: not the file the model's header describes ({which}its tensor directory differs): "
                     "another model or quantisation under this name; copy the right file here")
