@@ -148,23 +148,6 @@ def join_tensors(dirs: list[Any]) -> dict[str, Any]:
     return tensors
 
 
-def layer_span(index: int, tensors: dict[str, Any], n_layers: int) -> str:
-    """What part `index` holds, for a reader: 'layers 3-7', '+ embedding', '+ head'."""
-    from moeray.stages.gguf.reader import tensor_role
-
-    layers, extra = set(), []
-    for name, t in tensors.items():
-        if t.part != index:
-            continue
-        role, layer = tensor_role(name)
-        if layer is not None and layer < n_layers:
-            layers.add(layer)
-        elif role in ("embedding", "head") and role not in extra:
-            extra.append(role)
-    out = [f"layers {min(layers)}-{max(layers)}" if len(layers) > 1 else f"layer {min(layers)}"] if layers else []
-    return ", ".join(out + sorted(extra)) or "metadata only"
-
-
 def stage_parts_lines(header: Any, split: list[tuple[int, int]]) -> list[str]:
     """One `[parts]` line per stage: the parts it reads, what to copy to its node."""
     from moeray.units import format_bytes

@@ -85,6 +85,20 @@ class GGUFHeader:
         """The parts (0-based) holding the tensors a stage over layers [first, end) reads."""
         return sorted({self.tensors[n].part for n in self.stage_tensors(first, end)})
 
+    def part_holds(self, index: int) -> str:
+        """What part `index` holds, for a reader: 'layers 3-7', 'layers 0-5, embedding', 'metadata only'."""
+        layers, extra = set(), []
+        for name, t in self.tensors.items():
+            if t.part != index:
+                continue
+            role, layer = tensor_role(name)
+            if layer is not None and layer < self.config.n_layers:
+                layers.add(layer)
+            elif role in ("embedding", "head") and role not in extra:
+                extra.append(role)
+        span = [f"layers {min(layers)}-{max(layers)}" if len(layers) > 1 else f"layer {min(layers)}"] if layers else []
+        return ", ".join(span + sorted(extra)) or "metadata only"
+
     def layers_within(self, parts) -> list[int]:
         """The layers all of whose tensors lie in `parts`."""
         parts = set(parts)
@@ -378,7 +392,7 @@ class GGUFFile:
         p = self.parts[i]
         which = f"part {i + 1} of {len(self.parts)}: " if len(self.parts) > 1 else ""
         if not os.path.exists(p.path):
-            raise ModelPartsError(f"{p.path}: missing ({which}{self._holds(i)}); fetch it to this path")
+            raise ModelPartsError(f"{p.path}: missing ({which}{self.header.part_holds(i)}); fetch it to this path")
         size = os.path.getsize(p.path)
         if size < p.data_end:
             raise TruncatedGGUFError(
@@ -392,10 +406,6 @@ class GGUFFile:
                     "another model or quantisation under this name; copy the right file here")
         self._checked.add(i)
 
-    def _holds(self, i: int) -> str:
-        from moeray.stages.gguf.parts import layer_span
-
-        return layer_span(i, self.tensors, self.config.n_layers)
 
     def _map_of(self, t: TensorInfo) -> np.memmap:
         m = self._maps.get(t.part)
