@@ -233,16 +233,19 @@ def _llama_gguf_split() -> Path:
     return exe
 
 
-@pytest.mark.parametrize("how", [["--split-max-tensors", "60"], ["--split-max-size", "100M"]])
-def test_parts_cut_by_llama_cpps_gguf_split_read_as_the_whole_file(default_model_path, tmp_path, how):
+@pytest.mark.parametrize("how, ours", [
+    (["--split-max-tensors", "60"], {"max_tensors": 60}),
+    (["--split-max-size", "100M"], {"max_bytes": 100 * 1000 * 1000}),
+    (["--split-max-tensors", "100", "--no-tensor-first-split"], {"max_tensors": 100, "first_without_tensors": True}),
+])
+def test_parts_cut_by_llama_cpps_gguf_split_read_as_the_whole_file(default_model_path, tmp_path, how, ours):
     exe = _llama_gguf_split()
     r = subprocess.run([exe, "--split", *how, default_model_path, tmp_path / "m"], capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0, r.stderr
     parts = sorted(tmp_path.glob("m-*-of-*.gguf"))
     assert len(parts) > 2
-    ours = split_gguf(default_model_path, tmp_path / "ours" / "m", max_tensors=60) if how[0].endswith("tensors") \
-        else split_gguf(default_model_path, tmp_path / "ours" / "m", max_bytes=100 * 1000 * 1000)
+    ours = split_gguf(default_model_path, tmp_path / "ours" / "m", **ours)
     theirs_h, ours_h = read_gguf_header(parts[-1]), read_gguf_header(ours[0])
     # the same cut: each part the same tensors at the same offsets
     assert [(p.n_tensors, p.data_offset, p.data_end) for p in theirs_h.parts] == \
@@ -265,3 +268,42 @@ def test_llama_cpp_loads_our_parts_as_the_whole_file(default_model_path, default
         return out
 
     assert np.array_equal(logits(default_parts[0]), logits(default_model_path))
+
+
+# ---------------------------------------------------------------- every family, in parts
+
+
+def _family(name: str):
+    import tiny_hybrid
+    import tiny_models
+
+    return {"mixtral": tiny_models.tiny_mixtral, "qwen2moe": tiny_models.tiny_qwen2moe,
+            "qwen3moe": tiny_models.tiny_qwen3moe, "deepseek2": tiny_models.tiny_deepseek3,
+            "gpt-oss": tiny_models.tiny_gpt_oss, "glm4moe": tiny_models.tiny_glm4moe,
+            "qwen3next": tiny_hybrid.tiny_qwen3next, "qwen35moe": tiny_hybrid.tiny_qwen35moe}[name]()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen2moe", "qwen3moe", "deepseek2", "gpt-oss", "glm4moe",
+                                    "qwen3next", "qwen35moe"])
+def test_every_family_in_parts_gives_the_whole_files_logits(tmp_path, family):
+    """Each architecture's tiny model, Q8_0, cut into parts of 7 tensors (the first holding only the
+    metadata, as gguf-split --no-tensor-first-split writes it): the same logits bit for bit, and a
+    stage over the last layer maps only the parts holding it and the head."""
+    import torch
+
+    from tiny_models import token_ids
+
+    from moeray.stages.gguf.writer import write_gguf
+    from moeray.stages.runtime.model import StageModel, load_model
+
+    whole = write_gguf(_family(family), tmp_path / f"{family}.gguf", "Q8_0")
+    parts = split_gguf(whole, tmp_path / "parts" / family, max_tensors=7, first_without_tensors=True,
+                       layer_order=True)
+    h = read_gguf_header(parts[-1])
+    assert len(parts) > 3 and h.parts[0].n_tensors == 0
+    ids = token_ids(12)
+    assert torch.equal(load_model(str(parts[1])).logits_all(ids), load_model(str(whole)).logits_all(ids))
+    last = h.config.n_layers - 1
+    g = GGUFFile(parts[0], parts=h.stage_parts(last, last + 1))
+    StageModel(g, last, last + 1)
+    assert g.opened == h.stage_parts(last, last + 1) and len(g.opened) < len(parts) - 1

@@ -378,7 +378,7 @@ def split_gguf(src: str | Path, prefix: str | Path, max_tensors: int = 0, max_by
     d = _read_directory(str(src))
     if any(k.startswith("split.") for k in d.metadata):
         raise ValueError(f"{src} is already a part of a model in parts")
-    groups: list[list[str]] = [[]] if first_without_tensors else []
+    groups: list[list[str]] = [[], []] if first_without_tensors else []  # the metadata's part, then the first of tensors
     size = 0
     for name in (_ordered(d.tensors) if layer_order else d.tensors):
         n = -(-d.tensors[name].n_bytes // DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT  # gguf-split counts padded bytes
@@ -388,8 +388,6 @@ def split_gguf(src: str | Path, prefix: str | Path, max_tensors: int = 0, max_by
             size = 0
         groups[-1].append(name)
         size += n
-    if first_without_tensors and len(groups) == 1:
-        groups.append([])
     with open(src, "rb") as f:
         f.seek(d.kv_span[0])
         model_kv = f.read(d.kv_span[1] - d.kv_span[0])
