@@ -309,8 +309,9 @@ def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
 
 
 def write_header_only(src: str | os.PathLike, dst: str | os.PathLike) -> int:
-    """Copy just the header + tensor directory of `src` to `dst` (what `moeray plan` needs): of one
-    file; for a model in parts, of each part under its own name. Returns bytes."""
+    """Copy just the header + tensor directory of the file `src` to `dst` (what `moeray plan`
+    needs). One file: a model in parts needs each part's, under its own name (`moeray plan
+    --headers-to`). Returns bytes."""
     d = _read_directory(os.fspath(src))
     with open(src, "rb") as f:
         data = f.read(d.header_bytes)
