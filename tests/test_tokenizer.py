@@ -132,3 +132,34 @@ def test_a_lone_surrogate_is_read_as_the_replacement_character(smollm2_dense_pat
     assert tok.decode(tok.encode("a\ud800b")) == "a\ufffdb"
     chat = tok.encode_chat([{"role": "user", "content": "\ud800"}])
     assert chat == tok.encode_chat([{"role": "user", "content": "\ufffd"}])
+
+
+def test_a_vocab_only_gguf_of_an_architecture_moeray_does_not_run_tokenizes(smollm2, smollm2_dense_path, tmp_path):
+    """Only the tokenizer keys are read: no tensors, an unknown architecture, and the text is the
+    model file's own tokenizer's."""
+    import gguf
+
+    from moeray.errors import UnsupportedArchitectureError
+    from moeray.stages.gguf.reader import read_gguf_header
+    from moeray.stages.text.tokenizer import read_tokenizer_metadata
+
+    meta = read_tokenizer_metadata(smollm2_dense_path)
+    path = tmp_path / "vocab-only.gguf"
+    w = gguf.GGUFWriter(path, "not-an-architecture")
+    w.add_tokenizer_model(meta["tokenizer.ggml.model"])
+    w.add_tokenizer_pre(meta["tokenizer.ggml.pre"])
+    w.add_token_list(meta["tokenizer.ggml.tokens"])
+    w.add_token_types(meta["tokenizer.ggml.token_type"])
+    w.add_token_merges(meta["tokenizer.ggml.merges"])
+    w.add_bos_token_id(meta["tokenizer.ggml.bos_token_id"])
+    w.add_eos_token_id(meta["tokenizer.ggml.eos_token_id"])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(UnsupportedArchitectureError):
+        read_gguf_header(path)
+    ours, model = Tokenizer.from_gguf(path), smollm2[0]
+    for text in TEXTS:
+        assert ours.encode(text) == model.encode(text)
+    assert (ours.pre, ours.bos_id, ours.end_ids) == ("smollm", 1, model.end_ids)
