@@ -15,6 +15,9 @@ STRINGS = [
     # letters, case and marks
     "HelloWORLDfooBar", "ÀÉÎÕÜ àéîõü", "e\u0301 a\u0308 n\u0303", "ǅemal ǈ", "İstanbul ıi", "straße STRASSE",
     "ﬁ ﬂ ﬀ", "ＡＢＣ ａｂｃ！", "µ Ω K Å", "ℂℍℕ ℓ", "Dž ǲ",
+    # case changes inside a word (gpt-4o splits them, llama3 does not), iteration marks beside Han
+    # (Kimi's Han is llama.cpp's list of ranges, not Unicode's script: 々 is a letter there)
+    "iPhone", "JavaScript on YouTube", "GitHub iOS LaTeX", "人々", "時々 佐々木",
     # contractions and quotes
     "I'm you're we've they'll he'd it's", "I'M YOU'RE WE'VE THEY'LL", "'s 'S 'RE 'Ve", "don't stop", "‘quoted’ “double”",
     # punctuation and symbols
