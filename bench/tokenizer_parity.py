@@ -50,14 +50,14 @@ def main() -> int:
         print(f"no vocab files: {exc}")
         return 1
     rows = []
-    print(f"{'vocabulary / pre-tokenizer':<34} {'reference':<36} {'equal':>9}")
+    print(f"{'vocabulary / pre-tokenizer':<44} {'reference':<36} {'equal':>9}")
     for name in VOCABS:
         path = d / f"ggml-vocab-{name}.gguf"
         tok, cases = Tokenizer.from_gguf(path), vocab_cases(path)
         n = equal(tok, cases)
         rows.append({"what": f"ggml-vocab-{name} ({tok.pre or 'spm'})", "reference": "llama.cpp's .out",
                      "equal": n, "strings": len(cases)})
-        print(f"{rows[-1]['what']:<34} {rows[-1]['reference']:<36} {n:>4}/{len(cases)}")
+        print(f"{rows[-1]['what']:<44} {rows[-1]['reference']:<36} {n:>4}/{len(cases)}")
     try:
         import llama_cpp
     except ImportError:
@@ -77,7 +77,7 @@ def main() -> int:
             for label, sp, want in checks:
                 n = equal(tok, list(zip(STRINGS, want)), parse_special=sp)
                 rows.append({"what": f"{name} (qwen2 vocab)", "reference": label, "equal": n, "strings": len(STRINGS)})
-                print(f"{rows[-1]['what']:<34} {label:<36} {n:>4}/{len(STRINGS)}")
+                print(f"{rows[-1]['what']:<44} {label:<36} {n:>4}/{len(STRINGS)}")
     total = sum(r["equal"] for r in rows), sum(r["strings"] for r in rows)
     print(f"all: {total[0]}/{total[1]} strings equal")
     if args.json:
