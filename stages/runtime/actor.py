@@ -24,37 +24,44 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Optional
 
 from moeray.stages.runtime.device import DeviceInfo, device_ledger, measure_speed, probe_device
 from moeray.errors import MoerayError
 
+if TYPE_CHECKING:
+    from moeray.stages.text.sampling import SamplingParams
 
-@dataclass
+
+@dataclass(kw_only=True)
 class StepBatch:
-    """One micro-batch of one engine step, as a stage sees it.
+    """One micro-batch of one engine step, as a stage sees it: one entry per sequence in each list,
+    built by keyword (cluster/scheduler.py ScheduledStep.batch).
 
     Every stage gets the same slots, token counts, start positions and KV block tables (the engine
     owns the block accounting; stages/blocks/kv_cache.py); only stage 0 gets the token ids and only the
-    last stage the sampling params.
+    last stage the sampling params and the token histories its penalties read.
     """
     step_id: int
     slots: list[int]
     n_new: list[int]  # new tokens per sequence: a prefill chunk or 1
     fresh: list[bool]  # this chunk starts a new sequence in its slot: reset KV and sampler first
     tokens: list[list[int]] | None = None  # stage 0 only
-    sample: list[Any] | None = None  # last stage only: SamplingParams per sequence, None = no token wanted yet
+    sample: list[SamplingParams | None] | None = None  # last stage only; None: no token wanted yet
     starts: list[int] | None = None  # tokens each sequence holds in KV before this step
     tables: list[list[int]] | None = None  # each sequence's KV blocks, at least up to its last new token
     # (block, block, rows): copy the first rows of a written block into another before the step (a
     # prompt that goes on with tokens another sequence wrote: cluster/kv_blocks.py, match_tail)
     copies: list[tuple[int, int, int]] | None = None
+    # last stage only: (prompt, output so far) of a sequence starting in its slot whose params have
+    # penalties (SamplingParams.needs_history), else None; the stage then counts what it samples
+    history: list[tuple[list[int], list[int]] | None] | None = None
 
     def for_stage(self, stage: int, n_stages: int) -> "StepBatch":
-        return StepBatch(self.step_id, self.slots, self.n_new, self.fresh,
-                         self.tokens if stage == 0 else None,
-                         self.sample if stage == n_stages - 1 else None, self.starts, self.tables, self.copies)
+        last = stage == n_stages - 1
+        return replace(self, tokens=self.tokens if stage == 0 else None, sample=self.sample if last else None,
+                       history=self.history if last else None)
 
 
 @dataclass(frozen=True)
@@ -99,7 +106,7 @@ class StageStats:
     steps: int = 0
     step_s: float = 0.0  # time in steps, incl. waiting for the previous stage's activations
     tokens_in: int = 0
-    route: str = ""  # the kernels the stage runs: ggml | dequant | exact
+    backend: str = ""  # the kernels the stage runs: ggml | dequant | exact
     trunk_held_bytes: int = 0  # what the trunk really holds on the device ...
     trunk_gguf_bytes: int = 0  # ... and the same tensors' bytes in the GGUF
     cache: Optional[dict[str, Any]] = None
@@ -141,11 +148,17 @@ class StageRunner:
         self.model, self.kv = model, kv  # kv: a KVPool
         self.generators: dict[int, Any] = {}  # slot -> the torch.Generator of its sequence
         self.grammars = None  # stages/grammar.GrammarMasks, made on the first constrained request
+        # slot -> its sequence's TokenHistory (penalties), or the (prompt, output) it is built from
+        # on the sequence's first sampled row (where the vocabulary and the device are known)
+        self.histories: dict[int, Any] = {}
 
     def begin(self, batch: StepBatch):
-        for slot, fresh in zip(batch.slots, batch.fresh):
+        for i, (slot, fresh) in enumerate(zip(batch.slots, batch.fresh)):
             if fresh:  # a new sequence in this slot: a sampler from its own seed
                 self.generators.pop(slot, None)
+                self.histories.pop(slot, None)
+                if batch.history is not None and batch.history[i] is not None:
+                    self.histories[slot] = batch.history[i]
                 if self.grammars is not None:
                     self.grammars.reset(slot)
         if batch.starts is None or batch.tables is None:
@@ -160,8 +173,9 @@ class StageRunner:
     def sample(self, batch: StepBatch, x, meta):
         """A token per sequence whose params ask for one (its prompt is fully fed), else None; a
         StepOutput when some sequence asked for log-probabilities too. A sequence with a grammar
-        samples only among the tokens its grammar allows next, from the same logits."""
-        from moeray.stages.text.sampling import StepOutput, sample, token_logprobs
+        samples only among the tokens its grammar allows next, from the same logits; one with
+        penalties reads its TokenHistory, which counts each token it samples here."""
+        from moeray.stages.text.sampling import StepOutput, TokenHistory, sample, token_logprobs
 
         want = [i for i, p in enumerate(batch.sample) if p is not None]
         out: list[int | None] = [None] * len(batch.slots)
@@ -175,13 +189,22 @@ class StageRunner:
         for slot, p in zip(slots, params):
             if slot not in self.generators:
                 self.generators[slot] = p.new_generator()
+            if p.needs_history:
+                if isinstance(self.histories.get(slot), tuple):  # its first sampled row: count what it holds
+                    prompt, output = self.histories[slot]
+                    self.histories[slot] = TokenHistory(logits.shape[-1], prompt, output, logits.device)
+                elif slot not in self.histories:
+                    raise MoerayError(f"slot {slot}: penalties asked for, but the sequence's tokens never came")
+        histories = [self.histories.get(slot) for slot in slots] if any(p.needs_history for p in params) else None
         allowed = None
         if any(p.grammar for p in params):
             grammars = self._grammars(logits.shape[-1])
             allowed = [grammars.allowed(slot, p.grammar) if p.grammar else None for slot, p in zip(slots, params)]
-        toks = sample(logits, params, [self.generators[slot] for slot in slots], allowed)
-        for i, tok in zip(want, toks):
+        toks = sample(logits, params, [self.generators[slot] for slot in slots], allowed, histories)
+        for i, slot, p, tok in zip(want, slots, params, toks):
             out[i] = tok
+            if p.needs_history:
+                self.histories[slot].add(tok)
         if allowed is not None:
             for slot, p, tok in zip(slots, params, toks):
                 if p.grammar:
@@ -230,10 +253,10 @@ def _nvml_process_bytes(pci_bus_id: str) -> tuple[int | None, str]:
 
 class StageActor:
     def __init__(self, stage: int, n_stages: int, simulated_budget: int | None = None,
-                 torch_threads: int | None = None, route: str | None = None, card_share: float = 1.0):
+                 torch_threads: int | None = None, backend: str | None = None, card_share: float = 1.0):
         import torch
 
-        from moeray.stages.kernels.qmatmul import set_route
+        from moeray.stages.kernels.qmatmul import set_backend
 
         if torch_threads is None and simulated_budget is None:
             # A CUDA stage computes its misses on the host, but Ray starts an actor that reserves no
@@ -244,8 +267,8 @@ class StageActor:
         if torch_threads:
             # Simulated stages share the host's cores; without this each grabs all of them.
             torch.set_num_threads(torch_threads)
-        if route:  # the kernels of this process: every StageModel it builds uses them
-            set_route(route)
+        if backend:  # the kernels of this process: every StageModel it builds uses them
+            set_backend(backend)
         self.stage, self.n_stages = stage, n_stages
         self.simulated_budget = simulated_budget
         self.card_share = card_share  # the part of its GPU Ray gave this stage (0.5: two stages per card)
@@ -417,7 +440,7 @@ class StageActor:
         kv = model.new_kv_pool(kv_blocks, state_slots)
         self.model, self.runner = model, StageRunner(model, kv)
         # Fixed once loaded: measured here, not again on every stats poll.
-        self.trunk_bytes = (resident, stage_trunk_bytes(gguf, first, end, route=None))
+        self.trunk_bytes = (resident, stage_trunk_bytes(gguf, first, end, backend=None))
         self.steps, self.step_s, self.tokens_in = 0, 0.0, 0
         self.hidden = model.config.hidden
         return LoadReport(self.stage, (first, end), time.perf_counter() - t, dict(self.memory.parts),
@@ -508,7 +531,7 @@ class StageActor:
         if self.model is not None:
             out.layers, out.steps, out.step_s, out.tokens_in = ((self.model.first, self.model.end), self.steps,
                                                                  self.step_s, self.tokens_in)
-            out.route, (out.trunk_held_bytes, out.trunk_gguf_bytes) = self.model.route, self.trunk_bytes
+            out.backend, (out.trunk_held_bytes, out.trunk_gguf_bytes) = self.model.backend, self.trunk_bytes
             cache = getattr(self.model.experts, "stats", None)
             if callable(cache):
                 out.cache = cache()
