@@ -173,7 +173,7 @@ def _bound_tokenizers(smollm2_dense_path):
 
     yield "byte-level BPE (SmolLM2)", Tokenizer.from_gguf(smollm2_dense_path)
     yield "sentencepiece BPE, byte fallback", Tokenizer.from_metadata(_spm_metadata()[1])
-    # llama.cpp's reference vocabularies where its source is here (CI has none): those transformers reads
+    # llama.cpp's reference vocabularies where its source is here (CI has none): every one moeray reads
     for path in sorted(glob.glob("/work/llamacpp/src/models/ggml-vocab-*.gguf")):
         try:
             yield path.rsplit("/", 1)[-1], Tokenizer.from_gguf(path)
@@ -203,6 +203,8 @@ def test_no_text_has_fewer_tokens_than_its_bytes_over_the_longest_token(smollm2_
         for i in longest:
             text = tok.decode([i] * 50)
             assert len(tok.encode(text, add_bos=False)) >= tok.min_tokens(text), (name, text[:80])
+        if name.startswith("ggml-vocab-"):  # llama.cpp's splits may cut a long token's repeats apart
+            continue  # (gpt-neox: 50 runs of 39 spaces are 1067 tokens there, and here)
         text = tok.decode([longest[0]] * 50)
         assert len(tok.encode(text, add_bos=False)) <= 8 * tok.min_tokens(text), name
 
