@@ -35,6 +35,16 @@ def llama_cpp_ids(path: Path, texts: list[str], special: bool = False) -> list[l
         m.close()
 
 
+def _one_row_per_line(out: dict) -> str:
+    """JSON with one string, or one string's ids, per line (diffs stay readable)."""
+    dump = lambda x: json.dumps(x, ensure_ascii=False)  # noqa: E731
+    head = ",\n".join(f" {dump(k)}: {dump(v)}" for k, v in out.items() if k not in ("strings", "ids"))
+    strings = ",\n".join(f"  {dump(s)}" for s in out["strings"])
+    ids = ",\n".join(f"  {dump(pre)}: [\n" + ",\n".join(f"   {dump(row)}" for row in rows) + "\n  ]"
+                     for pre, rows in out["ids"].items())
+    return "{\n" + head + ',\n "strings": [\n' + strings + '\n ],\n "ids": {\n' + ids + "\n }\n}\n"
+
+
 def main() -> None:
     import llama_cpp
 
@@ -45,7 +55,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for pre in PRES:
             out["ids"][pre] = llama_cpp_ids(with_pre(src, Path(tmp) / f"{pre}.gguf", pre), STRINGS)
-    OUT.write_text(json.dumps(out, ensure_ascii=False, indent=0) + "\n", encoding="utf-8")
+    OUT.write_text(_one_row_per_line(out), encoding="utf-8")
     print(f"wrote {OUT}: {len(PRES)} pre-tokenizers x {len(STRINGS)} strings")
 
 
