@@ -258,7 +258,7 @@ def test_parts_cut_by_llama_cpps_gguf_split_read_as_the_whole_file(default_model
 
 
 def test_llama_cpp_loads_our_parts_as_the_whole_file(default_model_path, default_parts):
-    llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    llama_cpp = pytest.importorskip("llama_cpp")
 
     def logits(path) -> np.ndarray:
         m = llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=2)

@@ -79,7 +79,7 @@ def test_an_unknown_pre_stops_naming_the_known_ones(vocabs, tmp_path):
 
 
 def _llama_cpp():
-    return pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install llama-cpp-python)")
+    return pytest.importorskip("llama_cpp")  # the reason names what is missing (llama_cpp itself, or diskcache)
 
 
 def _llama_vocab(llama_cpp, path: Path):
