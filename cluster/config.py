@@ -123,7 +123,9 @@ class ServeOptions:
 
 
 def resolve_model(path: str | None, rebuild: bool = False) -> str:
-    """The GGUF to run: the given file, or the embedded default model (built on first use)."""
+    """The GGUF to run: the given file, or the embedded default model (built on first use). A
+    model in parts is named by any of its parts (stages/gguf/parts.py): the first is returned,
+    as llama.cpp loads it; the parts themselves are checked when the header is read."""
     from pathlib import Path
 
     if path is None:
@@ -132,7 +134,10 @@ def resolve_model(path: str | None, rebuild: bool = False) -> str:
         return str(default_model_path(rebuild=rebuild))
     if not Path(path).is_file():
         raise FileNotFoundError(f"{path}: no such file")
-    return path
+    from moeray.stages.gguf.parts import first_part_path
+
+    first = first_part_path(path)
+    return first if Path(first).is_file() else path
 
 
 # ---------------------------------------------------------------- command-line flags

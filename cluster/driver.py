@@ -3,10 +3,13 @@
 1. Spawn one StageActor per stage in a placement group (one bundle per stage: {GPU: 1} on a
    cluster with GPUs, a custom `moeray_device` resource where nodes declare one, else a sliver
    of CPU for simulated devices), PACK by default, SPREAD on request.
-2. Probe: every actor reports its device, free bytes, node and measured speeds, and the
-   model file's size and sampled hash as its node sees it (a node with a different file is named).
-3. Plan: the placement search runs over the reported budgets and speeds.
-4. Load: each actor loads only its layer range; its KV pool allocated (the plan's block count).
+2. Probe: every actor reports its device, free bytes, node and measured speeds, and which of the
+   model's files (its parts, for a model cut by gguf-split) its node holds.
+3. Plan: the placement search runs over the reported budgets and speeds. Then each stage checks
+   the files its layers need as its node sees them (size and sampled hash): a missing, short or
+   different file is named with its node before anything loads.
+4. Load: each actor loads only its layer range, mapping only the files that hold it; its KV pool
+   allocated (the plan's block count).
 5. Wire: the stages join one process group (activations go stage to stage over it).
 
 Every remote wait goes through cluster/remote.py (one deadline, errors that name the stage): a
@@ -125,6 +128,8 @@ class StageGroup:
     load_args: list[tuple] = field(default_factory=list)  # per stage, to reload it after a restart
     kv_blocks: int | None = None  # every stage's KV pool, once loaded
     state_slots: int = 0  # sequence states the stages hold (a model with recurrent layers), once loaded
+    header: Any = None  # the model's header as the driver read it: every stage gets it (a Ray object)
+    model_header: Any = None  # ... and the header itself
     hung: set = field(default_factory=set)
     _actor_opts: dict = field(default_factory=dict)
 
@@ -162,18 +167,55 @@ class StageGroup:
         ).remote(i, self.n_stages, budget, self.torch_threads, self.options,
                  card_share=self._actor_opts.get("num_gpus", 1.0))
 
-    def probe(self, path: str) -> list[ProbeReport]:
-        """Each actor's report (device, budget, node, speeds); checks every node sees the same file."""
-        self.reports = gather([a.probe.remote(path) for a in self.actors], self.timeout_s, "probe")
-        ref = self.reports[0].file
-        for r in self.reports[1:]:
-            if r.file != ref:
-                raise MoerayError(
-                    f"{path} differs between nodes: stage 0 on {self.reports[0].device.node_ip} sees "
-                    f"{ref.size} bytes (sampled sha256 {ref.sha256_sampled[:12]}), stage {r.stage} on "
-                    f"{r.device.node_ip} sees {r.file.size} bytes ({r.file.sha256_sampled[:12]}); "
-                    "copy the same file to every node")
+    def share_header(self, header) -> Any:
+        """The model's header as one Ray object every stage call takes (a tokenizer's metadata is
+        megabytes: sent once, not per call)."""
+        import ray
+
+        if self.header is None:
+            self.header, self.model_header = ray.put(header), header
+        return self.header
+
+    def probe(self, path: str, header=None) -> list[ProbeReport]:
+        """Each actor's report (device, budget, node, speeds, the model's files on its node)."""
+        from moeray.stages.gguf.reader import read_gguf_header
+
+        ref = self.share_header(header or read_gguf_header(path))
+        self.reports = gather([a.probe.remote(path, ref) for a in self.actors], self.timeout_s, "probe")
         return self.reports
+
+    def check_parts(self, header, ranges: list[tuple[int, int]]) -> list[str]:
+        """Every stage checks, on its node, the files (parts) its layers need: present, complete,
+        the file the header describes, and the same bytes (size and sampled sha256) on every node
+        that reads it. One MoerayError naming each file, node and the fix, else the lines to print."""
+        ref = self.share_header(header)
+        needs = [header.stage_parts(a, b) for a, b in ranges]
+        seen = gather([a.check_parts.remote(ref, need) for a, need in zip(self.actors, needs)], self.timeout_s,
+                      "checking the model's files")
+        problems, first_seen = [], {}
+        for i, found in enumerate(seen):
+            for j in needs[i]:
+                got = found[j]
+                if isinstance(got, str):
+                    problems.append(f"stage {i} ({self.where(i)}) needs {got}")
+                    continue
+                if j not in first_seen:
+                    first_seen[j] = (i, got)
+                    continue
+                k, ref_print = first_seen[j]
+                if got != ref_print:
+                    problems.append(
+                        f"{header.parts[j].path} differs between nodes: stage {k} on {self.where(k)} sees "
+                        f"{ref_print.size} bytes (sampled sha256 {ref_print.sha256_sampled[:12]}), stage {i} on "
+                        f"{self.where(i)} sees {got.size} bytes ({got.sha256_sampled[:12]}); copy the same file to "
+                        "every node that reads it")
+        if problems:
+            raise MoerayError("; ".join(problems))
+        if not header.in_parts:
+            return []
+        from moeray.stages.gguf.parts import stage_parts_lines
+
+        return [f"{line}; checked on {self.where(i)}" for i, line in enumerate(stage_parts_lines(header, ranges))]
 
     def connect(self, timeout_s: float = 30.0) -> None:
         """(Re-)form the stages' process group; stage 0's node hosts the rendezvous."""
@@ -201,11 +243,13 @@ class StageGroup:
         trunk_on_card = trunk_on_card or [0] * len(ranges)
         from moeray.stages.gguf.reader import read_gguf_header
 
+        if self.header is None:
+            self.share_header(read_gguf_header(path))
         self.kv_blocks = kv_blocks
-        self.state_slots = state_slots if any(state_bytes_by_layer(read_gguf_header(path).config, 1)) else 0
+        self.state_slots = state_slots if any(state_bytes_by_layer(self.model_header.config, 1)) else 0
         self.load_args = [(path, a, b, kv_blocks, t, profile, cache_policy, state_slots)
                           for (a, b), t in zip(ranges, trunk_on_card)]
-        refs = [a.load.remote(*args) for a, args in zip(self.actors, self.load_args)]
+        refs = [a.load.remote(*args, header=self.header) for a, args in zip(self.actors, self.load_args)]
         return gather(refs, self.timeout_s, "loading", progress=progress)
 
     def record_routing(self, folder: str) -> None:
@@ -265,7 +309,8 @@ class StageGroup:
         if dead:
             self._await_restart(dead)
             if self.load_args:
-                gather([self.actors[i].load.remote(*self.load_args[i]) for i in dead], self.timeout_s, "reload", dead)
+                gather([self.actors[i].load.remote(*self.load_args[i], header=self.header) for i in dead],
+                       self.timeout_s, "reload", dead)
         self.connect()
         return dead
 
@@ -651,8 +696,8 @@ def launch(path: str, opts: LaunchOptions = LaunchOptions(), engine: EngineConfi
 
 
 def bring_up(group: StageGroup, header, path: str, opts: LaunchOptions, engine: EngineConfig, say):
-    """Probe, plan, load and wire a started group: (reports, plan, ranges, handoff_ms, kv)."""
-    reports = group.probe(path)
+    """Probe, plan, check the files, load and wire a started group: (reports, plan, ranges, handoff_ms, kv)."""
+    reports = group.probe(path, header)
     for r in reports:
         say(_probe_line(r))
     group.connect()
@@ -661,6 +706,8 @@ def bring_up(group: StageGroup, header, path: str, opts: LaunchOptions, engine: 
     say(f"stage links: {handoff_ms:.3f} ms per hop for a decode activation (measured)")
     plan, ranges, plan_lines, kv = plan_from_reports(header, reports, opts, engine, handoff_ms)
     for line in plan_lines:
+        say(line)
+    for line in group.check_parts(header, ranges):  # before any weight loads: each node has its files
         say(line)
     # The plan's trunk includes its layers' KV pool and sequence states (see held_spec); the
     # actor charges those itself.

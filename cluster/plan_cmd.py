@@ -57,18 +57,21 @@ def add_arguments(p) -> None:
     p.add_argument("--verbose", action="store_true",
                    help="print every trunk decision and slot layout, not only those that depart from the default")
     p.add_argument("--json", metavar="PATH", help="write the plan as JSON (- for stdout)")
+    p.add_argument("--headers-to", metavar="DIR",
+                   help="also write header-only copies of the model's file(s) into DIR, under their own names "
+                        "(every part of a model in parts): what a machine that only plans, or runs the driver, needs")
     p.add_argument("--plot", metavar="PNG", help="draw the plan (needs matplotlib: moeray[plot])")
 
 
-def spec_from_gguf(path: str, backend: str | None = None) -> ModelSpec:
+def spec_from_gguf(path: str, backend: str | None = None, header=None) -> ModelSpec:
     """The model's sizes as a stage holds them: the GGUF's own blocks (float32 vectors and
     routers) on the quantised backends, float32 on the exact one - the same pricing as the
-    driver's, from stages/gguf/reader.held_bytes."""
+    driver's, from stages/gguf/reader.held_bytes. `header`: already read."""
     from moeray.stages.arch import arch_of
     from moeray.stages.gguf.reader import expert_bytes, read_gguf_header, trunk_bytes, trunk_pieces  # torch-free
 
     backend = "exact" if backend == "exact" else "quantised"
-    h = read_gguf_header(path)
+    h = header or read_gguf_header(path)
     cfg = h.config
     if not cfg.n_experts:
         raise PlacementError(f"{path}: a dense model (no routed experts); there is no expert cache to place")
@@ -95,6 +98,19 @@ def kv_line(per_token: list[int], split, n_tokens: int) -> str:
             f"charged to their layers' cards: {stages}")
 
 
+def write_headers(header, folder: str) -> None:
+    """Header-only copies of every file of the model (each part under its own name) into `folder`."""
+    import os
+
+    from moeray.stages.gguf.reader import write_header_only
+    from moeray.units import format_bytes
+
+    os.makedirs(folder, exist_ok=True)
+    for p in header.parts:
+        n = write_header_only(p.path, os.path.join(folder, p.name))
+        print(f"header of {p.name}: {format_bytes(n)} written to {folder}", file=sys.stderr)
+
+
 def run(args) -> int:
     from moeray.cluster.config import LaunchOptions, with_overrides
     from moeray.stages.kernels.settings import StageOptions
@@ -109,7 +125,14 @@ def run(args) -> int:
         from moeray.cluster.config import resolve_model  # torch-free; builds the default model once
 
         args.model = resolve_model(args.model)
-    spec = spec_from_gguf(args.model, opts.stage.backend) if args.model else ModelSpec.from_json(args.spec)
+    header = None
+    if args.model:
+        from moeray.stages.gguf.reader import read_gguf_header  # torch-free; a model in parts: every part's header
+
+        header = read_gguf_header(args.model)
+        if args.headers_to:
+            write_headers(header, args.headers_to)
+    spec = spec_from_gguf(args.model, opts.stage.backend, header) if args.model else ModelSpec.from_json(args.spec)
     if args.max_seqs < 1:
         raise PlacementError(f"--max-seqs {args.max_seqs}: at least one sequence runs")
     per_seq_state = list(spec.state_bytes)
@@ -139,10 +162,19 @@ def run(args) -> int:
         plan.notes.append(state_line(per_seq_state, plan.split, args.max_seqs))
     if args.kv_tokens and any(per_token_kv):
         plan.notes.append(kv_line(per_token_kv, plan.split, args.kv_tokens))
-    for line in plan.lines(verbose=args.verbose):
+    parts_lines = []
+    if header is not None:  # a model in parts: which files each stage's node needs
+        from moeray.stages.gguf.parts import stage_parts_lines
+
+        parts_lines = stage_parts_lines(header, plan.split)
+    for line in plan.lines(verbose=args.verbose) + parts_lines:
         print(line, file=out)
     if args.json:
-        text = json.dumps(plan.to_json(), indent=1)
+        js = plan.to_json()
+        if header is not None and header.in_parts:
+            for s, (a, b) in zip(js["stages"], plan.split):
+                s["parts"] = [header.parts[j].name for j in header.stage_parts(a, b)]
+        text = json.dumps(js, indent=1)
         if args.json == "-":
             print(text)
         else:

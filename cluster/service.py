@@ -77,7 +77,9 @@ class Service:
 
             self.model_name = MODEL_NAME
         else:
-            self.model_name = Path(self.path).stem
+            from moeray.stages.gguf.parts import model_stem
+
+            self.model_name = model_stem(self.path)  # NAME, not NAME-00001-of-00004
         header = read_gguf_header(self.path)
         self.header_config = header.config
         engine_cfg = opts.engine

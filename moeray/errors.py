@@ -51,3 +51,7 @@ class ConfigError(MoerayError, ValueError):
     def __init__(self, setting: str, value, why: str):
         super().__init__(f"{setting}={value!r}: {why}")
         self.setting, self.value, self.why = setting, value, why
+
+
+class ModelPartsError(GGUFError):
+    """A model in parts (llama.cpp's gguf-split) whose parts are missing, mixed or cut short."""
