@@ -4,7 +4,7 @@
 
 Each server (the same GGUF, the same context) is started, asked a small chat request alone (its
 latency is the yardstick), then sent a chat request whose one message is `--mb` megabytes of
-words, far over the context, and a second later the same small request. The table gives the huge
+words, far over the context, and `--delay` seconds later the same small request. The table gives the huge
 request's status and time to its answer, and the small request's latency beside it and alone.
 `--python` runs `moeray serve` from another checkout's venv (e.g. main before a change).
 """
@@ -54,7 +54,7 @@ def measure(label: str, cmd: list[str], url: str, args) -> dict:
         out = {}
         big = threading.Thread(target=lambda: out.update(big=chat(url, huge, 4, 600)))
         big.start()
-        time.sleep(1.0)
+        time.sleep(args.delay)
         out["small"] = chat(url, "Hi", 4, 600)
         big.join(600)
         (status, big_s, message), (small_status, small_s, _) = out["big"], out["small"]
@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--python", default=sys.executable, help="the Python whose moeray serves (default: this one)")
     p.add_argument("--ctx", type=int, default=8192)
     p.add_argument("--mb", type=int, default=20, help="megabytes of the huge message")
+    p.add_argument("--delay", type=float, default=1.0, help="seconds between the huge request and the small one")
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     args = p.parse_args(argv)

@@ -150,8 +150,8 @@ def _builder(arch: str):
     return tiny_models.BUILDERS[arch]
 
 
-def family_model(family: Family) -> Path:
-    """write_family_model's file, made once per machine (in the cache beside the default model):
+def model_path(family: Family) -> Path:
+    """Where write_family_model's file is kept, once per machine (in the cache beside the default model):
     the key is everything it depends on (the recipe, the family, its template, the GGUF writer and
     tokenizer, the library versions)."""
     import hashlib
@@ -170,9 +170,16 @@ def family_model(family: Family) -> Path:
              torch.__version__, transformers.__version__]
     key = hashlib.sha256("\n".join(map(str, parts)).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("MOERAY_CACHE_DIR") or Path.home() / ".cache" / "moeray") / "chat-models"
-    path = cache / f"{family.name}-{key}.gguf"
+    return cache / f"{family.name}-{key}.gguf"
+
+
+def family_model(family: Family) -> Path:
+    """write_family_model's file, made once per machine (model_path)."""
+    import os
+
+    path = model_path(family)
     if not path.exists():
-        cache.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".tmp{os.getpid()}")
         write_family_model(family, tmp)
         tmp.rename(path)
