@@ -38,6 +38,11 @@ class EngineConfig:
     kv_blocks: Optional[int] = None
     kv_fraction: Optional[float] = None
     prefix_reuse: bool = True  # reuse the KV of a prompt prefix another request computed
+    # Speculative decoding (cluster/speculation.py): auto | off | ngram | draft | mtp; a request's
+    # `speculative` flag overrides it. Draft lengths are priced per step (planner/draft_length.py),
+    # at most max_draft tokens a row.
+    speculative: str = "auto"
+    max_draft: int = 32
 
     def __post_init__(self) -> None:
         if not 1 <= self.micro_batches <= self.max_seqs:
@@ -50,6 +55,13 @@ class EngineConfig:
                               f"got {self.kv_fraction}")
         if self.kv_blocks is not None and self.kv_fraction is not None:
             raise MoerayError("give --kv-blocks or --kv-fraction, not both")
+        from moeray.cluster.speculation import MODES
+
+        if self.speculative not in MODES:
+            raise MoerayError(f"--speculative {self.speculative!r} is not one of {', '.join(MODES)}")
+        if self.max_draft < 1:
+            raise MoerayError(f"max_draft must be >= 1 (a draft's most tokens; --speculative off turns drafts off), "
+                              f"got {self.max_draft}")
 
 
 @dataclass
@@ -147,6 +159,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                     help="share of the devices' free bytes the KV cache takes, e.g. 0.3 (instead of --kv-blocks)")
     g.add_argument("--no-prefix-reuse", action="store_true",
                    help="compute every prompt in full (default: reuse the KV of a prompt prefix already computed)")
+    g.add_argument("--speculative", choices=("auto", "off", "ngram", "draft", "mtp"), default=d.speculative,
+                   help="speculative decoding: draft tokens and verify them in one step (auto: every drafter the "
+                        f"model has, priced per step; default {d.speculative}); a request's `speculative` overrides it")
+    g.add_argument("--max-draft", type=int, default=d.max_draft,
+                   help=f"the most drafted tokens one verify row carries (default {d.max_draft})")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -155,7 +172,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         prefill_chunk=args.prefill_chunk,
                         micro_batches=args.micro_batches if args.micro_batches is not None else d.micro_batches,
                         step_timeout_s=args.step_timeout, kv_blocks=args.kv_blocks, kv_fraction=args.kv_fraction,
-                        prefix_reuse=not args.no_prefix_reuse)
+                        prefix_reuse=not args.no_prefix_reuse, speculative=args.speculative,
+                        max_draft=args.max_draft)
 
 
 def add_launch_arguments(p: argparse.ArgumentParser) -> None:

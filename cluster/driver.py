@@ -758,6 +758,8 @@ class RayPipeline:
     stage the sampling params); activations flow over their process group; the last stage's
     sampled tokens come back."""
 
+    verifies = True  # the last stage accepts drafted tokens (StepBatch.drafts): speculative decoding
+
     def __init__(self, group: StageGroup, launched: Launched | None = None):
         self.group = group
         self.launched = launched  # owns the plan: re-plans when a node leaves

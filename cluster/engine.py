@@ -32,6 +32,7 @@ from typing import Any, Optional, Protocol, Sequence
 from moeray.cluster.config import EngineConfig
 from moeray.cluster.remote import StageFailedError
 from moeray.cluster.scheduler import EngineStats, Request, ScheduledStep, Scheduler
+from moeray.cluster.speculation import Speculation
 from moeray.errors import MoerayError
 from moeray.stages.runtime.actor import StepBatch
 from moeray.stages.text.sampling import SamplingParams, StepOutput, StopStringStream
@@ -46,6 +47,8 @@ log = logging.getLogger("moeray")
 PREFIX_REUSE_OFF = ("prefix reuse off: this model's recurrent (DeltaNet) layers keep one state per sequence, "
                     "which cached KV blocks cannot restore (a snapshot per cached block would cost as much as "
                     "~200 blocks of KV each); every prompt is prefilled whole")
+SPEC_OFF_RECURRENT = ("speculative decoding off: this model's recurrent (DeltaNet) layers would need their state "
+                      "restored after a rejected draft, which this pipeline does not do yet")
 
 
 class Pipeline(Protocol):
@@ -77,8 +80,17 @@ class Engine:
                 log.info(PREFIX_REUSE_OFF)
                 config = replace(config, prefix_reuse=False)
         self.pipeline, self.config, self.tokenizer = pipeline, config, tokenizer
+        # Drafts go only to a pipeline whose last stage verifies them (StageRunner.sample).
+        self.speculation = None
+        if getattr(pipeline, "verifies", False):
+            if state_slots:
+                if config.speculative != "off":
+                    log.info(SPEC_OFF_RECURRENT)
+            else:
+                self.speculation = Speculation(config.speculative, getattr(pipeline, "step_price", None),
+                                               max_draft=config.max_draft)
         self.scheduler = Scheduler(config, tokenizer.end_ids if tokenizer is not None else (),
-                                   config.kv_blocks or pool)
+                                   config.kv_blocks or pool, self.speculation)
         self.in_flight: deque[tuple[ScheduledStep, Any]] = deque()
         self._ids = itertools.count()
 

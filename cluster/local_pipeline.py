@@ -18,6 +18,7 @@ class LocalPipeline:
     `from_model` runs a model already loaded (its cache attached by the caller): `moeray generate`."""
 
     n_stages = 1
+    verifies = True  # its stage accepts drafted tokens (StepBatch.drafts): speculative decoding
 
     def __init__(self, stage, kv_blocks: int | None = None, state_slots: int = 0):
         self.stage = stage  # a StageActor or a StageRunner: step(StepBatch) -> tokens

@@ -43,11 +43,16 @@ class StepBatch:
     # (block, block, rows): copy the first rows of a written block into another before the step (a
     # prompt that goes on with tokens another sequence wrote: cluster/kv_blocks.py, match_tail)
     copies: list[tuple[int, int, int]] | None = None
+    # Last stage only: per sequence, the drafted tokens its row carries after its last token (a
+    # verify row: stages/text/verify.py); [] for a plain row; None when no row carries one.
+    drafts: list[list[int]] | None = None
 
     def for_stage(self, stage: int, n_stages: int) -> "StepBatch":
+        last = stage == n_stages - 1
         return StepBatch(self.step_id, self.slots, self.n_new, self.fresh,
                          self.tokens if stage == 0 else None,
-                         self.sample if stage == n_stages - 1 else None, self.starts, self.tables, self.copies)
+                         self.sample if last else None, self.starts, self.tables, self.copies,
+                         self.drafts if last else None)
 
 
 @dataclass(frozen=True)
@@ -147,13 +152,18 @@ class StageRunner:
     def sample(self, batch: StepBatch, x, meta):
         """A token per sequence whose params ask for one (its prompt is fully fed), else None; a
         StepOutput when some sequence asked for log-probabilities too. A sequence with a grammar
-        samples only among the tokens its grammar allows next, from the same logits."""
+        samples only among the tokens its grammar allows next, from the same logits. A verify row
+        (batch.drafts: k drafted tokens after its last token) gets a list: the drafted tokens the
+        target accepts and one of its own (stages/text/verify.py), with a log-probability each."""
         from moeray.stages.text.sampling import StepOutput, sample, token_logprobs
 
         want = [i for i, p in enumerate(batch.sample) if p is not None]
-        out: list[int | None] = [None] * len(batch.slots)
+        out: list = [None] * len(batch.slots)
         if not want:
             return out
+        drafts = batch.drafts
+        if drafts is not None and any(drafts[i] for i in want):
+            return self._verify(batch, x, meta, want)
         # A decode step in which every sequence samples: its rows are x itself, no gather.
         rows = x if len(want) == len(batch.slots) == x.shape[0] else x[meta.last_index[want]]
         logits = self.model.head(rows)
@@ -179,6 +189,64 @@ class StageRunner:
         for row, (i, p, tok) in enumerate(zip(want, params, toks)):
             if p.logprobs is not None:
                 logprobs[i] = token_logprobs(logits[row], tok, p.logprobs)
+        return StepOutput(out, logprobs)
+
+    def _verify(self, batch: StepBatch, x, meta, want: list[int]):
+        """A step with verify rows: every position of a verify row goes through the head (the
+        target's distribution after each drafted token), one position of a plain row; each verify
+        row's tokens are its accepted drafts and one more, each plain row's its sampled token."""
+        import torch
+
+        from moeray.stages.text.sampling import StepOutput, sample, token_logprobs
+        from moeray.stages.text.verify import verify_row
+
+        last = meta.last_index.tolist()
+        index, spans = [], []
+        for i in want:
+            k = len(batch.drafts[i])
+            spans.append((len(index), k + 1))
+            index.extend(range(last[i] - k, last[i] + 1))
+        logits = self.model.head(x[torch.tensor(index, device=x.device)])
+        out: list = [None] * len(batch.slots)
+        logprobs: list = [None] * len(batch.slots)
+        grammars = None
+        for i in want:
+            p, slot = batch.sample[i], batch.slots[i]
+            if slot not in self.generators:
+                self.generators[slot] = p.new_generator()
+            if p.grammar and grammars is None:
+                grammars = self._grammars(logits.shape[-1])
+        plain = [(n, i) for n, i in enumerate(want) if not batch.drafts[i]]
+        if plain:  # the plain rows together, as a step without drafts samples them
+            rows = [spans[n][0] for n, _ in plain]
+            ps = [batch.sample[i] for _, i in plain]
+            slots = [batch.slots[i] for _, i in plain]
+            allowed = ([grammars.allowed(s, p.grammar) if p.grammar else None for s, p in zip(slots, ps)]
+                       if grammars is not None else None)
+            toks = sample(logits[rows], ps, [self.generators[s] for s in slots], allowed)
+            for (_, i), row, p, tok in zip(plain, rows, ps, toks):
+                out[i] = tok
+                if p.grammar:
+                    grammars.advance(batch.slots[i], tok)
+                if p.logprobs is not None:
+                    logprobs[i] = token_logprobs(logits[row], tok, p.logprobs)
+        for n, i in enumerate(want):
+            draft = batch.drafts[i]
+            if not draft:
+                continue
+            p, slot = batch.sample[i], batch.slots[i]
+            off, m = spans[n]
+            rows = logits[off:off + m]
+            masks = grammars.allowed_along(slot, p.grammar, draft) if p.grammar else None
+            toks = verify_row(rows, draft, p, self.generators[slot], masks)
+            out[i] = toks
+            if p.grammar:
+                for tok in toks:
+                    grammars.advance(slot, tok)
+            if p.logprobs is not None:
+                logprobs[i] = [token_logprobs(rows[j], tok, p.logprobs) for j, tok in enumerate(toks)]
+        if all(batch.sample[i].logprobs is None for i in want):
+            return out
         return StepOutput(out, logprobs)
 
     def _grammars(self, n_vocab: int):

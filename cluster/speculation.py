@@ -1,0 +1,170 @@
+"""Speculative decoding, the engine's side: who drafts, how many tokens each verify row carries,
+and what the drafters' acceptance has been.
+
+Each decoding sequence with speculation on keeps a drafter over its own tokens (cluster/ngram.py).
+When the scheduler packs a step, every such sequence offers the draft it has; the step's draft
+lengths are priced together (planner/draft_length.py): the chance each drafted token is accepted
+(the drafter's measured rate on this sequence, pulled towards its rate over all sequences at the
+same match length) against what the step's extra tokens cost (StepPrice: the trunk's per-token
+compute and the union of experts the tokens read, each at its stage's measured price). A draft
+goes in only where it raises the step's expected tokens per ms, so a full batch, or a sequence
+whose drafts keep failing, runs plain decode rows (k = 0).
+
+The verify row runs on the stages like a prompt chunk; the last stage accepts a prefix of the
+draft and adds one token of its own (stages/text/verify.py); the scheduler appends them under the
+usual finish rules and gives back the KV blocks past the last accepted token.
+
+Modes (EngineConfig.speculative, a request's `speculative` flag turns it off or on):
+  off    never draft
+  ngram  the n-gram drafter, priced per step
+  auto   every drafter the model has (today: n-gram), priced per step: drafts only where they pay
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from moeray.cluster.ngram import Draft, NgramConfig, NgramDrafter
+from moeray.errors import MoerayError
+from moeray.planner.draft_length import Offer, StepPrice, acceptance_estimate, choose_draft_lengths
+
+MODES = ("auto", "off", "ngram", "draft", "mtp")
+# Match lengths share acceptance statistics in these bands (a 2-token match guesses, an 8-token one copies).
+MATCH_BANDS = (2, 3, 4, 6, 8)
+
+
+def match_band(n: int) -> int:
+    return max(b for b in MATCH_BANDS if b <= n) if n >= MATCH_BANDS[0] else 0
+
+
+@dataclass
+class Tally:
+    """A drafter's record: drafted tokens, how many were accepted, the rows that met a rejection."""
+    drafted: int = 0
+    accepted: float = 0.0
+    rejected: float = 0.0  # rows whose draft met a refused token (the rest of that draft was not judged)
+    rows: int = 0
+
+    def add(self, drafted: int, accepted: int, decay: float = 1.0) -> None:
+        self.accepted = self.accepted * decay + accepted
+        self.rejected = self.rejected * decay + (accepted < drafted)
+        self.drafted += drafted
+        self.rows += 1
+
+    def rate(self, prior: float, strength: float = 4.0) -> float:
+        return acceptance_estimate(self.accepted, self.rejected, prior, strength)
+
+
+@dataclass
+class SpecStats:
+    """What speculation did, for /v1/stages, the live page and Prometheus."""
+    verify_rows: int = 0  # decode rows that carried a draft
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0  # drafted tokens the target accepted
+    emitted_tokens: int = 0  # tokens verify rows gave (accepted + one each)
+    by_drafter: dict[str, Tally] = field(default_factory=dict)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def tokens_per_verify_row(self) -> float:
+        return self.emitted_tokens / self.verify_rows if self.verify_rows else 0.0
+
+    def as_dict(self) -> dict:
+        return {"verify_rows": self.verify_rows, "drafted_tokens": self.drafted_tokens,
+                "accepted_tokens": self.accepted_tokens, "emitted_tokens": self.emitted_tokens,
+                "acceptance_rate": round(self.acceptance_rate, 4),
+                "tokens_per_verify_row": round(self.tokens_per_verify_row, 3)}
+
+
+@dataclass
+class SeqSpec:
+    """One sequence's speculation: its drafter and its own record."""
+    drafter: Any  # NgramDrafter, or any object with extend(tokens) and draft(max_tokens) -> Draft
+    tally: Tally = field(default_factory=Tally)
+    draft: Optional[Draft] = None  # the draft offered this step (its tokens, its match length)
+
+
+class Speculation:
+    """The engine's drafters and the per-step choice of draft lengths."""
+
+    PRIOR = 0.5  # a drafter's assumed acceptance before it has drafted (a mid guess, updated fast)
+    PROBE = 1 / 32  # offers refused for a low rate are tried with one token this often: rates move
+    DECAY = 0.97  # a sequence's record forgets old rows: a copy starts or ends mid-answer
+
+    def __init__(self, mode: str = "auto", price: Optional[StepPrice] = None, ngram: NgramConfig = NgramConfig(),
+                 max_draft: int = 32, seed: int = 0, drafter: Optional[Callable[[list[int]], Any]] = None):
+        """`drafter(tokens)`: a sequence's drafter (extend(tokens), draft(max_tokens) -> Draft);
+        default the n-gram drafter."""
+        if mode not in MODES:
+            raise MoerayError(f"speculative mode {mode!r} is not one of {', '.join(MODES)}")
+        if mode in ("draft", "mtp"):
+            raise MoerayError(f"speculative mode {mode!r} needs a draft model or MTP layers, which this "
+                              "engine was not given; use auto, ngram or off")
+        self.mode, self.ngram, self.max_draft = mode, ngram, max_draft
+        self.new_drafter = drafter or (lambda tokens: NgramDrafter(ngram, tokens))
+        self.price = price
+        self._table: list[float] = []
+        self.stats = SpecStats()
+        self.bands: dict[int, Tally] = {}  # per match band, over every sequence
+        self._rng = random.Random(seed)
+
+    @property
+    def enabled(self) -> bool:
+        return self.mode != "off"
+
+    def wants(self, params) -> bool:
+        """Whether a request drafts: its own flag where it set one, else the engine's mode."""
+        flag = getattr(params, "speculative", None)
+        return self.enabled if flag is None else bool(flag)
+
+    def start(self, tokens) -> SeqSpec:
+        return SeqSpec(self.new_drafter(list(tokens)))
+
+    def set_price(self, price: StepPrice) -> None:
+        self.price, self._table = price, []
+
+    def step_table(self, n: int) -> list[float]:
+        if len(self._table) <= n:
+            price = self.price or StepPrice(fixed_ms=1.0, token_ms=0.05)
+            self._table = price.table(max(n, 2 * len(self._table), 64))
+        return self._table
+
+    def rate(self, seq: SeqSpec, band: int) -> float:
+        prior = self.bands[band].rate(self.PRIOR) if band in self.bands else self.PRIOR
+        return seq.tally.rate(prior)
+
+    def plan(self, seqs: list[SeqSpec], room: list[int], n_plain: int, value: float, budget: int) -> list[int]:
+        """Draft lengths for these sequences in a step of `n_plain` tokens yielding `value`:
+        room[i] is the most sequence i may draft (its tokens left, KV it may take)."""
+        if not seqs or budget <= 0:
+            return [0] * len(seqs)
+        offers, drafts = [], []
+        for s, r in zip(seqs, room):
+            d = s.drafter.draft(min(r, self.max_draft)) if r > 0 else Draft([], 0)
+            s.draft = d
+            drafts.append(d)
+            offers.append(Offer(self.rate(s, match_band(d.match)), len(d.tokens)))
+        table = self.step_table(n_plain + min(budget, sum(o.max_tokens for o in offers)))
+        choice = choose_draft_lengths(table, n_plain, value, offers, budget)
+        lengths = choice.lengths
+        for i, (o, k) in enumerate(zip(offers, lengths)):
+            if k == 0 and o.max_tokens > 0 and sum(lengths) < budget and self._rng.random() < self.PROBE:
+                lengths[i] = 1  # keep measuring a rate the choice has stopped trying
+        return lengths
+
+    def observe(self, seq: SeqSpec, drafted: int, accepted: int, emitted: int) -> None:
+        """A verify row came back: `accepted` of its `drafted` tokens, `emitted` tokens in all
+        (fewer than accepted + 1 where the sequence finished inside the row)."""
+        band = match_band(seq.draft.match if seq.draft is not None else 0)
+        seq.tally.add(drafted, accepted, self.DECAY)
+        self.bands.setdefault(band, Tally()).add(drafted, accepted, self.DECAY)
+        self.stats.by_drafter.setdefault("ngram", Tally()).add(drafted, accepted)
+        s = self.stats
+        s.verify_rows += 1
+        s.drafted_tokens += drafted
+        s.accepted_tokens += accepted
+        s.emitted_tokens += emitted

@@ -1,0 +1,398 @@
+"""Speculative decoding: drafts verified as one multi-token row, kept only as far as the target agrees.
+
+The engine's greedy tokens with speculation equal its tokens without, for every family's tiny
+model, one sequence and sixteen, with a drafter that is right most of the time and wrong often
+enough that both the accepted run and the rejection are exercised every few steps; the KV ledger
+is checked after every step (a rejected draft's blocks go back). A sequence ends where a plain
+decode ends when an accepted run crosses its end token, a stop string or max_tokens. Sampling
+through the rejection rule draws from the target's own distribution (chi-square against the
+model's exact probabilities, fixed seeds). The pricing of draft lengths (planner/draft_length.py)
+and the n-gram drafter (cluster/ngram.py) on their own.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from moeray.cluster.config import EngineConfig
+from moeray.cluster.engine import Engine
+from moeray.cluster.local_pipeline import LocalPipeline
+from moeray.cluster.ngram import Draft, NgramConfig, NgramDrafter
+from moeray.cluster.speculation import Speculation
+from moeray.planner.draft_length import LayerExperts, Offer, StepPrice, choose_draft_lengths
+from moeray.stages.blocks.kv_cache import blocks_for
+from moeray.stages.gguf.writer import write_gguf
+from moeray.stages.runtime.model import load_model
+from moeray.stages.text.sampling import SamplingParams
+from moeray.stages.text.verify import accept_greedy, accept_sampled
+
+# ---------------------------------------------------------------- pricing (pure)
+
+
+def test_a_draft_goes_in_only_where_it_raises_the_steps_tokens_per_ms():
+    flat = StepPrice(fixed_ms=10.0, token_ms=0.1).table(80)  # a memory-bound step: tokens nearly free
+    sure, unsure = Offer(0.9, 40), Offer(0.05, 40)
+    one = choose_draft_lengths(flat, 1, 1, [sure])
+    assert one.lengths[0] >= 20 and one.tokens_per_ms > 4 * one.tokens_per_ms_without
+    assert choose_draft_lengths(flat, 1, 1, [unsure]).lengths == [1] or \
+        choose_draft_lengths(flat, 1, 1, [unsure]).lengths == [0]
+    # a compute-bound full batch: every token costs as much as the step's fixed part shared out
+    busy = StepPrice(fixed_ms=10.0, token_ms=2.0).table(200)
+    assert choose_draft_lengths(busy, 16, 16, [Offer(0.5, 8)] * 16).lengths == [0] * 16
+    # ... but a very sure draft still pays there
+    assert sum(choose_draft_lengths(busy, 16, 16, [Offer(0.99, 8)] + [Offer(0.1, 8)] * 15).lengths[1:]) == 0
+    # the best m tokens go to the surest offers first
+    c = choose_draft_lengths(flat, 2, 2, [Offer(0.3, 10), Offer(0.95, 10)])
+    assert c.lengths[1] == 10 and c.lengths[1] > c.lengths[0]
+
+
+def test_the_experts_a_draft_touches_raise_its_price():
+    """Two steps alike but for their experts: one layer of 8 experts (k=2, uniform heat) whose
+    every read misses at 2 ms; the union of k+1 tokens' experts grows with k, so drafts shrink."""
+    heat = (0.25,) * 8
+    cheap = StepPrice(5.0, 0.1, (LayerExperts(heat, (0.0,) * 8),))
+    dear = StepPrice(5.0, 0.1, (LayerExperts(heat, (2.0,) * 8),))
+    assert dear.ms(1) == pytest.approx(5.1 + 2 * 2.0)  # one token: its k experts
+    assert dear.ms(4) == pytest.approx(5.4 + 8 * 2.0 * (1 - 0.75 ** 4))
+    offer = [Offer(0.6, 30)]
+    assert choose_draft_lengths(dear.table(40), 1, 1, offer).lengths[0] < \
+        choose_draft_lengths(cheap.table(40), 1, 1, offer).lengths[0]
+    # overlap (consecutive tokens routing alike, from traces) makes the union cheaper
+    alike = StepPrice(5.0, 0.1, (LayerExperts(heat, (2.0,) * 8),), overlap=(1.0, 0.6, 0.5, 0.45))
+    assert alike.ms(4) < dear.ms(4)
+
+
+# ---------------------------------------------------------------- the n-gram drafter
+
+
+def test_the_ngram_drafter_copies_what_followed_the_longest_earlier_match():
+    d = NgramDrafter(NgramConfig(n_min=2, n_max=4), [5, 6, 7, 8, 9, 1, 2, 6, 7, 8, 3, 4, 1, 2])
+    # the suffix (1, 2) was followed by 6 7 8 ...: the copy goes on through the text after it
+    assert d.draft(5) == Draft([6, 7, 8, 3, 4], 2)
+    d.extend([6, 7, 8])  # now (2, 6, 7, 8) matches 4 long: what followed it last time was 3
+    assert d.draft(3) == Draft([3, 4, 1], 4)
+    # a repeat that reaches the present keeps repeating through its own draft
+    r = NgramDrafter(NgramConfig(2, 4), [1, 2, 3, 1, 2, 3, 1, 2])
+    assert r.draft(7).tokens == [3, 1, 2, 3, 1, 2, 3]
+    assert NgramDrafter(NgramConfig(2, 4), [1, 2, 3, 4]).draft(4) == Draft([], 0)
+
+
+# ---------------------------------------------------------------- acceptance on logits (pure)
+
+
+def test_greedy_acceptance_is_the_longest_prefix_the_target_agrees_with():
+    logits = torch.full((4, 10), -5.0)
+    for j, t in enumerate([3, 7, 2, 9]):
+        logits[j, t] = 5.0
+    assert accept_greedy(logits, [3, 7, 2]) == [3, 7, 2, 9]  # every draft kept, and the bonus token
+    assert accept_greedy(logits, [3, 1, 2]) == [3, 7]  # refused at the second: the target's own there
+    assert accept_greedy(logits, [0, 7, 2]) == [3]
+
+
+def test_rejection_sampling_keeps_each_positions_distribution():
+    """One position, a drafter that always proposes token 0: accepted with p(0), else a token of the
+    residual; over many draws the emitted token is distributed as p (chi-square, fixed seed)."""
+    p = torch.tensor([0.1, 0.5, 0.25, 0.15])
+    logits = p.log().view(1, 4).expand(2, 4).contiguous()
+    gen = torch.Generator().manual_seed(1234)
+    counts = torch.zeros(4)
+    n = 20000
+    params = SamplingParams(temperature=1.0)
+    for _ in range(n):
+        counts[accept_sampled(logits, [0], params, gen)[0]] += 1
+    assert chi_square(counts, p * n) < chi_square_limit(3)
+
+
+def chi_square(observed: torch.Tensor, expected: torch.Tensor) -> float:
+    return float(((observed - expected) ** 2 / expected).sum())
+
+
+def chi_square_limit(df: int, z: float = 3.09) -> float:
+    """The chi-square value a fit exceeds with probability 0.001 (z = 3.09) at `df` degrees of
+    freedom (Wilson-Hilferty; 16.3 at df 3, as the tables give)."""
+    c = 2 / (9 * df)
+    return df * (1 - c + z * c ** 0.5) ** 3
+
+
+# ---------------------------------------------------------------- the engine on tiny models
+
+
+class NoisyOracle:
+    """A drafter that knows the greedy continuation of each prompt and proposes it with one token
+    in `wrong` replaced at random: right often, wrong often enough that rejections come every few
+    steps. Deterministic (a seed per drafter)."""
+
+    def __init__(self, refs: dict[tuple, list[int]], tokens: list[int], wrong: float = 0.25, vocab: int = 100):
+        self.refs, self.wrong, self.vocab = refs, wrong, vocab
+        self.prompt = next(p for p in refs if tuple(tokens[:len(p)]) == p)
+        self.n = len(tokens)
+        self.rng = random.Random(len(tokens) * 7919 + sum(tokens))
+
+    def extend(self, tokens) -> None:
+        self.n += len(list(tokens))
+
+    def draft(self, max_tokens: int) -> Draft:
+        ref = self.refs[self.prompt]
+        at = self.n - len(self.prompt)
+        out = [t if self.rng.random() > self.wrong else self.rng.randrange(self.vocab) for t in ref[at:at + max_tokens]]
+        return Draft(out, 8 if out else 0)
+
+
+def check_ledger(eng: Engine) -> None:
+    """The KV ledger after a step: every block free, cached or held, its count of holders right,
+    and no sequence holding blocks past the ones its kept tokens (and the next one) need."""
+    bm, sched = eng.scheduler.blocks, eng.scheduler
+    holders = [0] * bm.n_blocks
+    for r in sched.running:
+        for b in r.table:
+            holders[b] += 1
+        if r.copy is not None:
+            holders[r.copy[0]] += 1
+        if not r.busy and r.fed == len(r.prefill):  # decoding: its KV is its tokens but the last
+            assert r.kv_len == len(r.prompt) + len(r.output) - 1
+            assert blocks_for(r.kv_len) <= len(r.table) <= blocks_for(r.kv_len + 1), (r.kv_len, len(r.table))
+    assert holders == bm.ref
+    free, cached = set(bm.free), set(bm.cached)
+    assert not free & cached and len(free) == len(bm.free)
+    assert all((b in free or b in cached) == (bm.ref[b] == 0) for b in range(bm.n_blocks))
+
+
+def engine_for(model, max_seqs: int, mode: str, drafter=None, n_blocks: int = 160, **cfg) -> Engine:
+    eng = Engine(LocalPipeline.from_model(model, n_blocks, max_seqs),
+                 EngineConfig(max_seqs=max_seqs, max_len=256, micro_batches=1, speculative=mode, **cfg))
+    if drafter is not None:
+        eng.speculation.new_drafter = drafter
+        eng.speculation.PROBE = 1.0  # always draft at least one token: every step verifies
+    return eng
+
+
+def run_checked(eng: Engine, prompts, params) -> list:
+    reqs = [eng.add(p, params) for p in prompts]
+    while not all(r.done for r in reqs):
+        eng.step()
+        check_ledger(eng)
+    assert eng.scheduler.blocks.n_used == 0 or eng.config.prefix_reuse
+    return reqs
+
+
+FAMILIES = ["qwen3moe", "qwen2moe", "deepseek2", "glm4moe", "gpt-oss", "mixtral"]
+
+
+def _tiny(family: str):
+    import tiny_models as tm
+
+    return {"qwen3moe": tm.tiny_qwen3moe, "qwen2moe": tm.tiny_qwen2moe, "deepseek2": tm.tiny_deepseek2,
+            "glm4moe": tm.tiny_glm4moe, "gpt-oss": tm.tiny_gpt_oss, "mixtral": tm.tiny_mixtral}[family]()
+
+
+class Models(dict):
+    """Each family's tiny model, written and loaded the first time a test asks for it."""
+
+    def __init__(self, folder):
+        super().__init__()
+        self.folder = folder
+
+    def __missing__(self, family):
+        self[family] = load_model(write_gguf(_tiny(family), self.folder / f"{family}.gguf", "Q8_0"))
+        return self[family]
+
+
+@pytest.fixture(scope="module")
+def family_models(tmp_path_factory):
+    return Models(tmp_path_factory.mktemp("spec"))
+
+
+def prompts_for(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(1, 290) for _ in range(6 + 5 * (i % 4))] for i in range(n)]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_greedy_tokens_are_the_same_with_and_without_speculation(family_models, family):
+    model = family_models[family]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    for batch in (1, 16):
+        prompts = prompts_for(batch, seed=batch)
+        plain = [r.output for r in run_checked(engine_for(model, batch, "off"), prompts, params)]
+        refs = {tuple(p): o for p, o in zip(prompts, plain)}
+        eng = engine_for(model, batch, "auto", drafter=lambda toks: NoisyOracle(refs, toks, vocab=300))
+        got = [r.output for r in run_checked(eng, prompts, params)]
+        assert got == plain, (family, batch)
+        s = eng.speculation.stats
+        # both paths ran: accepted runs and refused drafts
+        assert s.accepted_tokens > 0 and s.accepted_tokens < s.drafted_tokens and s.verify_rows > 0
+        assert eng.stats.steps < run_steps_plain(plain)
+
+
+def run_steps_plain(outputs) -> int:
+    return sum(len(o) for o in outputs)  # a bound: plain decode needs one step a token
+
+
+def test_the_ngram_drafter_on_a_copying_sequence_gains_tokens_per_step(family_models):
+    """A prompt that repeats a phrase: the model (tiny, random) falls into repeating it, the n-gram
+    drafter proposes the repeat, and greedy tokens stay the plain ones with fewer steps."""
+    model = family_models["qwen3moe"]
+    phrase = [11, 57, 203, 9, 88, 140, 31, 7]
+    prompts = [phrase * 4, phrase[:5] * 5]
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    off = engine_for(model, 2, "off")
+    plain = [r.output for r in run_checked(off, prompts, params)]
+    on = engine_for(model, 2, "ngram")
+    got = [r.output for r in run_checked(on, prompts, params)]
+    assert got == plain
+    assert on.speculation.stats.accepted_tokens > 0
+
+
+class CharModelTokenizer:
+    """Token id t is the character chr(65 + t % 58) (end token 0 is no text)."""
+
+    end_ids = frozenset({0})
+
+    def decode(self, ids):
+        return "".join(chr(65 + i % 58) for i in ids if i)
+
+
+def test_an_accepted_run_ends_where_a_plain_decode_ends(family_models):
+    """A draft the target accepts whole runs past the sequence's end: the stop string, the end
+    token and max_tokens each stop it at the very token a plain decode stops at, with the same text."""
+    model = family_models["qwen3moe"]
+    prompts = prompts_for(3, seed=5)
+    long = SamplingParams(max_tokens=30, ignore_eos=True)
+    mk = lambda mode, drafter=None: Engine(LocalPipeline.from_model(model, 64, 3), EngineConfig(
+        max_seqs=3, max_len=256, micro_batches=1, speculative=mode), CharModelTokenizer())
+    ref = [r.output for r in mk("off").generate(prompts, long)]
+    refs = {tuple(p): o for p, o in zip(prompts, ref)}
+    tok = CharModelTokenizer()
+    stops = [tok.decode(o[9:11]) for o in ref]  # a stop string inside the run: ends before its text
+    cases = [SamplingParams(max_tokens=13, ignore_eos=True)] + [
+        SamplingParams(max_tokens=30, ignore_eos=True, stop=(s,)) for s in stops]
+    for params in cases:
+        plain = mk("off").generate(prompts, params)
+        eng = mk("auto")
+        eng.speculation.new_drafter = lambda toks: NoisyOracle(refs, toks, wrong=0.0, vocab=300)
+        spec = eng.generate(prompts, params)
+        assert [(r.output, r.text, r.finish_reason) for r in spec] == \
+               [(r.output, r.text, r.finish_reason) for r in plain]
+        assert eng.speculation.stats.accepted_tokens > 0
+    # the end token: a model whose greedy run reaches a token we call the end
+    end = ref[0][7]
+    eos = type("T", (CharModelTokenizer,), {"end_ids": frozenset({end})})()
+    long = SamplingParams(max_tokens=30)
+    plain = Engine(LocalPipeline.from_model(model, 64, 3), EngineConfig(max_seqs=3, max_len=256, micro_batches=1,
+                                                                         speculative="off"), eos).generate(prompts, long)
+    eng = Engine(LocalPipeline.from_model(model, 64, 3), EngineConfig(max_seqs=3, max_len=256, micro_batches=1), eos)
+    eng.speculation.new_drafter = lambda toks: NoisyOracle(refs, toks, wrong=0.0, vocab=300)
+    spec = eng.generate(prompts, long)
+    assert [r.output for r in spec] == [r.output for r in plain] and spec[0].output[-1] == end
+    assert spec[0].finish_reason == "stop" and spec[0].text == plain[0].text
+
+
+def test_logprobs_and_a_grammar_are_the_plain_decodes(default_model_path):
+    """The default model re-formatting JSON under a JSON grammar, greedy and sampled with a seed per
+    request: a verify row applies the grammar's mask at every position (a drafted token it forbids is
+    refused), and reports each verified token's log-probabilities as a plain decode does."""
+    pytest.importorskip("llguidance")
+    from moeray.stages.text.grammar import json_grammar
+    from moeray.stages.text.tokenizer import Tokenizer
+
+    model = load_model(default_model_path)
+    tok = Tokenizer.from_metadata(model.gguf.metadata, source=model.gguf.path)
+    text = 'Rewrite as JSON with the same keys: {"name": "Ada", "langs": ["en", "fr"], "age": 36}\n{"name":'
+    prompt = tok.encode(text)
+    grammar = json_grammar({"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
+                            "required": ["name", "age"], "additionalProperties": False})
+
+    def run(mode, params, drafter=None):
+        eng = Engine(LocalPipeline.from_model(model, 32, 1), EngineConfig(max_seqs=1, max_len=512, micro_batches=1,
+                                                                         speculative=mode), tok)
+        if drafter is not None:
+            eng.speculation.new_drafter = drafter
+            eng.speculation.PROBE = 1.0
+        reqs = run_checked(eng, [prompt], params)
+        return reqs[0], eng
+
+    greedy = SamplingParams(max_tokens=24, grammar=grammar, logprobs=2)
+    plain, _ = run("off", greedy)
+    refs = {tuple(prompt): plain.output}
+    spec, eng = run("auto", greedy, lambda toks: NoisyOracle(refs, toks, wrong=0.3, vocab=49152))
+    assert spec.output == plain.output and spec.text == plain.text
+    assert eng.speculation.stats.accepted_tokens > 0 and eng.speculation.stats.accepted_tokens < \
+        eng.speculation.stats.drafted_tokens
+    for a, b in zip(spec.logprobs, plain.logprobs):
+        assert a.token == b.token and a.logprob == pytest.approx(b.logprob, abs=1e-3)
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    # sampled: every token stays inside the grammar (a drafted token it forbids is never taken)
+    import json
+    sampled, eng = run("auto", SamplingParams(max_tokens=40, grammar=grammar, temperature=0.9, seed=3),
+                       lambda toks: NoisyOracle(refs, toks, wrong=0.5, vocab=49152))
+    assert eng.speculation.stats.verify_rows > 0
+    if sampled.finish_reason == "stop":
+        obj = json.loads(sampled.text)
+        assert set(obj) == {"name", "age"}
+
+
+def test_sampled_tokens_keep_the_targets_distribution_with_an_often_wrong_drafter(family_models):
+    """3,000 seeded requests of 3 tokens at temperature 0.8, top-k 3, top-p 0.9 on a tiny model,
+    with a drafter that proposes the target's least likely token of the cut, its likeliest, or a junk token: the
+    joint distribution of the 3 tokens (the 2nd and 3rd through verify rows) is the model's exact
+    one, computed from its logits with the same filters (chi-square at p = 0.001; fixed seeds, so
+    the verdict is the same every run)."""
+    from moeray.stages.text.sampling import filtered_probs
+
+    model = family_models["qwen3moe"]
+    prompt = [17, 203, 88, 5, 140, 61, 9]
+    params = SamplingParams(max_tokens=3, temperature=0.8, top_k=3, top_p=0.9, ignore_eos=True)
+
+    def dist(prefix):
+        return filtered_probs(model.logits_all(prefix)[-1], params)
+
+    exact: dict[tuple, float] = {}
+    likely: dict[tuple, list[int]] = {}
+    p1 = dist(prompt)
+    for a in p1.nonzero().flatten().tolist():
+        p2 = dist(prompt + [a])
+        likely[(a,)] = sorted(p2.nonzero().flatten().tolist(), key=lambda t: -float(p2[t]))
+        for b in likely[(a,)]:
+            p3 = dist(prompt + [a, b])
+            likely[(a, b)] = sorted(p3.nonzero().flatten().tolist(), key=lambda t: -float(p3[t]))
+            for c in likely[(a, b)]:
+                exact[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
+    rng = random.Random(99)
+
+    class Guess:
+        def __init__(self, tokens):
+            self.tokens = list(tokens)
+
+        def extend(self, tokens):
+            self.tokens += list(tokens)
+
+        def draft(self, max_tokens):
+            out = []
+            for _ in range(max_tokens):
+                ctx = tuple(self.tokens[len(prompt):] + out)
+                pool = likely.get(ctx, [])
+                u = rng.random()  # unevenly: a uniform guess over the support would hide a wrong residual
+                out.append(pool[-1] if pool and u < 0.6 else pool[0] if pool and u < 0.7 else rng.randrange(300))
+            return Draft(out, 8)
+
+    n, batch = 3000, 16
+    eng = engine_for(model, batch, "auto", drafter=Guess, n_blocks=64)
+    counts: dict[tuple, int] = {}
+    for start in range(0, n, batch):
+        reqs = [eng.add(prompt, SamplingParams(**{**params.__dict__, "seed": s}))
+                for s in range(start, min(n, start + batch))]
+        eng.run(reqs)
+        for r in reqs:
+            counts[tuple(r.output)] = counts.get(tuple(r.output), 0) + 1
+    s = eng.speculation.stats
+    assert s.verify_rows >= n and 0 < s.accepted_tokens < s.drafted_tokens  # both verdicts, every request
+    assert set(counts) <= set(exact)  # nothing outside top-k / top-p
+    cells = sorted(exact, key=exact.get, reverse=True)
+    big = [c for c in cells if exact[c] * n >= 5]  # the rare cells pooled into one
+    obs = torch.tensor([counts.get(c, 0) for c in big] + [sum(counts.get(c, 0) for c in cells if c not in big)], dtype=torch.float64)
+    exp = torch.tensor([exact[c] * n for c in big] + [sum(exact[c] for c in cells if c not in big) * n], dtype=torch.float64)
+    if exp[-1] < 5:
+        obs, exp = obs[:-1], exp[:-1]
+    assert chi_square(obs, exp) < chi_square_limit(len(obs) - 1), (obs, exp)
