@@ -25,6 +25,9 @@ class LocalPipeline:
         self.kv_blocks = kv_blocks  # blocks of its KV pool: the engine's budget
         self.state_slots = state_slots  # sequence states it holds (recurrent layers), 0 for none
         self.load_report = None
+        # Each MoE layer's routing heat and the price of reading an expert (cluster/step_clock.py):
+        # the expert part of a step's price, which speculation's draft lengths pay.
+        self.step_experts: tuple = ()
 
     @classmethod
     def from_file(cls, path: str, kv_blocks: int, simulated_budget: int | None = None,
@@ -37,6 +40,7 @@ class LocalPipeline:
         pipe = cls(stage, kv_blocks, max_seqs if cfg.deltanet is not None else 0)
         pipe.load_report = stage.load(path, 0, cfg.n_layers, kv_blocks, profile=profile, cache_policy=cache_policy,
                                       state_slots=max_seqs, whole_cache_only=True)
+        pipe.step_experts = local_step_experts(stage.model.gguf, profile)
         return pipe
 
     @classmethod
@@ -55,3 +59,27 @@ class LocalPipeline:
 
     def recover(self) -> None:
         pass
+
+
+def local_step_experts(gguf, profile: str | None) -> tuple:
+    """The expert part of a one-process step's price: each MoE layer's heat from the routing
+    profile (uniform without one) and one measured miss time for every expert (in one process
+    every expert is read from host memory, resident or not)."""
+    import numpy as np
+
+    from moeray.cache.attach import load_profile
+    from moeray.cluster.step_clock import expert_layers
+    from moeray.stages.runtime.device import measure_miss_ms
+
+    cfg = gguf.config
+    if not cfg.is_moe:
+        return ()
+    prof = load_profile(profile, cfg.n_layers, cfg.n_experts)
+    counts = None
+    if prof.counts is not None:
+        counts = np.zeros((cfg.n_layers, cfg.n_experts))
+        for (layer, expert), c in zip(prof.pairs, prof.counts):
+            counts[layer, expert] = c
+    miss = measure_miss_ms(gguf, reps=10, budget_s=0.5)
+    return expert_layers(counts, cfg.moe_layers, cfg.n_experts, cfg.n_experts_used,
+                         [[miss] * cfg.n_experts for _ in cfg.moe_layers])

@@ -167,7 +167,7 @@ async def prepare_call(service: Service, body: oa._Request, prompt: list[int], e
     try:
         params = SamplingParams(max_tokens=wanted, temperature=float(body.temperature or 0.0),
                                 top_p=float(body.top_p if body.top_p is not None else 1.0),
-                                seed=body.seed, stop=body.stop_strings())
+                                seed=body.seed, stop=body.stop_strings(), speculative=body.speculative)
     except ValueError as exc:
         raise APIError(400, str(exc), code="invalid_value") from None
     if extras.grammar is not None:

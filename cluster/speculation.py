@@ -32,6 +32,14 @@ from moeray.planner.draft_length import Offer, StepPrice, acceptance_estimate, c
 MODES = ("auto", "off", "ngram", "draft", "mtp")
 # Match lengths share acceptance statistics in these bands (a 2-token match guesses, an 8-token one copies).
 MATCH_BANDS = (2, 3, 4, 6, 8)
+# A verify row's length (k + 1) is one of these: each step shape is a graph the stages build once
+# (~15-20 ms on the default model, a step's worth) and keep, so a few sizes are built once and reused.
+ROW_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def row_size_below(k: int) -> int:
+    """The longest draft <= k whose row (k + 1 tokens) is one of ROW_SIZES."""
+    return max(s for s in ROW_SIZES if s <= k + 1) - 1
 
 
 def match_band(n: int) -> int:
@@ -150,7 +158,7 @@ class Speculation:
             offers.append(Offer(self.rate(s, match_band(d.match)), len(d.tokens)))
         table = self.step_table(n_plain + min(budget, sum(o.max_tokens for o in offers)))
         choice = choose_draft_lengths(table, n_plain, value, offers, budget)
-        lengths = choice.lengths
+        lengths = [row_size_below(k) for k in choice.lengths]
         for i, (o, k) in enumerate(zip(offers, lengths)):
             if k == 0 and o.max_tokens > 0 and sum(lengths) < budget and self._rng.random() < self.PROBE:
                 lengths[i] = 1  # keep measuring a rate the choice has stopped trying

@@ -396,3 +396,66 @@ def test_sampled_tokens_keep_the_targets_distribution_with_an_often_wrong_drafte
     if exp[-1] < 5:
         obs, exp = obs[:-1], exp[:-1]
     assert chi_square(obs, exp) < chi_square_limit(len(obs) - 1), (obs, exp)
+
+
+# ---------------------------------------------------------------- served
+
+
+@pytest.mark.slow
+def test_served_speculation_per_request_with_its_counters_in_stages_and_prometheus(default_model_path):
+    """`moeray serve --local --speculative off`: a request that asks `speculative: true` drafts (the
+    n-gram drafter on a prompt the answer repeats) and gets the very text it gets without; /v1/stages
+    and Prometheus count the verify rows, drafted and accepted tokens; a non-boolean flag is a 400."""
+    import json
+    import re
+    import time
+    import urllib.error
+    import urllib.request
+
+    pytest.importorskip("ray")
+    from serve_process import start_serve
+
+    from moeray.stages.runtime.transport import free_port
+
+    metrics_port = free_port()
+    server = start_serve([str(default_model_path), "--local", "--max-seqs", "2", "--max-len", "1024",
+                          "--speculative", "off", "--model-name", "m", "--metrics-export-port", str(metrics_port),
+                          "--ready-timeout", "240"], free_port())
+
+    def post(body):
+        req = urllib.request.Request(server.url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=300) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    def stages():
+        with urllib.request.urlopen(server.url + "/v1/stages", timeout=60) as r:
+            return json.loads(r.read())["speculation"]
+
+    text = ("Repeat this list exactly: apples, pears, plums, cherries, apricots, peaches, grapes, figs, dates, "
+            "lemons, limes, oranges.")
+    ask = {"model": "m", "messages": [{"role": "user", "content": text}], "max_tokens": 48, "temperature": 0}
+    try:
+        status, plain = post(ask)
+        assert status == 200 and stages()["verify_rows"] == 0  # the server's default: off
+        status, spec = post({**ask, "speculative": True})
+        assert status == 200
+        assert spec["choices"][0]["message"]["content"] == plain["choices"][0]["message"]["content"]
+        s = stages()
+        assert s["mode"] == "off" and s["verify_rows"] > 0 and 0 < s["accepted_tokens"] <= s["drafted_tokens"]
+        status, bad = post({**ask, "speculative": "yes"})
+        assert status == 400 and "speculative" in json.dumps(bad)
+        deadline, seen = time.monotonic() + 30, None
+        while time.monotonic() < deadline and seen is None:
+            with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
+                found = re.search(r'^ray_moeray_spec_accepted_tokens_total\{[^}]*model="m"[^}]*\} (\S+)$',
+                                  r.read().decode(), re.M)
+            seen = float(found.group(1)) if found else None
+            if seen is None:
+                time.sleep(1)
+        assert seen == s["accepted_tokens"]
+    finally:
+        server.stop()
