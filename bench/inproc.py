@@ -57,7 +57,7 @@ class InProcessPipeline:
             s.link = MemoryLink(s.stage, len(stages), queues, s.device.torch_device)
 
     @classmethod
-    def load(cls, path: str, n_stages: int, kv_blocks: int, simulated: list[int] | None, route: str,
+    def load(cls, path: str, n_stages: int, kv_blocks: int, simulated: list[int] | None, backend: str,
              card_share: float = 1.0) -> "InProcessPipeline":
         """n stages over the file's layers split evenly; each probes its device (`simulated` bytes
         each on the CPU, else `card_share` of the card) and loads as a Ray stage would."""
@@ -69,7 +69,7 @@ class InProcessPipeline:
         stages = []
         for i in range(n_stages):
             budget = None if simulated is None else simulated[i]
-            s = StageActor(i, n_stages, budget, torch_threads=None, route=route, card_share=card_share)
+            s = StageActor(i, n_stages, budget, torch_threads=None, backend=backend, card_share=card_share)
             s.load(path, cuts[i], cuts[i + 1], kv_blocks)
             stages.append(s)
         return cls(stages, kv_blocks)

@@ -16,7 +16,7 @@ from typing import Optional
 from moeray.errors import MoerayError
 
 CACHE_POLICIES = ("static", "adaptive", "lru")
-KERNELS = ("auto", "ggml", "dequant", "exact")
+BACKENDS = ("auto", "ggml", "dequant", "exact")
 
 # With no GPU, the stages run on these simulated cards, sized for the default model: 16 sequences
 # of 512 tokens take 360 MiB of float32 KV cache over its 30 layers, the trunk (its GGUF blocks,
@@ -82,9 +82,9 @@ class LaunchOptions:
     # when routing shifts, ~19 better with no profile); static | adaptive | lru.
     cache_policy: str = "adaptive"
     torch_threads: Optional[int] = None
-    # Matmul kernels in every stage: ggml (the GGUF blocks, ggml's CPU kernels), dequant (pure
+    # The kernel backend of every stage: ggml (the GGUF blocks, ggml's CPU kernels), dequant (pure
     # torch, and what CUDA stages run), exact (float32 copies, for debugging); auto: the best one.
-    kernels: str = "auto"
+    backend: str = "auto"
     timeout_s: float = 300.0  # probe, load, connect: a stage slower than this is reported
     address: Optional[str] = None  # join this Ray cluster instead of starting one
     # Every stage appends its routing to DIR/stage<i>.trace (a folder each node can write), so a
@@ -99,8 +99,8 @@ class LaunchOptions:
         if self.gpus_per_stage is not None and not 0 < self.gpus_per_stage <= 1:
             raise MoerayError(f"--gpus-per-stage {self.gpus_per_stage}: a stage runs on one card, give a share "
                               "0 < x <= 1 (0.5: two stages per card)")
-        if self.kernels not in KERNELS:
-            raise MoerayError(f"kernels '{self.kernels}' is not one of {', '.join(KERNELS)}")
+        if self.backend not in BACKENDS:
+            raise MoerayError(f"backend '{self.backend}' is not one of {', '.join(BACKENDS)}")
         if self.cache_policy not in CACHE_POLICIES:
             raise MoerayError(f"cache policy '{self.cache_policy}' is not one of {', '.join(CACHE_POLICIES)}")
 
@@ -122,6 +122,8 @@ class ServeOptions:
     local_budget: int = 4 << 30
     # --local: ggml's threads in the one process; None: every core it may run on (README "HTTP load")
     threads: Optional[int] = None
+    # How chat templates are called and replies read (stages/text/chat/): None = the GGUF's own family
+    chat_format: Optional[str] = None
 
 
 def resolve_model(path: str | None, rebuild: bool = False) -> str:
@@ -138,6 +140,15 @@ def resolve_model(path: str | None, rebuild: bool = False) -> str:
 
 
 # ---------------------------------------------------------------- command-line flags
+
+
+def add_chat_format_argument(p: argparse.ArgumentParser) -> None:
+    from moeray.stages.text.chat import FORMATS
+
+    p.add_argument("--chat-format", choices=("auto", *FORMATS), default="auto", metavar="NAME",
+                   help="how the chat template is called and replies are read (reasoning, tool calls): "
+                        f"{', '.join(FORMATS)}; auto (default): the GGUF's family, from its template's markers "
+                        "(docs/chat-formats.md)")
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -192,8 +203,8 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-policy", choices=CACHE_POLICIES, default=d.cache_policy,
                    help="the stages' expert caches: static (the profile fill), adaptive (decayed heat, swaps "
                         f"with hysteresis) or lru (default {d.cache_policy})")
-    g.add_argument("--kernels", choices=KERNELS, default=d.kernels,
-                   help="matmul route of every stage: ggml (quantised blocks, ggml's CPU kernels), dequant "
+    g.add_argument("--backend", "--kernels", dest="backend", choices=BACKENDS, default=d.backend,
+                   help="kernel backend of every stage: ggml (quantised blocks, ggml's CPU kernels), dequant "
                         "(pure torch), exact (float32 copies: debugging, 4 bytes a weight); auto picks the best")
     g.add_argument("--record-routing", metavar="DIR", default=d.record_routing,
                    help="every stage appends its routing decisions to DIR/stage<i>.trace (replay them with "
@@ -209,7 +220,7 @@ def launch_options_from_args(args: argparse.Namespace, simulate: Optional[list[i
     return LaunchOptions(n_stages=args.stages, simulate=simulate, strategy="SPREAD" if args.spread else "PACK",
                          objective=args.objective, split=args.split, profile=args.profile,
                          cache_policy=args.cache_policy, torch_threads=1 if simulate else None,
-                         kernels=args.kernels, verbose_plan=getattr(args, "verbose", False),
+                         backend=args.backend, verbose_plan=getattr(args, "verbose", False),
                          address=args.address, record_routing=args.record_routing, gpus_per_stage=args.gpus_per_stage)
 
 

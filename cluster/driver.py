@@ -59,8 +59,8 @@ def local_ray_env() -> None:
     Log lines from actors stay readable (no dedup). Workers run at this process's priority: Ray
     starts every worker (stage actors, the Serve replica) 15 nice levels below the raylet, so on a
     machine with anything else runnable (the HTTP clients, Ray's own daemons) the model's threads
-    got the smallest CPU share, and ggml's helper threads lost their cores mid-graph (README "HTTP
-    load": 2 ggml threads at niceness 15 against 0)."""
+    got the smallest CPU share, and ggml's helper threads lost their cores mid-graph (docs/kernels.md,
+    "Threads")."""
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     os.environ.setdefault("RAY_worker_niceness", "0")
 
@@ -116,7 +116,7 @@ class StageGroup:
     strategy: str = "PACK"
     torch_threads: int | None = None
     timeout_s: float = 120.0
-    route: str | None = None  # kernels: ggml | dequant | exact; None: the best this node has
+    backend: str | None = None  # kernels: ggml | dequant | exact; None: the best this node has
     gpus_per_stage: float | None = None  # a share of a card per stage; None: whole cards while they last
     actors: list[Any] = field(default_factory=list)
     pg: Any = None
@@ -158,7 +158,7 @@ class StageGroup:
         return ray.remote(StageActor).options(
             name=None, max_restarts=0, **self._actor_opts,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-        ).remote(i, self.n_stages, budget, self.torch_threads, self.route,
+        ).remote(i, self.n_stages, budget, self.torch_threads, self.backend,
                  card_share=self._actor_opts.get("num_gpus", 1.0))
 
     def probe(self, path: str) -> list[ProbeReport]:
@@ -416,7 +416,7 @@ class Launched:
                 raise PlacementError("no device is left in the cluster for a stage")
             opts = replace(self.opts, n_stages=n, simulate=budgets, split="auto")
             group = StageGroup(n, budgets, opts.strategy, opts.torch_threads, opts.timeout_s,
-                               None if opts.kernels == "auto" else opts.kernels, opts.gpus_per_stage)
+                               None if opts.backend == "auto" else opts.backend, opts.gpus_per_stage)
             lines: list[str] = []
 
             def say(line: str) -> None:
@@ -546,11 +546,11 @@ def state_bytes_by_layer(config, n_seqs: int) -> list[int]:
     return [n_seqs * arch.state_bytes(config, l) for l in range(config.n_layers)]
 
 
-def held_spec(header, kv_bytes_per_layer: int | list[int] = 0, route: str | None = None):
+def held_spec(header, kv_bytes_per_layer: int | list[int] = 0, backend: str | None = None):
     """The planner's ModelSpec in the bytes a stage really holds on its device.
 
-    On the quantised routes a slot and the trunk hold the GGUF's own blocks (float32 only for
-    vectors and routers), on the exact route float32 copies: `held_bytes` in stages/gguf/reader.py
+    On the quantised backends a slot and the trunk hold the GGUF's own blocks (float32 only for
+    vectors and routers), on the exact backend float32 copies: `held_bytes` in stages/gguf/reader.py
     prices both, and the stage is charged the same numbers. A layer's KV cache is on the card with
     its trunk whatever the split, so it is priced as part of that layer's trunk: the search then
     charges every candidate range exactly the KV it would allocate. `kv_bytes_per_layer`: one
@@ -558,17 +558,17 @@ def held_spec(header, kv_bytes_per_layer: int | list[int] = 0, route: str | None
     """
     from moeray.planner.spec import ModelSpec, TrunkBytes
     from moeray.stages.gguf.reader import expert_bytes, trunk_bytes, trunk_pieces
-    from moeray.stages.kernels.qmatmul import current_route
+    from moeray.stages.kernels.qmatmul import current_backend
 
-    route = route or current_route()
+    backend = backend or current_backend()
     cfg = header.config
-    t = trunk_bytes(header.tensors, cfg, route)
+    t = trunk_bytes(header.tensors, cfg, backend)
     kv = kv_bytes_per_layer if isinstance(kv_bytes_per_layer, list) else [kv_bytes_per_layer] * cfg.n_layers
     layers = [k + n for k, n in zip(kv, t["layers"])]
-    experts = [expert_bytes(header.tensors, l, route) for l in range(cfg.n_layers)]
+    experts = [expert_bytes(header.tensors, l, backend) for l in range(cfg.n_layers)]
     pieces = []  # a hybrid model's layers are offered in pieces: dnproj, attn, ..., and its KV + sequence states
     if any(state_bytes_by_layer(cfg, 1)):
-        pieces = [dict(p, **{"kv+state": k}) if k else p for p, k in zip(trunk_pieces(header.tensors, cfg, route), kv)]
+        pieces = [dict(p, **{"kv+state": k}) if k else p for p, k in zip(trunk_pieces(header.tensors, cfg, backend), kv)]
     return ModelSpec(cfg.n_layers, cfg.n_experts, cfg.n_experts_used, experts,
                      TrunkBytes(t["embedding"], t["head"], layers, pieces))
 
@@ -697,7 +697,7 @@ def launch(path: str, opts: LaunchOptions = LaunchOptions(), engine: EngineConfi
             opts = replace(opts, profile=str(found))
             say(f"profile: {found} (the default model's recorded routing)")
     group = StageGroup(opts.n_stages, opts.simulate, opts.strategy, opts.torch_threads, opts.timeout_s,
-                       None if opts.kernels == "auto" else opts.kernels, opts.gpus_per_stage)
+                       None if opts.backend == "auto" else opts.backend, opts.gpus_per_stage)
     group.start()
     try:
         reports, plan, ranges, handoff_ms, kv = bring_up(group, header, path, opts, engine, say)

@@ -55,27 +55,27 @@ def add_arguments(p) -> None:
     p.add_argument("--plot", metavar="PNG", help="draw the plan (needs matplotlib: moeray[plot])")
 
 
-def spec_from_gguf(path: str, route: str | None = None) -> ModelSpec:
+def spec_from_gguf(path: str, backend: str | None = None) -> ModelSpec:
     """The model's sizes as a stage holds them: the GGUF's own blocks (float32 vectors and
-    routers) on the quantised routes, float32 on the exact one (MOERAY_ROUTE=exact) - the same
+    routers) on the quantised backends, float32 on the exact one (MOERAY_BACKEND=exact) - the same
     pricing as the driver's, from stages/gguf_file.held_bytes."""
     import os
 
     from moeray.stages.arch import arch_of
     from moeray.stages.gguf.reader import expert_bytes, read_gguf_header, trunk_bytes, trunk_pieces  # torch-free
 
-    route = route or ("exact" if os.environ.get("MOERAY_ROUTE", "").strip().lower() == "exact" else "quantised")
+    backend = backend or ("exact" if os.environ.get("MOERAY_BACKEND", "").strip().lower() == "exact" else "quantised")
     h = read_gguf_header(path)
     cfg = h.config
     if not cfg.n_experts:
         raise PlacementError(f"{path}: a dense model (no routed experts); there is no expert cache to place")
-    tb = trunk_bytes(h.tensors, cfg, route)
+    tb = trunk_bytes(h.tensors, cfg, backend)
     arch = arch_of(cfg)
     state = [arch.state_bytes(cfg, l) for l in range(cfg.n_layers)]
     return ModelSpec(cfg.n_layers, cfg.n_experts, cfg.n_experts_used,
-                     [expert_bytes(h.tensors, i, route) for i in range(cfg.n_layers)],
+                     [expert_bytes(h.tensors, i, backend) for i in range(cfg.n_layers)],
                      TrunkBytes(int(tb["embedding"]), int(tb["head"]), [int(x) for x in tb["layers"]],
-                                trunk_pieces(h.tensors, cfg, route) if any(state) else []), state,
+                                trunk_pieces(h.tensors, cfg, backend) if any(state) else []), state,
                      kv_token_bytes=[KV_ITEMSIZE * arch.kv_values(cfg, l) for l in range(cfg.n_layers)])
 
 

@@ -23,7 +23,7 @@ import socket
 import sys
 import time
 
-from moeray.cluster.config import (ServeOptions, add_engine_arguments, add_launch_arguments, engine_config_from_args,
+from moeray.cluster.config import (ServeOptions, add_chat_format_argument, add_engine_arguments, add_launch_arguments, engine_config_from_args,
                                    launch_options_from_args, simulated_devices)
 from moeray.errors import MoerayError
 
@@ -45,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "graph then learns whether one thread or all compute it faster; 1: one thread)")
     p.add_argument("--no-metrics", action="store_true",
                    help="--local: no Prometheus metrics and no Ray at all (Ray's metrics cost the one process "
-                        "~3 ms a token on a small machine; README \"HTTP load\")")
+                        "~3 ms a token on a small machine: docs/performance.md)")
+    add_chat_format_argument(p)
     add_launch_arguments(p)
     add_engine_arguments(p)
     p.add_argument("--metrics-export-port", type=int, default=8080,
@@ -74,7 +75,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
             engine.micro_batches = 1
     return ServeOptions(model=args.model, model_name=args.model_name, local=args.local, launch=launch, engine=engine,
                         max_waiting=args.max_waiting, api_key=args.api_key or None, threads=args.threads,
-                        metrics=not args.no_metrics)
+                        metrics=not args.no_metrics, chat_format=args.chat_format)
 
 
 def check_ports(args: argparse.Namespace) -> None:

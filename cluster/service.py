@@ -65,6 +65,7 @@ class Service:
         from moeray.cluster.engine import Engine
         from moeray.cluster.local_pipeline import LocalPipeline
         from moeray.stages.gguf.reader import read_gguf_header
+        from moeray.stages.text.chat import chat_format
         from moeray.stages.text.tokenizer import Tokenizer
 
         self.opts = opts
@@ -81,6 +82,12 @@ class Service:
         self.header_config = header.config
         engine_cfg = opts.engine
         self.tokenizer = Tokenizer.from_metadata(header.metadata, source=self.path)
+        # How this family's template is called and its replies read (--chat-format, else from the file);
+        # the detokenizer shows the format's markers, control tokens or not.
+        self.chat = chat_format(self.tokenizer.chat_template, header.metadata.get("general.architecture"),
+                                opts.chat_format)
+        self.tokenizer = self.tokenizer.with_rendered(self.chat.markers())
+        self.tokenizer.max_token_bytes  # noqa: B018 - read the vocabulary once now, not on a request
         self.created = oa.now()
         self.launched = None
         self.lines: list[str] = []
@@ -93,10 +100,10 @@ class Service:
 
             set_threads(opts.threads or int(os.environ.get("MOERAY_THREADS") or 0) or len(os.sched_getaffinity(0)),
                         ThreadSettings.from_env(ThreadSettings(**local_threads(header.token_bytes()))))
-            if opts.launch.kernels != "auto":
-                from moeray.stages.kernels.qmatmul import set_route
+            if opts.launch.backend != "auto":
+                from moeray.stages.kernels.qmatmul import set_backend
 
-                set_route(opts.launch.kernels)
+                set_backend(opts.launch.backend)
             profile = opts.launch.profile
             if profile is None:  # the embedded default model's recorded routing, as the driver uses
                 from moeray.stages.runtime.default_profile import default_profile_for

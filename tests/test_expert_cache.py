@@ -81,8 +81,8 @@ def test_expert_cache_layouts_on_a_model(tiny_path):
     assert fallback.slots == Slots(False, 0, 2)
     glob = ExpertCache(host, 0, 3, ByteBudget(7 * blob + blob - 1))
     assert glob.slots == Slots(False, 0, 7)
-    # A slot holds the expert's GGUF bytes (F16 here) on the quantised routes; float32 on the exact one.
-    if host.route == "exact":
+    # A slot holds the expert's GGUF bytes (F16 here) on the quantised backends; float32 on the exact one.
+    if host.backend == "exact":
         assert glob.held_bytes == [2 * g for g in glob.gguf_bytes]
     else:
         assert glob.held_bytes == glob.gguf_bytes

@@ -107,13 +107,13 @@ def test_plan_prices_what_a_stage_holds_from_the_reported_budgets(default_model_
 
     header = read_gguf_header(default_model_path)
     cfg = header.config
-    spec = held_spec(header, route="ggml")
+    spec = held_spec(header, backend="ggml")
     # A slot holds the expert's Q4_1 blocks (20 bytes per 32 weights), the trunk its stored blocks
-    # (the embedding is Q8_0: 34 bytes per 32); the exact route would hold float32 copies.
+    # (the embedding is Q8_0: 34 bytes per 32); the exact backend would hold float32 copies.
     assert spec.expert_bytes == [3 * cfg.expert_ffn_dim * cfg.hidden // 32 * 20] * cfg.n_layers
     assert spec.expert_bytes == [header.expert_bytes(l) for l in range(cfg.n_layers)]
     assert spec.trunk_bytes.embedding == cfg.vocab_size * cfg.hidden // 32 * 34
-    exact = held_spec(header, route="exact")
+    exact = held_spec(header, backend="exact")
     assert exact.expert_bytes == [3 * cfg.expert_ffn_dim * cfg.hidden * 4] * cfg.n_layers
     assert exact.trunk_bytes.embedding == cfg.vocab_size * cfg.hidden * 4
 

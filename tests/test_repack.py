@@ -89,7 +89,7 @@ def test_a_repacked_matrix_refuses_to_be_read_as_rows():
 
 
 def test_the_default_takes_ggmls_gemm_and_on_keeps_rows_batch_invariant(monkeypatch):
-    """The default is llama.cpp's choice (throughput: Q4_K's GEMM for every 4 rows); the route line
+    """The default is llama.cpp's choice (throughput: Q4_K's GEMM for every 4 rows); the backend line
     says what that means and names the batch-invariant setting."""
     monkeypatch.delenv("MOERAY_REPACK", raising=False)
     repack.set_mode(None)
@@ -124,9 +124,9 @@ def test_the_trunk_is_repacked_on_load_and_computes_the_same(q4k_model):
 
     g = GGUFFile(q4k_model)
     repack.set_mode("off")
-    plain = load_model(g, route="ggml")
+    plain = load_model(g, backend="ggml")
     repack.set_mode("on")
-    packed = load_model(g, route="ggml")
+    packed = load_model(g, backend="ggml")
     assert plain.repacked == 0
     # every matrix but the embedding (read as rows): fused qkv, attention output, the head
     assert packed.repacked == len(packed.matrices()) - 1 and packed.tok_embd.layout == "plain"

@@ -334,28 +334,32 @@ def test_logprobs_and_a_grammar_are_the_plain_decodes(default_model_path):
 
 
 def test_sampled_tokens_keep_the_targets_distribution_with_an_often_wrong_drafter(family_models):
-    """3,000 seeded requests of 3 tokens at temperature 0.8, top-k 3, top-p 0.9 on a tiny model,
+    """3,000 seeded requests of 3 tokens at temperature 0.8, top-k 3, top-p 0.9, min-p, the three
+    penalties and a logit bias on a tiny model,
     with a drafter that proposes the target's least likely token of the cut, its likeliest, or a junk token: the
     joint distribution of the 3 tokens (the 2nd and 3rd through verify rows) is the model's exact
     one, computed from its logits with the same filters (chi-square at p = 0.001; fixed seeds, so
     the verdict is the same every run)."""
-    from moeray.stages.text.sampling import filtered_probs
+    from moeray.stages.text.sampling import TokenHistory, adjust_logits, filtered_probs
 
     model = family_models["qwen3moe"]
     prompt = [17, 203, 88, 5, 140, 61, 9]
-    params = SamplingParams(max_tokens=3, temperature=0.8, top_k=3, top_p=0.9, ignore_eos=True)
+    params = SamplingParams(max_tokens=3, temperature=0.8, top_k=3, top_p=0.9, min_p=0.02, repetition_penalty=1.3,
+                            frequency_penalty=0.7, presence_penalty=0.4, logit_bias={61: 1.5, 88: -1.0},
+                            ignore_eos=True)
 
-    def dist(prefix):
-        return filtered_probs(model.logits_all(prefix)[-1], params)
+    def dist(out):
+        logits = model.logits_all(prompt + out)[-1]
+        return filtered_probs(adjust_logits(logits, params, TokenHistory(logits.shape[-1], prompt, out)), params)
 
     exact: dict[tuple, float] = {}
     likely: dict[tuple, list[int]] = {}
-    p1 = dist(prompt)
+    p1 = dist([])
     for a in p1.nonzero().flatten().tolist():
-        p2 = dist(prompt + [a])
+        p2 = dist([a])
         likely[(a,)] = sorted(p2.nonzero().flatten().tolist(), key=lambda t: -float(p2[t]))
         for b in likely[(a,)]:
-            p3 = dist(prompt + [a, b])
+            p3 = dist([a, b])
             likely[(a, b)] = sorted(p3.nonzero().flatten().tolist(), key=lambda t: -float(p3[t]))
             for c in likely[(a, b)]:
                 exact[(a, b, c)] = float(p1[a] * p2[b] * p3[c])
@@ -459,3 +463,18 @@ def test_served_speculation_per_request_with_its_counters_in_stages_and_promethe
         assert seen == s["accepted_tokens"]
     finally:
         server.stop()
+
+
+def test_penalties_and_logit_bias_count_the_drafted_tokens(family_models):
+    """Greedy under repetition, frequency and presence penalties and a logit bias: the penalty at
+    each verified position counts the drafted tokens before it as generated, so the tokens equal a
+    plain decode's (a penalty that missed them would let a repeat through a verify row)."""
+    model = family_models["qwen3moe"]
+    params = SamplingParams(max_tokens=24, ignore_eos=True, repetition_penalty=1.4, frequency_penalty=0.6,
+                            presence_penalty=0.5, logit_bias={7: 3.0, 12: -2.0})
+    prompts = prompts_for(4, seed=11)
+    plain = [r.output for r in run_checked(engine_for(model, 4, "off"), prompts, params)]
+    refs = {tuple(p): o for p, o in zip(prompts, plain)}
+    eng = engine_for(model, 4, "auto", drafter=lambda toks: NoisyOracle(refs, toks, wrong=0.2, vocab=300))
+    assert [r.output for r in run_checked(eng, prompts, params)] == plain
+    assert eng.speculation.stats.accepted_tokens > 20

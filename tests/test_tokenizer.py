@@ -131,3 +131,96 @@ def test_a_lone_surrogate_is_read_as_the_replacement_character(smollm2_dense_pat
     assert tok.decode(tok.encode("a\ud800b")) == "a\ufffdb"
     chat = tok.encode_chat([{"role": "user", "content": "\ud800"}])
     assert chat == tok.encode_chat([{"role": "user", "content": "\ufffd"}])
+
+
+# ---------------------------------------------------------------- a text's bytes bound its tokens
+
+
+def _bound_tokenizers(smollm2_dense_path):
+    import glob
+
+    yield "byte-level BPE (SmolLM2)", Tokenizer.from_gguf(smollm2_dense_path)
+    yield "sentencepiece BPE, byte fallback", Tokenizer.from_metadata(_spm_metadata()[1])
+    # llama.cpp's reference vocabularies where its source is here (CI has none): those transformers reads
+    for path in sorted(glob.glob("/work/llamacpp/src/models/ggml-vocab-*.gguf")):
+        try:
+            yield path.rsplit("/", 1)[-1], Tokenizer.from_gguf(path)
+        except Exception:  # noqa: BLE001 - an architecture transformers' converter does not know
+            continue
+
+
+def test_no_text_has_fewer_tokens_than_its_bytes_over_the_longest_token(smollm2_dense_path):
+    """Tokenizer.min_tokens, the server's refusal of a prompt before tokenizing it, is a true lower
+    bound: texts of every kind (runs of spaces and newlines, the vocabulary's longest tokens, special
+    tokens written out, multi-byte characters, lone surrogates) never tokenize into fewer."""
+    import random
+
+    for name, tok in _bound_tokenizers(smollm2_dense_path):
+        assert tok.max_token_bytes is not None, name
+        rng = random.Random(0)
+        vocab = tok.backend.get_vocab()
+        longest = sorted(vocab.values(), key=lambda i: -len(tok.backend.id_to_token(i).encode()))[:20]
+        vocab = list(vocab)
+        pieces = [" ", "  ", "\n", "\n\n  ", "\t", "a", "the ", "日本", "🙂", "é", "ﬁ", "Ａ", "0123", "x" * 40,
+                  " " * 200, "\ud800", "<|im_start|>", "<s>"] + [tok.token_text(i) for i in longest]
+        for _ in range(60):
+            parts = rng.choices(pieces + rng.sample(vocab, 5), k=rng.randrange(1, 300))
+            text = "".join(parts)
+            assert len(tok.encode(text, add_bos=False)) >= tok.min_tokens(text), (name, text[:80])
+        # Each of the longest tokens written 50 times: the bound holds, and is not vacuous.
+        for i in longest:
+            text = tok.decode([i] * 50)
+            assert len(tok.encode(text, add_bos=False)) >= tok.min_tokens(text), (name, text[:80])
+        text = tok.decode([longest[0]] * 50)
+        assert len(tok.encode(text, add_bos=False)) <= 8 * tok.min_tokens(text), name
+
+
+def test_a_special_token_longer_than_every_other_sets_the_bound(smollm2_dense_path):
+    from tokenizers import AddedToken
+
+    tok = Tokenizer.from_gguf(smollm2_dense_path)
+    long = "<|" + "reserved_" * 30 + "|>"  # 274 bytes, one token when written in a text
+    tok.backend.add_special_tokens([AddedToken(long, special=True, normalized=False)])
+    text = long * 100
+    assert len(tok.encode(text, add_bos=False)) == 100 >= tok.min_tokens(text)
+
+
+def test_a_normalizer_that_may_shrink_a_text_gives_no_bound(smollm2_dense_path):
+    """NFKC writes "ﬁ" (3 bytes) as "fi" (2), a full-width "Ａ" (3) as "A" (1): bytes no longer bound
+    tokens, so no prompt is refused on its bytes (it is tokenized and counted instead)."""
+    import dataclasses
+
+    from tokenizers import normalizers
+
+    tok = Tokenizer.from_gguf(smollm2_dense_path)
+    backend = tok.backend.__class__.from_str(tok.backend.to_str())
+    backend.normalizer = normalizers.NFKC()
+    shrinking = dataclasses.replace(tok, backend=backend)
+    assert shrinking.max_token_bytes is None and shrinking.min_tokens("Ａ" * 10_000) == 0
+    assert tok.min_tokens("word " * 4_000_000) > 200_000  # a 20 MB prompt: refused on its bytes alone
+
+
+def test_tokenizing_lets_other_threads_run(smollm2_dense_path):
+    """A server tokenizes one request's prompt on a worker thread while its engine thread steps and
+    its event loop answers others: Tokenizer.encode must let go of Python's GIL while it works
+    (`tokenizers`' `encode` holds it; `encode_batch` does not). While a long text is being
+    tokenized, this thread runs 20 times round a loop and finds the tokenizing still going on."""
+    import threading
+
+    tok = Tokenizer.from_gguf(smollm2_dense_path)
+    text = "The quick brown fox jumps over the lazy dog. " * 25_000  # 1.1 MB: a second or more of tokenizing
+    started, finished = threading.Event(), threading.Event()
+
+    def work():
+        started.set()
+        tok.encode(text)
+        finished.set()
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    started.wait()
+    for _ in range(20):
+        finished.wait(0.001)  # a Python-level wait: needs the GIL back after each
+    still_going = not finished.is_set()
+    worker.join()
+    assert still_going, "this thread could not run while the text was being tokenized"

@@ -369,30 +369,30 @@ def held_as_float(name: str, t: TensorInfo) -> bool:
     return len(t.shape) == 1 or ".ffn_gate_inp" in name or name.endswith(".bias")
 
 
-def held_bytes(name: str, t: TensorInfo, route: str | None = "quantised") -> int:
-    """Bytes a stage's copy of a tensor holds: its stored bytes (route None: as in the file), the
-    stored bytes on the quantised routes except float32 vectors and routers, float32 on the exact
-    route (the debugging route dequantises everything once)."""
-    if route is None:
+def held_bytes(name: str, t: TensorInfo, backend: str | None = "quantised") -> int:
+    """Bytes a stage's copy of a tensor holds: its stored bytes (backend None: as in the file), the
+    stored bytes on the quantised backends except float32 vectors and routers, float32 on the exact
+    backend (the debugging backend dequantises everything once)."""
+    if backend is None:
         return t.n_bytes
     n = 1
     for d in t.shape:
         n *= d
-    if route == "exact" or held_as_float(name, t):
+    if backend == "exact" or held_as_float(name, t):
         return 4 * n
     return t.n_bytes
 
 
-def trunk_bytes(tensors: dict[str, TensorInfo], cfg: ModelConfig, route: str | None = None) -> dict:
+def trunk_bytes(tensors: dict[str, TensorInfo], cfg: ModelConfig, backend: str | None = None) -> dict:
     """Bytes of everything that is not a routed expert: the embedding, the head (output_norm +
     output, or output_norm + token_embd when tied, since the last stage must then hold a copy of the
     embedding matrix), and each layer's dense part (attention, norms, router, shared expert).
-    route None: as stored in the file; else as a stage holds them on that route (`held_bytes`)."""
+    backend None: as stored in the file; else as a stage holds them on that backend (`held_bytes`)."""
     layers = [0] * cfg.n_layers
     emb = head = 0
     for name, t in tensors.items():
         role, layer = tensor_role(name)
-        n = held_bytes(name, t, route)
+        n = held_bytes(name, t, backend)
         if role == "layer" and layer < cfg.n_layers:
             layers[layer] += n
         elif role == "embedding":
@@ -411,7 +411,7 @@ _PIECES = (("dnproj", ("attn_qkv.", "attn_gate.", "ssm_ba.", "ssm_beta.", "ssm_a
            ("shexp", ("_shexp.",)), ("router", ("ffn_gate_inp.",)), ("ffn", ("ffn_gate.", "ffn_up.", "ffn_down.")))
 
 
-def trunk_pieces(tensors: dict[str, TensorInfo], cfg: ModelConfig, route: str | None = None) -> list[dict[str, int]]:
+def trunk_pieces(tensors: dict[str, TensorInfo], cfg: ModelConfig, backend: str | None = None) -> list[dict[str, int]]:
     """Each layer's trunk bytes (as `trunk_bytes` counts them) split into named pieces; what no
     piece names (norms, conv kernels, biases, sinks) is "other"."""
     out: list[dict[str, int]] = [{} for _ in range(cfg.n_layers)]
@@ -420,18 +420,18 @@ def trunk_pieces(tensors: dict[str, TensorInfo], cfg: ModelConfig, route: str | 
         if role != "layer" or layer >= cfg.n_layers:
             continue
         piece = next((p for p, keys in _PIECES if any(k in name for k in keys)), "other")
-        out[layer][piece] = out[layer].get(piece, 0) + held_bytes(name, t, route)
+        out[layer][piece] = out[layer].get(piece, 0) + held_bytes(name, t, backend)
     return out
 
 
-def expert_bytes(tensors: dict[str, TensorInfo], layer: int, route: str | None = None) -> int:
-    """Bytes of one routed expert of `layer` as stored (route None or a quantised route: a slot
-    holds exactly these bytes) or as float32 (the exact route)."""
+def expert_bytes(tensors: dict[str, TensorInfo], layer: int, backend: str | None = None) -> int:
+    """Bytes of one routed expert of `layer` as stored (backend None or a quantised backend: a slot
+    holds exactly these bytes) or as float32 (the exact backend)."""
     total = 0
     for kind in EXPERT_KINDS:
         for part in ("weight", "bias"):  # a per-expert bias row travels with its expert
             name = f"blk.{layer}.ffn_{kind}_exps.{part}"
             t = tensors.get(name)
             if t is not None:
-                total += held_bytes(name, t, route) // t.shape[0]
+                total += held_bytes(name, t, backend) // t.shape[0]
     return total

@@ -228,14 +228,17 @@ def _add_gpt2_tokenizer(w: gguf.GGUFWriter, tokenizer: Any) -> None:
     if model.get("type") != "BPE":
         raise ValueError(f"only BPE tokenizers are written (got {model.get('type')!r})")
     vocab: dict[str, int] = dict(model["vocab"])
-    special = {t.content: i for i, t in backend.get_added_tokens_decoder().items()}
-    vocab.update(special)
+    added = backend.get_added_tokens_decoder()
+    vocab.update({t.content: i for i, t in added.items()})
+    # As llama.cpp's converter types added tokens: special ones CONTROL (never text), the others
+    # USER_DEFINED (text, matched whole: Qwen's <think> and <tool_call>).
+    kinds = {t.content: gguf.TokenType.CONTROL if t.special else gguf.TokenType.USER_DEFINED for t in added.values()}
     size = max(vocab.values()) + 1
     tokens = [f"[PAD{i}]" for i in range(size)]
     types = [gguf.TokenType.UNUSED] * size
     for tok, i in vocab.items():
         tokens[i] = tok
-        types[i] = gguf.TokenType.CONTROL if tok in special else gguf.TokenType.NORMAL
+        types[i] = kinds.get(tok, gguf.TokenType.NORMAL)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -248,11 +251,14 @@ def _add_gpt2_tokenizer(w: gguf.GGUFWriter, tokenizer: Any) -> None:
 
 
 def write_gguf(model: Any, path: str | Path, file_type: str = "F32", tokenizer: Any = None,
-               name: str | None = None, expert_type: str | None = None) -> Path:
+               name: str | None = None, expert_type: str | None = None,
+               token_roles: dict[str, str] | None = None) -> Path:
     """Write a transformers model (anything with .state_dict() and .config) to a GGUF file.
 
     file_type: "F32", "F16" or "Q8_0". tokenizer: an optional byte-level BPE tokenizer to embed.
     expert_type: the routed experts' own block type (e.g. "MXFP4", as gpt-oss files hold them).
+    token_roles: more special ids by the token's text, e.g. {"eot": "<|user|>", "eom": "<|observation|>"}
+    (GLM's files end a reply at either).
     """
     if file_type not in FILE_TYPES:
         raise ValueError(f"file_type must be one of {', '.join(FILE_TYPES)}, not {file_type!r}")
@@ -272,6 +278,8 @@ def write_gguf(model: Any, path: str | Path, file_type: str = "F32", tokenizer: 
             value = getattr(tokenizer, key, None)
             if getattr(config, key, None) is None and isinstance(value, int):
                 setter(value)
+        for role, text in (token_roles or {}).items():
+            getattr(w, f"add_{role}_token_id")(tokenizer.convert_tokens_to_ids(text))
     for tname in _ordered(tensors):
         a = tensors[tname]
         qtype = tensor_type(tname, a, weight_type)

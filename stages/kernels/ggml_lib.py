@@ -46,7 +46,7 @@ def foreign_line(foreign: list[str], own_dir: Path, ld_library_path: str) -> str
     dirs = sorted({os.path.dirname(p) for p in foreign})
     via = " (found through LD_LIBRARY_PATH)" if any(d in ld_library_path.split(os.pathsep) for d in dirs) else ""
     return (f"ggml-python ({own_dir}) was given another build's {', '.join(foreign)}{via}, which would crash its "
-            f"kernels; running without ggml (the slower dequant route). Fix: take {', '.join(dirs)} off "
+            f"kernels; running without ggml (the slower dequant backend). Fix: take {', '.join(dirs)} off "
             "LD_LIBRARY_PATH for moeray, or rebuild ggml-python with `make venv` (it links by RPATH)")
 
 

@@ -132,7 +132,7 @@ def check_fits(n_bytes: int, what: str, available: int | None = None) -> None:
 
 
 def layout_line() -> str:
-    """The layout part of the route line at start-up."""
+    """The layout part of the backend line at start-up."""
     m = mode()
     if m == "off":
         return "weights in ggml's plain layout (MOERAY_REPACK=off)"

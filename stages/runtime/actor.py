@@ -17,42 +17,47 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Optional
 
 from moeray.stages.runtime.device import DeviceInfo, device_ledger, measure_speed, probe_device
 from moeray.errors import MoerayError
 
+if TYPE_CHECKING:
+    from moeray.stages.text.sampling import SamplingParams
 
-@dataclass
+
+@dataclass(kw_only=True)
 class StepBatch:
-    """One micro-batch of one engine step, as a stage sees it.
+    """One micro-batch of one engine step, as a stage sees it: one entry per sequence in each list,
+    built by keyword (cluster/scheduler.py ScheduledStep.batch).
 
     Every stage gets the same slots, token counts, start positions and KV block tables (the engine
     owns the block accounting; stages/blocks/kv_cache.py); only stage 0 gets the token ids and only the
-    last stage the sampling params.
+    last stage the sampling params and the token histories its penalties read.
     """
     step_id: int
     slots: list[int]
     n_new: list[int]  # new tokens per sequence: a prefill chunk or 1
     fresh: list[bool]  # this chunk starts a new sequence in its slot: reset KV and sampler first
     tokens: list[list[int]] | None = None  # stage 0 only
-    sample: list[Any] | None = None  # last stage only: SamplingParams per sequence, None = no token wanted yet
+    sample: list[SamplingParams | None] | None = None  # last stage only; None: no token wanted yet
     starts: list[int] | None = None  # tokens each sequence holds in KV before this step
     tables: list[list[int]] | None = None  # each sequence's KV blocks, at least up to its last new token
     # (block, block, rows): copy the first rows of a written block into another before the step (a
     # prompt that goes on with tokens another sequence wrote: cluster/kv_blocks.py, match_tail)
     copies: list[tuple[int, int, int]] | None = None
+    # last stage only: (prompt, output so far) of a sequence starting in its slot whose params have
+    # penalties (SamplingParams.needs_history), else None; the stage then counts what it samples
+    history: list[tuple[list[int], list[int]] | None] | None = None
     # Last stage only: per sequence, the drafted tokens its row carries after its last token (a
     # verify row: stages/text/verify.py); [] for a plain row; None when no row carries one.
     drafts: list[list[int]] | None = None
 
     def for_stage(self, stage: int, n_stages: int) -> "StepBatch":
         last = stage == n_stages - 1
-        return StepBatch(self.step_id, self.slots, self.n_new, self.fresh,
-                         self.tokens if stage == 0 else None,
-                         self.sample if last else None, self.starts, self.tables, self.copies,
-                         self.drafts if last else None)
+        return replace(self, tokens=self.tokens if stage == 0 else None, sample=self.sample if last else None,
+                       history=self.history if last else None, drafts=self.drafts if last else None)
 
 
 @dataclass(frozen=True)
@@ -97,7 +102,7 @@ class StageStats:
     steps: int = 0
     step_s: float = 0.0  # time in steps, incl. waiting for the previous stage's activations
     tokens_in: int = 0
-    route: str = ""  # the kernels the stage runs: ggml | dequant | exact
+    backend: str = ""  # the kernels the stage runs: ggml | dequant | exact
     trunk_held_bytes: int = 0  # what the trunk really holds on the device ...
     trunk_gguf_bytes: int = 0  # ... and the same tensors' bytes in the GGUF
     cache: Optional[dict[str, Any]] = None
@@ -133,11 +138,17 @@ class StageRunner:
         self.model, self.kv = model, kv  # kv: a KVPool
         self.generators: dict[int, Any] = {}  # slot -> the torch.Generator of its sequence
         self.grammars = None  # stages/grammar.GrammarMasks, made on the first constrained request
+        # slot -> its sequence's TokenHistory (penalties), or the (prompt, output) it is built from
+        # on the sequence's first sampled row (where the vocabulary and the device are known)
+        self.histories: dict[int, Any] = {}
 
     def begin(self, batch: StepBatch):
-        for slot, fresh in zip(batch.slots, batch.fresh):
+        for i, (slot, fresh) in enumerate(zip(batch.slots, batch.fresh)):
             if fresh:  # a new sequence in this slot: a sampler from its own seed
                 self.generators.pop(slot, None)
+                self.histories.pop(slot, None)
+                if batch.history is not None and batch.history[i] is not None:
+                    self.histories[slot] = batch.history[i]
                 if self.grammars is not None:
                     self.grammars.reset(slot)
         if batch.starts is None or batch.tables is None:
@@ -152,7 +163,8 @@ class StageRunner:
     def sample(self, batch: StepBatch, x, meta):
         """A token per sequence whose params ask for one (its prompt is fully fed), else None; a
         StepOutput when some sequence asked for log-probabilities too. A sequence with a grammar
-        samples only among the tokens its grammar allows next, from the same logits. A verify row
+        samples only among the tokens its grammar allows next, from the same logits; one with
+        penalties reads its TokenHistory, which counts each token it samples here. A verify row
         (batch.drafts: k drafted tokens after its last token) gets a list: the drafted tokens the
         target accepts and one of its own (stages/text/verify.py), with a log-probability each."""
         from moeray.stages.text.sampling import StepOutput, sample, token_logprobs
@@ -169,16 +181,16 @@ class StageRunner:
         logits = self.model.head(rows)
         params = [batch.sample[i] for i in want]
         slots = [batch.slots[i] for i in want]
-        for slot, p in zip(slots, params):
-            if slot not in self.generators:
-                self.generators[slot] = p.new_generator()
+        histories = self._prepare(slots, params, logits)
         allowed = None
         if any(p.grammar for p in params):
             grammars = self._grammars(logits.shape[-1])
             allowed = [grammars.allowed(slot, p.grammar) if p.grammar else None for slot, p in zip(slots, params)]
-        toks = sample(logits, params, [self.generators[slot] for slot in slots], allowed)
-        for i, tok in zip(want, toks):
+        toks = sample(logits, params, [self.generators[slot] for slot in slots], allowed, histories)
+        for i, slot, p, tok in zip(want, slots, params, toks):
             out[i] = tok
+            if p.needs_history:
+                self.histories[slot].add(tok)
         if allowed is not None:
             for slot, p, tok in zip(slots, params, toks):
                 if p.grammar:
@@ -190,6 +202,23 @@ class StageRunner:
             if p.logprobs is not None:
                 logprobs[i] = token_logprobs(logits[row], tok, p.logprobs)
         return StepOutput(out, logprobs)
+
+    def _prepare(self, slots: list[int], params: list, logits) -> list | None:
+        """Each sequence's sampler (from its own seed) and, where its penalties read them, its
+        TokenHistory (made from the tokens it holds on its first sampled row); the histories by
+        row, or None when no row has penalties."""
+        from moeray.stages.text.sampling import TokenHistory
+
+        for slot, p in zip(slots, params):
+            if slot not in self.generators:
+                self.generators[slot] = p.new_generator()
+            if p.needs_history:
+                if isinstance(self.histories.get(slot), tuple):  # its first sampled row: count what it holds
+                    prompt, output = self.histories[slot]
+                    self.histories[slot] = TokenHistory(logits.shape[-1], prompt, output, logits.device)
+                elif slot not in self.histories:
+                    raise MoerayError(f"slot {slot}: penalties asked for, but the sequence's tokens never came")
+        return [self.histories.get(slot) for slot in slots] if any(p.needs_history for p in params) else None
 
     def _verify(self, batch: StepBatch, x, meta, want: list[int]):
         """A step with verify rows: every position of a verify row goes through the head (the
@@ -209,45 +238,47 @@ class StageRunner:
         logits = self.model.head(x[torch.tensor(index, device=x.device)])
         out: list = [None] * len(batch.slots)
         logprobs: list = [None] * len(batch.slots)
-        grammars = None
-        for i in want:
-            p, slot = batch.sample[i], batch.slots[i]
-            if slot not in self.generators:
-                self.generators[slot] = p.new_generator()
-            if p.grammar and grammars is None:
-                grammars = self._grammars(logits.shape[-1])
-        plain = [(n, i) for n, i in enumerate(want) if not batch.drafts[i]]
+        params = [batch.sample[i] for i in want]
+        slots = [batch.slots[i] for i in want]
+        histories = self._prepare(slots, params, logits) or [None] * len(want)
+        grammars = self._grammars(logits.shape[-1]) if any(p.grammar for p in params) else None
+        plain = [n for n, i in enumerate(want) if not batch.drafts[i]]
         if plain:  # the plain rows together, as a step without drafts samples them
-            rows = [spans[n][0] for n, _ in plain]
-            ps = [batch.sample[i] for _, i in plain]
-            slots = [batch.slots[i] for _, i in plain]
-            allowed = ([grammars.allowed(s, p.grammar) if p.grammar else None for s, p in zip(slots, ps)]
+            rows = [spans[n][0] for n in plain]
+            ps, ss, hs = [params[n] for n in plain], [slots[n] for n in plain], [histories[n] for n in plain]
+            allowed = ([grammars.allowed(s, p.grammar) if p.grammar else None for s, p in zip(ss, ps)]
                        if grammars is not None else None)
-            toks = sample(logits[rows], ps, [self.generators[s] for s in slots], allowed)
-            for (_, i), row, p, tok in zip(plain, rows, ps, toks):
-                out[i] = tok
-                if p.grammar:
-                    grammars.advance(batch.slots[i], tok)
-                if p.logprobs is not None:
-                    logprobs[i] = token_logprobs(logits[row], tok, p.logprobs)
+            toks = sample(logits[rows], ps, [self.generators[s] for s in ss], allowed,
+                          hs if any(h is not None for h in hs) else None)
+            for n, row, tok in zip(plain, rows, toks):
+                out[want[n]] = tok
+                self._took(slots[n], params[n], [tok], grammars)
+                if params[n].logprobs is not None:
+                    logprobs[want[n]] = token_logprobs(logits[row], tok, params[n].logprobs)
         for n, i in enumerate(want):
             draft = batch.drafts[i]
             if not draft:
                 continue
-            p, slot = batch.sample[i], batch.slots[i]
+            p, slot = params[n], slots[n]
             off, m = spans[n]
             rows = logits[off:off + m]
             masks = grammars.allowed_along(slot, p.grammar, draft) if p.grammar else None
-            toks = verify_row(rows, draft, p, self.generators[slot], masks)
+            toks = verify_row(rows, draft, p, self.generators[slot], masks, histories[n])
             out[i] = toks
-            if p.grammar:
-                for tok in toks:
-                    grammars.advance(slot, tok)
+            self._took(slot, p, toks, grammars)
             if p.logprobs is not None:
                 logprobs[i] = [token_logprobs(rows[j], tok, p.logprobs) for j, tok in enumerate(toks)]
         if all(batch.sample[i].logprobs is None for i in want):
             return out
         return StepOutput(out, logprobs)
+
+    def _took(self, slot: int, params, tokens: list[int], grammars) -> None:
+        """A sequence's new tokens: its grammar and its penalties' history move past them."""
+        for tok in tokens:
+            if params.grammar:
+                grammars.advance(slot, tok)
+            if params.needs_history:
+                self.histories[slot].add(tok)
 
     def _grammars(self, n_vocab: int):
         if self.grammars is None:
@@ -285,10 +316,10 @@ def _nvml_process_bytes(pci_bus_id: str) -> tuple[int | None, str]:
 
 class StageActor:
     def __init__(self, stage: int, n_stages: int, simulated_budget: int | None = None,
-                 torch_threads: int | None = None, route: str | None = None, card_share: float = 1.0):
+                 torch_threads: int | None = None, backend: str | None = None, card_share: float = 1.0):
         import torch
 
-        from moeray.stages.kernels.qmatmul import set_route
+        from moeray.stages.kernels.qmatmul import set_backend
 
         if torch_threads is None and simulated_budget is None:
             # A CUDA stage computes its misses on the host, but Ray starts an actor that reserves no
@@ -299,8 +330,8 @@ class StageActor:
         if torch_threads:
             # Simulated stages share the host's cores; without this each grabs all of them.
             torch.set_num_threads(torch_threads)
-        if route:  # the kernels of this process: every StageModel it builds uses them
-            set_route(route)
+        if backend:  # the kernels of this process: every StageModel it builds uses them
+            set_backend(backend)
         self.stage, self.n_stages = stage, n_stages
         self.simulated_budget = simulated_budget
         self.card_share = card_share  # the part of its GPU Ray gave this stage (0.5: two stages per card)
@@ -396,7 +427,7 @@ class StageActor:
         A simulated device lives in the host's own memory, so a partial cache there reads no fewer
         bytes, and it splits every layer's experts between two stacks: the layer's step then leaves
         the stage graph (the 30B-A3B shape, 4 sequences: 355 ms a step with 24 slots a layer, 339
-        with 1, 315 with none; README "HTTP load").
+        with 1, 315 with none; docs/architecture.md, "The expert cache").
         """
         from moeray.stages.gguf.reader import GGUFFile
         from moeray.stages.arch import arch_of
@@ -437,7 +468,7 @@ class StageActor:
         kv = model.new_kv_pool(kv_blocks, state_slots)
         self.model, self.runner = model, StageRunner(model, kv)
         # Fixed once loaded: measured here, not again on every stats poll.
-        self.trunk_bytes = (resident, stage_trunk_bytes(gguf, first, end, route=None))
+        self.trunk_bytes = (resident, stage_trunk_bytes(gguf, first, end, backend=None))
         self.steps, self.step_s, self.tokens_in = 0, 0.0, 0
         self.hidden = model.config.hidden
         return LoadReport(self.stage, (first, end), time.perf_counter() - t, dict(self.memory.parts),
@@ -526,7 +557,7 @@ class StageActor:
         if self.model is not None:
             out.layers, out.steps, out.step_s, out.tokens_in = ((self.model.first, self.model.end), self.steps,
                                                                  self.step_s, self.tokens_in)
-            out.route, (out.trunk_held_bytes, out.trunk_gguf_bytes) = self.model.route, self.trunk_bytes
+            out.backend, (out.trunk_held_bytes, out.trunk_gguf_bytes) = self.model.backend, self.trunk_bytes
             cache = getattr(self.model.experts, "stats", None)
             if callable(cache):
                 out.cache = cache()

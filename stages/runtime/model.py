@@ -22,7 +22,7 @@ from moeray.stages.blocks.attention import Attention, BatchMeta, GatedAttention,
 from moeray.stages.blocks.mla import MLAttention
 from moeray.stages.blocks.moe import DenseFFN, Experts, HostExperts, MoEBlock
 from moeray.stages.kernels import repack
-from moeray.stages.kernels.qmatmul import QMatrix, announce, current_route
+from moeray.stages.kernels.qmatmul import QMatrix, announce, current_backend
 from moeray.stages.blocks.rope import RoPE
 from moeray.stages.runtime.trunk_graph import Dense, LayerSpec, Routed, TrunkGraphs, supports
 from moeray.stages.gguf.quant import dequantize
@@ -47,7 +47,7 @@ class StageModel(torch.nn.Module):
     """Layers [first, end) of a GGUF model; embedding if first == 0; final norm + lm_head if end == n_layers."""
 
     def __init__(self, gguf: GGUFFile, first: int, end: int, device: str | torch.device = "cpu",
-                 experts: Experts | None = None, route: str | None = None):
+                 experts: Experts | None = None, backend: str | None = None):
         super().__init__()
         cfg = gguf.config
         if not 0 <= first < end <= cfg.n_layers:
@@ -57,9 +57,9 @@ class StageModel(torch.nn.Module):
         self.device = torch.device(device)
         self.has_embedding, self.has_head = first == 0, end == cfg.n_layers
         self.rope = RoPE.from_config(cfg, device=self.device)
-        self.route = route or current_route()
-        announce(self.route, self.device)
-        self.experts: Experts = experts if experts is not None else HostExperts(gguf, self.route)
+        self.backend = backend or current_backend()
+        announce(self.backend, self.device)
+        self.experts: Experts = experts if experts is not None else HostExperts(gguf, self.backend)
         host = getattr(self.experts, "host", self.experts)
         if isinstance(host, HostExperts):
             host.prepare(first, end)  # MOERAY_HOST_EXPERTS=repacked: the copy is made at load
@@ -68,7 +68,7 @@ class StageModel(torch.nn.Module):
         self.layers = torch.nn.ModuleList(self._load_layer(i) for i in range(first, end))
         # Every layer's trunk as one ggml graph where each layer allows it (trunk_graph.supports)
         self.trunk = None
-        if self.route == "ggml" and self.device.type == "cpu" and all(
+        if self.backend == "ggml" and self.device.type == "cpu" and all(
                 supports(l.attn, cfg) for l in self.layers) and os.environ.get("MOERAY_TRUNK_GRAPH", "1") != "0":
             self.trunk = TrunkGraphs(cfg, {l.attn.window for l in self.layers} - {0})
         # MOERAY_FUSED_MOE=0: routing (torch), experts, shared expert and dense FFN after each trunk
@@ -99,7 +99,7 @@ class StageModel(torch.nn.Module):
             self.tok_embd.keep_plain = True
         mats = self.matrices()
         self.repacked = sum(w.repack() for w in mats)
-        if self.route == "ggml":
+        if self.backend == "ggml":
             log.info(f"moeray: trunk layout: {self.repacked} of {len(mats)} matrices repacked "
                      f"(MOERAY_REPACK={repack.mode()})")
 
@@ -115,7 +115,7 @@ class StageModel(torch.nn.Module):
         rows = 1
         for d in info.shape[:-1]:
             rows *= d
-        return QMatrix.from_raw(self.gguf.raw(name), info.ggml_type, (rows, info.shape[-1]), self.route,
+        return QMatrix.from_raw(self.gguf.raw(name), info.ggml_type, (rows, info.shape[-1]), self.backend,
                                 device=self.device)
 
     def _load_layer(self, i: int) -> TransformerLayer:
@@ -167,8 +167,8 @@ class StageModel(torch.nn.Module):
             return w
         idx = torch.as_tensor(rows, dtype=torch.long, device=w.data.device)
         per_row = w.data.view(w.shape[0], -1)
-        return QMatrix(per_row[idx].reshape(-1) if w.route != "exact" else w.data[idx], w.ggml_type,
-                       (len(idx), w.shape[1]), w.route)
+        return QMatrix(per_row[idx].reshape(-1) if w.backend != "exact" else w.data[idx], w.ggml_type,
+                       (len(idx), w.shape[1]), w.backend)
 
     def _mla(self, i: int) -> MLAttention:
         cfg, p, m, v = self.config, f"blk.{i}.", self._matrix, self._vector
@@ -200,10 +200,10 @@ class StageModel(torch.nn.Module):
     @classmethod
     def from_gguf(cls, path_or_gguf: str | os.PathLike | GGUFFile, layers: tuple[int, int] | None = None,
                   device: str | torch.device = "cpu", experts: Experts | None = None,
-                  route: str | None = None) -> "StageModel":
+                  backend: str | None = None) -> "StageModel":
         gguf = path_or_gguf if isinstance(path_or_gguf, GGUFFile) else GGUFFile(path_or_gguf)
         first, end = layers if layers is not None else (0, gguf.config.n_layers)
-        return cls(gguf, first, end, device, experts, route)
+        return cls(gguf, first, end, device, experts, backend)
 
     def matrices(self) -> list[QMatrix]:
         """Every trunk weight matrix this stage holds, each once (a tied head is the embedding)."""
@@ -292,8 +292,8 @@ class StageModel(torch.nn.Module):
     @torch.inference_mode()
     def run_layers(self, hidden: torch.Tensor, meta: BatchMeta, kv: KVPool) -> torch.Tensor:
         """Packed hidden [N, hidden] through this stage's layers; appends the step's k/v to `kv`.
-        On the ggml route a GQA stage runs each layer's trunk as one graph (stages/runtime/trunk_graph.py)
-        when the step's shape has one; otherwise (and on the other routes) the torch ops below."""
+        On the ggml backend a GQA stage runs each layer's trunk as one graph (stages/runtime/trunk_graph.py)
+        when the step's shape has one; otherwise (and on the other backends) the torch ops below."""
         step = self.trunk.step(meta, kv) if self.trunk is not None else None
         if step is not None:
             x = self._run_graphs(hidden.float().contiguous(), step, kv)
@@ -323,11 +323,12 @@ class StageModel(torch.nn.Module):
         for (ffn, _, _), spec in zip(self._specs, specs):
             out = self.trunk.layer(step, x, r, spec, kv)
             x = out.x
-            if spec.routed is not None:
-                r = ffn.after_graph(out.h, out.ids.long(), out.weights, out.routed, spec.routed.one,
-                                    shared_inside=spec.dense is not None)
-            elif spec.dense is not None:
-                r = out.routed
+            if out.ffn is not None:  # the whole FFN ran inside (an MoE layer's experts counted now)
+                r = out.ffn
+                if spec.routed is not None:
+                    ffn.count_graph(out.ids.long(), out.weights, spec.routed.one)
+            elif spec.routed is not None:
+                r = ffn.after_graph(out.h, out.ids.long(), out.weights, spec.routed.one, out.experts, out.shared)
             else:
                 r = ffn(out.h, out.logits) if spec.router is not None else ffn(out.h)
         return x + r
@@ -371,7 +372,7 @@ class StageModel(torch.nn.Module):
     @staticmethod
     def _graph_spec(layer: TransformerLayer) -> tuple:
         """(the layer's FFN, its trunk_graph.LayerSpec, the graph form of its dense FFN or shared
-        expert: None where it has none or its weights are not on the ggml route)."""
+        expert: None where it has none or its weights are not on the ggml backend)."""
         ffn = layer.ffn
         moe = isinstance(ffn, MoEBlock)
         spec = LayerSpec(layer.attn_norm, layer.attn, layer.ffn_norm, ffn.w_router if moe else None)
@@ -422,14 +423,14 @@ _ATTENTION = {"gqa": StageModel._gqa, "gated_gqa": StageModel._gated_gqa, "delta
 _FFN = {"dense": StageModel._dense_ffn, "moe": StageModel._moe}
 
 
-def stage_trunk_bytes(gguf, first: int, end: int, route: str | None = "current") -> int:
-    """Bytes the trunk of layers [first, end) holds on its device on `route` (default: this
+def stage_trunk_bytes(gguf, first: int, end: int, backend: str | None = "current") -> int:
+    """Bytes the trunk of layers [first, end) holds on its device on `backend` (default: this
     process's), from the header alone: what a stage is charged before anything is loaded
-    (StageModel.trunk_bytes() measures the same after loading). route=None: the GGUF's bytes."""
-    if route == "current":
-        route = current_route()
+    (StageModel.trunk_bytes() measures the same after loading). backend=None: the GGUF's bytes."""
+    if backend == "current":
+        backend = current_backend()
     cfg = gguf.config
-    t = trunk_bytes(gguf.tensors, cfg, route)
+    t = trunk_bytes(gguf.tensors, cfg, backend)
     n = sum(t["layers"][first:end])
     if first == 0:
         n += t["embedding"]
@@ -439,8 +440,8 @@ def stage_trunk_bytes(gguf, first: int, end: int, route: str | None = "current")
 
 
 def load_model(path: str | os.PathLike | GGUFFile, device: str | torch.device = "cpu",
-               experts: Experts | None = None, route: str | None = None) -> StageModel:
-    return StageModel.from_gguf(path, None, device, experts, route)
+               experts: Experts | None = None, backend: str | None = None) -> StageModel:
+    return StageModel.from_gguf(path, None, device, experts, backend)
 
 
 def _rss_bytes() -> int:
@@ -483,7 +484,7 @@ def memory_report(model: StageModel) -> dict:
 
 
 def load_cached(path: str | os.PathLike | GGUFFile, layers: tuple[int, int] | None = None,
-                device: str | torch.device = "cpu", route: str | None = None, *, budget_bytes: int | None = None,
+                device: str | torch.device = "cpu", backend: str | None = None, *, budget_bytes: int | None = None,
                 profile=None, policy: str = "static", record_routing: str | os.PathLike | None = None,
                 layout: str = "global", n_slots: int | None = None, copies_per_step: int | None = 1):
     """(StageModel, ExpertCache): a stage whose MoE blocks are built with an expert cache of
@@ -493,7 +494,7 @@ def load_cached(path: str | os.PathLike | GGUFFile, layers: tuple[int, int] | No
 
     gguf = path if isinstance(path, GGUFFile) else GGUFFile(path)
     first, end = layers if layers is not None else (0, gguf.config.n_layers)
-    route = route or current_route()
-    cache = build_cache(HostExperts(gguf, route), first, end, device, budget_bytes, profile, policy,
+    backend = backend or current_backend()
+    cache = build_cache(HostExperts(gguf, backend), first, end, device, budget_bytes, profile, policy,
                         record_routing, layout=layout, n_slots=n_slots, copies_per_step=copies_per_step)
-    return StageModel(gguf, first, end, device, cache, route), cache
+    return StageModel(gguf, first, end, device, cache, backend), cache

@@ -8,6 +8,9 @@ transformers' own jinja2 renderer, so the prompt text is what `apply_chat_templa
 """
 from __future__ import annotations
 
+import functools
+import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -103,8 +106,13 @@ class Tokenizer:
         """Token ids of `text`; special tokens written in the text (e.g. <|im_start|>) stay whole.
         A lone UTF-16 surrogate (valid in JSON as "\\ud800", or from an undecodable byte in argv)
         is not a character and `tokenizers` refuses the whole string: it becomes U+FFFD, as any
-        UTF-8 encoder that replaces errors would write it."""
-        ids = self.backend.encode(without_lone_surrogates(text), add_special_tokens=False).ids
+        UTF-8 encoder that replaces errors would write it.
+
+        Through `encode_batch`, which lets go of Python's GIL while it works (`encode` holds it):
+        a server tokenizing a long prompt on one thread keeps stepping and answering on the others
+        (a 900 KB text: ~1 s either way; another thread ran 3 times during `encode`, 829 during
+        `encode_batch`)."""
+        ids = self.backend.encode_batch([without_lone_surrogates(text)], add_special_tokens=False)[0].ids
         if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None:
             if not ids or ids[0] != self.bos_id:  # a chat template may already start with BOS
                 ids = [self.bos_id] + ids
@@ -116,9 +124,11 @@ class Tokenizer:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special)
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict] | None = None) -> str:
+                            tools: list[dict] | None = None, template: str | None = None, **variables: Any) -> str:
         """The prompt text for a conversation, rendered as transformers' apply_chat_template does;
-        `tools` (OpenAI's function specs) reach the template as its `tools` variable."""
+        `tools` (OpenAI's function specs) reach the template as its `tools` variable, `variables`
+        (chat_template_kwargs such as enable_thinking, reasoning_effort) as theirs. `template`: the
+        file's template as a chat format adapted it (stages/text/chat/kimi_k2.py)."""
         from transformers.utils.chat_template_utils import render_jinja_template
 
         if not self.chat_template:
@@ -129,10 +139,11 @@ class Tokenizer:
             rendered, _ = render_jinja_template(
                 conversations=[messages],
                 tools=tools,
-                chat_template=self.chat_template,
+                chat_template=template or self.chat_template,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=bos,
                 eos_token=eos,
+                **variables,
             )
         except Exception as exc:  # noqa: BLE001 - a template's raise_exception(), or data it cannot print
             raise MoerayError(f"the model's chat template refused this conversation: {exc}") from None
@@ -140,6 +151,50 @@ class Tokenizer:
 
     def encode_chat(self, messages: list[dict[str, Any]], tools: list[dict] | None = None) -> list[int]:
         return self.encode(self.apply_chat_template(messages, tools=tools))
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int | None:
+        """The most bytes of a text one token can stand for, when the tokenizer keeps every byte of
+        the text (None when it may drop or shrink some: then no byte count bounds the tokens).
+
+        Why it bounds: the text is split at the special tokens written in it, each one token for
+        its own bytes; every other piece goes through the normalizer and the pre-tokenizer, which
+        here only keep or grow it (none; SentencePiece's "▁" prefix and " " -> "▁", 1 byte to 3;
+        byte-level mapping, one character per byte; splits that keep what they split), and the
+        model covers what they give exactly, each token its own string (a byte-fallback token
+        <0xNN> one byte, an unknown character at most 4). So tokens x max_token_bytes >= the
+        text's UTF-8 bytes: `min_tokens`."""
+        def config(step) -> dict | None:
+            return None if step is None else json.loads(step.__getstate__())
+
+        if not (_keeps_bytes(config(self.backend.normalizer)) and _keeps_bytes(config(self.backend.pre_tokenizer))):
+            return None
+        added = {t.content for t in self.backend.get_added_tokens_decoder().values()}
+        vocab = set(self.backend.get_vocab(with_added_tokens=False)) - added
+        if "ByteLevel" in json.dumps(config(self.backend.pre_tokenizer)):
+            # a character of GPT-2's byte alphabet is one byte; another (none should be) counts its UTF-8
+            alphabet = _byte_level_alphabet()
+            sizes = [len(t) if alphabet.issuperset(t) else _utf8_len(t) for t in vocab]
+        else:
+            sizes = [_utf8_len(t) for t in vocab]
+        return max(4, max(sizes, default=0), max(map(_utf8_len, added), default=0))
+
+    def min_tokens(self, text: str) -> int:
+        """At least this many tokens does `encode(text)` give (0 when max_token_bytes is unknown):
+        its UTF-8 bytes over max_token_bytes, counted without tokenizing (a 20 MB text: ~20 ms)."""
+        most = self.max_token_bytes
+        return 0 if most is None else math.ceil(_utf8_len(text) / most)
+
+    def with_rendered(self, texts: Sequence[str]) -> "Tokenizer":
+        """This tokenizer with the control tokens spelled `texts` decoded as text: a chat format's
+        markers (DeepSeek's and Kimi's call markers are control tokens) must reach its reader, as
+        llama-server's parsers get the markers they preserve. End tokens stay ends, not text."""
+        import dataclasses
+
+        ids = {i for t in texts if (i := self.backend.token_to_id(t)) is not None and i in self.special_ids - self.end_ids}
+        if not ids:
+            return self
+        return dataclasses.replace(self, special_ids=self.special_ids - ids, rendered_ids=self.rendered_ids | ids)
 
     def token_text(self, token_id: int) -> str:
         """One token's own text, special tokens included (log-probabilities name tokens by it)."""
@@ -163,6 +218,34 @@ def _harmony_rules(tokens: list[str], end_ids: set[int]) -> frozenset[int]:
         end_ids.discard(end)
         rendered.add(end)
     return frozenset(rendered)
+
+
+# The normalizers and pre-tokenizers that keep every byte of a text (or grow it): `max_token_bytes`.
+_KEEPING = {"Prepend", "ByteLevel", "Metaspace", "Split", "Digits", "Punctuation", "Sequence"}
+
+
+def _keeps_bytes(step: dict | None) -> bool:
+    if step is None:
+        return True
+    kind = step.get("type")
+    if kind == "Sequence":
+        return all(_keeps_bytes(s) for s in step.get("normalizers") or step.get("pretokenizers") or ())
+    if kind == "Replace":  # keeps the length when it writes at least as many bytes as it replaces
+        pattern = (step.get("pattern") or {}).get("String")
+        return pattern is not None and len(step.get("content", "").encode()) >= len(pattern.encode())
+    return kind in _KEEPING and step.get("behavior") != "Removed"
+
+
+def _utf8_len(text: str) -> int:
+    return len(text.encode("utf-8", "surrogatepass"))
+
+
+@functools.lru_cache(maxsize=1)
+def _byte_level_alphabet() -> frozenset[str]:
+    """The 256 characters GPT-2's byte-level BPE writes the bytes 0-255 as (one each)."""
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    return frozenset(ByteLevel.alphabet())
 
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")

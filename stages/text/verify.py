@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from moeray.stages.text.sampling import SamplingParams, argmax_rows, filtered_probs
+from moeray.stages.text.sampling import SamplingParams, TokenHistory, adjust_logits, argmax_rows, filtered_probs
 
 
 def accept_greedy(logits: torch.Tensor, draft: Sequence[int]) -> list[int]:
@@ -61,14 +61,20 @@ def accept_sampled(logits: torch.Tensor, draft: Sequence[int], params: SamplingP
 
 def verify_row(logits: torch.Tensor, draft: Sequence[int], params: SamplingParams,
                generator: Optional[torch.Generator],
-               masks: Optional[Sequence[Optional[torch.Tensor]]] = None) -> list[int]:
-    """One verify row's tokens: accepted drafts + one. `masks[j]` (bool [vocab]): the tokens a
-    grammar allows at position j (None: no grammar there)."""
+               masks: Optional[Sequence[Optional[torch.Tensor]]] = None,
+               history: Optional[TokenHistory] = None) -> list[int]:
+    """One verify row's tokens: accepted drafts + one. The target's logits at each position get
+    what plain sampling applies there (stages/text/sampling.py process_logits, in its order): the
+    grammar's mask (`masks[j]`, bool [vocab]: the tokens it allows at position j; None: no grammar
+    there), then logit_bias and the penalties, position j counting the drafted tokens before it as
+    generated (`history`: what the sequence held before the row)."""
     if masks is not None and any(m is not None for m in masks):
-        logits = logits.clone()
+        logits = logits.to(torch.float32, copy=True)
         for j, m in enumerate(masks):
             if m is not None:
                 logits[j].masked_fill_(~m.to(logits.device), float("-inf"))
+    if params.adjusts_logits:
+        logits = adjust_logits(logits, params, history, draft)
     if params.greedy:
         return accept_greedy(logits, draft)
     return accept_sampled(logits, draft, params, generator)
