@@ -94,6 +94,9 @@ class LaunchOptions:
     # The part of a GPU each stage reserves (0.5: two stages per card, each planned with half of
     # it); None: a card per stage while there are enough, else an even share of each.
     gpus_per_stage: Optional[float] = None
+    # Speculative decoding's draft model: a small GGUF of the same vocabulary, run on the first
+    # stage and priced there as trunk (its weights and a KV pool of the plan's block count).
+    draft: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.gpus_per_stage is not None and not 0 < self.gpus_per_stage <= 1:
@@ -211,6 +214,9 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                         "bench/cache.py or bench/serve_hits.py)")
     g.add_argument("--verbose", action="store_true",
                    help="print the plan's every trunk decision and slot layout, not only those that depart from the default")
+    g.add_argument("--draft", metavar="MODEL.gguf", default=d.draft,
+                   help="a draft model for speculative decoding: a small GGUF of the same vocabulary, run on the "
+                        "first stage (--speculative auto uses it where it drafts better than the n-gram lookup)")
     g.add_argument("--gpus-per-stage", type=float, metavar="SHARE", default=d.gpus_per_stage,
                    help="the part of a GPU each stage reserves, e.g. 0.5: two stages share a card, each "
                         "planned with half of it (default: a card per stage, shared evenly when stages > GPUs)")
@@ -221,7 +227,8 @@ def launch_options_from_args(args: argparse.Namespace, simulate: Optional[list[i
                          objective=args.objective, split=args.split, profile=args.profile,
                          cache_policy=args.cache_policy, torch_threads=1 if simulate else None,
                          backend=args.backend, verbose_plan=getattr(args, "verbose", False),
-                         address=args.address, record_routing=args.record_routing, gpus_per_stage=args.gpus_per_stage)
+                         address=args.address, record_routing=args.record_routing, gpus_per_stage=args.gpus_per_stage,
+                         draft=getattr(args, "draft", None))
 
 
 def simulated_devices(args: argparse.Namespace, has_gpus: bool, command: str) -> Optional[list[int]]:

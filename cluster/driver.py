@@ -124,6 +124,8 @@ class StageGroup:
     load_args: list[tuple] = field(default_factory=list)  # per stage, to reload it after a restart
     kv_blocks: int | None = None  # every stage's KV pool, once loaded
     state_slots: int = 0  # sequence states the stages hold (a model with recurrent layers), once loaded
+    draft: str | None = None  # speculative decoding's draft model, on the first stage (--draft)
+    draft_token_ms: float = 0.0  # its measured ms per drafted token, once loaded
     hung: set = field(default_factory=set)
     _actor_opts: dict = field(default_factory=dict)
 
@@ -202,10 +204,13 @@ class StageGroup:
 
         self.kv_blocks = kv_blocks
         self.state_slots = state_slots if any(state_bytes_by_layer(read_gguf_header(path).config, 1)) else 0
-        self.load_args = [(path, a, b, kv_blocks, t, profile, cache_policy, state_slots)
-                          for (a, b), t in zip(ranges, trunk_on_card)]
+        self.load_args = [(path, a, b, kv_blocks, t, profile, cache_policy, state_slots, False,
+                           self.draft if i == 0 else None)
+                          for i, ((a, b), t) in enumerate(zip(ranges, trunk_on_card))]
         refs = [a.load.remote(*args) for a, args in zip(self.actors, self.load_args)]
-        return gather(refs, self.timeout_s, "loading", progress=progress)
+        reports = gather(refs, self.timeout_s, "loading", progress=progress)
+        self.draft_token_ms = reports[0].draft_token_ms if reports else 0.0
+        return reports
 
     def record_routing(self, folder: str) -> None:
         """Every stage appends its routing to folder/stage<i>.trace."""
@@ -625,7 +630,12 @@ def plan_from_reports(header, reports: list[ProbeReport], opts: LaunchOptions, e
 
     def plan_for(n: int):
         kv = [k + s for k, s in zip(kv_bytes_by_layer(cfg, n, itemsize), state)]
-        return plan_placement(held_spec(header, kv), devs, profile, split=opts.split,
+        spec = held_spec(header, kv)
+        if opts.draft:  # the draft model and its KV pool sit on the first stage, priced as its trunk
+            from moeray.stages.runtime.draft_model import draft_bytes
+
+            spec.trunk_bytes.embedding += draft_bytes(opts.draft, n, itemsize)
+        return plan_placement(spec, devs, profile, split=opts.split,
                               objective=opts.objective, trunk=opts.trunk, handoff_ms=handoff_ms)
 
     try:
@@ -681,8 +691,12 @@ def launch(path: str, opts: LaunchOptions = LaunchOptions(), engine: EngineConfi
     `log` gets every line a user should see at startup."""
     from moeray.stages.gguf.reader import read_gguf_header
 
-    ensure_ray(opts.address)
     header = read_gguf_header(path)
+    if opts.draft:
+        from moeray.stages.runtime.draft_model import check_draft
+
+        check_draft(opts.draft, header.config)
+    ensure_ray(opts.address)
     lines: list[str] = []
 
     def say(line: str) -> None:
@@ -727,8 +741,20 @@ def bring_up(group: StageGroup, header, path: str, opts: LaunchOptions, engine: 
     trunk_on_card = ([int(s.trunk_bytes) - kv_bytes - sum(state[a:b])
                       for s, kv_bytes, (a, b) in zip(plan.stages, kv.stage_bytes, ranges)]
                      if plan is not None else [0] * len(ranges))
+    if opts.draft and plan is not None:  # the first stage charges its draft model itself
+        from moeray.stages.runtime.draft_model import draft_bytes
+
+        trunk_on_card[0] -= draft_bytes(opts.draft, kv.blocks, kv_itemsize(r.device.kind for r in reports))
+    group.draft = opts.draft
     group.load(path, ranges, kv.blocks, lambda i, rep: say(_load_line(rep)),
                trunk_on_card, opts.profile, opts.cache_policy, engine.max_seqs)
+    if opts.draft:
+        from moeray.stages.runtime.draft_model import draft_bytes
+
+        n = draft_bytes(opts.draft, kv.blocks, kv_itemsize(r.device.kind for r in reports))
+        say(f"draft model {os.path.basename(opts.draft)}: {n / 2**20:.1f} MiB on stage 0 (its weights and a KV pool "
+            f"of {kv.blocks} blocks), priced as that stage's trunk; {group.draft_token_ms:.2f} ms a drafted token "
+            "(measured)")
     if opts.record_routing:
         group.record_routing(opts.record_routing)
         say(f"recording every stage's routing to {opts.record_routing}/stage<i>.trace")
@@ -759,6 +785,15 @@ class RayPipeline:
     sampled tokens come back."""
 
     verifies = True  # the last stage accepts drafted tokens (StepBatch.drafts): speculative decoding
+
+    @property
+    def draft_model(self) -> bool:
+        """The first stage runs a draft model (--draft): speculation may draft with it."""
+        return self.group.draft is not None
+
+    @property
+    def draft_token_ms(self) -> float:
+        return self.group.draft_token_ms
 
     def __init__(self, group: StageGroup, launched: Launched | None = None):
         self.group = group

@@ -28,10 +28,13 @@ class LocalPipeline:
         # Each MoE layer's routing heat and the price of reading an expert (cluster/step_clock.py):
         # the expert part of a step's price, which speculation's draft lengths pay.
         self.step_experts: tuple = ()
+        # A draft model on the (only) stage (stages/runtime/draft_model.py): speculation drafts with it.
+        self.draft_model, self.draft_token_ms = False, 0.0
 
     @classmethod
     def from_file(cls, path: str, kv_blocks: int, simulated_budget: int | None = None,
-                  profile: str | None = None, cache_policy: str = "static", max_seqs: int = 1) -> "LocalPipeline":
+                  profile: str | None = None, cache_policy: str = "static", max_seqs: int = 1,
+                  draft: str | None = None) -> "LocalPipeline":
         from moeray.stages.runtime.actor import StageActor
         from moeray.stages.gguf.reader import read_gguf_header
 
@@ -39,17 +42,29 @@ class LocalPipeline:
         cfg = read_gguf_header(path).config
         pipe = cls(stage, kv_blocks, max_seqs if cfg.deltanet is not None else 0)
         pipe.load_report = stage.load(path, 0, cfg.n_layers, kv_blocks, profile=profile, cache_policy=cache_policy,
-                                      state_slots=max_seqs, whole_cache_only=True)
+                                      state_slots=max_seqs, whole_cache_only=True, draft=draft)
         pipe.step_experts = local_step_experts(stage.model.gguf, profile)
+        pipe._drafting(stage.runner.drafter)
         return pipe
 
     @classmethod
-    def from_model(cls, model, kv_blocks: int, max_seqs: int = 1) -> "LocalPipeline":
-        """`max_seqs`: the engine's sequence slots, each a DeltaNet state where the model has them."""
+    def from_model(cls, model, kv_blocks: int, max_seqs: int = 1, draft: str | None = None) -> "LocalPipeline":
+        """`max_seqs`: the engine's sequence slots, each a DeltaNet state where the model has them;
+        `draft`: a draft model's GGUF (the same vocabulary), run beside it."""
         from moeray.stages.runtime.actor import StageRunner
 
         kv = model.new_kv_pool(kv_blocks, max_seqs)
-        return cls(StageRunner(model, kv), kv_blocks, max_seqs if kv.state is not None else 0)
+        pipe = cls(StageRunner(model, kv), kv_blocks, max_seqs if kv.state is not None else 0)
+        if draft is not None:
+            from moeray.stages.runtime.draft_model import DraftModel
+
+            pipe.stage.drafter = DraftModel(draft, model.device, kv_blocks, model.config)
+            pipe._drafting(pipe.stage.drafter)
+        return pipe
+
+    def _drafting(self, drafter) -> None:
+        if drafter is not None:
+            self.draft_model, self.draft_token_ms = True, drafter.token_ms()
 
     def submit(self, batch: StepBatch) -> Any:
         return self.stage.step(batch)  # done when it returns: the handle is the result

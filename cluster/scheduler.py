@@ -90,6 +90,7 @@ class Row:
     fresh: bool  # the prompt's first chunk: the slot's KV and sampler start over
     sample: bool  # the prompt is fully fed with this row: a token comes back
     draft: list[int] = field(default_factory=list)  # drafted tokens after the last one (a verify row)
+    model_k: int = 0  # of those, how many the first stage's draft model fills in (placeholders here)
 
 
 @dataclass
@@ -111,7 +112,16 @@ class ScheduledStep:
                          starts=[r.start for r in self.rows],
                          tables=[r.req.table[:blocks_for(r.start + len(r.tokens))] for r in self.rows],
                          copies=self.copies or None, history=history if any(history) else None,
-                         drafts=[r.draft for r in self.rows] if any(r.draft for r in self.rows) else None)
+                         drafts=[r.draft for r in self.rows] if any(r.draft for r in self.rows) else None,
+                         draft_k=self.draft_k())
+
+    def draft_k(self) -> list[int] | None:
+        """The draft model's part of the step (StepBatch.draft_k): per row, the tokens it drafts,
+        0 to mirror a row of a sequence it serves, -1 for the others; None when it serves none."""
+        serves = [r.req.spec is not None and r.req.spec.model for r in self.rows]
+        if not any(serves):
+            return None
+        return [r.model_k if s else -1 for r, s in zip(self.rows, serves)]
 
 
 @dataclass
@@ -296,7 +306,10 @@ class Scheduler:
                 if got is None:
                     continue
                 req.table += got
-            row.draft = req.spec.draft.tokens[:k]
+            if req.spec.kind == "draft":  # the first stage's draft model fills these in
+                row.draft, row.model_k = [0] * k, k
+            else:
+                row.draft = req.spec.draft.tokens[:k]
             row.tokens = row.tokens + row.draft
             req.kv_len += k
             self.stats.draft_tokens += k

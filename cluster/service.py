@@ -115,7 +115,8 @@ class Service:
             kv = local_kv_plan(header.config, engine_cfg, opts.local_budget)
             engine_cfg = dataclasses.replace(engine_cfg, max_len=kv.context, kv_blocks=kv.blocks)
             self.local = LocalPipeline.from_file(self.path, kv.blocks, opts.local_budget,
-                                                 profile, opts.launch.cache_policy, engine_cfg.max_seqs)
+                                                 profile, opts.launch.cache_policy, engine_cfg.max_seqs,
+                                                 draft=opts.launch.draft)
             pipeline = self.local
             self.lines.append(f"one process: layers 0-{header.config.n_layers - 1} on {self.local.stage.device.name}")
             self.lines.append(_experts_line(header.config, self.local.load_report))

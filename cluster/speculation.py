@@ -85,15 +85,23 @@ class SpecStats:
         return {"verify_rows": self.verify_rows, "drafted_tokens": self.drafted_tokens,
                 "accepted_tokens": self.accepted_tokens, "emitted_tokens": self.emitted_tokens,
                 "acceptance_rate": round(self.acceptance_rate, 4),
-                "tokens_per_verify_row": round(self.tokens_per_verify_row, 3)}
+                "tokens_per_verify_row": round(self.tokens_per_verify_row, 3),
+                "by_drafter": {k: {"verify_rows": t.rows, "drafted_tokens": t.drafted,
+                                   "accepted_tokens": int(t.accepted)} for k, t in self.by_drafter.items()}}
 
 
 @dataclass
 class SeqSpec:
-    """One sequence's speculation: its drafter and its own record."""
+    """One sequence's speculation: its n-gram drafter, whether the draft model serves it, and a
+    record per drafter."""
     drafter: Any  # NgramDrafter, or any object with extend(tokens) and draft(max_tokens) -> Draft
-    tally: Tally = field(default_factory=Tally)
-    draft: Optional[Draft] = None  # the draft offered this step (its tokens, its match length)
+    model: bool = False  # the first stage's draft model mirrors this sequence and may draft for it
+    tallies: dict[str, Tally] = field(default_factory=dict)
+    draft: Optional[Draft] = None  # the n-gram draft offered this step (its tokens, its match length)
+    kind: str = "ngram"  # the drafter of this step's row: "ngram" | "draft"
+
+    def tally(self, kind: str) -> Tally:
+        return self.tallies.setdefault(kind, Tally())
 
 
 class Speculation:
@@ -104,20 +112,27 @@ class Speculation:
     DECAY = 0.97  # a sequence's record forgets old rows: a copy starts or ends mid-answer
 
     def __init__(self, mode: str = "auto", price: Optional[StepPrice] = None, ngram: NgramConfig = NgramConfig(),
-                 max_draft: int = 32, seed: int = 0, drafter: Optional[Callable[[list[int]], Any]] = None):
-        """`drafter(tokens)`: a sequence's drafter (extend(tokens), draft(max_tokens) -> Draft);
-        default the n-gram drafter."""
+                 max_draft: int = 32, seed: int = 0, drafter: Optional[Callable[[list[int]], Any]] = None,
+                 draft_model: bool = False, draft_token_ms: float = 0.0):
+        """`drafter(tokens)`: a sequence's engine-side drafter (extend(tokens), draft(max_tokens) ->
+        Draft), default the n-gram drafter; `draft_model`: the pipeline's first stage has a draft
+        model (stages/runtime/draft_model.py), whose every drafted token costs `draft_token_ms`."""
         if mode not in MODES:
             raise MoerayError(f"speculative mode {mode!r} is not one of {', '.join(MODES)}")
-        if mode in ("draft", "mtp"):
-            raise MoerayError(f"speculative mode {mode!r} needs a draft model or MTP layers, which this "
-                              "engine was not given; use auto, ngram or off")
+        if mode == "draft" and not draft_model:
+            raise MoerayError("--speculative draft needs a draft model: give --draft MODEL.gguf (a small model of "
+                              "the same vocabulary), or use --speculative auto or ngram")
+        if mode == "mtp":
+            raise MoerayError("--speculative mtp needs a model file with multi-token-prediction layers, which this "
+                              "one has not; use --speculative auto or ngram")
         self.mode, self.ngram, self.max_draft = mode, ngram, max_draft
         self.new_drafter = drafter or (lambda tokens: NgramDrafter(ngram, tokens))
+        self.draft_model, self.draft_token_ms = draft_model and mode in ("auto", "draft"), draft_token_ms
         self.price = price
         self._table: list[float] = []
         self.stats = SpecStats()
-        self.bands: dict[int, Tally] = {}  # per match band, over every sequence
+        self.bands: dict[int, Tally] = {}  # per n-gram match band, over every sequence
+        self.model_tally = Tally()  # the draft model, over every sequence
         self._rng = random.Random(seed)
 
     @property
@@ -130,7 +145,7 @@ class Speculation:
         return self.enabled if flag is None else bool(flag)
 
     def start(self, tokens) -> SeqSpec:
-        return SeqSpec(self.new_drafter(list(tokens)))
+        return SeqSpec(self.new_drafter(list(tokens)), model=self.draft_model)
 
     def set_price(self, price: StepPrice) -> None:
         self.price, self._table = price, []
@@ -141,21 +156,32 @@ class Speculation:
             self._table = price.table(max(n, 2 * len(self._table), 64))
         return self._table
 
-    def rate(self, seq: SeqSpec, band: int) -> float:
-        prior = self.bands[band].rate(self.PRIOR) if band in self.bands else self.PRIOR
-        return seq.tally.rate(prior)
+    def rate(self, seq: SeqSpec, kind: str, band: int = 0) -> float:
+        """The acceptance rate a drafter is expected to have on this sequence: its record here,
+        pulled towards its record over all sequences (for the n-gram drafter at this match band)."""
+        over_all = self.model_tally if kind == "draft" else self.bands.get(band)
+        prior = over_all.rate(self.PRIOR) if over_all is not None else self.PRIOR
+        return seq.tally(kind).rate(prior)
+
+    def _offer(self, s: SeqSpec, room: int) -> Offer:
+        """The better of the sequence's drafters this step (the surer first token), and which."""
+        n = min(room, self.max_draft)
+        d = s.drafter.draft(n) if n > 0 and self.mode != "draft" else Draft([], 0)
+        s.draft, s.kind = d, "ngram"
+        best = Offer(self.rate(s, "ngram", match_band(d.match)), len(d.tokens))
+        if s.model and n > 0:
+            model = Offer(self.rate(s, "draft"), n, self.draft_token_ms)
+            if not best.max_tokens or model.acceptance > best.acceptance:
+                s.kind, best = "draft", model
+        return best
 
     def plan(self, seqs: list[SeqSpec], room: list[int], n_plain: int, value: float, budget: int) -> list[int]:
         """Draft lengths for these sequences in a step of `n_plain` tokens yielding `value`:
-        room[i] is the most sequence i may draft (its tokens left, KV it may take)."""
+        room[i] is the most sequence i may draft (its tokens left, KV it may take); each sequence's
+        `kind` says which drafter its row's tokens come from."""
         if not seqs or budget <= 0:
             return [0] * len(seqs)
-        offers, drafts = [], []
-        for s, r in zip(seqs, room):
-            d = s.drafter.draft(min(r, self.max_draft)) if r > 0 else Draft([], 0)
-            s.draft = d
-            drafts.append(d)
-            offers.append(Offer(self.rate(s, match_band(d.match)), len(d.tokens)))
+        offers = [self._offer(s, r) for s, r in zip(seqs, room)]
         table = self.step_table(n_plain + min(budget, sum(o.max_tokens for o in offers)))
         choice = choose_draft_lengths(table, n_plain, value, offers, budget)
         lengths = [row_size_below(k) for k in choice.lengths]
@@ -167,10 +193,14 @@ class Speculation:
     def observe(self, seq: SeqSpec, drafted: int, accepted: int, emitted: int) -> None:
         """A verify row came back: `accepted` of its `drafted` tokens, `emitted` tokens in all
         (fewer than accepted + 1 where the sequence finished inside the row)."""
-        band = match_band(seq.draft.match if seq.draft is not None else 0)
-        seq.tally.add(drafted, accepted, self.DECAY)
-        self.bands.setdefault(band, Tally()).add(drafted, accepted, self.DECAY)
-        self.stats.by_drafter.setdefault("ngram", Tally()).add(drafted, accepted)
+        kind = seq.kind
+        seq.tally(kind).add(drafted, accepted, self.DECAY)
+        if kind == "draft":
+            self.model_tally.add(drafted, accepted, self.DECAY)
+        else:
+            band = match_band(seq.draft.match if seq.draft is not None else 0)
+            self.bands.setdefault(band, Tally()).add(drafted, accepted, self.DECAY)
+        self.stats.by_drafter.setdefault(kind, Tally()).add(drafted, accepted)
         s = self.stats
         s.verify_rows += 1
         s.drafted_tokens += drafted

@@ -71,6 +71,7 @@ class Offer:
     """A sequence that could verify a draft this step."""
     acceptance: float  # the chance each drafted token is accepted (the drafter's measured rate)
     max_tokens: int  # the most it can draft now (what the drafter has, its room left)
+    token_ms: float = 0.0  # what the drafter itself spends on each token it drafts (a draft model's step)
 
     def gain(self, j: int) -> float:
         """The expected tokens the j-th drafted token (1-based) adds."""
@@ -111,20 +112,21 @@ def choose_draft_lengths(step_ms: Sequence[float], n_plain: int, value: float, o
     # the m largest chances, by a heap over each offer's next token
     heap = [(-o.gain(1), i) for i, o in enumerate(offers) if o.max_tokens > 0 and o.acceptance > 0]
     heapq.heapify(heap)
-    gained, best_m, best_ratio = value, 0, base
+    gained, best_m, best_ratio, drafting_ms = value, 0, base, 0.0
     order: list[int] = []
     while heap and len(order) < limit:
         g, i = heapq.heappop(heap)
         order.append(i)
         lengths[i] += 1
         gained += -g
+        drafting_ms += offers[i].token_ms
         if lengths[i] < offers[i].max_tokens:
             heapq.heappush(heap, (-offers[i].gain(lengths[i] + 1), i))
         n = n_plain + len(order)
-        ratio = gained / step_ms[n]
+        ratio = gained / (step_ms[n] + drafting_ms)
         if ratio > best_ratio * (1 + 1e-9):
             best_m, best_ratio = len(order), ratio
-            best = Choice([0] * len(offers), gained, step_ms[n], base)
+            best = Choice([0] * len(offers), gained, step_ms[n] + drafting_ms, base)
     for i in order[:best_m]:
         best.lengths[i] += 1
     return best

@@ -478,3 +478,80 @@ def test_penalties_and_logit_bias_count_the_drafted_tokens(family_models):
     eng = engine_for(model, 4, "auto", drafter=lambda toks: NoisyOracle(refs, toks, wrong=0.2, vocab=300))
     assert [r.output for r in run_checked(eng, prompts, params)] == plain
     assert eng.speculation.stats.accepted_tokens > 20
+
+
+# ---------------------------------------------------------------- a draft model (--draft)
+
+
+def test_a_draft_model_on_the_first_stage_drafts_what_it_would_generate(family_models, tmp_path):
+    """The target itself as its own draft model: every greedy draft is what the target would say,
+    so every drafted token is accepted, through the draft model's own KV kept in step (prompt
+    chunks mirrored, the last drafted token fed when every draft was kept). A different model of
+    the same vocabulary drafts worse; the tokens are the plain ones either way."""
+    import tiny_models as tm
+
+    model = family_models["qwen3moe"]
+    prompts = prompts_for(3, seed=21)
+    params = SamplingParams(max_tokens=28, ignore_eos=True)
+    plain = [r.output for r in run_checked(engine_for(model, 3, "off"), prompts, params)]
+
+    def with_draft(path, mode="draft"):
+        eng = Engine(LocalPipeline.from_model(model, 96, 3, draft=str(path)),
+                     EngineConfig(max_seqs=3, max_len=256, micro_batches=1, speculative=mode))
+        eng.speculation.PROBE = 1.0
+        return eng
+
+    same = with_draft(model.gguf.path)
+    assert [r.output for r in run_checked(same, prompts, params)] == plain
+    s = same.speculation.stats
+    assert s.verify_rows > 0 and s.accepted_tokens == s.drafted_tokens and s.by_drafter["draft"].rows == s.verify_rows
+    other = with_draft(write_gguf(tm.tiny_llama(seed=9), tmp_path / "draft.gguf", "Q8_0"), mode="auto")
+    assert [r.output for r in run_checked(other, prompts, params)] == plain
+    assert other.speculation.stats.verify_rows > 0
+
+
+def test_a_draft_model_of_another_vocabulary_is_refused(family_models, tmp_path):
+    from moeray.errors import MoerayError
+    from test_gguf_file import tiny_config, write_synthetic_gguf
+
+    other = write_synthetic_gguf(tmp_path / "v160.gguf", tiny_config("llama", n_experts=0))
+    with pytest.raises(MoerayError, match="its vocabulary has 160 tokens, the model's 300"):
+        LocalPipeline.from_model(family_models["qwen3moe"], 16, 1, draft=str(other))
+    with pytest.raises(MoerayError, match="needs a draft model: give --draft"):
+        Engine(LocalPipeline.from_model(family_models["qwen3moe"], 16, 1),
+               EngineConfig(max_seqs=1, max_len=64, micro_batches=1, speculative="draft"))
+
+
+@pytest.mark.slow
+def test_a_draft_model_across_ray_stages(tmp_path):
+    """`--draft` over three Ray stages: the draft model on stage 0 (priced there as trunk, said in a
+    line), its tokens carried in the status row to the last stage; the target as its own draft,
+    so every draft is kept, and the greedy tokens are the one-process ones."""
+    ray = pytest.importorskip("ray")
+    from greedy import one_process_greedy
+    from moeray.cluster.config import LaunchOptions
+    from moeray.cluster.driver import launch
+    from test_gguf_file import tiny_config, write_synthetic_gguf
+
+    path = str(write_synthetic_gguf(tmp_path / "t.gguf", tiny_config("qwen3moe"), seed=5))
+    prompts = prompts_for(3, seed=4)
+    prompts = [[t % 160 for t in p] for p in prompts]
+    reference = one_process_greedy(load_model(path), prompts, 12, 64)
+    lines = []
+    opts = LaunchOptions(3, simulate=[64 << 20] * 3, torch_threads=1, timeout_s=180, draft=path)
+    launched = launch(path, opts, EngineConfig(max_seqs=3, max_len=64), log=lines.append)
+    try:
+        assert any(l.startswith("draft model t.gguf:") and "on stage 0" in l for l in lines), lines
+        assert any(k.startswith("draft model") for k in launched.stage_stats()[0].placed)
+        eng = Engine(launched.pipeline(), EngineConfig(max_seqs=3, max_len=64, micro_batches=2, speculative="draft"))
+        eng.speculation.PROBE = 1.0
+        reqs = [eng.add(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts]
+        while not all(r.done for r in reqs):
+            eng.step()
+            check_ledger(eng)
+        assert [r.output for r in reqs] == reference
+        s = eng.speculation.stats
+        assert s.verify_rows > 0 and s.accepted_tokens == s.drafted_tokens
+    finally:
+        launched.shutdown()
+        ray.shutdown()

@@ -53,11 +53,26 @@ class StepBatch:
     # Last stage only: per sequence, the drafted tokens its row carries after its last token (a
     # verify row: stages/text/verify.py); [] for a plain row; None when no row carries one.
     drafts: list[list[int]] | None = None
+    # First and last stage, with a draft model (stages/runtime/draft_model.py): per sequence, the
+    # tokens it drafts into its row (placeholders in `tokens` and `drafts` until the first stage
+    # drafts them), 0 for a row it only mirrors, -1 for a sequence it does not serve; None: none.
+    draft_k: list[int] | None = None
 
     def for_stage(self, stage: int, n_stages: int) -> "StepBatch":
         last = stage == n_stages - 1
         return replace(self, tokens=self.tokens if stage == 0 else None, sample=self.sample if last else None,
-                       history=self.history if last else None, drafts=self.drafts if last else None)
+                       history=self.history if last else None, drafts=self.drafts if last else None,
+                       draft_k=self.draft_k if stage == 0 or last else None)
+
+    def model_drafted(self, drafts: list[list[int]]) -> "StepBatch":
+        """This step with the draft model's tokens in its rows (placeholders replaced): in the token
+        ids the first stage embeds and in the drafts the last stage verifies."""
+        k = self.draft_k or [0] * len(self.slots)
+        tokens = None if self.tokens is None else [
+            [t[0]] + d if n > 0 else t for t, d, n in zip(self.tokens, drafts, k)]
+        verified = None if self.drafts is None else [
+            d if n > 0 else v for v, d, n in zip(self.drafts, drafts, k)]
+        return replace(self, tokens=tokens, drafts=verified)
 
 
 @dataclass(frozen=True)
@@ -88,6 +103,7 @@ class LoadReport:
     host_resident_bytes: int
     cache_slots: int = 0
     cache_resident: int = 0
+    draft_token_ms: float = 0.0  # the first stage's draft model: ms of one drafted token (0: none)
 
 
 @dataclass
@@ -136,6 +152,7 @@ class StageRunner:
 
     def __init__(self, model, kv):
         self.model, self.kv = model, kv  # kv: a KVPool
+        self.drafter = None  # the first stage's draft model (stages/runtime/draft_model.py), if any
         self.generators: dict[int, Any] = {}  # slot -> the torch.Generator of its sequence
         self.grammars = None  # stages/grammar.GrammarMasks, made on the first constrained request
         # slot -> its sequence's TokenHistory (penalties), or the (prompt, output) it is built from
@@ -289,10 +306,28 @@ class StageRunner:
             self.grammars = GrammarMasks(tokenizer, n_vocab)
         return self.grammars
 
+    def draft(self, batch: StepBatch) -> list[list[int]] | None:
+        """The draft model's tokens for the rows that ask (first stage), None without one."""
+        if self.drafter is None or batch.draft_k is None:
+            return None
+        return self.drafter.draft(batch.slots, batch.starts, batch.tokens, batch.tables, batch.fresh, batch.draft_k)
+
     def step(self, batch: StepBatch):
-        """The whole model in this process: embed, every layer, sample."""
+        """The whole model in this process: draft (a draft model's rows), embed, every layer, sample."""
         meta = self.begin(batch)
+        drafts = self.draft(batch)
+        if drafts is not None:
+            batch = batch.model_drafted(drafts)
         return self.sample(batch, self.layers(self.model.embed(batch.tokens), meta), meta)
+
+
+def _split(carry: list[int], batch: StepBatch) -> list[list[int]]:
+    """The last stage's view of the draft model's tokens: each drafting row's k of them, in row order."""
+    out, at = [], 0
+    for k in batch.draft_k or [0] * len(batch.slots):
+        out.append(carry[at:at + k] if k > 0 else [])
+        at += max(k, 0)
+    return out
 
 
 def _nvml_process_bytes(pci_bus_id: str) -> tuple[int | None, str]:
@@ -410,7 +445,8 @@ class StageActor:
 
     def load(self, path: str, first: int, end: int, kv_blocks: int,
              trunk_on_card: int | None = None, profile: str | None = None,
-             cache_policy: str = "static", state_slots: int = 1, whole_cache_only: bool = False) -> LoadReport:
+             cache_policy: str = "static", state_slots: int = 1, whole_cache_only: bool = False,
+             draft: str | None = None) -> LoadReport:
         """Load layers [first, end) (+ embedding / head at the ends) and allocate a KV pool of
         `kv_blocks` blocks (stages/blocks/kv_cache.py) and, for recurrent (DeltaNet) layers, `state_slots`
         sequence states (one per engine sequence slot: stages/blocks/deltanet.py),
@@ -450,6 +486,14 @@ class StageActor:
             self.memory.charge(state, f"DeltaNet state ({state_slots} sequence slots)")
         trunk = stage_trunk_bytes(gguf, first, end)
         self.memory.charge(trunk if trunk_on_card is None else trunk_on_card, f"trunk of layers {first}-{end - 1}")
+        drafter = None
+        if draft is not None:  # speculative decoding's draft model: on the first stage, charged like trunk
+            from moeray.stages.runtime.draft_model import DraftModel
+
+            if first != 0:
+                raise MoerayError(f"stage {self.stage}: a draft model runs on the first stage only")
+            drafter = DraftModel(draft, self.device.torch_device, kv_blocks, cfg)
+            self.memory.charge(drafter.nbytes(), f"draft model {os.path.basename(draft)} (weights and KV)")
         experts, cache = HostExperts(gguf), None
         moe_layers = [l for l in range(first, end) if cfg.is_moe_layer(l)]
         every_expert = cfg.n_experts * sum(experts.slot_bytes(l) for l in moe_layers)
@@ -467,13 +511,14 @@ class StageActor:
                               f"{trunk} were charged")
         kv = model.new_kv_pool(kv_blocks, state_slots)
         self.model, self.runner = model, StageRunner(model, kv)
+        self.runner.drafter = drafter
         # Fixed once loaded: measured here, not again on every stats poll.
         self.trunk_bytes = (resident, stage_trunk_bytes(gguf, first, end, backend=None))
         self.steps, self.step_s, self.tokens_in = 0, 0.0, 0
         self.hidden = model.config.hidden
         return LoadReport(self.stage, (first, end), time.perf_counter() - t, dict(self.memory.parts),
                           self.memory.free, resident, cache.slots.n_slots if cache else 0,
-                          cache.core.n_resident if cache else 0)
+                          cache.core.n_resident if cache else 0, drafter.token_ms() if drafter else 0.0)
 
     def step(self, batch: StepBatch) -> list[int | None] | None:
         """Run one micro-batch through this stage. The last stage returns a token per sequence
@@ -488,12 +533,22 @@ class StageActor:
         self.tokens_in += n_rows
         try:
             meta = self.runner.begin(batch)
-            x = self.model.embed(batch.tokens) if first else self.link.recv(n_rows, self.hidden)
+            carry = None  # the draft model's tokens, from the first stage to the last (StageLink)
+            if first:
+                drafts = self.runner.draft(batch)
+                if drafts is not None:
+                    batch = batch.model_drafted(drafts)
+                    carry = [t for d, k in zip(drafts, batch.draft_k) if k > 0 for t in d]
+                x = self.model.embed(batch.tokens)
+            else:
+                x, carry = self.link.recv(n_rows, self.hidden, carried=True)
             x = self.runner.layers(x, meta)
             if not last:
                 sent = True
-                self.link.send(x)
+                self.link.send(x, carry)
                 return None
+            if carry and not first:  # the drafted tokens, in the order of the rows that drafted them
+                batch = batch.model_drafted(_split(carry, batch))
             return self.runner.sample(batch, x, meta)
         except Exception:
             if not last and not sent and self.link is not None:
