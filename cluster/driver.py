@@ -126,6 +126,8 @@ class StageGroup:
     state_slots: int = 0  # sequence states the stages hold (a model with recurrent layers), once loaded
     draft: str | None = None  # speculative decoding's draft model, on the first stage (--draft)
     draft_token_ms: float = 0.0  # its measured ms per drafted token, once loaded
+    mtp: bool = False  # the last stage runs the file's next-token-prediction layer (speculative decoding)
+    mtp_token_ms: float = 0.0  # its measured ms per proposed token, once loaded
     hung: set = field(default_factory=set)
     _actor_opts: dict = field(default_factory=dict)
 
@@ -204,12 +206,14 @@ class StageGroup:
 
         self.kv_blocks = kv_blocks
         self.state_slots = state_slots if any(state_bytes_by_layer(read_gguf_header(path).config, 1)) else 0
+        last = len(ranges) - 1
         self.load_args = [(path, a, b, kv_blocks, t, profile, cache_policy, state_slots, False,
-                           self.draft if i == 0 else None)
+                           self.draft if i == 0 else None, self.mtp and i == last)
                           for i, ((a, b), t) in enumerate(zip(ranges, trunk_on_card))]
         refs = [a.load.remote(*args) for a, args in zip(self.actors, self.load_args)]
         reports = gather(refs, self.timeout_s, "loading", progress=progress)
         self.draft_token_ms = reports[0].draft_token_ms if reports else 0.0
+        self.mtp_token_ms = reports[-1].mtp_token_ms if reports else 0.0
         return reports
 
     def record_routing(self, folder: str) -> None:
@@ -635,6 +639,10 @@ def plan_from_reports(header, reports: list[ProbeReport], opts: LaunchOptions, e
             from moeray.stages.runtime.draft_model import draft_bytes
 
             spec.trunk_bytes.embedding += draft_bytes(opts.draft, n, itemsize)
+        if uses_mtp(header, engine):  # the next-token-prediction layer: on the last stage, with the head
+            from moeray.stages.runtime.mtp import mtp_bytes
+
+            spec.trunk_bytes.head += mtp_bytes(header, n, engine.max_seqs, itemsize, S == 1)
         return plan_placement(spec, devs, profile, split=opts.split,
                               objective=opts.objective, trunk=opts.trunk, handoff_ms=handoff_ms)
 
@@ -741,11 +749,16 @@ def bring_up(group: StageGroup, header, path: str, opts: LaunchOptions, engine: 
     trunk_on_card = ([int(s.trunk_bytes) - kv_bytes - sum(state[a:b])
                       for s, kv_bytes, (a, b) in zip(plan.stages, kv.stage_bytes, ranges)]
                      if plan is not None else [0] * len(ranges))
+    itemsize = kv_itemsize(r.device.kind for r in reports)
     if opts.draft and plan is not None:  # the first stage charges its draft model itself
         from moeray.stages.runtime.draft_model import draft_bytes
 
-        trunk_on_card[0] -= draft_bytes(opts.draft, kv.blocks, kv_itemsize(r.device.kind for r in reports))
-    group.draft = opts.draft
+        trunk_on_card[0] -= draft_bytes(opts.draft, kv.blocks, itemsize)
+    group.draft, group.mtp = opts.draft, uses_mtp(header, engine)
+    if group.mtp and plan is not None:  # and the last stage its next-token-prediction layer
+        from moeray.stages.runtime.mtp import mtp_bytes
+
+        trunk_on_card[-1] -= mtp_bytes(header, kv.blocks, engine.max_seqs, itemsize, len(ranges) == 1)
     group.load(path, ranges, kv.blocks, lambda i, rep: say(_load_line(rep)),
                trunk_on_card, opts.profile, opts.cache_policy, engine.max_seqs)
     if opts.draft:
@@ -759,6 +772,14 @@ def bring_up(group: StageGroup, header, path: str, opts: LaunchOptions, engine: 
         group.record_routing(opts.record_routing)
         say(f"recording every stage's routing to {opts.record_routing}/stage<i>.trace")
     return reports, plan, ranges, handoff_ms, kv
+
+
+def uses_mtp(header, engine: EngineConfig) -> bool:
+    """The last stage loads the file's next-token-prediction layer: the file has one and speculation
+    may use it (--speculative auto or mtp)."""
+    from moeray.stages.runtime.mtp import mtp_layers
+
+    return engine.speculative in ("auto", "mtp") and mtp_layers(header) > 0
 
 
 def _probe_line(r: ProbeReport) -> str:
@@ -794,6 +815,15 @@ class RayPipeline:
     @property
     def draft_token_ms(self) -> float:
         return self.group.draft_token_ms
+
+    @property
+    def mtp(self) -> bool:
+        """The last stage runs the file's next-token-prediction layer: speculation drafts with it."""
+        return self.group.mtp
+
+    @property
+    def mtp_token_ms(self) -> float:
+        return self.group.mtp_token_ms
 
     def __init__(self, group: StageGroup, launched: Launched | None = None):
         self.group = group

@@ -91,7 +91,9 @@ class Engine:
                 self.speculation = Speculation(config.speculative, getattr(pipeline, "step_price", None),
                                                max_draft=config.max_draft,
                                                draft_model=getattr(pipeline, "draft_model", False),
-                                               draft_token_ms=getattr(pipeline, "draft_token_ms", 0.0))
+                                               draft_token_ms=getattr(pipeline, "draft_token_ms", 0.0),
+                                               mtp=getattr(pipeline, "mtp", False),
+                                               mtp_token_ms=getattr(pipeline, "mtp_token_ms", 0.0))
         self.scheduler = Scheduler(config, tokenizer.end_ids if tokenizer is not None else (),
                                    config.kv_blocks or pool, self.speculation)
         self.in_flight: deque[tuple[ScheduledStep, Any]] = deque()

@@ -30,11 +30,13 @@ class LocalPipeline:
         self.step_experts: tuple = ()
         # A draft model on the (only) stage (stages/runtime/draft_model.py): speculation drafts with it.
         self.draft_model, self.draft_token_ms = False, 0.0
+        # A next-token-prediction layer (stages/runtime/mtp.py): speculation drafts with what it proposes.
+        self.mtp, self.mtp_token_ms = False, 0.0
 
     @classmethod
     def from_file(cls, path: str, kv_blocks: int, simulated_budget: int | None = None,
                   profile: str | None = None, cache_policy: str = "static", max_seqs: int = 1,
-                  draft: str | None = None) -> "LocalPipeline":
+                  draft: str | None = None, mtp: bool = False) -> "LocalPipeline":
         from moeray.stages.runtime.actor import StageActor
         from moeray.stages.gguf.reader import read_gguf_header
 
@@ -42,15 +44,17 @@ class LocalPipeline:
         cfg = read_gguf_header(path).config
         pipe = cls(stage, kv_blocks, max_seqs if cfg.deltanet is not None else 0)
         pipe.load_report = stage.load(path, 0, cfg.n_layers, kv_blocks, profile=profile, cache_policy=cache_policy,
-                                      state_slots=max_seqs, whole_cache_only=True, draft=draft)
+                                      state_slots=max_seqs, whole_cache_only=True, draft=draft, mtp=mtp)
         pipe.step_experts = local_step_experts(stage.model.gguf, profile)
-        pipe._drafting(stage.runner.drafter)
+        pipe._drafting(stage.runner.drafter, stage.runner.mtp)
         return pipe
 
     @classmethod
-    def from_model(cls, model, kv_blocks: int, max_seqs: int = 1, draft: str | None = None) -> "LocalPipeline":
+    def from_model(cls, model, kv_blocks: int, max_seqs: int = 1, draft: str | None = None,
+                   mtp: bool = False) -> "LocalPipeline":
         """`max_seqs`: the engine's sequence slots, each a DeltaNet state where the model has them;
-        `draft`: a draft model's GGUF (the same vocabulary), run beside it."""
+        `draft`: a draft model's GGUF (the same vocabulary), run beside it; `mtp`: run the file's
+        next-token-prediction layer."""
         from moeray.stages.runtime.actor import StageRunner
 
         kv = model.new_kv_pool(kv_blocks, max_seqs)
@@ -59,12 +63,18 @@ class LocalPipeline:
             from moeray.stages.runtime.draft_model import DraftModel
 
             pipe.stage.drafter = DraftModel(draft, model.device, kv_blocks, model.config)
-            pipe._drafting(pipe.stage.drafter)
+        if mtp:
+            from moeray.stages.runtime.mtp import MTPHead
+
+            pipe.stage.mtp = MTPHead(model, kv_blocks, max_seqs)
+        pipe._drafting(pipe.stage.drafter, pipe.stage.mtp)
         return pipe
 
-    def _drafting(self, drafter) -> None:
+    def _drafting(self, drafter, mtp) -> None:
         if drafter is not None:
             self.draft_model, self.draft_token_ms = True, drafter.token_ms()
+        if mtp is not None:
+            self.mtp, self.mtp_token_ms = True, mtp.token_ms()
 
     def submit(self, batch: StepBatch) -> Any:
         return self.stage.step(batch)  # done when it returns: the handle is the result

@@ -91,6 +91,7 @@ class Row:
     sample: bool  # the prompt is fully fed with this row: a token comes back
     draft: list[int] = field(default_factory=list)  # drafted tokens after the last one (a verify row)
     model_k: int = 0  # of those, how many the first stage's draft model fills in (placeholders here)
+    mtp_k: int = 0  # tokens the last stage's next-token-prediction layer proposes after this row
 
 
 @dataclass
@@ -99,6 +100,10 @@ class ScheduledStep:
     lane: int
     rows: list[Row]  # in slot order: a lane's neighbouring slots read the KV cache as one view
     copies: list[tuple[int, int, int]] = field(default_factory=list)  # KV rows the stages copy first
+    # The pipeline's extra drafters, which keep KV of every row: a draft model on the first stage,
+    # a next-token-prediction layer on the last (cluster/speculation.py).
+    draft_model: bool = False
+    mtp: bool = False
 
     def batch(self) -> StepBatch:
         # A sequence with penalties starts its last stage's TokenHistory from what it holds: the
@@ -113,15 +118,8 @@ class ScheduledStep:
                          tables=[r.req.table[:blocks_for(r.start + len(r.tokens))] for r in self.rows],
                          copies=self.copies or None, history=history if any(history) else None,
                          drafts=[r.draft for r in self.rows] if any(r.draft for r in self.rows) else None,
-                         draft_k=self.draft_k())
-
-    def draft_k(self) -> list[int] | None:
-        """The draft model's part of the step (StepBatch.draft_k): per row, the tokens it drafts,
-        0 to mirror a row of a sequence it serves, -1 for the others; None when it serves none."""
-        serves = [r.req.spec is not None and r.req.spec.model for r in self.rows]
-        if not any(serves):
-            return None
-        return [r.model_k if s else -1 for r, s in zip(self.rows, serves)]
+                         draft_k=[r.model_k for r in self.rows] if self.draft_model else None,
+                         mtp_k=[r.mtp_k for r in self.rows] if self.mtp else None)
 
 
 @dataclass
@@ -277,6 +275,11 @@ class Scheduler:
                 budget -= n
         if not rows:
             return None
+        if self.speculation is not None and self.speculation.mtp:
+            for row in rows:  # rows that emit a token: the MTP layer's proposals after it, where drafting
+                r = row.req
+                if row.sample and r.spec is not None:
+                    row.mtp_k = self.speculation.mtp_length(r.spec, r.max_new - len(r.output))
         self.stats.decode_tokens += n_decode
         self.stats.prefill_tokens += sum(len(row.tokens) for row in rows) - n_decode
         if self.speculation is not None and budget >= 1 and n_decode:
@@ -284,7 +287,9 @@ class Scheduler:
         rows.sort(key=lambda row: row.req.slot)
         for row in rows:
             row.req.busy = True
-        return ScheduledStep(next(self._steps), lane, rows, copies)
+        spec = self.speculation
+        return ScheduledStep(next(self._steps), lane, rows, copies, draft_model=spec is not None and spec.draft_model,
+                             mtp=spec is not None and spec.mtp)
 
     def _add_drafts(self, decode_rows: list[Row], n_plain: int, budget: int) -> None:
         """Drafted tokens after the decode rows' last tokens, as many as the step's price says pay
@@ -308,6 +313,8 @@ class Scheduler:
                 req.table += got
             if req.spec.kind == "draft":  # the first stage's draft model fills these in
                 row.draft, row.model_k = [0] * k, k
+            elif req.spec.kind == "mtp":  # what the last stage's MTP layer proposed after the last token
+                row.draft = req.spec.proposal[:k]
             else:
                 row.draft = req.spec.draft.tokens[:k]
             row.tokens = row.tokens + row.draft
@@ -324,9 +331,12 @@ class Scheduler:
         now = time.perf_counter()
         result = StepOutput.of(tokens)
         logprobs = result.logprobs or [None] * len(result.tokens)
-        for row, tok, lp in zip(step.rows, result.tokens, logprobs):
+        proposals = result.proposals or [None] * len(result.tokens)
+        for row, tok, lp, proposal in zip(step.rows, result.tokens, logprobs, proposals):
             req = row.req
             req.busy = False
+            if req.spec is not None:  # the MTP layer's next draft: for the sequence's next row only
+                req.spec.proposal = proposal or []
             if row.draft:  # until the verdict, only the row's first token is the sequence's
                 req.kv_len = row.start + 1
             if req.done:  # aborted while its step was in flight: the slot is free now

@@ -110,13 +110,13 @@ class Service:
 
                 found = default_profile_for(self.path)
                 profile = None if found is None else str(found)
-            from moeray.cluster.driver import local_kv_plan
+            from moeray.cluster.driver import local_kv_plan, uses_mtp
 
             kv = local_kv_plan(header.config, engine_cfg, opts.local_budget)
             engine_cfg = dataclasses.replace(engine_cfg, max_len=kv.context, kv_blocks=kv.blocks)
             self.local = LocalPipeline.from_file(self.path, kv.blocks, opts.local_budget,
                                                  profile, opts.launch.cache_policy, engine_cfg.max_seqs,
-                                                 draft=opts.launch.draft)
+                                                 draft=opts.launch.draft, mtp=uses_mtp(header, engine_cfg))
             pipeline = self.local
             self.lines.append(f"one process: layers 0-{header.config.n_layers - 1} on {self.local.stage.device.name}")
             self.lines.append(_experts_line(header.config, self.local.load_report))

@@ -21,6 +21,7 @@ Modes (EngineConfig.speculative, a request's `speculative` flag turns it off or 
 """
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -98,7 +99,8 @@ class SeqSpec:
     model: bool = False  # the first stage's draft model mirrors this sequence and may draft for it
     tallies: dict[str, Tally] = field(default_factory=dict)
     draft: Optional[Draft] = None  # the n-gram draft offered this step (its tokens, its match length)
-    kind: str = "ngram"  # the drafter of this step's row: "ngram" | "draft"
+    kind: str = "ngram"  # the drafter of this step's row: "ngram" | "draft" | "mtp"
+    proposal: list[int] = field(default_factory=list)  # the MTP layer's tokens after the last one
 
     def tally(self, kind: str) -> Tally:
         return self.tallies.setdefault(kind, Tally())
@@ -113,21 +115,26 @@ class Speculation:
 
     def __init__(self, mode: str = "auto", price: Optional[StepPrice] = None, ngram: NgramConfig = NgramConfig(),
                  max_draft: int = 32, seed: int = 0, drafter: Optional[Callable[[list[int]], Any]] = None,
-                 draft_model: bool = False, draft_token_ms: float = 0.0):
+                 draft_model: bool = False, draft_token_ms: float = 0.0, mtp: bool = False,
+                 mtp_token_ms: float = 0.0):
         """`drafter(tokens)`: a sequence's engine-side drafter (extend(tokens), draft(max_tokens) ->
         Draft), default the n-gram drafter; `draft_model`: the pipeline's first stage has a draft
-        model (stages/runtime/draft_model.py), whose every drafted token costs `draft_token_ms`."""
+        model (stages/runtime/draft_model.py), whose every drafted token costs `draft_token_ms`;
+        `mtp`: its last stage has a next-token-prediction layer (stages/runtime/mtp.py), which
+        proposes tokens after each step at `mtp_token_ms` each."""
         if mode not in MODES:
             raise MoerayError(f"speculative mode {mode!r} is not one of {', '.join(MODES)}")
         if mode == "draft" and not draft_model:
             raise MoerayError("--speculative draft needs a draft model: give --draft MODEL.gguf (a small model of "
                               "the same vocabulary), or use --speculative auto or ngram")
-        if mode == "mtp":
-            raise MoerayError("--speculative mtp needs a model file with multi-token-prediction layers, which this "
-                              "one has not; use --speculative auto or ngram")
+        if mode == "mtp" and not mtp:
+            raise MoerayError("--speculative mtp needs a model file with next-token-prediction (nextn) layers, "
+                              "which this one has not; use --speculative auto or ngram")
         self.mode, self.ngram, self.max_draft = mode, ngram, max_draft
         self.new_drafter = drafter or (lambda tokens: NgramDrafter(ngram, tokens))
         self.draft_model, self.draft_token_ms = draft_model and mode in ("auto", "draft"), draft_token_ms
+        self.mtp, self.mtp_token_ms = mtp and mode in ("auto", "mtp"), mtp_token_ms
+        self.mtp_tally = Tally()  # the MTP layer, over every sequence
         self.price = price
         self._table: list[float] = []
         self.stats = SpecStats()
@@ -159,21 +166,37 @@ class Speculation:
     def rate(self, seq: SeqSpec, kind: str, band: int = 0) -> float:
         """The acceptance rate a drafter is expected to have on this sequence: its record here,
         pulled towards its record over all sequences (for the n-gram drafter at this match band)."""
-        over_all = self.model_tally if kind == "draft" else self.bands.get(band)
+        over_all = {"draft": self.model_tally, "mtp": self.mtp_tally}.get(kind) or self.bands.get(band)
         prior = over_all.rate(self.PRIOR) if over_all is not None else self.PRIOR
         return seq.tally(kind).rate(prior)
 
     def _offer(self, s: SeqSpec, room: int) -> Offer:
         """The better of the sequence's drafters this step (the surer first token), and which."""
         n = min(room, self.max_draft)
-        d = s.drafter.draft(n) if n > 0 and self.mode != "draft" else Draft([], 0)
+        d = s.drafter.draft(n) if n > 0 and self.mode in ("auto", "ngram") else Draft([], 0)
         s.draft, s.kind = d, "ngram"
         best = Offer(self.rate(s, "ngram", match_band(d.match)), len(d.tokens))
+        others = []
         if s.model and n > 0:
-            model = Offer(self.rate(s, "draft"), n, self.draft_token_ms)
-            if not best.max_tokens or model.acceptance > best.acceptance:
-                s.kind, best = "draft", model
+            others.append(("draft", Offer(self.rate(s, "draft"), n, self.draft_token_ms)))
+        if self.mtp and s.proposal and n > 0:  # already drafted, by the last step: no cost now
+            others.append(("mtp", Offer(self.rate(s, "mtp"), min(n, len(s.proposal)))))
+        for kind, offer in others:
+            if not best.max_tokens or offer.acceptance > best.acceptance:
+                s.kind, best = kind, offer
         return best
+
+    def mtp_length(self, s: SeqSpec, left: int) -> int:
+        """Tokens the MTP layer is asked to propose after a row (each one a chained pass of the
+        layer and the head): as far as the run is likely to survive, a^k >= 1/5 at its measured
+        rate a, at most MAX_CHAIN; 0 when it is not this sequence's drafter."""
+        if not self.mtp or left < 2:
+            return 0
+        from moeray.stages.runtime.mtp import MAX_CHAIN
+
+        a = min(self.rate(s, "mtp"), 0.99)
+        k = 1 if a <= 0.2 else int(math.log(0.2) / math.log(a))
+        return max(1, min(k, MAX_CHAIN, self.max_draft, left - 1))
 
     def plan(self, seqs: list[SeqSpec], room: list[int], n_plain: int, value: float, budget: int) -> list[int]:
         """Draft lengths for these sequences in a step of `n_plain` tokens yielding `value`:
@@ -195,8 +218,8 @@ class Speculation:
         (fewer than accepted + 1 where the sequence finished inside the row)."""
         kind = seq.kind
         seq.tally(kind).add(drafted, accepted, self.DECAY)
-        if kind == "draft":
-            self.model_tally.add(drafted, accepted, self.DECAY)
+        if kind in ("draft", "mtp"):
+            (self.model_tally if kind == "draft" else self.mtp_tally).add(drafted, accepted, self.DECAY)
         else:
             band = match_band(seq.draft.match if seq.draft is not None else 0)
             self.bands.setdefault(band, Tally()).add(drafted, accepted, self.DECAY)

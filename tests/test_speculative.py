@@ -555,3 +555,152 @@ def test_a_draft_model_across_ray_stages(tmp_path):
     finally:
         launched.shutdown()
         ray.shutdown()
+
+
+# ---------------------------------------------------------------- a next-token-prediction layer (GLM-4.5's nextn)
+
+
+@pytest.fixture(scope="module")
+def glm_mtp(tmp_path_factory):
+    """The tiny GLM-4.5 with its MTP layer (a copy of its last decoder layer, as the converter's
+    test files have it) given random eh_proj and norms, written as F32, and its transformers model."""
+    import numpy as np
+    import tiny_models as tm
+    from moeray.stages.gguf.reader import read_gguf_header
+
+    hf = tm.tiny_glm4moe()
+    path = write_gguf(hf, tmp_path_factory.mktemp("mtp") / "glm.gguf", "F32")
+    n = hf.config.num_hidden_layers
+    header = read_gguf_header(path)
+    rng = np.random.default_rng(0)
+    mm = np.memmap(path, dtype=np.uint8, mode="r+")
+    for name, make in [("eh_proj.weight", lambda s: rng.standard_normal(s) / np.sqrt(s[-1])),
+                       ("enorm.weight", lambda s: 1 + 0.3 * rng.standard_normal(s)),
+                       ("hnorm.weight", lambda s: 1 + 0.3 * rng.standard_normal(s)),
+                       ("shared_head_norm.weight", lambda s: 1 + 0.3 * rng.standard_normal(s))]:
+        t = header.tensors[f"blk.{n}.nextn.{name}"]
+        values = make(t.shape).astype(np.float32)
+        mm[t.offset:t.offset + t.n_bytes] = np.frombuffer(values.tobytes(), dtype=np.uint8)
+    mm.flush()
+    del mm
+    return path, hf, {k: read_back(path, f"blk.{n}.nextn.{k}") for k in
+                      ("eh_proj.weight", "enorm.weight", "hnorm.weight", "shared_head_norm.weight")}
+
+
+def read_back(path, name):
+    from moeray.stages.gguf.reader import GGUFFile
+
+    g = GGUFFile(path)
+    info = g.info(name)
+    import numpy as np
+    return torch.from_numpy(np.frombuffer(bytes(g.raw(name)), dtype=np.float32).reshape(info.shape).copy())
+
+
+def mtp_reference(hf, nextn, tokens: list[int], chain: int) -> list[int]:
+    """The MTP layer by its definition, with transformers' own GLM decoder layer as the block:
+    position j reads embed(t_j) and the target's final normed state at j - 1 (zeros at 0); the
+    tokens after `tokens`, chaining the layer's own normed output as the state."""
+    from transformers.masking_utils import create_causal_mask
+
+    m, cfg, eps = hf.model, hf.config, hf.config.rms_norm_eps
+    rms = lambda x, w: x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+    with torch.no_grad():
+        h = m(torch.tensor([tokens])).last_hidden_state[0]
+        toks, prev = list(tokens), [torch.zeros(cfg.hidden_size)] + list(h[:-1])
+        out = []
+        for _ in range(chain):
+            e = m.embed_tokens(torch.tensor(toks))
+            x = torch.cat([rms(e, nextn["enorm.weight"]), rms(torch.stack(prev), nextn["hnorm.weight"])], -1)
+            x = (x @ nextn["eh_proj.weight"].T).unsqueeze(0)
+            pos = torch.arange(len(toks)).unsqueeze(0)
+            mask = create_causal_mask(config=cfg, inputs_embeds=x, attention_mask=None, cache=None, position_ids=pos)
+            y = m.layers[-1](x, attention_mask=mask, position_ids=pos, position_embeddings=m.rotary_emb(x, pos))[0]
+            state = rms(y, nextn["shared_head_norm.weight"])
+            nxt = int(hf.lm_head(state[-1]).argmax())
+            out.append(nxt)
+            prev.append(state[-1])  # the chain: its own state stands in for the target's
+            toks.append(nxt)
+        return out
+
+
+def test_the_mtp_layer_proposes_what_its_definition_gives(glm_mtp):
+    """GLM-4.5's nextn layer on the last stage: after prompt chunks and after verify rows kept in
+    part, the proposals returned with the step are the reference's (transformers' decoder layer as
+    the block, the definition around it), chained 3 tokens; its KV kept by the catch-up of every row."""
+    path, hf, nextn = glm_mtp
+    model = load_model(path, backend="exact")
+    prompts = [[5, 77, 120, 33, 9, 250, 18, 61, 4, 199, 87], [12, 240, 3]]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    plain = [r.output for r in run_checked(engine_for(model, 2, "off"), prompts, params)]
+    refs = {tuple(p): o for p, o in zip(prompts, plain)}
+    pipe = LocalPipeline.from_model(model, 32, 2, mtp=True)
+    from moeray.stages.runtime.mtp import mtp_bytes
+    priced = mtp_bytes(model.gguf.header, 32, 2, stage_has_embedding=True)  # the price, from the header: what it holds
+    assert abs(pipe.stage.mtp.nbytes() - priced) <= 0.05 * priced, (pipe.stage.mtp.nbytes(), priced)
+    eng = Engine(pipe, EngineConfig(max_seqs=2, max_len=128, micro_batches=1, prefill_chunk=5, speculative="auto"))
+    spec = eng.speculation
+    spec.new_drafter = lambda toks: NoisyOracle(refs, toks, wrong=0.5, vocab=300)
+    spec.mtp_length = lambda s, left: 3 if left > 1 else 0
+
+    def plan(seqs, room, n_plain, value, budget):  # n-gram-style verify rows, kept in part: the state after
+        for s, r in zip(seqs, room):                # the last kept position is what the next proposal reads
+            spec._offer(s, r)
+            s.kind = "ngram"
+        return [min(2, len(s.draft.tokens)) for s in seqs]
+
+    spec.plan = plan
+    reqs = [eng.add(p, params) for p in prompts]
+    seen = 0
+    while not all(r.done for r in reqs):
+        eng.step()
+        for r in reqs:
+            if r.spec.proposal and not r.done:
+                assert r.spec.proposal == mtp_reference(hf, nextn, r.prompt + r.output, 3), (r.prompt, r.output)
+                seen += 1
+    assert [r.output for r in reqs] == plain
+    assert seen >= 6 and 0 < spec.stats.accepted_tokens < spec.stats.drafted_tokens
+
+
+def test_mtp_speculation_keeps_the_greedy_tokens(glm_mtp):
+    path, _, _ = glm_mtp
+    model = load_model(path, backend="exact")
+    prompts = prompts_for(3, seed=8)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    plain = [r.output for r in run_checked(engine_for(model, 3, "off"), prompts, params)]
+    eng = Engine(LocalPipeline.from_model(model, 160, 3, mtp=True),
+                 EngineConfig(max_seqs=3, max_len=256, micro_batches=1, speculative="mtp"))
+    eng.speculation.PROBE = 1.0
+    assert [r.output for r in run_checked(eng, prompts, params)] == plain
+    s = eng.speculation.stats
+    assert s.verify_rows > 0 and s.by_drafter["mtp"].rows == s.verify_rows
+
+
+@pytest.mark.slow
+def test_mtp_across_ray_stages(glm_mtp):
+    """`--speculative mtp` over two Ray stages: the last stage loads the nextn layer (charged there),
+    gets the token ids it reads, and its proposals drive the verify rows; the greedy tokens are the
+    one-process ones."""
+    ray = pytest.importorskip("ray")
+    from greedy import one_process_greedy
+    from moeray.cluster.config import LaunchOptions
+    from moeray.cluster.driver import launch
+
+    path, _, _ = glm_mtp
+    prompts = prompts_for(2, seed=6)
+    reference = one_process_greedy(load_model(path), prompts, 10, 64)
+    engine_cfg = EngineConfig(max_seqs=2, max_len=64, micro_batches=2, speculative="mtp")
+    launched = launch(str(path), LaunchOptions(2, simulate=[96 << 20] * 2, torch_threads=1, timeout_s=180),
+                      engine_cfg, log=lambda _: None)
+    try:
+        assert any(k.startswith("next-token-prediction layer") for k in launched.stage_stats()[-1].placed)
+        eng = Engine(launched.pipeline(), engine_cfg)
+        eng.speculation.PROBE = 1.0
+        reqs = [eng.add(p, SamplingParams(max_tokens=10, ignore_eos=True)) for p in prompts]
+        while not all(r.done for r in reqs):
+            eng.step()
+            check_ledger(eng)
+        assert [r.output for r in reqs] == reference
+        assert eng.speculation.stats.by_drafter["mtp"].rows > 0
+    finally:
+        launched.shutdown()
+        ray.shutdown()

@@ -57,12 +57,17 @@ class StepBatch:
     # tokens it drafts into its row (placeholders in `tokens` and `drafts` until the first stage
     # drafts them), 0 for a row it only mirrors, -1 for a sequence it does not serve; None: none.
     draft_k: list[int] | None = None
+    # Last stage only, with a next-token-prediction layer (stages/runtime/mtp.py): per sequence, the
+    # tokens it proposes for the row's next step (0: none, its KV still kept); None: no such layer.
+    # The last stage then gets the token ids too (the layer reads them).
+    mtp_k: list[int] | None = None
 
     def for_stage(self, stage: int, n_stages: int) -> "StepBatch":
         last = stage == n_stages - 1
-        return replace(self, tokens=self.tokens if stage == 0 else None, sample=self.sample if last else None,
+        return replace(self, tokens=self.tokens if stage == 0 or (last and self.mtp_k is not None) else None,
+                       sample=self.sample if last else None,
                        history=self.history if last else None, drafts=self.drafts if last else None,
-                       draft_k=self.draft_k if stage == 0 or last else None)
+                       draft_k=self.draft_k if stage == 0 or last else None, mtp_k=self.mtp_k if last else None)
 
     def model_drafted(self, drafts: list[list[int]]) -> "StepBatch":
         """This step with the draft model's tokens in its rows (placeholders replaced): in the token
@@ -104,6 +109,7 @@ class LoadReport:
     cache_slots: int = 0
     cache_resident: int = 0
     draft_token_ms: float = 0.0  # the first stage's draft model: ms of one drafted token (0: none)
+    mtp_token_ms: float = 0.0  # the last stage's next-token-prediction layer: ms of one proposed token
 
 
 @dataclass
@@ -153,6 +159,7 @@ class StageRunner:
     def __init__(self, model, kv):
         self.model, self.kv = model, kv  # kv: a KVPool
         self.drafter = None  # the first stage's draft model (stages/runtime/draft_model.py), if any
+        self.mtp = None  # the last stage's next-token-prediction layer (stages/runtime/mtp.py), if any
         self.generators: dict[int, Any] = {}  # slot -> the torch.Generator of its sequence
         self.grammars = None  # stages/grammar.GrammarMasks, made on the first constrained request
         # slot -> its sequence's TokenHistory (penalties), or the (prompt, output) it is built from
@@ -168,16 +175,54 @@ class StageRunner:
                     self.histories[slot] = batch.history[i]
                 if self.grammars is not None:
                     self.grammars.reset(slot)
+                if self.mtp is not None:
+                    self.mtp.reset(slot)
         if batch.starts is None or batch.tables is None:
             raise MoerayError("a step needs its sequences' start positions and KV block tables")
-        if batch.copies:
-            self.kv.copy_rows(batch.copies)
+        if batch.copies:  # every pool addressed by the tables: the target's, a draft model's, the MTP layer's
+            for pool in (self.kv, getattr(self.drafter, "kv", None), getattr(self.mtp, "kv", None)):
+                if pool is not None:
+                    pool.copy_rows(batch.copies)
         return self.model.table_meta(batch.n_new, batch.starts, batch.tables, self.kv, batch.slots)
 
     def layers(self, x, meta):
         return self.model.run_layers(x, meta, self.kv)
 
     def sample(self, batch: StepBatch, x, meta):
+        """The step's tokens (`_sample`) and, with a next-token-prediction layer, its KV kept up with
+        the step and its proposals for each row's next step (StepOutput.proposals)."""
+        result = self._sample(batch, x, meta)
+        if self.mtp is None or batch.mtp_k is None:
+            return result
+        from moeray.stages.text.sampling import StepOutput
+
+        out = StepOutput.of(result)
+        out.proposals = self._propose(batch, x, meta, out.tokens)
+        return out
+
+    def _propose(self, batch: StepBatch, x, meta, tokens) -> list:
+        """The MTP layer's catch-up over every row, then, where asked, its tokens after what each
+        row emitted (from the target state at the row's last kept position)."""
+        rows = [(i, slot, start, list(toks), table, fresh) for i, (slot, start, toks, table, fresh) in
+                enumerate(zip(batch.slots, batch.starts, batch.tokens, batch.tables, batch.fresh))]
+        states = self.mtp.catch_up(rows, x, meta)
+        proposals: list = [None] * len(batch.slots)
+        asks = []
+        for i, tok in enumerate(tokens):
+            if tok is None:
+                continue
+            emitted = tok if isinstance(tok, list) else [tok]
+            drafted = len(batch.drafts[i]) if batch.drafts is not None else 0
+            kept = batch.n_new[i] - drafted + len(emitted) - 1  # the row's positions the sequence keeps
+            state = states[i][kept - 1]
+            self.mtp.settle(batch.slots[i], state)
+            if batch.mtp_k[i] > 0:
+                asks.append((i, (batch.tables[i], batch.starts[i] + kept, emitted[-1], state, batch.mtp_k[i])))
+        for (i, _), d in zip(asks, self.mtp.draft([a for _, a in asks])):
+            proposals[i] = d
+        return proposals
+
+    def _sample(self, batch: StepBatch, x, meta):
         """A token per sequence whose params ask for one (its prompt is fully fed), else None; a
         StepOutput when some sequence asked for log-probabilities too. A sequence with a grammar
         samples only among the tokens its grammar allows next, from the same logits; one with
@@ -446,7 +491,7 @@ class StageActor:
     def load(self, path: str, first: int, end: int, kv_blocks: int,
              trunk_on_card: int | None = None, profile: str | None = None,
              cache_policy: str = "static", state_slots: int = 1, whole_cache_only: bool = False,
-             draft: str | None = None) -> LoadReport:
+             draft: str | None = None, mtp: bool = False) -> LoadReport:
         """Load layers [first, end) (+ embedding / head at the ends) and allocate a KV pool of
         `kv_blocks` blocks (stages/blocks/kv_cache.py) and, for recurrent (DeltaNet) layers, `state_slots`
         sequence states (one per engine sequence slot: stages/blocks/deltanet.py),
@@ -494,6 +539,13 @@ class StageActor:
                 raise MoerayError(f"stage {self.stage}: a draft model runs on the first stage only")
             drafter = DraftModel(draft, self.device.torch_device, kv_blocks, cfg)
             self.memory.charge(drafter.nbytes(), f"draft model {os.path.basename(draft)} (weights and KV)")
+        if mtp:  # speculative decoding's next-token-prediction layer, on the last stage: priced from the
+            from moeray.stages.runtime.mtp import mtp_bytes  # header before the cache takes the rest
+
+            if end != cfg.n_layers:
+                raise MoerayError(f"stage {self.stage}: the next-token-prediction layer runs on the last stage only")
+            self.memory.charge(mtp_bytes(gguf.header, kv_blocks, max(1, state_slots), itemsize, first == 0),
+                               "next-token-prediction layer (weights and KV)")
         experts, cache = HostExperts(gguf), None
         moe_layers = [l for l in range(first, end) if cfg.is_moe_layer(l)]
         every_expert = cfg.n_experts * sum(experts.slot_bytes(l) for l in moe_layers)
@@ -512,13 +564,18 @@ class StageActor:
         kv = model.new_kv_pool(kv_blocks, state_slots)
         self.model, self.runner = model, StageRunner(model, kv)
         self.runner.drafter = drafter
+        if mtp:
+            from moeray.stages.runtime.mtp import MTPHead
+
+            self.runner.mtp = MTPHead(model, kv_blocks, max(1, state_slots))
         # Fixed once loaded: measured here, not again on every stats poll.
         self.trunk_bytes = (resident, stage_trunk_bytes(gguf, first, end, backend=None))
         self.steps, self.step_s, self.tokens_in = 0, 0.0, 0
         self.hidden = model.config.hidden
         return LoadReport(self.stage, (first, end), time.perf_counter() - t, dict(self.memory.parts),
                           self.memory.free, resident, cache.slots.n_slots if cache else 0,
-                          cache.core.n_resident if cache else 0, drafter.token_ms() if drafter else 0.0)
+                          cache.core.n_resident if cache else 0, drafter.token_ms() if drafter else 0.0,
+                          self.runner.mtp.token_ms() if self.runner.mtp else 0.0)
 
     def step(self, batch: StepBatch) -> list[int | None] | None:
         """Run one micro-batch through this stage. The last stage returns a token per sequence

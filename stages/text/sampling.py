@@ -367,6 +367,8 @@ class StepOutput:
     where its params asked, that token's log-probabilities (a list of them for a verify row)."""
     tokens: list[int | list[int] | None]
     logprobs: list[TokenLogprob | list[TokenLogprob] | None] | None = None
+    # a next-token-prediction layer's tokens for the row's next step (stages/runtime/mtp.py), per row
+    proposals: list[list[int] | None] | None = None
 
     @classmethod
     def of(cls, result) -> "StepOutput":
