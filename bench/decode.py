@@ -66,15 +66,13 @@ def read_bandwidth_gb_s(n_bytes: int = 512 << 20, reps: int = 5) -> float:
 
 
 def use_layout(layout: str | None) -> str:
-    """Apply a weight layout "REPACK:HOST" (MOERAY_REPACK on|fast|off, MOERAY_HOST_EXPERTS
+    """Apply a weight layout "REPACK:HOST" (StageOptions.repack on|fast|off, .host_experts
     mapped|repacked, stages/kernels/repack.py) to the models loaded next; None: this process's own."""
-    from moeray.stages.kernels import repack
+    from moeray.stages.kernels import repack, settings
 
     if layout is not None:
         mode, _, host = layout.partition(":")
-        repack.set_mode(mode)
-        os.environ["MOERAY_HOST_EXPERTS"] = host or "mapped"
-        repack.host_experts()  # a bad name fails here, before any model loads
+        settings.update(repack=mode, host_experts=host or "mapped")  # a bad name fails here, before any load
     return f"{repack.mode()}:{repack.host_experts()}"
 
 
@@ -285,7 +283,7 @@ def main() -> int:
     ap.add_argument("--backend", "--kernels", dest="backend", choices=("auto", "ggml", "dequant", "exact"), default="auto",
                     help="moeray's matmul backend (auto: ggml when installed)")
     ap.add_argument("--layouts", help="moeray weight layouts to run one after the other, REPACK:HOST each "
-                                      "(MOERAY_REPACK on|fast|off : MOERAY_HOST_EXPERTS mapped|repacked), "
+                                      "(repack on|fast|off : host experts mapped|repacked), "
                                       "e.g. off:mapped,on:mapped,on:repacked (default: the environment's)")
     ap.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp reference")
     ap.add_argument("--json", help="also write the results here")

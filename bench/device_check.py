@@ -116,7 +116,8 @@ def write_synthetic(path: Path, quick: bool, seed: int = 0) -> Path:
 
 def model_bytes(path: str, max_seqs: int, max_len: int) -> dict:
     """Trunk (KV of every layer included), one copy of every expert, as the planner prices them."""
-    from moeray.cluster.driver import held_spec, kv_layer_bytes
+    from moeray.cluster.driver import held_spec
+    from moeray.stages.blocks.kv_cache import kv_layer_bytes
     from moeray.stages.blocks.kv_cache import blocks_for
     from moeray.stages.gguf.reader import read_gguf_header
 
@@ -220,10 +221,11 @@ class Check:
 def probe_step(run: Check, args, path: str) -> dict:
     """A StageActor's own report (the path every stage takes; built here, in this process) and
     torch's and NVML's view of the card."""
+    from moeray.stages.kernels.settings import StageOptions
     from moeray.stages.runtime.actor import StageActor
 
     budget = None if args.device == "cuda" else 256 * MiB
-    rep = StageActor(0, 1, budget, None, args.backend).probe(path)
+    rep = StageActor(0, 1, budget, None, StageOptions(backend=args.backend)).probe(path)
     d = rep.device
     out = {"stage_report": d.to_dict(), "layer_ms": rep.layer_ms, "miss_ms": rep.miss_ms}
     if args.device == "cuda":
@@ -346,8 +348,9 @@ def pipeline_step(run: Check, args, name: str, path: str, n_stages: int, sizes: 
     """moeray's driver on 1 or 2 stages: text, tok/s, hit rates, memory, hop cost."""
     import ray
 
-    from moeray.cluster.config import EngineConfig, LaunchOptions
+    from moeray.cluster.config import EngineConfig, LaunchOptions, with_overrides
     from moeray.cluster.driver import launch
+    from moeray.stages.kernels.settings import StageOptions
     from moeray.cluster.engine import Engine
     from moeray.stages.text.sampling import SamplingParams
 
@@ -357,12 +360,14 @@ def pipeline_step(run: Check, args, name: str, path: str, n_stages: int, sizes: 
         # The capped budget is the stage's share of the card: that share of what is free must be its
         # room plus the reserve (CUDA context, scratch) every stage keeps back.
         share = None if expert_share is None else card_share_for(room, free_per_card, n_stages)
-        opts = LaunchOptions(n_stages, backend=args.backend, gpus_per_stage=share, timeout_s=args.timeout)
+        opts = LaunchOptions(n_stages, stage=StageOptions(backend=args.backend), gpus_per_stage=share,
+                             timeout_s=args.timeout)
         where = f"{n_stages} stage(s) on one card, {share or 1 / n_stages:g} of it each"
     else:
-        opts = LaunchOptions(n_stages, simulate=[room] * n_stages, backend=args.backend, torch_threads=1,
-                             timeout_s=args.timeout)
+        opts = LaunchOptions(n_stages, simulate=[room] * n_stages, stage=StageOptions(backend=args.backend),
+                             torch_threads=1, timeout_s=args.timeout)
         where = f"{n_stages} simulated stage(s) of {room / MiB:.1f} MiB"
+    opts = with_overrides(opts)  # this process's MOERAY_* overrides, named, reach the stages in the config
     run.say(f"{name}: launching {where}")
     engine_cfg = EngineConfig(max_seqs=max(batches), max_len=max_len, token_budget=256, prefill_chunk=64,
                               micro_batches=1)
@@ -689,10 +694,9 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(args.work) if args.work else out_dir / "models"
     work.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("MOERAY_BACKEND", args.backend)  # the driver process prices with the stages' backend
     from moeray.stages.kernels.qmatmul import set_backend
 
-    set_backend(args.backend)
+    set_backend(args.backend)  # this process's own runs (the launches send it to their stages)
     run = Check(out_dir, args)
     run.data.update(bootstrapped=BOOTSTRAPPED, ray=("used" if args.use_ray else f"not used: {no_ray}"),
                     python=sys.version.split()[0])

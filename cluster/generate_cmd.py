@@ -83,8 +83,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="at most N slots of the largest expert (within --cache-budget)")
     c.add_argument("--cache-policy", choices=CACHE_POLICIES, default=LaunchOptions.cache_policy,
                    help="static: the profile fill; adaptive: decayed heat, swaps with hysteresis; lru")
-    c.add_argument("--cache-layout", choices=("global", "per-layer"), default="global",
-                   help="per-layer: each layer's slots at its own blob size (slot layer*q+n)")
+    c.add_argument("--cache-layout", choices=("global", "per-layer"), default="per-layer",
+                   help="per-layer (default, as every stage): each layer's slots at its own blob size (slot "
+                        "layer*q+n); global: slots of the largest blob, filled hottest first across layers")
     c.add_argument("--profile", metavar="FILE", help="routing profile (moeray msgpack, Strata STRP or colibri "
                                                      "heat); default for the embedded model: its recorded profile")
     c.add_argument("--record-routing", metavar="FILE", help="append every routing decision to this msgpack trace")
@@ -94,10 +95,9 @@ def run(args: argparse.Namespace) -> int:
     params = sampling_params_from_args(args)  # parameter errors before the (slow) load
     grammar = _grammar(args)
     path = resolve_model(args.model, args.rebuild)
-    if args.profile is None:  # the embedded default model's recorded routing (None for other models)
-        from moeray.stages.runtime.default_profile import default_profile_for
+    from moeray.stages.runtime.default_profile import resolve_profile
 
-        args.profile = default_profile_for(path)
+    args.profile = resolve_profile(args.profile, path)
 
     from moeray.cluster.generator import Generator
     from moeray.stages.gguf.reader import GGUFFile

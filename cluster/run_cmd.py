@@ -46,7 +46,9 @@ def run(args: argparse.Namespace) -> int:
     from moeray.stages.text.tokenizer import Tokenizer
 
     path = resolve_model(args.model)
-    gguf = GGUFFile(path)  # validate the whole file before any actor starts
+    # The directory validated before any actor starts; the files themselves (every part) are
+    # checked on the nodes that read them, once the plan says which (cluster/driver.py).
+    gguf = GGUFFile(path, parts=())
     tok = Tokenizer.from_metadata(gguf.metadata, source=path)
     check_logit_bias(params, tok.vocab_size)
     fmt = chat_format(tok.chat_template, gguf.metadata.get("general.architecture"), getattr(args, "chat_format", None))

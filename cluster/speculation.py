@@ -173,7 +173,7 @@ class Speculation:
     def _offer(self, s: SeqSpec, room: int) -> Offer:
         """The better of the sequence's drafters this step (the surer first token), and which."""
         n = min(room, self.max_draft)
-        d = s.drafter.draft(n) if n > 0 and self.mode in ("auto", "ngram") else Draft([], 0)
+        d = s.drafter.draft(n) if n > 0 and self.mode not in ("draft", "mtp") else Draft([], 0)
         s.draft, s.kind = d, "ngram"
         best = Offer(self.rate(s, "ngram", match_band(d.match)), len(d.tokens))
         others = []

@@ -26,20 +26,20 @@ def test_slots_and_trunk_hold_the_gguf_bytes(gguf):
     """Issue target: slot bytes / GGUF expert bytes <= 1.1 and trunk bytes / GGUF trunk bytes <= 1.1;
     here both are exactly 1 (the blocks themselves; vectors and routers are float32 in the file too)."""
     cfg = gguf.config
-    model, cache = load_cached(gguf, (0, 10), backend="dequant", n_slots=12)
+    model, cache = load_cached(gguf, (0, 10), backend="dequant", n_slots=12, layout="global")
     st = cache.stats()
     assert st["held_bytes_per_slot"] == st["gguf_bytes_per_expert"] == [gguf.expert_bytes(l) for l in range(10)]
     held = sum(w.nbytes for w in cache._weights.values())
     assert held == cache.budget.used == 12 * gguf.expert_bytes(0)
     assert model.trunk_bytes() == stage_trunk_bytes(gguf, 0, 10, backend=None) == stage_trunk_bytes(gguf, 0, 10)
     # The exact (debugging) backend holds float32: 6.4x the Q4_1 bytes, as the planner is told.
-    exact, _ = load_cached(gguf, (28, 30), backend="exact", n_slots=1)
+    exact, _ = load_cached(gguf, (28, 30), backend="exact", n_slots=1, layout="global")
     assert exact.experts.held_bytes[0] == 4 * 3 * cfg.expert_ffn_dim * cfg.hidden
     assert exact.trunk_bytes() == stage_trunk_bytes(gguf, 28, 30, backend="exact")
 
 
 def test_a_slot_is_a_copy_not_a_view_of_the_mapping(gguf):
-    _, cache = load_cached(gguf, (0, 1), backend="dequant", n_slots=1)
+    _, cache = load_cached(gguf, (0, 1), backend="dequant", n_slots=1, layout="global")
     w = next(iter(cache._weights.values()))
     host = cache.host.weights(0, 0)
     assert torch.equal(w.gate.data, host.gate.data)

@@ -8,7 +8,9 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from moeray.cluster.config import EngineConfig, LaunchOptions  # noqa: E402
-from moeray.cluster.driver import kv_layer_bytes, launch  # noqa: E402
+from moeray.cluster.driver import launch  # noqa: E402
+from moeray.stages.blocks.kv_cache import kv_layer_bytes  # noqa: E402
+from moeray.stages.kernels.settings import StageOptions  # noqa: E402
 from moeray.stages.blocks.kv_cache import blocks_for  # noqa: E402
 from moeray.cluster.engine import Engine  # noqa: E402
 from moeray.stages.text.sampling import SamplingParams  # noqa: E402
@@ -45,7 +47,7 @@ def test_four_stages_give_the_one_process_greedy_tokens(model_path, reference):
     # each card: its layer's trunk and KV, the embedding (first) or head (last), room for 1 or 2 of its 6 experts
     room = per_layer + kv + 1.5 * expert
     budgets = [int(room + trunk["embedding"]), int(room), int(room), int(room + trunk["head"])]
-    opts = LaunchOptions(4, simulate=budgets, torch_threads=1, timeout_s=180, backend="exact")
+    opts = LaunchOptions(4, simulate=budgets, torch_threads=1, timeout_s=180, stage=StageOptions(backend="exact"))
     launched = launch(model_path, opts, EngineConfig(max_seqs=MAX_SEQS, max_len=MAX_LEN), log=lambda _: None)
     try:
         assert launched.ranges == [(0, 1), (1, 2), (2, 3), (3, 4)]

@@ -93,16 +93,17 @@ def test_speed_probe_times_the_real_layer(smollm2_path, default_model_path):
 
 
 def _reports(budgets, layer_ms=(1.0, 1.0), miss_ms=0.5):
-    from moeray.stages.runtime.actor import FileFingerprint, ProbeReport
+    from moeray.stages.runtime.actor import ProbeReport
     from moeray.stages.runtime.device import simulated_device
 
-    return [ProbeReport(i, 0, simulated_device(b, i), layer_ms[i % len(layer_ms)], miss_ms, 0.0,
-                        FileFingerprint(0, "")) for i, b in enumerate(budgets)]
+    return [ProbeReport(i, 0, simulated_device(b, i), layer_ms[i % len(layer_ms)], miss_ms, 0.0, [0])
+            for i, b in enumerate(budgets)]
 
 
 def test_plan_prices_what_a_stage_holds_from_the_reported_budgets(default_model_path):
     from moeray.cluster.config import EngineConfig, LaunchOptions
-    from moeray.cluster.driver import held_spec, kv_layer_bytes, plan_from_reports
+    from moeray.cluster.driver import held_spec, plan_from_reports
+    from moeray.stages.blocks.kv_cache import kv_layer_bytes
     from moeray.errors import PlacementError
 
     header = read_gguf_header(default_model_path)

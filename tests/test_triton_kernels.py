@@ -150,9 +150,9 @@ def test_a_type_without_a_kernel_is_one_clear_error(tk):
 
 @interpreted
 def test_qmatrix_multiplies_through_the_kernels_where_enabled(tk, monkeypatch):
-    """QMatrix's CUDA backend, run here on CPU tensors through the interpreter (MOERAY_TRITON=1 is
-    the tests' switch; on a card it is on by default): same product, and the backend line says so."""
-    from moeray.stages.kernels import qmatmul
+    """QMatrix's CUDA backend, run here on CPU tensors through the interpreter (triton "on" is
+    the tests' switch; on a card "auto" turns it on): same product, and the backend line says so."""
+    from moeray.stages.kernels import qmatmul, settings
     from moeray.stages.kernels.qmatmul import QMatrix, backend_line
 
     raw = _matrix(T.Q6_K, 8, 256, seed=5)
@@ -161,11 +161,11 @@ def test_qmatrix_multiplies_through_the_kernels_where_enabled(tk, monkeypatch):
     calls = []
     monkeypatch.setattr(tk, "qlinear", lambda *a, **kw: calls.append(a[1]) or tk._launch_gemm(
         a[0], a[1], 8, 256, a[3], torch.empty(2, 8)))
-    monkeypatch.setenv("MOERAY_TRITON", "1")
+    settings.update(triton="on")
     got = w(x)
     assert calls == [int(T.Q6_K)] and "triton" in backend_line("dequant", torch.device("cpu"))
     assert (got - x @ w.dequantize().T).abs().max() <= 1e-5 * got.abs().max()
-    monkeypatch.setenv("MOERAY_TRITON", "0")  # off: the torch dequantiser, as on a card without triton
+    settings.update(triton="off")  # off: the torch dequantiser, as on a card without triton
     assert torch.allclose(w(x), got, rtol=1e-5, atol=1e-5) and len(calls) == 1
     assert "torch dequantise" in backend_line("dequant", torch.device("cpu")) and qmatmul._card_kernels(
         torch.device("cpu")) is None

@@ -248,7 +248,7 @@ def test_fused_moe_layers_match_the_two_call_path_and_count_alike(tiny_files, mo
 
     counts = np.zeros((3, 8), dtype=np.int64)
     counts[0], counts[1, :4] = 1000, 500
-    model, cache = load_cached(tiny_files["qwen3moe"], backend="ggml", profile=Profile.from_counts(counts), n_slots=12)
+    model, cache = load_cached(tiny_files["qwen3moe"], backend="ggml", profile=Profile.from_counts(counts), n_slots=12, layout="global")
     resident = cache.core.slot_of >= 0
     assert resident.sum(1).tolist() == [8, 4, 0]
     routed, expert_graphs = [], []
@@ -437,7 +437,7 @@ def test_glm4moe_through_an_expert_cache_counts_every_lookup(tiny_files, n_slots
     counts = np.zeros((3, 8), dtype=np.int64)
     counts[1], counts[2, :4] = 1000, 500
     counts[2, 4:] = 100 if n_slots == 16 else 0
-    model, cache = load_cached(tiny_files["glm4moe"], backend="ggml", profile=Profile.from_counts(counts), n_slots=n_slots)
+    model, cache = load_cached(tiny_files["glm4moe"], backend="ggml", profile=Profile.from_counts(counts), n_slots=n_slots, layout="global")
     resident = cache.core.slot_of >= 0
     assert resident.sum(1).tolist() == [0, 8, 8 if n_slots == 16 else 4]
     routed, calls, shared = [], [], []
@@ -497,7 +497,7 @@ def _resident_is_the_host_path_bit_for_bit(path) -> None:
     host = load_model(path, backend="ggml")
     cfg = host.config
     moe = len(cfg.moe_layers)
-    cached, cache = load_cached(path, backend="ggml", n_slots=moe * cfg.n_experts)
+    cached, cache = load_cached(path, backend="ggml", n_slots=moe * cfg.n_experts, layout="global")
     assert (cache.core.slot_of[cfg.moe_layers] >= 0).all()
     calls = []
     real = cached.trunk.stage
@@ -585,7 +585,7 @@ def test_a_residency_change_between_decode_steps_reaches_the_stage_graph(tiny_fi
     host = load_model(path, backend="ggml")
     cfg = host.config
     E, k = cfg.n_experts, cfg.n_experts_used
-    cached, cache = load_cached(path, backend="ggml", n_slots=cfg.n_layers * E)
+    cached, cache = load_cached(path, backend="ggml", n_slots=cfg.n_layers * E, layout="global")
     core = cache.core
     calls = []
     real = cached.trunk.stage

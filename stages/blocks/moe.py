@@ -107,7 +107,7 @@ class HostExperts:
         self.on_route = on_route
         self.computed = 0  # experts computed from the host copy so far (a measure of host work)
         self._stacks: dict[int, Stack | None] = {}
-        # MOERAY_HOST_EXPERTS: "mapped" (the file's bytes in place), "repacked" (a copy), "auto"
+        # StageOptions.host_experts: "mapped" (the file's bytes in place), "repacked" (a copy), "auto"
         # (a copy when it fits, decided per prepare() call); _packed: the layers copied or to copy.
         self.layout = repack.host_experts()
         self._packed: set[int] = set()
@@ -117,7 +117,7 @@ class HostExperts:
 
     def prepare(self, first: int, end: int, reserve: int = 0) -> None:
         """Build the stacks of layers [first, end) now (a stage's load, not its first step): with
-        MOERAY_HOST_EXPERTS=repacked that copies their routed experts into one huge-page buffer
+        host_experts "repacked" that copies their routed experts into one huge-page buffer
         (repacked where ggml can), after checking that it fits in the memory the system has
         available; with "auto" only when 4 GiB stay free beside `reserve` bytes (a cache's slots,
         which fill later)."""
@@ -202,7 +202,7 @@ class HostExperts:
         """The layer's experts laid out as the rows of another buffer (a stage's slots): row i
         holds one expert's gate, up and down blocks back to back from base + i * row, each kind in
         the host stack's layout (so a pick gets the same bits from either stack), or repacked
-        wherever ggml can under MOERAY_REPACK=fast."""
+        wherever ggml can under repack "fast"."""
         parts, off = [], 0
         for p in self.stack(layer).parts:
             packed = p.repacked or (repack.mode() == "fast" and repack.wanted(p.ggml_type, p.rows, p.cols))

@@ -19,6 +19,7 @@ import re
 import sys
 from pathlib import Path
 
+from moeray import environment
 from moeray.errors import MoerayError
 
 _LIB = re.compile(r"(^|/)libggml(-[\w-]+)?\.so(\.[\d.]+)?$")  # libggml.so, libggml-cpu.so.0.25.3
@@ -57,7 +58,7 @@ def load():
     own_dir = Path(G.__file__).resolve().parent / "lib"
     foreign = foreign_libraries(own_dir, mapped_libraries())
     if foreign:
-        line = foreign_line(foreign, own_dir, os.environ.get("LD_LIBRARY_PATH", ""))
+        line = foreign_line(foreign, own_dir, environment.library_path())
         print(f"moeray: {line}", file=sys.stderr, flush=True)
         raise ForeignGgmlError(line)
     return G

@@ -9,18 +9,18 @@ trunk weights and cache slots) and computes y = x @ W.T by one of three backends
   differ from float32 by ~5e-3 relative. Fastest on CPU for every block type we meet (KERNELS.md).
 - "dequant": dequantise the blocks on each use (stages/gguf/quant.py) and run F.linear. The pure-torch
   fallback when ggml is not installed. On CUDA devices the blocks are read on the card by the
-  Triton kernels of stages/kernels/triton_kernels.py instead, when triton imports (MOERAY_TRITON=0: off).
+  Triton kernels of stages/kernels/triton_kernels.py instead, when triton imports (StageOptions.triton).
 - "exact": dequantised to float32 once at load (4 bytes a weight). For debugging and for parity
   tests against float references (`--exact`); never the serving default.
 
-The backend is chosen once per process (`set_backend`, or MOERAY_BACKEND=ggml|dequant|exact) and logged
-once, so a run always says which kernels it used.
+The backend is one of the stage's options (stages/kernels/settings.py: StageOptions.backend, "auto" the
+best this process has; `set_backend` in a one-process run) and logged once, so a run always says
+which kernels it used.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from moeray.errors import MoerayError
-from moeray.stages.kernels import repack
+from moeray.stages.kernels import repack, settings
 from moeray.stages.kernels.host_memory import weight_buffer
 from moeray.stages.gguf.quant import as_uint8_tensor, dequantize
 
@@ -66,13 +66,14 @@ def _checked(backend: str, where: str) -> str:
 
 
 def default_backend() -> str:
-    env = os.environ.get("MOERAY_BACKEND", "").strip().lower()
-    if env:
-        return _checked(env, "MOERAY_BACKEND")
-    return "ggml" if ggml_available() else "dequant"
+    """This process's backend: its options' (settings.current()), "auto" resolved to the best it has."""
+    chosen = settings.current().backend
+    if chosen == "auto":
+        return "ggml" if ggml_available() else "dequant"
+    return _checked(chosen, "backend")
 
 
-_backend: str | None = None
+_backend: str | None = None  # resolved from the options at first use; forgotten when they change
 _announced: set[str] = set()
 
 
@@ -85,8 +86,7 @@ def current_backend() -> str:
 
 def set_backend(backend: str) -> None:
     """Choose the kernels for every QMatrix made after this call in this process."""
-    global _backend
-    _backend = _checked(backend, "backend")
+    settings.update(backend=_checked(backend, "backend"))
 
 
 def backend_line(backend: str, device: torch.device) -> str:
@@ -108,7 +108,7 @@ def backend_line(backend: str, device: torch.device) -> str:
 def _card_kernels(device: torch.device):
     """stages/triton_kernels when it serves `device` (imported on first use: a CPU process never
     imports triton), else None."""
-    if device.type == "cpu" and os.environ.get("MOERAY_TRITON", "") != "1":
+    if device.type == "cpu" and settings.current().triton != "on":
         return None
     from moeray.stages.kernels import triton_kernels
 
@@ -130,7 +130,7 @@ def announce(backend: str, device: torch.device) -> None:
 
 _pool_lock = threading.Lock()
 _pools: dict[tuple, object] = {}  # (threads, poll) -> ggml thread pool pointer, one per setting used
-_threads: int | None = None  # ggml's threads in this process, fixed at first use (or set_threads)
+_threads: int | None = None  # ggml's threads in this process: the options', else torch's count at first use
 
 
 @dataclass
@@ -153,49 +153,65 @@ class ThreadSettings:
     adapt: bool = False
 
     @classmethod
-    def from_env(cls, d: "ThreadSettings | None" = None) -> "ThreadSettings":
-        """MOERAY_GGML_POLL, MOERAY_GGML_PARALLEL_KB, MOERAY_GGML_ADAPT (0/1) over `d`'s values."""
-        d, env = d or cls(), os.environ
-        return cls(int(env.get("MOERAY_GGML_POLL") or d.poll),
-                   int(env.get("MOERAY_GGML_PARALLEL_KB") or d.parallel_bytes >> 10) << 10,
-                   env.get("MOERAY_GGML_ADAPT", "1" if d.adapt else "0") != "0")
+    def of(cls, opts: "settings.StageOptions", d: "ThreadSettings | None" = None) -> "ThreadSettings":
+        """The stage options' ggml_poll, ggml_parallel_kb and ggml_adapt, each over `d`'s value where unset."""
+        d = d or cls()
+        return cls(d.poll if opts.ggml_poll is None else opts.ggml_poll,
+                   d.parallel_bytes if opts.ggml_parallel_kb is None else opts.ggml_parallel_kb << 10,
+                   d.adapt if opts.ggml_adapt is None else opts.ggml_adapt)
 
-
-_settings = ThreadSettings.from_env()
+    def options(self) -> dict:
+        """These settings as StageOptions fields."""
+        return dict(ggml_poll=self.poll, ggml_parallel_kb=self.parallel_bytes >> 10, ggml_adapt=self.adapt)
 
 
 def ggml_threads() -> int:
-    if _threads is None:
-        set_threads(int(os.environ.get("MOERAY_THREADS", "0") or 0) or torch.get_num_threads())
+    """ggml's threads in this process: the options' `threads`, else torch's count at first use."""
+    want = settings.current().threads
+    if _threads is None or (want and want != _threads):
+        _use_threads(want or torch.get_num_threads())
     return _threads
 
 
-def set_threads(n: int, settings: ThreadSettings | None = None) -> None:
-    """Give ggml `n` threads (default: torch's count at first use, or MOERAY_THREADS), used as
-    `settings` say (default: as before, or from the environment).
+def _use_threads(n: int) -> None:
+    global _threads
+    _threads = max(1, int(n))
+    if _threads > 1:
+        torch.set_num_threads(1)
+    _graphs.clear()
+
+
+def _forget() -> None:
+    """The options changed: resolve the backend again, build graphs with the new settings."""
+    global _backend
+    _backend = None
+    _graphs.clear()
+
+
+settings.on_change(_forget)
+
+
+def set_threads(n: int, threads: ThreadSettings | None = None) -> None:
+    """Give ggml `n` threads, used as `threads` say (default: as the options say): this process's
+    options' `threads` (and ggml_* fields) from now on.
 
     A decode token makes ~120 small graph calls (40-200 us each), so with more than one thread
     ggml's workers spin between graphs (measured: 34 ms/token against 54 ms when they sleep, 2
     cores). torch's own ops (norms, RoPE, attention: small at decode) then run on one thread: a
     second torch thread would fight the spinning worker for the cores (268 ms/token measured).
     """
-    global _threads, _settings
-    _threads = max(1, int(n))
-    if settings is not None:
-        _settings = settings
-    if _threads > 1:
-        torch.set_num_threads(1)
-    _graphs.clear()
+    settings.update(threads=max(1, int(n)), **(threads.options() if threads is not None else {}))
+    _use_threads(n)
 
 
 def thread_settings() -> ThreadSettings:
-    return _settings
+    return ThreadSettings.of(settings.current())
 
 
 def _threadpool(n: int):
     """The process's ggml thread pool of `n` threads: spinning `poll` for the next graph when it
     has helpers to keep warm, none to wake with one thread."""
-    poll = _settings.poll if n > 1 else 0
+    poll = thread_settings().poll if n > 1 else 0
     with _pool_lock:
         pool = _pools.get((n, poll))
         if pool is None:
@@ -251,9 +267,6 @@ class ThreadChoice:
             self.current = 0 if self.cost[0] <= self.cost[1] else 1
 
 
-SCRATCH_REUSE = os.environ.get("MOERAY_SCRATCH_REUSE", "1") != "0"  # 0: every intermediate its own place
-
-
 def place_scratch(tensors, nodes=None) -> torch.Tensor:
     """Fixed places for a graph's intermediate results, 64-byte aligned, in one buffer (returned:
     the graph keeps it alive). With `nodes` (the graph's nodes in run order) a place is reused once
@@ -263,7 +276,7 @@ def place_scratch(tensors, nodes=None) -> torch.Tensor:
     34; CPU time per token measured unchanged, so this is memory, and stage graphs for steps that
     did not fit before)."""
     sizes = [(_G.ggml_nbytes(t) + 63) // 64 * 64 for t in tensors]
-    if nodes is None or not SCRATCH_REUSE:
+    if nodes is None or not settings.current().scratch_reuse:  # off: every intermediate its own place
         offsets, total = [], 0
         for n in sizes:
             offsets.append(total)
@@ -331,7 +344,7 @@ class GraphPlans:
     each and a ThreadChoice between them. Every graph class computes through this."""
 
     def __init__(self, graph):
-        n, how = ggml_threads(), _settings
+        n, how = ggml_threads(), thread_settings()
         split = n > 1 and _weight_bytes(graph) >= how.parallel_bytes
         counts = (1, n) if n > 1 and how.adapt else (n if split else 1,)
         self.plans = [_G.ggml_graph_plan(graph, c, _threadpool(c)) for c in counts]
@@ -639,7 +652,7 @@ class QMatrix:
         if self.layout != "plain":
             raise MoerayError(f"a repacked {self.ggml_type.name} {self.shape} matrix cannot be {what}: only "
                               "ggml's matmuls read that layout (mark it keep_plain before repacking, or "
-                              "MOERAY_REPACK=off)")
+                              "StageOptions.repack off)")
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         self._plain("dequantised")

@@ -22,10 +22,11 @@ Types: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4 (GGML type ids 2, 3, 8, 12, 13,
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
+
+from moeray import environment
+from moeray.stages.kernels import settings
 
 try:
     import triton
@@ -52,7 +53,7 @@ def available() -> bool:
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "") == "1"
+    return environment.triton_interpreted()
 
 
 def supports(qtype: int) -> bool:
@@ -61,14 +62,14 @@ def supports(qtype: int) -> bool:
 
 def enabled_for(device: torch.device) -> bool:
     """Whether QMatrix on `device` multiplies through these kernels: on CUDA when triton imports
-    (MOERAY_TRITON=0 turns it off: the torch dequantise-per-use backend); on the CPU only under the
-    interpreter with MOERAY_TRITON=1 (the tests' way to run the wiring without a card)."""
-    flag = os.environ.get("MOERAY_TRITON", "").strip()
-    if triton is None or flag == "0":
+    (StageOptions.triton "off" turns it off: the torch dequantise-per-use backend); on the CPU only
+    under the interpreter with "on" (the tests' way to run the wiring without a card)."""
+    flag = settings.current().triton
+    if triton is None or flag == "off":
         return False
     if device.type == "cuda":
         return True
-    return device.type == "cpu" and flag == "1" and interpreting()
+    return device.type == "cpu" and flag == "on" and interpreting()
 
 
 if triton is not None:

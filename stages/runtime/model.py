@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -21,7 +22,8 @@ from moeray.stages.blocks.kv_cache import KVCache, KVPool, kv_dtype
 from moeray.stages.blocks.attention import Attention, BatchMeta, GatedAttention, make_batch_meta, rms_norm, slot_batch_meta
 from moeray.stages.blocks.mla import MLAttention
 from moeray.stages.blocks.moe import DenseFFN, Experts, HostExperts, MoEBlock
-from moeray.stages.kernels import repack
+from moeray.stages.kernels import repack, settings
+from moeray.stages.kernels.host_memory import process_rss_bytes
 from moeray.stages.kernels.qmatmul import QMatrix, announce, current_backend
 from moeray.stages.blocks.rope import RoPE
 from moeray.stages.runtime.trunk_graph import Dense, LayerSpec, Routed, TrunkGraphs, supports
@@ -32,6 +34,35 @@ log = logging.getLogger("moeray.kernels")
 # The most tokens a step may have to run the stage's layers as one graph: decode steps; prefill
 # chunks keep one graph per layer (a stage graph per prompt length would be built for one use).
 STAGE_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class RunPath:
+    """How a stage runs its layers, chosen once at load (its options, backend, device and layer
+    kinds) and logged; a step then only asks whether its shape has the graph form.
+
+    graphs  each layer's trunk (attention, norms, router) as one ggml graph; else torch's ops
+            between the matmuls, as for every step whose shape has no graph form (sequences adding
+            different token counts: mixed prefill and decode)
+    fused   with graphs: an MoE layer's routing, routed experts (where one stack serves every
+            pick), shared expert and a dense layer's FFN inside that graph
+    stage   with fused: a step of at most STAGE_TOKENS tokens whose layers all run whole inside
+            runs the stage's layers as ONE graph, as llama.cpp runs a token
+    why     why `graphs` is off ("" when on)"""
+    graphs: bool
+    fused: bool = False
+    stage: bool = False
+    why: str = ""
+
+    def line(self, first: int, end: int) -> str:
+        where = f"moeray: layers {first}-{end - 1} run"
+        if not self.graphs:
+            return f"{where} as torch ops between the matmuls ({self.why})"
+        ffn = ("the routing, experts and FFN inside each layer's graph" if self.fused else
+               "each layer's trunk as a ggml graph, its routing and experts after it (fused_moe off)")
+        stage = (f"; a step of <= {STAGE_TOKENS} tokens whose layers all run whole inside as one stage graph"
+                 if self.stage else "")
+        return f"{where} as ggml graphs: {ffn}{stage}; steps without a graph form as torch ops"
 
 
 class TransformerLayer(torch.nn.Module):
@@ -62,20 +93,13 @@ class StageModel(torch.nn.Module):
         self.experts: Experts = experts if experts is not None else HostExperts(gguf, self.backend)
         host = getattr(self.experts, "host", self.experts)
         if isinstance(host, HostExperts):
-            host.prepare(first, end)  # MOERAY_HOST_EXPERTS=repacked: the copy is made at load
+            host.prepare(first, end)  # host_experts "repacked": the copy is made at load
 
         self.tok_embd = self._matrix("token_embd.weight") if self.has_embedding else None
         self.layers = torch.nn.ModuleList(self._load_layer(i) for i in range(first, end))
-        # Every layer's trunk as one ggml graph where each layer allows it (trunk_graph.supports)
-        self.trunk = None
-        if self.backend == "ggml" and self.device.type == "cpu" and all(
-                supports(l.attn, cfg) for l in self.layers) and os.environ.get("MOERAY_TRUNK_GRAPH", "1") != "0":
-            self.trunk = TrunkGraphs(cfg, {l.attn.window for l in self.layers} - {0})
-        # MOERAY_FUSED_MOE=0: routing (torch), experts, shared expert and dense FFN after each trunk
-        # graph, never inside it;
-        # MOERAY_STAGE_GRAPH=0: one graph per layer, never the stage's layers in one
-        self.fuse_moe = os.environ.get("MOERAY_FUSED_MOE", "1") != "0"
-        self.stage_graph = os.environ.get("MOERAY_STAGE_GRAPH", "1") != "0"
+        self.path = self._run_path(settings.current())
+        log.info(self.path.line(first, end))
+        self.trunk = TrunkGraphs(cfg, {l.attn.window for l in self.layers} - {0}) if self.path.graphs else None
         self._specs = None  # each layer's trunk_graph.LayerSpec, made at the first graph step
         self._step_specs_for = None  # (each layer's OneStack, the specs made for them)
         self.register_buffer("out_norm", None, persistent=False)
@@ -90,6 +114,38 @@ class StageModel(torch.nn.Module):
 
     # --- loading ---------------------------------------------------------------------------
 
+    def _run_path(self, opts: settings.StageOptions) -> RunPath:
+        """The run path of this stage's layers (RunPath), from its options and what its layers allow."""
+        if self.backend != "ggml":
+            why = f"the {self.backend} backend"
+        elif self.device.type != "cpu":
+            why = f"ggml runs on the host, the stage on {self.device}"
+        elif not opts.trunk_graph:
+            why = "trunk_graph off"
+        else:
+            kinds = sorted({type(l.attn).__name__ for l in self.layers if not supports(l.attn, self.config)})
+            why = f"{', '.join(kinds)} layers have no graph form here" if kinds else ""
+        if why:
+            return RunPath(False, why=why)
+        return RunPath(True, opts.fused_moe, opts.fused_moe and opts.stage_graph)
+
+    # Switches of the run path (tests and bench/graph_families.py compare the paths on one model)
+    @property
+    def fuse_moe(self) -> bool:
+        return self.path.fused
+
+    @fuse_moe.setter
+    def fuse_moe(self, on: bool) -> None:
+        self.path = replace(self.path, fused=bool(on))
+
+    @property
+    def stage_graph(self) -> bool:
+        return self.path.stage
+
+    @stage_graph.setter
+    def stage_graph(self, on: bool) -> None:
+        self.path = replace(self.path, stage=bool(on))
+
     def _repack_trunk(self) -> None:
         """Every trunk matrix in ggml's repacked layout where the setting and ggml allow it
         (stages/kernels/repack.py), once the load has cut and concatenated the plain bytes. The embedding
@@ -101,7 +157,7 @@ class StageModel(torch.nn.Module):
         self.repacked = sum(w.repack() for w in mats)
         if self.backend == "ggml":
             log.info(f"moeray: trunk layout: {self.repacked} of {len(mats)} matrices repacked "
-                     f"(MOERAY_REPACK={repack.mode()})")
+                     f"(repack {repack.mode()})")
 
     def _vector(self, name: str) -> torch.Tensor:
         """Norm weights, biases, routers: small, float32, an owned copy (never the read-only mapping)."""
@@ -313,7 +369,7 @@ class StageModel(torch.nn.Module):
         layer runs whole inside, a decode-sized step runs the stage's layers as ONE graph
         (TrunkGraphs.stage), as llama.cpp runs a token."""
         specs = self._step_specs()
-        if self.stage_graph and step.n <= STAGE_TOKENS and all(s.whole for s in specs):
+        if self.path.stage and step.n <= STAGE_TOKENS and all(s.whole for s in specs):
             got = self.trunk.stage(step, x, specs, kv)
             if got is not None:
                 x, ids, weights = got
@@ -339,14 +395,15 @@ class StageModel(torch.nn.Module):
         filled or emptied), not per step: 30-60 layers of spec and key building cost ~0.5 ms."""
         if self._specs is None:  # once, after load: each layer's FFN and fixed graph inputs
             self._specs = [self._graph_spec(l) for l in self.layers]
-        ones = [ffn.one_stack() if self.fuse_moe and base.router is not None and ffn.graph_routing is not None
+        fused = self.path.fused
+        ones = [ffn.one_stack() if fused and base.router is not None and ffn.graph_routing is not None
                 else None for ffn, base, _ in self._specs]
         kept = self._step_specs_for
         if kept is not None and all(a is b for a, b in zip(kept[0], ones)):
             return kept[1]
         specs = []
         for (ffn, base, dense), one in zip(self._specs, ones):
-            if not self.fuse_moe:
+            if not fused:
                 specs.append(base)
             elif base.router is None:  # a dense layer: its FFN inside where it has a graph form
                 specs.append(base if dense is None else base.with_routed(None, dense))
@@ -444,17 +501,6 @@ def load_model(path: str | os.PathLike | GGUFFile, device: str | torch.device = 
     return StageModel.from_gguf(path, None, device, experts, backend)
 
 
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def memory_report(model: StageModel) -> dict:
     """What loading cost: the resident trunk (block form), the quantised expert bytes left in the
     mapping, and what the same layers would take fully dequantised to float32. `process_rss` is the
@@ -480,21 +526,37 @@ def memory_report(model: StageModel) -> dict:
         if role == "expert":
             expert_q += info.n_bytes
     return {"trunk_resident_bytes": trunk, "experts_quantized_mapped_bytes": expert_q,
-            "stored_bytes": stored, "fully_dequantized_bytes": dequant, "process_rss_bytes": _rss_bytes()}
+            "stored_bytes": stored, "fully_dequantized_bytes": dequant, "process_rss_bytes": process_rss_bytes()}
 
 
 def load_cached(path: str | os.PathLike | GGUFFile, layers: tuple[int, int] | None = None,
                 device: str | torch.device = "cpu", backend: str | None = None, *, budget_bytes: int | None = None,
                 profile=None, policy: str = "static", record_routing: str | os.PathLike | None = None,
-                layout: str = "global", n_slots: int | None = None, copies_per_step: int | None = 1):
-    """(StageModel, ExpertCache): a stage whose MoE blocks are built with an expert cache of
-    `budget_bytes` (or `n_slots` of the largest expert) in front of the host copy; see
-    moeray.cache.attach.build_cache for the arguments."""
+                layout: str = "per-layer", n_slots: int | None = None, copies_per_step: int | None = 1,
+                whole_cache_only: bool = False):
+    """The one stage builder (StageActor.load, `serve --local` through it, `moeray generate`, the
+    benches): (StageModel of layers [first, end), its ExpertCache or None).
+
+    The MoE blocks are built with an expert cache of `budget_bytes` (or `n_slots` of the largest
+    expert) in front of the host copy, laid out per layer (moeray.cache.attach.build_cache has the
+    arguments); no cache when neither is given or the layers hold no MoE layer. `whole_cache_only`
+    (`serve --local`): a cache only when the budget holds every expert of the layers, else every
+    expert computed from the host copy: a simulated device lives in the host's own memory, so a
+    partial cache there reads no fewer bytes, and it splits every layer's experts between two
+    stacks, which takes the layer's step out of the stage graph (the 30B-A3B shape, 4 sequences:
+    355 ms a step with 24 slots a layer, 339 with 1, 315 with none; docs/architecture.md, "The expert
+    cache")."""
     from moeray.cache.attach import build_cache
 
     gguf = path if isinstance(path, GGUFFile) else GGUFFile(path)
-    first, end = layers if layers is not None else (0, gguf.config.n_layers)
-    backend = backend or current_backend()
-    cache = build_cache(HostExperts(gguf, backend), first, end, device, budget_bytes, profile, policy,
-                        record_routing, layout=layout, n_slots=n_slots, copies_per_step=copies_per_step)
-    return StageModel(gguf, first, end, device, cache, backend), cache
+    cfg = gguf.config
+    first, end = layers if layers is not None else (0, cfg.n_layers)
+    host = HostExperts(gguf, backend or current_backend())
+    moe = [l for l in range(first, end) if cfg.is_moe_layer(l)]
+    cache = None
+    if moe and (budget_bytes is not None or n_slots is not None):
+        every = cfg.n_experts * sum(host.slot_bytes(l) for l in moe)
+        if not whole_cache_only or budget_bytes is None or every <= budget_bytes:
+            cache = build_cache(host, first, end, device, budget_bytes, profile, policy, record_routing,
+                                layout=layout, n_slots=n_slots, copies_per_step=copies_per_step)
+    return StageModel(gguf, first, end, device, host if cache is None else cache, host.backend), cache
