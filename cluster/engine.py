@@ -38,7 +38,7 @@ from moeray.stages.text.sampling import SamplingParams, StepOutput, StopStringSt
 
 log = logging.getLogger("moeray")
 
-# Why a model with recurrent layers runs without prefix reuse (README, "Hybrid models"): cached KV
+# Why a model with recurrent layers runs without prefix reuse (docs/hybrid.md): cached KV
 # blocks hold attention's past but not a DeltaNet layer's, which is one state per sequence; resuming
 # after a cached prefix would need that state as it stood at the prefix's last block, i.e. a
 # snapshot per cached block, each as large as a whole sequence's state (Qwen3-Next-80B: 75 MiB,

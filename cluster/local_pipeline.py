@@ -27,11 +27,13 @@ class LocalPipeline:
 
     @classmethod
     def from_file(cls, path: str, kv_blocks: int, simulated_budget: int | None = None,
-                  profile: str | None = None, cache_policy: str = "static", max_seqs: int = 1) -> "LocalPipeline":
+                  profile: str | None = None, cache_policy: str = "static", max_seqs: int = 1,
+                  options=None) -> "LocalPipeline":
+        """`options`: the StageOptions it computes with (None: this process's)."""
         from moeray.stages.runtime.actor import StageActor
         from moeray.stages.gguf.reader import read_gguf_header
 
-        stage = StageActor(0, 1, simulated_budget if simulated_budget is not None else 1 << 62)
+        stage = StageActor(0, 1, simulated_budget if simulated_budget is not None else 1 << 62, options=options)
         cfg = read_gguf_header(path).config
         pipe = cls(stage, kv_blocks, max_seqs if cfg.deltanet is not None else 0)
         pipe.load_report = stage.load(path, 0, cfg.n_layers, kv_blocks, profile=profile, cache_policy=cache_policy,

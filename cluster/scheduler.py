@@ -97,12 +97,17 @@ class ScheduledStep:
     copies: list[tuple[int, int, int]] = field(default_factory=list)  # KV rows the stages copy first
 
     def batch(self) -> StepBatch:
-        return StepBatch(self.id, [r.req.slot for r in self.rows], [len(r.tokens) for r in self.rows],
-                         [r.fresh for r in self.rows], [r.tokens for r in self.rows],
-                         [r.req.params if r.sample else None for r in self.rows],
+        # A sequence with penalties starts its last stage's TokenHistory from what it holds: the
+        # prompt, and the output so far when it was preempted (prefilled again as prompt + output).
+        history = [(list(r.req.prompt), list(r.req.output)) if r.fresh and r.req.params.needs_history else None
+                   for r in self.rows]
+        return StepBatch(step_id=self.id, slots=[r.req.slot for r in self.rows],
+                         n_new=[len(r.tokens) for r in self.rows], fresh=[r.fresh for r in self.rows],
+                         tokens=[r.tokens for r in self.rows],
+                         sample=[r.req.params if r.sample else None for r in self.rows],
                          starts=[r.start for r in self.rows],
                          tables=[r.req.table[:blocks_for(r.start + len(r.tokens))] for r in self.rows],
-                         copies=self.copies or None)
+                         copies=self.copies or None, history=history if any(history) else None)
 
 
 @dataclass

@@ -137,7 +137,7 @@ def test_a_toy_width_copy_runs_in_both_engines(tmp_path, name):
                 cfg.router_bias) == ("yarn", 8, (True, False), True, True, True)
     model = load_model(g)
     if not full.linear[0]:  # every family's layers run as trunk graphs (the hybrids': issue 34, item 3)
-        assert model.trunk is not None or model.route != "ggml"
+        assert model.trunk is not None or model.backend != "ggml"
     logits = model.step([[1, 2, 3, 4]], [0], model.new_kv_cache(1, 8))
     assert logits.shape == (1, 49408) and bool(torch.isfinite(logits).all())
     assert write_shape("tiny", shape=s, path=path, pool_blocks=1024).stat().st_mtime_ns == path.stat().st_mtime_ns
