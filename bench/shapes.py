@@ -340,8 +340,9 @@ def write_shape(name: str, seed: int = 0, shape: Shape | None = None, path: Path
         w.add_uint32(f"{a}.rope.scaling.original_context_length", orig)
         w.add_float32(f"{a}.rope.scaling.yarn_log_multiplier", 0.1 * mscale_all_dim)
         w.add_uint32(f"{a}.attention.kv_lora_rank", s.kv_lora)
-        if s.q_lora:
-            w.add_uint32(f"{a}.attention.q_lora_rank", s.q_lora)
+        # Written even when 0 (one attn_q): llama.cpp knows DeepSeek-V2-Lite's missing key by its 27
+        # layers only, so a cut or a toy copy without it would not load there.
+        w.add_uint32(f"{a}.attention.q_lora_rank", s.q_lora)
         w.add_uint32(f"{a}.attention.key_length_mla", s.head_dim)
         w.add_uint32(f"{a}.attention.value_length_mla", s.v_dim)
     if glm or mla:  # sigmoid scores + correction bias (or softmax), renormalised, scaled; partial rope
