@@ -128,7 +128,7 @@ class ServeOptions:
     api_key: Optional[str] = None
     metrics_interval_s: float = 2.0
     # Metrics through Ray (ray.util.metrics -> Prometheus). False (`--local --no-metrics`): none, and
-    # no Ray at all: its metrics recorder cost the one process ~3 ms a token (README "HTTP load").
+    # no Ray at all: its metrics recorder cost the one process ~3 ms a token (docs/performance.md#served).
     metrics: bool = True
     # --local: bytes of the one simulated device (holds every expert of the default model)
     local_budget: int = 4 << 30

@@ -24,7 +24,7 @@ LOCAL_THREADS = dict(poll=1, parallel_bytes=1 << 20, adapt=True)
 # graph, its workers spinning (poll 100) between them: its steps take hundreds of milliseconds, so
 # what one thread saves per graph (a wake-up, the barriers) is small beside them, and adapting was
 # measured to lose: the 30B-A3B shape served to 4 clients gave 9.0 / 9.1 / 8.4 tok/s adapting
-# against 11.6 / 12.1 / 11.7 with every thread fixed (README "HTTP load"), while the default
+# against 11.6 / 12.1 / 11.7 with every thread fixed (docs/performance.md#served), while the default
 # model's 1-client rate fell from 60 to 44 tok/s without adapting (poll 1).
 BIG_TOKEN_BYTES = 1 << 30
 BIG_LOCAL_THREADS = dict(poll=100, parallel_bytes=1 << 20, adapt=False)
