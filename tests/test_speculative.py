@@ -503,11 +503,25 @@ def test_a_draft_model_on_the_first_stage_drafts_what_it_would_generate(family_m
 
     same = with_draft(model.gguf.path)
     assert [r.output for r in run_checked(same, prompts, params)] == plain
+    # the verify row's logits are the plain decode's: each kept token's log-probabilities and top 4
+    scored = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=4)
+    assert_same_logprobs(run_checked(with_draft(model.gguf.path), prompts, scored),
+                         run_checked(engine_for(model, 3, "off"), prompts, scored))
     s = same.speculation.stats
     assert s.verify_rows > 0 and s.accepted_tokens == s.drafted_tokens and s.by_drafter["draft"].rows == s.verify_rows
     other = with_draft(write_gguf(tm.tiny_llama(seed=9), tmp_path / "draft.gguf", "Q8_0"), mode="auto")
     assert [r.output for r in run_checked(other, prompts, params)] == plain
     assert other.speculation.stats.verify_rows > 0
+
+
+def assert_same_logprobs(spec_reqs, plain_reqs) -> None:
+    """Every token's log-probability and top alternatives (with theirs) as the plain decode's."""
+    for a_req, b_req in zip(spec_reqs, plain_reqs):
+        assert a_req.output == b_req.output and len(a_req.logprobs) == len(b_req.logprobs) > 0
+        for a, b in zip(a_req.logprobs, b_req.logprobs):
+            assert a.token == b.token and a.logprob == pytest.approx(b.logprob, abs=1e-4)
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert [lp for _, lp in a.top] == pytest.approx([lp for _, lp in b.top], abs=1e-4)
 
 
 def test_a_draft_model_of_another_vocabulary_is_refused(family_models, tmp_path):
@@ -670,9 +684,10 @@ def test_mtp_speculation_keeps_the_greedy_tokens(glm_mtp):
     eng = Engine(LocalPipeline.from_model(model, 160, 3, mtp=True),
                  EngineConfig(max_seqs=3, max_len=256, micro_batches=1, speculative="mtp"))
     eng.speculation.PROBE = 1.0
-    assert [r.output for r in run_checked(eng, prompts, params)] == plain
+    params = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=4)
+    assert_same_logprobs(run_checked(eng, prompts, params), run_checked(engine_for(model, 3, "off"), prompts, params))
     s = eng.speculation.stats
-    assert s.verify_rows > 0 and s.by_drafter["mtp"].rows == s.verify_rows
+    assert s.verify_rows > 0 and s.by_drafter["mtp"].rows == s.verify_rows and s.accepted_tokens > 0
 
 
 @pytest.mark.slow
@@ -704,3 +719,27 @@ def test_mtp_across_ray_stages(glm_mtp):
     finally:
         launched.shutdown()
         ray.shutdown()
+
+
+# ---------------------------------------------------------------- a hybrid model (recurrent DeltaNet state)
+
+
+def test_a_hybrid_model_decodes_plainly_and_says_why(tmp_path, caplog):
+    """A rejected draft would leave a DeltaNet layer's state advanced past the kept tokens, and this
+    pipeline does not restore it: a hybrid model (tiny qwen3next) runs without speculation whatever
+    the mode or a request's flag asks, says so in one line, and gives the plain greedy tokens."""
+    import logging
+
+    from moeray.cluster.engine import SPEC_OFF_RECURRENT
+    from tiny_hybrid import tiny_qwen3next
+
+    model = load_model(write_gguf(tiny_qwen3next(), tmp_path / "qwen3next.gguf", "F32"), backend="exact")
+    prompts = prompts_for(4, seed=3)
+    plain = [r.output for r in run_checked(engine_for(model, 4, "off"), prompts,
+                                           SamplingParams(max_tokens=16, ignore_eos=True))]
+    with caplog.at_level(logging.INFO, logger="moeray"):
+        eng = engine_for(model, 4, "auto")
+    assert any(r.getMessage() == SPEC_OFF_RECURRENT for r in caplog.records)
+    assert eng.speculation is None
+    got = run_checked(eng, prompts, SamplingParams(max_tokens=16, ignore_eos=True, speculative=True))
+    assert [r.output for r in got] == plain
