@@ -70,7 +70,7 @@ class StageModel(torch.nn.Module):
         self.trunk = None
         if self.route == "ggml" and self.device.type == "cpu" and all(
                 supports(l.attn, cfg) for l in self.layers) and os.environ.get("MOERAY_TRUNK_GRAPH", "1") != "0":
-            self.trunk = TrunkGraphs(cfg, {l.attn.window for l in self.layers} - {0})
+            self.trunk = TrunkGraphs(cfg, {getattr(l.attn, "window", 0) for l in self.layers} - {0})
         # MOERAY_FUSED_MOE=0: routing (torch), experts, shared expert and dense FFN after each trunk
         # graph, never inside it;
         # MOERAY_STAGE_GRAPH=0: one graph per layer, never the stage's layers in one
@@ -294,6 +294,10 @@ class StageModel(torch.nn.Module):
         """Packed hidden [N, hidden] through this stage's layers; appends the step's k/v to `kv`.
         On the ggml route a GQA stage runs each layer's trunk as one graph (stages/runtime/trunk_graph.py)
         when the step's shape has one; otherwise (and on the other routes) the torch ops below."""
+        if kv.state is not None and meta.state_slots is not None:  # sequences that start over begin from zeros
+            fresh = [slot for slot, start in zip(meta.state_slots, meta.starts) if start == 0]
+            if fresh:
+                kv.state.clear(fresh)
         step = self.trunk.step(meta, kv) if self.trunk is not None else None
         if step is not None:
             x = self._run_graphs(hidden.float().contiguous(), step, kv)
