@@ -38,6 +38,9 @@ class EngineConfig:
     kv_blocks: Optional[int] = None
     kv_fraction: Optional[float] = None
     prefix_reuse: bool = True  # reuse the KV of a prompt prefix another request computed
+    # Hybrid models: checkpoints of the recurrent state the stages hold (cluster/state_checkpoints.py),
+    # what prefix reuse resumes from; None: the planner trades them against KV and expert slots.
+    state_checkpoints: Optional[int] = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.micro_batches <= self.max_seqs:
@@ -45,6 +48,8 @@ class EngineConfig:
         for name in ("max_len", "token_budget", "prefill_chunk", "kv_blocks"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise MoerayError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.state_checkpoints is not None and self.state_checkpoints < 0:
+            raise MoerayError(f"state_checkpoints must be >= 0 (0: none), got {self.state_checkpoints}")
         if self.kv_fraction is not None and not 0 < self.kv_fraction < 1:
             raise MoerayError(f"kv_fraction must be between 0 and 1 (a share of the free device bytes), "
                               f"got {self.kv_fraction}")
@@ -147,6 +152,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                     help="share of the devices' free bytes the KV cache takes, e.g. 0.3 (instead of --kv-blocks)")
     g.add_argument("--no-prefix-reuse", action="store_true",
                    help="compute every prompt in full (default: reuse the KV of a prompt prefix already computed)")
+    g.add_argument("--state-checkpoints", type=int, default=d.state_checkpoints, metavar="N",
+                   help="hybrid models (DeltaNet layers): checkpoints of the recurrent state the stages keep, "
+                        "from which a conversation's next turn resumes (0: none, every prompt prefilled whole; "
+                        "default: the planner trades them against KV and expert slots)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -155,7 +164,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         prefill_chunk=args.prefill_chunk,
                         micro_batches=args.micro_batches if args.micro_batches is not None else d.micro_batches,
                         step_timeout_s=args.step_timeout, kv_blocks=args.kv_blocks, kv_fraction=args.kv_fraction,
-                        prefix_reuse=not args.no_prefix_reuse)
+                        prefix_reuse=not args.no_prefix_reuse,
+                        state_checkpoints=getattr(args, "state_checkpoints", None))
 
 
 def add_launch_arguments(p: argparse.ArgumentParser) -> None:

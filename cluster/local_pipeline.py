@@ -19,32 +19,38 @@ class LocalPipeline:
 
     n_stages = 1
 
-    def __init__(self, stage, kv_blocks: int | None = None, state_slots: int = 0):
+    def __init__(self, stage, kv_blocks: int | None = None, state_slots: int = 0, state_checkpoints: int = 0):
         self.stage = stage  # a StageActor or a StageRunner: step(StepBatch) -> tokens
         self.kv_blocks = kv_blocks  # blocks of its KV pool: the engine's budget
         self.state_slots = state_slots  # sequence states it holds (recurrent layers), 0 for none
+        self.state_checkpoints = state_checkpoints  # and checkpoint slots after them
         self.load_report = None
 
     @classmethod
     def from_file(cls, path: str, kv_blocks: int, simulated_budget: int | None = None,
-                  profile: str | None = None, cache_policy: str = "static", max_seqs: int = 1) -> "LocalPipeline":
+                  profile: str | None = None, cache_policy: str = "static", max_seqs: int = 1,
+                  state_checkpoints: int = 0) -> "LocalPipeline":
         from moeray.stages.runtime.actor import StageActor
         from moeray.stages.gguf.reader import read_gguf_header
 
         stage = StageActor(0, 1, simulated_budget if simulated_budget is not None else 1 << 62)
         cfg = read_gguf_header(path).config
-        pipe = cls(stage, kv_blocks, max_seqs if cfg.deltanet is not None else 0)
+        hybrid = cfg.deltanet is not None
+        pipe = cls(stage, kv_blocks, max_seqs if hybrid else 0, state_checkpoints if hybrid else 0)
         pipe.load_report = stage.load(path, 0, cfg.n_layers, kv_blocks, profile=profile, cache_policy=cache_policy,
-                                      state_slots=max_seqs, whole_cache_only=True)
+                                      state_slots=max_seqs, whole_cache_only=True,
+                                      state_checkpoints=pipe.state_checkpoints)
         return pipe
 
     @classmethod
-    def from_model(cls, model, kv_blocks: int, max_seqs: int = 1) -> "LocalPipeline":
-        """`max_seqs`: the engine's sequence slots, each a DeltaNet state where the model has them."""
+    def from_model(cls, model, kv_blocks: int, max_seqs: int = 1, state_checkpoints: int = 0) -> "LocalPipeline":
+        """`max_seqs`: the engine's sequence slots, each a DeltaNet state where the model has them,
+        and `state_checkpoints` more state slots for checkpoints (cluster/state_checkpoints.py)."""
         from moeray.stages.runtime.actor import StageRunner
 
-        kv = model.new_kv_pool(kv_blocks, max_seqs)
-        return cls(StageRunner(model, kv), kv_blocks, max_seqs if kv.state is not None else 0)
+        kv = model.new_kv_pool(kv_blocks, max_seqs + state_checkpoints)
+        hybrid = kv.state is not None
+        return cls(StageRunner(model, kv), kv_blocks, max_seqs if hybrid else 0, state_checkpoints if hybrid else 0)
 
     def submit(self, batch: StepBatch) -> Any:
         return self.stage.step(batch)  # done when it returns: the handle is the result

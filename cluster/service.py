@@ -106,13 +106,22 @@ class Service:
             from moeray.cluster.driver import local_kv_plan
 
             kv = local_kv_plan(header.config, engine_cfg, opts.local_budget)
-            engine_cfg = dataclasses.replace(engine_cfg, max_len=kv.context, kv_blocks=kv.blocks)
+            engine_cfg = dataclasses.replace(engine_cfg, max_len=kv.context, kv_blocks=kv.blocks,
+                                             state_checkpoints=kv.checkpoints)
             self.local = LocalPipeline.from_file(self.path, kv.blocks, opts.local_budget,
-                                                 profile, opts.launch.cache_policy, engine_cfg.max_seqs)
+                                                 profile, opts.launch.cache_policy, engine_cfg.max_seqs,
+                                                 kv.checkpoints)
             pipeline = self.local
             self.lines.append(f"one process: layers 0-{header.config.n_layers - 1} on {self.local.stage.device.name}")
             self.lines.append(_experts_line(header.config, self.local.load_report))
             self.lines.append(kv.line())
+            if kv.checkpoint_rule:
+                from moeray.cluster.driver import state_bytes_by_layer
+                from moeray.planner.report import checkpoint_line
+
+                self.lines.append(checkpoint_line(state_bytes_by_layer(header.config, 1), [(0, header.config.n_layers)],
+                                                  kv.checkpoints, kv.stage_bytes[0] // max(1, kv.blocks),
+                                                  kv.checkpoint_rule))
         else:
             from moeray.cluster.driver import launch
 
