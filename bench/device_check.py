@@ -1,6 +1,6 @@
 """The CUDA path in one command: probe, load, run and measure on one GPU, compared with the CPU.
 
-    python3 bench/device_check.py --out DIR                  # the bare GPU image (no Ray): README
+    python3 bench/device_check.py --out DIR                  # the bare GPU image (no Ray): docs/kernels.md
     .venv/bin/python bench/device_check.py --out DIR --device cpu --quick   # the dry run (CI)
 
 It runs under the GPU image's own Python with no install: moeray from this checkout, gguf from
@@ -42,7 +42,7 @@ BOOTSTRAPPED = bootstrap()
 MiB = 1 << 20
 # max |logits - CPU logits| / max |CPU logits| allowed, by kernel route: dequant and exact compute
 # the same float32 products on either device (only the order of the sums differs); ggml computes
-# a miss with 8-bit activations on the host while a hit runs float32 on the card (README: 0.5-7%).
+# a miss with 8-bit activations on the host while a hit runs float32 on the card (docs/kernels.md: 0.5-7%).
 TOLERANCE = {"dequant": 1e-3, "exact": 1e-3, "ggml": 7e-2}
 CHAT_QUESTION = "What is the capital of France? Answer in one word."
 

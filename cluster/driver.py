@@ -59,8 +59,8 @@ def local_ray_env() -> None:
     Log lines from actors stay readable (no dedup). Workers run at this process's priority: Ray
     starts every worker (stage actors, the Serve replica) 15 nice levels below the raylet, so on a
     machine with anything else runnable (the HTTP clients, Ray's own daemons) the model's threads
-    got the smallest CPU share, and ggml's helper threads lost their cores mid-graph (README "HTTP
-    load": 2 ggml threads at niceness 15 against 0)."""
+    got the smallest CPU share, and ggml's helper threads lost their cores mid-graph (docs/kernels.md,
+    "Threads")."""
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     os.environ.setdefault("RAY_worker_niceness", "0")
 

@@ -40,7 +40,7 @@ from moeray.stages.text.sampling import SamplingParams, StepOutput, StopStringSt
 log = logging.getLogger("moeray")
 
 # A model with recurrent layers reuses a cached prefix only as far as a checkpoint of its state
-# reaches (cluster/state_checkpoints.py): cached KV blocks hold attention's past but not a DeltaNet
+# reaches (cluster/state_checkpoints.py, docs/hybrid.md): cached KV blocks hold attention's past but not a DeltaNet
 # layer's, one state per sequence, as large as ~200 blocks of KV (Qwen3-Next-80B: 75 MiB against
 # 384 KiB of float16 KV per 16-token block), so the stages keep a few chosen ones. Without any:
 PREFIX_REUSE_OFF = ("prefix reuse off: this model's recurrent (DeltaNet) layers keep one state per sequence, "

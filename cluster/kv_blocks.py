@@ -23,7 +23,7 @@ its tokens, so `match_tail` finds the one that begins with the most of the promp
 the sequence takes a block of its own and the stages copy those rows into it before its first
 step (`StepBatch.copies`), instead of computing them again. A chat client that sends the same
 question twice, or a conversation's next turn, then computes one token, as llama-server's slot
-cache does (README "HTTP load").
+cache does (docs/architecture.md, "The KV cache").
 
 A prompt's full blocks are named when it is admitted, before its prefill has run: they are
 *pending* until the step that writes them is handed to the pipeline. A request whose prefix

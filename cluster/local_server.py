@@ -4,7 +4,7 @@ One process for real: the Service (model, engine thread, metrics) and the FastAP
 (cluster/serve_app.py, the same handlers Serve runs) live in the `moeray serve` process, with
 uvicorn on a thread of its own. Serve's proxy and replica are not in the way: through them each
 streamed chunk crossed two processes and Ray's streaming calls, whose threads took CPU from ggml's
-on every token (README "HTTP load" has the figures, side by side). Ray still
+on every token. Ray still
 runs beside it for the metrics (`ray.util.metrics` from this driver, Prometheus on
 --metrics-export-port) and the optional dashboard, unless `--no-metrics` leaves Ray out too; the stage pipeline (`moeray serve` without
 --local) keeps Serve, whose replica owns the stage actors.

@@ -105,7 +105,7 @@ class Metrics:
     def tokens(self, n: int, ttfts: Sequence[float] = (), itls: Sequence[float] = ()) -> None:
         """One engine step's tokens (n, over all requests), with their requests' latencies. Called on
         the engine thread, so it only queues them: recording into Ray's metrics cost the engine
-        thread ~4% of a served token (py-spy, one client, README "HTTP load"); the poller's thread
+        thread ~4% of a served token (py-spy, one client); the poller's thread
         records them (`flush_tokens`), one counter increment per poll."""
         self._pending.append((n, ttfts, itls))  # deque.append: safe beside the poller's popleft
 

@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "graph then learns whether one thread or all compute it faster; 1: one thread)")
     p.add_argument("--no-metrics", action="store_true",
                    help="--local: no Prometheus metrics and no Ray at all (Ray's metrics cost the one process "
-                        "~3 ms a token on a small machine; README \"HTTP load\")")
+                        "~3 ms a token on a small machine: docs/performance.md)")
     add_launch_arguments(p)
     add_engine_arguments(p)
     p.add_argument("--metrics-export-port", type=int, default=8080,

@@ -1,4 +1,4 @@
-"""bench/device_check.py as it runs on the bare GPU image (README: the one command): no Ray, no
+"""bench/device_check.py as it runs on the bare GPU image (docs/kernels.md: the one command): no Ray, no
 pydantic, no FastAPI, no moeray install, gguf only from a wheel on sys.path. Here that image is
 imitated on the CPU: a child Python whose import system refuses ray / pydantic / fastapi /
 starlette / uvicorn (as absent packages do), drops the editable moeray install, and finds gguf

@@ -2,7 +2,7 @@
 `moeray serve` (tests/live_dashboard_server.py); the API key as a browser passes it; the stage
 actors as the Ray dashboard names them.
 
-The browser test writes a screenshot: to $MOERAY_DASHBOARD_SCREENSHOT when set (the README's copy:
+The browser test writes a screenshot: to $MOERAY_DASHBOARD_SCREENSHOT when set (the README's and docs/operations.md's copy:
 MOERAY_DASHBOARD_SCREENSHOT=docs/dashboard.png), else to the test's temporary folder.
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """`moeray serve --local`'s experts: cached on its simulated device only when it holds every one of
 them, else all computed from host memory. The device is host memory itself, so a part of them
 there reads no fewer bytes, and it splits each layer's picks between two stacks (the layer then
-runs outside the stage graph: slower, README "HTTP load"). The tokens are the same either way."""
+runs outside the stage graph: slower; docs/architecture.md, "The expert cache"). The tokens are the same either way."""
 from __future__ import annotations
 
 from moeray.cluster.config import EngineConfig

@@ -1,6 +1,6 @@
 """The published MoE shapes planned from their sizes (planner/shapes.py MOE_SHAPES): DeepSeek-V3,
 Kimi-K2, GLM-4.5 and GLM-4.5-Air with their dense leading layers, KV layouts and block types,
-on 2 x 24 GB + 2 x 16 GB (the README's "Supported" section prints these plans)."""
+on 2 x 24 GB + 2 x 16 GB (docs/models.md prints these plans)."""
 from __future__ import annotations
 
 import json

@@ -14,7 +14,7 @@ from moeray.stages.runtime.actor import StageStats
 
 def test_stages_learn_by_default():
     # bench/cache.py's replay of the default model: adaptive is within 0.2 points of static when the
-    # profile is the traffic and better when it is not (README, expert cache hit rates).
+    # profile is the traffic and better when it is not (docs/performance.md, expert cache hit rates).
     assert LaunchOptions().cache_policy == "adaptive"
 
 

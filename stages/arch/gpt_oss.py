@@ -5,7 +5,7 @@ Every layer is GQA attention then an MoE FFN:
   softmax and attends to nothing (stages/blocks/attention.py);
 - alternating windows: layers 0, 2, 4, ... see the last `sliding_window` (128) tokens, the odd
   layers the whole context (llama.cpp's swa pattern 2, transformers' layer_types). Their KV is
-  kept whole and the window is a mask (README, "gpt-oss");
+  kept whole and the window is a mask (docs/models.md, "gpt-oss");
 - YaRN RoPE over NeoX halves, with transformers' un-truncated correction range (the model's own
   rope: its HF config says truncate=False; llama.cpp's ggml rounds the range outwards, a small
   difference; moeray's trunk graph hands ggml these frequencies as freq_factors and keeps them);

@@ -148,7 +148,7 @@ class Attention(torch.nn.Module):
     Sinks: one learned logit per head that joins every query's softmax and attends to nothing
     (out = sum_j e^s_j v_j / (sum_j e^s_j + e^sink)). Window: a query sees only the `window` most
     recent positions (itself included). The KV pool still holds every position of a windowed
-    layer; the mask bounds what is read (README, "gpt-oss")."""
+    layer; the mask bounds what is read (docs/models.md, "gpt-oss")."""
 
     def __init__(self, cfg: ModelConfig, layer: int, w_qkv: list[QMatrix], b_qkv: torch.Tensor | None,
                  w_o: QMatrix, q_norm: torch.Tensor | None, k_norm: torch.Tensor | None,

@@ -20,7 +20,7 @@ reads k head h % H_k: ggml broadcasts that way without a copy).
 
 On the ggml route the layer runs the rule as ggml_gated_delta_net (llama.cpp's CPU op: the same
 step in C, one pass over the tokens): measured 2-3x faster than torch's chunked rule for prefill
-and 1.6x at decode batch 16 (bench/deltanet.py, README "Hybrid models").
+and 1.6x at decode batch 16 (bench/deltanet.py, docs/hybrid.md).
 """
 from __future__ import annotations
 

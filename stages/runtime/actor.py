@@ -337,7 +337,7 @@ class StageActor:
         A simulated device lives in the host's own memory, so a partial cache there reads no fewer
         bytes, and it splits every layer's experts between two stacks: the layer's step then leaves
         the stage graph (the 30B-A3B shape, 4 sequences: 355 ms a step with 24 slots a layer, 339
-        with 1, 315 with none; README "HTTP load").
+        with 1, 315 with none; docs/architecture.md, "The expert cache").
         """
         from moeray.stages.gguf.reader import GGUFFile
         from moeray.stages.arch import arch_of
