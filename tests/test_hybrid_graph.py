@@ -113,14 +113,16 @@ def _sixteen(model):
               for i in range(16)]
     kv = model.new_kv_pool(200, 17)  # slot 16: the prefix's own state
     out, lens = [], []
+    slot_of = [(5 * i) % 16 for i in range(16)]  # not consecutive: the step's states gathered by slot
 
     def run(n_new, starts, toks, idx, slots=None):
-        meta = model.table_meta(n_new, starts, [tables[i] for i in idx], kv, list(idx) if slots is None else slots)
+        slots = [slot_of[i] for i in idx] if slots is None else slots
+        meta = model.table_meta(n_new, starts, [tables[i] for i in idx], kv, slots)
         x = model.run_layers(model.embed(toks), meta, kv)
         return model.head(x[meta.last_index])
 
     run([16], [0], [prefix], [0], slots=[16])
-    kv.state.copy([(16, i) for i in range(4)])
+    kv.state.copy([(16, slot_of[i]) for i in range(4)])
     for i in range(16):
         start = 16 if i < 4 else 0
         toks = prompts[i] if i < 4 else prefix + prompts[i]
@@ -145,6 +147,7 @@ def test_sixteen_sequences_and_mixed_steps(both):
     keys = [k[0] for k in list(both.graphs._graphs) + list(both.graphs._stages)]
     assert any(k[3] for k in keys)  # a mixed step ran padded
     assert {"view", "gather"} <= {k[4] for k in keys}
+    assert {True, False} <= {k[-2] if k[3] else k[-1] for k in keys}  # states read in place and gathered
 
 
 def test_a_token_alone_equals_it_batched(both):

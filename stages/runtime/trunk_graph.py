@@ -202,6 +202,7 @@ class Step:
     valid: torch.Tensor | None = None
     n_new: tuple = ()
     n_slots: int = 0  # slots of the state pools
+    state_base: int = -1  # the first state slot when the step's slots are consecutive (read as views), else -1
 
 
 @dataclass(frozen=True)
@@ -323,8 +324,11 @@ class LayerSpec:
 
     def ptrs(self, step: Step, kv: KVPool) -> list[int]:
         """The data pointers of the layer's inputs, in _layer_nodes' order."""
-        if type(self.attn) is GatedDeltaNet:  # its conv and recurrent state pools
-            ptrs = self._ptrs[0] + [p.data_ptr() for p in kv.state.layer(self.attn.layer)]
+        if type(self.attn) is GatedDeltaNet:  # its conv and recurrent state pools (and their step's rows)
+            pools = kv.state.layer(self.attn.layer)
+            ptrs = self._ptrs[0] + [p.data_ptr() for p in pools]
+            if step.state_base >= 0:
+                ptrs += [p.data_ptr() + step.state_base * p[0].numel() * 4 for p in pools]
         else:
             pools = [p for p in kv.layer(self.attn.layer) if p is not None]  # k and v; MLA's one latent pool
             ptrs = self._ptrs[0] + [p.data_ptr() for p in pools]
@@ -374,9 +378,12 @@ class TrunkGraphs:
             if state is not None:  # a pad row leaves the recurrent state as it is
                 valid = torch.zeros(B * t)
                 valid[unpad.long()] = 1.0
-        recurrent = ()
-        if state is not None:  # the pool's slots, and where each sequence's conv state ends (padded)
-            recurrent = (state.n_slots,) + (tuple(meta.n_new) if pad is not None else ())
+        recurrent, state_base = (), -1
+        if state is not None:  # the pool's slots, how states are read, where each conv state ends (padded)
+            slots = meta.state_slots
+            if slots == list(range(slots[0], slots[0] + B)):  # consecutive: read in place, as views
+                state_base = slots[0]
+            recurrent = (state.n_slots, state_base >= 0) + (tuple(meta.n_new) if pad is not None else ())
         keys_pad = -(-meta.keys_max // KEY_PAD) * KEY_PAD
         rows = kv.k[0].shape[1] if kv.k else 0
         if not kv.k:  # a stage of DeltaNet layers only: no keys to read (the mask unread)
@@ -408,7 +415,7 @@ class TrunkGraphs:
                     meta.positions.to(torch.int32), meta.write_rows.to(torch.int64).contiguous(), mask, base, gather,
                     pad, unpad, rows, gap, windows,
                     None if state is None else torch.tensor(meta.state_slots, dtype=torch.int32), valid,
-                    tuple(meta.n_new), 0 if state is None else state.n_slots)
+                    tuple(meta.n_new), 0 if state is None else state.n_slots, state_base)
 
     def layer(self, step: Step, x: torch.Tensor, r: torch.Tensor | None, layer: LayerSpec, kv: KVPool) -> LayerOut:
         """x + r + attention, and after it the FFN's input h and the router's logits, or with
@@ -469,12 +476,13 @@ class TrunkGraphs:
         when the caller's specs, the pool or the step's first key row change: a decode step then
         neither builds nor writes them (~0.5 ms a token for 30 layers)."""
         kept = self._kept_ptrs
-        if kept is not None and kept[0] is layers and kept[1] is kv and kept[2] == step.read_base:
+        where = (step.read_base, step.state_base)
+        if kept is not None and kept[0] is layers and kept[1] is kv and kept[2] == where:
             return kept[3]
         ptrs = []
         for layer in layers:
             ptrs += layer.ptrs(step, kv)
-        self._kept_ptrs = (layers, kv, step.read_base, tuple(ptrs))
+        self._kept_ptrs = (layers, kv, where, tuple(ptrs))
         return self._kept_ptrs[3]
 
     def _graph(self, key: tuple, builder, n_nodes: int = 256) -> MultiGraph:
@@ -716,8 +724,9 @@ class TrunkGraphs:
         dt bias, A, gated norm weight, then the layer's conv and recurrent state pools; its output
         [H, N]; its two state writes).
 
-        The step's sequences read their states from the pools by slot (ggml_get_rows at the step's
-        state slots), run as [B, t] (padded queries where their token counts differ: a pad row's
+        The step's sequences read their states from the pools where they lie when their slots are
+        consecutive (views: an engine lane's neighbouring slots), else by slot (ggml_get_rows at the
+        step's state slots), run as [B, t] (padded queries where their token counts differ: a pad row's
         beta and decay are 0, so it leaves the state as it is), and write the new states back in
         place (ggml_set_rows): the conv state is the last K-1 inputs of each sequence's real
         tokens, the recurrent state ggml_gated_delta_net's final one."""
@@ -736,6 +745,11 @@ class TrunkGraphs:
         conv_w, dt_bias, A, norm_w = new(K, C), new(Hv), new(Hv), new(Dv)
         conv_pool, rec_pool = new((K - 1) * C, step.n_slots), new(Dk * Dv * Hv, step.n_slots)
         inputs = ws + [wo, conv_w, dt_bias, A, norm_w, conv_pool, rec_pool]
+        if step.state_base >= 0:  # consecutive slots: the states read where they lie (views of the pools)
+            conv_rows, rec_rows = new((K - 1) * C, B), new(Dk * Dv * Hv, B)
+            inputs += [conv_rows, rec_rows]
+        else:  # gathered by slot
+            conv_rows, rec_rows = G.ggml_get_rows(ctx, conv_pool, idx), G.ggml_get_rows(ctx, rec_pool, idx)
 
         # [qkv (C); z (Vd); beta (Hv); alpha (Hv)] per token: one matmul where the parts share a type
         parts = [graph_mul_mat(ctx, w, wt, a) for w, wt in zip(attn.w_in, ws)]
@@ -754,7 +768,7 @@ class TrunkGraphs:
         beta, g = G.ggml_reshape_4d(ctx, beta, 1, Hv, t, B), G.ggml_reshape_4d(ctx, g, 1, Hv, t, B)
 
         # the short conv over [conv state (K-1), the step's tokens] per sequence, time first
-        state = G.ggml_reshape_3d(ctx, G.ggml_get_rows(ctx, conv_pool, idx), K - 1, C, B)
+        state = G.ggml_reshape_3d(ctx, conv_rows, K - 1, C, B)
         conv_in = G.ggml_concat(ctx, state, G.ggml_transpose(ctx, qkv), 0)  # [K-1+t, C, B]
         ci = conv_in.contents
         writes = []
@@ -779,7 +793,7 @@ class TrunkGraphs:
             r = Hv // Hk
             q, k = (G.ggml_reshape_4d(ctx, G.ggml_repeat_4d(ctx, G.ggml_reshape_4d(ctx, x, Dk, 1, Hk, t * B),
                                                              Dk, r, Hk, t * B), Dk, Hv, t, B) for x in (q, k))
-        s = G.ggml_reshape_4d(ctx, G.ggml_get_rows(ctx, rec_pool, idx), Dk, Dv, Hv, B)
+        s = G.ggml_reshape_4d(ctx, rec_rows, Dk, Dv, Hv, B)
         out = G.ggml_gated_delta_net(ctx, q, k, v, g, beta, s, 1)  # [o (Vd x M); final states (B of them)]
         o = G.ggml_view_2d(ctx, out, Vd, M, Vd * 4, 0)
         new_s = G.ggml_view_2d(ctx, out, Dk * Dv * Hv, B, Dk * Dv * Hv * 4, Vd * M * 4)
