@@ -30,7 +30,7 @@ LLAMA_BENCH = "/work/llamacpp/build/bin/llama-bench"
 
 def moeray_prefill(path: str, n_tokens: int, chunks: list[int], rounds: int = 1) -> list[dict]:
     """Seconds to the first token of an n_tokens prompt at each prefill chunk size (the best of
-    `rounds`), one model loaded once."""
+    `rounds`), one model loaded once. A served lone prompt takes EngineConfig.prefill_alone."""
     import torch
 
     from decode import prompt_ids
@@ -50,7 +50,7 @@ def moeray_prefill(path: str, n_tokens: int, chunks: list[int], rounds: int = 1)
         best = float("inf")
         for r in range(rounds + 1):  # round 0 warms the graphs of this chunk's shapes on a short prompt
             cfg = EngineConfig(max_seqs=1, max_len=n_tokens + 16, token_budget=chunk, prefill_chunk=chunk,
-                               micro_batches=1, kv_blocks=blocks, prefix_reuse=False)
+                               prefill_alone=chunk, micro_batches=1, kv_blocks=blocks, prefix_reuse=False)
             eng = Engine(LocalPipeline.from_model(model, blocks, 1), cfg)
             prompt = ids if r else ids[:min(n_tokens, 2 * chunk + 5)]
             t = time.perf_counter()
@@ -87,7 +87,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="GGUF file (default: the embedded default model)")
     ap.add_argument("--tokens", type=int, default=8192)
-    ap.add_argument("--chunks", type=int, nargs="+", default=[512, 2048])
+    ap.add_argument("--chunks", type=int, nargs="+", default=[512, 2048],
+                    help="prefill chunk sizes to time (a served lone prompt takes --prefill-alone's 512)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--llama-bench", default=shutil.which("llama-bench") or LLAMA_BENCH)

@@ -11,7 +11,9 @@ Each running request belongs to one of `micro_batches` lanes; every lane has at 
 flight (cluster/engine.py keeps that rule). A lane's step packs one decode token per decoding
 request, then prompt chunks (at most `prefill_chunk` tokens of a prompt per step, chunked
 prefill) until the step's `token_budget` is spent, so a long prompt never stalls the decodes
-that share its lane.
+that share its lane. While no sequence decodes (a lone long prompt, or prompts arriving together)
+nothing waits on a step, so chunks and budget grow to `prefill_alone` (llama.cpp's ubatch):
+fewer, bigger steps.
 
 `Scheduler.postprocess` owns every finish rule: the end token, the length, and stop strings,
 which it finds in the text it detokenises as tokens arrive (`Request.text`: released text only,
@@ -250,7 +252,9 @@ class Scheduler:
     def schedule(self, lane: int) -> Optional[ScheduledStep]:
         """The lane's next step: decodes first (what users wait on between tokens), then prompt
         chunks, within the token budget. None when the lane has nothing to run."""
-        budget = self.config.token_budget
+        budget, chunk = self.config.token_budget, self.config.prefill_chunk
+        if not any(r.fed == len(r.prefill) for r in self.running if not r.done):  # no one decodes
+            budget, chunk = max(budget, self.config.prefill_alone), max(chunk, self.config.prefill_alone)
         members = [r for r in self.running if r.lane == lane and not r.busy and not r.done]
         rows, chosen, before, after = [], [], [], []
         for r in members:
@@ -273,7 +277,7 @@ class Scheduler:
                     before.append((r.restore, r.slot))
                     self.checkpoints.release(r.restore)
                     r.restore = None
-                n = min(self.config.prefill_chunk, len(r.prefill) - r.fed, budget)
+                n = min(chunk, len(r.prefill) - r.fed, budget)
                 if r.checkpoint_at is not None and r.fed < r.checkpoint_at <= r.fed + n:
                     n = r.checkpoint_at - r.fed  # the chunk ends at the boundary: its state is checkpointed
                     r.checkpoint_at = None
