@@ -420,7 +420,8 @@ class TrunkGraphs:
     def layer(self, step: Step, x: torch.Tensor, r: torch.Tensor | None, layer: LayerSpec, kv: KVPool) -> LayerOut:
         """x + r + attention, and after it the FFN's input h and the router's logits, or with
         `layer.routed` the routing (and the routed experts) too (see LayerOut)."""
-        g = self._graph((step.key, r is not None, layer.key()), lambda: self._builder(step, [layer], r is not None, False))
+        g = self._graph((step.key, r is not None, layer.key()), lambda: self._builder(step, [layer], r is not None, False),
+                        256 + (6 * step.key[0] if step.valid is not None else 0))  # padded DeltaNet: a write per sequence
         ptrs = [x.data_ptr()] + ([r.data_ptr()] if r is not None else []) + self._step_ptrs(step) + layer.ptrs(step, kv)
         N, H = x.shape
         routed = layer.routed
