@@ -138,7 +138,7 @@ def run_bench(paths: list[Path], sizes: list[int], layout: str, profile_from: st
 
 
 def slot_bytes_report() -> dict:
-    """Bytes one slot holds on this process's kernel route against the expert's bytes in the GGUF."""
+    """Bytes one slot holds on this process's kernel backend against the expert's bytes in the GGUF."""
     from moeray.stages.gguf.default_model import default_model_path
     from moeray.stages.gguf.reader import GGUFFile
     from moeray.stages.blocks.moe import HostExperts
@@ -146,13 +146,13 @@ def slot_bytes_report() -> dict:
     host = HostExperts(GGUFFile(default_model_path(quiet=True)))
     gguf_type = host.gguf.info("blk.0.ffn_gate_exps.weight").ggml_type.name
     return {"slot_bytes": host.slot_bytes(0), "gguf_expert_bytes": int(host.gguf.expert_bytes(0)),
-            "gguf_type": gguf_type, "route": host.route}
+            "gguf_type": gguf_type, "backend": host.backend}
 
 
 def print_table(res: dict) -> None:
     if "slot" in res:
         s = res["slot"]
-        print(f"one slot holds {s['slot_bytes']:,} bytes per expert ({s['route']} route); the GGUF stores it in "
+        print(f"one slot holds {s['slot_bytes']:,} bytes per expert ({s['backend']} backend); the GGUF stores it in "
               f"{s['gguf_expert_bytes']:,} bytes ({s['gguf_type']}), {s['slot_bytes'] / s['gguf_expert_bytes']:.1f}x")
     print(f"default model ({res['model']}), {res['layout']} slots; profile from "
           f"{len(res['traces_profiled'])} prompts, replayed {len(res['traces_replayed'])} prompts "

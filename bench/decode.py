@@ -4,7 +4,7 @@ thread count in the same run, with the ratio, the weight bytes a decode token re
 the machine's measured read bandwidth allows for them.
 
     python bench/decode.py [--model X.gguf | --shape qwen3-30b-a3b] [--threads 2] [--batch 1 16]
-                           [--kernels auto] [--json out.json]
+                           [--backend auto] [--json out.json]
 
 --shape writes (once, into the cache dir) a GGUF of a real model's exact shape with random valid
 Q4_K blocks (bench/shapes.py: qwen3-30b-a3b, 16 GiB; qwen1.5-moe-a2.7b) and runs both engines on it,
@@ -43,7 +43,7 @@ def prompt_ids(tokenizer, n_tokens: int, index: int) -> list[int]:
 
 def bytes_per_token(model) -> int:
     """Weight bytes one decode token of one sequence reads: every trunk matrix once (the head
-    included) and k routed experts per MoE layer, in the form the route holds them."""
+    included) and k routed experts per MoE layer, in the form the backend holds them."""
     cfg = model.config
     n = model.trunk_bytes()
     if cfg.is_moe:
@@ -66,20 +66,18 @@ def read_bandwidth_gb_s(n_bytes: int = 512 << 20, reps: int = 5) -> float:
 
 
 def use_layout(layout: str | None) -> str:
-    """Apply a weight layout "REPACK:HOST" (MOERAY_REPACK on|fast|off, MOERAY_HOST_EXPERTS
+    """Apply a weight layout "REPACK:HOST" (StageOptions.repack on|fast|off, .host_experts
     mapped|repacked, stages/kernels/repack.py) to the models loaded next; None: this process's own."""
-    from moeray.stages.kernels import repack
+    from moeray.stages.kernels import repack, settings
 
     if layout is not None:
         mode, _, host = layout.partition(":")
-        repack.set_mode(mode)
-        os.environ["MOERAY_HOST_EXPERTS"] = host or "mapped"
-        repack.host_experts()  # a bad name fails here, before any model loads
+        settings.update(repack=mode, host_experts=host or "mapped")  # a bad name fails here, before any load
     return f"{repack.mode()}:{repack.host_experts()}"
 
 
 def bench_moeray(path: str, batch_sizes, n_prompt: int, n_decode: int, caches=("0", "all"),
-                 route: str | None = None, layouts=(None,)) -> list[dict]:
+                 backend: str | None = None, layouts=(None,)) -> list[dict]:
     """One row per (layout, expert cache, batch). Cache "0": every routed expert is computed from
     the GGUF mapping (the host path a miss takes); "all": every expert is resident in a slot (a
     card with room for the whole model); a size such as "200MiB" is a simulated budget filled
@@ -105,11 +103,11 @@ def bench_moeray(path: str, batch_sizes, n_prompt: int, n_decode: int, caches=("
         for cache in caches if cfg.is_moe else ("0",):
             t0 = time.perf_counter()
             if cache == "0":
-                model = load_model(path, route=route)
+                model = load_model(path, backend=backend)
             else:
                 n_slots = cfg.n_layers * cfg.n_experts if cache == "all" else None
                 budget = None if cache == "all" else parse_size(cache)
-                model, _ = load_cached(path, route=route, budget_bytes=budget, n_slots=n_slots)
+                model, _ = load_cached(path, backend=backend, budget_bytes=budget, n_slots=n_slots)
             load_s = time.perf_counter() - t0
             gen = Generator(model, tokenizer, config)
             gen.generate([prompt_ids(tokenizer, 16, 0)], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
@@ -117,7 +115,7 @@ def bench_moeray(path: str, batch_sizes, n_prompt: int, n_decode: int, caches=("
             for b in batch_sizes:
                 gen.generate([prompt_ids(tokenizer, n_prompt, i) for i in range(b)], params)
                 s = gen.stats
-                rows.append({"engine": "moeray", "route": model.route, "layout": name, "cache": cache,
+                rows.append({"engine": "moeray", "backend": model.backend, "layout": name, "cache": cache,
                              "batch": b, "prefill_tok_s": s.prefill_tok_s, "decode_tok_s": s.decode_tok_s,
                              "prefill_tokens": s.prefill_tokens, "decode_tokens": s.decode_tokens,
                              "weight_bytes_per_token": per_token, "load_s": load_s})
@@ -126,7 +124,7 @@ def bench_moeray(path: str, batch_sizes, n_prompt: int, n_decode: int, caches=("
     return rows
 
 
-def profile_decode(path: str, n_prompt: int, n_decode: int, route: str | None = None) -> dict:
+def profile_decode(path: str, n_prompt: int, n_decode: int, backend: str | None = None) -> dict:
     """Where a decode token's time goes at batch 1, every expert on the host path: wall time of
     each part of the stage's step (timers around the model's own methods), ms per token."""
     import torch
@@ -138,7 +136,7 @@ def profile_decode(path: str, n_prompt: int, n_decode: int, route: str | None = 
     from moeray.stages.runtime.model import load_model
     from moeray.stages.text.tokenizer import Tokenizer
 
-    model = load_model(path, route=route)
+    model = load_model(path, backend=backend)
     spent: dict[str, float] = {}
 
     def timed(owner, name, part):
@@ -262,7 +260,7 @@ def bench_llama_cpp(path: str, threads: int, batch_sizes, n_prompt: int, n_decod
         for step in range(n_decode):
             nxt = decode([[t] for t in nxt], n_prompt + step)
         decode_s = time.perf_counter() - t0
-        rows.append({"engine": "llama.cpp", "route": "ggml", "cache": "-", "batch": b,
+        rows.append({"engine": "llama.cpp", "backend": "ggml", "cache": "-", "batch": b,
                      "prefill_tok_s": b * n_prompt / prefill_s, "decode_tok_s": b * n_decode / decode_s,
                      "prefill_tokens": b * n_prompt, "decode_tokens": b * n_decode})
         L.llama_batch_free(batch)
@@ -282,10 +280,10 @@ def main() -> int:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--caches", default="0,all",
                     help="moeray expert caches to run: 0 (host path only), all (every expert resident), or sizes")
-    ap.add_argument("--kernels", choices=("auto", "ggml", "dequant", "exact"), default="auto",
-                    help="moeray's matmul route (auto: ggml when installed)")
+    ap.add_argument("--backend", "--kernels", dest="backend", choices=("auto", "ggml", "dequant", "exact"), default="auto",
+                    help="moeray's matmul backend (auto: ggml when installed)")
     ap.add_argument("--layouts", help="moeray weight layouts to run one after the other, REPACK:HOST each "
-                                      "(MOERAY_REPACK on|fast|off : MOERAY_HOST_EXPERTS mapped|repacked), "
+                                      "(repack on|fast|off : host experts mapped|repacked), "
                                       "e.g. off:mapped,on:mapped,on:repacked (default: the environment's)")
     ap.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp reference")
     ap.add_argument("--json", help="also write the results here")
@@ -315,13 +313,13 @@ def main() -> int:
 
         path = str(default_model_path())
 
-    route = None if args.kernels == "auto" else args.kernels
+    backend = None if args.backend == "auto" else args.backend
     layouts = args.layouts.split(",") if args.layouts else (None,)
-    rows = bench_moeray(path, args.batch, args.prompt_tokens, args.decode_tokens, args.caches.split(","), route,
+    rows = bench_moeray(path, args.batch, args.prompt_tokens, args.decode_tokens, args.caches.split(","), backend,
                         layouts)
     profile = None
     if args.profile:  # before llama.cpp runs: the same pages in memory as moeray's rows saw
-        profile = profile_decode(path, args.prompt_tokens, args.decode_tokens, route)
+        profile = profile_decode(path, args.prompt_tokens, args.decode_tokens, backend)
     # The model's reference cycles keep a repacked host copy (15.5 GiB at the 30B shape) alive
     # until a collection: without this llama.cpp's child ran beside it and paged from disk.
     gc.collect()
@@ -341,7 +339,7 @@ def main() -> int:
     print(f"model {Path(path).name}, {threads} threads, {args.prompt_tokens} prompt tokens, "
           f"{args.decode_tokens} decode tokens per sequence, {platform.processor() or platform.machine()}, "
           f"torch {torch.backends.cpu.get_cpu_capability()}, read bandwidth {bandwidth:.1f} GB/s")
-    print(f"{'engine':<10} {'kernels':>8} {'layout':>13} {'cache':>6} {'batch':>5} {'prefill tok/s':>14} "
+    print(f"{'engine':<10} {'backend':>8} {'layout':>13} {'cache':>6} {'batch':>5} {'prefill tok/s':>14} "
           f"{'decode tok/s':>13} "
           f"{'prefill x':>10} {'decode x':>9} {'MB/token':>9} {'bound tok/s':>12}")
     for r in rows:
@@ -349,7 +347,7 @@ def main() -> int:
         dx = f"{r['decode_vs_llama_cpp']:.2f}" if "decode_vs_llama_cpp" in r else "-"
         mb = f"{r['weight_bytes_per_token'] / 1e6:.0f}" if r.get("weight_bytes_per_token") else "-"
         bound = f"{r['bandwidth_bound_tok_s']:.0f}" if "bandwidth_bound_tok_s" in r else "-"
-        print(f"{r['engine']:<10} {r['route']:>8} {r.get('layout', '-'):>13} {r['cache']:>6} {r['batch']:>5} "
+        print(f"{r['engine']:<10} {r['backend']:>8} {r.get('layout', '-'):>13} {r['cache']:>6} {r['batch']:>5} "
               f"{r['prefill_tok_s']:>14.1f} "
               f"{r['decode_tok_s']:>13.1f} {px:>10} {dx:>9} {mb:>9} {bound:>12}")
     if profile is not None:

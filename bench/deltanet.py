@@ -4,7 +4,7 @@ in one run, at Qwen3-Next's head shape (32 value heads, 16 key heads, 128 dims) 
 
     python bench/deltanet.py [--threads 2] [--heads 32 16 128] [--repeat 5]
 
-Prints ms per call of each and the ratio torch / ggml; the ggml route uses whichever is faster.
+Prints ms per call of each and the ratio torch / ggml; the ggml backend uses whichever is faster.
 """
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def main(argv=None) -> int:
     from moeray.stages.blocks.deltanet import (DeltaNetShape, gated_delta_chunked, gated_delta_step, ggml_gated_delta,
                                         l2norm)
 
-    qmatmul.set_threads(args.threads)  # ggml's pool; torch then runs on one thread, as on the route
+    qmatmul.set_threads(args.threads)  # ggml's pool; torch then runs on one thread, as on the backend
     Hv, Hk, D = args.heads
     shape = DeltaNetShape(Hk, Hv, D, D, 4, "tiled")
     print(f"H_v={Hv} H_k={Hk} D={D}, ggml threads {args.threads}, torch threads {torch.get_num_threads()}")

@@ -40,7 +40,7 @@ from carry import bootstrap  # noqa: E402  moeray and gguf without an install (t
 BOOTSTRAPPED = bootstrap()
 
 MiB = 1 << 20
-# max |logits - CPU logits| / max |CPU logits| allowed, by kernel route: dequant and exact compute
+# max |logits - CPU logits| / max |CPU logits| allowed, by kernel backend: dequant and exact compute
 # the same float32 products on either device (only the order of the sums differs); ggml computes
 # a miss with 8-bit activations on the host while a hit runs float32 on the card (docs/kernels.md: 0.5-7%).
 TOLERANCE = {"dequant": 1e-3, "exact": 1e-3, "ggml": 7e-2}
@@ -116,7 +116,8 @@ def write_synthetic(path: Path, quick: bool, seed: int = 0) -> Path:
 
 def model_bytes(path: str, max_seqs: int, max_len: int) -> dict:
     """Trunk (KV of every layer included), one copy of every expert, as the planner prices them."""
-    from moeray.cluster.driver import held_spec, kv_layer_bytes
+    from moeray.cluster.driver import held_spec
+    from moeray.stages.blocks.kv_cache import kv_layer_bytes
     from moeray.stages.blocks.kv_cache import blocks_for
     from moeray.stages.gguf.reader import read_gguf_header
 
@@ -138,15 +139,15 @@ def stage_room(sizes: dict, n_stages: int, expert_share: float | None) -> int:
 # ---------------------------------------------------------------- device-side work (a Ray GPU task on CUDA)
 
 
-def device_logits(path: str, tokens: list[int], device: str, cache_bytes: int, kernels: str) -> dict:
+def device_logits(path: str, tokens: list[int], device: str, cache_bytes: int, backend: str) -> dict:
     """Logits at every position, the whole model in this process on `device` with an expert cache of
     `cache_bytes` (hits on the device, misses on the host), and what the device spent doing it."""
     import torch
 
     from moeray.stages.runtime.model import load_cached
-    from moeray.stages.kernels.qmatmul import set_route
+    from moeray.stages.kernels.qmatmul import set_backend
 
-    set_route(kernels)
+    set_backend(backend)
     if device.startswith("cuda"):
         torch.set_num_threads(os.cpu_count() or 1)  # a Ray task that reserves no CPU starts on 1 thread
         torch.cuda.reset_peak_memory_stats()
@@ -181,7 +182,7 @@ class Check:
     def __init__(self, out_dir: Path, args):
         self.path = out_dir / "device_check.json"
         self.t0 = time.perf_counter()
-        self.data: dict = {"device": args.device, "kernels": args.kernels, "quick": args.quick,
+        self.data: dict = {"device": args.device, "backend": args.backend, "quick": args.quick,
                            "host": os.uname().nodename, "cpus": os.cpu_count(), "started": time.strftime("%F %T"),
                            "steps": [], "checks": [], "errors": [], "models": {}}
         self.save()
@@ -220,10 +221,11 @@ class Check:
 def probe_step(run: Check, args, path: str) -> dict:
     """A StageActor's own report (the path every stage takes; built here, in this process) and
     torch's and NVML's view of the card."""
+    from moeray.stages.kernels.settings import StageOptions
     from moeray.stages.runtime.actor import StageActor
 
     budget = None if args.device == "cuda" else 256 * MiB
-    rep = StageActor(0, 1, budget, None, args.kernels).probe(path)
+    rep = StageActor(0, 1, budget, None, StageOptions(backend=args.backend)).probe(path)
     d = rep.device
     out = {"stage_report": d.to_dict(), "layer_ms": rep.layer_ms, "miss_ms": rep.miss_ms}
     if args.device == "cuda":
@@ -266,7 +268,7 @@ def _nvml_here() -> str:
         return f"{type(exc).__name__}: {exc}"
 
 
-def reference(path: str, tokens: list[int], prompts: dict, n_new: int, kernels: str, tokenizer) -> dict:
+def reference(path: str, tokens: list[int], prompts: dict, n_new: int, backend: str, tokenizer) -> dict:
     """The CPU run every device run is compared with: every expert computed on the host."""
     from moeray.cluster.config import EngineConfig
     from moeray.cluster.engine import Engine
@@ -275,7 +277,7 @@ def reference(path: str, tokens: list[int], prompts: dict, n_new: int, kernels: 
     from moeray.stages.runtime.model import load_model
     from moeray.stages.text.sampling import SamplingParams
 
-    model = load_model(path, "cpu", route=kernels)
+    model = load_model(path, "cpu", backend=backend)
     logits = model.logits_all(tokens).float().numpy()
     cfg = EngineConfig(max_seqs=2, max_len=max(len(p) for p in prompts.values()) + n_new + 4, micro_batches=1)
     eng = Engine(LocalPipeline.from_model(model, cfg.max_seqs * blocks_for(cfg.max_len), cfg.max_seqs), cfg, tokenizer)
@@ -288,13 +290,13 @@ def logits_step(run: Check, args, name: str, path: str, tokens: list[int], ref: 
     import numpy as np
 
     cache_bytes = int(sizes["experts"] * 0.5)
-    res = device_logits(path, tokens, "cuda:0" if args.device == "cuda" else "cpu", cache_bytes, args.kernels)
+    res = device_logits(path, tokens, "cuda:0" if args.device == "cuda" else "cpu", cache_bytes, args.backend)
     got, want = res.pop("logits"), ref["logits"]
     diff = float(np.abs(got - want).max())
     scale = float(np.abs(want).max())
     rel = diff / scale
     agree = float((got.argmax(-1) == want.argmax(-1)).mean())
-    tol = TOLERANCE[args.kernels]
+    tol = TOLERANCE[args.backend]
     out = {**res, "max_abs_diff": diff, "max_abs_logit": scale, "rel_diff": rel, "tolerance": tol,
            "argmax_agreement": agree, "positions": len(tokens)}
     run.say(f"{name}: logits on {res['device']} vs CPU: max |diff| {diff:.3e} of max |logit| {scale:.2f} "
@@ -346,8 +348,9 @@ def pipeline_step(run: Check, args, name: str, path: str, n_stages: int, sizes: 
     """moeray's driver on 1 or 2 stages: text, tok/s, hit rates, memory, hop cost."""
     import ray
 
-    from moeray.cluster.config import EngineConfig, LaunchOptions
+    from moeray.cluster.config import EngineConfig, LaunchOptions, with_overrides
     from moeray.cluster.driver import launch
+    from moeray.stages.kernels.settings import StageOptions
     from moeray.cluster.engine import Engine
     from moeray.stages.text.sampling import SamplingParams
 
@@ -357,12 +360,14 @@ def pipeline_step(run: Check, args, name: str, path: str, n_stages: int, sizes: 
         # The capped budget is the stage's share of the card: that share of what is free must be its
         # room plus the reserve (CUDA context, scratch) every stage keeps back.
         share = None if expert_share is None else card_share_for(room, free_per_card, n_stages)
-        opts = LaunchOptions(n_stages, kernels=args.kernels, gpus_per_stage=share, timeout_s=args.timeout)
+        opts = LaunchOptions(n_stages, stage=StageOptions(backend=args.backend), gpus_per_stage=share,
+                             timeout_s=args.timeout)
         where = f"{n_stages} stage(s) on one card, {share or 1 / n_stages:g} of it each"
     else:
-        opts = LaunchOptions(n_stages, simulate=[room] * n_stages, kernels=args.kernels, torch_threads=1,
-                             timeout_s=args.timeout)
+        opts = LaunchOptions(n_stages, simulate=[room] * n_stages, stage=StageOptions(backend=args.backend),
+                             torch_threads=1, timeout_s=args.timeout)
         where = f"{n_stages} simulated stage(s) of {room / MiB:.1f} MiB"
+    opts = with_overrides(opts)  # this process's MOERAY_* overrides, named, reach the stages in the config
     run.say(f"{name}: launching {where}")
     engine_cfg = EngineConfig(max_seqs=max(batches), max_len=max_len, token_budget=256, prefill_chunk=64,
                               micro_batches=1)
@@ -479,10 +484,10 @@ def inproc_step(run: Check, args, name: str, path: str, n_stages: int, sizes: di
         # trunk and KV), not the whole card: so "peak <= 1.05 x charged + reserve" tests the plan.
         share = card_share_for(room, free_per_card, n_stages) if free_per_card else 1.0 / n_stages
         where = f"{n_stages} in-process stage(s) on one card, {share:g} of it each"
-        pipe = InProcessPipeline.load(path, n_stages, kv_blocks, None, args.kernels, card_share=share)
+        pipe = InProcessPipeline.load(path, n_stages, kv_blocks, None, args.backend, card_share=share)
     else:
         where = f"{n_stages} in-process simulated stage(s) of {room / MiB:.1f} MiB"
-        pipe = InProcessPipeline.load(path, n_stages, kv_blocks, [room] * n_stages, args.kernels)
+        pipe = InProcessPipeline.load(path, n_stages, kv_blocks, [room] * n_stages, args.backend)
     run.say(f"{name}: {where}")
     out: dict = {"where": where}
     engine_cfg = EngineConfig(max_seqs=max(batches), max_len=max_len, token_budget=256, prefill_chunk=64,
@@ -546,7 +551,7 @@ def run_model(run: Check, args, name: str, path: str, tokenizer, expert_share: f
     prompts = {"greedy": greedy_prompt, "decode": tokens[:16]}
     m.update(experts_bytes=sizes["experts"], trunk_and_kv_bytes=sizes["trunk_kv"], layers=sizes["n_layers"],
              experts_per_layer=sizes["n_experts"])
-    ref = run.step(f"{name}: CPU reference", reference, path, tokens, prompts, args.tokens, args.kernels, tokenizer)
+    ref = run.step(f"{name}: CPU reference", reference, path, tokens, prompts, args.tokens, args.backend, tokenizer)
     run.save()
     if ref is None:
         return
@@ -647,8 +652,8 @@ def main(argv=None) -> int:
                         "$OUT: what comes back from there is limited to a few small files)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--quick", action="store_true", help="tiny models and few tokens (the CI dry run)")
-    p.add_argument("--kernels", choices=("dequant", "exact", "ggml"), default="dequant",
-                   help="the stages' matmul route (default dequant: on a card the Triton kernels, on the host for "
+    p.add_argument("--backend", "--kernels", dest="backend", choices=("dequant", "exact", "ggml"), default="dequant",
+                   help="the stages' kernel backend (default dequant: on a card the Triton kernels, on the host for "
                         "its misses the torch dequantiser)")
     p.add_argument("--models", default="default,shape30b,synthetic",
                    help="which models: default, shape30b (a Qwen3-30B-A3B-shaped slice), synthetic")
@@ -689,10 +694,9 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(args.work) if args.work else out_dir / "models"
     work.mkdir(parents=True, exist_ok=True)
-    os.environ.setdefault("MOERAY_ROUTE", args.kernels)  # the driver process prices with the stages' route
-    from moeray.stages.kernels.qmatmul import set_route
+    from moeray.stages.kernels.qmatmul import set_backend
 
-    set_route(args.kernels)
+    set_backend(args.backend)  # this process's own runs (the launches send it to their stages)
     run = Check(out_dir, args)
     run.data.update(bootstrapped=BOOTSTRAPPED, ray=("used" if args.use_ray else f"not used: {no_ray}"),
                     python=sys.version.split()[0])
@@ -705,7 +709,7 @@ def main(argv=None) -> int:
         run.data["triton"] = triton.__version__
     except ImportError as exc:
         run.data["triton"] = f"not importable: {exc}"
-    run.say(f"device check on {args.device}, kernels {args.kernels}, Ray {run.data['ray']}, results in {run.path}")
+    run.say(f"device check on {args.device}, backend {args.backend}, Ray {run.data['ray']}, results in {run.path}")
     if BOOTSTRAPPED:
         run.say(f"from the checkout, no install: {', '.join(BOOTSTRAPPED)}")
     if args.use_ray:

@@ -67,13 +67,13 @@ def main() -> None:
     torch.set_num_threads(2)
     for family in args.family:
         path = write_shape(f"small-{family}", shape=SMALL[family])
-        cfg = load_model(path, route="ggml").config
+        cfg = load_model(path, backend="ggml").config
         for where in args.where:
             if where == "host":
-                model = load_model(path, route="ggml")
+                model = load_model(path, backend="ggml")
             else:
                 per_layer = cfg.n_experts if where == "resident" else cfg.n_experts // 2
-                model, _ = load_cached(path, route="ggml", n_slots=len(cfg.moe_layers) * per_layer)
+                model, _ = load_cached(path, backend="ggml", n_slots=len(cfg.moe_layers) * per_layer)
             trunk = model.trunk
             for batch in args.batch:
                 res = {k: [] for k in MODES}

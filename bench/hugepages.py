@@ -38,7 +38,7 @@ def main() -> int:
 
     torch.set_num_threads(1)
     from decode import prompt_ids
-    from moeray.stages.kernels import qmatmul
+    from moeray.stages.kernels import qmatmul, settings
     from moeray.stages.gguf.default_model import default_model_path
     from moeray.stages.gguf.reader import GGUFFile
     from moeray.stages.runtime.model import load_cached, load_model
@@ -50,7 +50,7 @@ def main() -> int:
     every = cfg.n_layers * cfg.n_experts
     models = {}
     for label, (huge, host, resident) in VARIANTS.items():
-        os.environ["MOERAY_HUGEPAGES"], os.environ["MOERAY_HOST_EXPERTS"] = huge, host  # read at load
+        settings.update(hugepages=huge != "0", host_experts=host)  # read at load
         models[label] = load_cached(path, n_slots=every)[0] if resident else load_model(path)
     ids = prompt_ids(Tokenizer.from_gguf(path), 32, 0)
     ms = {label: [] for label in models}

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from dataclasses import replace
 
 
 class MemoryLink:
@@ -57,10 +58,11 @@ class InProcessPipeline:
             s.link = MemoryLink(s.stage, len(stages), queues, s.device.torch_device)
 
     @classmethod
-    def load(cls, path: str, n_stages: int, kv_blocks: int, simulated: list[int] | None, route: str,
+    def load(cls, path: str, n_stages: int, kv_blocks: int, simulated: list[int] | None, backend: str,
              card_share: float = 1.0) -> "InProcessPipeline":
         """n stages over the file's layers split evenly; each probes its device (`simulated` bytes
         each on the CPU, else `card_share` of the card) and loads as a Ray stage would."""
+        from moeray.stages.kernels import settings
         from moeray.stages.runtime.actor import StageActor
         from moeray.stages.gguf.reader import read_gguf_header
 
@@ -69,7 +71,8 @@ class InProcessPipeline:
         stages = []
         for i in range(n_stages):
             budget = None if simulated is None else simulated[i]
-            s = StageActor(i, n_stages, budget, torch_threads=None, route=route, card_share=card_share)
+            s = StageActor(i, n_stages, budget, torch_threads=None, card_share=card_share,
+                           options=replace(settings.current(), backend=backend))
             s.load(path, cuts[i], cuts[i + 1], kv_blocks)
             stages.append(s)
         return cls(stages, kv_blocks)

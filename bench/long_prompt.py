@@ -60,7 +60,7 @@ def moeray_prefill(path: str, n_tokens: int, chunks: list[int], rounds: int = 1)
                 best = min(best, time.perf_counter() - t)
             del eng
         rows.append({"engine": "moeray", "chunk": chunk, "tokens": n_tokens, "seconds": best,
-                     "prefill_tok_s": n_tokens / best, "route": model.route,
+                     "prefill_tok_s": n_tokens / best, "backend": model.backend,
                      "graphs": model.trunk is not None})
         print(f"moeray chunk {chunk}: {n_tokens / best:.1f} tok/s ({best:.1f} s)", flush=True)
     return rows

@@ -78,7 +78,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", metavar="PATH")
     args = p.parse_args(argv)
 
-    from moeray.cluster.config import EngineConfig, LaunchOptions, resolve_model
+    from moeray.cluster.config import EngineConfig, LaunchOptions, resolve_model, with_overrides
     from moeray.cluster.driver import launch
     from moeray.cluster.engine import Engine
     from moeray.cluster.local_pipeline import LocalPipeline
@@ -103,7 +103,8 @@ def main(argv=None) -> int:
             print(rows[-1], file=sys.stderr)
         del local
 
-    launched = launch(path, LaunchOptions(args.stages, simulate=sizes, torch_threads=1, timeout_s=300),
+    # the stages run this process's MOERAY_* debugging overrides only as part of the config they are sent
+    launched = launch(path, with_overrides(LaunchOptions(args.stages, simulate=sizes, torch_threads=1, timeout_s=300)),
                       EngineConfig(max_seqs=max_seqs, max_len=max_len), log=lambda l: print(l, file=sys.stderr))
     try:
         result["plan"] = launched.plan.startup_line() if launched.plan is not None else launched.lines[-1]

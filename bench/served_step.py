@@ -25,7 +25,7 @@ import time
 from moeray.cluster.config import EngineConfig
 from moeray.cluster.engine import Engine
 from moeray.cluster.local_pipeline import LocalPipeline
-from moeray.cluster.service import local_threads
+from moeray.cluster.service import local_stage_options
 from moeray.stages.text.sampling import SamplingParams
 
 KV_BLOCKS = 1024
@@ -33,18 +33,14 @@ KV_BLOCKS = 1024
 
 def load(model: str | None) -> LocalPipeline:
     """The model as `moeray serve --local` holds it (its ggml thread settings, every expert resident)."""
-    import os
-
     from moeray.stages.gguf.default_model import FILE_NAME, cache_dir
-    from moeray.stages.runtime.default_profile import default_profile_for
     from moeray.stages.gguf.reader import read_gguf_header
-    from moeray.stages.kernels.qmatmul import ThreadSettings, set_threads
+    from moeray.stages.kernels import settings
+    from moeray.stages.runtime.default_profile import resolve_profile
 
     path = model or str(cache_dir() / FILE_NAME)
-    set_threads(len(os.sched_getaffinity(0)), ThreadSettings.from_env(ThreadSettings(**local_threads(
-        read_gguf_header(path).token_bytes()))))
-    profile = default_profile_for(path)
-    return LocalPipeline.from_file(path, KV_BLOCKS, 4 << 30, None if profile is None else str(profile), "static", 32)
+    stage = local_stage_options(settings.current(), read_gguf_header(path).token_bytes())  # with MOERAY_* overrides
+    return LocalPipeline.from_file(path, KV_BLOCKS, 4 << 30, resolve_profile(None, path), "static", 32, stage)
 
 
 def engine(pipe: LocalPipeline, prefix_reuse: bool) -> Engine:

@@ -1,22 +1,28 @@
 """The one config tree: every default of the engine, the launch and the server lives here, once.
 
     ServeOptions ─┬─ launch: LaunchOptions   (stages, placement, expert caches: read by the driver)
+                  │    └─ stage: StageOptions (kernels, threads, layouts, graphs: sent to every stage
+                  │                           actor with its load; stages/kernels/settings.py)
                   └─ engine: EngineConfig    (KV slots, context, step packing: read by the engine)
 
 `moeray serve`, `moeray run` and `moeray generate` build their flags from these dataclasses
 (`add_engine_arguments`, `add_launch_arguments`), so a flag's default is the field's default
-and a change here changes every command.
+and a change here changes every command. The commands then fold this process's debugging
+overrides (MOERAY_*, moeray/environment.py) into what they built, and print each one: the
+stages on every node run the result. docs/configuration.md lists every field and override.
 """
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field
+import sys
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from moeray.errors import MoerayError
+from moeray import environment
+from moeray.errors import ConfigError, MoerayError
+from moeray.stages.kernels.settings import BACKENDS, HOST_EXPERTS, REPACK_MODES, TRITON, StageOptions
 
 CACHE_POLICIES = ("static", "adaptive", "lru")
-KERNELS = ("auto", "ggml", "dequant", "exact")
 
 # With no GPU, the stages run on these simulated cards, sized for the default model: 16 sequences
 # of 512 tokens take 360 MiB of float32 KV cache over its 30 layers, the trunk (its GGUF blocks,
@@ -79,9 +85,12 @@ class LaunchOptions:
     # when routing shifts, ~19 better with no profile); static | adaptive | lru.
     cache_policy: str = "adaptive"
     torch_threads: Optional[int] = None
-    # Matmul kernels in every stage: ggml (the GGUF blocks, ggml's CPU kernels), dequant (pure
-    # torch, and what CUDA stages run), exact (float32 copies, for debugging); auto: the best one.
-    kernels: str = "auto"
+    # How every stage computes (kernel backend, ggml's threads, weight layouts, graphs): sent to
+    # each stage actor, which runs it whatever its node's environment says.
+    stage: StageOptions = field(default_factory=StageOptions)
+    # b of the planner's mass curve H(f) = 1 - (1 - f)^b; None: fitted to the profile's counts
+    # (3 for a ranking without counts, 1 with no profile): planner/mass.py
+    cover_b: Optional[float] = None
     timeout_s: float = 300.0  # probe, load, connect: a stage slower than this is reported
     address: Optional[str] = None  # join this Ray cluster instead of starting one
     # Every stage appends its routing to DIR/stage<i>.trace (a folder each node can write), so a
@@ -96,8 +105,8 @@ class LaunchOptions:
         if self.gpus_per_stage is not None and not 0 < self.gpus_per_stage <= 1:
             raise MoerayError(f"--gpus-per-stage {self.gpus_per_stage}: a stage runs on one card, give a share "
                               "0 < x <= 1 (0.5: two stages per card)")
-        if self.kernels not in KERNELS:
-            raise MoerayError(f"kernels '{self.kernels}' is not one of {', '.join(KERNELS)}")
+        if self.cover_b is not None and not self.cover_b > 0:
+            raise ConfigError("cover_b", self.cover_b, "b of the mass curve must be > 0, e.g. 3")
         if self.cache_policy not in CACHE_POLICIES:
             raise MoerayError(f"cache policy '{self.cache_policy}' is not one of {', '.join(CACHE_POLICIES)}")
 
@@ -117,12 +126,15 @@ class ServeOptions:
     metrics: bool = True
     # --local: bytes of the one simulated device (holds every expert of the default model)
     local_budget: int = 4 << 30
-    # --local: ggml's threads in the one process; None: every core it may run on (README "HTTP load")
-    threads: Optional[int] = None
+    # (--local's ggml threads are launch.stage.threads; None: every core the one process may run on)
+    # How chat templates are called and replies read (stages/text/chat/): None = the GGUF's own family
+    chat_format: Optional[str] = None
 
 
 def resolve_model(path: str | None, rebuild: bool = False) -> str:
-    """The GGUF to run: the given file, or the embedded default model (built on first use)."""
+    """The GGUF to run: the given file, or the embedded default model (built on first use). A
+    model in parts is named by any of its parts (stages/gguf/parts.py): the first is returned,
+    as llama.cpp loads it; the parts themselves are checked when the header is read."""
     from pathlib import Path
 
     if path is None:
@@ -131,10 +143,22 @@ def resolve_model(path: str | None, rebuild: bool = False) -> str:
         return str(default_model_path(rebuild=rebuild))
     if not Path(path).is_file():
         raise FileNotFoundError(f"{path}: no such file")
-    return path
+    from moeray.stages.gguf.parts import first_part_path
+
+    first = first_part_path(path)
+    return first if Path(first).is_file() else path
 
 
 # ---------------------------------------------------------------- command-line flags
+
+
+def add_chat_format_argument(p: argparse.ArgumentParser) -> None:
+    from moeray.stages.text.chat import FORMATS
+
+    p.add_argument("--chat-format", choices=("auto", *FORMATS), default="auto", metavar="NAME",
+                   help="how the chat template is called and replies are read (reasoning, tool calls): "
+                        f"{', '.join(FORMATS)}; auto (default): the GGUF's family, from its template's markers "
+                        "(docs/chat-formats.md)")
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -191,9 +215,8 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-policy", choices=CACHE_POLICIES, default=d.cache_policy,
                    help="the stages' expert caches: static (the profile fill), adaptive (decayed heat, swaps "
                         f"with hysteresis) or lru (default {d.cache_policy})")
-    g.add_argument("--kernels", choices=KERNELS, default=d.kernels,
-                   help="matmul route of every stage: ggml (quantised blocks, ggml's CPU kernels), dequant "
-                        "(pure torch), exact (float32 copies: debugging, 4 bytes a weight); auto picks the best")
+    g.add_argument("--cover-b", type=float, metavar="B", default=d.cover_b,
+                   help="b of the planner's mass curve H(f)=1-(1-f)^b (default: fitted to the profile's counts)")
     g.add_argument("--record-routing", metavar="DIR", default=d.record_routing,
                    help="every stage appends its routing decisions to DIR/stage<i>.trace (replay them with "
                         "bench/cache.py or bench/serve_hits.py)")
@@ -202,14 +225,68 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--gpus-per-stage", type=float, metavar="SHARE", default=d.gpus_per_stage,
                    help="the part of a GPU each stage reserves, e.g. 0.5: two stages share a card, each "
                         "planned with half of it (default: a card per stage, shared evenly when stages > GPUs)")
+    add_stage_arguments(p)
 
 
-def launch_options_from_args(args: argparse.Namespace, simulate: Optional[list[int]]) -> LaunchOptions:
-    return LaunchOptions(n_stages=args.stages, simulate=simulate, strategy="SPREAD" if args.spread else "PACK",
-                         objective=args.objective, split=args.split, profile=args.profile,
-                         cache_policy=args.cache_policy, torch_threads=1 if simulate else None,
-                         kernels=args.kernels, verbose_plan=getattr(args, "verbose", False),
-                         address=args.address, record_routing=args.record_routing, gpus_per_stage=args.gpus_per_stage)
+def add_stage_arguments(p: argparse.ArgumentParser) -> None:
+    """StageOptions as flags: how every stage computes (defaults: the fields')."""
+    d = StageOptions
+    g = p.add_argument_group("how every stage computes (sent to each stage; docs/configuration.md)")
+    g.add_argument("--backend", "--kernels", dest="backend", choices=BACKENDS, default=d.backend,
+                   help="kernel backend of every stage: ggml (quantised blocks, ggml's CPU kernels), dequant "
+                        "(pure torch), exact (float32 copies: debugging, 4 bytes a weight); auto picks the best")
+    g.add_argument("--repack", choices=REPACK_MODES, default=d.repack,
+                   help="weight layout: fast (ggml's repacked rows wherever it has kernels), on (only where a "
+                        f"row's bits stay batch-invariant), off (the GGUF's blocks) (default {d.repack})")
+    g.add_argument("--host-experts", choices=HOST_EXPERTS, default=d.host_experts,
+                   help="routed experts on the host: auto (a copy in huge pages when it leaves 4 GiB free), "
+                        f"mapped (read in place from the file), repacked (always a copy) (default {d.host_experts})")
+    g.add_argument("--ggml-poll", type=int, metavar="N", default=d.ggml_poll,
+                   help="how long idle ggml workers spin for the next graph (ggml's poll level; default 100, "
+                        "serve --local: by model size)")
+    g.add_argument("--ggml-parallel-kb", type=int, metavar="KB", default=d.ggml_parallel_kb,
+                   help="a graph reading fewer KiB of weights runs on one thread (default 0, serve --local: 1024)")
+    g.add_argument("--ggml-adapt", choices=("on", "off"), default=None,
+                   help="each graph learns whether one thread or all compute it faster (default off, "
+                        "serve --local: on for models under 1 GiB a token)")
+    g.add_argument("--triton", choices=TRITON, default=d.triton,
+                   help="the card's Triton GGUF kernels (auto: on CUDA when triton imports)")
+    for name, what in (("hugepages", "weight copies in transparent huge pages"),
+                       ("scratch-reuse", "graph intermediates share places once read"),
+                       ("trunk-graph", "a layer's trunk as one ggml graph (off: torch's ops)"),
+                       ("fused-moe", "routing and experts inside the trunk graph"),
+                       ("stage-graph", "a decode step's layers as one graph")):
+        g.add_argument(f"--no-{name}", action="store_true", help=f"debugging: turn off {what} (default on)")
+
+
+def stage_options_from_args(args: argparse.Namespace, threads: Optional[int] = None) -> StageOptions:
+    return StageOptions(backend=args.backend, threads=threads, ggml_poll=args.ggml_poll,
+                        ggml_parallel_kb=args.ggml_parallel_kb,
+                        ggml_adapt=None if args.ggml_adapt is None else args.ggml_adapt == "on", repack=args.repack,
+                        host_experts=args.host_experts, hugepages=not args.no_hugepages,
+                        scratch_reuse=not args.no_scratch_reuse, trunk_graph=not args.no_trunk_graph,
+                        fused_moe=not args.no_fused_moe, stage_graph=not args.no_stage_graph, triton=args.triton)
+
+
+def with_overrides(opts: LaunchOptions, say=lambda line: print(line, file=sys.stderr)) -> LaunchOptions:
+    """`opts` with this process's debugging overrides (MOERAY_*, moeray/environment.py) folded in,
+    each named by `say`: what a command runs, and sends to every stage, is then one config."""
+    stage, lines = environment.fold(opts.stage, "stage")
+    out, more = environment.fold(replace(opts, stage=stage), "launch")
+    for line in lines + more:
+        say(line)
+    return out
+
+
+def launch_options_from_args(args: argparse.Namespace, simulate: Optional[list[int]],
+                             threads: Optional[int] = None) -> LaunchOptions:
+    """LaunchOptions from the flags, this process's debugging overrides folded in (`with_overrides`)."""
+    return with_overrides(LaunchOptions(
+        n_stages=args.stages, simulate=simulate, strategy="SPREAD" if args.spread else "PACK",
+        objective=args.objective, split=args.split, profile=args.profile, cache_policy=args.cache_policy,
+        torch_threads=1 if simulate else None, stage=stage_options_from_args(args, threads),
+        cover_b=args.cover_b, verbose_plan=getattr(args, "verbose", False), address=args.address,
+        record_routing=args.record_routing, gpus_per_stage=args.gpus_per_stage))
 
 
 def simulated_devices(args: argparse.Namespace, has_gpus: bool, command: str) -> Optional[list[int]]:

@@ -3,10 +3,13 @@
 1. Spawn one StageActor per stage in a placement group (one bundle per stage: {GPU: 1} on a
    cluster with GPUs, a custom `moeray_device` resource where nodes declare one, else a sliver
    of CPU for simulated devices), PACK by default, SPREAD on request.
-2. Probe: every actor reports its device, free bytes, node and measured speeds, and the
-   model file's size and sampled hash as its node sees it (a node with a different file is named).
-3. Plan: the placement search runs over the reported budgets and speeds.
-4. Load: each actor loads only its layer range; its KV pool allocated (the plan's block count).
+2. Probe: every actor reports its device, free bytes, node and measured speeds, and which of the
+   model's files (its parts, for a model cut by gguf-split) its node holds.
+3. Plan: the placement search runs over the reported budgets and speeds. Then each stage checks
+   the files its layers need as its node sees them (size and sampled hash): a missing, short or
+   different file is named with its node before anything loads.
+4. Load: each actor loads only its layer range, mapping only the files that hold it; its KV pool
+   allocated (the plan's block count).
 5. Wire: the stages join one process group (activations go stage to stage over it).
 
 Every remote wait goes through cluster/remote.py (one deadline, errors that name the stage): a
@@ -15,14 +18,15 @@ the wired stages, is here too: the driver owns the stages, the engine only calls
 """
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from moeray import environment
 from moeray.cluster.config import EngineConfig, LaunchOptions
 from moeray.cluster.remote import StageFailedError, StagesLate, as_ready, error_of, gather, gather_one
 from moeray.errors import MoerayError, PlacementError
+from moeray.stages.kernels.settings import StageOptions
 from moeray.stages.runtime.actor import LoadReport, ProbeReport, StageStats, StepBatch
 
 DEVICE_RESOURCE = "moeray_device"  # declare it on nodes (ray start --resources) to stand in for GPUs
@@ -50,7 +54,7 @@ def ray_init_address(address: str | None) -> str:
     local cluster. Never Ray's own None, which joins whatever /tmp/ray/ray_current_cluster names:
     a `ray start` cluster that may be someone else's, or long dead (then ray.init waits minutes
     for its GCS before it fails)."""
-    return address or os.environ.get("RAY_ADDRESS") or "local"
+    return address or environment.ray_address() or "local"
 
 
 def local_ray_env() -> None:
@@ -61,8 +65,8 @@ def local_ray_env() -> None:
     machine with anything else runnable (the HTTP clients, Ray's own daemons) the model's threads
     got the smallest CPU share, and ggml's helper threads lost their cores mid-graph (docs/kernels.md,
     "Threads")."""
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    os.environ.setdefault("RAY_worker_niceness", "0")
+    environment.set_default("RAY_DEDUP_LOGS", "0")
+    environment.set_default("RAY_worker_niceness", "0")
 
 
 def ensure_ray(address: str | None = None) -> None:
@@ -116,7 +120,7 @@ class StageGroup:
     strategy: str = "PACK"
     torch_threads: int | None = None
     timeout_s: float = 120.0
-    route: str | None = None  # kernels: ggml | dequant | exact; None: the best this node has
+    options: StageOptions = field(default_factory=StageOptions)  # how every stage computes, whatever its node
     gpus_per_stage: float | None = None  # a share of a card per stage; None: whole cards while they last
     actors: list[Any] = field(default_factory=list)
     pg: Any = None
@@ -125,6 +129,8 @@ class StageGroup:
     kv_blocks: int | None = None  # every stage's KV pool, once loaded
     state_slots: int = 0  # sequence states the stages hold (a model with recurrent layers), once loaded
     state_checkpoints: int = 0  # ... and checkpoint slots of that state (cluster/state_checkpoints.py)
+    header: Any = None  # the model's header as the driver read it: every stage gets it (a Ray object)
+    model_header: Any = None  # ... and the header itself
     hung: set = field(default_factory=set)
     _actor_opts: dict = field(default_factory=dict)
 
@@ -159,21 +165,58 @@ class StageGroup:
         return ray.remote(StageActor).options(
             name=None, max_restarts=0, **self._actor_opts,
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i),
-        ).remote(i, self.n_stages, budget, self.torch_threads, self.route,
+        ).remote(i, self.n_stages, budget, self.torch_threads, self.options,
                  card_share=self._actor_opts.get("num_gpus", 1.0))
 
-    def probe(self, path: str) -> list[ProbeReport]:
-        """Each actor's report (device, budget, node, speeds); checks every node sees the same file."""
-        self.reports = gather([a.probe.remote(path) for a in self.actors], self.timeout_s, "probe")
-        ref = self.reports[0].file
-        for r in self.reports[1:]:
-            if r.file != ref:
-                raise MoerayError(
-                    f"{path} differs between nodes: stage 0 on {self.reports[0].device.node_ip} sees "
-                    f"{ref.size} bytes (sampled sha256 {ref.sha256_sampled[:12]}), stage {r.stage} on "
-                    f"{r.device.node_ip} sees {r.file.size} bytes ({r.file.sha256_sampled[:12]}); "
-                    "copy the same file to every node")
+    def share_header(self, header) -> Any:
+        """The model's header as one Ray object every stage call takes (a tokenizer's metadata is
+        megabytes: sent once, not per call)."""
+        import ray
+
+        if self.header is None:
+            self.header, self.model_header = ray.put(header), header
+        return self.header
+
+    def probe(self, path: str, header=None) -> list[ProbeReport]:
+        """Each actor's report (device, budget, node, speeds, the model's files on its node)."""
+        from moeray.stages.gguf.reader import read_gguf_header
+
+        ref = self.share_header(header or read_gguf_header(path))
+        self.reports = gather([a.probe.remote(path, ref) for a in self.actors], self.timeout_s, "probe")
         return self.reports
+
+    def check_parts(self, header, ranges: list[tuple[int, int]]) -> list[str]:
+        """Every stage checks, on its node, the files (parts) its layers need: present, complete,
+        the file the header describes, and the same bytes (size and sampled sha256) on every node
+        that reads it. One MoerayError naming each file, node and the fix, else the lines to print."""
+        ref = self.share_header(header)
+        needs = [header.stage_parts(a, b) for a, b in ranges]
+        seen = gather([a.check_parts.remote(ref, need) for a, need in zip(self.actors, needs)], self.timeout_s,
+                      "checking the model's files")
+        problems, first_seen = [], {}
+        for i, found in enumerate(seen):
+            for j in needs[i]:
+                got = found[j]
+                if isinstance(got, str):
+                    problems.append(f"stage {i} ({self.where(i)}) needs {got}")
+                    continue
+                if j not in first_seen:
+                    first_seen[j] = (i, got)
+                    continue
+                k, ref_print = first_seen[j]
+                if got != ref_print:
+                    problems.append(
+                        f"{header.parts[j].path} differs between nodes: stage {k} on {self.where(k)} sees "
+                        f"{ref_print.size} bytes (sampled sha256 {ref_print.sha256_sampled[:12]}), stage {i} on "
+                        f"{self.where(i)} sees {got.size} bytes ({got.sha256_sampled[:12]}); copy the same file to "
+                        "every node that reads it")
+        if problems:
+            raise MoerayError("; ".join(problems))
+        if not header.in_parts:
+            return []
+        from moeray.stages.gguf.parts import stage_parts_lines
+
+        return [f"{line}; checked on {self.where(i)}" for i, line in enumerate(stage_parts_lines(header, ranges))]
 
     def connect(self, timeout_s: float = 30.0) -> None:
         """(Re-)form the stages' process group; stage 0's node hosts the rendezvous."""
@@ -202,13 +245,15 @@ class StageGroup:
         trunk_on_card = trunk_on_card or [0] * len(ranges)
         from moeray.stages.gguf.reader import read_gguf_header
 
+        if self.header is None:
+            self.share_header(read_gguf_header(path))
         self.kv_blocks = kv_blocks
-        hybrid = any(state_bytes_by_layer(read_gguf_header(path).config, 1))
+        hybrid = any(state_bytes_by_layer(self.model_header.config, 1))
         self.state_slots = state_slots if hybrid else 0
         self.state_checkpoints = state_checkpoints if hybrid else 0
         self.load_args = [(path, a, b, kv_blocks, t, profile, cache_policy, state_slots, False, state_checkpoints)
                           for (a, b), t in zip(ranges, trunk_on_card)]
-        refs = [a.load.remote(*args) for a, args in zip(self.actors, self.load_args)]
+        refs = [a.load.remote(*args, header=self.header) for a, args in zip(self.actors, self.load_args)]
         return gather(refs, self.timeout_s, "loading", progress=progress)
 
     def record_routing(self, folder: str) -> None:
@@ -268,7 +313,8 @@ class StageGroup:
         if dead:
             self._await_restart(dead)
             if self.load_args:
-                gather([self.actors[i].load.remote(*self.load_args[i]) for i in dead], self.timeout_s, "reload", dead)
+                gather([self.actors[i].load.remote(*self.load_args[i], header=self.header) for i in dead],
+                       self.timeout_s, "reload", dead)
         self.connect()
         return dead
 
@@ -419,8 +465,8 @@ class Launched:
             if n < 1:
                 raise PlacementError("no device is left in the cluster for a stage")
             opts = replace(self.opts, n_stages=n, simulate=budgets, split="auto")
-            group = StageGroup(n, budgets, opts.strategy, opts.torch_threads, opts.timeout_s,
-                               None if opts.kernels == "auto" else opts.kernels, opts.gpus_per_stage)
+            group = StageGroup(n, budgets, opts.strategy, opts.torch_threads, opts.timeout_s, opts.stage,
+                               opts.gpus_per_stage)
             lines: list[str] = []
 
             def say(line: str) -> None:
@@ -476,69 +522,13 @@ class Launched:
         self.group.shutdown()
 
 
-def kv_layer_bytes(config, n_blocks: int, itemsize: int = 4, layer: int | None = None) -> int:
-    """KV pool of one layer with `n_blocks` blocks, as a stage allocates it (layer None: the
-    largest layer's, the figure a message quotes)."""
-    if layer is None:
-        return max(kv_bytes_by_layer(config, n_blocks, itemsize), default=0)
-    from moeray.stages.blocks.kv_cache import kv_block_bytes
-
-    return n_blocks * kv_block_bytes(config, range(layer, layer + 1), itemsize)
-
-
-def kv_bytes_by_layer(config, n_blocks: int, itemsize: int = 4) -> list[int]:
-    """Each layer's KV pool with `n_blocks` blocks, at its architecture's values per token."""
-    from moeray.stages.blocks.kv_cache import kv_block_bytes
-
-    return [n_blocks * kv_block_bytes(config, range(l, l + 1), itemsize) for l in range(config.n_layers)]
-
-
-def kv_itemsize(kinds) -> int:
-    """Bytes per KV element the stages will hold: 16-bit when every stage is a CUDA card, else float32
-    (stages/kv_cache.kv_dtype); one size for all, the larger, so no stage is under-charged."""
-    kinds = list(kinds)
-    return 2 if kinds and all(k == "cuda" for k in kinds) else 4
-
-
-def kv_context(config, engine: EngineConfig) -> int:
-    """Tokens one sequence may hold: the model's context, unless --max-len lowers it."""
-    return min(engine.max_len or config.context_length, config.context_length)
-
-
-def fixed_kv_blocks(config, engine: EngineConfig, free_bytes: int, itemsize: int) -> tuple[int | None, str]:
-    """(blocks, rule) when --kv-blocks or --kv-fraction fixes the budget, (None, '') for auto."""
-    from moeray.planner.kv import blocks_for_fraction
-    from moeray.stages.blocks.kv_cache import kv_block_bytes
-
-    if engine.kv_blocks is not None:
-        return engine.kv_blocks, "--kv-blocks"
-    if engine.kv_fraction is not None:
-        n = blocks_for_fraction(engine.kv_fraction, free_bytes, kv_block_bytes(config, config.n_layers, itemsize))
-        if n < 1:
-            raise PlacementError(f"--kv-fraction {engine.kv_fraction} of {free_bytes} free bytes is less than one "
-                                 "KV block; raise it or give --kv-blocks")
-        return n, f"--kv-fraction {engine.kv_fraction}"
-    return None, ""
-
-
 def local_kv_plan(config, engine: EngineConfig, free_bytes: int, itemsize: int = 4):
-    """The KV budget of a one-process server (no expert trade: its device holds every expert):
-    --kv-blocks / --kv-fraction, else one sequence at the full context."""
-    from moeray.planner.kv import KVPlan
-    from moeray.stages.blocks.kv_cache import BLOCK_SIZE, blocks_for
+    """The KV budget of a one-process server (planner/kv.py local_plan), for this model's layers."""
+    from moeray.planner.kv import local_plan
+    from moeray.stages.blocks.kv_cache import BLOCK_SIZE, kv_block_bytes
 
-    context = kv_context(config, engine)
-    n, rule = fixed_kv_blocks(config, engine, free_bytes, itemsize)
-    if n is None:
-        n, rule = blocks_for(context), "one sequence at the full context (--kv-blocks or --kv-fraction for more)"
-        # A model of long context (Qwen3-30B-A3B: 40,960 tokens, 7.5 GiB of float32 KV) would not
-        # fit the device beside its trunk: at most half of it, and the context shrinks to match.
-        fit = (free_bytes // 2) // max(1, sum(kv_bytes_by_layer(config, 1, itemsize)))
-        if engine.max_len is None and 1 <= fit < n:
-            n, context = fit, fit * BLOCK_SIZE
-            rule = (f"one sequence of {context} tokens, half the device (the model's {config.context_length} "
-                    "would not fit; --max-len or --kv-blocks to choose)")
-    plan = KVPlan(n, BLOCK_SIZE, context, rule, [sum(kv_bytes_by_layer(config, n, itemsize))])
+    plan = local_plan(config.context_length, engine.max_len, engine.kv_blocks, engine.kv_fraction, free_bytes,
+                      kv_block_bytes(config, config.n_layers, itemsize), BLOCK_SIZE)
     per_state = sum(state_bytes_by_layer(config, 1))
     if per_state and engine.prefix_reuse:  # recurrent state: checkpoints for prefix reuse
         from moeray.planner.kv import checkpoints_within
@@ -561,11 +551,11 @@ def state_bytes_by_layer(config, n_seqs: int) -> list[int]:
     return [n_seqs * arch.state_bytes(config, l) for l in range(config.n_layers)]
 
 
-def held_spec(header, kv_bytes_per_layer: int | list[int] = 0, route: str | None = None):
+def held_spec(header, kv_bytes_per_layer: int | list[int] = 0, backend: str | None = None):
     """The planner's ModelSpec in the bytes a stage really holds on its device.
 
-    On the quantised routes a slot and the trunk hold the GGUF's own blocks (float32 only for
-    vectors and routers), on the exact route float32 copies: `held_bytes` in stages/gguf/reader.py
+    On the quantised backends a slot and the trunk hold the GGUF's own blocks (float32 only for
+    vectors and routers), on the exact backend float32 copies: `held_bytes` in stages/gguf/reader.py
     prices both, and the stage is charged the same numbers. A layer's KV cache is on the card with
     its trunk whatever the split, so it is priced as part of that layer's trunk: the search then
     charges every candidate range exactly the KV it would allocate. `kv_bytes_per_layer`: one
@@ -573,17 +563,16 @@ def held_spec(header, kv_bytes_per_layer: int | list[int] = 0, route: str | None
     """
     from moeray.planner.spec import ModelSpec, TrunkBytes
     from moeray.stages.gguf.reader import expert_bytes, trunk_bytes, trunk_pieces
-    from moeray.stages.kernels.qmatmul import current_route
 
-    route = route or current_route()
+    backend = "exact" if backend == "exact" else "quantised"  # ggml and dequant hold the same blocks
     cfg = header.config
-    t = trunk_bytes(header.tensors, cfg, route)
+    t = trunk_bytes(header.tensors, cfg, backend)
     kv = kv_bytes_per_layer if isinstance(kv_bytes_per_layer, list) else [kv_bytes_per_layer] * cfg.n_layers
     layers = [k + n for k, n in zip(kv, t["layers"])]
-    experts = [expert_bytes(header.tensors, l, route) for l in range(cfg.n_layers)]
+    experts = [expert_bytes(header.tensors, l, backend) for l in range(cfg.n_layers)]
     pieces = []  # a hybrid model's layers are offered in pieces: dnproj, attn, ..., and its KV + sequence states
     if any(state_bytes_by_layer(cfg, 1)):
-        pieces = [dict(p, **{"kv+state": k}) if k else p for p, k in zip(trunk_pieces(header.tensors, cfg, route), kv)]
+        pieces = [dict(p, **{"kv+state": k}) if k else p for p, k in zip(trunk_pieces(header.tensors, cfg, backend), kv)]
     return ModelSpec(cfg.n_layers, cfg.n_experts, cfg.n_experts_used, experts,
                      TrunkBytes(t["embedding"], t["head"], layers, pieces))
 
@@ -599,17 +588,18 @@ def plan_from_reports(header, reports: list[ProbeReport], opts: LaunchOptions, e
     expert slots (planner/kv.py).
     """
     from moeray.planner.devices import DeviceSpec
-    from moeray.planner.kv import KVPlan, trade_kv
+    from moeray.planner.kv import KVPlan, context_tokens, fixed_blocks, itemsize_for, trade_kv
     from moeray.planner.search import parse_split, plan_placement, proportional_split
-    from moeray.stages.blocks.kv_cache import BLOCK_SIZE, blocks_for
+    from moeray.stages.blocks.kv_cache import BLOCK_SIZE, blocks_for, kv_block_bytes, kv_bytes_by_layer, kv_layer_bytes
 
     cfg, S, L = header.config, len(reports), header.config.n_layers
-    itemsize = kv_itemsize(r.device.kind for r in reports)
-    context = kv_context(cfg, engine)
+    itemsize = itemsize_for(r.device.kind for r in reports)
+    context = context_tokens(cfg.context_length, engine.max_len)
     speeds, speed_lines = shared_host_speeds(reports)
     devs = [DeviceSpec(f"stage {r.stage} {r.device.name}", r.device.free_bytes - r.device.reserve_bytes,
                        layer_ms, miss_ms) for r, (layer_ms, miss_ms) in zip(reports, speeds)]
-    fixed, rule = fixed_kv_blocks(cfg, engine, sum(d.free_bytes for d in devs), itemsize)
+    fixed, rule = fixed_blocks(engine.kv_blocks, engine.kv_fraction, sum(d.free_bytes for d in devs),
+                               kv_block_bytes(cfg, L, itemsize))
     min_blocks = fixed or blocks_for(context)
 
     def hint(n: int) -> str:
@@ -641,8 +631,8 @@ def plan_from_reports(header, reports: list[ProbeReport], opts: LaunchOptions, e
     def plan_for(n: int, checkpoints: int = 0):
         held = state if not checkpoints else state_bytes_by_layer(cfg, engine.max_seqs + checkpoints)
         kv = [k + s for k, s in zip(kv_bytes_by_layer(cfg, n, itemsize), held)]
-        return plan_placement(held_spec(header, kv), devs, profile, split=opts.split,
-                              objective=opts.objective, trunk=opts.trunk, handoff_ms=handoff_ms)
+        return plan_placement(held_spec(header, kv, opts.stage.backend), devs, profile, split=opts.split,
+                              objective=opts.objective, trunk=opts.trunk, handoff_ms=handoff_ms, cover_b=opts.cover_b)
 
     try:
         if fixed:
@@ -727,15 +717,11 @@ def launch(path: str, opts: LaunchOptions = LaunchOptions(), engine: EngineConfi
         lines.append(line)
         log(line)
 
-    if opts.profile is None:  # the embedded default model's recorded routing (None for other models)
-        from moeray.stages.runtime.default_profile import default_profile_for
+    from moeray.stages.runtime.default_profile import resolve_profile
 
-        found = default_profile_for(path)
-        if found is not None:
-            opts = replace(opts, profile=str(found))
-            say(f"profile: {found} (the default model's recorded routing)")
+    opts = replace(opts, profile=resolve_profile(opts.profile, path, say))
     group = StageGroup(opts.n_stages, opts.simulate, opts.strategy, opts.torch_threads, opts.timeout_s,
-                       None if opts.kernels == "auto" else opts.kernels, opts.gpus_per_stage)
+                       opts.stage, opts.gpus_per_stage)
     group.start()
     try:
         reports, plan, ranges, handoff_ms, kv = bring_up(group, header, path, opts, engine, say)
@@ -748,8 +734,8 @@ def launch(path: str, opts: LaunchOptions = LaunchOptions(), engine: EngineConfi
 
 
 def bring_up(group: StageGroup, header, path: str, opts: LaunchOptions, engine: EngineConfig, say):
-    """Probe, plan, load and wire a started group: (reports, plan, ranges, handoff_ms, kv)."""
-    reports = group.probe(path)
+    """Probe, plan, check the files, load and wire a started group: (reports, plan, ranges, handoff_ms, kv)."""
+    reports = group.probe(path, header)
     for r in reports:
         say(_probe_line(r))
     group.connect()
@@ -758,6 +744,8 @@ def bring_up(group: StageGroup, header, path: str, opts: LaunchOptions, engine: 
     say(f"stage links: {handoff_ms:.3f} ms per hop for a decode activation (measured)")
     plan, ranges, plan_lines, kv = plan_from_reports(header, reports, opts, engine, handoff_ms)
     for line in plan_lines:
+        say(line)
+    for line in group.check_parts(header, ranges):  # before any weight loads: each node has its files
         say(line)
     # The plan's trunk includes its layers' KV pool and sequence states (see held_spec); the
     # actor charges those itself.

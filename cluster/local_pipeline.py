@@ -29,11 +29,12 @@ class LocalPipeline:
     @classmethod
     def from_file(cls, path: str, kv_blocks: int, simulated_budget: int | None = None,
                   profile: str | None = None, cache_policy: str = "static", max_seqs: int = 1,
-                  state_checkpoints: int = 0) -> "LocalPipeline":
+                  options=None, state_checkpoints: int = 0) -> "LocalPipeline":
+        """`options`: the StageOptions it computes with (None: this process's)."""
         from moeray.stages.runtime.actor import StageActor
         from moeray.stages.gguf.reader import read_gguf_header
 
-        stage = StageActor(0, 1, simulated_budget if simulated_budget is not None else 1 << 62)
+        stage = StageActor(0, 1, simulated_budget if simulated_budget is not None else 1 << 62, options=options)
         cfg = read_gguf_header(path).config
         hybrid = cfg.deltanet is not None
         pipe = cls(stage, kv_blocks, max_seqs if hybrid else 0, state_checkpoints if hybrid else 0)

@@ -10,7 +10,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", required=True, help='token ids separated by spaces or commas, e.g. "1 2 3"')
     p.add_argument("-o", "--output", required=True, help="the .npy file to write")
     p.add_argument("--exact", action="store_true",
-                   help="float32 weights (dequantised once) instead of the quantised route: for comparing "
+                   help="float32 weights (dequantised once) instead of the quantised backend: for comparing "
                         "with float references such as transformers")
 
 
@@ -37,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
 
     from moeray.stages.runtime.model import load_model
 
-    model = load_model(path, route="exact" if args.exact else None)
+    model = load_model(path, backend="exact" if args.exact else None)
     vocab = model.config.vocab_size
     bad = [t for t in ids if not 0 <= t < vocab]
     if bad:

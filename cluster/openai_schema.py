@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any, ClassVar, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator,
                       model_validator)
@@ -23,17 +23,13 @@ INT64 = dict(ge=-(1 << 63), le=(1 << 63) - 1)
 # ---------------------------------------------------------------- which parameters moeray does
 
 # OpenAI's parameters that moeray does not implement, with the values that ask for nothing
-# (null always does). Anything else is a 400 naming the parameter. Chat and completions share
-# the first table; each endpoint adds its own.
-_UNSUPPORTED_BOTH: dict[str, tuple] = {
-    "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},),
-}
+# (null always does). Anything else is a 400 naming the parameter.
 UNSUPPORTED_CHAT: dict[str, tuple] = {
-    **_UNSUPPORTED_BOTH, "store": (False,), "modalities": (["text"],), "audio": (), "prediction": (),
-    "reasoning_effort": (), "verbosity": (), "web_search_options": (), "service_tier": ("auto", "default"),
+    "store": (False,), "modalities": (["text"],), "audio": (), "prediction": (),
+    "verbosity": (), "web_search_options": (), "service_tier": ("auto", "default"),
     "functions": (), "function_call": (),
 }
-UNSUPPORTED_COMPLETIONS: dict[str, tuple] = {**_UNSUPPORTED_BOTH, "best_of": (1,), "echo": (False,), "suffix": ()}
+UNSUPPORTED_COMPLETIONS: dict[str, tuple] = {"best_of": (1,), "echo": (False,), "suffix": ()}
 
 
 def _asks_nothing(value: Any, neutral: tuple) -> bool:
@@ -69,7 +65,15 @@ class _Request(BaseModel):
     top_p: Optional[Number] = Field(default=None, gt=0, le=1)
     seed: Optional[StrictInt] = Field(default=None, **INT64)
     stop: Optional[Union[StrictStr, list[StrictStr]]] = None
-    n: StrictInt = Field(default=1, ge=1, le=1)  # moeray returns one choice per request
+    # Sampling as vLLM takes it, in OpenAI's and vLLM's ranges (docs/sampling.md: definitions, order)
+    top_k: Optional[StrictInt] = Field(default=None, ge=-1)  # -1 or 0: no cut
+    min_p: Optional[Number] = Field(default=None, ge=0, le=1)
+    repetition_penalty: Optional[Number] = Field(default=None, gt=0, allow_inf_nan=False)
+    presence_penalty: Optional[Number] = Field(default=None, ge=-2, le=2)
+    frequency_penalty: Optional[Number] = Field(default=None, ge=-2, le=2)
+    # token id (a string in JSON) -> added to its logit; the ids are checked against the vocabulary
+    logit_bias: Optional[dict[StrictStr, Annotated[Number, Field(ge=-100, le=100)]]] = None
+    n: StrictInt = Field(default=1, ge=1, le=128)  # choices, each its own sequence (sharing the prompt's KV)
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     # Tags for OpenAI's own abuse monitoring, storage and prompt caching: by their definition they
@@ -102,6 +106,17 @@ class _Request(BaseModel):
             raise PydanticCustomError("invalid_value", "'stream_options' is only allowed when 'stream' is true",
                                       {"param": "stream_options"})
         return data
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, bias):
+        for key in bias or ():
+            if not (key.isascii() and key.isdigit()):
+                raise PydanticCustomError(
+                    "invalid_value", "logit_bias: the key {key} is not a token id; give token ids as strings, "
+                    "e.g. {example}",
+                    {"param": "logit_bias", "key": json.dumps(_shown(key)), "example": '{"50256": -100}'})
+        return bias
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -163,6 +178,8 @@ class ChatMessage(BaseModel):
     name: Optional[StrictStr] = None
     tool_calls: Optional[list[dict]] = None  # an assistant's earlier calls
     tool_call_id: Optional[StrictStr] = None  # a tool message answers this call
+    reasoning_content: Optional[StrictStr] = None  # an assistant's earlier reasoning (vLLM's name)
+    reasoning: Optional[StrictStr] = None  # the same, by its newer name
 
     @field_validator("content")
     @classmethod
@@ -197,6 +214,9 @@ class ChatCompletionRequest(_Request):
     tools: Optional[list[Tool]] = None
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = None
     parallel_tool_calls: Optional[StrictBool] = None
+    # Variables of the chat template (Qwen3's enable_thinking, DeepSeek-V3.1's thinking), as vLLM takes them.
+    chat_template_kwargs: Optional[dict[StrictStr, Any]] = None
+    reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None  # a template variable too
 
 
 class CompletionRequest(_Request):
@@ -258,13 +278,12 @@ class ToolCallOut(BaseModel):
     function: ToolCallFunction
 
 
-class ToolCallDelta(ToolCallOut):
-    index: int  # which call of the message this delta adds to
 
 
 class ResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: Optional[str]
+    reasoning_content: Optional[str] = None  # the thinking, apart from the answer (as vLLM and llama-server)
     tool_calls: Optional[list[ToolCallOut]] = None
 
 
@@ -287,7 +306,10 @@ class ChatCompletion(BaseModel):
 class Delta(BaseModel):
     role: Optional[Literal["assistant"]] = None
     content: Optional[str] = None
-    tool_calls: Optional[list[ToolCallDelta]] = None
+    reasoning_content: Optional[str] = None
+    # {"index", "id", "type", "function": {"name", "arguments"}} as OpenAI streams a call: the id, type and
+    # name in its first piece only, then argument fragments (plain dicts: absent keys stay absent).
+    tool_calls: Optional[list[dict]] = None
 
 
 class ChatChunkChoice(BaseModel):

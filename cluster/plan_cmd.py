@@ -34,8 +34,13 @@ def add_arguments(p) -> None:
     p.add_argument("--trunk", default="auto", help="auto, off, or e.g. head=gpu,embed=cpu,layers=0-20+30-47")
     p.add_argument("--mass", choices=("auto", "curve", "counts"), default="auto",
                    help="counts: the profile's measured shares; curve: H(f)=1-(1-f)^b, b fitted to the profile's "
-                        "counts (MOERAY_SPLIT_COVER_B overrides; no profile: b=1, the uniform share); "
+                        "counts (--cover-b sets it; no profile: b=1, the uniform share); "
                         "auto (default): counts when the profile has them")
+    p.add_argument("--cover-b", type=float, metavar="B", default=None,
+                   help="b of the mass curve H(f)=1-(1-f)^b, which then prices every pair (default: fitted)")
+    p.add_argument("--backend", choices=("auto", "ggml", "dequant", "exact"), default="auto",
+                   help="the stages' kernel backend, priced: exact holds float32 copies (4 bytes a weight), the "
+                        "others the GGUF's blocks (default auto)")
     p.add_argument("--max-seqs", type=int, default=1,
                    help="sequences that may run at once: each holds its recurrent state (DeltaNet layers) on the "
                         "layer's card, charged like KV (default 1)")
@@ -56,30 +61,31 @@ def add_arguments(p) -> None:
     p.add_argument("--verbose", action="store_true",
                    help="print every trunk decision and slot layout, not only those that depart from the default")
     p.add_argument("--json", metavar="PATH", help="write the plan as JSON (- for stdout)")
+    p.add_argument("--headers-to", metavar="DIR",
+                   help="also write header-only copies of the model's file(s) into DIR, under their own names "
+                        "(every part of a model in parts): what a machine that only plans, or runs the driver, needs")
     p.add_argument("--plot", metavar="PNG", help="draw the plan (needs matplotlib: moeray[plot])")
 
 
-def spec_from_gguf(path: str, route: str | None = None) -> ModelSpec:
+def spec_from_gguf(path: str, backend: str | None = None, header=None) -> ModelSpec:
     """The model's sizes as a stage holds them: the GGUF's own blocks (float32 vectors and
-    routers) on the quantised routes, float32 on the exact one (MOERAY_ROUTE=exact) - the same
-    pricing as the driver's, from stages/gguf_file.held_bytes."""
-    import os
-
+    routers) on the quantised backends, float32 on the exact one - the same pricing as the
+    driver's, from stages/gguf/reader.held_bytes. `header`: already read."""
     from moeray.stages.arch import arch_of
     from moeray.stages.gguf.reader import expert_bytes, read_gguf_header, trunk_bytes, trunk_pieces  # torch-free
 
-    route = route or ("exact" if os.environ.get("MOERAY_ROUTE", "").strip().lower() == "exact" else "quantised")
-    h = read_gguf_header(path)
+    backend = "exact" if backend == "exact" else "quantised"
+    h = header or read_gguf_header(path)
     cfg = h.config
     if not cfg.n_experts:
         raise PlacementError(f"{path}: a dense model (no routed experts); there is no expert cache to place")
-    tb = trunk_bytes(h.tensors, cfg, route)
+    tb = trunk_bytes(h.tensors, cfg, backend)
     arch = arch_of(cfg)
     state = [arch.state_bytes(cfg, l) for l in range(cfg.n_layers)]
     return ModelSpec(cfg.n_layers, cfg.n_experts, cfg.n_experts_used,
-                     [expert_bytes(h.tensors, i, route) for i in range(cfg.n_layers)],
+                     [expert_bytes(h.tensors, i, backend) for i in range(cfg.n_layers)],
                      TrunkBytes(int(tb["embedding"]), int(tb["head"]), [int(x) for x in tb["layers"]],
-                                trunk_pieces(h.tensors, cfg, route) if any(state) else []), state,
+                                trunk_pieces(h.tensors, cfg, backend) if any(state) else []), state,
                      kv_token_bytes=[KV_ITEMSIZE * arch.kv_values(cfg, l) for l in range(cfg.n_layers)])
 
 
@@ -96,7 +102,25 @@ def kv_line(per_token: list[int], split, n_tokens: int) -> str:
             f"charged to their layers' cards: {stages}")
 
 
+def write_headers(header, folder: str) -> None:
+    """Header-only copies of every file of the model (each part under its own name) into `folder`."""
+    import os
+
+    from moeray.stages.gguf.reader import write_header_only
+    from moeray.units import format_bytes
+
+    os.makedirs(folder, exist_ok=True)
+    for p in header.parts:
+        n = write_header_only(p.path, os.path.join(folder, p.name))
+        print(f"header of {p.name}: {format_bytes(n)} written to {folder}", file=sys.stderr)
+
+
 def run(args) -> int:
+    from moeray.cluster.config import LaunchOptions, with_overrides
+    from moeray.stages.kernels.settings import StageOptions
+
+    # The flags, with this process's debugging overrides (MOERAY_BACKEND, MOERAY_SPLIT_COVER_B) named
+    opts = with_overrides(LaunchOptions(stage=StageOptions(backend=args.backend), cover_b=args.cover_b))
     if args.model and args.spec:
         raise PlacementError("give a MODEL.gguf or --spec model.json, not both")
     if bool(args.devices) == bool(args.devices_json):
@@ -105,7 +129,14 @@ def run(args) -> int:
         from moeray.cluster.config import resolve_model  # torch-free; builds the default model once
 
         args.model = resolve_model(args.model)
-    spec = spec_from_gguf(args.model) if args.model else ModelSpec.from_json(args.spec)
+    header = None
+    if args.model:
+        from moeray.stages.gguf.reader import read_gguf_header  # torch-free; a model in parts: every part's header
+
+        header = read_gguf_header(args.model)
+        if args.headers_to:
+            write_headers(header, args.headers_to)
+    spec = spec_from_gguf(args.model, opts.stage.backend, header) if args.model else ModelSpec.from_json(args.spec)
     if args.max_seqs < 1:
         raise PlacementError(f"--max-seqs {args.max_seqs}: at least one sequence runs")
     per_seq_state = list(spec.state_bytes)
@@ -118,12 +149,10 @@ def run(args) -> int:
     spec = base.with_state_for(args.max_seqs).with_kv_for(args.kv_tokens)
     devices = parse_devices(args.devices) if args.devices else load_devices_json(args.devices_json)
     profile_path = args.profile
-    if profile_path is None and args.model:
-        from moeray.stages.runtime.default_profile import default_profile_for  # torch only if it must be recorded
+    if args.model:
+        from moeray.stages.runtime.default_profile import resolve_profile  # torch only if it must be recorded
 
-        profile_path = default_profile_for(args.model)
-        if profile_path is not None:
-            print(f"profile: {profile_path} (the default model's recorded routing)", file=sys.stderr)
+        profile_path = resolve_profile(args.profile, args.model, say=lambda line: print(line, file=sys.stderr))
     profile = Profile.load(profile_path, spec.n_layers, spec.n_experts) if profile_path else None
     try:
         mins = [int(x) for x in str(args.min_layers).split(",")]
@@ -134,7 +163,7 @@ def run(args) -> int:
         return plan_placement(spec, devices, profile, objective=args.stages_objective, split=args.split,
                               trunk=args.trunk, handoff_ms=args.handoff_ms,
                               min_layers=mins[0] if len(mins) == 1 else mins, mass=args.mass,
-                              cpu_factor=args.cpu_factor, method=args.method)
+                              cpu_factor=args.cpu_factor, method=args.method, cover_b=opts.cover_b)
 
     plan = planned(spec)
     checkpoints, c_rule, c_tried = 0, "", []
@@ -160,10 +189,19 @@ def run(args) -> int:
         plan.notes.append(checkpoint_line(per_seq_state, plan.split, checkpoints, kv_block, c_rule, c_tried))
     if args.kv_tokens and any(per_token_kv):
         plan.notes.append(kv_line(per_token_kv, plan.split, args.kv_tokens))
-    for line in plan.lines(verbose=args.verbose):
+    parts_lines = []
+    if header is not None:  # a model in parts: which files each stage's node needs
+        from moeray.stages.gguf.parts import stage_parts_lines
+
+        parts_lines = stage_parts_lines(header, plan.split)
+    for line in plan.lines(verbose=args.verbose) + parts_lines:
         print(line, file=out)
     if args.json:
-        text = json.dumps(plan.to_json(), indent=1)
+        js = plan.to_json()
+        if header is not None and header.in_parts:
+            for s, (a, b) in zip(js["stages"], plan.split):
+                s["parts"] = [header.parts[j].name for j in header.stage_parts(a, b)]
+        text = json.dumps(js, indent=1)
         if args.json == "-":
             print(text)
         else:

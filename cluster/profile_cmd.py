@@ -180,11 +180,12 @@ def record(url: str, output, api_key: str | None = None) -> int:
     counts. Serve -> record -> `moeray serve --profile` (or `moeray plan --profile`) re-plans with
     the traffic really served."""
     import json
-    import os
     import urllib.error
     import urllib.request
 
-    key = api_key or os.environ.get("MOERAY_API_KEY")
+    from moeray import environment
+
+    key = api_key or environment.api_key()
     req = urllib.request.Request(url.rstrip("/") + "/v1/admin/profile",
                                  headers={"Authorization": f"Bearer {key}"} if key else {})
     try:

@@ -1,9 +1,11 @@
-"""What a request asks beyond plain text: log-probabilities, structured output and tools.
+"""What a request asks beyond plain text: log-probabilities, structured output, tools and the
+chat template's variables.
 
 The server (cluster/serve_app.py) turns these request fields into SamplingParams (`logprobs`,
 `grammar`: both act on the last stage, stages/runtime/actor.py StageRunner.sample) and the engine's
-TokenLogprobs back into OpenAI's response shapes. Every field either does what it asks or is a
-400 naming it.
+TokenLogprobs back into OpenAI's response shapes. Tools, their forced calls and the reply's
+reading are the model's chat format's (stages/text/chat/). Every field either does what it asks or
+is a 400 naming it.
 """
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from moeray.cluster import openai_schema as oa
-from moeray.cluster.tools import ToolsUnsupported, check_tools_supported, forced_call_grammar
+from moeray.stages.text.chat import Turn
 from moeray.stages.text.grammar import GrammarError, check_grammar, schema_from_response_format
 from moeray.stages.text.sampling import TokenLogprob
 
@@ -23,11 +25,17 @@ class Extras:
     grammar: Optional[str] = None  # the llguidance grammar the output must follow
     tools: Optional[list[dict]] = None  # passed to the chat template; the output is parsed for calls
     grammar_param: str = "response_format"  # the request field the grammar came from
+    read_calls: bool = False  # the reply is read for tool calls (tools given, tool_choice not "none")
+    forced: Optional[tuple[Optional[str], bool]] = None  # a call tool_choice forces: (function or None: any, parallel)
+    variables: dict = dataclasses.field(default_factory=dict)  # chat_template_kwargs and reasoning_effort
+    turn: Optional[Turn] = None  # the rendered chat prompt and how its reply is read (set by the server)
 
 
 def chat_extras(service, body: oa.ChatCompletionRequest, error) -> Extras:
     """`error(message, param)` builds the 400 to raise."""
-    out = Extras()
+    out = Extras(variables=dict(body.chat_template_kwargs or {}))
+    if body.reasoning_effort is not None:
+        out.variables["reasoning_effort"] = body.reasoning_effort
     if body.top_logprobs is not None and not body.logprobs:
         raise error("top_logprobs needs logprobs: true", "top_logprobs")
     if body.logprobs:
@@ -35,28 +43,40 @@ def chat_extras(service, body: oa.ChatCompletionRequest, error) -> Extras:
     choice = body.tool_choice
     if body.tools is None and choice not in (None, "none", "auto"):
         raise error("tool_choice needs tools: give the functions the model may call", "tool_choice")
-    forced = None
     if body.tools and choice != "none":
-        try:
-            check_tools_supported(service.tokenizer)
-        except ToolsUnsupported as exc:
-            raise error(str(exc), "tools") from None
+        problem = service.chat.tools_problem(service.tokenizer)
+        if problem is not None:
+            raise error(problem, "tools")
         out.tools = [t.model_dump(exclude_none=True) for t in body.tools]
+        out.read_calls = True
         names = [t.function.name for t in body.tools]
         if isinstance(choice, oa.NamedToolChoice):
             name = choice.function.get("name")
             if name not in names:
                 raise error(f"tool_choice names the function {name!r}, which is not among the tools {names}",
                             "tool_choice")
-            forced = forced_call_grammar(out.tools, name, parallel=False)
+            out.forced = (name, False)
         elif choice == "required":
-            forced = forced_call_grammar(out.tools, None, parallel=body.parallel_tool_calls is not False)
+            out.forced = (None, body.parallel_tool_calls is not False)
     out.grammar = _response_format_grammar(body, error)
-    if forced is not None:
-        if out.grammar is not None:
-            raise error("response_format cannot be combined with a tool_choice that forces a call", "response_format")
-        out.grammar, out.grammar_param = forced, "tool_choice"
+    if out.forced is not None and out.grammar is not None:
+        raise error("response_format cannot be combined with a tool_choice that forces a call", "response_format")
     return out
+
+
+def force_call(service, extras: Extras, error) -> None:
+    """The grammar of the call tool_choice forces, in the model's own format, after the reasoning
+    where the rendered prompt leaves the model reasoning (so the turn must be rendered first)."""
+    if extras.forced is None:
+        return
+    name, parallel = extras.forced
+    try:
+        extras.grammar = extras.turn.forced_grammar(service.tokenizer, name, parallel)
+    except GrammarError as exc:
+        raise error(f"tools: {exc}", "tools") from None
+    except ValueError as exc:  # llguidance refuses a schema it cannot compile
+        raise error(f"tools: a function's parameters are not a usable JSON schema: {exc}", "tools") from None
+    extras.grammar_param = "tool_choice"
 
 
 def completion_extras(service, body: oa.CompletionRequest, error) -> Extras:

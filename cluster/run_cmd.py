@@ -13,21 +13,18 @@ import argparse
 import sys
 import time
 
-from moeray.cluster.config import (add_engine_arguments, add_launch_arguments, engine_config_from_args,
+from moeray.cluster.config import (add_chat_format_argument, add_engine_arguments, add_launch_arguments,
+                                   engine_config_from_args,
                                    launch_options_from_args, simulated_devices)
-from moeray.stages.text.sampling import SamplingParams
+from moeray.cluster.generate_cmd import add_sampling_arguments, check_logit_bias, sampling_params_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    d = SamplingParams
     p.add_argument("model", nargs="?", help="GGUF file (default: the embedded upcycled SmolLM2 MoE)")
     p.add_argument("--prompt", action="append", required=True, help="a prompt (repeat for a batch)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn with the chat template")
-    p.add_argument("--max-tokens", type=int, default=d.max_tokens)
-    p.add_argument("--temperature", type=float, default=d.temperature, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, default=d.top_k)
-    p.add_argument("--top-p", type=float, default=d.top_p)
-    p.add_argument("--seed", type=int, default=d.seed)
+    add_sampling_arguments(p)
+    add_chat_format_argument(p)
     add_launch_arguments(p)
     add_engine_arguments(p)
 
@@ -35,11 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from moeray.cluster.cli import CLIError
 
-    try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                                top_p=args.top_p, seed=args.seed)
-    except ValueError as exc:
-        raise CLIError(str(exc)) from None
+    params = sampling_params_from_args(args)
     if args.stages < 1:
         raise CLIError("--stages must be >= 1")
     engine_cfg = engine_config_from_args(args)
@@ -49,12 +42,19 @@ def run(args: argparse.Namespace) -> int:
     from moeray.cluster.driver import launch
     from moeray.cluster.engine import Engine
     from moeray.stages.gguf.reader import GGUFFile
+    from moeray.stages.text.chat import chat_format
     from moeray.stages.text.tokenizer import Tokenizer
 
     path = resolve_model(args.model)
-    gguf = GGUFFile(path)  # validate the whole file before any actor starts
+    # The directory validated before any actor starts; the files themselves (every part) are
+    # checked on the nodes that read them, once the plan says which (cluster/driver.py).
+    gguf = GGUFFile(path, parts=())
     tok = Tokenizer.from_metadata(gguf.metadata, source=path)
-    prompts = [tok.encode_chat([{"role": "user", "content": p}]) if args.chat else tok.encode(p) for p in args.prompt]
+    check_logit_bias(params, tok.vocab_size)
+    fmt = chat_format(tok.chat_template, gguf.metadata.get("general.architecture"), getattr(args, "chat_format", None))
+    tok = tok.with_rendered(fmt.markers())
+    prompts = [tok.encode(fmt.render(tok, [{"role": "user", "content": p}]).prompt) if args.chat else tok.encode(p)
+               for p in args.prompt]
     del gguf
 
     launched = launch(path, opts, engine_cfg, log=lambda line: print(line, file=sys.stderr))

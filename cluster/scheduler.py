@@ -108,13 +108,18 @@ class ScheduledStep:
     state_after: list[tuple[int, int]] = field(default_factory=list)  # ... and after it
 
     def batch(self) -> StepBatch:
-        return StepBatch(self.id, [r.req.slot for r in self.rows], [len(r.tokens) for r in self.rows],
-                         [r.fresh for r in self.rows], [r.tokens for r in self.rows],
-                         [r.req.params if r.sample else None for r in self.rows],
+        # A sequence with penalties starts its last stage's TokenHistory from what it holds: the
+        # prompt, and the output so far when it was preempted (prefilled again as prompt + output).
+        history = [(list(r.req.prompt), list(r.req.output)) if r.fresh and r.req.params.needs_history else None
+                   for r in self.rows]
+        return StepBatch(step_id=self.id, slots=[r.req.slot for r in self.rows],
+                         n_new=[len(r.tokens) for r in self.rows], fresh=[r.fresh for r in self.rows],
+                         tokens=[r.tokens for r in self.rows],
+                         sample=[r.req.params if r.sample else None for r in self.rows],
                          starts=[r.start for r in self.rows],
                          tables=[r.req.table[:blocks_for(r.start + len(r.tokens))] for r in self.rows],
                          copies=self.copies or None, state_before=self.state_before or None,
-                         state_after=self.state_after or None)
+                         state_after=self.state_after or None, history=history if any(history) else None)
 
 
 @dataclass

@@ -43,11 +43,12 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from moeray.cluster import openai_schema as oa
 from moeray.cluster import request_extras as xt
+from moeray.cluster import request_sampling as rs
 from moeray.cluster.config import ServeOptions
 from moeray.cluster.engine_loop import EngineDownError, Finished, OverloadedError
 from moeray.cluster.service import Service
-from moeray.cluster.tools import ToolCallStream, parse_tool_calls, template_messages
 from moeray.errors import MoerayError
+from moeray.stages.text.chat import ChatFormatError, Delta
 from moeray.stages.text.sampling import SamplingParams
 
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's resource of the head node
@@ -116,7 +117,9 @@ class Outcome:
 
 @dataclass
 class Call:
-    """One request after its checks: what the engine runs, and what its response is made of."""
+    """One choice of a request after its checks: what the engine runs, and what its response is
+    made of. A request with `n` > 1 is n Calls (`choices`), one sequence each, sharing the prompt's
+    KV blocks through the engine's prefix reuse."""
     service: Service
     prompt: list[int]
     params: SamplingParams
@@ -125,16 +128,24 @@ class Call:
     created: int
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage and no choices
     out: Outcome = dataclasses.field(default_factory=Outcome)
+    index: int = 0  # which of the request's choices
 
     @property
     def model(self) -> str:
         return self.service.model_name
 
-    def usage(self) -> oa.Usage:
-        n, out = len(self.prompt), self.out
-        return oa.Usage(prompt_tokens=n, completion_tokens=out.completion_tokens,
-                        total_tokens=n + out.completion_tokens,
-                        prompt_tokens_details=oa.PromptTokensDetails(cached_tokens=out.cached_tokens))
+    def choices(self, n: int) -> list["Call"]:
+        """The request's n choices: this one first, each its own seed stream (request_sampling)."""
+        return [self] + [dataclasses.replace(self, params=rs.choice_params(self.params, i), out=Outcome(), index=i)
+                         for i in range(1, n)]
+
+
+def usage(calls: list[Call]) -> oa.Usage:
+    """The usage of a request's choices: the prompt once (as OpenAI counts it), every choice's tokens."""
+    n = len(calls[0].prompt)
+    done = sum(c.out.completion_tokens for c in calls)
+    return oa.Usage(prompt_tokens=n, completion_tokens=done, total_tokens=n + done,
+                    prompt_tokens_details=oa.PromptTokensDetails(cached_tokens=calls[0].out.cached_tokens))
 
 
 async def prepare_call(service: Service, body: oa._Request, prompt: list[int], extras: xt.Extras,
@@ -164,12 +175,10 @@ async def prepare_call(service: Service, body: oa._Request, prompt: list[int], e
     if not service.tokenizer.vocab_size > max(prompt) >= 0 or min(prompt) < 0:
         raise APIError(400, f"token ids must be in [0, {service.tokenizer.vocab_size})", param="prompt",
                        code="invalid_value")
-    try:
-        params = SamplingParams(max_tokens=wanted, temperature=float(body.temperature or 0.0),
-                                top_p=float(body.top_p if body.top_p is not None else 1.0),
-                                seed=body.seed, stop=body.stop_strings())
-    except ValueError as exc:
-        raise APIError(400, str(exc), code="invalid_value") from None
+    if body.n > service.engine.config.max_seqs:
+        raise APIError(400, f"n is {body.n}, but this server runs at most {service.engine.config.max_seqs} sequences "
+                       "at once (--max-seqs) and each choice is one", param="n", code="invalid_value")
+    params = rs.sampling_params(body, wanted, service.tokenizer.vocab_size, bad_request)
     if extras.grammar is not None:
         await asyncio.to_thread(xt.check_extras, service, extras, bad_request)
     return Call(service, prompt, xt.apply(params, extras), extras, oa.new_id(id_prefix), oa.now(),
@@ -213,10 +222,43 @@ async def text_deltas(call: Call) -> AsyncIterator[str]:
         service.loop.abort(stream)  # gone early (client left, error): the engine drops the sequence
 
 
-async def collect(request: Request, call: Call) -> str:
-    """A whole completion; stops (and frees the sequence) if the client disconnects."""
-    parts: list[str] = []
-    gen = text_deltas(call)
+async def choice_deltas(calls: list[Call]) -> AsyncIterator[tuple[int, Optional[str]]]:
+    """The text of a request's choices as it is released, as (index, text), and (index, None) when
+    that choice is done; closing it (a client that went away) frees every choice's sequence."""
+    gens = [text_deltas(c) for c in calls]
+    if len(gens) == 1:  # the common case, without the fan-in's tasks
+        try:
+            async for text in gens[0]:
+                yield 0, text
+            yield 0, None
+        finally:
+            await gens[0].aclose()
+        return
+    pending = {asyncio.ensure_future(gens[i].__anext__()): i for i in range(len(gens))}
+    try:
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=pending.__getitem__):
+                i = pending.pop(task)
+                try:
+                    text = task.result()
+                except StopAsyncIteration:
+                    yield i, None
+                    continue
+                pending[asyncio.ensure_future(gens[i].__anext__())] = i
+                yield i, text
+    finally:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for gen in gens:
+            await gen.aclose()
+
+
+async def collect(request: Request, calls: list[Call]) -> list[str]:
+    """Each choice's whole text; stops (and frees the sequences) if the client disconnects."""
+    parts: list[list[str]] = [[] for _ in calls]
+    gen = choice_deltas(calls)
     next_part = None
     try:
         while True:
@@ -228,9 +270,11 @@ async def collect(request: Request, call: Call) -> str:
                 if await request.is_disconnected():
                     raise asyncio.CancelledError("client disconnected")
             try:
-                parts.append(next_part.result())
+                i, text = next_part.result()
             except StopAsyncIteration:
-                return "".join(parts)
+                return ["".join(p) for p in parts]
+            if text is not None:
+                parts[i].append(text)
     finally:
         if next_part is not None and not next_part.done():
             next_part.cancel()
@@ -245,47 +289,83 @@ async def collect(request: Request, call: Call) -> str:
 
 
 def chat_prompt(service: Service, body: oa.ChatCompletionRequest, extras: xt.Extras) -> list[int]:
+    """The prompt's tokens, rendered as the model's chat format calls its template (extras.turn); a
+    worker thread runs this (rendering and tokenizing a long conversation take a while)."""
     messages = [{"role": m.role if m.role != "developer" else "system", "content": m.text(),
-                 **m.model_dump(include={"name", "tool_calls", "tool_call_id"}, exclude_none=True)}
+                 **m.model_dump(include={"name", "tool_calls", "tool_call_id", "reasoning_content", "reasoning"},
+                                exclude_none=True)}
                 for m in body.messages]
     try:
-        return service.tokenizer.encode_chat(template_messages(messages), tools=extras.tools)
+        extras.turn = service.chat.render(service.tokenizer, messages, extras.tools, extras.variables,
+                                          read_calls=extras.read_calls)
+    except ChatFormatError as exc:
+        raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
     except MoerayError as exc:
         raise APIError(400, str(exc), param="messages") from None
     except TemplateError as exc:  # the template's own raise_exception(...): roles out of order, ...
         raise APIError(400, f"the model's chat template rejected the messages: {exc}", param="messages",
                        code="invalid_value") from None
+    refuse_untokenized(service, extras.turn.prompt, "messages")
+    xt.force_call(service, extras, bad_request)
+    return service.tokenizer.encode(extras.turn.prompt)
+
+
+def encode_prompt(service: Service, text: str, param: str) -> list[int]:
+    """A prompt text's token ids (a worker thread runs this: tokenizing lets go of the GIL, so the
+    engine thread steps and the event loop answers meanwhile)."""
+    refuse_untokenized(service, text, param)
+    return service.tokenizer.encode(text)
+
+
+def refuse_untokenized(service: Service, text: str, param: str) -> None:
+    """A 400 before any tokenizing when a prompt's bytes alone show it cannot fit: no token stands
+    for more than `max_token_bytes` of text (Tokenizer.min_tokens; a 20 MB prompt is refused in
+    milliseconds, not tokenized for 40 s)."""
+    floor = service.tokenizer.min_tokens(text)
+    if floor >= service.context:
+        raise APIError(400, f"this model's context is {service.context} tokens; the prompt has at least {floor} "
+                       f"tokens (no token stands for more than {service.tokenizer.max_token_bytes} of its "
+                       "bytes), which leaves no room for a completion", param=param, code="context_length_exceeded")
 
 
 async def chat_completions(body: oa.ChatCompletionRequest, request: Request):
     service: Service = request.app.state.service
     extras = xt.chat_extras(service, body, bad_request)
-    call = await prepare_call(service, body, chat_prompt(service, body, extras), extras, "chatcmpl")
+    prompt = await asyncio.to_thread(chat_prompt, service, body, extras)  # off the event loop
+    calls = (await prepare_call(service, body, prompt, extras, "chatcmpl")).choices(body.n)
     if body.stream:
-        return await sse_response(call, ChatChunks(call))
-    text = await collect(request, call)
-    content, calls = parse_tool_calls(text) if extras.tools else (text, [])
-    message = oa.ResponseMessage(content=(content or None) if calls else content, tool_calls=[
+        return await sse_response(calls, [ChatChunks(c) for c in calls])
+    texts = await collect(request, calls)
+    return oa.ChatCompletion(id=calls[0].id, created=calls[0].created, model=calls[0].model,
+                             choices=[chat_choice(c, text) for c, text in zip(calls, texts)], usage=usage(calls))
+
+
+def chat_choice(call: Call, text: str) -> oa.ChatChoice:
+    """One choice's message: what the chat format's reader makes of its text."""
+    reply = call.extras.turn.parse(text)
+    calls = reply.tool_calls
+    message = oa.ResponseMessage(content=(reply.content or None) if calls else reply.content,
+                                 reasoning_content=reply.reasoning or None, tool_calls=[
         oa.ToolCallOut(id=c.id, function=oa.ToolCallFunction(name=c.name, arguments=c.arguments))
         for c in calls] or None)
-    return oa.ChatCompletion(id=call.id, created=call.created, model=call.model, choices=[
-        oa.ChatChoice(message=message, finish_reason="tool_calls" if calls else call.out.finish_reason,
-                      logprobs=_chat_logprobs(call, call.out.logprobs))],
-        usage=call.usage())
+    return oa.ChatChoice(index=call.index, message=message,
+                         finish_reason="tool_calls" if calls else call.out.finish_reason,
+                         logprobs=_chat_logprobs(call, call.out.logprobs))
 
 
 async def completions(body: oa.CompletionRequest, request: Request):
     service: Service = request.app.state.service
     extras = xt.completion_extras(service, body, bad_request)
-    prompt = service.tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-    call = await prepare_call(service, body, prompt, extras, "cmpl")
-    chunks = CompletionChunks(call)
+    prompt = (await asyncio.to_thread(encode_prompt, service, body.prompt, "prompt") if isinstance(body.prompt, str)
+              else list(body.prompt))
+    calls = (await prepare_call(service, body, prompt, extras, "cmpl")).choices(body.n)
+    chunks = [CompletionChunks(c) for c in calls]
     if body.stream:
-        return await sse_response(call, chunks)
-    text = await collect(request, call)
-    return oa.Completion(id=call.id, created=call.created, model=call.model, choices=[
-        oa.CompletionChoice(text=text, finish_reason=call.out.finish_reason, logprobs=chunks.logprobs())],
-        usage=call.usage())
+        return await sse_response(calls, chunks)
+    texts = await collect(request, calls)
+    return oa.Completion(id=calls[0].id, created=calls[0].created, model=calls[0].model, choices=[
+        oa.CompletionChoice(index=c.index, text=text, finish_reason=c.out.finish_reason, logprobs=ch.logprobs())
+        for c, text, ch in zip(calls, texts, chunks)], usage=usage(calls))
 
 
 def _chat_logprobs(call: Call, lps: list) -> Optional[oa.ChatLogprobs]:
@@ -315,51 +395,62 @@ class TextChunk:
 
 
 class ChatChunks:
-    """The SSE chunks of a streamed chat completion: the role, the content (held back while it may
-    be a tool call), then the tool calls, the finish reason and the usage."""
+    """The SSE chunks of a streamed chat completion: the role, then what the chat format's reader
+    makes of each text delta (reasoning, content, a tool call's id and name, then its argument
+    fragments; a possible marker held back until it is whole), and the finish reason."""
 
     def __init__(self, call: Call):
         self.call = call
-        self.held = ToolCallStream() if call.extras.tools else None
+        turn = call.extras.turn
+        self.reader = turn.reader() if turn is not None and turn.format.name != "plain" else None
         self.sent_logprobs = 0
         self.plain = TextChunk(self._chunk(oa.Delta(content=TextChunk.MARK)))
 
-    def _chunk(self, delta: oa.Delta, finish=None, use=None, lps=None) -> str:
+    def _chunk(self, delta: oa.Delta, finish=None, lps=None) -> str:
         c = self.call
         return _sse(oa.ChatCompletionChunk(id=c.id, created=c.created, model=c.model, choices=[
-            oa.ChatChunkChoice(delta=delta, finish_reason=finish, logprobs=lps)], usage=use))
+            oa.ChatChunkChoice(index=c.index, delta=delta, finish_reason=finish, logprobs=lps)]))
 
     def _new_logprobs(self):
         all_lps = self.call.out.logprobs
         lps, self.sent_logprobs = all_lps[self.sent_logprobs:], len(all_lps)
         return _chat_logprobs(self.call, lps) if lps else None
 
+    def _read(self, d: Delta, lps=None) -> str:
+        if not d and lps is None:
+            return ""
+        calls = [{"index": c.index, **({"id": c.id, "type": "function"} if c.id else {}),
+                  "function": {**({"name": c.name} if c.name else {}), "arguments": c.arguments}} for c in d.calls]
+        return self._chunk(oa.Delta(content=d.content or None, reasoning_content=d.reasoning or None,
+                                    tool_calls=calls or None), lps=lps)
+
     def opening(self) -> Iterable[str]:
         yield self._chunk(oa.Delta(role="assistant", content=""))
 
     def text(self, text: str) -> str | bytes:
-        if self.held is None and self.call.extras.logprobs is None:
-            return self.plain(text) if text else ""  # what nearly every chunk is: text alone
-        if self.held is not None:
-            text = self.held.push(text)
-        lps = self._new_logprobs()
-        return self._chunk(oa.Delta(content=text), lps=lps) if text or lps else ""
+        if self.reader is None:
+            if self.call.extras.logprobs is None:
+                return self.plain(text) if text else ""  # what nearly every chunk is: text alone
+            lps = self._new_logprobs()
+            return self._chunk(oa.Delta(content=text), lps=lps) if text or lps else ""
+        return self._read(self.reader.feed(text), self._new_logprobs())
 
     def closing(self) -> Iterable[str]:
         c = self.call
         finish = c.out.finish_reason
-        rest, calls = self.held.finish() if self.held is not None else ("", [])
-        lps = self._new_logprobs()
-        if rest or lps:
-            yield self._chunk(oa.Delta(content=rest), lps=lps)
-        if calls:
-            finish = "tool_calls"
-            yield self._chunk(oa.Delta(tool_calls=[
-                oa.ToolCallDelta(index=i, id=t.id, function=oa.ToolCallFunction(name=t.name, arguments=t.arguments))
-                for i, t in enumerate(calls)]))
-        yield self._chunk(oa.Delta(), finish, c.usage())
-        if c.include_usage:
-            yield _sse(oa.ChatCompletionChunk(id=c.id, created=c.created, model=c.model, choices=[], usage=c.usage()))
+        if self.reader is not None:
+            if line := self._read(self.reader.close(), self._new_logprobs()):
+                yield line
+            if self.reader.message.tool_calls:
+                finish = "tool_calls"
+        elif lps := self._new_logprobs():
+            yield self._chunk(oa.Delta(content=""), lps=lps)
+        yield self._chunk(oa.Delta(), finish)
+
+    @staticmethod
+    def usage_chunk(calls: list[Call]) -> str:
+        c = calls[0]
+        return _sse(oa.ChatCompletionChunk(id=c.id, created=c.created, model=c.model, choices=[], usage=usage(calls)))
 
 
 class CompletionChunks:
@@ -378,10 +469,10 @@ class CompletionChunks:
         self.sent = [len(c.out.logprobs), self.sent[1] + sum(map(len, lps.tokens))]
         return lps
 
-    def _chunk(self, text: str, finish=None, use=None) -> str:
+    def _chunk(self, text: str, finish=None) -> str:
         c = self.call
         return _sse(oa.Completion(id=c.id, created=c.created, model=c.model, choices=[
-            oa.CompletionChoice(text=text, finish_reason=finish, logprobs=self.logprobs())], usage=use))
+            oa.CompletionChoice(index=c.index, text=text, finish_reason=finish, logprobs=self.logprobs())]))
 
     def opening(self) -> Iterable[str]:
         return ()
@@ -390,41 +481,52 @@ class CompletionChunks:
         return self.plain(text) if self.plain is not None else self._chunk(text)
 
     def closing(self) -> Iterable[str]:
-        c = self.call
-        yield self._chunk("", c.out.finish_reason, c.usage())
-        if c.include_usage:
-            yield _sse(oa.Completion(id=c.id, created=c.created, model=c.model, choices=[], usage=c.usage()))
+        yield self._chunk("", self.call.out.finish_reason)
+
+    @staticmethod
+    def usage_chunk(calls: list[Call]) -> str:
+        c = calls[0]
+        return _sse(oa.Completion(id=c.id, created=c.created, model=c.model, choices=[], usage=usage(calls)))
 
 
-async def sse_response(call: Call, chunks) -> StreamingResponse:
+async def sse_response(calls: list[Call], chunks: list) -> StreamingResponse:
     """Wait for the first delta before the 200 goes out, so errors that happen before any text
     (overload, a failed pipeline) still get their own HTTP status."""
-    gen = text_deltas(call)
+    gen = choice_deltas(calls)
     try:
         first = await gen.__anext__()
-    except StopAsyncIteration:
-        first = None
     except BaseException:
         await gen.aclose()
         raise
-    return StreamingResponse(_events(first, gen, chunks), media_type="text/event-stream")
+    return StreamingResponse(_events(first, gen, calls, chunks), media_type="text/event-stream")
 
 
-async def _events(first: Optional[str], gen: AsyncIterator[str], chunks):
-    """The SSE body of a streamed response: the opening chunk, one chunk per text delta, then the
-    closing chunks (finish reason, usage), read once the text is done. An error after the 200 went
-    out travels in the stream as an OpenAI error object; the stream always ends with [DONE]."""
+def _lines(chunks: list, item: tuple[int, Optional[str]]) -> Iterable[str | bytes]:
+    """The chunks of one (index, text) item: a text delta ("" sends none: held back, a possible tool
+    call), or that choice's closing chunks (its finish reason) when the text is None."""
+    i, text = item
+    if text is None:
+        return chunks[i].closing()
+    line = chunks[i].text(text)
+    return (line,) if line else ()
+
+
+async def _events(first: tuple[int, Optional[str]], gen: AsyncIterator, calls: list[Call], chunks: list):
+    """The SSE body of a streamed response: each choice's opening chunk, a chunk per text delta, each
+    choice's closing chunk (its finish reason) as it ends, then with stream_options.include_usage one
+    last chunk with the usage and no choices (OpenAI's shape: usage nowhere else). An error after
+    the 200 went out travels in the stream as an OpenAI error object; the stream always ends with [DONE]."""
     try:
-        for line in chunks.opening():
-            yield line
-        if first is not None:
-            if line := chunks.text(first):  # "" while text is held back (a possible tool call)
+        for c in chunks:
+            for line in c.opening():
                 yield line
-            async for delta in gen:
-                if line := chunks.text(delta):
-                    yield line
-        for line in chunks.closing():
+        for line in _lines(chunks, first):
             yield line
+        async for item in gen:
+            for line in _lines(chunks, item):
+                yield line
+        if calls[0].include_usage:
+            yield chunks[0].usage_chunk(calls)
     except APIError as exc:
         yield _sse(json.dumps({"error": {"message": exc.message, "type": exc.type, "code": exc.code}}))
     except Exception as exc:  # noqa: BLE001 - a bug after the 200 went out: still an error event, then [DONE]

@@ -15,9 +15,9 @@ which cluster to use. Such a key is a one-line error naming where it goes, never
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
+from moeray import environment
 from moeray.errors import MoerayError
 
 # `moeray serve` flags that Serve or `ray start` decide when deploying from a config file.
@@ -77,7 +77,7 @@ def options(args: dict[str, Any]):
     if not ray.is_initialized():
         # `serve run IMPORT_PATH` calls the builder before it joins Ray, but the options depend on
         # the cluster (GPUs, or the simulated cards in their place): join it here, as serve run would.
-        ray.init(address=os.environ.get("RAY_ADDRESS"), namespace="serve", logging_level="WARNING")
+        ray.init(address=environment.ray_address(), namespace="serve", logging_level="WARNING")
     try:
         ns = _parser().parse_args(argv_from(args))
     except (argparse.ArgumentError, SystemExit) as exc:

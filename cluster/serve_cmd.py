@@ -16,15 +16,15 @@ from __future__ import annotations
 import argparse
 import errno
 import json
-import os
 import re
 import signal
 import socket
 import sys
 import time
 
-from moeray.cluster.config import (ServeOptions, add_engine_arguments, add_launch_arguments, engine_config_from_args,
+from moeray.cluster.config import (ServeOptions, add_chat_format_argument, add_engine_arguments, add_launch_arguments, engine_config_from_args,
                                    launch_options_from_args, simulated_devices)
+from moeray import environment
 from moeray.errors import MoerayError
 
 
@@ -32,7 +32,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help="GGUF file (default: the embedded upcycled SmolLM2 MoE)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("MOERAY_API_KEY"),
+    p.add_argument("--api-key", default=environment.api_key(),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $MOERAY_API_KEY, else none)")
     p.add_argument("--model-name", help="the model id clients send (default: the file's name)")
     p.add_argument("--local", action="store_true",
@@ -46,6 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-metrics", action="store_true",
                    help="--local: no Prometheus metrics and no Ray at all (Ray's metrics cost the one process "
                         "~3 ms a token on a small machine: docs/performance.md)")
+    add_chat_format_argument(p)
     add_launch_arguments(p)
     add_engine_arguments(p)
     p.add_argument("--metrics-export-port", type=int, default=8080,
@@ -64,7 +65,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         raise CLIError("--stages must be >= 1")
     engine = engine_config_from_args(args)
     sim = None if args.local else simulated_devices(args, _has_gpus(), "serve")
-    launch = launch_options_from_args(args, sim)
+    launch = launch_options_from_args(args, sim, threads=args.threads)
     if args.local:
         launch.torch_threads = 1
         if args.micro_batches is None:
@@ -73,8 +74,8 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
             # 16 clients: 48.6 against 37.0 out tok/s with two lanes, README "HTTP load").
             engine.micro_batches = 1
     return ServeOptions(model=args.model, model_name=args.model_name, local=args.local, launch=launch, engine=engine,
-                        max_waiting=args.max_waiting, api_key=args.api_key or None, threads=args.threads,
-                        metrics=not args.no_metrics)
+                        max_waiting=args.max_waiting, api_key=args.api_key or None,
+                        metrics=not args.no_metrics, chat_format=args.chat_format)
 
 
 def check_ports(args: argparse.Namespace) -> None:
@@ -145,8 +146,8 @@ def start_ray(address: str | None, metrics_port: int, dashboard: bool, dashboard
     # Serve's HTTP proxy must answer a readiness check in 5 s by default; on a small machine busy
     # loading a model it can miss three in a row and be killed. The processes a local cluster starts
     # inherit these, so they take effect from ray.init on.
-    os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
-    os.environ.setdefault("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "30")
+    environment.set_default("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
+    environment.set_default("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "30")
     import ray
 
     if ray.is_initialized():

@@ -17,8 +17,8 @@ from moeray.cluster.engine_loop import EngineLoop, Stream
 from moeray.errors import MoerayError
 
 
-# How the one process of `moeray serve --local` uses ggml's threads (stages/qmatmul.ThreadSettings;
-# MOERAY_GGML_* override each): chosen by bench/serve_sweep.py beside llama-server, README "HTTP load".
+# How the one process of `moeray serve --local` uses ggml's threads (stages/kernels/qmatmul.ThreadSettings),
+# where its StageOptions leave them unset: chosen by bench/serve_sweep.py beside llama-server.
 LOCAL_THREADS = dict(poll=1, parallel_bytes=1 << 20, adapt=True)
 # A model whose decode token reads more than BIG_TOKEN_BYTES of weights keeps every thread on every
 # graph, its workers spinning (poll 100) between them: its steps take hundreds of milliseconds, so
@@ -32,8 +32,17 @@ BIG_LOCAL_THREADS = dict(poll=100, parallel_bytes=1 << 20, adapt=False)
 
 def local_threads(token_bytes: int) -> dict:
     """`moeray serve --local`'s ggml thread settings for a model whose decode token reads
-    `token_bytes` of weights (MOERAY_GGML_* still override them)."""
+    `token_bytes` of weights (StageOptions' ggml_* fields, where set, win)."""
     return BIG_LOCAL_THREADS if token_bytes > BIG_TOKEN_BYTES else LOCAL_THREADS
+
+
+def local_stage_options(stage, token_bytes: int):
+    """`serve --local`'s StageOptions: `stage` with what it leaves unset filled for the one
+    process: ggml's threads every core it may run on, their settings by the model's size."""
+    from moeray.stages.kernels.qmatmul import ThreadSettings
+
+    threads = ThreadSettings.of(stage, ThreadSettings(**local_threads(token_bytes)))
+    return dataclasses.replace(stage, threads=stage.threads or len(os.sched_getaffinity(0)), **threads.options())
 
 
 def _experts_line(cfg, report) -> str:
@@ -49,15 +58,6 @@ def _experts_line(cfg, report) -> str:
             "read no fewer bytes and split each layer's step)")
 
 
-def _rss_bytes() -> int:
-    """This process's resident memory (Linux /proc; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):
-        return 0
-
-
 class Service:
     """Model, tokenizer, pipeline, engine thread and metrics of one server."""
 
@@ -65,6 +65,7 @@ class Service:
         from moeray.cluster.engine import Engine
         from moeray.cluster.local_pipeline import LocalPipeline
         from moeray.stages.gguf.reader import read_gguf_header
+        from moeray.stages.text.chat import chat_format
         from moeray.stages.text.tokenizer import Tokenizer
 
         self.opts = opts
@@ -76,11 +77,19 @@ class Service:
 
             self.model_name = MODEL_NAME
         else:
-            self.model_name = Path(self.path).stem
+            from moeray.stages.gguf.parts import model_stem
+
+            self.model_name = model_stem(self.path)  # NAME, not NAME-00001-of-00004
         header = read_gguf_header(self.path)
         self.header_config = header.config
         engine_cfg = opts.engine
         self.tokenizer = Tokenizer.from_metadata(header.metadata, source=self.path)
+        # How this family's template is called and its replies read (--chat-format, else from the file);
+        # the detokenizer shows the format's markers, control tokens or not.
+        self.chat = chat_format(self.tokenizer.chat_template, header.metadata.get("general.architecture"),
+                                opts.chat_format)
+        self.tokenizer = self.tokenizer.with_rendered(self.chat.markers())
+        self.tokenizer.max_token_bytes  # noqa: B018 - read the vocabulary once now, not on a request
         self.created = oa.now()
         self.launched = None
         self.lines: list[str] = []
@@ -89,27 +98,22 @@ class Service:
                 import torch
 
                 torch.set_num_threads(opts.launch.torch_threads)
-            from moeray.stages.kernels.qmatmul import ThreadSettings, set_threads
+            from moeray.stages.kernels import settings
+            from moeray.stages.kernels.qmatmul import ggml_available, ggml_threads
+            from moeray.stages.runtime.default_profile import resolve_profile
 
-            set_threads(opts.threads or int(os.environ.get("MOERAY_THREADS") or 0) or len(os.sched_getaffinity(0)),
-                        ThreadSettings.from_env(ThreadSettings(**local_threads(header.token_bytes()))))
-            if opts.launch.kernels != "auto":
-                from moeray.stages.kernels.qmatmul import set_route
-
-                set_route(opts.launch.kernels)
-            profile = opts.launch.profile
-            if profile is None:  # the embedded default model's recorded routing, as the driver uses
-                from moeray.stages.runtime.default_profile import default_profile_for
-
-                found = default_profile_for(self.path)
-                profile = None if found is None else str(found)
+            stage = local_stage_options(opts.launch.stage, header.token_bytes())
+            settings.use(stage)
+            if ggml_available():
+                ggml_threads()  # fixed now, before torch's first op (qmatmul.set_threads says why)
+            profile = resolve_profile(opts.launch.profile, self.path)
             from moeray.cluster.driver import local_kv_plan
 
             kv = local_kv_plan(header.config, engine_cfg, opts.local_budget)
             engine_cfg = dataclasses.replace(engine_cfg, max_len=kv.context, kv_blocks=kv.blocks,
                                              state_checkpoints=kv.checkpoints)
             self.local = LocalPipeline.from_file(self.path, kv.blocks, opts.local_budget,
-                                                 profile, opts.launch.cache_policy, engine_cfg.max_seqs,
+                                                 profile, opts.launch.cache_policy, engine_cfg.max_seqs, stage,
                                                  kv.checkpoints)
             pipeline = self.local
             self.lines.append(f"one process: layers 0-{header.config.n_layers - 1} on {self.local.stage.device.name}")
@@ -211,6 +215,8 @@ class Service:
 
     def stages_report(self) -> dict:
         """GET /v1/stages: the records become JSON here, at the edge."""
+        from moeray.stages.kernels.host_memory import process_rss_bytes  # torch: not at this module's import
+
         stats = [dataclasses.asdict(s) for s in self.stage_stats()]
         for s in stats:
             if s.get("cache"):
@@ -225,7 +231,7 @@ class Service:
                        "last_failure": self.loop.last_failure},
             "kv": self.kv_report(),
             "faults": self.faults_report(),
-            "server": {"pid": os.getpid(), "rss_bytes": _rss_bytes()},
+            "server": {"pid": os.getpid(), "rss_bytes": process_rss_bytes()},
         }
 
     def kv_report(self) -> dict:

@@ -43,3 +43,15 @@ class ProfileError(MoerayError, ValueError):
 
 class PlacementError(MoerayError):
     """No placement of the model fits the devices."""
+
+
+class ConfigError(MoerayError, ValueError):
+    """A setting of the config tree (or the debugging override standing for it) that is not allowed."""
+
+    def __init__(self, setting: str, value, why: str):
+        super().__init__(f"{setting}={value!r}: {why}")
+        self.setting, self.value, self.why = setting, value, why
+
+
+class ModelPartsError(GGUFError):
+    """A model in parts (llama.cpp's gguf-split) whose parts are missing, mixed or cut short."""

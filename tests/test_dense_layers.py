@@ -76,7 +76,7 @@ def test_cache_trace_and_profile_skip_the_dense_layer(mixed, tmp_path):
     assert all(l != 0 for l, _ in cache.filled_pairs) and cache.filled_pairs
     ids = [3, 17, 42, 5, 99, 7]
     got = model.logits_all(ids)
-    ref = load_model(GGUFFile(mixed), route=model.route).logits_all(ids)
+    ref = load_model(GGUFFile(mixed), backend=model.backend).logits_all(ids)
     torch.testing.assert_close(got, ref)  # the cache serves the same experts
     stats = {s.layer: s for s in cache.layer_stats()}
     assert stats[0].lookups == 0 and stats[1].lookups == 2 * len(ids)  # k = 2 per token

@@ -219,18 +219,18 @@ def test_cuda_stage_logits_equal_cpu_with_half_the_experts_on_the_card(tmp_path)
     from device_check import device_logits, write_synthetic
 
     from moeray.stages.gguf.reader import GGUFFile
-    from moeray.stages.kernels.qmatmul import current_route, set_route
+    from moeray.stages.kernels.qmatmul import current_backend, set_backend
 
     path = str(write_synthetic(tmp_path / "moe.gguf", quick=True))
     tokens = list(range(2, 26))
     g = GGUFFile(path)
     every = sum(g.expert_bytes(l) for l in range(g.config.n_layers)) * g.config.n_experts
-    route = current_route()
-    try:  # device_logits sets this process's route: the tests after this one keep theirs
+    backend = current_backend()
+    try:  # device_logits sets this process's backend: the tests after this one keep theirs
         cpu = device_logits(path, tokens, "cpu", every, "dequant")
         gpu = device_logits(path, tokens, "cuda:0", every // 2, "dequant")
     finally:
-        set_route(route)
+        set_backend(backend)
     assert 0 < gpu["resident"] < gpu["n_experts_total"]
     scale = abs(cpu["logits"]).max()
     assert abs(gpu["logits"] - cpu["logits"]).max() <= 1e-3 * scale

@@ -81,8 +81,8 @@ def test_expert_cache_layouts_on_a_model(tiny_path):
     assert fallback.slots == Slots(False, 0, 2)
     glob = ExpertCache(host, 0, 3, ByteBudget(7 * blob + blob - 1))
     assert glob.slots == Slots(False, 0, 7)
-    # A slot holds the expert's GGUF bytes (F16 here) on the quantised routes; float32 on the exact one.
-    if host.route == "exact":
+    # A slot holds the expert's GGUF bytes (F16 here) on the quantised backends; float32 on the exact one.
+    if host.backend == "exact":
         assert glob.held_bytes == [2 * g for g in glob.gguf_bytes]
     else:
         assert glob.held_bytes == glob.gguf_bytes
@@ -93,7 +93,7 @@ def test_expert_cache_layouts_on_a_model(tiny_path):
 
 def test_fill_takes_the_hottest_pairs_of_the_stage_in_rank_order(tiny_path):
     prof = counts_profile(3, 6)
-    model, cache = load_cached(tiny_path, (1, 3), profile=prof, n_slots=5)
+    model, cache = load_cached(tiny_path, (1, 3), profile=prof, n_slots=5, layout="global")
     in_range = [p for p in prof.pairs if 1 <= p[0] < 3]
     assert cache.filled_pairs == in_range[:5]
     assert sorted(cache.core.resident_pairs()) == sorted(in_range[:5])
@@ -128,7 +128,7 @@ def test_a_profile_for_another_model_is_refused(tiny_path):
     from moeray.errors import ProfileError
 
     with pytest.raises(ProfileError, match="layers"):
-        load_cached(tiny_path, profile=Profile.uniform(30, 6), n_slots=2)
+        load_cached(tiny_path, profile=Profile.uniform(30, 6), n_slots=2, layout="global")
 
 
 # -- budget -----------------------------------------------------------------------------------------
@@ -150,7 +150,7 @@ def test_budget_holds_and_counters_add_up_while_generating(tiny_path, policy):
     prof = counts_profile(3, 6, seed=4)
     blob = ExpertCache(HostExperts(load_model(tiny_path).gguf), 0, 3, ByteBudget(0)).held_bytes[0]
     budget = 5 * blob + 123                       # 5 slots and change
-    model, cache = load_cached(tiny_path, budget_bytes=budget, profile=prof, policy=policy)
+    model, cache = load_cached(tiny_path, budget_bytes=budget, profile=prof, policy=policy, layout="global")
     cache.core.policy.swap_every = 2              # swap often, so the budget is tested under churn
     prompt = token_ids(12)
     n_new = 24
@@ -177,7 +177,7 @@ def test_identical_greedy_output_across_cache_sizes_and_policies(tiny_path):
     prof = counts_profile(3, 6, seed=1)
     for policy in ("static", "adaptive", "lru"):
         for n_slots in (0, 5, 18):                # empty, some, every expert
-            model, cache = load_cached(tiny_path, profile=prof, policy=policy, n_slots=n_slots)
+            model, cache = load_cached(tiny_path, profile=prof, policy=policy, n_slots=n_slots, layout="global")
             assert greedy(model, prompt, 16) == reference, (policy, n_slots)
             if n_slots == 18:
                 assert cache.hit_rate() == 1.0
@@ -202,7 +202,7 @@ def test_default_model_same_tokens_with_no_some_and_all_experts_cached(request):
     n_new = 4
     outputs = {}
     for n_slots in (0, 40, 240):                               # 30 layers x 8 experts = 240
-        model, cache = load_cached(path, n_slots=n_slots)
+        model, cache = load_cached(path, n_slots=n_slots, layout="global")
         outputs[n_slots] = greedy(model, prompt, n_new)
         tokens = len(prompt) + n_new
         assert all(s.lookups == 2 * tokens for s in cache.layer_stats())
@@ -220,7 +220,7 @@ def test_replay_of_the_recorded_trace_counts_what_the_live_cache_counted(tiny_pa
 
     trace_path = tmp_path / "live.trace"
     model, cache = load_cached(tiny_path, profile=counts_profile(3, 6, seed=2), policy=policy,
-                               record_routing=trace_path, n_slots=4)
+                               record_routing=trace_path, n_slots=4, layout="global")
     cache.core.policy.swap_every = 2
     greedy(model, token_ids(9), 20)
     cache.close()

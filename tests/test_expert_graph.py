@@ -1,5 +1,5 @@
 """The routed experts of a layer as one ggml graph (mul_mat_id over the stacked experts): the
-torch route's math, one call per layer whatever the batch, hits read from the slot buffer by
+torch backend's math, one call per layer whatever the batch, hits read from the slot buffer by
 index, and the same bits whichever stack served a pick."""
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @pytest.mark.parametrize("n", [1, 7])
 def test_the_graph_computes_the_torch_routes_experts(gguf, n):
-    """ggml (8-bit activations, as llama.cpp) against the dequantised float32 math of the torch route."""
+    """ggml (8-bit activations, as llama.cpp) against the dequantised float32 math of the torch backend."""
     cfg = gguf.config
     x = torch.randn(n, cfg.hidden, generator=torch.Generator().manual_seed(n))
     ids, w = routed(n, cfg.n_experts, cfg.n_experts_used, seed=n)
@@ -73,7 +73,7 @@ def test_hits_come_from_the_slot_buffer_and_a_split_step_gives_the_same_bits(ggu
     """Some of a step's picks in slots, the rest from the mapping: two graph calls, and every
     token's output equal, bit for bit, to the all-mapping call (the sum runs in one order)."""
     cfg = gguf.config
-    model, cache = load_cached(gguf, (0, 2), n_slots=5)
+    model, cache = load_cached(gguf, (0, 2), n_slots=5, layout="global")
     assert cache.slot_store is not None and cache.slot_store.buffer.shape[0] == 5
     for pair in cache.core.resident_pairs():  # the default profile's fill: replaced by known pairs
         cache.core.evict(*pair)
@@ -106,7 +106,7 @@ def test_hits_come_from_the_slot_buffer_and_a_split_step_gives_the_same_bits(ggu
 
 
 def test_a_torch_route_cache_keeps_one_object_per_slot(gguf):
-    _, cache = load_cached(gguf, (0, 1), route="dequant", n_slots=2)
+    _, cache = load_cached(gguf, (0, 1), backend="dequant", n_slots=2, layout="global")
     assert cache.slot_store is None and len(cache._weights) == cache.core.n_resident == 2
 
 

@@ -1,6 +1,6 @@
 """The expert-math options of gpt-oss on the per-expert path: the clamped SwiGLU
 (cfg.expert_act = "swiglu_oai") and per-expert biases, against transformers' own GptOssExperts,
-on every kernel route; and their bytes charged to the expert's slot, not the trunk."""
+on every kernel backend; and their bytes charged to the expert's slot, not the trunk."""
 from __future__ import annotations
 
 import dataclasses
@@ -38,7 +38,7 @@ def hf_experts():
     return m
 
 
-def moeray_experts(m, route: str, qtype=QT.F32) -> list[ExpertWeights]:
+def moeray_experts(m, backend: str, qtype=QT.F32) -> list[ExpertWeights]:
     """Each expert as moeray holds it: gate/up split from the interleaved gate_up_proj (llama.cpp's
     converter: gate = columns ::2, up = 1::2), transposed to [F, H] / [H, F]."""
     act = GLU("swiglu_oai", float(m.alpha), float(m.limit))
@@ -50,7 +50,7 @@ def moeray_experts(m, route: str, qtype=QT.F32) -> list[ExpertWeights]:
         for w in mats:
             a = np.ascontiguousarray(w.numpy(), dtype=np.float32)
             raw = a.view(np.uint8) if qtype == QT.F32 else quantize(a, qtype)
-            qs.append(QMatrix.from_raw(raw.reshape(-1), qtype, a.shape, route))
+            qs.append(QMatrix.from_raw(raw.reshape(-1), qtype, a.shape, backend))
         b = m.gate_up_proj_bias[e].detach()
         out.append(ExpertWeights(*qs, ExpertBias(b[::2].contiguous(), b[1::2].contiguous(),
                                                  m.down_proj_bias[e].detach().clone()), act))
@@ -89,7 +89,7 @@ def test_swiglu_oai_with_biases_matches_transformers(hf_experts):
 
 @needs_ggml
 def test_ggml_route_swiglu_oai_with_biases_within_its_tolerance(hf_experts):
-    """ggml's graph (ggml_swiglu_oai, bias adds) on Q8_0 blocks against the dequant route on the
+    """ggml's graph (ggml_swiglu_oai, bias adds) on Q8_0 blocks against the dequant backend on the
     same blocks (which is transformers' math on those weights): measured 1.6e-2 of max |y| (the
     8-bit activations of x and of the clamped product); Q8_0's own rounding 1.1e-2."""
     x, ids, weights = _inputs()

@@ -37,7 +37,7 @@ def foreign_dir(tmp_path_factory) -> Path:
 
 def _env(foreign: Path) -> dict:
     env = dict(os.environ, LD_LIBRARY_PATH=f"{foreign}{os.pathsep}{os.environ.get('LD_LIBRARY_PATH', '')}")
-    env.pop("MOERAY_ROUTE", None)
+    env.pop("MOERAY_BACKEND", None)
     return env
 
 

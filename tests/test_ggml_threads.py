@@ -86,7 +86,7 @@ def test_serve_local_picks_its_threads_by_what_a_token_reads(default_model_path)
     from moeray.stages.runtime.model import load_model
 
     header = read_gguf_header(default_model_path)
-    model = load_model(default_model_path, route="ggml")
+    model = load_model(default_model_path, backend="ggml")
     cfg = model.config
     read = model.trunk_bytes() + cfg.n_experts_used * sum(model.experts.slot_bytes(l) for l in range(cfg.n_layers))
     assert header.token_bytes() == read

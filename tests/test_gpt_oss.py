@@ -14,7 +14,7 @@ from moeray.stages.runtime.model import load_model
 from moeray.stages.kernels.qmatmul import ggml_available
 from tiny_models import EXPERT_FFN, HIDDEN, N_HEADS, token_ids
 
-RTOL = 1e-4  # of the largest |logit|, the exact route
+RTOL = 1e-4  # of the largest |logit|, the exact backend
 # ggml's 8-bit activations through Q8_0 attention and MXFP4 experts: measured 5.1e-2 of the largest
 # logit on these 20 tokens (F32 trunk, ggml for the experts only: 2.6e-2), the bound the other
 # families' ggml parity uses (tests/test_parity_transformers.py). Longer inputs can flip a near-tie
@@ -61,12 +61,12 @@ def test_the_file_is_laid_out_as_llama_cpps_converter_writes_it(files):
 
 def test_logits_match_transformers_on_the_exact_route(files):
     path, model = files["F32"]
-    _close(load_model(path, route="exact").logits_all(IDS), _hf(model, IDS), RTOL, "gpt-oss exact")
+    _close(load_model(path, backend="exact").logits_all(IDS), _hf(model, IDS), RTOL, "gpt-oss exact")
 
 
 def test_prefill_then_decode_past_the_window_matches_transformers(files):
     path, model = files["F32"]
-    engine = load_model(path, route="dequant")  # per-use dequantisation: the same math as exact
+    engine = load_model(path, backend="dequant")  # per-use dequantisation: the same math as exact
     want = _hf(model, IDS)
     kv = engine.new_kv_cache(max_seqs=2, max_len=32)
     got = [engine.step([IDS[:5]], [1], kv)[0], engine.step([IDS[5:11]], [1], kv)[0]]
@@ -77,7 +77,7 @@ def test_prefill_then_decode_past_the_window_matches_transformers(files):
 
 def test_batched_sequences_of_different_lengths_match_transformers(files):
     path, model = files["F32"]
-    engine = load_model(path, route="exact")
+    engine = load_model(path, backend="exact")
     seqs = [IDS, IDS[3:9], IDS[:13]]
     kv = engine.new_kv_cache(max_seqs=3, max_len=32)
     got = engine.step(seqs, [0, 1, 2], kv)
@@ -89,8 +89,8 @@ def test_batched_sequences_of_different_lengths_match_transformers(files):
 def test_ggml_route_within_its_measured_tolerance(files):
     path, model = files["Q8_0"]
     ref = _hf(model, IDS)
-    got = load_model(path, route="ggml").logits_all(IDS)
-    exact = load_model(path, route="exact").logits_all(IDS)
+    got = load_model(path, backend="ggml").logits_all(IDS)
+    exact = load_model(path, backend="exact").logits_all(IDS)
     _close(exact, ref, RTOL, "gpt-oss Q8_0 exact")
     _close(got, ref, GGML_RTOL, "gpt-oss Q8_0 ggml")
 

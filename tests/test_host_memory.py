@@ -6,7 +6,7 @@ import gc
 
 import torch
 
-from moeray.stages.kernels import host_memory
+from moeray.stages.kernels import host_memory, settings
 
 
 def _rss_mib() -> int:
@@ -32,6 +32,6 @@ def test_a_weight_buffer_is_aligned_to_a_huge_page_and_freed_with_its_last_view(
 def test_small_buffers_and_the_off_switch_take_plain_torch_memory(monkeypatch):
     small = host_memory.weight_buffer(1000)
     assert small.numel() == 1000 and small.untyped_storage().nbytes() == 1000
-    monkeypatch.setenv("MOERAY_HUGEPAGES", "0")
+    settings.update(hugepages=False)  # the off switch (StageOptions.hugepages)
     plain = host_memory.weight_buffer(8 << 20)
     assert plain.numel() == 8 << 20 and plain.untyped_storage().nbytes() == 8 << 20

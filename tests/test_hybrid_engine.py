@@ -3,7 +3,7 @@ tokens; a long prompt prefilled in 512-token chunks gives the one-shot logits; a
 hybrid sequence resumes with the same greedy tokens; the state ledger (one state slot per running
 sequence, the engine's sequence slots) is checked after every step as the KV ledger is; prefix
 reuse is off for a model with recurrent state, with a line saying why; a stage failure leaves no
-stale state behind. The tiny random qwen3next of tests/tiny_hybrid.py, exact route."""
+stale state behind. The tiny random qwen3next of tests/tiny_hybrid.py, exact backend."""
 from __future__ import annotations
 
 import logging
@@ -32,7 +32,7 @@ def path(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def whole(path):
-    return StageModel.from_gguf(str(path), route="exact")
+    return StageModel.from_gguf(str(path), backend="exact")
 
 
 class StagedPipeline:
@@ -96,7 +96,7 @@ def _config(**kw):
 
 
 def test_four_stages_give_the_one_process_greedy_tokens(path, whole, caplog):
-    models = [StageModel.from_gguf(str(path), (i, i + 1), route="exact") for i in range(4)]
+    models = [StageModel.from_gguf(str(path), (i, i + 1), backend="exact") for i in range(4)]
     with caplog.at_level(logging.INFO, logger="moeray"):
         eng = Engine(StagedPipeline(models, 200, MAX_SEQS), _config())
     # prefix reuse would resume a sequence mid-prompt without its state: off, and said why

@@ -1,13 +1,13 @@
 """A hybrid step as one ggml graph (stages/runtime/trunk_graph.py: the Gated DeltaNet's projection,
 short conv, gated delta rule, gated norm and output projection, and the gated full attention, as
 graph nodes; the recurrent state read and written in place by slot) against the torch rule it
-replaces on the same route (stages/blocks/deltanet.py, attention.GatedAttention: the reference),
+replaces on the same backend (stages/blocks/deltanet.py, attention.GatedAttention: the reference),
 on tiny random Qwen3-Next and Qwen3.5-MoE files (Q8_0).
 
 Both sides run the same ggml matmuls (activations rounded to 8 bits before each) and
 ggml_gated_delta_net for the rule; q/k's L2 norm, the conv and flash attention against SDPA differ
 in the last bits, which now and then moves one rounding step that the recurrent state then carries
-forward. The bound is the ggml route's own, 1e-1 of the largest logit (tests/test_trunk_graph.py);
+forward. The bound is the ggml backend's own, 1e-1 of the largest logit (tests/test_trunk_graph.py);
 measured: 0 to 2.8e-2 (equal bit for bit up to a first flipped rounding, e.g. position 67 of 150).
 A conv state left unwritten, a pad row that writes the state, or a padded sequence's conv state
 cut at the step's widest count is off by 1.2-1.4 of the largest logit (each tried)."""
@@ -37,8 +37,8 @@ class Both:
     """One model run with its stage graphs and without them (the torch rule), graph calls counted."""
 
     def __init__(self, path):
-        self.model = load_model(path, route="ggml")
-        assert self.model.trunk is not None, "a hybrid model on the ggml route should run as graphs"
+        self.model = load_model(path, backend="ggml")
+        assert self.model.trunk is not None, "a hybrid model on the ggml backend should run as graphs"
         self.graphs = self.model.trunk
         self.calls = {"layer": 0, "stage": 0}
         for name in self.calls:
@@ -182,8 +182,8 @@ def test_stages_of_deltanet_layers_only(files):
     to read) and one holding the attention layer, each as its own graphs, give the whole model's
     logits (the same graphs, the same bits)."""
     path = files["qwen35moe"]
-    whole = load_model(path, route="ggml")
-    parts = [StageModel.from_gguf(path, (0, 2), route="ggml"), StageModel.from_gguf(path, (2, 4), route="ggml")]
+    whole = load_model(path, backend="ggml")
+    parts = [StageModel.from_gguf(path, (0, 2), backend="ggml"), StageModel.from_gguf(path, (2, 4), backend="ggml")]
     assert all(p.trunk is not None for p in parts) and not parts[0].kv_layers()
     ids = token_ids(40, seed=5)
     with torch.inference_mode():

@@ -1,6 +1,6 @@
 """The hybrid families (qwen3next, qwen35moe) against transformers: tiny random checkpoints
 written as llama.cpp's converter lays them out (stages/gguf/writer.py + stages/arch/), logits
-within 1e-4 of max |logit| on the exact route, the ggml route at its measured tolerance, and
+within 1e-4 of max |logit| on the exact backend, the ggml backend at its measured tolerance, and
 prefill in chunks equal to one-shot prefill; Qwen3.5's multimodal RoPE on text positions is
 plain partial RoPE."""
 from __future__ import annotations
@@ -76,14 +76,14 @@ def test_mtp_blocks_counted_in_block_count_are_not_layers(files):
 @pytest.mark.parametrize("name", list(HYBRID_BUILDERS))
 def test_logits_match_transformers_exact_route(files, name):
     model, path, _ = files[name]
-    _close(load_model(path, route="exact").logits_all(IDS), _hf_logits(model, IDS), name)
+    _close(load_model(path, backend="exact").logits_all(IDS), _hf_logits(model, IDS), name)
 
 
 @pytest.mark.parametrize("name", list(HYBRID_BUILDERS))
 def test_chunked_prefill_then_decode_match_transformers(files, name):
     """Prefill in pieces (the state carried between them), then decode token by token."""
     model, path, _ = files[name]
-    m = load_model(path, route="exact")
+    m = load_model(path, backend="exact")
     kv = m.new_kv_cache(1, len(IDS))
     got = []
     for lo, hi in ((0, 40), (40, 107), (107, 140)):
@@ -94,7 +94,7 @@ def test_chunked_prefill_then_decode_match_transformers(files, name):
     _close(torch.cat(got), ref[[39, 106] + list(range(139, len(IDS)))], name)
 
 
-# Measured (2-core AVX2): the ggml route against the exact route on the same file, positions whose
+# Measured (2-core AVX2): the ggml backend against the exact backend on the same file, positions whose
 # top-k routing agrees in every layer. F16 (activations rounded to float16): <= 3e-3 (qwen3next),
 # 8e-3 (qwen35moe). Q8_0 (activations rounded to 8 bits, as llama.cpp does): 0.23 and 0.16, and
 # the routing differs at 28-38% of positions: the DeltaNet's L2-normalised q/k and the norm-gated
@@ -104,19 +104,19 @@ GGML_RTOL = {"F16": 2e-2, "Q8_0": 0.3}
 GGML_SAME_ROUTING = {"F16": 0.9, "Q8_0": 0.5}
 
 
-def _logits_and_routing(path, route):
+def _logits_and_routing(path, backend):
     from moeray.stages.blocks.moe import HostExperts
 
     gguf, seen = GGUFFile(path), []
-    host = HostExperts(gguf, route, on_route=lambda layer, ids, w: seen.append(ids.sort(-1).values))
-    return load_model(gguf, experts=host, route=route).logits_all(IDS[:40]), torch.stack(seen)
+    host = HostExperts(gguf, backend, on_route=lambda layer, ids, w: seen.append(ids.sort(-1).values))
+    return load_model(gguf, experts=host, backend=backend).logits_all(IDS[:40]), torch.stack(seen)
 
 
 @pytest.mark.skipif(not ggml_available(), reason="ggml-python is not installed")
 @pytest.mark.parametrize("ft", list(GGML_RTOL))
 @pytest.mark.parametrize("name", list(HYBRID_BUILDERS))
 def test_ggml_route_within_its_measured_tolerance(files, name, ft):
-    """ggml's matmuls and ggml_gated_delta_net against the exact route on the same file."""
+    """ggml's matmuls and ggml_gated_delta_net against the exact backend on the same file."""
     path = files[name][2][ft]
     exact, exact_routing = _logits_and_routing(path, "exact")
     got, routing = _logits_and_routing(path, "ggml")
@@ -131,9 +131,9 @@ def test_ggml_route_within_its_measured_tolerance(files, name, ft):
 def test_ggml_route_batched_decode_equals_each_sequence_alone(files, name):
     """Two sequences decoding together (one ggml_gated_delta_net call for both, each state in its
     own slot) give what each gives decoding alone, and the one-shot prefill's logits, within the
-    route's rounding (measured on these F16 files: 3e-4 and 5e-4 of max |logit|; the exact
-    route's prefill-vs-decode difference is 4e-6). A state read from the wrong slot is off by O(1)."""
-    m = load_model(files[name][2]["F16"], route="ggml")
+    backend's rounding (measured on these F16 files: 3e-4 and 5e-4 of max |logit|; the exact
+    backend's prefill-vs-decode difference is 4e-6). A state read from the wrong slot is off by O(1)."""
+    m = load_model(files[name][2]["F16"], backend="ggml")
     seqs = [(IDS[:30], 20), (IDS[50:71], 12)]
 
     def decode(pairs, slots):
@@ -153,7 +153,7 @@ def test_ggml_route_batched_decode_equals_each_sequence_alone(files, name):
 @pytest.mark.parametrize("qtype", ["IQ3_S", "IQ3_XXS"])
 def test_iq3_experts_load_price_and_run(tmp_path, qtype):
     """The Strata rigs' expert types: a hybrid file whose experts are IQ3_S / IQ3_XXS blocks (rows
-    of 256: hidden and expert width 256) is priced at its bytes and runs on both routes."""
+    of 256: hidden and expert width 256) is priced at its bytes and runs on both backends."""
     import numpy as np
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
@@ -168,9 +168,9 @@ def test_iq3_experts_load_price_and_run(tmp_path, qtype):
     header = read_gguf_header(path)
     block, size = GGML_QUANT_SIZES[t]
     assert header.expert_bytes(0) == 3 * 256 * (256 // block * size)
-    assert held_spec(header, route="ggml").expert_bytes == [header.expert_bytes(0)] * 4
-    ref = load_model(path, route="dequant").logits_all(IDS[:16])
-    got = load_model(path, route="ggml").logits_all(IDS[:16])
+    assert held_spec(header, backend="ggml").expert_bytes == [header.expert_bytes(0)] * 4
+    ref = load_model(path, backend="dequant").logits_all(IDS[:16])
+    got = load_model(path, backend="ggml").logits_all(IDS[:16])
     assert torch.isfinite(ref).all()
     assert (got[0] - ref[0]).abs().max() <= 0.05 * ref.abs().max()  # before any near-tie can compound
 

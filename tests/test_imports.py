@@ -1,5 +1,12 @@
-"""Imports run one way: cluster -> stages -> cache -> planner -> moeray.errors, and the planner
-loads neither torch nor Ray (it is the brain, testable and benchmarkable in milliseconds)."""
+"""The house: imports run one way (cluster -> stages -> cache -> planner -> moeray's own base
+modules), stages/ is rooms that import only rooms below them (DESIGN.md), the planner loads neither
+torch nor Ray and reads no environment (it is the brain, testable and benchmarkable in
+milliseconds), and no module of the package but moeray/environment.py touches os.environ.
+
+The rule for the environment: the package (moeray/, stages/, cache/, planner/, cluster/) reads
+and sets variables only through moeray/environment.py, which lists every one. tests/ and bench/
+are not the package: they may set variables for the processes they start and read the ones that
+steer them (where a screenshot or a carried file goes)."""
 from __future__ import annotations
 
 import ast
@@ -76,3 +83,87 @@ def test_the_planner_loads_neither_torch_nor_ray():
             "assert not bad, bad\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+# stages/ in rooms, each importing only the rooms below it (DESIGN.md, "Layout"): arch and gguf at
+# the bottom, text and kernels above them, blocks, runtime on top.
+ROOMS = {
+    "arch": set(),
+    "gguf": {"arch"},
+    "text": {"arch", "gguf"},
+    "kernels": {"arch", "gguf"},
+    "blocks": {"arch", "gguf", "text", "kernels"},
+    "runtime": {"arch", "gguf", "text", "kernels", "blocks"},
+}
+
+
+def _imported_modules(path: Path) -> list[str]:
+    names = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.append(node.module)
+        elif isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+    return names
+
+
+def test_stages_is_rooms_and_each_imports_only_the_rooms_below():
+    stages = ROOT / "stages"
+    loose = sorted(p.name for p in stages.glob("*.py") if p.name != "__init__.py")
+    assert not loose, f"modules of stages/ outside a room: {loose}"
+    rooms = sorted(p.name for p in stages.iterdir() if p.is_dir() and (p / "__init__.py").is_file())
+    assert rooms == sorted(ROOMS), f"stages/ rooms {rooms}, DESIGN.md names {sorted(ROOMS)}"
+    wrong = []
+    for room, below in ROOMS.items():
+        doc = ast.get_docstring(ast.parse((stages / room / "__init__.py").read_text())) or ""
+        if not doc.strip():
+            wrong.append(f"stages/{room}/__init__.py says nothing of what the room holds")
+        for path in sorted((stages / room).rglob("*.py")):
+            for name in _imported_modules(path):
+                parts = name.split(".")
+                if parts[:2] == ["moeray", "stages"] and len(parts) > 2:
+                    if parts[2] != room and parts[2] not in below:
+                        wrong.append(f"{path.relative_to(ROOT)} imports {name} (stages/{room} may import "
+                                     f"{', '.join(sorted(below)) or 'no other room'})")
+    assert not wrong, "\n".join(wrong)
+
+
+def _environment_uses(path: Path) -> list[str]:
+    """Where a module reads or sets the process environment: os.environ, os.getenv, os.putenv,
+    os.unsetenv, or `environ` imported from os."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "os" \
+                and node.attr in ("environ", "getenv", "putenv", "unsetenv", "environb"):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno} os.{node.attr}")
+        elif isinstance(node, ast.ImportFrom) and node.module == "os" and any(
+                a.name in ("environ", "getenv", "putenv", "unsetenv") for a in node.names):
+            found.append(f"{path.relative_to(ROOT)}:{node.lineno} from os import ...")
+    return found
+
+
+ENVIRONMENT_MODULE = ROOT / "moeray" / "environment.py"
+
+
+def test_only_moeray_environment_touches_the_environment():
+    found = []
+    for folder in ("moeray",) + PACKAGES:
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path != ENVIRONMENT_MODULE:
+                found += _environment_uses(path)
+    assert not found, ("the package reads or sets the environment only through moeray/environment.py "
+                       "(a knob is a field of the config tree, cluster/config.py):\n" + "\n".join(found))
+    assert _environment_uses(ENVIRONMENT_MODULE), "moeray/environment.py reads the environment"
+
+
+def test_the_planner_reads_no_environment():
+    wrong = []
+    for path in sorted((ROOT / "planner").rglob("*.py")):
+        wrong += _environment_uses(path)
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, (ast.Import, ast.ImportFrom)) else []
+            module = node.module if isinstance(node, ast.ImportFrom) else ""
+            if "moeray.environment" in names or module == "moeray.environment" or (
+                    module == "moeray" and "environment" in names):
+                wrong.append(f"{path.relative_to(ROOT)}:{node.lineno} imports moeray.environment")
+    assert not wrong, "planner/ takes every setting as a parameter:\n" + "\n".join(wrong)

@@ -3,7 +3,7 @@ moeray's writer lays out as its converter does, and gets transformers' logits: t
 check that the tensor names, the kv_b_proj split, the MTP layer and the metadata are llama.cpp's.
 
 Measured: 6.5e-4 (DeepSeek-V3) and 3.9e-4 (GLM-4.5) of the largest logit; llama.cpp keeps its
-KV cache in float16, so the tolerance is 5e-3, not the exact route's 1e-4."""
+KV cache in float16, so the tolerance is 5e-3, not the exact backend's 1e-4."""
 from __future__ import annotations
 
 import numpy as np

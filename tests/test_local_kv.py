@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from moeray.cluster.config import EngineConfig
-from moeray.cluster.driver import kv_bytes_by_layer, local_kv_plan
+from moeray.cluster.driver import local_kv_plan
+from moeray.stages.blocks.kv_cache import kv_bytes_by_layer
 from moeray.stages.gguf.reader import read_gguf_header
 from moeray.stages.blocks.kv_cache import BLOCK_SIZE
 

@@ -45,8 +45,8 @@ def test_a_6000_token_prompt_on_4_stages_of_blocks_matches_the_contiguous_cache(
               (StageModel.from_gguf(gguf, layers) for layers in SPLIT)]
 
     def run(tokens: list[int], start: int) -> torch.Tensor:
-        batch = StepBatch(0, [0], [len(tokens)], [start == 0], [tokens], None, [start],
-                          [table[:blocks_for(start + len(tokens))]])
+        batch = StepBatch(step_id=0, slots=[0], n_new=[len(tokens)], fresh=[start == 0], tokens=[tokens],
+                          starts=[start], tables=[table[:blocks_for(start + len(tokens))]])
         x = None
         for i, st in enumerate(stages):
             meta = st.begin(batch)
@@ -62,6 +62,6 @@ def test_a_6000_token_prompt_on_4_stages_of_blocks_matches_the_contiguous_cache(
 
     for g, w in zip(got, want):
         assert int(g.argmax()) == int(w.argmax())
-        # Relative to the largest logit (~21 here): on the dequant route (no ggml-python) attention
+        # Relative to the largest logit (~21 here): on the dequant backend (no ggml-python) attention
         # over shuffled blocks sums in another order than over one slab, measured 2.1e-5 absolute.
         assert (g - w).abs().max().item() <= 1e-5 * w.abs().max().item(), (g - w).abs().max().item()

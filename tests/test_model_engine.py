@@ -22,17 +22,17 @@ ARCHS = ["llama", "qwen2moe", "qwen3moe"]
 
 
 @pytest.fixture(autouse=True, scope="module")
-def exact_route():
+def exact_backend():
     """These tests compare packings, chunkings and stage splits of the same math to 1e-5, so they
-    run the exact route: ggml rounds activations to 8 bits, which turns the 1e-7 differences of two
-    attention kernels (masked vs causal) into 1e-3. The quantised routes have their own tests
+    run the exact backend: ggml rounds activations to 8 bits, which turns the 1e-7 differences of two
+    attention kernels (masked vs causal) into 1e-3. The quantised backends have their own tests
     (test_parity_transformers.py, test_quantised_route.py)."""
     from moeray.stages.kernels import qmatmul
 
-    old = qmatmul.current_route()
-    qmatmul.set_route("exact")
+    old = qmatmul.current_backend()
+    qmatmul.set_backend("exact")
     yield
-    qmatmul.set_route(old)
+    qmatmul.set_backend(old)
 
 
 @pytest.fixture(scope="module")
@@ -222,9 +222,9 @@ def test_memory_report_experts_stay_quantised(tiny_files):
     experts = sum(t.n_bytes for n, t in g.tensors.items() if n.endswith("_exps.weight"))
     assert rep["experts_quantized_mapped_bytes"] == experts
     # The trunk is held in its stored block form: exactly the file's trunk bytes.
-    quantised = memory_report(load_model(tiny_files["qwen3moe"], route="dequant"))
+    quantised = memory_report(load_model(tiny_files["qwen3moe"], backend="dequant"))
     assert quantised["trunk_resident_bytes"] == quantised["stored_bytes"] - experts
-    exact = memory_report(load_model(tiny_files["qwen3moe"], route="exact"))
+    exact = memory_report(load_model(tiny_files["qwen3moe"], backend="exact"))
     expert_f32 = sum(4 * int(np.prod(t.shape)) for n, t in g.tensors.items() if n.endswith("_exps.weight"))
     assert exact["trunk_resident_bytes"] == exact["fully_dequantized_bytes"] - expert_f32
     assert rep["process_rss_bytes"] > rep["trunk_resident_bytes"]

@@ -31,7 +31,7 @@ RTOL = 1e-4  # of the largest |logit|
 
 
 def load_model(path):
-    return _load_model(path, route="exact")
+    return _load_model(path, backend="exact")
 
 MODELS = {
     "llama": tiny_llama,
@@ -161,39 +161,39 @@ def test_tied_embeddings_use_token_embd_as_head(tmp_path):
     _assert_close(load_model(path).logits_all(IDS), _hf_logits(model, IDS), "tied llama")
 
 
-# Measured on these files (2-core AVX2 machine): the dequant route is the exact route's math on
+# Measured on these files (2-core AVX2 machine): the dequant backend is the exact backend's math on
 # weights dequantised per use (identical here); ggml quantises activations to 8 bits (F16 weights:
 # to float16), as llama.cpp does: max |diff| / max |logit| is 0.5-7% per position after three
 # layers. A token whose top-k routing sits on a near-tie can pick another expert under that
 # rounding (llama.cpp's too), and its logits then differ far more; those positions are counted,
 # not compared.
-ROUTE_RTOL = {"dequant": 1e-5, "ggml": 1e-1}  # ggml measured: up to 7e-2 (qwen3moe Q8_0: its q/k norms rescale the rounding)
+BACKEND_RTOL = {"dequant": 1e-5, "ggml": 1e-1}  # ggml measured: up to 7e-2 (qwen3moe Q8_0: its q/k norms rescale the rounding)
 
 
-def _logits_and_routing(path, route):
+def _logits_and_routing(path, backend):
     from moeray.stages.gguf.reader import GGUFFile
     from moeray.stages.blocks.moe import HostExperts
 
     gguf, seen = GGUFFile(path), []
-    host = HostExperts(gguf, route, on_route=lambda layer, ids, w: seen.append(ids.sort(-1).values))
-    logits = _load_model(gguf, experts=host, route=route).logits_all(IDS)
+    host = HostExperts(gguf, backend, on_route=lambda layer, ids, w: seen.append(ids.sort(-1).values))
+    logits = _load_model(gguf, experts=host, backend=backend).logits_all(IDS)
     return logits, torch.stack(seen) if seen else None  # [layers, positions, k]
 
 
-@pytest.mark.parametrize("route", ["dequant", "ggml"])
+@pytest.mark.parametrize("backend", ["dequant", "ggml"])
 @pytest.mark.parametrize("ft", ("F16", "Q8_0"))
 @pytest.mark.parametrize("name", ["llama", "mixtral", "qwen2moe", "qwen3moe", "deepseek3", "deepseek2", "glm4moe"])
-def test_quantised_routes_stay_within_their_measured_tolerance(cases, name, ft, route):
-    if route == "ggml" and not ggml_available():
+def test_quantised_routes_stay_within_their_measured_tolerance(cases, name, ft, backend):
+    if backend == "ggml" and not ggml_available():
         pytest.skip("ggml-python is not installed (the README's set-up builds it)")
     path, _ = cases[name, ft]
     exact, exact_routing = _logits_and_routing(path, "exact")
-    got, routing = _logits_and_routing(path, route)
+    got, routing = _logits_and_routing(path, backend)
     same = torch.ones(len(IDS), dtype=torch.bool)
     if routing is not None:  # positions whose experts agree in every layer
         same = (routing == exact_routing).all(-1).all(0)
-    assert same.float().mean() >= 0.75, f"{name} {ft} {route}: routing differs at {int((~same).sum())} positions"
+    assert same.float().mean() >= 0.75, f"{name} {ft} {backend}: routing differs at {int((~same).sum())} positions"
     err = (got - exact).abs().max(-1).values / exact.abs().max()
-    assert err[same].max() <= ROUTE_RTOL[route], f"{name} {ft} {route}: {err[same].max():.2e} of max |logit|"
-    if route == "ggml":  # and the quantised kernels really ran, not float32 copies
+    assert err[same].max() <= BACKEND_RTOL[backend], f"{name} {ft} {backend}: {err[same].max():.2e} of max |logit|"
+    if backend == "ggml":  # and the quantised kernels really ran, not float32 copies
         assert err.max() > 0

@@ -152,6 +152,22 @@ def test_plan_without_a_profile_predicts_the_uniform_share(tmp_path, capsys):
         assert s["predicted_hit_rate"] == pytest.approx(s["slot_pairs"] / n_pairs)
 
 
+def test_cover_b_is_a_flag_and_its_override_is_named(tmp_path, capsys, monkeypatch):
+    """b of the mass curve reaches the planner as a parameter (--cover-b); MOERAY_SPLIT_COVER_B, the
+    debugging override, is folded in by the command, which names it, and wins over the flag."""
+    write_spec(tmp_path / "m.json")
+    args = ["plan", "--spec", str(tmp_path / "m.json"), "--devices", "60MB,30MB", "--json", "-"]
+    monkeypatch.delenv("MOERAY_SPLIT_COVER_B", raising=False)
+    assert main(args + ["--cover-b", "2.5"]) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["mass_b_source"] == "given" and "mass curve: b=2.5 as given" in out.err
+    monkeypatch.setenv("MOERAY_SPLIT_COVER_B", "4")
+    assert main(args + ["--cover-b", "2.5"]) == 0
+    out = capsys.readouterr()
+    assert "mass curve: b=4 as given" in out.err
+    assert "debugging override MOERAY_SPLIT_COVER_B=4 -> launch.cover_b = 4.0 (default 2.5)" in out.err
+
+
 def test_the_plan_reads_at_a_glance_and_verbose_keeps_every_decision(tmp_path, capsys):
     """One line per stage and one per departure from the default (runs of layers merged);
     --verbose prints every trunk decision and slot layout as before."""

@@ -3,12 +3,13 @@ import pytest
 
 from moeray.planner.devices import DeviceSpec
 from moeray.planner.fill import fill_stage, slot_fill_ranks
-from moeray.planner.mass import H, COVER_B_ENV, counts_mass, curve_mass, fit_cover_b, mass_model, pair_mass
+from moeray.planner.mass import H, counts_mass, curve_mass, fit_cover_b, mass_model, pair_mass
 from moeray.planner.profile import Profile
 from moeray.planner.search import plan_placement
 from moeray.planner.spec import ModelSpec, TrunkBytes
 from moeray.planner.slots import per_layer_slots
-from moeray.errors import ProfileError
+from moeray import environment
+from moeray.errors import MoerayError, ProfileError
 
 
 def test_seed_H_values():
@@ -24,11 +25,11 @@ def test_curve_prefix_sums_are_H_and_b_is_overridable(monkeypatch):
     assert (np.diff(m) <= 1e-18).all()  # hottest first
     for n in (1, 5805, 8620, 14541, 20000):
         assert m[:n].sum() == pytest.approx(float(H(n / T, 3)), rel=1e-12)
-    monkeypatch.setenv(COVER_B_ENV, "6")
-    assert curve_mass(T)[:5805].sum() == pytest.approx(1 - (1 - 5805 / T) ** 6)
-    monkeypatch.setenv(COVER_B_ENV, "sharp")
-    with pytest.raises(ProfileError, match=COVER_B_ENV):
-        curve_mass(T)
+    assert curve_mass(T, 6)[:5805].sum() == pytest.approx(1 - (1 - 5805 / T) ** 6)
+    # b's debugging override is read by moeray/environment.py, never by the planner
+    monkeypatch.setenv("MOERAY_SPLIT_COVER_B", "sharp")
+    with pytest.raises(MoerayError, match="MOERAY_SPLIT_COVER_B"):
+        environment.overrides("launch")
 
 
 def test_counts_mode_uses_the_measured_shares():
@@ -79,8 +80,7 @@ def test_fitted_b_recovers_the_curve_the_counts_follow(b):
     assert fit_cover_b(curve_counts(30, 8, b)) == pytest.approx(b, rel=0.01)
 
 
-def test_mass_model_uses_counts_and_prints_the_fitted_b(monkeypatch):
-    monkeypatch.delenv(COVER_B_ENV, raising=False)
+def test_mass_model_uses_counts_and_prints_the_fitted_b():
     prof = Profile.from_counts(curve_counts(30, 8, 2.5))
     m = mass_model(prof)
     assert m.mode == "counts" and m.source == "fitted" and m.picks == sum(prof.counts)
@@ -91,8 +91,7 @@ def test_mass_model_uses_counts_and_prints_the_fitted_b(monkeypatch):
     np.testing.assert_allclose(curve.pair_mass(prof), curve_mass(240, m.b))
 
 
-def test_no_profile_prices_the_uniform_share_not_a_hottest_first_fill(monkeypatch):
-    monkeypatch.delenv(COVER_B_ENV, raising=False)
+def test_no_profile_prices_the_uniform_share_not_a_hottest_first_fill():
     m = mass_model(None)
     assert (m.mode, m.b, m.source) == ("curve", 1.0, "uniform")
     np.testing.assert_allclose(m.pair_mass(Profile.uniform(3, 4)), np.full(12, 1 / 12))
@@ -106,14 +105,12 @@ def test_no_profile_prices_the_uniform_share_not_a_hottest_first_fill(monkeypatc
         mass_model(None, "counts")
 
 
-def test_env_b_overrides_the_fit_and_means_the_curve(monkeypatch):
-    monkeypatch.setenv(COVER_B_ENV, "4")
+def test_a_given_b_overrides_the_fit_and_means_the_curve():
     prof = Profile.from_counts(curve_counts(30, 8, 2.5))
     for given in (prof, None, Profile.uniform(30, 8)):
-        m = mass_model(given)
-        assert (m.mode, m.b, m.source) == ("curve", 4.0, "env")
-    assert mass_model(prof, "counts").mode == "counts"
-    monkeypatch.delenv(COVER_B_ENV)
+        m = mass_model(given, b=4)
+        assert (m.mode, m.b, m.source) == ("curve", 4.0, "given")
+    assert mass_model(prof, "counts", b=4).mode == "counts"
     assert mass_model(Profile.uniform(30, 8)).source == "default"   # a ranking without counts: b = 3
     assert mass_model(Profile.uniform(30, 8)).b == 3.0
 

@@ -90,7 +90,7 @@ def test_ggml_matmul_on_codebook_blocks_matches_dequantised_linear(qtype):
     256-blocks, Q8_0 for MXFP4 / IQ4_NL), within GGML_TOLERANCE of float32 math."""
     raw = random_raw(qtype, np.random.default_rng(200 + int(qtype)))
     w = QMatrix.from_raw(raw.reshape(-1), qtype, SHAPE, "ggml")
-    assert w.route == "ggml"
+    assert w.backend == "ggml"
     x = torch.randn(3, SHAPE[1], generator=torch.Generator().manual_seed(int(qtype)))
     want = torch.nn.functional.linear(x, dequantize(torch.from_numpy(raw.reshape(-1)), qtype, SHAPE))
     got = w(x)
@@ -101,7 +101,7 @@ def test_ggml_matmul_on_codebook_blocks_matches_dequantised_linear(qtype):
 @pytest.fixture(scope="module")
 def moe_256(tmp_path_factory):
     """A tiny qwen3moe whose expert rows fit 256-value blocks (hidden and expert width 256). One
-    layer: its routing then reads only float32 trunk math, the same on every route, so the routes
+    layer: its routing then reads only float32 trunk math, the same on every backend, so the backends
     differ by the experts' 8-bit activations alone (a second layer's near-tie could flip)."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
@@ -125,11 +125,11 @@ def test_model_with_codebook_experts_is_priced_at_its_bytes_and_runs_on_every_ro
     block, size = GGML_QUANT_SIZES[qtype]
     real = 3 * 256 * (256 // block * size)  # gate, up, down: 256 rows of 256 values each
     assert header.expert_bytes(0) == real
-    for route in ("ggml", "dequant"):  # what the planner charges a slot is what the stage holds
-        assert held_spec(header, route=route).expert_bytes == [real]
+    for backend in ("ggml", "dequant"):  # what the planner charges a slot is what the stage holds
+        assert held_spec(header, backend=backend).expert_bytes == [real]
     ids = list(range(1, 17))
-    ref = load_model(path, route="dequant").logits_all(ids)
-    got = load_model(path, route="ggml").logits_all(ids)
+    ref = load_model(path, backend="dequant").logits_all(ids)
+    got = load_model(path, backend="ggml").logits_all(ids)
     assert torch.isfinite(ref).all()
     # through attention, norm and head, relative to the largest logit: measured 1.2e-2 .. 2.9e-2
     assert (got - ref).abs().max() <= 0.05 * ref.abs().max()

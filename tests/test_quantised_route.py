@@ -1,4 +1,4 @@
-"""The quantised routes: what a stage holds is the GGUF's own bytes, the kernels read them, a run
+"""The quantised backends: what a stage holds is the GGUF's own bytes, the kernels read them, a run
 says which kernels it used, and the text stays the model's."""
 from __future__ import annotations
 
@@ -26,20 +26,20 @@ def test_slots_and_trunk_hold_the_gguf_bytes(gguf):
     """Issue target: slot bytes / GGUF expert bytes <= 1.1 and trunk bytes / GGUF trunk bytes <= 1.1;
     here both are exactly 1 (the blocks themselves; vectors and routers are float32 in the file too)."""
     cfg = gguf.config
-    model, cache = load_cached(gguf, (0, 10), route="dequant", n_slots=12)
+    model, cache = load_cached(gguf, (0, 10), backend="dequant", n_slots=12, layout="global")
     st = cache.stats()
     assert st["held_bytes_per_slot"] == st["gguf_bytes_per_expert"] == [gguf.expert_bytes(l) for l in range(10)]
     held = sum(w.nbytes for w in cache._weights.values())
     assert held == cache.budget.used == 12 * gguf.expert_bytes(0)
-    assert model.trunk_bytes() == stage_trunk_bytes(gguf, 0, 10, route=None) == stage_trunk_bytes(gguf, 0, 10)
-    # The exact (debugging) route holds float32: 6.4x the Q4_1 bytes, as the planner is told.
-    exact, _ = load_cached(gguf, (28, 30), route="exact", n_slots=1)
+    assert model.trunk_bytes() == stage_trunk_bytes(gguf, 0, 10, backend=None) == stage_trunk_bytes(gguf, 0, 10)
+    # The exact (debugging) backend holds float32: 6.4x the Q4_1 bytes, as the planner is told.
+    exact, _ = load_cached(gguf, (28, 30), backend="exact", n_slots=1, layout="global")
     assert exact.experts.held_bytes[0] == 4 * 3 * cfg.expert_ffn_dim * cfg.hidden
-    assert exact.trunk_bytes() == stage_trunk_bytes(gguf, 28, 30, route="exact")
+    assert exact.trunk_bytes() == stage_trunk_bytes(gguf, 28, 30, backend="exact")
 
 
 def test_a_slot_is_a_copy_not_a_view_of_the_mapping(gguf):
-    _, cache = load_cached(gguf, (0, 1), route="dequant", n_slots=1)
+    _, cache = load_cached(gguf, (0, 1), backend="dequant", n_slots=1, layout="global")
     w = next(iter(cache._weights.values()))
     host = cache.host.weights(0, 0)
     assert torch.equal(w.gate.data, host.gate.data)
@@ -59,16 +59,16 @@ def test_ggml_rows_do_not_depend_on_the_batch(gguf):
 
 def test_dequant_route_is_the_exact_math(gguf):
     ids = list(range(1, 24))
-    exact = load_model(gguf, route="exact").logits_all(ids)
-    assert torch.equal(load_model(gguf, route="dequant").logits_all(ids), exact)
+    exact = load_model(gguf, backend="exact").logits_all(ids)
+    assert torch.equal(load_model(gguf, backend="dequant").logits_all(ids), exact)
 
 
 @needs_ggml
 def test_ggml_greedy_tokens_are_ones_the_exact_model_rates_best(gguf, default_model_path):
     """8-bit activations (llama.cpp's own numerics) against float32 weights. Greedy text may part
     where the float32 model's top two logits nearly tie, so the check is on every token the ggml
-    route picks: teacher-forced through the exact route, its logit is within 1.0 of the best.
-    Measured on these prompts: 16 of 16 tokens the exact route's own argmax on two prompts; on the
+    backend picks: teacher-forced through the exact backend, its logit is within 1.0 of the best.
+    Measured on these prompts: 16 of 16 tokens the exact backend's own argmax on two prompts; on the
     chat prompt two picks at near-ties (margins 0.08 and 0.28), max gap 0.28."""
     from moeray.cluster.generator import Generator
     from moeray.stages.gguf import default_model as dm
@@ -77,8 +77,8 @@ def test_ggml_greedy_tokens_are_ones_the_exact_model_rates_best(gguf, default_mo
 
     tok = Tokenizer.from_gguf(default_model_path)
     prompts = dm.prompt_token_ids(tok)[::4][:3]  # a chat, a code and a prose prompt
-    got = Generator(load_model(gguf, route="ggml"), tok).generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
-    exact = load_model(gguf, route="exact")
+    got = Generator(load_model(gguf, backend="ggml"), tok).generate(prompts, SamplingParams(max_tokens=16, ignore_eos=True))
+    exact = load_model(gguf, backend="exact")
     gaps = []
     for prompt, c in zip(prompts, got):
         ids = prompt + c.token_ids
@@ -92,10 +92,10 @@ def test_ggml_greedy_tokens_are_ones_the_exact_model_rates_best(gguf, default_mo
 def test_the_route_is_announced_and_a_wrong_one_is_refused(gguf, caplog):
     with caplog.at_level(logging.INFO, logger="moeray.kernels"):
         qmatmul._announced.clear()
-        load_model(gguf, route="dequant")
+        load_model(gguf, backend="dequant")
     assert any("kernels: dequant" in r.getMessage() for r in caplog.records)
     with pytest.raises(Exception, match="choose one of ggml, dequant, exact"):
-        qmatmul.set_route("fp32")
-    r = subprocess.run([sys.executable, "-c", "from moeray.stages.kernels.qmatmul import current_route; current_route()"],
-                       env={"MOERAY_ROUTE": "fast", "PATH": ""}, capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "MOERAY_ROUTE='fast'" in r.stderr
+        qmatmul.set_backend("fp32")
+    r = subprocess.run([sys.executable, "-c", "from moeray.stages.kernels.qmatmul import current_backend; current_backend()"],
+                       env={"MOERAY_BACKEND": "fast", "PATH": ""}, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "MOERAY_BACKEND='fast'" in r.stderr

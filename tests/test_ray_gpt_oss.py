@@ -8,7 +8,9 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from moeray.cluster.config import EngineConfig, LaunchOptions  # noqa: E402
-from moeray.cluster.driver import kv_layer_bytes, launch  # noqa: E402
+from moeray.cluster.driver import launch  # noqa: E402
+from moeray.stages.blocks.kv_cache import kv_layer_bytes  # noqa: E402
+from moeray.stages.kernels.settings import StageOptions  # noqa: E402
 from moeray.stages.blocks.kv_cache import blocks_for  # noqa: E402
 from moeray.cluster.engine import Engine  # noqa: E402
 from moeray.stages.text.sampling import SamplingParams  # noqa: E402
@@ -31,21 +33,21 @@ def reference(model_path):
     from greedy import one_process_greedy
     from moeray.stages.runtime.model import load_model
 
-    return one_process_greedy(load_model(model_path, route="exact"), PROMPTS, N_NEW, MAX_LEN)
+    return one_process_greedy(load_model(model_path, backend="exact"), PROMPTS, N_NEW, MAX_LEN)
 
 
 def test_four_stages_give_the_one_process_greedy_tokens(model_path, reference):
     from moeray.stages.gguf.reader import expert_bytes, read_gguf_header, trunk_bytes
 
     h = read_gguf_header(model_path)
-    trunk = trunk_bytes(h.tensors, h.config, "exact")  # the exact route: float32 copies, no ties broken by rounding
+    trunk = trunk_bytes(h.tensors, h.config, "exact")  # the exact backend: float32 copies, no ties broken by rounding
     per_layer = max(trunk["layers"])
     expert = expert_bytes(h.tensors, 0, "exact")
     kv = kv_layer_bytes(h.config, MAX_SEQS * blocks_for(MAX_LEN))  # one layer's KV pool: a stage's
     # each card: its layer's trunk and KV, the embedding (first) or head (last), room for 1 or 2 of its 6 experts
     room = per_layer + kv + 1.5 * expert
     budgets = [int(room + trunk["embedding"]), int(room), int(room), int(room + trunk["head"])]
-    opts = LaunchOptions(4, simulate=budgets, torch_threads=1, timeout_s=180, kernels="exact")
+    opts = LaunchOptions(4, simulate=budgets, torch_threads=1, timeout_s=180, stage=StageOptions(backend="exact"))
     launched = launch(model_path, opts, EngineConfig(max_seqs=MAX_SEQS, max_len=MAX_LEN), log=lambda _: None)
     try:
         assert launched.ranges == [(0, 1), (1, 2), (2, 3), (3, 4)]

@@ -12,7 +12,8 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from moeray.cluster.config import EngineConfig, LaunchOptions  # noqa: E402
-from moeray.cluster.driver import kv_layer_bytes, launch  # noqa: E402
+from moeray.cluster.driver import launch  # noqa: E402
+from moeray.stages.blocks.kv_cache import kv_layer_bytes  # noqa: E402
 from moeray.cluster.engine import Engine  # noqa: E402
 from moeray.cluster.remote import StageFailedError  # noqa: E402
 from moeray.cluster.scheduler import RequestStatus  # noqa: E402

@@ -93,27 +93,28 @@ def test_speed_probe_times_the_real_layer(smollm2_path, default_model_path):
 
 
 def _reports(budgets, layer_ms=(1.0, 1.0), miss_ms=0.5):
-    from moeray.stages.runtime.actor import FileFingerprint, ProbeReport
+    from moeray.stages.runtime.actor import ProbeReport
     from moeray.stages.runtime.device import simulated_device
 
-    return [ProbeReport(i, 0, simulated_device(b, i), layer_ms[i % len(layer_ms)], miss_ms, 0.0,
-                        FileFingerprint(0, "")) for i, b in enumerate(budgets)]
+    return [ProbeReport(i, 0, simulated_device(b, i), layer_ms[i % len(layer_ms)], miss_ms, 0.0, [0])
+            for i, b in enumerate(budgets)]
 
 
 def test_plan_prices_what_a_stage_holds_from_the_reported_budgets(default_model_path):
     from moeray.cluster.config import EngineConfig, LaunchOptions
-    from moeray.cluster.driver import held_spec, kv_layer_bytes, plan_from_reports
+    from moeray.cluster.driver import held_spec, plan_from_reports
+    from moeray.stages.blocks.kv_cache import kv_layer_bytes
     from moeray.errors import PlacementError
 
     header = read_gguf_header(default_model_path)
     cfg = header.config
-    spec = held_spec(header, route="ggml")
+    spec = held_spec(header, backend="ggml")
     # A slot holds the expert's Q4_1 blocks (20 bytes per 32 weights), the trunk its stored blocks
-    # (the embedding is Q8_0: 34 bytes per 32); the exact route would hold float32 copies.
+    # (the embedding is Q8_0: 34 bytes per 32); the exact backend would hold float32 copies.
     assert spec.expert_bytes == [3 * cfg.expert_ffn_dim * cfg.hidden // 32 * 20] * cfg.n_layers
     assert spec.expert_bytes == [header.expert_bytes(l) for l in range(cfg.n_layers)]
     assert spec.trunk_bytes.embedding == cfg.vocab_size * cfg.hidden // 32 * 34
-    exact = held_spec(header, route="exact")
+    exact = held_spec(header, backend="exact")
     assert exact.expert_bytes == [3 * cfg.expert_ffn_dim * cfg.hidden * 4] * cfg.n_layers
     assert exact.trunk_bytes.embedding == cfg.vocab_size * cfg.hidden * 4
 

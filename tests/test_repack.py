@@ -13,7 +13,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from moeray.errors import MoerayError
 from moeray.stages.kernels import qmatmul
-from moeray.stages.kernels import repack
+from moeray.stages.kernels import repack, settings
 from moeray.stages.kernels.qmatmul import QMatrix, ggml_available, swiglu
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -89,7 +89,7 @@ def test_a_repacked_matrix_refuses_to_be_read_as_rows():
 
 
 def test_the_default_takes_ggmls_gemm_and_on_keeps_rows_batch_invariant(monkeypatch):
-    """The default is llama.cpp's choice (throughput: Q4_K's GEMM for every 4 rows); the route line
+    """The default is llama.cpp's choice (throughput: Q4_K's GEMM for every 4 rows); the backend line
     says what that means and names the batch-invariant setting."""
     monkeypatch.delenv("MOERAY_REPACK", raising=False)
     repack.set_mode(None)
@@ -103,8 +103,8 @@ def test_the_default_takes_ggmls_gemm_and_on_keeps_rows_batch_invariant(monkeypa
 
 def test_the_setting_names_its_choices(monkeypatch):
     monkeypatch.setenv("MOERAY_REPACK", "yes")
-    repack.set_mode(None)
     with pytest.raises(MoerayError, match=r"MOERAY_REPACK='yes': choose one of on, fast, off"):
+        repack.set_mode(None)  # the debugging override read again
         repack.mode()
 
 
@@ -124,9 +124,9 @@ def test_the_trunk_is_repacked_on_load_and_computes_the_same(q4k_model):
 
     g = GGUFFile(q4k_model)
     repack.set_mode("off")
-    plain = load_model(g, route="ggml")
+    plain = load_model(g, backend="ggml")
     repack.set_mode("on")
-    packed = load_model(g, route="ggml")
+    packed = load_model(g, backend="ggml")
     assert plain.repacked == 0
     # every matrix but the embedding (read as rows): fused qkv, attention output, the head
     assert packed.repacked == len(packed.matrices()) - 1 and packed.tok_embd.layout == "plain"
@@ -146,7 +146,7 @@ def split_step(q4k_model):
     """A stage with experts 0 and 3 of layer 1 in slots, and a step whose picks are partly hits."""
     from moeray.stages.runtime.model import load_cached
 
-    model, cache = load_cached(q4k_model, (0, 2), n_slots=2)
+    model, cache = load_cached(q4k_model, (0, 2), n_slots=2, layout="global")
     for pair in cache.core.resident_pairs():
         cache.core.evict(*pair)
     for e in (0, 3):
@@ -162,7 +162,7 @@ def mapped_and_copied(g, monkeypatch):
 
     out = []
     for layout in ("mapped", "repacked"):
-        monkeypatch.setenv("MOERAY_HOST_EXPERTS", layout)
+        settings.update(host_experts=layout)
         out.append(HostExperts(g, "ggml"))
         out[-1].prepare(0, 2)
     return out
@@ -187,7 +187,7 @@ def test_slots_fill_in_the_host_layout_and_a_split_step_keeps_its_bits(q4k_model
     same layout, so a split step equals the all-host step bit for bit; every lookup is counted."""
     from moeray.stages.blocks.moe import HostExperts
 
-    monkeypatch.setenv("MOERAY_HOST_EXPERTS", "repacked")
+    settings.update(host_experts="repacked")
     cache, x, ids, w = split_step(q4k_model)
     store = cache.slot_store
     assert all(p.repacked for p in store.stack(1).parts)
@@ -203,7 +203,7 @@ def test_slots_fill_in_the_host_layout_and_a_split_step_keeps_its_bits(q4k_model
 
 
 def test_fast_mode_repacks_slots_over_a_mapped_host(q4k_model, monkeypatch):
-    monkeypatch.setenv("MOERAY_HOST_EXPERTS", "mapped")
+    settings.update(host_experts="mapped")
     repack.set_mode("fast")
     cache, x, ids, w = split_step(q4k_model)
     assert all(p.repacked for p in cache.slot_store.stack(1).parts)
@@ -219,6 +219,7 @@ def test_repacked_host_experts_that_do_not_fit_fail_clearly(monkeypatch):
         repack.check_fits(15 << 30, "layers [0, 48)", available=8 << 30)
     monkeypatch.setenv("MOERAY_HOST_EXPERTS", "copy")
     with pytest.raises(MoerayError, match="MOERAY_HOST_EXPERTS='copy': choose auto"):
+        settings.reset()  # the options of a process given none: the defaults and its overrides
         repack.host_experts()
 
 
@@ -256,7 +257,7 @@ def test_auto_copies_host_experts_only_when_memory_stays_free(q4k_model, monkeyp
     from moeray.stages.blocks.moe import HostExperts
 
     g = GGUFFile(q4k_model)
-    monkeypatch.delenv("MOERAY_HOST_EXPERTS", raising=False)
+    settings.update(host_experts="auto")
     roomy = HostExperts(g, "ggml")
     roomy.prepare(0, 2)
     assert roomy.layout == "auto" and all(p.repacked for p in roomy.stack(1).parts)
@@ -270,12 +271,12 @@ def test_auto_leaves_room_for_the_slots_of_the_cache(q4k_model, monkeypatch):
     """A cache whose slots would take the memory the copy needs keeps the host experts mapped."""
     from moeray.stages.runtime.model import load_cached
 
-    monkeypatch.delenv("MOERAY_HOST_EXPERTS", raising=False)
-    _, cache = load_cached(q4k_model, (0, 2), n_slots=2)
+    settings.update(host_experts="auto")
+    _, cache = load_cached(q4k_model, (0, 2), n_slots=2, layout="global")
     assert all(p.repacked for p in cache.host.stack(1).parts)
     avail = repack.AUTO_HEADROOM_BYTES + (4 << 20) # room for the copy (~2 MB), not for 1000 slots beside it
     monkeypatch.setattr(repack, "mem_available", lambda: avail)
-    _, cache = load_cached(q4k_model, (0, 2), n_slots=1000)
+    _, cache = load_cached(q4k_model, (0, 2), n_slots=1000, layout="global")
     assert not any(p.repacked for p in cache.host.stack(1).parts)
 
 

@@ -178,9 +178,27 @@ def test_completion_stream_stop_string_and_length(client):
     stopped = client.completions.create(**kw, stop=["."])
     assert stopped.choices[0].text == plain.choices[0].text.split(".")[0]
     assert stopped.choices[0].finish_reason == "stop"
-    streamed = list(client.completions.create(**kw, stream=True))
-    assert "".join(c.choices[0].text for c in streamed) == plain.choices[0].text
-    assert streamed[-1].choices[0].finish_reason == "length" and streamed[-1].usage.completion_tokens == 6
+    streamed = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in streamed[:-1]) == plain.choices[0].text
+    assert streamed[-2].choices[0].finish_reason == "length" and streamed[-2].usage is None
+    assert streamed[-1].choices == [] and streamed[-1].usage.completion_tokens == 6  # usage once, last
+
+
+def test_penalties_over_the_stages_equal_moeray_generate(client, default_model_path):
+    """The penalties read a history only the last stage keeps (its prompt sent to it with the first
+    chunk): over two Ray stages a penalised greedy request gives what one process gives."""
+    prompt, flags = "a b a b a b a b a b", {"presence_penalty": 1.5, "frequency_penalty": 0.5,
+                                             "repetition_penalty": 1.3, "logit_bias": {"253": -2}}
+    served = client.completions.create(model="moeray-test", prompt=prompt, max_tokens=8, temperature=0,
+                                       **{k: v for k, v in flags.items() if k in ("presence_penalty", "frequency_penalty")},
+                                       logit_bias=flags["logit_bias"],
+                                       extra_body={"repetition_penalty": flags["repetition_penalty"]})
+    r = subprocess.run([sys.executable, "-m", "moeray.cluster.cli", "generate", str(default_model_path), "--prompt",
+                        prompt, "--max-tokens", "8", "--presence-penalty", "1.5", "--frequency-penalty", "0.5",
+                        "--repetition-penalty", "1.3", "--logit-bias", "253=-2"], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert served.choices[0].text == r.stdout.rstrip("\n") and served.choices[0].text.split() != ["a", "b"] * 4
 
 
 def test_seeded_sampling_repeats(client):
@@ -212,7 +230,7 @@ def test_16_concurrent_requests_each_get_their_text_alone(client):
     ({"model": "moeray-test", "prompt": "hi", "max_tokens": "5"}, 400, "invalid_value", "max_tokens"),
     ({"model": "moeray-test", "prompt": "hi", "temperature": "hot"}, 400, "invalid_value", "temperature"),
     ({"model": "moeray-test", "prompt": "hi", "top_p": 1.5}, 400, "invalid_value", "top_p"),
-    ({"model": "moeray-test", "prompt": "hi", "n": 2}, 400, "invalid_value", "n"),
+    ({"model": "moeray-test", "prompt": "hi", "n": 0}, 400, "invalid_value", "n"),
     ({"model": "moeray-test"}, 400, "invalid_value", "prompt"),
     ({"model": "gpt-4", "prompt": "hi"}, 404, "model_not_found", "gpt-4"),
     ({"model": "moeray-test", "prompt": "hi", "max_tokens": 0}, 400, "invalid_value", "at least 1"),

@@ -173,13 +173,14 @@ def test_lone_surrogates_and_control_characters_are_text_not_a_500(server):
 
 
 @pytest.mark.parametrize("path,extra,param,code", [
-    ("/v1/chat/completions", {"frequency_penalty": 0.5}, "frequency_penalty", "unsupported_parameter"),
-    ("/v1/chat/completions", {"presence_penalty": -1}, "presence_penalty", "unsupported_parameter"),
-    ("/v1/chat/completions", {"logit_bias": {"50256": -100}}, "logit_bias", "unsupported_parameter"),
+    ("/v1/chat/completions", {"frequency_penalty": 2.5}, "frequency_penalty", "invalid_value"),
+    ("/v1/chat/completions", {"presence_penalty": -3}, "presence_penalty", "invalid_value"),
+    ("/v1/chat/completions", {"logit_bias": {"50256": -100}}, "logit_bias", "invalid_value"),  # not in its vocabulary
     ("/v1/chat/completions", {"store": True}, "store", "unsupported_parameter"),
     ("/v1/chat/completions", {"modalities": ["text", "audio"]}, "modalities", "unsupported_parameter"),
-    ("/v1/chat/completions", {"top_k": 5}, "top_k", "unknown_parameter"),
-    ("/v1/chat/completions", {"n": 2}, "n", "invalid_value"),
+    ("/v1/chat/completions", {"top_k": -5}, "top_k", "invalid_value"),
+    ("/v1/chat/completions", {"min_k": 5}, "min_k", "unknown_parameter"),
+    ("/v1/chat/completions", {"n": 5}, "n", "invalid_value"),  # more choices than the 4 sequences it runs
     ("/v1/chat/completions", {"stream_options": {"include_usage": True}}, "stream_options", "invalid_value"),
     ("/v1/chat/completions", {"seed": 1 << 64}, "seed", "invalid_value"),
     ("/v1/completions", {"echo": True}, "echo", "unsupported_parameter"),
@@ -201,7 +202,7 @@ def test_do_nothing_values_and_image_parts(server):
     # A client library may send a parameter at its default: that asks for nothing and is served.
     status, data = post_json(server, "/v1/chat/completions", chat(
         "hi", frequency_penalty=0, presence_penalty=0.0, logit_bias={}, store=False, n=1, parallel_tool_calls=True,
-        user="u1", metadata={"k": "v"}))
+        user="u1", metadata={"k": "v"}, top_k=-1, min_p=0, repetition_penalty=1))
     assert status == 200, data
     status, data = post_json(server, "/v1/chat/completions", chat([{"type": "text", "text": "hi"},
                                                                    {"type": "image_url", "image_url": {"url": "x"}}]))
@@ -240,8 +241,12 @@ _common = {  # parameter -> values, mostly valid
     "stream": _mostly(st.booleans(), st.just("yes")),
     "stream_options": st.one_of(st.none(), st.just({"include_usage": True}), _json),
     "n": st.sampled_from([1, 1, 2, 0]),
-    "frequency_penalty": st.sampled_from([0, 0.5]),
-    "logit_bias": st.one_of(st.just({}), _json),
+    "frequency_penalty": st.sampled_from([0, 0.5, 2.5]),
+    "presence_penalty": _mostly(st.sampled_from([0, -1.5, 2]), st.one_of(st.floats(), st.just("1"))),
+    "repetition_penalty": _mostly(st.sampled_from([1, 1.3, 0.5]), st.sampled_from([0, -1, 1e308, "2"])),
+    "top_k": _mostly(st.sampled_from([-1, 0, 1, 40]), st.sampled_from([-2, 1.5, 1 << 70])),
+    "min_p": _mostly(st.sampled_from([0, 0.05, 1]), st.sampled_from([-0.1, 1.5, None])),
+    "logit_bias": st.one_of(st.just({}), st.just({"1": -100, "300": 5}), _json),
     "user": _odd_text,
 }
 _extra = st.dictionaries(_odd_text, _json, min_size=1, max_size=2)  # unknown parameters, any names

@@ -10,6 +10,7 @@ import pytest
 from moeray.cluster import openai_schema as oa
 from moeray.cluster import request_extras as xt
 from moeray.cluster.serve_app import Call, ChatChunks, CompletionChunks
+from moeray.stages.text.chat import Turn, chat_format
 from moeray.stages.text.sampling import SamplingParams
 
 TEXTS = ["Paris", " the", "", "é", "日本語", "🙂 emoji", 'quote " and \\ backslash', "new\nline\ttab\r",
@@ -43,5 +44,7 @@ def test_completion_text_chunk_is_what_pydantic_writes(text):
 def test_an_empty_delta_sends_no_chat_chunk_and_logprobs_or_tools_take_the_full_path():
     assert ChatChunks(call()).text("") == ""
     # With tools the text is held back while it may be a tool call: no chunk yet.
-    assert ChatChunks(call(tools=[{"type": "function", "function": {"name": "f"}}])).text("<tool_call>") == ""
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    turn = Turn(chat_format("{{ '<tool_call>' }}", name="hermes"), "", tools, "off")
+    assert ChatChunks(call(tools=tools, turn=turn)).text("<tool_call>") == ""
     assert CompletionChunks(call(logprobs=0)).plain is None

@@ -1,8 +1,8 @@
 """Multi-turn chat on a hybrid model: checkpoints of the recurrent state at block boundaries
 (cluster/state_checkpoints.py) let a conversation's next turn prefill only what is new.
 
-The tiny random Qwen3-Next of tests/tiny_hybrid.py: exact route (F32) for the logits, to 1e-4 of the
-largest; the ggml route's stage graphs (Q8_0) within its own bound. A second turn resumed from a
+The tiny random Qwen3-Next of tests/tiny_hybrid.py: exact backend (F32) for the logits, to 1e-4 of the
+largest; the ggml backend's stage graphs (Q8_0) within its own bound. A second turn resumed from a
 checkpoint gives the logits and greedy tokens of a full re-prefill; a prompt that differs from the
 conversation before a checkpoint's boundary never resumes from it; preempted sequences keep their
 greedy tokens; the checkpoint slots never collide with the sequences' slots."""
@@ -25,7 +25,7 @@ from moeray.stages.text.sampling import SamplingParams
 from tiny_hybrid import tiny_qwen3next
 
 MAX_SEQS, CHECKPOINTS = 4, 8
-RTOL = 1e-4  # of the largest |logit|, exact route
+RTOL = 1e-4  # of the largest |logit|, exact backend
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def hf():
 
 @pytest.fixture(scope="module")
 def exact(hf, tmp_path_factory):
-    return StageModel.from_gguf(str(write_gguf(hf, tmp_path_factory.mktemp("ck") / "f32.gguf", "F32")), route="exact")
+    return StageModel.from_gguf(str(write_gguf(hf, tmp_path_factory.mktemp("ck") / "f32.gguf", "F32")), backend="exact")
 
 
 def _tokens(n, seed):
@@ -160,10 +160,10 @@ def test_preempted_sequences_keep_their_tokens_and_the_slots_apart(exact):
 
 @pytest.mark.skipif(not ggml_available(), reason="ggml-python is not installed")
 def test_second_turn_on_the_stage_graphs(hf, tmp_path):
-    """The same on the ggml route, where every step runs as the stage graph reading and writing
+    """The same on the ggml backend, where every step runs as the stage graph reading and writing
     the state slots in place: the restored turn's tokens and log-probabilities are a full
     prefill's within the route's bound (1e-1 of the largest; measured 0: the same bits)."""
-    model = StageModel.from_gguf(str(write_gguf(hf, tmp_path / "q8.gguf", "Q8_0")), route="ggml")
+    model = StageModel.from_gguf(str(write_gguf(hf, tmp_path / "q8.gguf", "Q8_0")), backend="ggml")
     assert model.trunk is not None
     eng, ref = _engine(model), _engine(model, checkpoints=0)
     a = _tokens(40, 9)

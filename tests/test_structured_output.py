@@ -1,8 +1,8 @@
 """Structured output and tool calls: the grammar mask on the embedded default model in one process
-(`moeray generate --json-schema`, the engine `moeray serve` runs), the Hermes tool-call parser on
-text, and tools through the real `moeray serve --local` on a tiny GGUF whose chat template renders
+(`moeray generate --json-schema`, the engine `moeray serve` runs), and tools through the real `moeray serve --local` on a tiny GGUF whose chat template renders
 them (tests/tool_model.py). Log-probabilities, response_format over Ray stages and the 400 for a
-template without tools are in tests/test_serve_api.py (its server runs the default model)."""
+template without tools are in tests/test_serve_api.py (its server runs the default model); every
+family's chat format, its parser and its forced calls in tests/test_chat_formats.py."""
 from __future__ import annotations
 
 import json
@@ -10,39 +10,10 @@ import json
 import jsonschema
 import pytest
 
-from moeray.cluster.tools import ToolCallStream, parse_tool_calls
-
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "the weather in a city",
     "parameters": {"type": "object", "properties": {"city": {"enum": ["Paris", "Tokyo", "Lima"]}},
                    "required": ["city"], "additionalProperties": False}}}
-
-
-# ---------------------------------------------------------------- the parser, on text
-
-
-def test_tool_calls_are_parsed_out_of_text_and_malformed_blocks_stay_text():
-    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-            '<tool_call>{"name": "get_weather", "arguments": {"city": "Lima"}}</tool_call>')
-    content, calls = parse_tool_calls(text)
-    assert content == "Let me check."
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris"}),
-                                                                  ("get_weather", {"city": "Lima"})]
-    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
-    broken = 'x <tool_call>{"name": get_weather}</tool_call>'
-    assert parse_tool_calls(broken) == (broken, [])  # nothing the model wrote is dropped
-    assert parse_tool_calls("no calls here") == ("no calls here", [])
-
-
-def test_streamed_content_is_held_back_from_where_a_tool_call_may_start():
-    s = ToolCallStream()
-    out = [s.push(d) for d in ["Sure", " <to", "ol_call>\n{\"name\": \"f\", ", "\"arguments\": {}}\n</tool_call>"]]
-    assert out == ["Sure", " ", "", ""]  # "<to" could start a call: held, never released as content
-    rest, calls = s.finish()
-    assert rest == "" and [(c.name, c.arguments) for c in calls] == [("f", "{}")]
-    s = ToolCallStream()
-    assert [s.push(d) for d in ["a <t", "able>"]] == ["a ", "<table>"]  # not a call after all: released
-    assert s.finish() == ("", [])
 
 
 # ---------------------------------------------------------------- the grammar mask, one process
@@ -108,19 +79,21 @@ def post(url: str, body: dict) -> tuple[int, dict]:
 
 
 def test_the_template_receives_the_tools(tool_server):
-    from moeray.cluster.tools import template_messages, template_renders_tools
+    from moeray.stages.text.chat import chat_format, template_renders_tools
     from moeray.stages.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(tool_server[2])
     assert template_renders_tools(tok)
-    prompt = tok.apply_chat_template(MSGS, tools=[WEATHER])
+    fmt = chat_format(tok.chat_template)
+    assert fmt.name == "hermes"
+    prompt = fmt.render(tok, MSGS, [WEATHER]).prompt
     assert '"name": "get_weather"' in prompt and "<tools>" in prompt
     # An earlier call and its result render as the template writes them (arguments as an object).
-    history = template_messages(MSGS + [
+    history = MSGS + [
         {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
             "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}])
-    text = tok.apply_chat_template(history, tools=[WEATHER])
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    text = fmt.render(tok, history, [WEATHER]).prompt
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
     assert "<tool_response>\nsunny\n</tool_response>" in text
     # ... and the server takes such a conversation (prompt tokens: the rendered history).
@@ -128,7 +101,7 @@ def test_the_template_receives_the_tools(tool_server):
         {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
             "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}], "tools": [WEATHER], "max_tokens": 2})
-    assert status == 200 and body["usage"]["prompt_tokens"] == len(tok.encode(tok.apply_chat_template(history, tools=[WEATHER])))
+    assert status == 200 and body["usage"]["prompt_tokens"] == len(tok.encode(text))
 
 
 def test_required_and_named_tool_choice_give_openai_tool_calls_streamed_and_not(tool_server):
@@ -144,9 +117,12 @@ def test_required_and_named_tool_choice_give_openai_tool_calls_streamed_and_not(
         chunks = list(client.chat.completions.create(**kw, tool_choice=choice, stream=True))
         deltas = [ch.choices[0].delta for ch in chunks if ch.choices]
         assert "".join(d.content or "" for d in deltas) == ""  # the call never leaks as content
-        (streamed,) = [t for d in deltas for t in (d.tool_calls or [])]
-        assert streamed.index == 0 and streamed.function.name == "get_weather"
-        assert streamed.function.arguments == call.function.arguments  # the grammar and greedy: the same call
+        first, *fragments = [t for d in deltas for t in (d.tool_calls or [])]
+        # OpenAI's shape: the id and name first, then the arguments in fragments (as they are generated)
+        assert first.index == 0 and first.id.startswith("call_") and first.function.name == "get_weather"
+        assert all(f.index == 0 and f.id is None and f.function.name is None for f in fragments) and fragments
+        streamed = first.function.arguments + "".join(f.function.arguments for f in fragments)
+        assert streamed == call.function.arguments  # the grammar and greedy: the same call
         assert [ch.choices[0].finish_reason for ch in chunks if ch.choices[0].finish_reason] == ["tool_calls"]
 
 

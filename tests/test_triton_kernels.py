@@ -1,7 +1,7 @@
 """The card's GGUF kernels (stages/kernels/triton_kernels.py) run on the CPU through Triton's interpreter
 (TRITON_INTERPRET=1) against the torch dequantiser (stages/gguf/quant.py, itself equal to gguf's numpy
 reference): dequantisation bit for bit, the decode GEMV, the small-batch tl.dot path, the prefill
-route (dequantise into the scratch, then a float matmul) and the grouped MoE hit path against a
+backend (dequantise into the scratch, then a float matmul) and the grouped MoE hit path against a
 per-expert loop. Shapes are tiny: the interpreter runs each program in Python (seconds in all).
 Skipped, with the reason, where triton is not installed (it is in the `test` extra)."""
 from __future__ import annotations
@@ -150,10 +150,10 @@ def test_a_type_without_a_kernel_is_one_clear_error(tk):
 
 @interpreted
 def test_qmatrix_multiplies_through_the_kernels_where_enabled(tk, monkeypatch):
-    """QMatrix's CUDA route, run here on CPU tensors through the interpreter (MOERAY_TRITON=1 is
-    the tests' switch; on a card it is on by default): same product, and the route line says so."""
-    from moeray.stages.kernels import qmatmul
-    from moeray.stages.kernels.qmatmul import QMatrix, route_line
+    """QMatrix's CUDA backend, run here on CPU tensors through the interpreter (triton "on" is
+    the tests' switch; on a card "auto" turns it on): same product, and the backend line says so."""
+    from moeray.stages.kernels import qmatmul, settings
+    from moeray.stages.kernels.qmatmul import QMatrix, backend_line
 
     raw = _matrix(T.Q6_K, 8, 256, seed=5)
     w = QMatrix(raw, T.Q6_K, (8, 256), "dequant")
@@ -161,13 +161,13 @@ def test_qmatrix_multiplies_through_the_kernels_where_enabled(tk, monkeypatch):
     calls = []
     monkeypatch.setattr(tk, "qlinear", lambda *a, **kw: calls.append(a[1]) or tk._launch_gemm(
         a[0], a[1], 8, 256, a[3], torch.empty(2, 8)))
-    monkeypatch.setenv("MOERAY_TRITON", "1")
+    settings.update(triton="on")
     got = w(x)
-    assert calls == [int(T.Q6_K)] and "triton" in route_line("dequant", torch.device("cpu"))
+    assert calls == [int(T.Q6_K)] and "triton" in backend_line("dequant", torch.device("cpu"))
     assert (got - x @ w.dequantize().T).abs().max() <= 1e-5 * got.abs().max()
-    monkeypatch.setenv("MOERAY_TRITON", "0")  # off: the torch dequantiser, as on a card without triton
+    settings.update(triton="off")  # off: the torch dequantiser, as on a card without triton
     assert torch.allclose(w(x), got, rtol=1e-5, atol=1e-5) and len(calls) == 1
-    assert "torch dequantise" in route_line("dequant", torch.device("cpu")) and qmatmul._card_kernels(
+    assert "torch dequantise" in backend_line("dequant", torch.device("cpu")) and qmatmul._card_kernels(
         torch.device("cpu")) is None
 
 

@@ -1,12 +1,12 @@
 """A layer's trunk as one ggml graph (stages/runtime/trunk_graph.py) against the torch ops it replaces on
-the ggml route (stages/blocks/attention.py: the reference), on the default model and tiny random families.
+the ggml backend (stages/blocks/attention.py: the reference), on the default model and tiny random families.
 
 Both sides quantise activations to 8 bits before each matmul, so a 1e-7 difference upstream (RoPE
 in float32 vs float64, flash attention's online softmax vs SDPA) can move one rounding step and
-grow through the layers: the bound is the ggml route's own (1e-1 of the largest logit, as in
+grow through the layers: the bound is the ggml backend's own (1e-1 of the largest logit, as in
 tests/test_parity_transformers.py), checked where both sides routed every layer to the same
-experts; measured here: 1e-2 to 3e-2 (the fused route is as close to the exact route as the torch
-ggml route: 3.0e-2 vs 3.3e-2 of the largest logit on the default model's 48-token prefill)."""
+experts; measured here: 1e-2 to 3e-2 (the fused backend is as close to the exact backend as the torch
+ggml backend: 3.0e-2 vs 3.3e-2 of the largest logit on the default model's 48-token prefill)."""
 from __future__ import annotations
 
 import sys
@@ -25,7 +25,7 @@ from tiny_models import tiny_deepseek2, tiny_deepseek3, tiny_glm4moe, tiny_qwen2
 
 pytestmark = pytest.mark.skipif(not ggml_available(), reason="ggml-python is not installed")
 
-RTOL = 1e-1  # of the largest |logit|: the ggml route's tolerance
+RTOL = 1e-1  # of the largest |logit|: the ggml backend's tolerance
 
 
 class Both:
@@ -34,7 +34,7 @@ class Both:
     def __init__(self, path):
         self.routes = []
         host = HostExperts(GGUFFile(path), "ggml", on_route=lambda layer, ids, w: self.routes.append((layer, ids.sort(-1).values)))
-        self.model = load_model(path, route="ggml", experts=host)
+        self.model = load_model(path, backend="ggml", experts=host)
         assert self.model.trunk is not None, "this model's layers should run as trunk graphs"
         self.graphs = self.model.trunk
         self.calls = 0
@@ -61,7 +61,7 @@ class Both:
 def _close(both: Both, fn, what: str, routed_alike: bool = True, rtol: float = RTOL) -> None:
     """routed_alike: compare only positions both sides routed alike in every layer (random tiny
     routers: a flipped near-tie picks an unrelated expert). The default model's experts are
-    upcycled near-copies, whose routing nearly ties everywhere (the torch ggml route and the exact
+    upcycled near-copies, whose routing nearly ties everywhere (the torch ggml backend and the exact
     one route alike at ~1/3 of positions) while a flip barely moves the logits: all compared."""
     calls = both.calls
     got, r_got = both.run(True, fn)
@@ -203,7 +203,7 @@ def test_gpt_oss_runs_in_the_stage_graph(tmp_path):
     """gpt-oss: attention sinks (flash_attn_ext's sinks), sliding windows of 8 on layers 0 and 2
     (their own mask; 20 tokens cross it), YaRN (ggml_rope_ext with the torch path's frequencies as
     freq_factors), top-k-then-softmax routing with the router's bias, swiglu_oai experts with
-    biases (MXFP4): against torch's ops within the route's bound (measured: 1e-5 of the residual
+    biases (MXFP4): against torch's ops within the backend's bound (measured: 1e-5 of the residual
     stream, equal logits), one stage graph a step."""
     from gpt_oss_model import write_gpt_oss
 
@@ -239,7 +239,7 @@ def test_fused_moe_layers_match_the_two_call_path_and_count_alike(tiny_files, mo
     (routing and experts inside its trunk graph, from the slots), layer 1 half of them (routing in
     the graph, the experts in two expert graphs after it) and layer 2 none (inside, from the
     mapping). Against MOERAY_FUSED_MOE=0 (torch routing, then the experts' graphs): the same logits
-    within the route's tolerance, the same experts, and the cache counts exactly what was routed."""
+    within the backend's tolerance, the same experts, and the cache counts exactly what was routed."""
     import numpy as np
 
     from moeray.planner.profile import Profile
@@ -248,7 +248,7 @@ def test_fused_moe_layers_match_the_two_call_path_and_count_alike(tiny_files, mo
 
     counts = np.zeros((3, 8), dtype=np.int64)
     counts[0], counts[1, :4] = 1000, 500
-    model, cache = load_cached(tiny_files["qwen3moe"], route="ggml", profile=Profile.from_counts(counts), n_slots=12)
+    model, cache = load_cached(tiny_files["qwen3moe"], backend="ggml", profile=Profile.from_counts(counts), n_slots=12, layout="global")
     resident = cache.core.slot_of >= 0
     assert resident.sum(1).tolist() == [8, 4, 0]
     routed, expert_graphs = [], []
@@ -283,7 +283,7 @@ def test_the_stage_graph_is_its_layer_graphs_bit_for_bit(tiny_files):
     host path): the same bits as one graph per layer, the same experts counted, one call a step."""
     routes = []
     host = HostExperts(GGUFFile(tiny_files["qwen3moe"]), "ggml", on_route=lambda l, ids, w: routes.append((l, ids, w)))
-    model = load_model(tiny_files["qwen3moe"], route="ggml", experts=host)
+    model = load_model(tiny_files["qwen3moe"], backend="ggml", experts=host)
     calls = []
     for name in ("layer", "stage"):
         real = getattr(model.trunk, name)
@@ -309,7 +309,7 @@ def test_top1_routing_decodes_several_sequences_in_the_stage_graph(tmp_path):
     adds it to the residual (before: ggml's add asserted and aborted the process at 2 tokens).
     Two sequences decode together: one stage graph a step, the layer graphs' bits."""
     path = write_gguf(tiny_qwen3moe(top_k=1), tmp_path / "top1.gguf", "Q8_0")
-    model = load_model(path, route="ggml")
+    model = load_model(path, backend="ggml")
     calls = []
     real = model.trunk.stage
     model.trunk.stage = lambda *a: calls.append(1) or real(*a)
@@ -392,7 +392,7 @@ def test_shared_expert_dense_layers_and_sigmoid_routing_run_in_the_stage_graph(t
     experts computed; and the stage graph gives the layer graphs' bits."""
     routes = []
     host = HostExperts(GGUFFile(tiny_files[name]), "ggml", on_route=lambda l, ids, w: routes.append((l, ids, w)))
-    model = load_model(tiny_files[name], route="ggml", experts=host)
+    model = load_model(tiny_files[name], backend="ggml", experts=host)
     calls = []
     for call in ("layer", "stage"):
         real = getattr(model.trunk, call)
@@ -437,7 +437,7 @@ def test_glm4moe_through_an_expert_cache_counts_every_lookup(tiny_files, n_slots
     counts = np.zeros((3, 8), dtype=np.int64)
     counts[1], counts[2, :4] = 1000, 500
     counts[2, 4:] = 100 if n_slots == 16 else 0
-    model, cache = load_cached(tiny_files["glm4moe"], route="ggml", profile=Profile.from_counts(counts), n_slots=n_slots)
+    model, cache = load_cached(tiny_files["glm4moe"], backend="ggml", profile=Profile.from_counts(counts), n_slots=n_slots, layout="global")
     resident = cache.core.slot_of >= 0
     assert resident.sum(1).tolist() == [0, 8, 8 if n_slots == 16 else 4]
     routed, calls, shared = [], [], []
@@ -494,10 +494,10 @@ def test_deepseek_with_every_expert_resident_is_the_host_path_bit_for_bit(tiny_f
 def _resident_is_the_host_path_bit_for_bit(path) -> None:
     from moeray.stages.runtime.model import load_cached
 
-    host = load_model(path, route="ggml")
+    host = load_model(path, backend="ggml")
     cfg = host.config
     moe = len(cfg.moe_layers)
-    cached, cache = load_cached(path, route="ggml", n_slots=moe * cfg.n_experts)
+    cached, cache = load_cached(path, backend="ggml", n_slots=moe * cfg.n_experts, layout="global")
     assert (cache.core.slot_of[cfg.moe_layers] >= 0).all()
     calls = []
     real = cached.trunk.stage
@@ -529,9 +529,9 @@ def test_mla_layer_graph_against_the_torch_attention(tiny_files, name, attn_fact
     g = GGUFFile(tiny_files[name])
     if attn_factor is not None:
         g.config = replace(g.config, yarn_attn_factor=attn_factor)
-    stage = StageModel(g, 0, 1, route="ggml")
+    stage = StageModel(g, 0, 1, backend="ggml")
     assert stage.trunk is not None and type(stage.layers[0].attn).__name__ == "MLAttention"
-    assert stage.layers[0].attn.w_k_b.route == "ggml"
+    assert stage.layers[0].attn.w_k_b.backend == "ggml"
     ids = token_ids(20)
     calls = []
     real = stage.trunk.stage
@@ -558,7 +558,7 @@ def test_mla_families_decode_in_the_stage_graph(tiny_files, name):
     (measured: equal bit for bit; RoPE's YaRN frequencies and scale, the latent cache, attention
     and routing alike), over a prefill, a second chunk and one stage graph per decode step."""
     both = Both(tiny_files[f"{name}-float-heads"])
-    assert both.model.layers[0].attn.w_k_b.route == "exact"
+    assert both.model.layers[0].attn.w_k_b.backend == "exact"
     _close(both, lambda m: m.logits_all(token_ids(20)), f"{name} prefill", rtol=3e-2)
     calls = both.calls
     _close(both, _prefill_then_decode(token_ids(20), 9), f"{name} chunks + decode", rtol=3e-2)
@@ -582,10 +582,10 @@ def test_a_residency_change_between_decode_steps_reaches_the_stage_graph(tiny_fi
     from moeray.stages.runtime.model import load_cached
 
     path = tiny_files["qwen3moe"]
-    host = load_model(path, route="ggml")
+    host = load_model(path, backend="ggml")
     cfg = host.config
     E, k = cfg.n_experts, cfg.n_experts_used
-    cached, cache = load_cached(path, route="ggml", n_slots=cfg.n_layers * E)
+    cached, cache = load_cached(path, backend="ggml", n_slots=cfg.n_layers * E, layout="global")
     core = cache.core
     calls = []
     real = cached.trunk.stage

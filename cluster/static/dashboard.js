@@ -87,12 +87,12 @@
   }
 
   function drawTable(stages) {
-    const head = ["stage", "layers", "device", "kernels", "hit rate", "predicted", "lookups", "experts held",
+    const head = ["stage", "layers", "device", "backend", "hit rate", "predicted", "lookups", "experts held",
                   "steps", "KV use"];
     const rows = stages.map((s) => {
       const c = s.cache || {};
       const sw = `<span class="swatch" style="background:${color(s.stage)}"></span>`;
-      return [sw + s.stage, s.layers ? `${s.layers[0]}-${s.layers[1] - 1}` : "-", s.device, s.route || "-",
+      return [sw + s.stage, s.layers ? `${s.layers[0]}-${s.layers[1] - 1}` : "-", s.device, s.backend || "-",
               s.cache ? pct(c.hit_rate) : "no cache", pct(s.predicted_hit_rate), num(c.lookups),
               s.cache ? `${c.resident} / ${c.slots} slots` : "-", num(s.steps), pct(kvUse(s))];
     });

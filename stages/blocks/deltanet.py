@@ -18,7 +18,7 @@ file's V-head order: "grouped" (transformers, and llama.cpp's qwen3next: v head 
 h // (H_v/H_k)) or "tiled" (llama.cpp's converter reorders qwen35moe's V heads so that v head h
 reads k head h % H_k: ggml broadcasts that way without a copy).
 
-On the ggml route the layer runs the rule as ggml_gated_delta_net (llama.cpp's CPU op: the same
+On the ggml backend the layer runs the rule as ggml_gated_delta_net (llama.cpp's CPU op: the same
 step in C, one pass over the tokens): measured 2-3x faster than torch's chunked rule for prefill
 and 1.6x at decode batch 16 (bench/deltanet.py, docs/hybrid.md).
 """
@@ -115,7 +115,7 @@ def gated_norm(o: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: floa
     return F.rms_norm(o, (o.shape[-1],), weight, eps) * F.silu(z)
 
 
-# --- ggml's op (the ggml route) ---------------------------------------------------------------
+# --- ggml's op (the ggml backend) ---------------------------------------------------------------
 
 def ggml_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,7 +233,7 @@ class GatedDeltaNet(torch.nn.Module):
             self.register_buffer(name, t, persistent=False)
         s = shape
         self.splits = (s.conv_dim, s.value_dim, s.n_v_heads, s.n_v_heads)
-        self.use_ggml = getattr(w_out, "route", None) == "ggml"  # measured 5-10x faster than torch on CPU
+        self.use_ggml = getattr(w_out, "backend", None) == "ggml"  # measured 5-10x faster than torch on CPU
 
     def _project(self, x: torch.Tensor):
         proj = self.w_in[0](x) if len(self.w_in) == 1 else torch.cat([w(x) for w in self.w_in], dim=1)

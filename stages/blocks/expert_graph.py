@@ -83,7 +83,7 @@ class OneStack:
 
 
 def fusable(types) -> bool:
-    """ggml's fused route serves block-quantised (and 16-bit) experts; float32 files keep the
+    """ggml's fused path serves block-quantised (and 16-bit) experts; float32 files keep the
     exact torch math (their tests compare against float references)."""
     return all(T(t) not in FLOAT_TYPES for t in types)
 

@@ -52,6 +52,19 @@ def blocks_for(n_tokens: int) -> int:
     return -(-n_tokens // BLOCK_SIZE)
 
 
+def kv_bytes_by_layer(config, n_blocks: int, itemsize: int = 4) -> list[int]:
+    """Each layer's KV pool with `n_blocks` blocks, at its architecture's values per token."""
+    return [n_blocks * kv_block_bytes(config, range(l, l + 1), itemsize) for l in range(config.n_layers)]
+
+
+def kv_layer_bytes(config, n_blocks: int, itemsize: int = 4, layer: int | None = None) -> int:
+    """KV pool of one layer with `n_blocks` blocks, as a stage allocates it (layer None: the
+    largest layer's, the figure a message quotes)."""
+    if layer is None:
+        return max(kv_bytes_by_layer(config, n_blocks, itemsize), default=0)
+    return n_blocks * kv_block_bytes(config, range(layer, layer + 1), itemsize)
+
+
 class KVPool:
     """k/v of every layer of the stage, [n_kv_heads, n_blocks * BLOCK_SIZE, head_dim] each.
 

@@ -38,7 +38,7 @@ class MLAttention(torch.nn.Module):
         self.register_buffer("q_a_norm", q_a_norm, persistent=False)
         self.register_buffer("kv_a_norm", kv_a_norm, persistent=False)
         # attn_k_b [heads * kv_lora, nope] and attn_v_b [heads * v_dim, kv_lora]: one small matrix
-        # per head, multiplied as batches (float32 views on the exact route, dequantised per use
+        # per head, multiplied as batches (float32 views on the exact backend, dequantised per use
         # on the others: their bytes stay the GGUF's)
         self.w_k_b, self.w_v_b = w_k_b, w_v_b
         self.rope_dim = cfg.rope_dim

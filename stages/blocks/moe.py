@@ -5,9 +5,9 @@ built with. `HostExperts` computes every expert from the GGUF mapping's quantise
 copy); an ExpertCache (moeray.cache) counts each lookup, computes hot experts from its slots and
 passes the rest to the host copy. Weights are quantised blocks, never float32 copies.
 
-On the ggml route a layer's picks run as one graph over the stacked expert tensor
+On the ggml backend a layer's picks run as one graph over the stacked expert tensor
 (stages/blocks/expert_graph.py: mul_mat_id, tokens grouped inside the op); the per-expert path below
-(`ExpertWeights`, one call per expert) is the torch route's, for dequant/exact and CUDA slots.
+(`ExpertWeights`, one call per expert) is the torch backend's, for dequant/exact and CUDA slots.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from moeray.stages.arch.config import ModelConfig
 from moeray.stages.blocks.expert_graph import OneStack, Part, Stack, add_picks, fusable, run
 from moeray.stages.gguf.reader import EXPERT_KINDS, GGUFFile, expert_bytes
 from moeray.stages.kernels.host_memory import weight_buffer
-from moeray.stages.kernels.qmatmul import SILU, GLU, ExpertBias, QMatrix, current_route, swiglu, to_device
+from moeray.stages.kernels.qmatmul import SILU, GLU, ExpertBias, QMatrix, current_backend, swiglu, to_device
 from moeray.stages.gguf.quant import as_uint8_tensor, dequantize
 from moeray.stages.blocks.routing import GRAPH_ROUTING, ROUTING
 
@@ -75,7 +75,7 @@ class Experts(Protocol):
         """x [N, H], ids/weights [N, k] -> Σ_r weights[:, r] · expert_{ids[:, r]}(x), [N, H]."""
         ...
 
-    # Optional (HostExperts, ExpertCache on the ggml route): the fused MoE layer's side.
+    # Optional (HostExperts, ExpertCache on the ggml backend): the fused MoE layer's side.
     # one_stack(layer) -> OneStack | None: the stack that serves every pick of the coming step;
     # after_one_stack(layer, ids, weights, one): the counting forward would have done, afterwards.
 
@@ -100,14 +100,14 @@ class HostExperts:
     """Every routed expert computed from the quantised blocks in the GGUF mapping (zero-copy views:
     the mapping is the host copy). `on_route` sees every routing decision (a trace writer)."""
 
-    def __init__(self, gguf: GGUFFile, route: str | None = None, on_route: RouteObserver | None = None):
+    def __init__(self, gguf: GGUFFile, backend: str | None = None, on_route: RouteObserver | None = None):
         self.gguf, self.config = gguf, gguf.config
-        self.route = route or current_route()
+        self.backend = backend or current_backend()
         self.act = GLU.of(self.config)
         self.on_route = on_route
         self.computed = 0  # experts computed from the host copy so far (a measure of host work)
         self._stacks: dict[int, Stack | None] = {}
-        # MOERAY_HOST_EXPERTS: "mapped" (the file's bytes in place), "repacked" (a copy), "auto"
+        # StageOptions.host_experts: "mapped" (the file's bytes in place), "repacked" (a copy), "auto"
         # (a copy when it fits, decided per prepare() call); _packed: the layers copied or to copy.
         self.layout = repack.host_experts()
         self._packed: set[int] = set()
@@ -117,12 +117,12 @@ class HostExperts:
 
     def prepare(self, first: int, end: int, reserve: int = 0) -> None:
         """Build the stacks of layers [first, end) now (a stage's load, not its first step): with
-        MOERAY_HOST_EXPERTS=repacked that copies their routed experts into one huge-page buffer
+        host_experts "repacked" that copies their routed experts into one huge-page buffer
         (repacked where ggml can), after checking that it fits in the memory the system has
         available; with "auto" only when 4 GiB stay free beside `reserve` bytes (a cache's slots,
         which fill later)."""
         todo = [l for l in range(first, end) if l not in self._stacks]
-        need = sum(self._copy_bytes(l) for l in todo) if self.route == "ggml" else 0
+        need = sum(self._copy_bytes(l) for l in todo) if self.backend == "ggml" else 0
         what = f"layers [{first}, {end})"
         if need and self.layout == "repacked":
             repack.check_fits(need, what)
@@ -147,13 +147,13 @@ class HostExperts:
 
     def stack(self, layer: int) -> Stack | None:
         """The layer's experts in the mapping as one stacked tensor per kind, for ggml's
-        mul_mat_id (None off the ggml route, or for float32 experts: they keep the exact math)."""
+        mul_mat_id (None off the ggml backend, or for float32 experts: they keep the exact math)."""
         if layer not in self._stacks:
             self._stacks[layer] = None
             if f"blk.{layer}.ffn_gate_exps.weight" not in self.gguf.tensors:  # a dense layer
                 return None
             infos = [self.gguf.info(f"blk.{layer}.ffn_{kind}_exps.weight") for kind in EXPERT_KINDS]
-            if self.route == "ggml" and fusable(t.ggml_type for t in infos):
+            if self.backend == "ggml" and fusable(t.ggml_type for t in infos):
                 raws = [as_uint8_tensor(self.gguf.raw(t.name)) for t in infos]
                 parts = tuple(Part(r.data_ptr(), t.ggml_type, t.shape[1], t.shape[2], t.n_bytes // t.shape[0])
                               for r, t in zip(raws, infos))
@@ -202,7 +202,7 @@ class HostExperts:
         """The layer's experts laid out as the rows of another buffer (a stage's slots): row i
         holds one expert's gate, up and down blocks back to back from base + i * row, each kind in
         the host stack's layout (so a pick gets the same bits from either stack), or repacked
-        wherever ggml can under MOERAY_REPACK=fast."""
+        wherever ggml can under repack "fast"."""
         parts, off = [], 0
         for p in self.stack(layer).parts:
             packed = p.repacked or (repack.mode() == "fast" and repack.wanted(p.ggml_type, p.rows, p.cols))
@@ -242,7 +242,7 @@ class HostExperts:
         for kind in EXPERT_KINDS:
             gtype, shape = self.info(layer, kind)
             parts.append(QMatrix.from_raw(self.gguf.expert_raw(layer, kind, expert), gtype, shape,
-                                          self.route, copy=False))
+                                          self.backend, copy=False))
         bias = None
         if self.config.expert_bias:  # float32 rows of the mapping, no copy (F32 as stored)
             bias = ExpertBias(*(self._bias_row(layer, kind, expert) for kind in EXPERT_KINDS))
@@ -254,8 +254,8 @@ class HostExperts:
 
     def slot_bytes(self, layer: int) -> int:
         """Bytes a device copy of one expert of `layer` holds: its GGUF bytes on the quantised
-        routes, float32 on the exact route."""
-        return expert_bytes(self.gguf.tensors, layer, self.route)
+        backends, float32 on the exact backend."""
+        return expert_bytes(self.gguf.tensors, layer, self.backend)
 
     def forward(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                 slot_weights: SlotLookup | None = None) -> torch.Tensor:
@@ -297,7 +297,7 @@ class HostExperts:
 
     def one_stack(self, layer: int, slots: Stack | None = None, slot_of: torch.Tensor | None = None
                   ) -> OneStack | None:
-        """The mapping's stack serves every pick (None off the ggml route, or for float32
+        """The mapping's stack serves every pick (None off the ggml backend, or for float32
         experts); or the stack `slots` (a stage's slot buffer) by `slot_of`, int32 [E]."""
         stack = self.stack(layer)
         if stack is None:
@@ -431,17 +431,17 @@ class MoEBlock(torch.nn.Module):
         one = getattr(self.experts, "one_stack", None)
         return one(self.layer) if one is not None else None
 
-    def after_graph(self, h: torch.Tensor | None, ids: torch.Tensor, weights: torch.Tensor,
-                    routed: torch.Tensor | None, one: OneStack | None, shared_inside: bool = False) -> torch.Tensor:
-        """The FFN output of a layer whose routing ran in its trunk graph (ids, weights): the
-        routed experts computed now from h, or with `one` already in the graph (`routed`) and
-        only counted (as forward counts them); the shared expert added (shared_inside: the graph
-        computed it: `routed` is then the shared expert's output alone, or added already)."""
+    def after_graph(self, h: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, one: OneStack | None,
+                    experts: torch.Tensor | None = None, shared: torch.Tensor | None = None) -> torch.Tensor:
+        """The FFN output of a layer whose routing ran in its trunk graph (ids, weights) but not
+        the whole FFN: the routed experts computed now from h, or with `one` already in the graph
+        (`experts`, their output) and only counted (as forward counts them); the shared expert's
+        output added: `shared` where the graph computed it, else computed now from h."""
         if one is None:
             out = self.experts.forward(self.layer, h, ids, weights)
-            return out + routed if shared_inside else self._with_shared(h, out)
+            return out + shared if shared is not None else self._with_shared(h, out)
         self.count_graph(ids, weights, one)
-        return routed if shared_inside else self._with_shared(h, routed)
+        return self._with_shared(h, experts)
 
     def count_graph(self, ids: torch.Tensor, weights: torch.Tensor, one: OneStack) -> None:
         """The experts' counting for a step whose routed experts ran inside a graph."""

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
+from moeray import environment
 from moeray.errors import MoerayError
 
 N_EXPERTS = 8
@@ -45,7 +46,7 @@ REFERENCE_SHA256 = "5ee350b93419ca76bd0d87bbbad6ec3ccef3cb87afdf6eb5f9185acd9d9f
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("MOERAY_CACHE_DIR") or Path.home() / ".cache" / "moeray")
+    return Path(environment.cache_dir() or Path.home() / ".cache" / "moeray")
 
 
 def source_gguf_path() -> Path:

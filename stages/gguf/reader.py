@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -18,8 +18,9 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from moeray.stages.arch import arch_of, config_from_metadata
 from moeray.stages.arch.config import ModelConfig
-from moeray.errors import (GGUFError, MissingTensorError, NotGGUFError, TensorShapeError,
+from moeray.errors import (GGUFError, MissingTensorError, ModelPartsError, NotGGUFError, TensorShapeError,
                            TruncatedGGUFError, UnsupportedQuantError)
+from moeray.stages.gguf.parts import PartInfo, gather_parts, is_in_parts, join_tensors
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
@@ -39,19 +40,74 @@ class TensorInfo:
     name: str
     shape: tuple[int, ...]  # numpy/PyTorch order, outermost first
     ggml_type: GGMLQuantizationType
-    offset: int  # absolute file offset of the data
+    offset: int  # absolute offset of the data in its part's file
     n_bytes: int
+    part: int = 0  # the part (file) that holds it: 0 for a model in one file
 
 
 @dataclass
 class GGUFHeader:
-    path: str
+    """A model's metadata and tensor directory: of its one file, or the union of its parts'."""
+    path: str  # the file (the first part of a model in parts)
     metadata: dict[str, Any]
     tensors: dict[str, TensorInfo]
     arch: str
     config: ModelConfig
-    data_offset: int = 0  # where tensor data starts
+    data_offset: int = 0  # where tensor data starts (in the first part)
     header_bytes: int = 0  # bytes of magic + metadata + tensor directory (before alignment padding)
+    parts: list[PartInfo] = field(default_factory=list)  # one per file, in order
+
+    @property
+    def in_parts(self) -> bool:
+        return len(self.parts) > 1
+
+    def stage_tensors(self, first: int, end: int) -> list[str]:
+        """The tensors a stage over layers [first, end) reads: its layers' (trunk and experts),
+        the embedding where it is first, the head where it is last (and the embedding matrix a
+        tied head reuses), and tensors of no layer (rope factors) everywhere."""
+        last = end >= self.config.n_layers
+        out = []
+        for name in self.tensors:
+            role, layer = tensor_role(name)
+            if layer is not None:
+                wanted = first <= layer < end
+            elif role == "embedding":
+                wanted = first == 0 or (last and self.config.tie_embeddings)
+            elif role == "head":
+                wanted = last
+            else:
+                wanted = True
+            if wanted:
+                out.append(name)
+        return out
+
+    def stage_parts(self, first: int, end: int) -> list[int]:
+        """The parts (0-based) holding the tensors a stage over layers [first, end) reads."""
+        return sorted({self.tensors[n].part for n in self.stage_tensors(first, end)})
+
+    def part_holds(self, index: int) -> str:
+        """What part `index` holds, for a reader: 'layers 3-7', 'layers 0-5, embedding', 'metadata only'."""
+        layers, extra = set(), []
+        for name, t in self.tensors.items():
+            if t.part != index:
+                continue
+            role, layer = tensor_role(name)
+            if layer is not None and layer < self.config.n_layers:
+                layers.add(layer)
+            elif role in ("embedding", "head") and role not in extra:
+                extra.append(role)
+        span = [f"layers {min(layers)}-{max(layers)}" if len(layers) > 1 else f"layer {min(layers)}"] if layers else []
+        return ", ".join(span + sorted(extra)) or "metadata only"
+
+    def layers_within(self, parts) -> list[int]:
+        """The layers all of whose tensors lie in `parts`."""
+        parts = set(parts)
+        out = set(range(self.config.n_layers))
+        for name, t in self.tensors.items():
+            layer = tensor_role(name)[1]
+            if layer is not None and t.part not in parts:
+                out.discard(layer)
+        return sorted(out)
 
     def expert_bytes(self, layer: int) -> int:
         """Bytes of one routed expert (gate + up + down) of `layer` as stored; 0 for a dense layer."""
@@ -110,6 +166,19 @@ class _Cursor:
         self.pos += n
         return s
 
+    def strings(self, count: int) -> list[str]:
+        out, unpack = [], struct.unpack_from
+        for _ in range(count):
+            if self.pos + 8 > len(self.buf):
+                self.need(8)
+            n = unpack("<Q", self.buf, self.pos)[0]
+            start = self.pos + 8
+            if start + n > len(self.buf):
+                self.need(8 + n)
+            out.append(self.buf[start:start + n].decode("utf-8", errors="replace"))
+            self.pos = start + n
+        return out
+
     def value(self, vtype: int) -> Any:
         if vtype in _SCALARS:
             return self.unpack(_SCALARS[vtype])
@@ -123,6 +192,8 @@ class _Cursor:
                 arr = np.frombuffer(self.buf, dtype=dt, count=count, offset=self.pos).tolist()
                 self.pos += count * dt.itemsize
                 return arr
+            if etype == _STRING:  # token lists and merges: hundreds of thousands of strings
+                return self.strings(count)
             return [self.value(etype) for _ in range(count)]
         raise NotGGUFError(f"{self.path}: unknown GGUF metadata value type {vtype}; the file is corrupt "
                            "or from a newer GGUF version than moeray knows")
@@ -137,7 +208,24 @@ def _tensor_nbytes(path: str, name: str, dims: tuple[int, ...], ggml_type: GGMLQ
     return n // block * type_size
 
 
-def _parse(f, path: str, size: int) -> GGUFHeader:
+@dataclass
+class _Directory:
+    """One file's header as parsed: its metadata and tensor directory (no config yet)."""
+    path: str
+    size: int
+    metadata: dict[str, Any]
+    tensors: dict[str, TensorInfo]
+    data_offset: int
+    header_bytes: int
+    kv_span: tuple[int, int]  # where the metadata key/values lie in the file (the splitter copies them)
+
+    def part_info(self, index: int = 0, count: int = 1) -> PartInfo:
+        end = max((t.offset + t.n_bytes for t in self.tensors.values()), default=self.data_offset)
+        return PartInfo(self.path, index, count, len(self.tensors), self.data_offset, self.header_bytes, end,
+                        self.size)
+
+
+def _parse(f, path: str, size: int) -> _Directory:
     cur = _Cursor(f, path, size)
     cur.need(min(4, size))
     if size < 4 or cur.buf[:4] != GGUF_MAGIC:
@@ -151,10 +239,12 @@ def _parse(f, path: str, size: int) -> GGUFHeader:
         raise NotGGUFError(f"{path}: GGUF version {version}{hint} is not supported; moeray reads little-endian "
                            "GGUF v2 and v3 (re-convert with a current llama.cpp)")
     n_tensors, n_kv = cur.unpack("<Q"), cur.unpack("<Q")
+    kv_start = cur.pos
     meta: dict[str, Any] = {}
     for _ in range(n_kv):
         key = cur.string()
         meta[key] = cur.value(cur.unpack("<I"))
+    kv_end = cur.pos
     raw_infos = []
     for _ in range(n_tensors):
         name = cur.string()
@@ -178,20 +268,11 @@ def _parse(f, path: str, size: int) -> GGUFHeader:
         # GGUF stores dims innermost first; numpy order is outermost first.
         shape = tuple(int(d) for d in reversed(dims))
         tensors[name] = TensorInfo(name, shape, gtype, data_offset + rel, _tensor_nbytes(path, name, dims, gtype))
-
-    shapes = {n: t.shape for n, t in tensors.items()}
-    config = config_from_metadata(meta, shapes, path)
-    return GGUFHeader(path=path, metadata=meta, tensors=tensors, arch=config.arch, config=config,
-                      data_offset=data_offset, header_bytes=header_bytes)
+    return _Directory(path, size, meta, tensors, data_offset, header_bytes, (kv_start, kv_end))
 
 
-def _supported_names() -> str:
-    return ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
-
-
-def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
-    """Metadata, tensor directory and config. Works on a file holding ONLY the header and directory."""
-    path = os.fspath(path)
+def _read_directory(path: str) -> _Directory:
+    """One file's metadata and tensor directory (a part of a model is read alone)."""
     if not os.path.exists(path):
         raise GGUFError(f"{path}: no such file")
     with open(path, "rb") as f:
@@ -201,11 +282,39 @@ def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
         return _parse(f, path, size)
 
 
+def _supported_names() -> str:
+    return ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
+
+
+def read_gguf_header(path: str | os.PathLike) -> GGUFHeader:
+    """Metadata, tensor directory and config. Works on a file holding ONLY the header and directory.
+
+    A model in parts (llama.cpp's gguf-split) is read from any of its parts: the parts are found
+    beside it by name, checked (stages/gguf/parts.py) and their directories joined; each tensor
+    records its part. Only headers are read, so header-only copies of the parts are enough."""
+    path = os.fspath(path)
+    given = _read_directory(path)
+    if is_in_parts(given.metadata):
+        dirs = gather_parts(path, given, _read_directory)
+        tensors = join_tensors(dirs)
+        count = len(dirs)
+        parts = [d.part_info(i, count) for i, d in enumerate(dirs)]
+        first = dirs[0]
+    else:
+        first, tensors, parts = given, given.tensors, [given.part_info()]
+    shapes = {n: t.shape for n, t in tensors.items()}
+    config = config_from_metadata(first.metadata, shapes, first.path)
+    return GGUFHeader(path=first.path, metadata=first.metadata, tensors=tensors, arch=config.arch, config=config,
+                      data_offset=first.data_offset, header_bytes=first.header_bytes, parts=parts)
+
+
 def write_header_only(src: str | os.PathLike, dst: str | os.PathLike) -> int:
-    """Copy just the header + tensor directory of `src` to `dst` (what `moeray plan` needs). Returns bytes."""
-    h = read_gguf_header(src)
+    """Copy just the header + tensor directory of the file `src` to `dst` (what `moeray plan`
+    needs). One file: a model in parts needs each part's, under its own name (`moeray plan
+    --headers-to`). Returns bytes."""
+    d = _read_directory(os.fspath(src))
     with open(src, "rb") as f:
-        data = f.read(h.header_bytes)
+        data = f.read(d.header_bytes)
     with open(dst, "wb") as f:
         f.write(data)
     return len(data)
@@ -225,33 +334,94 @@ def _shape_matches(actual: tuple[int, ...], expected: tuple[int, ...]) -> bool:
 
 # --- the full, memory-mapped file ----------------------------------------------------------
 
+_LAYOUTS: dict[tuple, tuple] = {}
+
+
+def _layout(path: str) -> tuple[int, dict[str, tuple[int, int]]]:
+    """(data offset, {tensor: (offset, bytes)}) of one file as it is now; kept per process while the
+    file is unchanged (a stage checks its files at probe, check and load: one parse)."""
+    st = os.stat(path)
+    key = (path, st.st_size, st.st_mtime_ns, st.st_ino)
+    if key not in _LAYOUTS:
+        d = _read_directory(path)
+        _LAYOUTS[key] = (d.data_offset, {n: (t.offset, t.n_bytes) for n, t in d.tensors.items()})
+    return _LAYOUTS[key]
+
+
 class GGUFFile:
     """A validated GGUF model, memory-mapped. Tensor bytes are views into the mapping (no copies).
+
+    A model in parts maps each part on first use: a stage that reads layers [a, b) opens only the
+    parts holding them (`opened`), and each tensor's view is into its own part's mapping, so
+    nothing after loading knows there were parts. `parts` (0-based indices, default all) are the
+    ones checked at once, before anything loads: present, long enough, and, where the header came
+    from elsewhere (the driver's), holding the directory that header says. `header`: the model's
+    header when the caller has it (a stage gets the driver's), else read from `path`.
 
     `touched` records every tensor name whose bytes were handed out, so a loader can be held to
     reading only its layer range.
     """
 
-    def __init__(self, path: str | os.PathLike):
-        self.path = os.fspath(path)
-        header = read_gguf_header(self.path)
+    def __init__(self, path: str | os.PathLike, header: GGUFHeader | None = None, parts=None):
+        shipped = header is not None
+        header = header if shipped else read_gguf_header(path)
+        self.path = header.path
         self.header = header
         self.metadata = header.metadata
         self.tensors = header.tensors
         self.config = header.config
         self.arch = header.arch
+        self.parts = header.parts
         self.touched: set[str] = set()
-        self.file_size = os.path.getsize(self.path)
+        self._maps: dict[int, np.memmap] = {}
+        self._checked: set[int] = set()
+        self._shipped = shipped
         self._validate()
-        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        for i in (range(len(self.parts)) if parts is None else parts):
+            self.check_part(i)
+
+    @property
+    def opened(self) -> list[int]:
+        """The parts mapped so far (0-based)."""
+        return sorted(self._maps)
+
+    def check_part(self, i: int) -> None:
+        """Part `i` is here, complete, and (for a header read elsewhere) the same file: one line
+        naming the file and the fix if not."""
+        if i in self._checked:
+            return
+        p = self.parts[i]
+        which = f"part {i + 1} of {len(self.parts)}: " if len(self.parts) > 1 else ""
+        if not os.path.exists(p.path):
+            raise ModelPartsError(f"{p.path}: missing ({which}{self.header.part_holds(i)}); fetch it to this path")
+        size = os.path.getsize(p.path)
+        if size < p.data_end:
+            raise TruncatedGGUFError(
+                f"{p.path}: truncated: {which}the tensor directory needs {p.data_end} bytes but the file has {size} "
+                f"({p.data_end - size} missing); it was cut short while copying or downloading; fetch it again")
+        if self._shipped:
+            mine = (p.data_offset, {n: (t.offset, t.n_bytes) for n, t in self.tensors.items() if t.part == i})
+            if _layout(p.path) != mine:
+                raise ModelPartsError(
+                    f"{p.path}: not the file the model's header describes ({which}its tensor directory differs): "
+                    "another model or quantisation under this name; copy the right file here")
+        self._checked.add(i)
+
+
+    def _map_of(self, t: TensorInfo) -> np.memmap:
+        m = self._maps.get(t.part)
+        if m is None:
+            self.check_part(t.part)
+            m = self._maps[t.part] = np.memmap(self.parts[t.part].path, dtype=np.uint8, mode="r")
+        return m
+
+    def _where(self, name: str) -> str:
+        """' (in NAME-00002-of-00004.gguf)' for a model in parts, else ''."""
+        t = self.tensors[name]
+        return f" (in {self.parts[t.part].name})" if len(self.parts) > 1 else ""
 
     def _validate(self) -> None:
         p = self.path
-        end = max((t.offset + t.n_bytes for t in self.tensors.values()), default=self.header.data_offset)
-        if self.file_size < end:
-            raise TruncatedGGUFError(
-                f"{p}: truncated: the tensor directory needs {end} bytes but the file has {self.file_size} "
-                f"({end - self.file_size} missing); it was cut short while copying or downloading; fetch it again")
         for name, expected in expected_tensor_shapes(self.config).items():
             info = self.tensors.get(name)
             if info is None:
@@ -259,9 +429,10 @@ class GGUFFile:
                     f"{p}: tensor '{name}' is missing; a {self.arch} model with these metadata needs it "
                     "(the file is incomplete or was written by an incompatible converter)")
             if not _shape_matches(info.shape, expected):
+                hint = "; a part of another model? fetch the parts from one release" if len(self.parts) > 1 else ""
                 raise TensorShapeError(
-                    f"{p}: tensor '{name}' has shape {info.shape}, expected {expected} from the metadata "
-                    f"({self.arch}); the metadata and weights disagree, re-convert the model")
+                    f"{p}: tensor '{name}'{self._where(name)} has shape {info.shape}, expected {expected} from the "
+                    f"metadata ({self.arch}); the metadata and weights disagree, re-convert the model{hint}")
             if info.ggml_type not in SUPPORTED_TYPES:
                 raise UnsupportedQuantError(
                     f"{p}: tensor '{name}' is stored as {info.ggml_type.name}, which moeray cannot dequantise; "
@@ -277,27 +448,30 @@ class GGUFFile:
         return name in self.tensors
 
     def raw(self, name: str) -> np.ndarray:
-        """The tensor's bytes as a uint8 view of the mapping (no copy)."""
+        """The tensor's bytes as a uint8 view of its part's mapping (no copy)."""
         t = self.info(name)
+        m = self._map_of(t)
         self.touched.add(name)
-        return self._map[t.offset:t.offset + t.n_bytes]
+        return m[t.offset:t.offset + t.n_bytes]
 
     def read_into(self, name: str, dst: torch.Tensor) -> None:
         """Read the tensor's bytes from the file into `dst` (contiguous uint8, as many bytes): the
         kernel copies from the page cache, where reading through the mapping would fault in
         every 4 KiB page of it first (~1 s for the default model's experts, ~30 s at 30B)."""
         t = self.info(name)
+        self._map_of(t)  # checked, and counted as opened
         self.touched.add(name)
         view = memoryview(dst.numpy()).cast("B")
         if len(view) != t.n_bytes:
             raise ValueError(f"{name}: {t.n_bytes} bytes into a buffer of {len(view)}")
-        fd = os.open(self.path, os.O_RDONLY)
+        path = self.parts[t.part].path
+        fd = os.open(path, os.O_RDONLY)
         try:
             done = 0
             while done < t.n_bytes:
                 n = os.preadv(fd, [view[done:]], t.offset + done)
                 if n <= 0:
-                    raise TruncatedGGUFError(f"{self.path}: the file ended inside tensor '{name}'; fetch it again")
+                    raise TruncatedGGUFError(f"{path}: the file ended inside tensor '{name}'; fetch it again")
                 done += n
         finally:
             os.close(fd)
@@ -313,9 +487,10 @@ class GGUFFile:
         if not 0 <= expert < n_exp:
             raise IndexError(f"{self.path}: layer {layer} has {n_exp} experts, no expert {expert}")
         per = t.n_bytes // n_exp
+        m = self._map_of(t)
         self.touched.add(name)
         start = t.offset + expert * per
-        return self._map[start:start + per]
+        return m[start:start + per]
 
     def dequantize(self, name: str) -> np.ndarray:
         """The tensor as float32 in TensorInfo.shape."""
@@ -369,30 +544,30 @@ def held_as_float(name: str, t: TensorInfo) -> bool:
     return len(t.shape) == 1 or ".ffn_gate_inp" in name or name.endswith(".bias")
 
 
-def held_bytes(name: str, t: TensorInfo, route: str | None = "quantised") -> int:
-    """Bytes a stage's copy of a tensor holds: its stored bytes (route None: as in the file), the
-    stored bytes on the quantised routes except float32 vectors and routers, float32 on the exact
-    route (the debugging route dequantises everything once)."""
-    if route is None:
+def held_bytes(name: str, t: TensorInfo, backend: str | None = "quantised") -> int:
+    """Bytes a stage's copy of a tensor holds: its stored bytes (backend None: as in the file), the
+    stored bytes on the quantised backends except float32 vectors and routers, float32 on the exact
+    backend (the debugging backend dequantises everything once)."""
+    if backend is None:
         return t.n_bytes
     n = 1
     for d in t.shape:
         n *= d
-    if route == "exact" or held_as_float(name, t):
+    if backend == "exact" or held_as_float(name, t):
         return 4 * n
     return t.n_bytes
 
 
-def trunk_bytes(tensors: dict[str, TensorInfo], cfg: ModelConfig, route: str | None = None) -> dict:
+def trunk_bytes(tensors: dict[str, TensorInfo], cfg: ModelConfig, backend: str | None = None) -> dict:
     """Bytes of everything that is not a routed expert: the embedding, the head (output_norm +
     output, or output_norm + token_embd when tied, since the last stage must then hold a copy of the
     embedding matrix), and each layer's dense part (attention, norms, router, shared expert).
-    route None: as stored in the file; else as a stage holds them on that route (`held_bytes`)."""
+    backend None: as stored in the file; else as a stage holds them on that backend (`held_bytes`)."""
     layers = [0] * cfg.n_layers
     emb = head = 0
     for name, t in tensors.items():
         role, layer = tensor_role(name)
-        n = held_bytes(name, t, route)
+        n = held_bytes(name, t, backend)
         if role == "layer" and layer < cfg.n_layers:
             layers[layer] += n
         elif role == "embedding":
@@ -411,7 +586,7 @@ _PIECES = (("dnproj", ("attn_qkv.", "attn_gate.", "ssm_ba.", "ssm_beta.", "ssm_a
            ("shexp", ("_shexp.",)), ("router", ("ffn_gate_inp.",)), ("ffn", ("ffn_gate.", "ffn_up.", "ffn_down.")))
 
 
-def trunk_pieces(tensors: dict[str, TensorInfo], cfg: ModelConfig, route: str | None = None) -> list[dict[str, int]]:
+def trunk_pieces(tensors: dict[str, TensorInfo], cfg: ModelConfig, backend: str | None = None) -> list[dict[str, int]]:
     """Each layer's trunk bytes (as `trunk_bytes` counts them) split into named pieces; what no
     piece names (norms, conv kernels, biases, sinks) is "other"."""
     out: list[dict[str, int]] = [{} for _ in range(cfg.n_layers)]
@@ -420,18 +595,18 @@ def trunk_pieces(tensors: dict[str, TensorInfo], cfg: ModelConfig, route: str | 
         if role != "layer" or layer >= cfg.n_layers:
             continue
         piece = next((p for p, keys in _PIECES if any(k in name for k in keys)), "other")
-        out[layer][piece] = out[layer].get(piece, 0) + held_bytes(name, t, route)
+        out[layer][piece] = out[layer].get(piece, 0) + held_bytes(name, t, backend)
     return out
 
 
-def expert_bytes(tensors: dict[str, TensorInfo], layer: int, route: str | None = None) -> int:
-    """Bytes of one routed expert of `layer` as stored (route None or a quantised route: a slot
-    holds exactly these bytes) or as float32 (the exact route)."""
+def expert_bytes(tensors: dict[str, TensorInfo], layer: int, backend: str | None = None) -> int:
+    """Bytes of one routed expert of `layer` as stored (backend None or a quantised backend: a slot
+    holds exactly these bytes) or as float32 (the exact backend)."""
     total = 0
     for kind in EXPERT_KINDS:
         for part in ("weight", "bias"):  # a per-expert bias row travels with its expert
             name = f"blk.{layer}.ffn_{kind}_exps.{part}"
             t = tensors.get(name)
             if t is not None:
-                total += held_bytes(name, t, route) // t.shape[0]
+                total += held_bytes(name, t, backend) // t.shape[0]
     return total

@@ -228,14 +228,17 @@ def _add_gpt2_tokenizer(w: gguf.GGUFWriter, tokenizer: Any) -> None:
     if model.get("type") != "BPE":
         raise ValueError(f"only BPE tokenizers are written (got {model.get('type')!r})")
     vocab: dict[str, int] = dict(model["vocab"])
-    special = {t.content: i for i, t in backend.get_added_tokens_decoder().items()}
-    vocab.update(special)
+    added = backend.get_added_tokens_decoder()
+    vocab.update({t.content: i for i, t in added.items()})
+    # As llama.cpp's converter types added tokens: special ones CONTROL (never text), the others
+    # USER_DEFINED (text, matched whole: Qwen's <think> and <tool_call>).
+    kinds = {t.content: gguf.TokenType.CONTROL if t.special else gguf.TokenType.USER_DEFINED for t in added.values()}
     size = max(vocab.values()) + 1
     tokens = [f"[PAD{i}]" for i in range(size)]
     types = [gguf.TokenType.UNUSED] * size
     for tok, i in vocab.items():
         tokens[i] = tok
-        types[i] = gguf.TokenType.CONTROL if tok in special else gguf.TokenType.NORMAL
+        types[i] = kinds.get(tok, gguf.TokenType.NORMAL)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -248,11 +251,14 @@ def _add_gpt2_tokenizer(w: gguf.GGUFWriter, tokenizer: Any) -> None:
 
 
 def write_gguf(model: Any, path: str | Path, file_type: str = "F32", tokenizer: Any = None,
-               name: str | None = None, expert_type: str | None = None) -> Path:
+               name: str | None = None, expert_type: str | None = None,
+               token_roles: dict[str, str] | None = None) -> Path:
     """Write a transformers model (anything with .state_dict() and .config) to a GGUF file.
 
     file_type: "F32", "F16" or "Q8_0". tokenizer: an optional byte-level BPE tokenizer to embed.
     expert_type: the routed experts' own block type (e.g. "MXFP4", as gpt-oss files hold them).
+    token_roles: more special ids by the token's text, e.g. {"eot": "<|user|>", "eom": "<|observation|>"}
+    (GLM's files end a reply at either).
     """
     if file_type not in FILE_TYPES:
         raise ValueError(f"file_type must be one of {', '.join(FILE_TYPES)}, not {file_type!r}")
@@ -272,6 +278,8 @@ def write_gguf(model: Any, path: str | Path, file_type: str = "F32", tokenizer: 
             value = getattr(tokenizer, key, None)
             if getattr(config, key, None) is None and isinstance(value, int):
                 setter(value)
+        for role, text in (token_roles or {}).items():
+            getattr(w, f"add_{role}_token_id")(tokenizer.convert_tokens_to_ids(text))
     for tname in _ordered(tensors):
         a = tensors[tname]
         qtype = tensor_type(tname, a, weight_type)
@@ -352,3 +360,83 @@ def dequantized_state_dict(path: str | Path, model: Any) -> dict[str, Any]:
                     a = llama_unpermute(a, n_head, n_kv)
         out[key] = torch.from_numpy(np.array(a, dtype=np.float32)).reshape(ref.shape).to(ref.dtype)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Models in parts
+
+
+def split_gguf(src: str | Path, prefix: str | Path, max_tensors: int = 0, max_bytes: int = 0,
+               first_without_tensors: bool = False, layer_order: bool = False) -> list[Path]:
+    """Cut a GGUF into parts the way llama.cpp's `llama-gguf-split --split` does: files
+    `PREFIX-00001-of-0000N.gguf`..., the tensors in the file's order, a new part when this one
+    holds `max_tensors` tensors or the next tensor would take it past `max_bytes` (a part holds at
+    least one tensor); the first part carries the model's metadata (its bytes copied as they are),
+    every part `split.no`, `split.count` and `split.tensors.count`. `first_without_tensors`: the
+    first part holds the metadata alone (gguf-split's --no-tensor-first-split). `layer_order`: the
+    tensors in llama.cpp's converter order (`_ordered`: embedding, layers, head) rather than the
+    file's own, as published models in parts are laid out. Returns the paths.
+    """
+    import struct
+
+    from moeray.stages.gguf.reader import DEFAULT_ALIGNMENT, _read_directory
+
+    if max_tensors <= 0 and max_bytes <= 0:
+        raise ValueError("give max_tensors or max_bytes (> 0)")
+    d = _read_directory(str(src))
+    if any(k.startswith("split.") for k in d.metadata):
+        raise ValueError(f"{src} is already a part of a model in parts")
+    groups: list[list[str]] = [[], []] if first_without_tensors else []  # the metadata's part, then the first of tensors
+    size = 0
+    for name in (_ordered(d.tensors) if layer_order else d.tensors):
+        n = -(-d.tensors[name].n_bytes // DEFAULT_ALIGNMENT) * DEFAULT_ALIGNMENT  # gguf-split counts padded bytes
+        if not groups or (groups[-1] and (
+                (max_tensors and len(groups[-1]) >= max_tensors) or (max_bytes and size + n > max_bytes))):
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += n
+    with open(src, "rb") as f:
+        f.seek(d.kv_span[0])
+        model_kv = f.read(d.kv_span[1] - d.kv_span[0])
+    align = int(d.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+
+    def kv_string(s: str) -> bytes:
+        b = s.encode()
+        return struct.pack("<Q", len(b)) + b
+
+    def split_kv(i: int) -> tuple[bytes, int]:
+        out = (kv_string("split.no") + struct.pack("<IH", gguf.GGUFValueType.UINT16, i)
+               + kv_string("split.count") + struct.pack("<IH", gguf.GGUFValueType.UINT16, len(groups))
+               + kv_string("split.tensors.count") + struct.pack("<Ii", gguf.GGUFValueType.INT32, len(d.tensors)))
+        n = 3
+        if i > 0 and align != DEFAULT_ALIGNMENT:  # the others' data is laid out at the model's alignment too
+            out += kv_string("general.alignment") + struct.pack("<II", gguf.GGUFValueType.UINT32, align)
+            n += 1
+        return out, n
+
+    paths = []
+    Path(prefix).parent.mkdir(parents=True, exist_ok=True)
+    with open(src, "rb") as f:
+        for i, names in enumerate(groups):
+            path = Path(f"{prefix}-{i + 1:05d}-of-{len(groups):05d}.gguf")
+            kv, n_kv = split_kv(i)
+            if i == 0:
+                kv, n_kv = model_kv + kv, n_kv + len(d.metadata)
+            infos, rel = b"", 0
+            for name in names:
+                t = d.tensors[name]
+                dims = tuple(reversed(t.shape))
+                infos += kv_string(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims)
+                infos += struct.pack("<IQ", int(t.ggml_type), rel)
+                rel += (t.n_bytes + align - 1) // align * align
+            head = b"GGUF" + struct.pack("<IQQ", 3, len(names), n_kv) + kv + infos
+            with open(path, "wb") as out:
+                out.write(head + b"\0" * (-len(head) % align))
+                for name in names:
+                    t = d.tensors[name]
+                    f.seek(t.offset)
+                    out.write(f.read(t.n_bytes))
+                    out.write(b"\0" * (-t.n_bytes % align))
+            paths.append(path)
+    return paths

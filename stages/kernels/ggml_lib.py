@@ -19,6 +19,7 @@ import re
 import sys
 from pathlib import Path
 
+from moeray import environment
 from moeray.errors import MoerayError
 
 _LIB = re.compile(r"(^|/)libggml(-[\w-]+)?\.so(\.[\d.]+)?$")  # libggml.so, libggml-cpu.so.0.25.3
@@ -46,7 +47,7 @@ def foreign_line(foreign: list[str], own_dir: Path, ld_library_path: str) -> str
     dirs = sorted({os.path.dirname(p) for p in foreign})
     via = " (found through LD_LIBRARY_PATH)" if any(d in ld_library_path.split(os.pathsep) for d in dirs) else ""
     return (f"ggml-python ({own_dir}) was given another build's {', '.join(foreign)}{via}, which would crash its "
-            f"kernels; running without ggml (the slower dequant route). Fix: take {', '.join(dirs)} off "
+            f"kernels; running without ggml (the slower dequant backend). Fix: take {', '.join(dirs)} off "
             "LD_LIBRARY_PATH for moeray, or rebuild ggml-python with `make venv` (it links by RPATH)")
 
 
@@ -57,7 +58,7 @@ def load():
     own_dir = Path(G.__file__).resolve().parent / "lib"
     foreign = foreign_libraries(own_dir, mapped_libraries())
     if foreign:
-        line = foreign_line(foreign, own_dir, os.environ.get("LD_LIBRARY_PATH", ""))
+        line = foreign_line(foreign, own_dir, environment.library_path())
         print(f"moeray: {line}", file=sys.stderr, flush=True)
         raise ForeignGgmlError(line)
     return G

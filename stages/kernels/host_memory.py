@@ -8,8 +8,9 @@ asks, and neither the file mapping (page cache) nor torch's allocator asks. `ben
 measures it (README, "Weight layout"): on the default model, every expert resident went 23.3 ->
 19.6 ms a token, the host path 21.2 -> 20.7 (one thread, CPU time per token).
 
-`MOERAY_HUGEPAGES=0` turns it off (plain torch memory), e.g. where huge pages are scarce and the
-kernel's compaction at first touch would slow the load.
+StageOptions.hugepages False (`--no-hugepages`, or the override MOERAY_HUGEPAGES=0) turns it off
+(plain torch memory), e.g. where huge pages are scarce and the kernel's compaction at first touch
+would slow the load.
 """
 from __future__ import annotations
 
@@ -18,11 +19,13 @@ import os
 
 import torch
 
+from moeray.stages.kernels import settings
+
 HUGE_PAGE = 2 << 20
 
 
 def enabled() -> bool:
-    return os.environ.get("MOERAY_HUGEPAGES", "1").strip() != "0" and hasattr(mmap, "MADV_HUGEPAGE")
+    return settings.current().hugepages and hasattr(mmap, "MADV_HUGEPAGE")
 
 
 def weight_buffer(n_bytes: int) -> torch.Tensor:
@@ -40,3 +43,13 @@ def weight_buffer(n_bytes: int) -> torch.Tensor:
     whole = torch.frombuffer(m, dtype=torch.uint8)  # keeps `m` alive as long as any view lives
     offset = -whole.data_ptr() % HUGE_PAGE
     return whole[offset:offset + n_bytes]
+
+
+def process_rss_bytes() -> int:
+    """This process's resident memory, in bytes (Linux /proc; 0 elsewhere): the one RSS reading
+    (memory_report, the server's /v1/stages)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 0

@@ -2,25 +2,25 @@
 expanding it to float32 for good.
 
 A `QMatrix` holds the stored bytes (a view of the file mapping for host experts, an owned copy for
-trunk weights and cache slots) and computes y = x @ W.T by one of three routes:
+trunk weights and cache slots) and computes y = x @ W.T by one of three backends:
 
 - "ggml": ggml's CPU kernels (the ones llama.cpp runs) straight on the blocks, through the
   `ggml-python` binding. Activations are quantised to 8 bits inside, as llama.cpp does, so results
   differ from float32 by ~5e-3 relative. Fastest on CPU for every block type we meet (KERNELS.md).
 - "dequant": dequantise the blocks on each use (stages/gguf/quant.py) and run F.linear. The pure-torch
   fallback when ggml is not installed. On CUDA devices the blocks are read on the card by the
-  Triton kernels of stages/kernels/triton_kernels.py instead, when triton imports (MOERAY_TRITON=0: off).
+  Triton kernels of stages/kernels/triton_kernels.py instead, when triton imports (StageOptions.triton).
 - "exact": dequantised to float32 once at load (4 bytes a weight). For debugging and for parity
   tests against float references (`--exact`); never the serving default.
 
-The route is chosen once per process (`set_route`, or MOERAY_ROUTE=ggml|dequant|exact) and logged
-once, so a run always says which kernels it used.
+The backend is one of the stage's options (stages/kernels/settings.py: StageOptions.backend, "auto" the
+best this process has; `set_backend` in a one-process run) and logged once, so a run always says
+which kernels it used.
 """
 from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import threading
 import time
 from dataclasses import dataclass
@@ -31,14 +31,14 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from moeray.errors import MoerayError
-from moeray.stages.kernels import repack
+from moeray.stages.kernels import repack, settings
 from moeray.stages.kernels.host_memory import weight_buffer
 from moeray.stages.gguf.quant import as_uint8_tensor, dequantize
 
 log = logging.getLogger("moeray.kernels")
 
-ROUTES = ("ggml", "dequant", "exact")
-# Types kept as plain float tensors whatever the route: they are tiny (norms, routers, biases) or
+BACKENDS = ("ggml", "dequant", "exact")
+# Types kept as plain float tensors whatever the backend: they are tiny (norms, routers, biases) or
 # already a float format a torch matmul reads directly.
 FLOAT_TYPES = frozenset((T.F32, T.F64))
 
@@ -56,48 +56,48 @@ def ggml_available() -> bool:
     return _G is not None
 
 
-def _checked(route: str, where: str) -> str:
-    if route not in ROUTES:
-        raise MoerayError(f"{where}={route!r}: choose one of {', '.join(ROUTES)}")
-    if route == "ggml" and not ggml_available():
+def _checked(backend: str, where: str) -> str:
+    if backend not in BACKENDS:
+        raise MoerayError(f"{where}={backend!r}: choose one of {', '.join(BACKENDS)}")
+    if backend == "ggml" and not ggml_available():
         raise MoerayError(f"{where}=ggml needs ggml-python, which does not load here ({_GGML_ERROR}); "
                           "install it with `make venv` or `pip install '.[ggml]'`")
-    return route
+    return backend
 
 
-def default_route() -> str:
-    env = os.environ.get("MOERAY_ROUTE", "").strip().lower()
-    if env:
-        return _checked(env, "MOERAY_ROUTE")
-    return "ggml" if ggml_available() else "dequant"
+def default_backend() -> str:
+    """This process's backend: its options' (settings.current()), "auto" resolved to the best it has."""
+    chosen = settings.current().backend
+    if chosen == "auto":
+        return "ggml" if ggml_available() else "dequant"
+    return _checked(chosen, "backend")
 
 
-_route: str | None = None
+_backend: str | None = None  # resolved from the options at first use; forgotten when they change
 _announced: set[str] = set()
 
 
-def current_route() -> str:
-    global _route
-    if _route is None:
-        _route = default_route()
-    return _route
+def current_backend() -> str:
+    global _backend
+    if _backend is None:
+        _backend = default_backend()
+    return _backend
 
 
-def set_route(route: str) -> None:
+def set_backend(backend: str) -> None:
     """Choose the kernels for every QMatrix made after this call in this process."""
-    global _route
-    _route = _checked(route, "route")
+    settings.update(backend=_checked(backend, "backend"))
 
 
-def route_line(route: str, device: torch.device) -> str:
-    if route == "ggml":
+def backend_line(backend: str, device: torch.device) -> str:
+    if backend == "ggml":
         n = ggml_threads()
         spin = "; torch's own ops on 1 thread" if n > 1 else ""
         return (f"moeray: kernels: ggml (quantised blocks, 8-bit activations; a GQA or MLA layer's trunk, softmax "
                 f"top-k routing and routed experts in one ggml graph where one stack serves its picks, else "
                 f"the experts in mul_mat_id graphs after it) on cpu, {n} thread(s){spin}; "
                 f"{repack.layout_line()}")
-    if route == "exact":
+    if backend == "exact":
         return f"moeray: kernels: exact (float32 copies of every weight, debugging) on {device}"
     if _card_kernels(device) is not None:
         return f"moeray: kernels: triton (GGUF blocks read on the card, float32 activations) on {device}"
@@ -108,29 +108,29 @@ def route_line(route: str, device: torch.device) -> str:
 def _card_kernels(device: torch.device):
     """stages/triton_kernels when it serves `device` (imported on first use: a CPU process never
     imports triton), else None."""
-    if device.type == "cpu" and os.environ.get("MOERAY_TRITON", "") != "1":
+    if device.type == "cpu" and settings.current().triton != "on":
         return None
     from moeray.stages.kernels import triton_kernels
 
     return triton_kernels if triton_kernels.enabled_for(device) else None
 
 
-def announce(route: str, device: torch.device) -> None:
-    """Log the kernel route once per process and device kind (and fix ggml's threads: that must
+def announce(backend: str, device: torch.device) -> None:
+    """Log the kernel backend once per process and device kind (and fix ggml's threads: that must
     happen before torch's first op, see set_threads)."""
-    if route == "ggml":
+    if backend == "ggml":
         ggml_threads()
-    key = f"{route}:{device.type}"
+    key = f"{backend}:{device.type}"
     if key not in _announced:
         _announced.add(key)
-        log.info(route_line(route, device))
+        log.info(backend_line(backend, device))
 
 
 # --- ggml ------------------------------------------------------------------------------------------
 
 _pool_lock = threading.Lock()
 _pools: dict[tuple, object] = {}  # (threads, poll) -> ggml thread pool pointer, one per setting used
-_threads: int | None = None  # ggml's threads in this process, fixed at first use (or set_threads)
+_threads: int | None = None  # ggml's threads in this process: the options', else torch's count at first use
 
 
 @dataclass
@@ -153,49 +153,65 @@ class ThreadSettings:
     adapt: bool = False
 
     @classmethod
-    def from_env(cls, d: "ThreadSettings | None" = None) -> "ThreadSettings":
-        """MOERAY_GGML_POLL, MOERAY_GGML_PARALLEL_KB, MOERAY_GGML_ADAPT (0/1) over `d`'s values."""
-        d, env = d or cls(), os.environ
-        return cls(int(env.get("MOERAY_GGML_POLL") or d.poll),
-                   int(env.get("MOERAY_GGML_PARALLEL_KB") or d.parallel_bytes >> 10) << 10,
-                   env.get("MOERAY_GGML_ADAPT", "1" if d.adapt else "0") != "0")
+    def of(cls, opts: "settings.StageOptions", d: "ThreadSettings | None" = None) -> "ThreadSettings":
+        """The stage options' ggml_poll, ggml_parallel_kb and ggml_adapt, each over `d`'s value where unset."""
+        d = d or cls()
+        return cls(d.poll if opts.ggml_poll is None else opts.ggml_poll,
+                   d.parallel_bytes if opts.ggml_parallel_kb is None else opts.ggml_parallel_kb << 10,
+                   d.adapt if opts.ggml_adapt is None else opts.ggml_adapt)
 
-
-_settings = ThreadSettings.from_env()
+    def options(self) -> dict:
+        """These settings as StageOptions fields."""
+        return dict(ggml_poll=self.poll, ggml_parallel_kb=self.parallel_bytes >> 10, ggml_adapt=self.adapt)
 
 
 def ggml_threads() -> int:
-    if _threads is None:
-        set_threads(int(os.environ.get("MOERAY_THREADS", "0") or 0) or torch.get_num_threads())
+    """ggml's threads in this process: the options' `threads`, else torch's count at first use."""
+    want = settings.current().threads
+    if _threads is None or (want and want != _threads):
+        _use_threads(want or torch.get_num_threads())
     return _threads
 
 
-def set_threads(n: int, settings: ThreadSettings | None = None) -> None:
-    """Give ggml `n` threads (default: torch's count at first use, or MOERAY_THREADS), used as
-    `settings` say (default: as before, or from the environment).
+def _use_threads(n: int) -> None:
+    global _threads
+    _threads = max(1, int(n))
+    if _threads > 1:
+        torch.set_num_threads(1)
+    _graphs.clear()
+
+
+def _forget() -> None:
+    """The options changed: resolve the backend again, build graphs with the new settings."""
+    global _backend
+    _backend = None
+    _graphs.clear()
+
+
+settings.on_change(_forget)
+
+
+def set_threads(n: int, threads: ThreadSettings | None = None) -> None:
+    """Give ggml `n` threads, used as `threads` say (default: as the options say): this process's
+    options' `threads` (and ggml_* fields) from now on.
 
     A decode token makes ~120 small graph calls (40-200 us each), so with more than one thread
     ggml's workers spin between graphs (measured: 34 ms/token against 54 ms when they sleep, 2
     cores). torch's own ops (norms, RoPE, attention: small at decode) then run on one thread: a
     second torch thread would fight the spinning worker for the cores (268 ms/token measured).
     """
-    global _threads, _settings
-    _threads = max(1, int(n))
-    if settings is not None:
-        _settings = settings
-    if _threads > 1:
-        torch.set_num_threads(1)
-    _graphs.clear()
+    settings.update(threads=max(1, int(n)), **(threads.options() if threads is not None else {}))
+    _use_threads(n)
 
 
 def thread_settings() -> ThreadSettings:
-    return _settings
+    return ThreadSettings.of(settings.current())
 
 
 def _threadpool(n: int):
     """The process's ggml thread pool of `n` threads: spinning `poll` for the next graph when it
     has helpers to keep warm, none to wake with one thread."""
-    poll = _settings.poll if n > 1 else 0
+    poll = thread_settings().poll if n > 1 else 0
     with _pool_lock:
         pool = _pools.get((n, poll))
         if pool is None:
@@ -251,9 +267,6 @@ class ThreadChoice:
             self.current = 0 if self.cost[0] <= self.cost[1] else 1
 
 
-SCRATCH_REUSE = os.environ.get("MOERAY_SCRATCH_REUSE", "1") != "0"  # 0: every intermediate its own place
-
-
 def place_scratch(tensors, nodes=None) -> torch.Tensor:
     """Fixed places for a graph's intermediate results, 64-byte aligned, in one buffer (returned:
     the graph keeps it alive). With `nodes` (the graph's nodes in run order) a place is reused once
@@ -263,7 +276,7 @@ def place_scratch(tensors, nodes=None) -> torch.Tensor:
     34; CPU time per token measured unchanged, so this is memory, and stage graphs for steps that
     did not fit before)."""
     sizes = [(_G.ggml_nbytes(t) + 63) // 64 * 64 for t in tensors]
-    if nodes is None or not SCRATCH_REUSE:
+    if nodes is None or not settings.current().scratch_reuse:  # off: every intermediate its own place
         offsets, total = [], 0
         for n in sizes:
             offsets.append(total)
@@ -331,7 +344,7 @@ class GraphPlans:
     each and a ThreadChoice between them. Every graph class computes through this."""
 
     def __init__(self, graph):
-        n, how = ggml_threads(), _settings
+        n, how = ggml_threads(), thread_settings()
         split = n > 1 and _weight_bytes(graph) >= how.parallel_bytes
         counts = (1, n) if n > 1 and how.adapt else (n if split else 1,)
         self.plans = [_G.ggml_graph_plan(graph, c, _threadpool(c)) for c in counts]
@@ -547,35 +560,35 @@ def row_bytes(ggml_type: T, k: int) -> int:
 
 
 class QMatrix:
-    """W [N, K] in GGUF block form (`data`: uint8 [N * row_bytes]) or, on the exact route, float32.
+    """W [N, K] in GGUF block form (`data`: uint8 [N * row_bytes]) or, on the exact backend, float32.
 
     `layout` is "plain" (the GGUF's bytes) or "repacked" (ggml's interleaved rows, stages/kernels/repack.py:
     `data` then holds those, as many bytes; only ggml's matmuls read them)."""
 
-    def __init__(self, data: torch.Tensor, ggml_type: T, shape: tuple[int, int], route: str,
+    def __init__(self, data: torch.Tensor, ggml_type: T, shape: tuple[int, int], backend: str,
                  layout: str = "plain"):
-        self.ggml_type, self.shape, self.route = T(ggml_type), (int(shape[0]), int(shape[1])), route
+        self.ggml_type, self.shape, self.backend = T(ggml_type), (int(shape[0]), int(shape[1])), backend
         self.layout = layout
         self.rows_alone = False  # repacked, and each activation row must run alone (repack.rows_alone)
         self.keep_plain = False  # read as rows or dequantised too (embedding, MLA's k_b/v_b): never repacked
-        if route == "exact" or self.ggml_type in FLOAT_TYPES:
-            self.route = "exact"
+        if backend == "exact" or self.ggml_type in FLOAT_TYPES:
+            self.backend = "exact"
             self.data = data if data.dtype == torch.float32 else dequantize(data, self.ggml_type, self.shape)
         else:
             if data.dtype != torch.uint8 or data.numel() != self.shape[0] * row_bytes(self.ggml_type, self.shape[1]):
                 raise ValueError(f"{self.ggml_type.name} {self.shape}: got {data.numel()} bytes")
             self.data = data
-            if route == "ggml" and data.device.type != "cpu":
-                self.route = "dequant"  # ggml-python runs on the CPU only
+            if backend == "ggml" and data.device.type != "cpu":
+                self.backend = "dequant"  # ggml-python runs on the CPU only
 
     @classmethod
-    def from_raw(cls, raw, ggml_type: T, shape: tuple[int, int], route: str | None = None,
+    def from_raw(cls, raw, ggml_type: T, shape: tuple[int, int], backend: str | None = None,
                  device: torch.device | str = "cpu", copy: bool = True) -> "QMatrix":
         """From stored bytes (a numpy view of the mapping). copy=False keeps the view (host experts:
         the mapping is the host copy); otherwise the bytes are copied onto `device`."""
-        route = route or current_route()
+        backend = backend or current_backend()
         b = as_uint8_tensor(raw)
-        if route == "exact" or T(ggml_type) in FLOAT_TYPES:
+        if backend == "exact" or T(ggml_type) in FLOAT_TYPES:
             w = dequantize(b, ggml_type, shape)  # F32: still a view of the mapping
             return cls(to_device(w, device) if copy or torch.device(device).type != "cpu" else w,
                        ggml_type, shape, "exact")
@@ -583,28 +596,28 @@ class QMatrix:
             b = weight_buffer(b.numel()).copy_(b.reshape(-1))  # huge pages: a token streams it whole
         elif copy or torch.device(device).type != "cpu":
             b = to_device(b, device)
-        return cls(b.reshape(-1), ggml_type, shape, route)
+        return cls(b.reshape(-1), ggml_type, shape, backend)
 
     @classmethod
     def cat_rows(cls, parts: list["QMatrix"]) -> "QMatrix | None":
         """[W1; W2; ...] along N: block rows are independent, so their bytes simply concatenate
-        (None when the parts differ in block type or route)."""
+        (None when the parts differ in block type or backend)."""
         first = parts[0]
-        if any(p.ggml_type != first.ggml_type or p.shape[1] != first.shape[1] or p.route != first.route
+        if any(p.ggml_type != first.ggml_type or p.shape[1] != first.shape[1] or p.backend != first.backend
                or p.layout != first.layout for p in parts):
             return None
         n = sum(p.shape[0] for p in parts)
         # Repacked parts hold whole groups of 8 rows each, so their bytes concatenate too.
-        out = cls(torch.cat([p.data for p in parts]), first.ggml_type, (n, first.shape[1]), first.route,
+        out = cls(torch.cat([p.data for p in parts]), first.ggml_type, (n, first.shape[1]), first.backend,
                   first.layout)
         out.rows_alone = first.rows_alone
         return out
 
     def repack(self) -> bool:
         """Hold the blocks in ggml's repacked layout when the setting and ggml allow it (the ggml
-        route on the host, a type and shape ggml has kernels for); True when it now does. Same
+        backend on the host, a type and shape ggml has kernels for); True when it now does. Same
         bytes, so memory is unchanged; the plain copy is dropped."""
-        if (self.layout != "plain" or self.keep_plain or self.route != "ggml" or self.data.device.type != "cpu"
+        if (self.layout != "plain" or self.keep_plain or self.backend != "ggml" or self.data.device.type != "cpu"
                 or not repack.wanted(self.ggml_type, *self.shape)):
             return self.layout == "repacked"
         out = weight_buffer(self.data.numel()).view(self.data.shape)  # huge pages: a token streams it whole
@@ -633,23 +646,23 @@ class QMatrix:
     def to(self, device: torch.device | str) -> "QMatrix":
         """An owned copy on `device` (a cache slot)."""
         self._plain("copied to another device")
-        return QMatrix(to_device(self.data, device), self.ggml_type, self.shape, self.route)
+        return QMatrix(to_device(self.data, device), self.ggml_type, self.shape, self.backend)
 
     def _plain(self, what: str) -> None:
         if self.layout != "plain":
             raise MoerayError(f"a repacked {self.ggml_type.name} {self.shape} matrix cannot be {what}: only "
                               "ggml's matmuls read that layout (mark it keep_plain before repacking, or "
-                              "MOERAY_REPACK=off)")
+                              "StageOptions.repack off)")
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         self._plain("dequantised")
-        if self.route == "exact":
+        if self.backend == "exact":
             return self.data.to(dtype)
         return dequantize(self.data, self.ggml_type, self.shape).to(dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` of W as float32 [len(ids), K] (an embedding lookup reads only those blocks)."""
-        if self.route == "exact":
+        if self.backend == "exact":
             return F.embedding(ids, self.data)
         self._plain("read as rows")
         per_row = self.data.view(self.shape[0], -1)
@@ -657,9 +670,9 @@ class QMatrix:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] float32 -> x @ W.T [M, N] float32."""
-        if self.route == "ggml":
+        if self.backend == "ggml":
             return _ggml_linear(self, x.contiguous())
-        if self.route == "exact":
+        if self.backend == "exact":
             return F.linear(x, self.data)
         tk = _card_kernels(self.data.device)
         if tk is not None and tk.supports(self.ggml_type):
@@ -668,7 +681,7 @@ class QMatrix:
 
     def __repr__(self) -> str:
         layout = ", repacked" if self.layout == "repacked" else ""
-        return f"QMatrix({self.ggml_type.name}, {self.shape}, {self.route}{layout}, {self.nbytes} B)"
+        return f"QMatrix({self.ggml_type.name}, {self.shape}, {self.backend}{layout}, {self.nbytes} B)"
 
 
 @dataclass(frozen=True)
@@ -712,7 +725,7 @@ class ExpertBias(NamedTuple):
 def swiglu(x: torch.Tensor, gate: QMatrix, up: QMatrix, down: QMatrix, act: GLU = SILU,
            bias: ExpertBias | None = None) -> torch.Tensor:
     """down(act(gate x + b_g, up x + b_u)) + b_d for x [M, K] (no biases: b = 0)."""
-    if gate.route == up.route == down.route == "ggml":
+    if gate.backend == up.backend == down.backend == "ggml":
         return _ggml_swiglu(gate, up, down, x.contiguous(), act, bias)
     g, u = gate(x), up(x)
     if bias is not None:

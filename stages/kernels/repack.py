@@ -17,7 +17,7 @@ goes through ggml's own `set_tensor` of that buffer type, onto any destination a
 Batch invariance. ggml's repacked matmul runs a GEMM over each 4 rows of activations and a GEMV
 over the rest. For Q4_K the two round differently (~1e-7 relative), so a row's result would depend
 on how many rows share its call; for Q4_0, IQ4_NL and MXFP4 they agree bit for bit. mul_mat_id
-(experts) runs the GEMV per row always. The setting (MOERAY_REPACK):
+(experts) runs the GEMV per row always. The setting (StageOptions.repack, stages/kernels/settings.py):
 - "fast" (default): repack wherever ggml has kernels and let ggml take its GEMM for every 4 rows,
   as llama.cpp does: a Q4_K row's result then differs by ~1e-7 relative between batch sizes;
 - "on": the batch-invariant choice: a matrix of a type whose GEMM differs sees its activations as
@@ -31,14 +31,15 @@ on how many rows share its call; for Q4_0, IQ4_NL and MXFP4 they agree bit for b
 from __future__ import annotations
 
 import ctypes
-import os
 import threading
 
 from gguf import GGMLQuantizationType as T
 
+from moeray import environment
 from moeray.errors import MoerayError
+from moeray.stages.kernels import settings
+from moeray.stages.kernels.settings import HOST_EXPERTS, REPACK_MODES as MODES
 
-MODES = ("on", "fast", "off")
 # Types whose repacked GEMM and GEMV give a row the same bits (tested: tests/test_repack.py); a
 # trunk matrix of another type would make a row's result depend on how many rows share its call.
 BATCH_INVARIANT = frozenset((T.Q4_0, T.IQ4_NL, T.MXFP4))
@@ -47,32 +48,21 @@ _lock = threading.Lock()
 _handle = None  # the CPU_REPACK buffer every repacked tensor names; None: not looked up yet
 _unavailable = ""  # why repacking is off in this process ("" when it is available)
 _traits: dict[tuple, int] = {}
-_mode: str | None = None
-
-
-def _checked(m: str, where: str) -> str:
-    if m not in MODES:
-        raise MoerayError(f"{where}={m!r}: choose one of {', '.join(MODES)} (on: ggml's repacked layout "
-                          "where a row's result stays the same at every batch size; fast: also Q4_K, whose "
-                          "rows then differ by ~1e-7 between batch sizes; off: the plain layout)")
-    return m
 
 
 def mode() -> str:
-    """The layout setting of this process: set_mode's, else MOERAY_REPACK, default "fast"."""
-    global _mode
-    if _mode is None:
-        _mode = _checked(os.environ.get("MOERAY_REPACK", "").strip().lower() or "fast", "MOERAY_REPACK")
-    return _mode
+    """The layout setting of this process (StageOptions.repack)."""
+    return settings.current().repack
 
 
 def set_mode(m: str | None) -> None:
-    """The layout of matrices made after this call (None: MOERAY_REPACK's again)."""
-    global _mode
-    _mode = None if m is None else _checked(m, "repack")
+    """The layout of matrices made after this call (None: the default, or this process's
+    debugging override MOERAY_REPACK: moeray/environment.py)."""
+    if m is None:
+        m = environment.fold(settings.StageOptions(), "stage")[0].repack
+    settings.update(repack=m)
 
 
-HOST_EXPERTS = ("auto", "mapped", "repacked")
 # Left free when copying host experts: what the rest of the process and the system still need
 # (an explicit "repacked" is held to the first, "auto" copies only when the second stays free).
 HEADROOM_BYTES = 1 << 30
@@ -80,17 +70,12 @@ AUTO_HEADROOM_BYTES = 4 << 30
 
 
 def host_experts() -> str:
-    """MOERAY_HOST_EXPERTS: "auto" (default: copied at load when that leaves AUTO_HEADROOM_BYTES of
-    memory available, else read in place), "mapped" (routed experts read in place from the GGUF
+    """StageOptions.host_experts: "auto" (default: copied at load when that leaves AUTO_HEADROOM_BYTES
+    of memory available, else read in place), "mapped" (routed experts read in place from the GGUF
     mapping, no copy) or "repacked" (always copied, as llama.cpp does). The copy lies in huge pages
     (stages/kernels/host_memory.py), each kind in ggml's repacked layout where ggml has kernels for it
     (stages/kernels/repack.py), as the file's blocks otherwise."""
-    m = os.environ.get("MOERAY_HOST_EXPERTS", "").strip().lower() or "auto"
-    if m not in HOST_EXPERTS:
-        raise MoerayError(f"MOERAY_HOST_EXPERTS={m!r}: choose auto (a copy when it fits), mapped (read the "
-                          "experts in place from the file mapping) or repacked (always copy them at load, in ggml's "
-                          "repacked layout where it has kernels: more RAM)")
-    return m
+    return settings.current().host_experts
 
 
 def fits(n_bytes: int, headroom: int, available: int | None = None) -> bool:
@@ -101,9 +86,9 @@ def fits(n_bytes: int, headroom: int, available: int | None = None) -> bool:
 def auto_line(n_bytes: int, what: str, packed: bool) -> str:
     gib = n_bytes / (1 << 30)
     if packed:
-        return f"moeray: host experts of {what}: a copy in huge pages, repacked where ggml can, {gib:.1f} GiB (MOERAY_HOST_EXPERTS=auto)"
+        return f"moeray: host experts of {what}: a copy in huge pages, repacked where ggml can, {gib:.1f} GiB (host_experts auto)"
     return (f"moeray: host experts of {what}: read in place from the mapping; a copy ({gib:.1f} GiB) "
-            f"would leave under {AUTO_HEADROOM_BYTES >> 30} GiB available (MOERAY_HOST_EXPERTS=auto)")
+            f"would leave under {AUTO_HEADROOM_BYTES >> 30} GiB available (host_experts auto)")
 
 
 def mem_available(meminfo: str = "/proc/meminfo") -> int | None:
@@ -126,22 +111,23 @@ def check_fits(n_bytes: int, what: str, available: int | None = None) -> None:
     available = mem_available() if available is None else available
     if not fits(n_bytes, HEADROOM_BYTES, available):
         gib = 1 << 30
-        raise MoerayError(f"MOERAY_HOST_EXPERTS=repacked: the routed experts of {what} take {n_bytes / gib:.1f} GiB "
+        raise MoerayError(f"host_experts repacked: the routed experts of {what} take {n_bytes / gib:.1f} GiB "
                           f"as a copy, {available / gib:.1f} GiB of memory is available (1 GiB is kept free); "
-                          "use MOERAY_HOST_EXPERTS=mapped (read in place from the file mapping) or free memory")
+                          "use host_experts mapped (--host-experts mapped, or MOERAY_HOST_EXPERTS=mapped: read in "
+                          "place from the file mapping) or free memory")
 
 
 def layout_line() -> str:
-    """The layout part of the route line at start-up."""
+    """The layout part of the backend line at start-up."""
     m = mode()
     if m == "off":
-        return "weights in ggml's plain layout (MOERAY_REPACK=off)"
+        return "weights in ggml's plain layout (repack off)"
     if handle() is None:
         return f"weights in ggml's plain layout ({_unavailable})"
     rows = ("rows batch-invariant" if m == "on"
             else "Q4_K rows vary ~1e-7 with the batch; MOERAY_REPACK=on keeps them batch-invariant")
-    return (f"weights repacked where ggml has kernels (MOERAY_REPACK={m}: {rows}); "
-            f"host experts {host_experts()} (MOERAY_HOST_EXPERTS)")
+    return (f"weights repacked where ggml has kernels (repack {m}: {rows}); "
+            f"host experts {host_experts()}")
 
 
 def _G():

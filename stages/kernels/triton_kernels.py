@@ -1,6 +1,6 @@
 """Triton kernels that read GGUF blocks on the card: y = x @ W.T without a float copy of W.
 
-The CUDA route used to expand each weight to float32 on every use and then multiply (~15x the
+The CUDA path used to expand each weight to float32 on every use and then multiply (~15x the
 bytes of a Q4_K matrix through memory for a decode GEMV). Here each program dequantises its
 tile of blocks in registers and multiplies it at once:
 
@@ -22,10 +22,11 @@ Types: Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, MXFP4 (GGML type ids 2, 3, 8, 12, 13,
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
+
+from moeray import environment
+from moeray.stages.kernels import settings
 
 try:
     import triton
@@ -41,7 +42,7 @@ NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K", 39
 GEMV_MAX_M = 64  # rows of x up to which the in-register kernel runs; above: dequantise + cuBLAS
 BLOCK_N = 32  # rows of W per program (decode); the device check sweeps it
 NUM_WARPS = 4
-SCRATCH_BYTES = 64 << 20  # the float32 tile the prefill route expands W into, per device
+SCRATCH_BYTES = 64 << 20  # the float32 tile the prefill path expands W into, per device
 
 
 def available() -> bool:
@@ -52,7 +53,7 @@ def available() -> bool:
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "") == "1"
+    return environment.triton_interpreted()
 
 
 def supports(qtype: int) -> bool:
@@ -61,14 +62,14 @@ def supports(qtype: int) -> bool:
 
 def enabled_for(device: torch.device) -> bool:
     """Whether QMatrix on `device` multiplies through these kernels: on CUDA when triton imports
-    (MOERAY_TRITON=0 turns it off: the torch dequantise-per-use route); on the CPU only under the
-    interpreter with MOERAY_TRITON=1 (the tests' way to run the wiring without a card)."""
-    flag = os.environ.get("MOERAY_TRITON", "").strip()
-    if triton is None or flag == "0":
+    (StageOptions.triton "off" turns it off: the torch dequantise-per-use backend); on the CPU only
+    under the interpreter with "on" (the tests' way to run the wiring without a card)."""
+    flag = settings.current().triton
+    if triton is None or flag == "off":
         return False
     if device.type == "cuda":
         return True
-    return device.type == "cpu" and flag == "1" and interpreting()
+    return device.type == "cpu" and flag == "on" and interpreting()
 
 
 if triton is not None:

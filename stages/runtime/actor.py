@@ -3,10 +3,20 @@
 Life of a stage:
   1. `probe(path)`      before any weight is loaded: the device (name, total/free bytes, node),
                          the measured ms per dense layer and per missed expert at the model's real
-                         dimensions, and the file's size and sampled hash as this node sees it.
+                         dimensions (a layer whose files are on this node), and which of the
+                         model's files (parts) are here.
   2. `connect(...)`     join the stages' process group (activations go stage to stage over it).
-  3. `load(...)`        load only layers [first, end) (+ embedding / head), allocate the KV pool.
-  4. `step(batch)`      run one micro-batch through this stage's layers (StageRunner).
+  3. `check_parts(...)` once planned: the size and sampled hash of each file its layers need, as
+                         this node sees it (the driver compares the nodes and names what is missing).
+  4. `load(...)`        load only layers [first, end) (+ embedding / head), mapping only the files
+                         holding them, and allocate the KV pool.
+  5. `step(batch)`      run one micro-batch through this stage's layers (StageRunner).
+
+The driver hands each call the model's header (metadata and every part's tensor directory, as it
+read them): a node needs only the files its stage reads, not the others' headers. It computes as
+the StageOptions it is constructed with say (stages/kernels/settings.py: backend, threads,
+layouts, graphs): the driver's, sent to every stage whatever node it runs on. Its own environment
+is never read; `options()` reports what it runs with.
 
 The class is plain Python; the driver wraps it with `ray.remote` when it spawns stages, so
 unit tests can also drive it in-process. What it reports (ProbeReport, LoadReport, StageStats)
@@ -17,27 +27,32 @@ from __future__ import annotations
 import hashlib
 import os
 import time
-from dataclasses import dataclass, field
-from typing import Any, Optional
+from dataclasses import asdict, dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Optional
 
+from moeray.stages.kernels.settings import StageOptions
 from moeray.stages.runtime.device import DeviceInfo, device_ledger, measure_speed, probe_device
 from moeray.errors import MoerayError
 
+if TYPE_CHECKING:
+    from moeray.stages.text.sampling import SamplingParams
 
-@dataclass
+
+@dataclass(kw_only=True)
 class StepBatch:
-    """One micro-batch of one engine step, as a stage sees it.
+    """One micro-batch of one engine step, as a stage sees it: one entry per sequence in each list,
+    built by keyword (cluster/scheduler.py ScheduledStep.batch).
 
     Every stage gets the same slots, token counts, start positions and KV block tables (the engine
     owns the block accounting; stages/blocks/kv_cache.py); only stage 0 gets the token ids and only the
-    last stage the sampling params.
+    last stage the sampling params and the token histories its penalties read.
     """
     step_id: int
     slots: list[int]
     n_new: list[int]  # new tokens per sequence: a prefill chunk or 1
     fresh: list[bool]  # this chunk starts a new sequence in its slot: reset KV and sampler first
     tokens: list[list[int]] | None = None  # stage 0 only
-    sample: list[Any] | None = None  # last stage only: SamplingParams per sequence, None = no token wanted yet
+    sample: list[SamplingParams | None] | None = None  # last stage only; None: no token wanted yet
     starts: list[int] | None = None  # tokens each sequence holds in KV before this step
     tables: list[list[int]] | None = None  # each sequence's KV blocks, at least up to its last new token
     # (block, block, rows): copy the first rows of a written block into another before the step (a
@@ -48,12 +63,14 @@ class StepBatch:
     # sequence's state at a block boundary checkpointed): cluster/state_checkpoints.py
     state_before: list[tuple[int, int]] | None = None
     state_after: list[tuple[int, int]] | None = None
+    # last stage only: (prompt, output so far) of a sequence starting in its slot whose params have
+    # penalties (SamplingParams.needs_history), else None; the stage then counts what it samples
+    history: list[tuple[list[int], list[int]] | None] | None = None
 
     def for_stage(self, stage: int, n_stages: int) -> "StepBatch":
-        return StepBatch(self.step_id, self.slots, self.n_new, self.fresh,
-                         self.tokens if stage == 0 else None,
-                         self.sample if stage == n_stages - 1 else None, self.starts, self.tables, self.copies,
-                         self.state_before, self.state_after)
+        last = stage == n_stages - 1
+        return replace(self, tokens=self.tokens if stage == 0 else None, sample=self.sample if last else None,
+                       history=self.history if last else None)
 
 
 @dataclass(frozen=True)
@@ -71,7 +88,7 @@ class ProbeReport:
     layer_ms: float  # measured ms per dense layer at the model's dimensions
     miss_ms: float  # measured ms per expert computed from the host copy
     measure_s: float
-    file: FileFingerprint  # the model file as this node sees it
+    parts_here: list[int] = field(default_factory=list)  # the model's files (parts) complete on this node
 
 
 @dataclass
@@ -98,7 +115,8 @@ class StageStats:
     steps: int = 0
     step_s: float = 0.0  # time in steps, incl. waiting for the previous stage's activations
     tokens_in: int = 0
-    route: str = ""  # the kernels the stage runs: ggml | dequant | exact
+    backend: str = ""  # the kernels the stage runs: ggml | dequant | exact
+    options: dict = field(default_factory=dict)  # the StageOptions it runs with, as `StageActor.options()`
     trunk_held_bytes: int = 0  # what the trunk really holds on the device ...
     trunk_gguf_bytes: int = 0  # ... and the same tensors' bytes in the GGUF
     cache: Optional[dict[str, Any]] = None
@@ -106,6 +124,7 @@ class StageStats:
     predicted_hit_rate: Optional[float] = None  # the plan's, set by the driver: shown beside cache["hit_rate"]
     pid: int = 0  # the stage's process (bench/chaos.py kills it)
     node_id: str = ""  # its Ray node
+    parts_opened: list[int] = field(default_factory=list)  # the model's files (parts) this stage mapped
 
 
 def file_fingerprint(path: str, n_samples: int = 16, block: int = 1 << 16) -> FileFingerprint:
@@ -124,6 +143,11 @@ def file_fingerprint(path: str, n_samples: int = 16, block: int = 1 << 16) -> Fi
     return FileFingerprint(size, h.hexdigest())
 
 
+def parts_here(header) -> list[int]:
+    """The model's files (0-based parts) present here at full length (a cheap stat each)."""
+    return [p.index for p in header.parts if os.path.exists(p.path) and os.path.getsize(p.path) >= p.data_end]
+
+
 class StageRunner:
     """One stage's compute over its model and KV pool: start a micro-batch (new sequences get a new
     sampler; positions and KV rows from the batch's starts and block tables), run the layers, and,
@@ -134,11 +158,17 @@ class StageRunner:
         self.model, self.kv = model, kv  # kv: a KVPool
         self.generators: dict[int, Any] = {}  # slot -> the torch.Generator of its sequence
         self.grammars = None  # stages/grammar.GrammarMasks, made on the first constrained request
+        # slot -> its sequence's TokenHistory (penalties), or the (prompt, output) it is built from
+        # on the sequence's first sampled row (where the vocabulary and the device are known)
+        self.histories: dict[int, Any] = {}
 
     def begin(self, batch: StepBatch):
-        for slot, fresh in zip(batch.slots, batch.fresh):
+        for i, (slot, fresh) in enumerate(zip(batch.slots, batch.fresh)):
             if fresh:  # a new sequence in this slot: a sampler from its own seed
                 self.generators.pop(slot, None)
+                self.histories.pop(slot, None)
+                if batch.history is not None and batch.history[i] is not None:
+                    self.histories[slot] = batch.history[i]
                 if self.grammars is not None:
                     self.grammars.reset(slot)
         if batch.starts is None or batch.tables is None:
@@ -154,8 +184,9 @@ class StageRunner:
     def sample(self, batch: StepBatch, x, meta):
         """A token per sequence whose params ask for one (its prompt is fully fed), else None; a
         StepOutput when some sequence asked for log-probabilities too. A sequence with a grammar
-        samples only among the tokens its grammar allows next, from the same logits."""
-        from moeray.stages.text.sampling import StepOutput, sample, token_logprobs
+        samples only among the tokens its grammar allows next, from the same logits; one with
+        penalties reads its TokenHistory, which counts each token it samples here."""
+        from moeray.stages.text.sampling import StepOutput, TokenHistory, sample, token_logprobs
 
         want = [i for i, p in enumerate(batch.sample) if p is not None]
         out: list[int | None] = [None] * len(batch.slots)
@@ -169,13 +200,22 @@ class StageRunner:
         for slot, p in zip(slots, params):
             if slot not in self.generators:
                 self.generators[slot] = p.new_generator()
+            if p.needs_history:
+                if isinstance(self.histories.get(slot), tuple):  # its first sampled row: count what it holds
+                    prompt, output = self.histories[slot]
+                    self.histories[slot] = TokenHistory(logits.shape[-1], prompt, output, logits.device)
+                elif slot not in self.histories:
+                    raise MoerayError(f"slot {slot}: penalties asked for, but the sequence's tokens never came")
+        histories = [self.histories.get(slot) for slot in slots] if any(p.needs_history for p in params) else None
         allowed = None
         if any(p.grammar for p in params):
             grammars = self._grammars(logits.shape[-1])
             allowed = [grammars.allowed(slot, p.grammar) if p.grammar else None for slot, p in zip(slots, params)]
-        toks = sample(logits, params, [self.generators[slot] for slot in slots], allowed)
-        for i, tok in zip(want, toks):
+        toks = sample(logits, params, [self.generators[slot] for slot in slots], allowed, histories)
+        for i, slot, p, tok in zip(want, slots, params, toks):
             out[i] = tok
+            if p.needs_history:
+                self.histories[slot].add(tok)
         if allowed is not None:
             for slot, p, tok in zip(slots, params, toks):
                 if p.grammar:
@@ -224,11 +264,13 @@ def _nvml_process_bytes(pci_bus_id: str) -> tuple[int | None, str]:
 
 class StageActor:
     def __init__(self, stage: int, n_stages: int, simulated_budget: int | None = None,
-                 torch_threads: int | None = None, route: str | None = None, card_share: float = 1.0):
+                 torch_threads: int | None = None, options: StageOptions | None = None, card_share: float = 1.0):
         import torch
 
-        from moeray.stages.kernels.qmatmul import set_route
+        from moeray.stages.kernels import settings
 
+        if options is not None:  # the driver's decision: this process's, whatever its environment says
+            settings.use(options)
         if torch_threads is None and simulated_budget is None:
             # A CUDA stage computes its misses on the host, but Ray starts an actor that reserves no
             # CPU with OMP_NUM_THREADS=1: give it its part of the node's cores instead.
@@ -238,8 +280,6 @@ class StageActor:
         if torch_threads:
             # Simulated stages share the host's cores; without this each grabs all of them.
             torch.set_num_threads(torch_threads)
-        if route:  # the kernels of this process: every StageModel it builds uses them
-            set_route(route)
         self.stage, self.n_stages = stage, n_stages
         self.simulated_budget = simulated_budget
         self.card_share = card_share  # the part of its GPU Ray gave this stage (0.5: two stages per card)
@@ -270,14 +310,44 @@ class StageActor:
         """repr(self), for callers on the other side of Ray (whose handles repr as ActorHandle)."""
         return repr(self)
 
+    def options(self) -> dict[str, Any]:
+        """The StageOptions this stage computes with, each as its kernels resolve it now: the
+        backend "auto" names the one it picked, threads the count ggml runs; `run_path` the
+        loaded layers' (StageModel.path), None before loading."""
+        from moeray.stages.kernels import repack, settings
+        from moeray.stages.kernels.qmatmul import current_backend, ggml_available, ggml_threads, thread_settings
+
+        out = settings.current().as_dict()
+        ts = thread_settings()
+        out.update(backend=current_backend(), repack=repack.mode(), host_experts=repack.host_experts(),
+                   ggml_poll=ts.poll, ggml_parallel_kb=ts.parallel_bytes >> 10, ggml_adapt=ts.adapt)
+        if ggml_available():
+            out["threads"] = ggml_threads()
+        out["run_path"] = None if self.model is None else asdict(self.model.path)
+        return out
+
     # ---------------------------------------------------------------- before loading
 
-    def probe(self, path: str) -> ProbeReport:
-        """Everything the planner needs from this stage, measured here, before any weight is loaded."""
-        from moeray.stages.gguf.reader import GGUFFile
+    def probe(self, path: str, header=None) -> ProbeReport:
+        """Everything the planner needs from this stage, measured here, before any weight is loaded.
+        `header`: the model's (the driver's reading), else read from `path` on this node."""
+        from moeray.stages.gguf.reader import GGUFFile, read_gguf_header
 
         t = time.perf_counter()
-        speed = measure_speed(GGUFFile(path), self.device.torch_device)
+        header = header or read_gguf_header(path)
+        here = parts_here(header)
+        where = f"stage {self.stage} on {self.device.node_ip or self.device.hostname}"
+        if not here:
+            raise MoerayError(f"{header.parts[0].path}: {where} finds none of the model's "
+                              f"{len(header.parts)} file(s) there; copy the files its layers need to that path on "
+                              "that node (`moeray plan` lists each stage's parts), or mount them there")
+        within = [l for l in range(header.config.n_layers) if set(header.stage_parts(l, l + 1)) <= set(here)]
+        if not within:
+            raise MoerayError(f"{header.parts[0].path}: {where} holds parts {', '.join(str(i + 1) for i in here)} of "
+                              f"{len(header.parts)}, no whole layer to time; copy the parts of its layers there "
+                              "(`moeray plan` lists each stage's parts)")
+        speed = measure_speed(GGUFFile(path, header, parts=()), self.device.torch_device,
+                              within=None if len(within) == header.config.n_layers else within)
         if self.device.kind == "cuda":
             import torch
 
@@ -286,7 +356,23 @@ class StageActor:
                                    card_share=self.card_share)
         self.memory = device_ledger(self.device, self.stage)
         return ProbeReport(self.stage, os.getpid(), self.device, speed.layer_ms, speed.miss_ms,
-                           time.perf_counter() - t, file_fingerprint(path))
+                           time.perf_counter() - t, here)
+
+    def check_parts(self, header, parts: list[int]) -> dict[int, FileFingerprint | str]:
+        """Each of the model's files `parts` (0-based) as this node sees it: its size and sampled
+        hash, or what is wrong with it (missing, cut short, another file under its name)."""
+        from moeray.stages.gguf.reader import GGUFFile
+
+        g = GGUFFile(header.path, header, parts=())
+        out: dict[int, FileFingerprint | str] = {}
+        for i in parts:
+            try:
+                g.check_part(i)
+            except MoerayError as exc:
+                out[i] = str(exc)
+                continue
+            out[i] = file_fingerprint(header.parts[i].path)
+        return out
 
     def node_ip(self) -> str:
         import ray
@@ -319,7 +405,7 @@ class StageActor:
     def load(self, path: str, first: int, end: int, kv_blocks: int,
              trunk_on_card: int | None = None, profile: str | None = None,
              cache_policy: str = "static", state_slots: int = 1, whole_cache_only: bool = False,
-             state_checkpoints: int = 0) -> LoadReport:
+             state_checkpoints: int = 0, header=None) -> LoadReport:
         """Load layers [first, end) (+ embedding / head at the ends) and allocate a KV pool of
         `kv_blocks` blocks (stages/blocks/kv_cache.py) and, for recurrent (DeltaNet) layers, `state_slots`
         sequence states (one per engine sequence slot: stages/blocks/deltanet.py) and
@@ -333,22 +419,21 @@ class StageActor:
         (a path every node can read; None = uniform) and kept by `cache_policy`.
 
         `whole_cache_only` (`moeray serve --local`): cache the experts only when the room left holds
-        every one of them; else compute them all from the host copy, as a stage with no room does.
-        A simulated device lives in the host's own memory, so a partial cache there reads no fewer
-        bytes, and it splits every layer's experts between two stacks: the layer's step then leaves
-        the stage graph (the 30B-A3B shape, 4 sequences: 355 ms a step with 24 slots a layer, 339
-        with 1, 315 with none; docs/architecture.md, "The expert cache").
+        every one of them (stages/runtime/model.py load_cached, the one stage builder, says why).
+
+        `header`: the model's (the driver's reading), else read from `path`. Only the files (parts)
+        holding this stage's tensors are checked and mapped.
         """
-        from moeray.stages.gguf.reader import GGUFFile
+        from moeray.stages.gguf.reader import GGUFFile, read_gguf_header
         from moeray.stages.arch import arch_of
         from moeray.stages.blocks.kv_cache import BLOCK_SIZE, kv_block_bytes, kv_dtype
-        from moeray.stages.runtime.model import StageModel, stage_trunk_bytes
-        from moeray.stages.blocks.moe import HostExperts
+        from moeray.stages.runtime.model import load_cached, stage_trunk_bytes
 
         t = time.perf_counter()
         self.model = None
         self.memory = device_ledger(self.device, self.stage)
-        gguf = GGUFFile(path)
+        header = header or read_gguf_header(path)
+        gguf = GGUFFile(path, header, parts=header.stage_parts(first, end))
         cfg = gguf.config
         # Charge KV and trunk from the header first: what is left is the expert cache's budget, and
         # the MoE blocks are built with that cache in front of the host copy.
@@ -360,17 +445,11 @@ class StageActor:
             self.memory.charge(state, f"DeltaNet state ({state_slots} sequence slots, {state_checkpoints} checkpoints)")
         trunk = stage_trunk_bytes(gguf, first, end)
         self.memory.charge(trunk if trunk_on_card is None else trunk_on_card, f"trunk of layers {first}-{end - 1}")
-        experts, cache = HostExperts(gguf), None
-        moe_layers = [l for l in range(first, end) if cfg.is_moe_layer(l)]
-        every_expert = cfg.n_experts * sum(experts.slot_bytes(l) for l in moe_layers)
-        if moe_layers and (not whole_cache_only or every_expert <= self.memory.free):  # dense layers cache nothing
-            from moeray.cache.attach import build_cache
-
-            cache = build_cache(experts, first, end, self.device.torch_device, self.memory.free, profile,
-                                cache_policy, layout="per-layer")
+        model, cache = load_cached(gguf, (first, end), self.device.torch_device, budget_bytes=self.memory.free,
+                                   profile=profile, policy=cache_policy, layout="per-layer",
+                                   whole_cache_only=whole_cache_only)
+        if cache is not None:
             self.memory.charge(cache.budget.capacity, f"expert cache ({cache.slots.n_slots} slots)")
-            experts = cache
-        model = StageModel(gguf, first, end, self.device.torch_device, experts)
         resident = model.trunk_bytes()
         if resident > trunk:  # the header's price is the runtime's size by construction; say so if not
             raise MoerayError(f"stage {self.stage}: the trunk of layers {first}-{end - 1} holds {resident} bytes, "
@@ -378,7 +457,7 @@ class StageActor:
         kv = model.new_kv_pool(kv_blocks, state_slots + state_checkpoints)
         self.model, self.runner = model, StageRunner(model, kv)
         # Fixed once loaded: measured here, not again on every stats poll.
-        self.trunk_bytes = (resident, stage_trunk_bytes(gguf, first, end, route=None))
+        self.trunk_bytes = (resident, stage_trunk_bytes(gguf, first, end, backend=None))
         self.steps, self.step_s, self.tokens_in = 0, 0.0, 0
         self.hidden = model.config.hidden
         return LoadReport(self.stage, (first, end), time.perf_counter() - t, dict(self.memory.parts),
@@ -464,10 +543,13 @@ class StageActor:
         the previous stage's activations), and its expert cache's lookups and hits when it has one."""
         out = StageStats(self.stage, self.device.name, self.device.node_ip, placed=dict(self.memory.parts),
                          free_bytes=self.memory.free, pid=os.getpid(), node_id=self.device.node_id)
+        out.options = self.options()
+        if self.model is not None:
+            out.parts_opened = self.model.gguf.opened
         if self.model is not None:
             out.layers, out.steps, out.step_s, out.tokens_in = ((self.model.first, self.model.end), self.steps,
                                                                  self.step_s, self.tokens_in)
-            out.route, (out.trunk_held_bytes, out.trunk_gguf_bytes) = self.model.route, self.trunk_bytes
+            out.backend, (out.trunk_held_bytes, out.trunk_gguf_bytes) = self.model.backend, self.trunk_bytes
             cache = getattr(self.model.experts, "stats", None)
             if callable(cache):
                 out.cache = cache()

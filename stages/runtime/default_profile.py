@@ -9,8 +9,9 @@ were made from (the model's sha256, the prompts, this module), and are recorded 
 those changes or a file is missing. The recording is deterministic: greedy, fixed prompts, fixed
 order.
 
-`default_profile_for(model_path)` is the one call the commands make when the user gave no
---profile: the profile for the embedded model, None for any other model.
+`resolve_profile(profile, model_path)` is the one call the commands (serve, serve --local,
+generate, plan) make to decide a run's profile: the one given, else for the embedded model its
+recorded one (`default_profile_for`), None for any other model.
 """
 from __future__ import annotations
 
@@ -120,6 +121,20 @@ def profile_inputs(model_path: Path) -> dict:
             "prompts": hashlib.sha256((data / "prompts.json").read_bytes()).hexdigest()[:16],
             "recorder": hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16],
             "max_tokens": MAX_TOKENS}
+
+
+def resolve_profile(profile: str | os.PathLike | None, model_path, say=None) -> str | None:
+    """The routing profile a run of `model_path` uses: `profile` as given; else for the embedded
+    default model its recorded one (`say` gets a line naming it); else None (the uniform fill:
+    another model's routing is not known before it runs)."""
+    if profile is not None:
+        return str(profile)
+    found = default_profile_for(model_path)
+    if found is None:
+        return None
+    if say is not None:
+        say(f"profile: {found} (the default model's recorded routing)")
+    return str(found)
 
 
 def default_profile_for(model_path, rebuild: bool = False, quiet: bool = False) -> Path | None:

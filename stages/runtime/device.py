@@ -218,8 +218,17 @@ def _median_ms(fn, reps: int, budget_s: float, sync) -> float:
     return statistics.median(times)
 
 
+def timed_layer(cfg, within: list[int] | None = None) -> int:
+    """The layer a stage times: the middle MoE layer (the middle layer of a dense model), among
+    `within` where only those layers' files are on this node (a model in parts)."""
+    pool = cfg.moe_layers if cfg.is_moe else list(range(cfg.n_layers))
+    if within is not None:
+        pool = [l for l in pool if l in set(within)]
+    return pool[len(pool) // 2]
+
+
 def measure_layer_ms(gguf, device: str = "cpu", context: int = 256, reps: int = 50,
-                     budget_s: float = 1.0) -> float:
+                     budget_s: float = 1.0, within: list[int] | None = None) -> float:
     """Median ms of one decode token through one real layer of this model (a middle one), run by
     the code that serves: its trunk loaded on `device`, attention reading `context` cached
     positions, and for an MoE layer every expert resident in a cache slot (hits; misses are
@@ -230,7 +239,7 @@ def measure_layer_ms(gguf, device: str = "cpu", context: int = 256, reps: int = 
     from moeray.stages.blocks.moe import HostExperts
 
     cfg = gguf.config
-    layer = cfg.moe_layers[len(cfg.moe_layers) // 2] if cfg.is_moe else cfg.n_layers // 2
+    layer = timed_layer(cfg, within)
     experts = None
     if cfg.is_moe:
         from moeray.cache.attach import build_cache
@@ -250,7 +259,7 @@ def measure_layer_ms(gguf, device: str = "cpu", context: int = 256, reps: int = 
         return _median_ms(step, reps, budget_s, sync)
 
 
-def measure_miss_ms(gguf, reps: int = 20, budget_s: float = 1.0) -> float:
+def measure_miss_ms(gguf, reps: int = 20, budget_s: float = 1.0, within: list[int] | None = None) -> float:
     """Median ms to compute one routed expert for one token on the host from its stored bytes
     (the host path a miss takes: HostExperts on the file mapping). 0.0 for a dense model."""
     import torch
@@ -261,7 +270,7 @@ def measure_miss_ms(gguf, reps: int = 20, budget_s: float = 1.0) -> float:
     if not cfg.is_moe:
         return 0.0
     host = HostExperts(gguf)
-    layer = cfg.moe_layers[len(cfg.moe_layers) // 2]
+    layer = timed_layer(cfg, within)
     x = torch.randn(1, cfg.hidden, generator=torch.Generator().manual_seed(0))
     expert = iter(range(1 << 62))
 
@@ -272,8 +281,9 @@ def measure_miss_ms(gguf, reps: int = 20, budget_s: float = 1.0) -> float:
         return _median_ms(miss, reps, budget_s, lambda: None)
 
 
-def measure_speed(gguf, device: str = "cpu") -> SpeedReport:
-    """layer_ms and miss_ms of a GGUFFile (the whole file: the real layer is loaded and run)."""
+def measure_speed(gguf, device: str = "cpu", within: list[int] | None = None) -> SpeedReport:
+    """layer_ms and miss_ms of a GGUFFile (a real layer is loaded and run: one of `within`, the
+    layers whose parts this node holds, where not every part is here)."""
     ctx = 256
-    return SpeedReport(layer_ms=measure_layer_ms(gguf, device, context=ctx),
-                       miss_ms=measure_miss_ms(gguf), context=ctx)
+    return SpeedReport(layer_ms=measure_layer_ms(gguf, device, context=ctx, within=within),
+                       miss_ms=measure_miss_ms(gguf, within=within), context=ctx)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -21,8 +22,9 @@ from moeray.stages.blocks.kv_cache import KVCache, KVPool, kv_dtype
 from moeray.stages.blocks.attention import Attention, BatchMeta, GatedAttention, make_batch_meta, rms_norm, slot_batch_meta
 from moeray.stages.blocks.mla import MLAttention
 from moeray.stages.blocks.moe import DenseFFN, Experts, HostExperts, MoEBlock
-from moeray.stages.kernels import repack
-from moeray.stages.kernels.qmatmul import QMatrix, announce, current_route
+from moeray.stages.kernels import repack, settings
+from moeray.stages.kernels.host_memory import process_rss_bytes
+from moeray.stages.kernels.qmatmul import QMatrix, announce, current_backend
 from moeray.stages.blocks.rope import RoPE
 from moeray.stages.runtime.trunk_graph import Dense, LayerSpec, Routed, TrunkGraphs, supports
 from moeray.stages.gguf.quant import dequantize
@@ -32,6 +34,35 @@ log = logging.getLogger("moeray.kernels")
 # The most tokens a step may have to run the stage's layers as one graph: decode steps; prefill
 # chunks keep one graph per layer (a stage graph per prompt length would be built for one use).
 STAGE_TOKENS = 32
+
+
+@dataclass(frozen=True)
+class RunPath:
+    """How a stage runs its layers, chosen once at load (its options, backend, device and layer
+    kinds) and logged; a step then only asks whether its shape has the graph form.
+
+    graphs  each layer's trunk (attention, norms, router) as one ggml graph; else torch's ops
+            between the matmuls, as for every step whose shape has no graph form (sequences adding
+            different token counts: mixed prefill and decode)
+    fused   with graphs: an MoE layer's routing, routed experts (where one stack serves every
+            pick), shared expert and a dense layer's FFN inside that graph
+    stage   with fused: a step of at most STAGE_TOKENS tokens whose layers all run whole inside
+            runs the stage's layers as ONE graph, as llama.cpp runs a token
+    why     why `graphs` is off ("" when on)"""
+    graphs: bool
+    fused: bool = False
+    stage: bool = False
+    why: str = ""
+
+    def line(self, first: int, end: int) -> str:
+        where = f"moeray: layers {first}-{end - 1} run"
+        if not self.graphs:
+            return f"{where} as torch ops between the matmuls ({self.why})"
+        ffn = ("the routing, experts and FFN inside each layer's graph" if self.fused else
+               "each layer's trunk as a ggml graph, its routing and experts after it (fused_moe off)")
+        stage = (f"; a step of <= {STAGE_TOKENS} tokens whose layers all run whole inside as one stage graph"
+                 if self.stage else "")
+        return f"{where} as ggml graphs: {ffn}{stage}; steps without a graph form as torch ops"
 
 
 class TransformerLayer(torch.nn.Module):
@@ -47,7 +78,7 @@ class StageModel(torch.nn.Module):
     """Layers [first, end) of a GGUF model; embedding if first == 0; final norm + lm_head if end == n_layers."""
 
     def __init__(self, gguf: GGUFFile, first: int, end: int, device: str | torch.device = "cpu",
-                 experts: Experts | None = None, route: str | None = None):
+                 experts: Experts | None = None, backend: str | None = None):
         super().__init__()
         cfg = gguf.config
         if not 0 <= first < end <= cfg.n_layers:
@@ -57,25 +88,19 @@ class StageModel(torch.nn.Module):
         self.device = torch.device(device)
         self.has_embedding, self.has_head = first == 0, end == cfg.n_layers
         self.rope = RoPE.from_config(cfg, device=self.device)
-        self.route = route or current_route()
-        announce(self.route, self.device)
-        self.experts: Experts = experts if experts is not None else HostExperts(gguf, self.route)
+        self.backend = backend or current_backend()
+        announce(self.backend, self.device)
+        self.experts: Experts = experts if experts is not None else HostExperts(gguf, self.backend)
         host = getattr(self.experts, "host", self.experts)
         if isinstance(host, HostExperts):
-            host.prepare(first, end)  # MOERAY_HOST_EXPERTS=repacked: the copy is made at load
+            host.prepare(first, end)  # host_experts "repacked": the copy is made at load
 
         self.tok_embd = self._matrix("token_embd.weight") if self.has_embedding else None
         self.layers = torch.nn.ModuleList(self._load_layer(i) for i in range(first, end))
-        # Every layer's trunk as one ggml graph where each layer allows it (trunk_graph.supports)
-        self.trunk = None
-        if self.route == "ggml" and self.device.type == "cpu" and all(
-                supports(l.attn, cfg) for l in self.layers) and os.environ.get("MOERAY_TRUNK_GRAPH", "1") != "0":
-            self.trunk = TrunkGraphs(cfg, {getattr(l.attn, "window", 0) for l in self.layers} - {0})
-        # MOERAY_FUSED_MOE=0: routing (torch), experts, shared expert and dense FFN after each trunk
-        # graph, never inside it;
-        # MOERAY_STAGE_GRAPH=0: one graph per layer, never the stage's layers in one
-        self.fuse_moe = os.environ.get("MOERAY_FUSED_MOE", "1") != "0"
-        self.stage_graph = os.environ.get("MOERAY_STAGE_GRAPH", "1") != "0"
+        self.path = self._run_path(settings.current())
+        log.info(self.path.line(first, end))
+        self.trunk = (TrunkGraphs(cfg, {getattr(l.attn, "window", 0) for l in self.layers} - {0})
+                      if self.path.graphs else None)
         self._specs = None  # each layer's trunk_graph.LayerSpec, made at the first graph step
         self._step_specs_for = None  # (each layer's OneStack, the specs made for them)
         self.register_buffer("out_norm", None, persistent=False)
@@ -90,6 +115,38 @@ class StageModel(torch.nn.Module):
 
     # --- loading ---------------------------------------------------------------------------
 
+    def _run_path(self, opts: settings.StageOptions) -> RunPath:
+        """The run path of this stage's layers (RunPath), from its options and what its layers allow."""
+        if self.backend != "ggml":
+            why = f"the {self.backend} backend"
+        elif self.device.type != "cpu":
+            why = f"ggml runs on the host, the stage on {self.device}"
+        elif not opts.trunk_graph:
+            why = "trunk_graph off"
+        else:
+            kinds = sorted({type(l.attn).__name__ for l in self.layers if not supports(l.attn, self.config)})
+            why = f"{', '.join(kinds)} layers have no graph form here" if kinds else ""
+        if why:
+            return RunPath(False, why=why)
+        return RunPath(True, opts.fused_moe, opts.fused_moe and opts.stage_graph)
+
+    # Switches of the run path (tests and bench/graph_families.py compare the paths on one model)
+    @property
+    def fuse_moe(self) -> bool:
+        return self.path.fused
+
+    @fuse_moe.setter
+    def fuse_moe(self, on: bool) -> None:
+        self.path = replace(self.path, fused=bool(on))
+
+    @property
+    def stage_graph(self) -> bool:
+        return self.path.stage
+
+    @stage_graph.setter
+    def stage_graph(self, on: bool) -> None:
+        self.path = replace(self.path, stage=bool(on))
+
     def _repack_trunk(self) -> None:
         """Every trunk matrix in ggml's repacked layout where the setting and ggml allow it
         (stages/kernels/repack.py), once the load has cut and concatenated the plain bytes. The embedding
@@ -99,9 +156,9 @@ class StageModel(torch.nn.Module):
             self.tok_embd.keep_plain = True
         mats = self.matrices()
         self.repacked = sum(w.repack() for w in mats)
-        if self.route == "ggml":
+        if self.backend == "ggml":
             log.info(f"moeray: trunk layout: {self.repacked} of {len(mats)} matrices repacked "
-                     f"(MOERAY_REPACK={repack.mode()})")
+                     f"(repack {repack.mode()})")
 
     def _vector(self, name: str) -> torch.Tensor:
         """Norm weights, biases, routers: small, float32, an owned copy (never the read-only mapping)."""
@@ -115,7 +172,7 @@ class StageModel(torch.nn.Module):
         rows = 1
         for d in info.shape[:-1]:
             rows *= d
-        return QMatrix.from_raw(self.gguf.raw(name), info.ggml_type, (rows, info.shape[-1]), self.route,
+        return QMatrix.from_raw(self.gguf.raw(name), info.ggml_type, (rows, info.shape[-1]), self.backend,
                                 device=self.device)
 
     def _load_layer(self, i: int) -> TransformerLayer:
@@ -167,8 +224,8 @@ class StageModel(torch.nn.Module):
             return w
         idx = torch.as_tensor(rows, dtype=torch.long, device=w.data.device)
         per_row = w.data.view(w.shape[0], -1)
-        return QMatrix(per_row[idx].reshape(-1) if w.route != "exact" else w.data[idx], w.ggml_type,
-                       (len(idx), w.shape[1]), w.route)
+        return QMatrix(per_row[idx].reshape(-1) if w.backend != "exact" else w.data[idx], w.ggml_type,
+                       (len(idx), w.shape[1]), w.backend)
 
     def _mla(self, i: int) -> MLAttention:
         cfg, p, m, v = self.config, f"blk.{i}.", self._matrix, self._vector
@@ -200,10 +257,10 @@ class StageModel(torch.nn.Module):
     @classmethod
     def from_gguf(cls, path_or_gguf: str | os.PathLike | GGUFFile, layers: tuple[int, int] | None = None,
                   device: str | torch.device = "cpu", experts: Experts | None = None,
-                  route: str | None = None) -> "StageModel":
+                  backend: str | None = None) -> "StageModel":
         gguf = path_or_gguf if isinstance(path_or_gguf, GGUFFile) else GGUFFile(path_or_gguf)
         first, end = layers if layers is not None else (0, gguf.config.n_layers)
-        return cls(gguf, first, end, device, experts, route)
+        return cls(gguf, first, end, device, experts, backend)
 
     def matrices(self) -> list[QMatrix]:
         """Every trunk weight matrix this stage holds, each once (a tied head is the embedding)."""
@@ -296,8 +353,8 @@ class StageModel(torch.nn.Module):
     @torch.inference_mode()
     def run_layers(self, hidden: torch.Tensor, meta: BatchMeta, kv: KVPool) -> torch.Tensor:
         """Packed hidden [N, hidden] through this stage's layers; appends the step's k/v to `kv`.
-        On the ggml route a GQA stage runs each layer's trunk as one graph (stages/runtime/trunk_graph.py)
-        when the step's shape has one; otherwise (and on the other routes) the torch ops below."""
+        On the ggml backend a GQA stage runs each layer's trunk as one graph (stages/runtime/trunk_graph.py)
+        when the step's shape has one; otherwise (and on the other backends) the torch ops below."""
         state = kv.state
         if state is not None:
             if meta.state_before:  # checkpoints restored into their sequences' slots
@@ -327,7 +384,7 @@ class StageModel(torch.nn.Module):
         layer runs whole inside, a decode-sized step runs the stage's layers as ONE graph
         (TrunkGraphs.stage), as llama.cpp runs a token."""
         specs = self._step_specs()
-        if self.stage_graph and step.n <= STAGE_TOKENS and all(s.whole for s in specs):
+        if self.path.stage and step.n <= STAGE_TOKENS and all(s.whole for s in specs):
             got = self.trunk.stage(step, x, specs, kv)
             if got is not None:
                 x, ids, weights = got
@@ -337,11 +394,12 @@ class StageModel(torch.nn.Module):
         for (ffn, _, _), spec in zip(self._specs, specs):
             out = self.trunk.layer(step, x, r, spec, kv)
             x = out.x
-            if spec.routed is not None:
-                r = ffn.after_graph(out.h, out.ids.long(), out.weights, out.routed, spec.routed.one,
-                                    shared_inside=spec.dense is not None)
-            elif spec.dense is not None:
-                r = out.routed
+            if out.ffn is not None:  # the whole FFN ran inside (an MoE layer's experts counted now)
+                r = out.ffn
+                if spec.routed is not None:
+                    ffn.count_graph(out.ids.long(), out.weights, spec.routed.one)
+            elif spec.routed is not None:
+                r = ffn.after_graph(out.h, out.ids.long(), out.weights, spec.routed.one, out.experts, out.shared)
             else:
                 r = ffn(out.h, out.logits) if spec.router is not None else ffn(out.h)
         return x + r
@@ -352,14 +410,15 @@ class StageModel(torch.nn.Module):
         filled or emptied), not per step: 30-60 layers of spec and key building cost ~0.5 ms."""
         if self._specs is None:  # once, after load: each layer's FFN and fixed graph inputs
             self._specs = [self._graph_spec(l) for l in self.layers]
-        ones = [ffn.one_stack() if self.fuse_moe and base.router is not None and ffn.graph_routing is not None
+        fused = self.path.fused
+        ones = [ffn.one_stack() if fused and base.router is not None and ffn.graph_routing is not None
                 else None for ffn, base, _ in self._specs]
         kept = self._step_specs_for
         if kept is not None and all(a is b for a, b in zip(kept[0], ones)):
             return kept[1]
         specs = []
         for (ffn, base, dense), one in zip(self._specs, ones):
-            if not self.fuse_moe:
+            if not fused:
                 specs.append(base)
             elif base.router is None:  # a dense layer: its FFN inside where it has a graph form
                 specs.append(base if dense is None else base.with_routed(None, dense))
@@ -385,7 +444,7 @@ class StageModel(torch.nn.Module):
     @staticmethod
     def _graph_spec(layer: TransformerLayer) -> tuple:
         """(the layer's FFN, its trunk_graph.LayerSpec, the graph form of its dense FFN or shared
-        expert: None where it has none or its weights are not on the ggml route)."""
+        expert: None where it has none or its weights are not on the ggml backend)."""
         ffn = layer.ffn
         moe = isinstance(ffn, MoEBlock)
         spec = LayerSpec(layer.attn_norm, layer.attn, layer.ffn_norm, ffn.w_router if moe else None)
@@ -436,14 +495,14 @@ _ATTENTION = {"gqa": StageModel._gqa, "gated_gqa": StageModel._gated_gqa, "delta
 _FFN = {"dense": StageModel._dense_ffn, "moe": StageModel._moe}
 
 
-def stage_trunk_bytes(gguf, first: int, end: int, route: str | None = "current") -> int:
-    """Bytes the trunk of layers [first, end) holds on its device on `route` (default: this
+def stage_trunk_bytes(gguf, first: int, end: int, backend: str | None = "current") -> int:
+    """Bytes the trunk of layers [first, end) holds on its device on `backend` (default: this
     process's), from the header alone: what a stage is charged before anything is loaded
-    (StageModel.trunk_bytes() measures the same after loading). route=None: the GGUF's bytes."""
-    if route == "current":
-        route = current_route()
+    (StageModel.trunk_bytes() measures the same after loading). backend=None: the GGUF's bytes."""
+    if backend == "current":
+        backend = current_backend()
     cfg = gguf.config
-    t = trunk_bytes(gguf.tensors, cfg, route)
+    t = trunk_bytes(gguf.tensors, cfg, backend)
     n = sum(t["layers"][first:end])
     if first == 0:
         n += t["embedding"]
@@ -453,19 +512,8 @@ def stage_trunk_bytes(gguf, first: int, end: int, route: str | None = "current")
 
 
 def load_model(path: str | os.PathLike | GGUFFile, device: str | torch.device = "cpu",
-               experts: Experts | None = None, route: str | None = None) -> StageModel:
-    return StageModel.from_gguf(path, None, device, experts, route)
-
-
-def _rss_bytes() -> int:
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+               experts: Experts | None = None, backend: str | None = None) -> StageModel:
+    return StageModel.from_gguf(path, None, device, experts, backend)
 
 
 def memory_report(model: StageModel) -> dict:
@@ -493,21 +541,37 @@ def memory_report(model: StageModel) -> dict:
         if role == "expert":
             expert_q += info.n_bytes
     return {"trunk_resident_bytes": trunk, "experts_quantized_mapped_bytes": expert_q,
-            "stored_bytes": stored, "fully_dequantized_bytes": dequant, "process_rss_bytes": _rss_bytes()}
+            "stored_bytes": stored, "fully_dequantized_bytes": dequant, "process_rss_bytes": process_rss_bytes()}
 
 
 def load_cached(path: str | os.PathLike | GGUFFile, layers: tuple[int, int] | None = None,
-                device: str | torch.device = "cpu", route: str | None = None, *, budget_bytes: int | None = None,
+                device: str | torch.device = "cpu", backend: str | None = None, *, budget_bytes: int | None = None,
                 profile=None, policy: str = "static", record_routing: str | os.PathLike | None = None,
-                layout: str = "global", n_slots: int | None = None, copies_per_step: int | None = 1):
-    """(StageModel, ExpertCache): a stage whose MoE blocks are built with an expert cache of
-    `budget_bytes` (or `n_slots` of the largest expert) in front of the host copy; see
-    moeray.cache.attach.build_cache for the arguments."""
+                layout: str = "per-layer", n_slots: int | None = None, copies_per_step: int | None = 1,
+                whole_cache_only: bool = False):
+    """The one stage builder (StageActor.load, `serve --local` through it, `moeray generate`, the
+    benches): (StageModel of layers [first, end), its ExpertCache or None).
+
+    The MoE blocks are built with an expert cache of `budget_bytes` (or `n_slots` of the largest
+    expert) in front of the host copy, laid out per layer (moeray.cache.attach.build_cache has the
+    arguments); no cache when neither is given or the layers hold no MoE layer. `whole_cache_only`
+    (`serve --local`): a cache only when the budget holds every expert of the layers, else every
+    expert computed from the host copy: a simulated device lives in the host's own memory, so a
+    partial cache there reads no fewer bytes, and it splits every layer's experts between two
+    stacks, which takes the layer's step out of the stage graph (the 30B-A3B shape, 4 sequences:
+    355 ms a step with 24 slots a layer, 339 with 1, 315 with none; docs/architecture.md, "The expert
+    cache")."""
     from moeray.cache.attach import build_cache
 
     gguf = path if isinstance(path, GGUFFile) else GGUFFile(path)
-    first, end = layers if layers is not None else (0, gguf.config.n_layers)
-    route = route or current_route()
-    cache = build_cache(HostExperts(gguf, route), first, end, device, budget_bytes, profile, policy,
-                        record_routing, layout=layout, n_slots=n_slots, copies_per_step=copies_per_step)
-    return StageModel(gguf, first, end, device, cache, route), cache
+    cfg = gguf.config
+    first, end = layers if layers is not None else (0, cfg.n_layers)
+    host = HostExperts(gguf, backend or current_backend())
+    moe = [l for l in range(first, end) if cfg.is_moe_layer(l)]
+    cache = None
+    if moe and (budget_bytes is not None or n_slots is not None):
+        every = cfg.n_experts * sum(host.slot_bytes(l) for l in moe)
+        if not whole_cache_only or budget_bytes is None or every <= budget_bytes:
+            cache = build_cache(host, first, end, device, budget_bytes, profile, policy, record_routing,
+                                layout=layout, n_slots=n_slots, copies_per_step=copies_per_step)
+    return StageModel(gguf, first, end, device, host if cache is None else cache, host.backend), cache

@@ -1,4 +1,4 @@
-"""A layer's trunk (GQA or MLA attention) as one ggml graph on the ggml route, as llama.cpp builds it.
+"""A layer's trunk (GQA or MLA attention) as one ggml graph on the ggml backend, as llama.cpp builds it.
 
 One call per layer computes, from the residual stream x (plus the previous layer's FFN output r,
 added first, so that residual add joins this graph):
@@ -33,7 +33,7 @@ A step whose sequences add different token counts (prefill chunks beside decode 
 its queries to [B, t_max] inside the graph (get_rows there and back), as the torch path pads them.
 `TrunkGraphs.step(meta, kv)` returns None where a step has no graph form (a 16-bit pool, a pool
 view that would run past the pool's end); which layers can at all is decided at load
-(`supports`): split qkv weights, other attention kinds (gated, DeltaNet) and the other routes
+(`supports`): split qkv weights, other attention kinds (gated, DeltaNet) and the other backends
 keep the torch path. gpt-oss's attention is in: its sinks through flash_attn_ext's sinks, its
 sliding windows through a mask per window size (Step.windows), YaRN through rope_ext's
 freq_factors (`rope_factors`).
@@ -150,20 +150,20 @@ class MultiGraph:
 
 def supports(attn, cfg) -> bool:
     """Whether a layer's attention runs as a trunk graph (else the stage keeps the torch path):
-    GQA with fused qkv on the ggml route, sinks, sliding windows and YaRN (gpt-oss) included, and
-    the hybrid families' gated attention; MLA (DeepSeek, Kimi) with every matrix on the ggml route
-    (k_b / v_b also float); a Gated DeltaNet whose projections are on the ggml route."""
+    GQA with fused qkv on the ggml backend, sinks, sliding windows and YaRN (gpt-oss) included, and
+    the hybrid families' gated attention; MLA (DeepSeek, Kimi) with every matrix on the ggml backend
+    (k_b / v_b also float); a Gated DeltaNet whose projections are on the ggml backend."""
     if type(attn) is GatedDeltaNet:
-        return all(w.route == "ggml" for w in attn.w_in) and attn.w_out.route == "ggml"
+        return all(w.backend == "ggml" for w in attn.w_in) and attn.w_out.backend == "ggml"
     if cfg.rope_style not in ("normal", "neox"):
         return False
     if type(attn) is MLAttention:  # k_b / v_b may be float (read as float32 by the per-head products)
         heads = (attn.w_k_b, attn.w_v_b)
         rest = [w for w in attn.weights() if isinstance(w, QMatrix) and all(w is not h for h in heads)]
-        return all(w.route == "ggml" for w in rest) and all(
-            w.route == "ggml" or (w.route == "exact" and w.data.device.type == "cpu") for w in heads)
-    return (type(attn) in (Attention, GatedAttention) and len(attn.w_qkv) == 1 and attn.w_qkv[0].route == "ggml"
-            and attn.w_o.route == "ggml")
+        return all(w.backend == "ggml" for w in rest) and all(
+            w.backend == "ggml" or (w.backend == "exact" and w.data.device.type == "cpu") for w in heads)
+    return (type(attn) in (Attention, GatedAttention) and len(attn.w_qkv) == 1 and attn.w_qkv[0].backend == "ggml"
+            and attn.w_o.backend == "ggml")
 
 
 def rope_factors(cfg) -> torch.Tensor | None:
@@ -231,8 +231,8 @@ class Dense:
 
     @staticmethod
     def of(gate: QMatrix, up: QMatrix, down: QMatrix, w_gate: torch.Tensor | None = None) -> "Dense | None":
-        """The FFN's graph form, or None where its weights are not on the ggml route (float32)."""
-        ok = all(m.route == "ggml" and m.device.type == "cpu" for m in (gate, up, down))
+        """The FFN's graph form, or None where its weights are not on the ggml backend (float32)."""
+        ok = all(m.backend == "ggml" and m.device.type == "cpu" for m in (gate, up, down))
         return Dense(gate, up, down, w_gate) if ok else None
 
     def key(self) -> tuple:
@@ -252,15 +252,23 @@ class Dense:
 
 
 class LayerOut(NamedTuple):
-    """A trunk graph's outputs: the residual stream x; h, the FFN's normed input (None where the
-    caller needs it not); the router logits [N, E] (MoE layers routed outside); with the routing
-    inside, ids [N, k] int32 and weights [N, k], and the routed experts' output [N, H] (with the
-    shared expert's added) when they ran inside too, else the shared expert's alone where it ran
-    inside; `routed` is a dense layer's FFN output when that ran inside."""
+    """A trunk graph's outputs, in the graph's order (at most one of ffn, experts and shared is set):
+
+    x        the residual stream after attention
+    h        the FFN's normed input, where the caller still computes part of the FFN from it
+    logits   the router's logits [N, E] (an MoE layer routed outside the graph)
+    ffn      the layer's whole FFN output [N, H], where it ran inside: a dense layer's FFN, or an MoE
+             layer's routed experts with its shared expert (if any) added
+    experts  the routed experts' output alone (they ran inside; the shared expert runs after, from h)
+    shared   the shared expert's output alone (it ran inside; the routed experts run after, from h)
+    ids      with the routing inside: each token's k experts [N, k] int32 ...
+    weights  ... and their weights [N, k]"""
     x: torch.Tensor
     h: torch.Tensor | None = None
     logits: torch.Tensor | None = None
-    routed: torch.Tensor | None = None
+    ffn: torch.Tensor | None = None
+    experts: torch.Tensor | None = None
+    shared: torch.Tensor | None = None
     ids: torch.Tensor | None = None
     weights: torch.Tensor | None = None
 
@@ -426,15 +434,19 @@ class TrunkGraphs:
         N, H = x.shape
         routed = layer.routed
         if routed is None and layer.dense is not None:  # a dense layer's FFN inside
-            out = LayerOut(torch.empty(N, H), routed=torch.empty(N, H))
+            out = LayerOut(torch.empty(N, H), ffn=torch.empty(N, H))
         elif routed is None:
             router = layer.router
             out = LayerOut(torch.empty(N, H), torch.empty(N, H), None if router is None else torch.empty(N, router.shape[0]))
         else:
             k = self.cfg.n_experts_used
+            y = torch.empty(N, H)
+            if routed.one is None:  # the routed experts after the graph; the shared expert inside, or none
+                ffn_out = dict(shared=y) if layer.dense is not None else {}
+            else:  # the routed experts inside: the whole FFN, or without the shared expert (kept h)
+                ffn_out = dict(experts=y) if routed.keep_h else dict(ffn=y)
             out = LayerOut(torch.empty(N, H), torch.empty(N, H) if routed.keep_h else None,
-                           ids=torch.empty(N, k, dtype=torch.int32), weights=torch.empty(N, k),
-                           routed=None if routed.one is None and layer.dense is None else torch.empty(N, H))
+                           ids=torch.empty(N, k, dtype=torch.int32), weights=torch.empty(N, k), **ffn_out)
         g(ptrs, [t.data_ptr() for t in out if t is not None])  # LayerOut's order is the graph's
         return out
 
@@ -824,7 +836,7 @@ class TrunkGraphs:
         def weight(w):
             if not isinstance(w, QMatrix):
                 return new(w.numel())
-            if w.route == "exact":  # a float k_b / v_b, held as float32
+            if w.backend == "exact":  # a float k_b / v_b, held as float32
                 return new(w.shape[1], w.shape[0])
             return graph_weight(ctx, w)
 

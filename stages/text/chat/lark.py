@@ -1,0 +1,126 @@
+"""Pieces of the llguidance grammars that force a tool call in a family's own format.
+
+A marker that is an added token of the vocabulary (DeepSeek's <｜tool▁call▁begin｜>, harmony's
+<|channel|>, and Qwen's <tool_call> too, though it decodes as text) is not text to the grammar
+engine, which takes every added token for a special one: it is named by its id, `<[id]>`, so the
+model writes it as the one token it was trained on. Any other marker is a string. Arguments are JSON matching the function's schema (`%json`, written as people and
+models write it: ", " and ": ", no free whitespace, see stages/text/grammar.py), or, for the formats
+that write each argument on its own (Qwen3-Coder's <parameter=...>, GLM's <arg_value>), a string
+argument as raw text and any other as JSON.
+"""
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from moeray.stages.text.grammar import JSON_STYLE
+
+
+class Lark:
+    def __init__(self, tokenizer):
+        self.special = special_tokens(tokenizer)
+        self.rules: list[str] = []
+        self._n = 0
+
+    def lit(self, *pieces: str) -> str:
+        """The grammar of these texts one after another (special tokens by id)."""
+        out = []
+        for p in pieces:
+            for part in self.split(p):
+                out.append(f"<[{self.special[part]}]>" if part in self.special else json.dumps(part, ensure_ascii=False))
+        return " ".join(out) or '""'
+
+    def split(self, text: str) -> list[str]:
+        """`text` cut into its added tokens and the text between them."""
+        out, i = [], 0
+        while i < len(text):
+            hits = [(at, t) for t in self.special if (at := text.find(t, i)) >= 0]
+            if not hits:
+                out.append(text[i:])
+                break
+            at, token = min(hits, key=lambda h: (h[0], -len(h[1])))
+            if at > i:
+                out.append(text[i:at])
+            out.append(token)
+            i = at + len(token)
+        return out
+
+    def json(self, schema: Optional[dict]) -> str:
+        schema = schema if isinstance(schema, dict) and schema else {"type": "object"}
+        return f"%json {json.dumps({**schema, 'x-guidance': JSON_STYLE})}"
+
+    def rule(self, body: str, options: str = "") -> str:
+        """A new named rule for `body`; returns its name."""
+        self._n += 1
+        name = f"r{self._n}"
+        self.rules.append(f"{name}{f'[{options}]' if options else ''}: {body}")
+        return name
+
+    def text_until(self, end: str) -> str:
+        """Any text up to and including the first `end`."""
+        first, *rest = self.split(end)
+        if first in self.special:  # free text cannot hold an added token: it ends where the token comes
+            return f"{self.rule('/(?s:.*)/')} {self.lit(first, *rest)}"
+        lazy = self.rule(f"/(?s:.*){_regex_escape(first)}/", "lazy")
+        return f"{lazy} {self.lit(*rest)}" if rest else lazy
+
+    def grammar(self, start: str) -> str:
+        from moeray.stages.text.grammar import lark_grammar
+
+        return lark_grammar("\n".join([f"start: {start}", *self.rules]) + "\n")
+
+
+def special_tokens(tokenizer) -> dict[str, int]:
+    """Text -> id of the tokens the grammar engine treats as special (not text): every added token."""
+    return {t.content: i for i, t in tokenizer.backend.get_added_tokens_decoder().items()}
+
+
+def _regex_escape(text: str) -> str:
+    out = []
+    for ch in text:
+        if ch == "\n":
+            out.append("\\n")
+        elif ch == "/":
+            out.append("\\/")
+        elif ch.isalnum() or ch in " _-=:,'\"<>!@#%&~`" or ord(ch) > 127:
+            out.append(ch)
+        else:
+            out.append("\\" + ch)
+    return "".join(out)
+
+
+def value_rule(g: Lark, schema: Optional[dict], end: str) -> str:
+    """One argument written on its own and closed by `end`: a string argument as raw text (or one of
+    its enum values), anything else as JSON."""
+    schema = schema if isinstance(schema, dict) else {}
+    if schema.get("type") == "string":
+        if isinstance(schema.get("enum"), list) and all(isinstance(v, str) for v in schema["enum"]):
+            return "(" + " | ".join(g.lit(v + end) for v in schema["enum"]) + ")"
+        return g.text_until(end)
+    return f"{g.json(schema or {})} {g.lit(end)}"
+
+
+def is_string_argument(function: Optional[dict], name: str) -> bool:
+    """Whether the function's schema says argument `name` is a string (then it is written raw)."""
+    props = ((function or {}).get("parameters") or {}).get("properties") or {}
+    spec = props.get(name)
+    return isinstance(spec, dict) and spec.get("type") == "string"
+
+
+def argument_value(function: Optional[dict], name: str, text: str):
+    """An argument written on its own, as a JSON value: raw text for a string argument (or one the
+    schema does not know, when it is not JSON), JSON otherwise (vLLM's and llama.cpp's rule)."""
+    if is_string_argument(function, name):
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def find_function(tools: Optional[list[dict]], name: str) -> Optional[dict]:
+    for t in tools or ():
+        f = t.get("function") or {}
+        if f.get("name") == name:
+            return f
+    return None
