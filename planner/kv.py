@@ -168,8 +168,8 @@ def trade_checkpoints(plan_for: Callable[[int], object], base_ms: float, wanted:
     prompt's end and its answer's last block boundary), whose predicted decode step stays within
     `tolerance` of `base_ms` (the plan without them): the experts they push out cost under 2% of
     a step. `wanted` first; else the count its cost per checkpoint affords (the experts a
-    checkpoint pushes out cost about the same each), stepped down until it fits: two or three
-    searches, not a bisection's five."""
+    checkpoint pushes out cost about the same each), stepped down until it fits (halved when none fit, then bisected
+    up to the room)."""
     tried: list = []
     limit = base_ms * (1 + tolerance)
 
@@ -187,13 +187,26 @@ def trade_checkpoints(plan_for: Callable[[int], object], base_ms: float, wanted:
     plan, ms = score(wanted)
     if plan is not None and ms <= limit:
         return wanted, plan, tried
+    unfit = wanted if plan is None else None  # the fewest tried that did not fit the cards
     n = wanted // 2 if ms is None or ms <= base_ms else min(wanted - 1, int((limit - base_ms) / ((ms - base_ms) / wanted)))
     while n >= 1:
         plan, ms = score(n)
         if plan is not None and ms <= limit:
-            return n, plan, tried
+            break
+        if plan is None:
+            unfit = n
         n = n // 2 if ms is None or ms <= base_ms else min(n - 1, int((limit - base_ms) / ((ms - base_ms) / n)))
-    return 0, None, tried
+    else:
+        return 0, None, tried
+    # Halving past room: what fits lies between n and the fewest that did not; bisect it.
+    while unfit is not None and unfit - n > 1:
+        mid = (n + unfit) // 2
+        p, m = score(mid)
+        if p is not None and m <= limit:
+            n, plan = mid, p
+        else:
+            unfit = mid
+    return n, plan, tried
 
 
 def checkpoints_within(budget_bytes: int, per_checkpoint: int, wanted: int) -> int:
