@@ -50,7 +50,7 @@ def moeray_turns(path: str, prompt: list[int], n_answer: int, new: list[int], ch
                        state_checkpoints=checkpoints)
     budget = 4 << 30  # moeray serve --local's device: its trunk, KV and states; the experts on the host path
     kv = local_kv_plan(read_gguf_header(path).config, cfg, budget)
-    pipe = LocalPipeline.from_file(path, kv.blocks, budget, None, "static", 1, kv.checkpoints)
+    pipe = LocalPipeline.from_file(path, kv.blocks, budget, max_seqs=1, state_checkpoints=kv.checkpoints)
     eng = Engine(pipe, EngineConfig(**{**cfg.__dict__, "kv_blocks": kv.blocks, "state_checkpoints": kv.checkpoints}))
     greedy = SamplingParams(max_tokens=n_answer, ignore_eos=True)
     with torch.inference_mode():
