@@ -682,7 +682,7 @@ def main(argv=None) -> int:
 
         if not torch.cuda.is_available():
             print(f"device_check: torch {torch.__version__} sees no CUDA device (torch.version.cuda = "
-                  f"{torch.version.cuda}); on a GPU machine install the CUDA build (README: TORCH_SPEC), "
+                  f"{torch.version.cuda}); on a GPU machine install the CUDA build (docs/configuration.md#build: TORCH_SPEC), "
                   "or pass --device cpu for the dry run", file=sys.stderr)
             return 2
     no_ray = ray_importable() if args.ray != "off" else "--ray off"

@@ -71,7 +71,7 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         if args.micro_batches is None:
             # One stage has no other stage to overlap with: one micro-batch of every running sequence,
             # which reads each routed expert once per step instead of once per lane (bench/load.py,
-            # 16 clients: 48.6 against 37.0 out tok/s with two lanes, README "HTTP load").
+            # 16 clients: 48.6 against 37.0 out tok/s with two lanes; the method: docs/performance.md#served).
             engine.micro_batches = 1
     return ServeOptions(model=args.model, model_name=args.model_name, local=args.local, launch=launch, engine=engine,
                         max_waiting=args.max_waiting, api_key=args.api_key or None,

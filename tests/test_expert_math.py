@@ -17,7 +17,7 @@ from moeray.stages.blocks.moe import ExpertWeights
 from moeray.stages.kernels.qmatmul import GLU, SILU, ExpertBias, QMatrix, ggml_available
 
 H, F, E, K = 64, 96, 4, 2
-needs_ggml = pytest.mark.skipif(not ggml_available(), reason="ggml-python is not installed (the README's set-up builds it)")
+needs_ggml = pytest.mark.skipif(not ggml_available(), reason="ggml-python is not installed (`make` builds it: docs/kernels.md#building-ggml)")
 
 
 @pytest.fixture(scope="module")

@@ -85,7 +85,7 @@ def test_batched_sequences_of_different_lengths_match_transformers(files):
         _close(got[i:i + 1], _hf(model, s)[-1:], RTOL, f"sequence {i} of a batch")
 
 
-@pytest.mark.skipif(not ggml_available(), reason="ggml-python is not installed (the README's set-up builds it)")
+@pytest.mark.skipif(not ggml_available(), reason="ggml-python is not installed (`make` builds it: docs/kernels.md#building-ggml)")
 def test_ggml_route_within_its_measured_tolerance(files):
     path, model = files["Q8_0"]
     ref = _hf(model, IDS)

@@ -185,7 +185,7 @@ def _logits_and_routing(path, backend):
 @pytest.mark.parametrize("name", ["llama", "mixtral", "qwen2moe", "qwen3moe", "deepseek3", "deepseek2", "glm4moe"])
 def test_quantised_routes_stay_within_their_measured_tolerance(cases, name, ft, backend):
     if backend == "ggml" and not ggml_available():
-        pytest.skip("ggml-python is not installed (the README's set-up builds it)")
+        pytest.skip("ggml-python is not installed (`make` builds it: docs/kernels.md#building-ggml)")
     path, _ = cases[name, ft]
     exact, exact_routing = _logits_and_routing(path, "exact")
     got, routing = _logits_and_routing(path, backend)

@@ -62,7 +62,7 @@ CODEBOOK_TYPES = [QT.MXFP4, QT.IQ4_NL, QT.IQ4_XS, QT.IQ3_XXS, QT.IQ3_S, QT.IQ2_X
 # 8-bit activations against float32 ones, relative to max |y|: measured worst 1.3e-2 (IQ3_S), 0.7e-2
 # (MXFP4) to 1.07e-2 (IQ1_M) over 5 seeds of random blocks; a wrong layout is off by O(1).
 GGML_TOLERANCE = 0.02
-needs_ggml = pytest.mark.skipif(not ggml_available(), reason="ggml-python is not installed (the README's set-up builds it)")
+needs_ggml = pytest.mark.skipif(not ggml_available(), reason="ggml-python is not installed (`make` builds it: docs/kernels.md#building-ggml)")
 
 
 @pytest.mark.parametrize("qtype", CODEBOOK_TYPES, ids=lambda t: t.name)

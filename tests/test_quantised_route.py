@@ -14,7 +14,7 @@ from moeray.stages.gguf.reader import GGUFFile
 from moeray.stages.runtime.model import load_cached, load_model, stage_trunk_bytes
 from moeray.stages.kernels.qmatmul import QMatrix, ggml_available
 
-needs_ggml = pytest.mark.skipif(not ggml_available(), reason="ggml-python is not installed (the README's set-up builds it)")
+needs_ggml = pytest.mark.skipif(not ggml_available(), reason="ggml-python is not installed (`make` builds it: docs/kernels.md#building-ggml)")
 
 
 @pytest.fixture(scope="module")

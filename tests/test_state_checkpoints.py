@@ -46,7 +46,7 @@ def _tokens(n, seed):
 def _engine(model, checkpoints=CHECKPOINTS, kv_blocks=200, **kw):
     cfg = EngineConfig(**{"max_seqs": MAX_SEQS, "max_len": 1024, "micro_batches": 1, "token_budget": 64,
                           "prefill_chunk": 24, "kv_blocks": kv_blocks, "state_checkpoints": checkpoints, **kw})
-    return Engine(LocalPipeline.from_model(model, kv_blocks, MAX_SEQS, checkpoints), cfg)
+    return Engine(LocalPipeline.from_model(model, kv_blocks, MAX_SEQS, state_checkpoints=checkpoints), cfg)
 
 
 def _turn(eng, prompt, n):

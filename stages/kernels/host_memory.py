@@ -5,7 +5,7 @@ A decode token reads its routed experts once, from scattered places (a few MiB p
 the cost is DRAM bandwidth plus the TLB: with 4 KiB pages a 2.65 MiB expert is ~680 page walks,
 with 2 MiB pages two. Linux's default THP mode ("madvise") gives huge pages only where a mapping
 asks, and neither the file mapping (page cache) nor torch's allocator asks. `bench/hugepages.py`
-measures it (README, "Weight layout"): on the default model, every expert resident went 23.3 ->
+measures it (docs/performance.md#decode-and-prefill, "Weight layout"): on the default model, every expert resident went 23.3 ->
 19.6 ms a token, the host path 21.2 -> 20.7 (one thread, CPU time per token).
 
 StageOptions.hugepages False (`--no-hugepages`, or the override MOERAY_HUGEPAGES=0) turns it off

@@ -6,7 +6,7 @@ trunk weights and cache slots) and computes y = x @ W.T by one of three backends
 
 - "ggml": ggml's CPU kernels (the ones llama.cpp runs) straight on the blocks, through the
   `ggml-python` binding. Activations are quantised to 8 bits inside, as llama.cpp does, so results
-  differ from float32 by ~5e-3 relative. Fastest on CPU for every block type we meet (KERNELS.md).
+  differ from float32 by ~5e-3 relative. Fastest on CPU for every block type we meet (docs/kernels.md).
 - "dequant": dequantise the blocks on each use (stages/gguf/quant.py) and run F.linear. The pure-torch
   fallback when ggml is not installed. On CUDA devices the blocks are read on the card by the
   Triton kernels of stages/kernels/triton_kernels.py instead, when triton imports (StageOptions.triton).
@@ -42,7 +42,7 @@ BACKENDS = ("ggml", "dequant", "exact")
 # already a float format a torch matmul reads directly.
 FLOAT_TYPES = frozenset((T.F32, T.F64))
 
-try:  # ggml-python: optional, built from source by the README's set-up (`ggml` extra)
+try:  # ggml-python: optional, built from source by `make` (docs/kernels.md#building-ggml)
     from moeray.stages.kernels.ggml_lib import load as _load_ggml
 
     _G = _load_ggml()  # its own libggml, checked: a foreign one on LD_LIBRARY_PATH would segfault
@@ -135,7 +135,7 @@ _threads: int | None = None  # ggml's threads in this process: the options', els
 
 @dataclass
 class ThreadSettings:
-    """How ggml's threads are used (README "HTTP load" has the measurements behind each).
+    """How ggml's threads are used (docs/kernels.md#threads; the measurements behind each: docs/performance.md#served).
 
     poll: how long ggml's workers spin for the next graph before they sleep (ggml's poll level:
       0 sleeps at once; each level is ~131k pause rounds, ~1-5 ms here: level 1 bridges the torch
