@@ -131,6 +131,20 @@ def test_a_checkpoint_is_never_used_past_a_difference(exact):
     _same(got, _turn(ref, early, 6), "edited prompt")
 
 
+def test_cached_blocks_without_a_checkpoint_are_prefilled_again(exact):
+    """A prompt that shares two cached KV blocks (32 tokens) with an earlier one, whose state was
+    checkpointed only at 48, cannot resume at 32: attention's past is there, the DeltaNet layers'
+    is not. It resumes at 0, and its tokens are a full prefill's (resuming at 32 from a zero state
+    gives other tokens)."""
+    eng, ref = _engine(exact), _engine(exact, checkpoints=0)
+    a = _tokens(56, 11)
+    _turn(eng, a, 4)
+    other = a[:40] + _tokens(12, 12)
+    got = _turn(eng, other, 12)
+    assert got.cached_tokens == 0
+    _same(got, _turn(ref, other, 12), "shared blocks, no checkpoint")
+
+
 def _check_slots(eng):
     """Sequence slots below the checkpoint slots, every held checkpoint slot its own."""
     led = eng.scheduler.checkpoints
