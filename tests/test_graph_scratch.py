@@ -10,7 +10,7 @@ import ctypes
 import pytest
 import torch
 
-from moeray.stages.kernels.qmatmul import ggml_available, ggml_lib
+from moeray.stages.kernels.backend import ggml_available, ggml_lib
 
 pytestmark = pytest.mark.skipif(not ggml_available(), reason="ggml-python is not installed")
 
