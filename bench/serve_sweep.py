@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import http.client
+import json
 import os
 import shlex
 import subprocess
@@ -140,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=1,
                    help="run every server this many times, in turn (A B A B: drifting load hits all alike)")
     p.add_argument("--ready-timeout", type=float, default=900.0)
+    p.add_argument("--json", metavar="PATH", help="also write every row (server, clients, figures) as JSON")
     args = p.parse_args(argv)
     if args.model is None:
         from moeray.stages.gguf.default_model import FILE_NAME, cache_dir
@@ -181,6 +183,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['label']} | {r['clients']} | {r['tok_s']:.1f} | {r['ttft_p50'] * 1e3:.0f} ms | "
               f"{r['itl_p50'] * 1e3:.0f} ms | {r['itl_p99'] * 1e3:.0f} ms | {len(r['errors'])} | {ratio} | "
               f"{r['cores']:.2f} ({r['top_cores']:.2f}) | {r['load']:.1f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
     for r in rows:
         for e in r["errors"][:3]:
             print(f"  {r['label']}: {e}", file=sys.stderr)

@@ -44,6 +44,11 @@ class EngineConfig:
     kv_blocks: Optional[int] = None
     kv_fraction: Optional[float] = None
     prefix_reuse: bool = True  # reuse the KV of a prompt prefix another request computed
+    # Speculative decoding (cluster/speculation.py): auto | off | ngram | draft | mtp; a request's
+    # `speculative` flag overrides it. Draft lengths are priced per step (planner/draft_length.py),
+    # at most max_draft tokens a row.
+    speculative: str = "auto"
+    max_draft: int = 32
 
     def __post_init__(self) -> None:
         if not 1 <= self.micro_batches <= self.max_seqs:
@@ -56,6 +61,13 @@ class EngineConfig:
                               f"got {self.kv_fraction}")
         if self.kv_blocks is not None and self.kv_fraction is not None:
             raise MoerayError("give --kv-blocks or --kv-fraction, not both")
+        from moeray.cluster.speculation import MODES
+
+        if self.speculative not in MODES:
+            raise MoerayError(f"--speculative {self.speculative!r} is not one of {', '.join(MODES)}")
+        if self.max_draft < 1:
+            raise MoerayError(f"max_draft must be >= 1 (a draft's most tokens; --speculative off turns drafts off), "
+                              f"got {self.max_draft}")
 
 
 @dataclass
@@ -91,6 +103,9 @@ class LaunchOptions:
     # The part of a GPU each stage reserves (0.5: two stages per card, each planned with half of
     # it); None: a card per stage while there are enough, else an even share of each.
     gpus_per_stage: Optional[float] = None
+    # Speculative decoding's draft model: a small GGUF of the same vocabulary, run on the first
+    # stage and priced there as trunk (its weights and a KV pool of the plan's block count).
+    draft: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.gpus_per_stage is not None and not 0 < self.gpus_per_stage <= 1:
@@ -171,6 +186,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                     help="share of the devices' free bytes the KV cache takes, e.g. 0.3 (instead of --kv-blocks)")
     g.add_argument("--no-prefix-reuse", action="store_true",
                    help="compute every prompt in full (default: reuse the KV of a prompt prefix already computed)")
+    g.add_argument("--speculative", choices=("auto", "off", "ngram", "draft", "mtp"), default=d.speculative,
+                   help="speculative decoding: draft tokens and verify them in one step (auto: every drafter the "
+                        f"model has, priced per step; default {d.speculative}); a request's `speculative` overrides it")
+    g.add_argument("--max-draft", type=int, default=d.max_draft,
+                   help=f"the most drafted tokens one verify row carries (default {d.max_draft})")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -179,7 +199,8 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         prefill_chunk=args.prefill_chunk,
                         micro_batches=args.micro_batches if args.micro_batches is not None else d.micro_batches,
                         step_timeout_s=args.step_timeout, kv_blocks=args.kv_blocks, kv_fraction=args.kv_fraction,
-                        prefix_reuse=not args.no_prefix_reuse)
+                        prefix_reuse=not args.no_prefix_reuse, speculative=args.speculative,
+                        max_draft=args.max_draft)
 
 
 def add_launch_arguments(p: argparse.ArgumentParser) -> None:
@@ -205,6 +226,9 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                         "bench/cache.py or bench/serve_hits.py)")
     g.add_argument("--verbose", action="store_true",
                    help="print the plan's every trunk decision and slot layout, not only those that depart from the default")
+    g.add_argument("--draft", metavar="MODEL.gguf", default=d.draft,
+                   help="a draft model for speculative decoding: a small GGUF of the same vocabulary, run on the "
+                        "first stage (--speculative auto uses it where it drafts better than the n-gram lookup)")
     g.add_argument("--gpus-per-stage", type=float, metavar="SHARE", default=d.gpus_per_stage,
                    help="the part of a GPU each stage reserves, e.g. 0.5: two stages share a card, each "
                         "planned with half of it (default: a card per stage, shared evenly when stages > GPUs)")
@@ -269,7 +293,7 @@ def launch_options_from_args(args: argparse.Namespace, simulate: Optional[list[i
         objective=args.objective, split=args.split, profile=args.profile, cache_policy=args.cache_policy,
         torch_threads=1 if simulate else None, stage=stage_options_from_args(args, threads),
         cover_b=args.cover_b, verbose_plan=getattr(args, "verbose", False), address=args.address,
-        record_routing=args.record_routing, gpus_per_stage=args.gpus_per_stage))
+        record_routing=args.record_routing, gpus_per_stage=args.gpus_per_stage, draft=getattr(args, "draft", None)))
 
 
 def simulated_devices(args: argparse.Namespace, has_gpus: bool, command: str) -> Optional[list[int]]:

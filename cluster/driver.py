@@ -18,6 +18,7 @@ the wired stages, is here too: the driver owns the stages, the engine only calls
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -126,8 +127,13 @@ class StageGroup:
     pg: Any = None
     reports: list[ProbeReport] = field(default_factory=list)
     load_args: list[tuple] = field(default_factory=list)  # per stage, to reload it after a restart
+    load_kwargs: list[dict] = field(default_factory=list)  # ... and its drafters (speculative decoding)
     kv_blocks: int | None = None  # every stage's KV pool, once loaded
     state_slots: int = 0  # sequence states the stages hold (a model with recurrent layers), once loaded
+    draft: str | None = None  # speculative decoding's draft model, on the first stage (--draft)
+    draft_token_ms: float = 0.0  # its measured ms per drafted token, once loaded
+    mtp: bool = False  # the last stage runs the file's next-token-prediction layer (speculative decoding)
+    mtp_token_ms: float = 0.0  # its measured ms per proposed token, once loaded
     header: Any = None  # the model's header as the driver read it: every stage gets it (a Ray object)
     model_header: Any = None  # ... and the header itself
     hung: set = field(default_factory=set)
@@ -247,10 +253,18 @@ class StageGroup:
             self.share_header(read_gguf_header(path))
         self.kv_blocks = kv_blocks
         self.state_slots = state_slots if any(state_bytes_by_layer(self.model_header.config, 1)) else 0
+        last = len(ranges) - 1
         self.load_args = [(path, a, b, kv_blocks, t, profile, cache_policy, state_slots)
                           for (a, b), t in zip(ranges, trunk_on_card)]
-        refs = [a.load.remote(*args, header=self.header) for a, args in zip(self.actors, self.load_args)]
-        return gather(refs, self.timeout_s, "loading", progress=progress)
+        # speculative decoding's drafters: a draft model on the first stage, an MTP layer on the last
+        self.load_kwargs = [{"draft": self.draft if i == 0 else None, "mtp": self.mtp and i == last}
+                            for i in range(len(ranges))]
+        refs = [a.load.remote(*args, header=self.header, **kw)
+                for a, args, kw in zip(self.actors, self.load_args, self.load_kwargs)]
+        reports = gather(refs, self.timeout_s, "loading", progress=progress)
+        self.draft_token_ms = reports[0].draft_token_ms if reports else 0.0
+        self.mtp_token_ms = reports[-1].mtp_token_ms if reports else 0.0
+        return reports
 
     def record_routing(self, folder: str) -> None:
         """Every stage appends its routing to folder/stage<i>.trace."""
@@ -309,7 +323,8 @@ class StageGroup:
         if dead:
             self._await_restart(dead)
             if self.load_args:
-                gather([self.actors[i].load.remote(*self.load_args[i], header=self.header) for i in dead],
+                gather([self.actors[i].load.remote(*self.load_args[i], header=self.header, **self.load_kwargs[i])
+                        for i in dead],
                        self.timeout_s, "reload", dead)
         self.connect()
         return dead
@@ -615,7 +630,16 @@ def plan_from_reports(header, reports: list[ProbeReport], opts: LaunchOptions, e
 
     def plan_for(n: int):
         kv = [k + s for k, s in zip(kv_bytes_by_layer(cfg, n, itemsize), state)]
-        return plan_placement(held_spec(header, kv, opts.stage.backend), devs, profile, split=opts.split,
+        spec = held_spec(header, kv, opts.stage.backend)
+        if opts.draft:  # the draft model and its KV pool sit on the first stage, priced as its trunk
+            from moeray.stages.runtime.draft_model import draft_bytes
+
+            spec.trunk_bytes.embedding += draft_bytes(opts.draft, n, itemsize)
+        if uses_mtp(header, engine):  # the next-token-prediction layer: on the last stage, with the head
+            from moeray.stages.runtime.mtp import mtp_bytes
+
+            spec.trunk_bytes.head += mtp_bytes(header, n, engine.max_seqs, itemsize, S == 1)
+        return plan_placement(spec, devs, profile, split=opts.split,
                               objective=opts.objective, trunk=opts.trunk, handoff_ms=handoff_ms, cover_b=opts.cover_b)
 
     try:
@@ -671,8 +695,12 @@ def launch(path: str, opts: LaunchOptions = LaunchOptions(), engine: EngineConfi
     `log` gets every line a user should see at startup."""
     from moeray.stages.gguf.reader import read_gguf_header
 
-    ensure_ray(opts.address)
     header = read_gguf_header(path)
+    if opts.draft:
+        from moeray.stages.runtime.draft_model import check_draft
+
+        check_draft(opts.draft, header.config)
+    ensure_ray(opts.address)
     lines: list[str] = []
 
     def say(line: str) -> None:
@@ -715,12 +743,39 @@ def bring_up(group: StageGroup, header, path: str, opts: LaunchOptions, engine: 
     trunk_on_card = ([int(s.trunk_bytes) - kv_bytes - sum(state[a:b])
                       for s, kv_bytes, (a, b) in zip(plan.stages, kv.stage_bytes, ranges)]
                      if plan is not None else [0] * len(ranges))
+    from moeray.planner.kv import itemsize_for
+
+    itemsize = itemsize_for(r.device.kind for r in reports)
+    if opts.draft and plan is not None:  # the first stage charges its draft model itself
+        from moeray.stages.runtime.draft_model import draft_bytes
+
+        trunk_on_card[0] -= draft_bytes(opts.draft, kv.blocks, itemsize)
+    group.draft, group.mtp = opts.draft, uses_mtp(header, engine)
+    if group.mtp and plan is not None:  # and the last stage its next-token-prediction layer
+        from moeray.stages.runtime.mtp import mtp_bytes
+
+        trunk_on_card[-1] -= mtp_bytes(header, kv.blocks, engine.max_seqs, itemsize, len(ranges) == 1)
     group.load(path, ranges, kv.blocks, lambda i, rep: say(_load_line(rep)),
                trunk_on_card, opts.profile, opts.cache_policy, engine.max_seqs)
+    if opts.draft:
+        from moeray.stages.runtime.draft_model import draft_bytes
+
+        n = draft_bytes(opts.draft, kv.blocks, itemsize)
+        say(f"draft model {os.path.basename(opts.draft)}: {n / 2**20:.1f} MiB on stage 0 (its weights and a KV pool "
+            f"of {kv.blocks} blocks), priced as that stage's trunk; {group.draft_token_ms:.2f} ms a drafted token "
+            "(measured)")
     if opts.record_routing:
         group.record_routing(opts.record_routing)
         say(f"recording every stage's routing to {opts.record_routing}/stage<i>.trace")
     return reports, plan, ranges, handoff_ms, kv
+
+
+def uses_mtp(header, engine: EngineConfig) -> bool:
+    """The last stage loads the file's next-token-prediction layer: the file has one and speculation
+    may use it (--speculative auto or mtp)."""
+    from moeray.stages.runtime.mtp import mtp_layers
+
+    return engine.speculative in ("auto", "mtp") and mtp_layers(header) > 0
 
 
 def _probe_line(r: ProbeReport) -> str:
@@ -745,6 +800,26 @@ class RayPipeline:
     """Stages as Ray actors: every stage gets the step at once (stage 0 the token ids, the last
     stage the sampling params); activations flow over their process group; the last stage's
     sampled tokens come back."""
+
+    verifies = True  # the last stage accepts drafted tokens (StepBatch.drafts): speculative decoding
+
+    @property
+    def draft_model(self) -> bool:
+        """The first stage runs a draft model (--draft): speculation may draft with it."""
+        return self.group.draft is not None
+
+    @property
+    def draft_token_ms(self) -> float:
+        return self.group.draft_token_ms
+
+    @property
+    def mtp(self) -> bool:
+        """The last stage runs the file's next-token-prediction layer: speculation drafts with it."""
+        return self.group.mtp
+
+    @property
+    def mtp_token_ms(self) -> float:
+        return self.group.mtp_token_ms
 
     def __init__(self, group: StageGroup, launched: Launched | None = None):
         self.group = group

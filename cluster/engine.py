@@ -32,6 +32,8 @@ from typing import Any, Optional, Protocol, Sequence
 from moeray.cluster.config import EngineConfig
 from moeray.cluster.remote import StageFailedError
 from moeray.cluster.scheduler import EngineStats, Request, ScheduledStep, Scheduler
+from moeray.cluster.speculation import Speculation
+from moeray.cluster.step_clock import StepClock
 from moeray.errors import MoerayError
 from moeray.stages.runtime.actor import StepBatch
 from moeray.stages.text.sampling import SamplingParams, StepOutput, StopStringStream
@@ -46,6 +48,8 @@ log = logging.getLogger("moeray")
 PREFIX_REUSE_OFF = ("prefix reuse off: this model's recurrent (DeltaNet) layers keep one state per sequence, "
                     "which cached KV blocks cannot restore (a snapshot per cached block would cost as much as "
                     "~200 blocks of KV each); every prompt is prefilled whole")
+SPEC_OFF_RECURRENT = ("speculative decoding off: this model's recurrent (DeltaNet) layers would need their state "
+                      "restored after a rejected draft, which this pipeline does not do yet")
 
 
 class Pipeline(Protocol):
@@ -77,10 +81,27 @@ class Engine:
                 log.info(PREFIX_REUSE_OFF)
                 config = replace(config, prefix_reuse=False)
         self.pipeline, self.config, self.tokenizer = pipeline, config, tokenizer
+        # Drafts go only to a pipeline whose last stage verifies them (StageRunner.sample).
+        self.speculation = None
+        if getattr(pipeline, "verifies", False):
+            if state_slots:
+                if config.speculative != "off":
+                    log.info(SPEC_OFF_RECURRENT)
+            else:
+                self.speculation = Speculation(config.speculative, getattr(pipeline, "step_price", None),
+                                               max_draft=config.max_draft,
+                                               draft_model=getattr(pipeline, "draft_model", False),
+                                               draft_token_ms=getattr(pipeline, "draft_token_ms", 0.0),
+                                               mtp=getattr(pipeline, "mtp", False),
+                                               mtp_token_ms=getattr(pipeline, "mtp_token_ms", 0.0))
         self.scheduler = Scheduler(config, tokenizer.end_ids if tokenizer is not None else (),
-                                   config.kv_blocks or pool)
+                                   config.kv_blocks or pool, self.speculation)
         self.in_flight: deque[tuple[ScheduledStep, Any]] = deque()
         self._ids = itertools.count()
+        # Every step timed (its size and wall time), so speculation prices drafts at what steps cost here.
+        self.clock = StepClock(getattr(pipeline, "step_experts", ()) or ()) if self.speculation is not None else None
+        self._t_submit: dict[int, float] = {}
+        self._t_last = 0.0
 
     # ---------------------------------------------------------------- requests
 
@@ -133,6 +154,7 @@ class Engine:
         busy = {s.lane for s, _ in self.in_flight}
         for lane in range(self.config.micro_batches):
             if lane not in busy and (step := self.scheduler.schedule(lane)) is not None:
+                self._t_submit[step.id] = time.perf_counter()
                 self.in_flight.append((step, self.pipeline.submit(step.batch())))
         if not self.in_flight:
             return
@@ -142,7 +164,19 @@ class Engine:
         except StageFailedError as exc:
             self._fail_all(exc)
             raise
+        self._time(step)
         self.scheduler.postprocess(step, tokens)
+
+    def _time(self, step: ScheduledStep) -> None:
+        """The step's cost to the pipeline: from its submission, or from the result before it when
+        that came later (steps in flight together overlap: each is charged its own share)."""
+        now = time.perf_counter()
+        t0 = max(self._t_submit.pop(step.id, now), self._t_last)
+        self._t_last = now
+        if self.clock is not None:
+            n_logits = sum(len(r.draft) + 1 for r in step.rows if r.sample)
+            if self.clock.record(sum(len(r.tokens) for r in step.rows), n_logits, (now - t0) * 1e3):
+                self.speculation.set_price(self.clock.price)
 
     def run(self, reqs: Sequence[Request], timeout_s: float = 600.0) -> list[Request]:
         """Step until these requests are done (others keep running alongside)."""
@@ -167,6 +201,7 @@ class Engine:
             except Exception:  # noqa: BLE001 - lost with the stage
                 pass
         self.in_flight.clear()
+        self._t_submit.clear()
         self.scheduler.fail_running(str(exc))
         self.recover()
 

@@ -28,6 +28,7 @@ from typing import Optional, Sequence
 
 from moeray.cluster.config import EngineConfig
 from moeray.cluster.kv_blocks import BlockManager
+from moeray.cluster.speculation import SeqSpec, Speculation
 from moeray.errors import MoerayError
 from moeray.stages.runtime.actor import StepBatch
 from moeray.stages.blocks.kv_cache import BLOCK_SIZE, blocks_for
@@ -68,6 +69,7 @@ class Request:
     t_first: Optional[float] = None
     t_done: Optional[float] = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when params.logprobs is set
+    spec: Optional[SeqSpec] = None  # its drafter and acceptance record, when it drafts (cluster/speculation.py)
 
     @property
     def done(self) -> bool:
@@ -87,6 +89,9 @@ class Row:
     start: int  # tokens of the sequence in KV before this row
     fresh: bool  # the prompt's first chunk: the slot's KV and sampler start over
     sample: bool  # the prompt is fully fed with this row: a token comes back
+    draft: list[int] = field(default_factory=list)  # drafted tokens after the last one (a verify row)
+    model_k: int = 0  # of those, how many the first stage's draft model fills in (placeholders here)
+    mtp_k: int = 0  # tokens the last stage's next-token-prediction layer proposes after this row
 
 
 @dataclass
@@ -95,6 +100,10 @@ class ScheduledStep:
     lane: int
     rows: list[Row]  # in slot order: a lane's neighbouring slots read the KV cache as one view
     copies: list[tuple[int, int, int]] = field(default_factory=list)  # KV rows the stages copy first
+    # The pipeline's extra drafters, which keep KV of every row: a draft model on the first stage,
+    # a next-token-prediction layer on the last (cluster/speculation.py).
+    draft_model: bool = False
+    mtp: bool = False
 
     def batch(self) -> StepBatch:
         # A sequence with penalties starts its last stage's TokenHistory from what it holds: the
@@ -107,7 +116,10 @@ class ScheduledStep:
                          sample=[r.req.params if r.sample else None for r in self.rows],
                          starts=[r.start for r in self.rows],
                          tables=[r.req.table[:blocks_for(r.start + len(r.tokens))] for r in self.rows],
-                         copies=self.copies or None, history=history if any(history) else None)
+                         copies=self.copies or None, history=history if any(history) else None,
+                         drafts=[r.draft for r in self.rows] if any(r.draft for r in self.rows) else None,
+                         draft_k=[r.model_k for r in self.rows] if self.draft_model else None,
+                         mtp_k=[r.mtp_k for r in self.rows] if self.mtp else None)
 
 
 @dataclass
@@ -117,13 +129,17 @@ class EngineStats:
     prefill_tokens: int = 0
     failures: int = 0
     preemptions: int = 0
+    draft_tokens: int = 0  # drafted tokens sent in verify rows
+    accepted_tokens: int = 0  # of those, accepted by the target
 
 
 class Scheduler:
     """Who runs (sequence slots, lanes, KV blocks), what each step feeds, and when a request is done."""
 
-    def __init__(self, config: EngineConfig, eos_ids: Sequence[int] = (), n_blocks: int | None = None):
+    def __init__(self, config: EngineConfig, eos_ids: Sequence[int] = (), n_blocks: int | None = None,
+                 speculation: Optional[Speculation] = None):
         self.config = config
+        self.speculation = speculation  # None: no drafts (the pipeline cannot verify them, or speculation is off)
         if n_blocks is None and config.max_len is None:
             raise MoerayError("an engine needs a KV budget: kv_blocks, or max_len (max_seqs sequences of it)")
         # Without a plan's budget, blocks for max_seqs sequences of max_len: what a slab held.
@@ -188,6 +204,8 @@ class Scheduler:
             req.slot = free.pop(free.index(min(free)))
             req.status, req.fresh = RequestStatus.RUNNING, True
             req.t_admit = next(self._admissions)
+            if req.spec is None and self.speculation is not None and self.speculation.wants(req.params):
+                req.spec = self.speculation.start(req.prompt + req.output)
             self.running.append(req)
 
     def _grow(self, req: Request, chosen: list[Request]) -> bool:
@@ -257,31 +275,103 @@ class Scheduler:
                 budget -= n
         if not rows:
             return None
-        rows.sort(key=lambda row: row.req.slot)
+        if self.speculation is not None and self.speculation.mtp:
+            for row in rows:  # rows that emit a token: the MTP layer's proposals after it, where drafting
+                r = row.req
+                if row.sample and r.spec is not None:
+                    row.mtp_k = self.speculation.mtp_length(r.spec, r.max_new - len(r.output))
         self.stats.decode_tokens += n_decode
         self.stats.prefill_tokens += sum(len(row.tokens) for row in rows) - n_decode
+        if self.speculation is not None and budget >= 1 and n_decode:
+            self._add_drafts(rows[:n_decode], sum(len(row.tokens) for row in rows), budget)
+        rows.sort(key=lambda row: row.req.slot)
         for row in rows:
             row.req.busy = True
-        return ScheduledStep(next(self._steps), lane, rows, copies)
+        spec = self.speculation
+        return ScheduledStep(next(self._steps), lane, rows, copies, draft_model=spec is not None and spec.draft_model,
+                             mtp=spec is not None and spec.mtp)
+
+    def _add_drafts(self, decode_rows: list[Row], n_plain: int, budget: int) -> None:
+        """Drafted tokens after the decode rows' last tokens, as many as the step's price says pay
+        (cluster/speculation.py), each taking KV room it can get without preempting anyone."""
+        rows = [row for row in decode_rows if row.req.spec is not None]
+        if not rows:
+            return
+        free_rows = self.blocks.n_available * BLOCK_SIZE
+        room = [max(0, min(r.req.max_new - len(r.req.output) - 1,  # the verify row adds one token of its own
+                           len(r.req.table) * BLOCK_SIZE - r.req.kv_len + free_rows)) for r in rows]
+        lengths = self.speculation.plan([r.req.spec for r in rows], room, n_plain, len(decode_rows), budget)
+        for row, k in zip(rows, lengths):
+            req = row.req
+            if k <= 0:
+                continue
+            need = blocks_for(req.kv_len + k) - len(req.table)
+            if need > 0:
+                got = self.blocks.allocate(need)
+                if got is None:
+                    continue
+                req.table += got
+            if req.spec.kind == "draft":  # the first stage's draft model fills these in
+                row.draft, row.model_k = [0] * k, k
+            elif req.spec.kind == "mtp":  # what the last stage's MTP layer proposed after the last token
+                row.draft = req.spec.proposal[:k]
+            else:
+                row.draft = req.spec.draft.tokens[:k]
+            row.tokens = row.tokens + row.draft
+            req.kv_len += k
+            self.stats.draft_tokens += k
 
     def postprocess(self, step: ScheduledStep, tokens: Sequence[Optional[int]] | StepOutput) -> None:
-        """Hand each row its sampled token (and its log-probabilities) and apply the finish rules."""
+        """Hand each row its sampled token (and its log-probabilities) and apply the finish rules.
+        A verify row (a draft after its last token) gets the accepted drafts and one more token:
+        they are appended one by one under the same rules, so a sequence ends exactly where a plain
+        decode would (an end token, a stop string or max_tokens inside the accepted run), and the
+        KV of every position past its last kept token goes back (its blocks returned to the pool)."""
         self.stats.steps += 1
         now = time.perf_counter()
         result = StepOutput.of(tokens)
         logprobs = result.logprobs or [None] * len(result.tokens)
-        for row, tok, lp in zip(step.rows, result.tokens, logprobs):
+        proposals = result.proposals or [None] * len(result.tokens)
+        for row, tok, lp, proposal in zip(step.rows, result.tokens, logprobs, proposals):
             req = row.req
             req.busy = False
+            if req.spec is not None:  # the MTP layer's next draft: for the sequence's next row only
+                req.spec.proposal = proposal or []
+            if row.draft:  # until the verdict, only the row's first token is the sequence's
+                req.kv_len = row.start + 1
             if req.done:  # aborted while its step was in flight: the slot is free now
                 self._release(req)
-            elif tok is not None:  # None: the row was a prompt chunk with more to come
+            elif tok is None:  # the row was a prompt chunk with more to come
+                continue
+            elif row.draft:
+                self._append_verified(row, tok if isinstance(tok, list) else [tok],
+                                      lp if isinstance(lp, list) else [lp], now)
+            else:
                 self._append(req, tok, now, lp)
+
+    def _append_verified(self, row: Row, toks: list[int], lps: list, now: float) -> None:
+        req = row.req
+        n = 0
+        for tok, lp in zip(toks, lps + [None] * (len(toks) - len(lps))):
+            req.kv_len = row.start + n + 1  # the KV holds the row's first token and the drafts kept so far
+            n += 1
+            self._append(req, tok, now, lp)
+            if req.done:
+                break
+        self.speculation.observe(req.spec, len(row.draft), len(toks) - 1, n)
+        self.stats.accepted_tokens += len(toks) - 1
+        if not req.done and not self.reserve_output:
+            keep = blocks_for(req.kv_len)
+            if len(req.table) > keep:  # the rejected positions' blocks go back
+                self.blocks.release(req.table[keep:])
+                del req.table[keep:]
 
     def _append(self, req: Request, tok: int, now: float, logprob: Optional[TokenLogprob] = None) -> None:
         if req.t_first is None:
             req.t_first = now
         req.output.append(tok)
+        if req.spec is not None:
+            req.spec.drafter.extend((tok,))
         if logprob is not None:
             req.logprobs.append(logprob)
         if tok in self.eos_ids and not req.params.ignore_eos:

@@ -108,12 +108,13 @@ class Service:
             if ggml_available():
                 ggml_threads()  # fixed now, before torch's first op (threads.set_threads says why)
             profile = resolve_profile(opts.launch.profile, self.path)
-            from moeray.cluster.driver import local_kv_plan
+            from moeray.cluster.driver import local_kv_plan, uses_mtp
 
             kv = local_kv_plan(header.config, engine_cfg, opts.local_budget)
             engine_cfg = dataclasses.replace(engine_cfg, max_len=kv.context, kv_blocks=kv.blocks)
             self.local = LocalPipeline.from_file(self.path, kv.blocks, opts.local_budget,
-                                                 profile, opts.launch.cache_policy, engine_cfg.max_seqs, stage)
+                                                 profile, opts.launch.cache_policy, engine_cfg.max_seqs, stage,
+                                                 draft=opts.launch.draft, mtp=uses_mtp(header, engine_cfg))
             pipeline = self.local
             self.lines.append(f"one process: layers 0-{header.config.n_layers - 1} on {self.local.stage.device.name}")
             self.lines.append(_experts_line(header.config, self.local.load_report))
@@ -133,7 +134,8 @@ class Service:
                 self.metrics = Metrics(self.model_name)
                 self.poller = Poller(self.metrics, self.stage_stats, lambda: (self.loop.counts["running"],
                                                                               self.loop.counts["waiting"]),
-                                     opts.metrics_interval_s, read_kv=self.kv_report, read_faults=self.faults_report)
+                                     opts.metrics_interval_s, read_kv=self.kv_report, read_faults=self.faults_report,
+                                     read_spec=self.spec_report)
             except ImportError:  # no Ray: serve without metrics
                 pass
         self.loop = EngineLoop(self.engine, max_waiting=opts.max_waiting, on_tokens=self._on_tokens).start()
@@ -222,9 +224,21 @@ class Service:
                        "micro_batches": self.engine.config.micro_batches, "alive": self.loop.alive,
                        "last_failure": self.loop.last_failure},
             "kv": self.kv_report(),
+            "speculation": self.spec_report(),
             "faults": self.faults_report(),
             "server": {"pid": os.getpid(), "rss_bytes": process_rss_bytes()},
         }
+
+    def spec_report(self) -> dict:
+        """Speculative decoding's counters: the mode, verify rows, drafted and accepted tokens, the
+        acceptance rate and the tokens a verify row gave on average (cluster/speculation.py)."""
+        spec = self.engine.speculation
+        if spec is None:
+            return {"mode": "off", "why": "this pipeline does not verify drafts (a model with recurrent layers)"}
+        price = spec.price
+        return {"mode": spec.mode, **spec.stats.as_dict(),
+                "step_price": None if price is None else {"fixed_ms": round(price.fixed_ms, 3),
+                                                          "token_ms": round(price.token_ms, 3)}}
 
     def kv_report(self) -> dict:
         """The engine's KV ledger (read from the HTTP thread: plain counters, a moment stale at worst)."""

@@ -95,6 +95,25 @@ def test_four_stages_give_the_one_process_greedy_tokens(launched, reference):
     assert eng.stats.failures == 0
 
 
+def test_four_stages_verify_drafts_and_give_the_same_greedy_tokens(launched, reference):
+    """Speculative decoding across four stages, two micro-batches in flight: verify rows (drafts
+    right most of the time, wrong often) run down the pipeline like prompt chunks, the last stage
+    keeps what the target agrees with, and the tokens are the one-process greedy ones."""
+    from test_speculative import NoisyOracle, check_ledger
+
+    eng = _engine(launched)
+    refs = {tuple(p): r for p, r in zip(PROMPTS, reference)}
+    eng.speculation.new_drafter = lambda toks: NoisyOracle(refs, toks, wrong=0.3, vocab=49152)
+    eng.speculation.PROBE = 1.0
+    reqs = [eng.add(p, SamplingParams(max_tokens=N_NEW, ignore_eos=True)) for p in PROMPTS]
+    while not all(r.done for r in reqs):
+        eng.step()
+        check_ledger(eng)
+    assert [r.output for r in reqs] == reference
+    s = eng.speculation.stats
+    assert s.verify_rows > 0 and 0 < s.accepted_tokens < s.drafted_tokens
+
+
 def test_each_stage_measures_the_hit_rate_its_plan_predicted(launched):
     # Served-style traffic the recorded profile never saw, through the real stages (default
     # profile fill, adaptive caches): every stage's counted hit rate lands within 10 points of the
