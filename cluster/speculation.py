@@ -15,9 +15,14 @@ draft and adds one token of its own (stages/text/verify.py); the scheduler appen
 usual finish rules and gives back the KV blocks past the last accepted token.
 
 Modes (EngineConfig.speculative, a request's `speculative` flag turns it off or on):
-  off    never draft
+  off    never draft (a request's `speculative: true` still drafts with the n-gram lookup)
   ngram  the n-gram drafter, priced per step
-  auto   every drafter the model has (today: n-gram), priced per step: drafts only where they pay
+  draft  the draft model (--draft MODEL.gguf, stages/runtime/draft_model.py) only
+  mtp    the file's next-token-prediction layer (GLM-4.5's nextn, stages/runtime/mtp.py) only
+  auto   every drafter the pipeline has (n-gram, and the draft model and MTP layer where loaded),
+         priced per step: drafts only where they pay, from the drafter with the surer first token
+A model with recurrent (DeltaNet) layers runs without speculation whatever the mode (cluster/engine.py
+SPEC_OFF_RECURRENT): its state is not yet restored after a rejected draft.
 """
 from __future__ import annotations
 

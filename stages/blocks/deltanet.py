@@ -125,7 +125,7 @@ def ggml_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     dividing H_v: v head h reads q/k head h % H_q (ggml's tiled broadcast); v [B, T, H_v, D_v];
     g, beta [B, T, H_v]; state [B, H_v, D_k, D_v] -> (o [B, T, H_v, D_v], state [B, H_v, D_k, D_v]).
     """
-    from moeray.stages.kernels.qmatmul import _G, _graph
+    from moeray.stages.kernels.graphs import _G, _graph
 
     B, T, Hq, Dk = q.shape
     Hv, Dv = v.shape[2], v.shape[3]

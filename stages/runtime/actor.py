@@ -471,7 +471,8 @@ class StageActor:
         backend "auto" names the one it picked, threads the count ggml runs; `run_path` the
         loaded layers' (StageModel.path), None before loading."""
         from moeray.stages.kernels import repack, settings
-        from moeray.stages.kernels.qmatmul import current_backend, ggml_available, ggml_threads, thread_settings
+        from moeray.stages.kernels.backend import current_backend, ggml_available
+        from moeray.stages.kernels.threads import ggml_threads, thread_settings
 
         out = settings.current().as_dict()
         ts = thread_settings()

@@ -24,7 +24,8 @@ from moeray.stages.blocks.mla import MLAttention
 from moeray.stages.blocks.moe import DenseFFN, Experts, HostExperts, MoEBlock
 from moeray.stages.kernels import repack, settings
 from moeray.stages.kernels.host_memory import process_rss_bytes
-from moeray.stages.kernels.qmatmul import QMatrix, announce, current_backend
+from moeray.stages.kernels.backend import announce, current_backend
+from moeray.stages.kernels.qmatmul import QMatrix
 from moeray.stages.blocks.rope import RoPE
 from moeray.stages.runtime.trunk_graph import Dense, LayerSpec, Routed, TrunkGraphs, supports
 from moeray.stages.gguf.quant import dequantize

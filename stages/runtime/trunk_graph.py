@@ -18,7 +18,7 @@ mul_mat_id nodes join as well (stages/blocks/expert_graph.py moe_ffn), and its s
 gated or not) beside them, so the layer is one call. A dense layer's FFN (DeepSeek's first
 layers, GLM's first) is graph nodes too. Otherwise the experts (and the shared expert) run
 between two such calls. One graph serves every layer of the same shape: weights, norms, pool and
-step inputs are placeholders whose data pointers are assigned per call (qmatmul.graph_weight /
+step inputs are placeholders whose data pointers are assigned per call (graphs.graph_weight /
 graph_key / graph_ptr for the weights).
 
 `TrunkGraphs.stage` chains every layer of a stage into one graph for a decode-sized step when
@@ -58,7 +58,10 @@ from moeray.stages.blocks.kv_cache import BLOCK_SIZE, KVPool
 from moeray.stages.blocks.attention import Attention, BatchMeta, GatedAttention
 from moeray.stages.blocks.deltanet import GatedDeltaNet
 from moeray.stages.blocks.mla import MLAttention
-from moeray.stages.kernels.qmatmul import GLU, GraphPlans, QMatrix, ggml_lib, graph_mul_mat, graph_weight, place_scratch
+from moeray.stages.kernels.backend import ggml_lib
+from moeray.stages.kernels.graphs import graph_mul_mat, graph_weight, place_scratch
+from moeray.stages.kernels.qmatmul import GLU, QMatrix
+from moeray.stages.kernels.threads import GraphPlans
 
 L2_EPS = 1e-6  # the DeltaNet's q/k L2 norm: x / sqrt(sum x^2 + L2_EPS) (stages/blocks/deltanet.l2norm)
 KEY_PAD = 64  # keys per graph shape: a decode step builds a new graph every KEY_PAD tokens
