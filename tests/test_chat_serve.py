@@ -124,3 +124,24 @@ def test_template_inputs_out_of_range_are_400s_naming_them(served):
         with pytest.raises(openai.BadRequestError) as exc:
             client.chat.completions.create(model=family.name, messages=msgs, max_tokens=4, reasoning_effort="minimal")
         assert exc.value.body["param"] == "reasoning_effort" and "low, medium, high" in exc.value.body["message"]
+
+
+def test_chat_format_flag_overrides_the_files_family():
+    """`--chat-format plain` on a model whose template writes Hermes calls: the server reads no calls,
+    so a request with tools is a 400 naming `tools` and the format (auto serves the same file's calls
+    in test_the_tool_loop)."""
+    openai = pytest.importorskip("openai")
+    from serve_process import start_serve
+
+    from moeray.stages.runtime.transport import free_port
+
+    family = FAMILIES["qwen3"]
+    server = start_serve([str(family_model(family)), "--local", "--no-metrics", "--max-seqs", "2", "--max-len", "1024",
+                          "--model-name", family.name, "--chat-format", "plain", "--ready-timeout", "240"], free_port())
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        with pytest.raises(openai.BadRequestError) as exc:
+            ask(family, client, [{"role": "user", "content": QUESTION}])
+        assert exc.value.body["param"] == "tools" and "`plain` chat format" in exc.value.body["message"], exc.value.body
+    finally:
+        server.stop()

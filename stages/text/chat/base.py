@@ -63,9 +63,10 @@ class ChatFormat:
     def tools_problem(self, tokenizer) -> Optional[str]:
         """Why this model cannot take `tools` (None: it can)."""
         if not self.calls_tools:
-            return ("this model's chat template has no tool support moeray can read (it writes no <tool_call>, "
-                    "DeepSeek, GLM, Kimi-K2 or harmony calls); send the request without `tools`, or serve the model "
-                    "with --chat-format NAME if it writes one of those")
+            return (f"this model is served with the `{self.name}` chat format, which reads no tool calls (chosen by "
+                    "--chat-format, or because the template writes no <tool_call>, DeepSeek, GLM, Kimi-K2 or harmony "
+                    "calls); send the request without `tools`, or serve the model with --chat-format NAME naming the "
+                    "format it writes (docs/chat-formats.md)")
         if not template_renders_tools(tokenizer):
             return ("this model's chat template has no tool support (it does not render `tools`); send the "
                     "request without `tools`, or serve a model whose template renders them")
