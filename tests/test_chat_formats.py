@@ -443,6 +443,15 @@ def test_reasoning_before_a_forced_call_only_where_the_model_reasons(tokenizers)
     opened = chat_format(tok.chat_template).render(tok, msgs, TOOLS).forced_grammar(tok)
     xml = xml_call("Paris")
     assert accepts(opened, tok, f"I need Paris.\n</think>\n\n{xml}") and not accepts(opened, tok, xml)
+    # DeepSeek-V3.1 thinks only where its prompt opens <think>: after a tool's result (thinking on) the
+    # prompt ends in the result, and a forced call comes straight, as the model writes it there.
+    from chat_models import FAMILIES as SERVED, tool_loop
+
+    tok = tokenizers["deepseek-v3.1"][1]
+    after = chat_format(tok.chat_template).render(tok, tool_loop(SERVED["deepseek-v3.1"])[1], TOOLS, {"thinking": True})
+    assert after.thinking == "off"
+    forced = after.forced_grammar(tok)
+    assert accepts(forced, tok, ds(PARIS)) and not accepts(forced, tok, f"<think>ok</think>{ds(PARIS)}")
 
 
 def test_the_markers_are_whole_tokens_as_read_from_a_gguf(tmp_path):
