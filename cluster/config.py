@@ -37,6 +37,10 @@ class EngineConfig:
     max_len: Optional[int] = None  # prompt + output tokens per request; None: the model's context
     token_budget: int = 128  # new tokens per micro-batch step
     prefill_chunk: int = 64  # prompt tokens of one request per step
+    # ... and the step's tokens, when no sequence is decoding: nothing then waits on a bigger step,
+    # and a long prompt's chunks of 512 (llama.cpp's ubatch) ran 3.2x faster than chunks of 64 on the
+    # default model (bench/long_prompt.py, 512 tokens: 11.3 s of CPU against 35.7)
+    prefill_alone: int = 512
     micro_batches: int = 2  # lanes: steps in flight at once
     step_timeout_s: float = 60.0  # a step slower than this counts as a hung stage
     # The KV cache, in blocks of 16 tokens shared by all running sequences: a fixed count, or a
@@ -44,6 +48,9 @@ class EngineConfig:
     kv_blocks: Optional[int] = None
     kv_fraction: Optional[float] = None
     prefix_reuse: bool = True  # reuse the KV of a prompt prefix another request computed
+    # Hybrid models: checkpoints of the recurrent state the stages hold (cluster/state_checkpoints.py),
+    # what prefix reuse resumes from; None: the planner trades them against KV and expert slots.
+    state_checkpoints: Optional[int] = None
     # Speculative decoding (cluster/speculation.py): auto | off | ngram | draft | mtp; a request's
     # `speculative` flag overrides it. Draft lengths are priced per step (planner/draft_length.py),
     # at most max_draft tokens a row. Off by default: served on the default model (bench/spec.py, one
@@ -56,9 +63,11 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.micro_batches <= self.max_seqs:
             raise MoerayError(f"need 1 <= micro_batches ({self.micro_batches}) <= max_seqs ({self.max_seqs})")
-        for name in ("max_len", "token_budget", "prefill_chunk", "kv_blocks"):
+        for name in ("max_len", "token_budget", "prefill_chunk", "prefill_alone", "kv_blocks"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise MoerayError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.state_checkpoints is not None and self.state_checkpoints < 0:
+            raise MoerayError(f"state_checkpoints must be >= 0 (0: none), got {self.state_checkpoints}")
         if self.kv_fraction is not None and not 0 < self.kv_fraction < 1:
             raise MoerayError(f"kv_fraction must be between 0 and 1 (a share of the free device bytes), "
                               f"got {self.kv_fraction}")
@@ -179,6 +188,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batches", type=int, default=None,
                    help=f"micro-batches in flight (default {d.micro_batches}; `moeray serve --local`: 1)")
     g.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, help=f"prompt tokens per request per step (default {d.prefill_chunk})")
+    g.add_argument("--prefill-alone", type=int, default=d.prefill_alone,
+                   help="prompt tokens per step while no sequence is decoding (nothing waits on a bigger step; "
+                        f"default {d.prefill_alone})")
     g.add_argument("--token-budget", type=int, default=d.token_budget, help=f"new tokens per micro-batch step (default {d.token_budget})")
     g.add_argument("--step-timeout", type=float, default=d.step_timeout_s,
                    help=f"seconds before a step counts as hung (default {d.step_timeout_s:.0f})")
@@ -189,6 +201,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                     help="share of the devices' free bytes the KV cache takes, e.g. 0.3 (instead of --kv-blocks)")
     g.add_argument("--no-prefix-reuse", action="store_true",
                    help="compute every prompt in full (default: reuse the KV of a prompt prefix already computed)")
+    g.add_argument("--state-checkpoints", type=int, default=d.state_checkpoints, metavar="N",
+                   help="hybrid models (DeltaNet layers): checkpoints of the recurrent state the stages keep, "
+                        "from which a conversation's next turn resumes (0: none, every prompt prefilled whole; "
+                        "default: the planner trades them against KV and expert slots)")
     g.add_argument("--speculative", choices=("auto", "off", "ngram", "draft", "mtp"), default=d.speculative,
                    help="speculative decoding: draft tokens and verify them in one step (auto: every drafter the "
                         f"model has, priced per step; default {d.speculative}); a request's `speculative` overrides it")
@@ -199,10 +215,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     d = EngineConfig
     return EngineConfig(max_seqs=args.max_seqs, max_len=args.max_len, token_budget=args.token_budget,
-                        prefill_chunk=args.prefill_chunk,
+                        prefill_chunk=args.prefill_chunk, prefill_alone=args.prefill_alone,
                         micro_batches=args.micro_batches if args.micro_batches is not None else d.micro_batches,
                         step_timeout_s=args.step_timeout, kv_blocks=args.kv_blocks, kv_fraction=args.kv_fraction,
-                        prefix_reuse=not args.no_prefix_reuse, speculative=args.speculative,
+                        prefix_reuse=not args.no_prefix_reuse,
+                        state_checkpoints=getattr(args, "state_checkpoints", None), speculative=args.speculative,
                         max_draft=args.max_draft)
 
 

@@ -32,6 +32,7 @@ from typing import Any, Optional, Protocol, Sequence
 from moeray.cluster.config import EngineConfig
 from moeray.cluster.remote import StageFailedError
 from moeray.cluster.scheduler import EngineStats, Request, ScheduledStep, Scheduler
+from moeray.cluster.state_checkpoints import CheckpointLedger
 from moeray.cluster.speculation import Speculation
 from moeray.cluster.step_clock import StepClock
 from moeray.errors import MoerayError
@@ -40,14 +41,13 @@ from moeray.stages.text.sampling import SamplingParams, StepOutput, StopStringSt
 
 log = logging.getLogger("moeray")
 
-# Why a model with recurrent layers runs without prefix reuse (docs/hybrid.md): cached KV
-# blocks hold attention's past but not a DeltaNet layer's, which is one state per sequence; resuming
-# after a cached prefix would need that state as it stood at the prefix's last block, i.e. a
-# snapshot per cached block, each as large as a whole sequence's state (Qwen3-Next-80B: 75 MiB,
-# against 384 KiB of float16 KV per 16-token block: one snapshot costs ~200 blocks of KV).
+# A model with recurrent layers reuses a cached prefix only as far as a checkpoint of its state
+# reaches (cluster/state_checkpoints.py, docs/hybrid.md): cached KV blocks hold attention's past but not a DeltaNet
+# layer's, one state per sequence, as large as ~200 blocks of KV (Qwen3-Next-80B: 75 MiB against
+# 384 KiB of float16 KV per 16-token block), so the stages keep a few chosen ones. Without any:
 PREFIX_REUSE_OFF = ("prefix reuse off: this model's recurrent (DeltaNet) layers keep one state per sequence, "
-                    "which cached KV blocks cannot restore (a snapshot per cached block would cost as much as "
-                    "~200 blocks of KV each); every prompt is prefilled whole")
+                    "which cached KV blocks cannot restore, and the stages hold no checkpoints of it "
+                    "(--state-checkpoints 0, or none fit); every prompt is prefilled whole")
 SPEC_OFF_RECURRENT = ("speculative decoding off: this model's recurrent (DeltaNet) layers would need their state "
                       "restored after a rejected draft, which this pipeline does not do yet")
 
@@ -73,11 +73,15 @@ class Engine:
         # Recurrent layers: each sequence slot is also a state slot of the stages (allocated at
         # admission, freed at finish or preemption with the slot; a fresh slot starts from zeros).
         state_slots = getattr(pipeline, "state_slots", 0) or 0
+        checkpoints = None
         if state_slots:
             if config.max_seqs > state_slots:
                 raise MoerayError(f"max_seqs {config.max_seqs} is more than the {state_slots} sequence states the "
                                   "stages allocated; lower --max-seqs or load the stages with more")
-            if config.prefix_reuse:
+            n_ckpt = getattr(pipeline, "state_checkpoints", 0) or 0
+            if config.prefix_reuse and n_ckpt:  # checkpoint slots follow the sequence slots
+                checkpoints = CheckpointLedger(n_ckpt, base=state_slots)
+            elif config.prefix_reuse:
                 log.info(PREFIX_REUSE_OFF)
                 config = replace(config, prefix_reuse=False)
         self.pipeline, self.config, self.tokenizer = pipeline, config, tokenizer
@@ -95,7 +99,7 @@ class Engine:
                                                mtp=getattr(pipeline, "mtp", False),
                                                mtp_token_ms=getattr(pipeline, "mtp_token_ms", 0.0))
         self.scheduler = Scheduler(config, tokenizer.end_ids if tokenizer is not None else (),
-                                   config.kv_blocks or pool, self.speculation)
+                                   config.kv_blocks or pool, checkpoints, self.speculation)
         self.in_flight: deque[tuple[ScheduledStep, Any]] = deque()
         self._ids = itertools.count()
         # Every step timed (its size and wall time), so speculation prices drafts at what steps cost here.
@@ -212,3 +216,8 @@ class Engine:
         pool = getattr(self.pipeline, "kv_blocks", None)
         if pool is not None and pool != self.scheduler.blocks.n_blocks:
             self.scheduler.resize_kv(pool)
+        ledger = self.scheduler.checkpoints
+        if ledger is not None:  # a re-plan may hold another number of checkpoints (0: none found again)
+            n, base = getattr(self.pipeline, "state_checkpoints", 0) or 0, getattr(self.pipeline, "state_slots", 0)
+            if (n, base) != (ledger.n, ledger.base):
+                self.scheduler.checkpoints = CheckpointLedger(n, base)

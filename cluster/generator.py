@@ -76,6 +76,7 @@ class Generator:
         n_blocks = max(1, sum(blocks_for(n + 1) for n in lengths))
         cfg = EngineConfig(max_seqs=max(1, len(prompts)), max_len=max(lengths, default=1),
                            token_budget=self.config.token_budget, prefill_chunk=self.config.prefill_chunk,
+                           prefill_alone=self.config.prefill_alone,
                            micro_batches=1, kv_blocks=n_blocks, speculative=self.config.speculative,
                            max_draft=self.config.max_draft)
         engine = Engine(LocalPipeline.from_model(self.model, n_blocks, cfg.max_seqs), cfg, self.tokenizer)

@@ -17,7 +17,7 @@ from moeray.cluster.engine_loop import EngineLoop, Stream
 from moeray.errors import MoerayError
 
 
-# How the one process of `moeray serve --local` uses ggml's threads (stages/kernels/qmatmul.ThreadSettings),
+# How the one process of `moeray serve --local` uses ggml's threads (stages/kernels/threads.ThreadSettings),
 # where its StageOptions leave them unset: chosen by bench/serve_sweep.py beside llama-server.
 LOCAL_THREADS = dict(poll=1, parallel_bytes=1 << 20, adapt=True)
 # A model whose decode token reads more than BIG_TOKEN_BYTES of weights keeps every thread on every
@@ -39,7 +39,7 @@ def local_threads(token_bytes: int) -> dict:
 def local_stage_options(stage, token_bytes: int):
     """`serve --local`'s StageOptions: `stage` with what it leaves unset filled for the one
     process: ggml's threads every core it may run on, their settings by the model's size."""
-    from moeray.stages.kernels.qmatmul import ThreadSettings
+    from moeray.stages.kernels.threads import ThreadSettings
 
     threads = ThreadSettings.of(stage, ThreadSettings(**local_threads(token_bytes)))
     return dataclasses.replace(stage, threads=stage.threads or len(os.sched_getaffinity(0)), **threads.options())
@@ -99,25 +99,35 @@ class Service:
 
                 torch.set_num_threads(opts.launch.torch_threads)
             from moeray.stages.kernels import settings
-            from moeray.stages.kernels.qmatmul import ggml_available, ggml_threads
+            from moeray.stages.kernels.backend import ggml_available
+            from moeray.stages.kernels.threads import ggml_threads
             from moeray.stages.runtime.default_profile import resolve_profile
 
             stage = local_stage_options(opts.launch.stage, header.token_bytes())
             settings.use(stage)
             if ggml_available():
-                ggml_threads()  # fixed now, before torch's first op (qmatmul.set_threads says why)
+                ggml_threads()  # fixed now, before torch's first op (threads.set_threads says why)
             profile = resolve_profile(opts.launch.profile, self.path)
             from moeray.cluster.driver import local_kv_plan, uses_mtp
 
             kv = local_kv_plan(header.config, engine_cfg, opts.local_budget)
-            engine_cfg = dataclasses.replace(engine_cfg, max_len=kv.context, kv_blocks=kv.blocks)
+            engine_cfg = dataclasses.replace(engine_cfg, max_len=kv.context, kv_blocks=kv.blocks,
+                                             state_checkpoints=kv.checkpoints)
             self.local = LocalPipeline.from_file(self.path, kv.blocks, opts.local_budget,
                                                  profile, opts.launch.cache_policy, engine_cfg.max_seqs, stage,
-                                                 draft=opts.launch.draft, mtp=uses_mtp(header, engine_cfg))
+                                                 draft=opts.launch.draft, mtp=uses_mtp(header, engine_cfg),
+                                                 state_checkpoints=kv.checkpoints)
             pipeline = self.local
             self.lines.append(f"one process: layers 0-{header.config.n_layers - 1} on {self.local.stage.device.name}")
             self.lines.append(_experts_line(header.config, self.local.load_report))
             self.lines.append(kv.line())
+            if kv.checkpoint_rule:
+                from moeray.cluster.driver import state_bytes_by_layer
+                from moeray.planner.report import checkpoint_line
+
+                self.lines.append(checkpoint_line(state_bytes_by_layer(header.config, 1), [(0, header.config.n_layers)],
+                                                  kv.checkpoints, kv.stage_bytes[0] // max(1, kv.blocks),
+                                                  kv.checkpoint_rule))
         else:
             from moeray.cluster.driver import launch
 

@@ -13,16 +13,11 @@ trunk weights and cache slots) and computes y = x @ W.T by one of three backends
 - "exact": dequantised to float32 once at load (4 bytes a weight). For debugging and for parity
   tests against float references (`--exact`); never the serving default.
 
-The backend is one of the stage's options (stages/kernels/settings.py: StageOptions.backend, "auto" the
-best this process has; `set_backend` in a one-process run) and logged once, so a run always says
-which kernels it used.
+The backend is one of the stage's options, chosen and logged in stages/kernels/backend.py; ggml's
+threads are stages/kernels/threads.py's, its graphs and their scratch stages/kernels/graphs.py's.
 """
 from __future__ import annotations
 
-import ctypes
-import logging
-import threading
-import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -31,405 +26,18 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from moeray.errors import MoerayError
-from moeray.stages.kernels import repack, settings
+from moeray.stages.kernels import repack
+from moeray.stages.kernels.backend import _card_kernels, current_backend
+from moeray.stages.kernels.ggml_lib import load_once
+from moeray.stages.kernels.graphs import _activations, _graph, graph_weight
 from moeray.stages.kernels.host_memory import weight_buffer
 from moeray.stages.gguf.quant import as_uint8_tensor, dequantize
 
-log = logging.getLogger("moeray.kernels")
+_G = load_once()[0]  # ggml-python's module (None without it: the ggml backend is never chosen then)
 
-BACKENDS = ("ggml", "dequant", "exact")
 # Types kept as plain float tensors whatever the backend: they are tiny (norms, routers, biases) or
 # already a float format a torch matmul reads directly.
 FLOAT_TYPES = frozenset((T.F32, T.F64))
-
-try:  # ggml-python: optional, built from source by `make` (docs/kernels.md#building-ggml)
-    from moeray.stages.kernels.ggml_lib import load as _load_ggml
-
-    _G = _load_ggml()  # its own libggml, checked: a foreign one on LD_LIBRARY_PATH would segfault
-    _GGML_ERROR = None
-except Exception as exc:  # ImportError, an OSError from a library that does not load, a foreign libggml
-    _G = None
-    _GGML_ERROR = f"{type(exc).__name__}: {exc}"
-
-
-def ggml_available() -> bool:
-    return _G is not None
-
-
-def _checked(backend: str, where: str) -> str:
-    if backend not in BACKENDS:
-        raise MoerayError(f"{where}={backend!r}: choose one of {', '.join(BACKENDS)}")
-    if backend == "ggml" and not ggml_available():
-        raise MoerayError(f"{where}=ggml needs ggml-python, which does not load here ({_GGML_ERROR}); "
-                          "install it with `make venv` or `pip install '.[ggml]'`")
-    return backend
-
-
-def default_backend() -> str:
-    """This process's backend: its options' (settings.current()), "auto" resolved to the best it has."""
-    chosen = settings.current().backend
-    if chosen == "auto":
-        return "ggml" if ggml_available() else "dequant"
-    return _checked(chosen, "backend")
-
-
-_backend: str | None = None  # resolved from the options at first use; forgotten when they change
-_announced: set[str] = set()
-
-
-def current_backend() -> str:
-    global _backend
-    if _backend is None:
-        _backend = default_backend()
-    return _backend
-
-
-def set_backend(backend: str) -> None:
-    """Choose the kernels for every QMatrix made after this call in this process."""
-    settings.update(backend=_checked(backend, "backend"))
-
-
-def backend_line(backend: str, device: torch.device) -> str:
-    if backend == "ggml":
-        n = ggml_threads()
-        spin = "; torch's own ops on 1 thread" if n > 1 else ""
-        return (f"moeray: kernels: ggml (quantised blocks, 8-bit activations; a GQA or MLA layer's trunk, softmax "
-                f"top-k routing and routed experts in one ggml graph where one stack serves its picks, else "
-                f"the experts in mul_mat_id graphs after it) on cpu, {n} thread(s){spin}; "
-                f"{repack.layout_line()}")
-    if backend == "exact":
-        return f"moeray: kernels: exact (float32 copies of every weight, debugging) on {device}"
-    if _card_kernels(device) is not None:
-        return f"moeray: kernels: triton (GGUF blocks read on the card, float32 activations) on {device}"
-    why = "" if device.type != "cpu" or ggml_available() else f"; ggml-python unavailable: {_GGML_ERROR}"
-    return f"moeray: kernels: dequant (torch dequantise per use) on {device}{why}"
-
-
-def _card_kernels(device: torch.device):
-    """stages/triton_kernels when it serves `device` (imported on first use: a CPU process never
-    imports triton), else None."""
-    if device.type == "cpu" and settings.current().triton != "on":
-        return None
-    from moeray.stages.kernels import triton_kernels
-
-    return triton_kernels if triton_kernels.enabled_for(device) else None
-
-
-def announce(backend: str, device: torch.device) -> None:
-    """Log the kernel backend once per process and device kind (and fix ggml's threads: that must
-    happen before torch's first op, see set_threads)."""
-    if backend == "ggml":
-        ggml_threads()
-    key = f"{backend}:{device.type}"
-    if key not in _announced:
-        _announced.add(key)
-        log.info(backend_line(backend, device))
-
-
-# --- ggml ------------------------------------------------------------------------------------------
-
-_pool_lock = threading.Lock()
-_pools: dict[tuple, object] = {}  # (threads, poll) -> ggml thread pool pointer, one per setting used
-_threads: int | None = None  # ggml's threads in this process: the options', else torch's count at first use
-
-
-@dataclass
-class ThreadSettings:
-    """How ggml's threads are used (docs/kernels.md#threads; the measurements behind each: docs/performance.md#served).
-
-    poll: how long ggml's workers spin for the next graph before they sleep (ggml's poll level:
-      0 sleeps at once; each level is ~131k pause rounds, ~1-5 ms here: level 1 bridges the torch
-      ops between a step's graphs but not the wait between steps; 100 spins for a good part of a
-      second).
-    parallel_bytes: a graph that reads fewer weight bytes starts on one thread (0: every graph
-      uses all threads): waking a worker and meeting it at every barrier costs more than it saves
-      on a graph of a few hundred microseconds.
-    adapt: each graph learns from its own calls whether one thread or all of them compute it
-      faster, and keeps trying the other now and then: big graphs split on a quiet machine, and
-      stop splitting on a loaded one (a helper thread preempted mid-graph stalls every barrier).
-    """
-    poll: int = 100
-    parallel_bytes: int = 0
-    adapt: bool = False
-
-    @classmethod
-    def of(cls, opts: "settings.StageOptions", d: "ThreadSettings | None" = None) -> "ThreadSettings":
-        """The stage options' ggml_poll, ggml_parallel_kb and ggml_adapt, each over `d`'s value where unset."""
-        d = d or cls()
-        return cls(d.poll if opts.ggml_poll is None else opts.ggml_poll,
-                   d.parallel_bytes if opts.ggml_parallel_kb is None else opts.ggml_parallel_kb << 10,
-                   d.adapt if opts.ggml_adapt is None else opts.ggml_adapt)
-
-    def options(self) -> dict:
-        """These settings as StageOptions fields."""
-        return dict(ggml_poll=self.poll, ggml_parallel_kb=self.parallel_bytes >> 10, ggml_adapt=self.adapt)
-
-
-def ggml_threads() -> int:
-    """ggml's threads in this process: the options' `threads`, else torch's count at first use."""
-    want = settings.current().threads
-    if _threads is None or (want and want != _threads):
-        _use_threads(want or torch.get_num_threads())
-    return _threads
-
-
-def _use_threads(n: int) -> None:
-    global _threads
-    _threads = max(1, int(n))
-    if _threads > 1:
-        torch.set_num_threads(1)
-    _graphs.clear()
-
-
-def _forget() -> None:
-    """The options changed: resolve the backend again, build graphs with the new settings."""
-    global _backend
-    _backend = None
-    _graphs.clear()
-
-
-settings.on_change(_forget)
-
-
-def set_threads(n: int, threads: ThreadSettings | None = None) -> None:
-    """Give ggml `n` threads, used as `threads` say (default: as the options say): this process's
-    options' `threads` (and ggml_* fields) from now on.
-
-    A decode token makes ~120 small graph calls (40-200 us each), so with more than one thread
-    ggml's workers spin between graphs (measured: 34 ms/token against 54 ms when they sleep, 2
-    cores). torch's own ops (norms, RoPE, attention: small at decode) then run on one thread: a
-    second torch thread would fight the spinning worker for the cores (268 ms/token measured).
-    """
-    settings.update(threads=max(1, int(n)), **(threads.options() if threads is not None else {}))
-    _use_threads(n)
-
-
-def thread_settings() -> ThreadSettings:
-    return ThreadSettings.of(settings.current())
-
-
-def _threadpool(n: int):
-    """The process's ggml thread pool of `n` threads: spinning `poll` for the next graph when it
-    has helpers to keep warm, none to wake with one thread."""
-    poll = thread_settings().poll if n > 1 else 0
-    with _pool_lock:
-        pool = _pools.get((n, poll))
-        if pool is None:
-            params = _G.ggml_threadpool_params_default(n)
-            params.poll = poll
-            pool = _pools[(n, poll)] = _G.ggml_threadpool_new(ctypes.byref(params))
-        return pool
-
-
-def _weight_bytes(graph) -> int:
-    """Bytes of weights one call of `graph` reads: every matmul's first operand, and of a
-    mul_mat_id's expert stack only the rows of the experts its ids can name."""
-    total = 0
-    for i in range(_G.ggml_graph_n_nodes(graph)):
-        t = _G.ggml_graph_node(graph, i).contents
-        if t.op == _G.GGML_OP_MUL_MAT:
-            total += _G.ggml_nbytes(t.src[0])
-        elif t.op == _G.GGML_OP_MUL_MAT_ID:
-            w, ids = t.src[0], t.src[2].contents
-            n_experts = max(1, w.contents.ne[2])
-            total += _G.ggml_nbytes(w) * min(n_experts, ids.ne[0] * ids.ne[1]) // n_experts
-    return total
-
-
-class ThreadChoice:
-    """One thread or all of them for one graph, chosen by the mean time of its own recent calls
-    with each (an exponential average), the other tried every `explore` calls so a change of load
-    is seen. The first call of each is not counted: it pays for cold caches and page faults."""
-
-    def __init__(self, first: int, explore: int = 32, weight: float = 0.25):
-        self.current, self.explore, self.weight = first, explore, weight
-        self.cost: list[float | None] = [None, None]  # seconds per call: [one thread, all]
-        self.seen = [0, 0]
-        self.calls = 0
-
-    def pick(self) -> int:
-        """0: one thread, 1: all of them. The other is tried less often the worse it was (every
-        `explore` x its cost ratio calls), so trying costs at most ~1/explore of the time."""
-        self.calls += 1
-        other = 1 - self.current
-        if self.cost[other] is None:
-            return other if self.seen[self.current] >= 2 else self.current
-        every = self.explore * max(1, round(self.cost[other] / max(self.cost[self.current], 1e-9)))
-        return other if self.calls % every == 0 else self.current
-
-    def record(self, i: int, seconds: float) -> None:
-        self.seen[i] += 1
-        if self.seen[i] == 1:
-            return
-        c = self.cost[i]
-        self.cost[i] = seconds if c is None else c + self.weight * (seconds - c)
-        if None not in self.cost:
-            self.current = 0 if self.cost[0] <= self.cost[1] else 1
-
-
-def place_scratch(tensors, nodes=None) -> torch.Tensor:
-    """Fixed places for a graph's intermediate results, 64-byte aligned, in one buffer (returned:
-    the graph keeps it alive). With `nodes` (the graph's nodes in run order) a place is reused once
-    every node that reads the result (directly or through a view of it) has run, as ggml's own
-    allocator does: ggml computes the nodes one after the other, so a stage graph of 30 layers
-    needs about one layer's intermediates, not 30 (the default model's 16-token step: 0.7 MiB, not
-    34; CPU time per token measured unchanged, so this is memory, and stage graphs for steps that
-    did not fit before)."""
-    sizes = [(_G.ggml_nbytes(t) + 63) // 64 * 64 for t in tensors]
-    if nodes is None or not settings.current().scratch_reuse:  # off: every intermediate its own place
-        offsets, total = [], 0
-        for n in sizes:
-            offsets.append(total)
-            total += n
-    else:
-        offsets, total = _reused_offsets(tensors, sizes, nodes)
-    buf = torch.empty(total + 64, dtype=torch.uint8)
-    base = (buf.data_ptr() + 63) // 64 * 64
-    for t, off in zip(tensors, offsets):
-        t.contents.data = base + off
-    return buf
-
-
-def _reused_offsets(tensors, sizes, nodes) -> tuple[list[int], int]:
-    """Offsets for `tensors` (intermediates, each a node) such that two share bytes only when one's
-    last reader, and the node after it, run before the other is computed: first fit in a free
-    list, walking the nodes in run order. Returns (offsets, bytes)."""
-    key = ctypes.addressof
-    index = {key(t.contents): i for i, t in enumerate(tensors)}
-    free_after: dict[int, int] = {}  # tensor -> the node after which its bytes may be reused
-    for step, node in enumerate(nodes):
-        free_after.setdefault(index.get(key(node.contents)), step)  # read by nobody: free after itself
-        for src in node.contents.src:
-            j = index.get(key((src.contents.view_src or src).contents)) if src else None  # a view's root
-            if j is not None:
-                # read until the NEXT node too: ggml-cpu fuses RMS_NORM + MUL (ggml_cpu_try_fuse_ops),
-                # and the fused MUL then reads the norm's source while it writes its own result
-                free_after[j] = step + 1
-    ending: dict[int, list[int]] = {}
-    for i, step in free_after.items():
-        if i is not None:
-            ending.setdefault(step, []).append(i)
-    offsets: list[int | None] = [None] * len(tensors)
-    free: list[list[int]] = []  # [offset, size] holes, sorted by offset, coalesced
-    top = 0
-    for step, node in enumerate(nodes):
-        i = index.get(key(node.contents))
-        if i is not None:
-            hole = next((f for f in free if f[1] >= sizes[i]), None)
-            if hole is None:
-                offsets[i], top = top, top + sizes[i]
-            else:
-                offsets[i] = hole[0]
-                hole[0] += sizes[i]
-                hole[1] -= sizes[i]
-        for j in ending.get(step, ()):
-            free.append([offsets[j], sizes[j]])
-        free.sort()
-        merged: list[list[int]] = []
-        for f in free:
-            if merged and merged[-1][0] + merged[-1][1] == f[0]:
-                merged[-1][1] += f[1]
-            elif f[1]:
-                merged.append(f)
-        free = merged
-    for i, off in enumerate(offsets):
-        if off is None:  # not a node of the graph (never computed): a place of its own
-            offsets[i], top = top, top + sizes[i]
-    return offsets, top
-
-
-class GraphPlans:
-    """ggml's plan(s) for one graph as the thread settings say: one plan (one thread, or all of
-    them for a graph that reads at least `parallel_bytes` of weights), or with `adapt` a plan for
-    each and a ThreadChoice between them. Every graph class computes through this."""
-
-    def __init__(self, graph):
-        n, how = ggml_threads(), thread_settings()
-        split = n > 1 and _weight_bytes(graph) >= how.parallel_bytes
-        counts = (1, n) if n > 1 and how.adapt else (n if split else 1,)
-        self.plans = [_G.ggml_graph_plan(graph, c, _threadpool(c)) for c in counts]
-        # One work buffer for every plan (they never run at once): the largest any of them needs.
-        self.work = torch.empty(max(1, *(p.work_size for p in self.plans)), dtype=torch.uint8)
-        for p in self.plans:
-            p.work_data = ctypes.cast(self.work.data_ptr(), ctypes.POINTER(ctypes.c_uint8))
-        self.n_threads = self.plans[-1 if split else 0].n_threads  # the first choice
-        self.choice = ThreadChoice(1 if split else 0) if len(self.plans) > 1 else None
-        self._refs = [ctypes.byref(p) for p in self.plans]
-
-    def compute(self, graph) -> None:
-        if self.choice is None:
-            _G.ggml_graph_compute(graph, self._refs[0])
-            return
-        i = self.choice.pick()
-        t0 = time.perf_counter()
-        _G.ggml_graph_compute(graph, self._refs[i])
-        self.choice.record(i, time.perf_counter() - t0)
-
-
-class _Graph:
-    """One ggml compute graph over tensors that own no memory: weights, input and output point at
-    torch storage that is re-assigned on every call, so one graph serves every expert of a shape."""
-
-    def __init__(self, build, n_nodes: int = 64):
-        size = _G.ggml_tensor_overhead() * n_nodes + _G.ggml_graph_overhead() + 4096
-        self.ctx = _G.ggml_init(_G.ggml_init_params(mem_size=size, mem_buffer=None, no_alloc=True))
-        self.inputs, self.output, scratch = build(self.ctx)
-        self.graph = _G.ggml_new_graph(self.ctx)
-        _G.ggml_build_forward_expand(self.graph, self.output)
-        views = []
-        if scratch is None:  # every intermediate node of the graph; views share their source's bytes
-            out = ctypes.addressof(self.output.contents)
-            nodes = [_G.ggml_graph_node(self.graph, i) for i in range(_G.ggml_graph_n_nodes(self.graph))]
-            scratch = [t for t in nodes if ctypes.addressof(t.contents) != out and not t.contents.view_src]
-            views = [t for t in nodes if t.contents.view_src]
-        self.scratch = place_scratch(scratch)
-        placed = {ctypes.addressof(t.contents) for t in scratch}
-        for t in views:  # in graph order, so a view of a view finds its source placed
-            src = t.contents.view_src.contents
-            if ctypes.addressof(src) not in placed:
-                raise ValueError("a graph view must look into an intermediate result, not an input")
-            t.contents.data = src.data + t.contents.view_offs
-            placed.add(ctypes.addressof(t.contents))
-        self.plans = GraphPlans(self.graph)
-        self.n_threads = self.plans.n_threads
-        # The structs themselves, resolved once: a call then only writes pointers (decode makes
-        # ~100 calls per token, so Python-side cost matters).
-        self._in = [t.contents for t in self.inputs]
-        self._out = self.output.contents
-        self._compute = self.plans.compute
-
-    def __call__(self, pointers: list[int], out_ptr: int) -> None:
-        for t, p in zip(self._in, pointers):
-            t.data = p
-        self._out.data = out_ptr
-        self._compute(self.graph)
-
-    def __del__(self):
-        if _G is not None and getattr(self, "ctx", None):
-            _G.ggml_free(self.ctx)
-
-
-_graphs: dict[tuple, _Graph] = {}
-
-
-def ggml_lib():
-    """The ggml binding module (callers check ggml_available() first)."""
-    return _G
-
-
-def ggml_graph(key: tuple, build) -> _Graph:
-    """The cached graph for `key`, built by `build(ctx) -> (inputs, output, scratch or None)`
-    on first use (None: every intermediate node gets scratch, views are placed in their source)."""
-    return _graph(key, build)
-
-
-def _graph(key: tuple, build) -> _Graph:
-    g = _graphs.get(key)
-    if g is None:
-        if len(_graphs) > 4096:  # shapes are few; M varies with batch and prompt chunk
-            _graphs.clear()
-        g = _graphs[key] = _Graph(build)
-    return g
 
 
 def _ggml_linear(w: "QMatrix", x: torch.Tensor) -> torch.Tensor:
@@ -445,38 +53,6 @@ def _ggml_linear(w: "QMatrix", x: torch.Tensor) -> torch.Tensor:
     g([w.graph_ptr, x.data_ptr()], out.data_ptr())
     return out
 
-
-def graph_weight(ctx, w: "QMatrix"):
-    """The placeholder tensor of weight `w` in a graph being built: its type and shape (and
-    whatever else ggml must know at plan time: a repacked weight's buffer and kernels); each call
-    assigns its data from `w.graph_ptr`. Every graph that reads a QMatrix makes its tensor here
-    and puts `w.graph_key` in its cache key, so one graph serves every weight of the same key."""
-    N, K = w.shape
-    t = _G.ggml_new_tensor_2d(ctx, int(w.ggml_type), K, N)
-    if w.layout == "repacked":
-        repack.mark(t, w.ggml_type, N, K)
-    return t
-
-
-def _activations(ctx, K: int, M: int, weights: list["QMatrix"]):
-    """The float32 input x [M, K] of a graph whose matmuls read `weights`: [K, M], or [K, 1, M]
-    (the same bytes: M planes of one row) when a repacked weight must see its rows alone."""
-    if M >= 4 and any(w.rows_alone for w in weights):
-        return _G.ggml_new_tensor_3d(ctx, _G.GGML_TYPE_F32, K, 1, M)
-    return _G.ggml_new_tensor_2d(ctx, _G.GGML_TYPE_F32, K, M)
-
-
-def graph_mul_mat(ctx, w: "QMatrix", wt, x):
-    """ggml_mul_mat(wt, x) for weight `w` (wt its graph_weight placeholder) and x [K, M]. Graphs
-    over QMatrix weights multiply here: a repacked weight with `rows_alone` multiplies x as M
-    planes of one row, so ggml runs its GEMV for each row and a row's bits do not depend on M (its
-    GEMM would round differently). The result is [N, M] either way; the planes are copies (ggml_cont,
-    K x M and N x M floats), not views, so any graph can place them as ordinary intermediates."""
-    M = x.contents.ne[1]
-    if not w.rows_alone or M < 4 or x.contents.ne[2] != 1:  # below 4 rows ggml runs the GEMV anyway
-        return _G.ggml_mul_mat(ctx, wt, x)
-    planes = _G.ggml_cont_3d(ctx, x, x.contents.ne[0], 1, M)
-    return _G.ggml_cont_2d(ctx, _G.ggml_mul_mat(ctx, wt, planes), w.shape[0], M)
 
 
 def _ggml_swiglu(gate: "QMatrix", up: "QMatrix", down: "QMatrix", x: torch.Tensor, act: "GLU",
@@ -732,3 +308,10 @@ def swiglu(x: torch.Tensor, gate: QMatrix, up: QMatrix, down: QMatrix, act: GLU 
         g, u = g + bias.gate, u + bias.up
     y = down(act(g, u))
     return y if bias is None else y + bias.down
+
+
+
+# Branches in flight (hybrid) still reach these through this module; their homes are backend.py and
+# threads.py. Drop these two lines once nothing imports them from here.
+from moeray.stages.kernels.backend import ggml_available  # noqa: E402,F401
+from moeray.stages.kernels.threads import set_threads  # noqa: E402,F401

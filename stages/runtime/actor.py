@@ -58,6 +58,11 @@ class StepBatch:
     # (block, block, rows): copy the first rows of a written block into another before the step (a
     # prompt that goes on with tokens another sequence wrote: cluster/kv_blocks.py, match_tail)
     copies: list[tuple[int, int, int]] | None = None
+    # (slot, slot): recurrent state copied from one state slot into another, every recurrent layer
+    # of the stage, before the step (a checkpoint restored into a sequence's slot) and after it (a
+    # sequence's state at a block boundary checkpointed): cluster/state_checkpoints.py
+    state_before: list[tuple[int, int]] | None = None
+    state_after: list[tuple[int, int]] | None = None
     # last stage only: (prompt, output so far) of a sequence starting in its slot whose params have
     # penalties (SamplingParams.needs_history), else None; the stage then counts what it samples
     history: list[tuple[list[int], list[int]] | None] | None = None
@@ -201,7 +206,8 @@ class StageRunner:
             for pool in (self.kv, getattr(self.drafter, "kv", None), getattr(self.mtp, "kv", None)):
                 if pool is not None:
                     pool.copy_rows(batch.copies)
-        return self.model.table_meta(batch.n_new, batch.starts, batch.tables, self.kv, batch.slots)
+        return self.model.table_meta(batch.n_new, batch.starts, batch.tables, self.kv, batch.slots,
+                                     state_before=batch.state_before, state_after=batch.state_after)
 
     def layers(self, x, meta):
         return self.model.run_layers(x, meta, self.kv)
@@ -465,7 +471,8 @@ class StageActor:
         backend "auto" names the one it picked, threads the count ggml runs; `run_path` the
         loaded layers' (StageModel.path), None before loading."""
         from moeray.stages.kernels import repack, settings
-        from moeray.stages.kernels.qmatmul import current_backend, ggml_available, ggml_threads, thread_settings
+        from moeray.stages.kernels.backend import current_backend, ggml_available
+        from moeray.stages.kernels.threads import ggml_threads, thread_settings
 
         out = settings.current().as_dict()
         ts = thread_settings()
@@ -555,11 +562,12 @@ class StageActor:
     def load(self, path: str, first: int, end: int, kv_blocks: int,
              trunk_on_card: int | None = None, profile: str | None = None,
              cache_policy: str = "static", state_slots: int = 1, whole_cache_only: bool = False,
-             header=None, draft: str | None = None, mtp: bool = False) -> LoadReport:
+             state_checkpoints: int = 0, header=None, draft: str | None = None, mtp: bool = False) -> LoadReport:
         """Load layers [first, end) (+ embedding / head at the ends) and allocate a KV pool of
         `kv_blocks` blocks (stages/blocks/kv_cache.py) and, for recurrent (DeltaNet) layers, `state_slots`
-        sequence states (one per engine sequence slot: stages/blocks/deltanet.py),
-        charging both to this device's budget (a simulated device refuses what does not fit).
+        sequence states (one per engine sequence slot: stages/blocks/deltanet.py) and
+        `state_checkpoints` more (cluster/state_checkpoints.py), charging all of it to this device's
+        budget (a simulated device refuses what does not fit).
 
         `trunk_on_card` is the trunk the plan put on the card, in the bytes the planner priced
         (as stored in the GGUF); None charges the resident size of everything loaded. Routed
@@ -589,9 +597,9 @@ class StageActor:
         itemsize = 2 if kv_dtype(self.device.torch_device).itemsize == 2 else 4
         self.memory.charge(kv_blocks * kv_block_bytes(cfg, range(first, end), itemsize),
                            f"KV pool ({kv_blocks} blocks, {kv_blocks * BLOCK_SIZE} tokens)")
-        state = state_slots * sum(arch_of(cfg).state_bytes(cfg, l) for l in range(first, end))
+        state = (state_slots + state_checkpoints) * sum(arch_of(cfg).state_bytes(cfg, l) for l in range(first, end))
         if state:
-            self.memory.charge(state, f"DeltaNet state ({state_slots} sequence slots)")
+            self.memory.charge(state, f"DeltaNet state ({state_slots} sequence slots, {state_checkpoints} checkpoints)")
         trunk = stage_trunk_bytes(gguf, first, end)
         self.memory.charge(trunk if trunk_on_card is None else trunk_on_card, f"trunk of layers {first}-{end - 1}")
         drafter = None
@@ -618,7 +626,7 @@ class StageActor:
         if resident > trunk:  # the header's price is the runtime's size by construction; say so if not
             raise MoerayError(f"stage {self.stage}: the trunk of layers {first}-{end - 1} holds {resident} bytes, "
                               f"{trunk} were charged")
-        kv = model.new_kv_pool(kv_blocks, state_slots)
+        kv = model.new_kv_pool(kv_blocks, state_slots + state_checkpoints)
         self.model, self.runner = model, StageRunner(model, kv)
         self.runner.drafter = drafter
         if mtp:
