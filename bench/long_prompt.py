@@ -106,10 +106,10 @@ def main() -> int:
 
     import torch
 
-    from moeray.stages.kernels import qmatmul
+    from moeray.stages.kernels.threads import set_threads
 
     torch.set_num_threads(args.threads)
-    qmatmul.set_threads(args.threads)
+    set_threads(args.threads)
     if args.model:
         path = args.model
     else:
