@@ -139,10 +139,10 @@ def main() -> int:
 
     import torch
 
-    from moeray.stages.kernels import qmatmul
+    from moeray.stages.kernels.threads import set_threads
 
     torch.set_num_threads(args.threads)
-    qmatmul.set_threads(args.threads)
+    set_threads(args.threads)
     load = os.getloadavg()
     rows = [r for b in args.batch for r in moeray_steps(args.model, b, args.prompt_tokens, args.steps, args.rounds)]
     if not args.no_llama_cpp:

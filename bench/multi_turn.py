@@ -140,11 +140,11 @@ def main() -> int:
     import torch
 
     from decode import prompt_ids
-    from moeray.stages.kernels import qmatmul
+    from moeray.stages.kernels.threads import set_threads
     from moeray.stages.text.tokenizer import Tokenizer
 
     torch.set_num_threads(args.threads)
-    qmatmul.set_threads(args.threads)
+    set_threads(args.threads)
     tok = Tokenizer.from_gguf(args.model)
     prompt = prompt_ids(tok, args.prompt_tokens, 0)
     new = prompt_ids(tok, args.new_tokens, 7)

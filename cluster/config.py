@@ -53,8 +53,11 @@ class EngineConfig:
     state_checkpoints: Optional[int] = None
     # Speculative decoding (cluster/speculation.py): auto | off | ngram | draft | mtp; a request's
     # `speculative` flag overrides it. Draft lengths are priced per step (planner/draft_length.py),
-    # at most max_draft tokens a row.
-    speculative: str = "auto"
+    # at most max_draft tokens a row. Off by default: served on the default model (bench/spec.py, one
+    # client, a CPU shared with other jobs) auto lost to plain decode, paying prompts included: each
+    # extra token of a verify row cost 0.6-0.8 of a plain step there (bench/spec_steps.py; llama.cpp's
+    # batches cost as much: llama-bench -p 1,2,4,8), so few drafts paid (docs/speculative.md#measured).
+    speculative: str = "off"
     max_draft: int = 32
 
     def __post_init__(self) -> None:

@@ -14,7 +14,7 @@ The verify row runs on the stages like a prompt chunk; the last stage accepts a 
 draft and adds one token of its own (stages/text/verify.py); the scheduler appends them under the
 usual finish rules and gives back the KV blocks past the last accepted token.
 
-Modes (EngineConfig.speculative, a request's `speculative` flag turns it off or on):
+Modes (EngineConfig.speculative, default off; a request's `speculative` flag turns it off or on):
   off    never draft (a request's `speculative: true` still drafts with the n-gram lookup)
   ngram  the n-gram drafter, priced per step
   draft  the draft model (--draft MODEL.gguf, stages/runtime/draft_model.py) only

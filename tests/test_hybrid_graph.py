@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from moeray.stages.gguf.writer import write_gguf
-from moeray.stages.kernels.qmatmul import ggml_available
+from moeray.stages.kernels.backend import ggml_available
 from moeray.stages.runtime.model import StageModel, load_model
 from tiny_hybrid import HYBRID_BUILDERS
 from tiny_models import token_ids

@@ -48,9 +48,9 @@ def reference(default_model_path):
     return one_process_greedy(load_model(str(default_model_path)), PROMPTS, N_NEW, MAX_LEN)
 
 
-def _engine(launched) -> Engine:
+def _engine(launched, **cfg) -> Engine:
     return Engine(launched.pipeline(), EngineConfig(max_seqs=MAX_SEQS, max_len=MAX_LEN, token_budget=12,
-                                                    prefill_chunk=8, micro_batches=2, step_timeout_s=60))
+                                                    prefill_chunk=8, micro_batches=2, step_timeout_s=60, **cfg))
 
 
 def test_stages_report_their_own_budgets_and_the_plan_uses_them(launched):
@@ -101,7 +101,7 @@ def test_four_stages_verify_drafts_and_give_the_same_greedy_tokens(launched, ref
     keeps what the target agrees with, and the tokens are the one-process greedy ones."""
     from test_speculative import NoisyOracle, check_ledger
 
-    eng = _engine(launched)
+    eng = _engine(launched, speculative="auto")
     refs = {tuple(p): r for p, r in zip(PROMPTS, reference)}
     eng.speculation.new_drafter = lambda toks: NoisyOracle(refs, toks, wrong=0.3, vocab=49152)
     eng.speculation.PROBE = 1.0

@@ -282,7 +282,8 @@ def test_an_accepted_run_ends_where_a_plain_decode_ends(family_models):
     long = SamplingParams(max_tokens=30)
     plain = Engine(LocalPipeline.from_model(model, 64, 3), EngineConfig(max_seqs=3, max_len=256, micro_batches=1,
                                                                          speculative="off"), eos).generate(prompts, long)
-    eng = Engine(LocalPipeline.from_model(model, 64, 3), EngineConfig(max_seqs=3, max_len=256, micro_batches=1), eos)
+    eng = Engine(LocalPipeline.from_model(model, 64, 3), EngineConfig(max_seqs=3, max_len=256, micro_batches=1,
+                                                                       speculative="auto"), eos)
     eng.speculation.new_drafter = lambda toks: NoisyOracle(refs, toks, wrong=0.0, vocab=300)
     spec = eng.generate(prompts, long)
     assert [r.output for r in spec] == [r.output for r in plain] and spec[0].output[-1] == end

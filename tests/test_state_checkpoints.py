@@ -19,7 +19,7 @@ from moeray.cluster.local_pipeline import LocalPipeline
 from moeray.cluster.state_checkpoints import CheckpointLedger
 from moeray.stages.blocks.kv_cache import BLOCK_SIZE
 from moeray.stages.gguf.writer import write_gguf
-from moeray.stages.kernels.qmatmul import ggml_available
+from moeray.stages.kernels.backend import ggml_available
 from moeray.stages.runtime.model import StageModel
 from moeray.stages.text.sampling import SamplingParams
 from tiny_hybrid import tiny_qwen3next

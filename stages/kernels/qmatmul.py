@@ -308,10 +308,3 @@ def swiglu(x: torch.Tensor, gate: QMatrix, up: QMatrix, down: QMatrix, act: GLU 
         g, u = g + bias.gate, u + bias.up
     y = down(act(g, u))
     return y if bias is None else y + bias.down
-
-
-
-# Branches in flight (hybrid) still reach these through this module; their homes are backend.py and
-# threads.py. Drop these two lines once nothing imports them from here.
-from moeray.stages.kernels.backend import ggml_available  # noqa: E402,F401
-from moeray.stages.kernels.threads import set_threads  # noqa: E402,F401

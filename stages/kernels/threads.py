@@ -179,4 +179,3 @@ class GraphPlans:
         t0 = time.perf_counter()
         _G.ggml_graph_compute(graph, self._refs[i])
         self.choice.record(i, time.perf_counter() - t0)
-
