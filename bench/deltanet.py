@@ -32,11 +32,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from moeray.stages.kernels import qmatmul
+    from moeray.stages.kernels import threads
     from moeray.stages.blocks.deltanet import (DeltaNetShape, gated_delta_chunked, gated_delta_step, ggml_gated_delta,
                                         l2norm)
 
-    qmatmul.set_threads(args.threads)  # ggml's pool; torch then runs on one thread, as on the backend
+    threads.set_threads(args.threads)  # ggml's pool; torch then runs on one thread, as on the backend
     Hv, Hk, D = args.heads
     shape = DeltaNetShape(Hk, Hv, D, D, 4, "tiled")
     print(f"H_v={Hv} H_k={Hk} D={D}, ggml threads {args.threads}, torch threads {torch.get_num_threads()}")

@@ -145,7 +145,7 @@ def device_logits(path: str, tokens: list[int], device: str, cache_bytes: int, b
     import torch
 
     from moeray.stages.runtime.model import load_cached
-    from moeray.stages.kernels.qmatmul import set_backend
+    from moeray.stages.kernels.backend import set_backend
 
     set_backend(backend)
     if device.startswith("cuda"):
@@ -694,7 +694,7 @@ def main(argv=None) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     work = Path(args.work) if args.work else out_dir / "models"
     work.mkdir(parents=True, exist_ok=True)
-    from moeray.stages.kernels.qmatmul import set_backend
+    from moeray.stages.kernels.backend import set_backend
 
     set_backend(args.backend)  # this process's own runs (the launches send it to their stages)
     run = Check(out_dir, args)

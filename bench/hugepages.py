@@ -38,13 +38,13 @@ def main() -> int:
 
     torch.set_num_threads(1)
     from decode import prompt_ids
-    from moeray.stages.kernels import qmatmul, settings
+    from moeray.stages.kernels import settings, threads
     from moeray.stages.gguf.default_model import default_model_path
     from moeray.stages.gguf.reader import GGUFFile
     from moeray.stages.runtime.model import load_cached, load_model
     from moeray.stages.text.tokenizer import Tokenizer
 
-    qmatmul.set_threads(1)
+    threads.set_threads(1)
     path = str(default_model_path())
     cfg = GGUFFile(path).config
     every = cfg.n_layers * cfg.n_experts

@@ -6,7 +6,7 @@ Loads the model once (every expert resident, as `moeray serve --local` holds the
 and runs A B C A B C ... (a few decode steps each, after a warm-up that builds the graphs), so a
 drifting load on a shared machine hits every setting alike. Prints, per batch size, each setting's
 median decode tok/s over the rounds and its median ratio to the first setting within a round.
-The settings are stages/qmatmul.ThreadSettings (poll, parallel_bytes, adapt) with a thread count.
+The settings are stages/kernels/threads.ThreadSettings (poll, parallel_bytes, adapt) with a thread count.
 """
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from moeray.cluster.config import EngineConfig
     from moeray.cluster.generator import Generator
-    from moeray.stages.kernels import qmatmul
+    from moeray.stages.kernels import threads
     from moeray.stages.gguf.default_model import FILE_NAME, cache_dir
     from moeray.stages.gguf.reader import GGUFFile
     from moeray.stages.runtime.model import load_cached, load_model
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     from moeray.stages.text.tokenizer import Tokenizer
 
     path = args.model or str(cache_dir() / FILE_NAME)
-    qmatmul.set_threads(1)
+    threads.set_threads(1)
     cfg = GGUFFile(path).config
     if args.caches == "all" and cfg.is_moe:
         model, _ = load_cached(path, n_slots=cfg.n_layers * cfg.n_experts)
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         for name in args.settings:
             n, fields = SETTINGS[name]
-            qmatmul.set_threads(n, qmatmul.ThreadSettings(**fields))
+            threads.set_threads(n, threads.ThreadSettings(**fields))
             for b in args.batch:
                 prompts = [prompt_ids(tokenizer, args.prompt_tokens, i) for i in range(b)]
                 gen.generate(prompts, SamplingParams(max_tokens=4, ignore_eos=True))  # graphs built, choices made

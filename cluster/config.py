@@ -37,6 +37,10 @@ class EngineConfig:
     max_len: Optional[int] = None  # prompt + output tokens per request; None: the model's context
     token_budget: int = 128  # new tokens per micro-batch step
     prefill_chunk: int = 64  # prompt tokens of one request per step
+    # ... and the step's tokens, when no sequence is decoding: nothing then waits on a bigger step,
+    # and a long prompt's chunks of 512 (llama.cpp's ubatch) ran 3.2x faster than chunks of 64 on the
+    # default model (bench/long_prompt.py, 512 tokens: 11.3 s of CPU against 35.7)
+    prefill_alone: int = 512
     micro_batches: int = 2  # lanes: steps in flight at once
     step_timeout_s: float = 60.0  # a step slower than this counts as a hung stage
     # The KV cache, in blocks of 16 tokens shared by all running sequences: a fixed count, or a
@@ -44,18 +48,38 @@ class EngineConfig:
     kv_blocks: Optional[int] = None
     kv_fraction: Optional[float] = None
     prefix_reuse: bool = True  # reuse the KV of a prompt prefix another request computed
+    # Hybrid models: checkpoints of the recurrent state the stages hold (cluster/state_checkpoints.py),
+    # what prefix reuse resumes from; None: the planner trades them against KV and expert slots.
+    state_checkpoints: Optional[int] = None
+    # Speculative decoding (cluster/speculation.py): auto | off | ngram | draft | mtp; a request's
+    # `speculative` flag overrides it. Draft lengths are priced per step (planner/draft_length.py),
+    # at most max_draft tokens a row. Off by default: served on the default model (bench/spec.py, one
+    # client, a CPU shared with other jobs) auto lost to plain decode, paying prompts included: each
+    # extra token of a verify row cost 0.6-0.8 of a plain step there (bench/spec_steps.py; llama.cpp's
+    # batches cost as much: llama-bench -p 1,2,4,8), so few drafts paid (docs/speculative.md#measured).
+    speculative: str = "off"
+    max_draft: int = 32
 
     def __post_init__(self) -> None:
         if not 1 <= self.micro_batches <= self.max_seqs:
             raise MoerayError(f"need 1 <= micro_batches ({self.micro_batches}) <= max_seqs ({self.max_seqs})")
-        for name in ("max_len", "token_budget", "prefill_chunk", "kv_blocks"):
+        for name in ("max_len", "token_budget", "prefill_chunk", "prefill_alone", "kv_blocks"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise MoerayError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.state_checkpoints is not None and self.state_checkpoints < 0:
+            raise MoerayError(f"state_checkpoints must be >= 0 (0: none), got {self.state_checkpoints}")
         if self.kv_fraction is not None and not 0 < self.kv_fraction < 1:
             raise MoerayError(f"kv_fraction must be between 0 and 1 (a share of the free device bytes), "
                               f"got {self.kv_fraction}")
         if self.kv_blocks is not None and self.kv_fraction is not None:
             raise MoerayError("give --kv-blocks or --kv-fraction, not both")
+        from moeray.cluster.speculation import MODES
+
+        if self.speculative not in MODES:
+            raise MoerayError(f"--speculative {self.speculative!r} is not one of {', '.join(MODES)}")
+        if self.max_draft < 1:
+            raise MoerayError(f"max_draft must be >= 1 (a draft's most tokens; --speculative off turns drafts off), "
+                              f"got {self.max_draft}")
 
 
 @dataclass
@@ -91,6 +115,9 @@ class LaunchOptions:
     # The part of a GPU each stage reserves (0.5: two stages per card, each planned with half of
     # it); None: a card per stage while there are enough, else an even share of each.
     gpus_per_stage: Optional[float] = None
+    # Speculative decoding's draft model: a small GGUF of the same vocabulary, run on the first
+    # stage and priced there as trunk (its weights and a KV pool of the plan's block count).
+    draft: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.gpus_per_stage is not None and not 0 < self.gpus_per_stage <= 1:
@@ -161,6 +188,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--micro-batches", type=int, default=None,
                    help=f"micro-batches in flight (default {d.micro_batches}; `moeray serve --local`: 1)")
     g.add_argument("--prefill-chunk", type=int, default=d.prefill_chunk, help=f"prompt tokens per request per step (default {d.prefill_chunk})")
+    g.add_argument("--prefill-alone", type=int, default=d.prefill_alone,
+                   help="prompt tokens per step while no sequence is decoding (nothing waits on a bigger step; "
+                        f"default {d.prefill_alone})")
     g.add_argument("--token-budget", type=int, default=d.token_budget, help=f"new tokens per micro-batch step (default {d.token_budget})")
     g.add_argument("--step-timeout", type=float, default=d.step_timeout_s,
                    help=f"seconds before a step counts as hung (default {d.step_timeout_s:.0f})")
@@ -171,15 +201,26 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                     help="share of the devices' free bytes the KV cache takes, e.g. 0.3 (instead of --kv-blocks)")
     g.add_argument("--no-prefix-reuse", action="store_true",
                    help="compute every prompt in full (default: reuse the KV of a prompt prefix already computed)")
+    g.add_argument("--state-checkpoints", type=int, default=d.state_checkpoints, metavar="N",
+                   help="hybrid models (DeltaNet layers): checkpoints of the recurrent state the stages keep, "
+                        "from which a conversation's next turn resumes (0: none, every prompt prefilled whole; "
+                        "default: the planner trades them against KV and expert slots)")
+    g.add_argument("--speculative", choices=("auto", "off", "ngram", "draft", "mtp"), default=d.speculative,
+                   help="speculative decoding: draft tokens and verify them in one step (auto: every drafter the "
+                        f"model has, priced per step; default {d.speculative}); a request's `speculative` overrides it")
+    g.add_argument("--max-draft", type=int, default=d.max_draft,
+                   help=f"the most drafted tokens one verify row carries (default {d.max_draft})")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     d = EngineConfig
     return EngineConfig(max_seqs=args.max_seqs, max_len=args.max_len, token_budget=args.token_budget,
-                        prefill_chunk=args.prefill_chunk,
+                        prefill_chunk=args.prefill_chunk, prefill_alone=args.prefill_alone,
                         micro_batches=args.micro_batches if args.micro_batches is not None else d.micro_batches,
                         step_timeout_s=args.step_timeout, kv_blocks=args.kv_blocks, kv_fraction=args.kv_fraction,
-                        prefix_reuse=not args.no_prefix_reuse)
+                        prefix_reuse=not args.no_prefix_reuse,
+                        state_checkpoints=getattr(args, "state_checkpoints", None), speculative=args.speculative,
+                        max_draft=args.max_draft)
 
 
 def add_launch_arguments(p: argparse.ArgumentParser) -> None:
@@ -205,6 +246,9 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
                         "bench/cache.py or bench/serve_hits.py)")
     g.add_argument("--verbose", action="store_true",
                    help="print the plan's every trunk decision and slot layout, not only those that depart from the default")
+    g.add_argument("--draft", metavar="MODEL.gguf", default=d.draft,
+                   help="a draft model for speculative decoding: a small GGUF of the same vocabulary, run on the "
+                        "first stage (--speculative auto uses it where it drafts better than the n-gram lookup)")
     g.add_argument("--gpus-per-stage", type=float, metavar="SHARE", default=d.gpus_per_stage,
                    help="the part of a GPU each stage reserves, e.g. 0.5: two stages share a card, each "
                         "planned with half of it (default: a card per stage, shared evenly when stages > GPUs)")
@@ -269,7 +313,7 @@ def launch_options_from_args(args: argparse.Namespace, simulate: Optional[list[i
         objective=args.objective, split=args.split, profile=args.profile, cache_policy=args.cache_policy,
         torch_threads=1 if simulate else None, stage=stage_options_from_args(args, threads),
         cover_b=args.cover_b, verbose_plan=getattr(args, "verbose", False), address=args.address,
-        record_routing=args.record_routing, gpus_per_stage=args.gpus_per_stage))
+        record_routing=args.record_routing, gpus_per_stage=args.gpus_per_stage, draft=getattr(args, "draft", None)))
 
 
 def simulated_devices(args: argparse.Namespace, has_gpus: bool, command: str) -> Optional[list[int]]:

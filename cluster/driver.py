@@ -18,6 +18,7 @@ the wired stages, is here too: the driver owns the stages, the engine only calls
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -126,8 +127,14 @@ class StageGroup:
     pg: Any = None
     reports: list[ProbeReport] = field(default_factory=list)
     load_args: list[tuple] = field(default_factory=list)  # per stage, to reload it after a restart
+    load_kwargs: list[dict] = field(default_factory=list)  # ... and its drafters (speculative decoding)
     kv_blocks: int | None = None  # every stage's KV pool, once loaded
     state_slots: int = 0  # sequence states the stages hold (a model with recurrent layers), once loaded
+    state_checkpoints: int = 0  # ... and checkpoint slots of that state (cluster/state_checkpoints.py)
+    draft: str | None = None  # speculative decoding's draft model, on the first stage (--draft)
+    draft_token_ms: float = 0.0  # its measured ms per drafted token, once loaded
+    mtp: bool = False  # the last stage runs the file's next-token-prediction layer (speculative decoding)
+    mtp_token_ms: float = 0.0  # its measured ms per proposed token, once loaded
     header: Any = None  # the model's header as the driver read it: every stage gets it (a Ray object)
     model_header: Any = None  # ... and the header itself
     hung: set = field(default_factory=set)
@@ -237,20 +244,31 @@ class StageGroup:
 
     def load(self, path: str, ranges: list[tuple[int, int]], kv_blocks: int,
              progress=None, trunk_on_card: list[int] | None = None, profile: str | None = None,
-             cache_policy: str = "static", state_slots: int = 1) -> list[LoadReport]:
+             cache_policy: str = "static", state_slots: int = 1, state_checkpoints: int = 0) -> list[LoadReport]:
         """Each stage loads only its layer range, a KV pool of `kv_blocks` blocks and (recurrent
-        layers) `state_slots` sequence states; `progress(stage, report)` as each one finishes."""
+        layers) `state_slots` sequence states and `state_checkpoints` checkpoint slots after them;
+        `progress(stage, report)` as each one finishes."""
         trunk_on_card = trunk_on_card or [0] * len(ranges)
         from moeray.stages.gguf.reader import read_gguf_header
 
         if self.header is None:
             self.share_header(read_gguf_header(path))
         self.kv_blocks = kv_blocks
-        self.state_slots = state_slots if any(state_bytes_by_layer(self.model_header.config, 1)) else 0
-        self.load_args = [(path, a, b, kv_blocks, t, profile, cache_policy, state_slots)
+        hybrid = any(state_bytes_by_layer(self.model_header.config, 1))
+        self.state_slots = state_slots if hybrid else 0
+        self.state_checkpoints = state_checkpoints if hybrid else 0
+        last = len(ranges) - 1
+        self.load_args = [(path, a, b, kv_blocks, t, profile, cache_policy, state_slots, False, state_checkpoints)
                           for (a, b), t in zip(ranges, trunk_on_card)]
-        refs = [a.load.remote(*args, header=self.header) for a, args in zip(self.actors, self.load_args)]
-        return gather(refs, self.timeout_s, "loading", progress=progress)
+        # speculative decoding's drafters: a draft model on the first stage, an MTP layer on the last
+        self.load_kwargs = [{"draft": self.draft if i == 0 else None, "mtp": self.mtp and i == last}
+                            for i in range(len(ranges))]
+        refs = [a.load.remote(*args, header=self.header, **kw)
+                for a, args, kw in zip(self.actors, self.load_args, self.load_kwargs)]
+        reports = gather(refs, self.timeout_s, "loading", progress=progress)
+        self.draft_token_ms = reports[0].draft_token_ms if reports else 0.0
+        self.mtp_token_ms = reports[-1].mtp_token_ms if reports else 0.0
+        return reports
 
     def record_routing(self, folder: str) -> None:
         """Every stage appends its routing to folder/stage<i>.trace."""
@@ -309,7 +327,8 @@ class StageGroup:
         if dead:
             self._await_restart(dead)
             if self.load_args:
-                gather([self.actors[i].load.remote(*self.load_args[i], header=self.header) for i in dead],
+                gather([self.actors[i].load.remote(*self.load_args[i], header=self.header, **self.load_kwargs[i])
+                        for i in dead],
                        self.timeout_s, "reload", dead)
         self.connect()
         return dead
@@ -523,8 +542,19 @@ def local_kv_plan(config, engine: EngineConfig, free_bytes: int, itemsize: int =
     from moeray.planner.kv import local_plan
     from moeray.stages.blocks.kv_cache import BLOCK_SIZE, kv_block_bytes
 
-    return local_plan(config.context_length, engine.max_len, engine.kv_blocks, engine.kv_fraction, free_bytes,
+    plan = local_plan(config.context_length, engine.max_len, engine.kv_blocks, engine.kv_fraction, free_bytes,
                       kv_block_bytes(config, config.n_layers, itemsize), BLOCK_SIZE)
+    per_state = sum(state_bytes_by_layer(config, 1))
+    if per_state and engine.prefix_reuse:  # recurrent state: checkpoints for prefix reuse
+        from moeray.planner.kv import checkpoints_within
+
+        if engine.state_checkpoints is not None:
+            plan.checkpoints, plan.checkpoint_rule = engine.state_checkpoints, "as given (--state-checkpoints)"
+        else:  # nothing to trade against on a device that holds every expert: a quarter of what is left
+            room = free_bytes - plan.stage_bytes[0] - engine.max_seqs * per_state
+            plan.checkpoints = checkpoints_within(room // 4, per_state, 2 * engine.max_seqs)
+            plan.checkpoint_rule = "auto: up to two per sequence slot, within a quarter of the device left"
+    return plan
 
 
 def state_bytes_by_layer(config, n_seqs: int) -> list[int]:
@@ -613,9 +643,19 @@ def plan_from_reports(header, reports: list[ProbeReport], opts: LaunchOptions, e
 
     state = state_bytes_by_layer(cfg, engine.max_seqs)  # every sequence slot's DeltaNet state
 
-    def plan_for(n: int):
-        kv = [k + s for k, s in zip(kv_bytes_by_layer(cfg, n, itemsize), state)]
-        return plan_placement(held_spec(header, kv, opts.stage.backend), devs, profile, split=opts.split,
+    def plan_for(n: int, checkpoints: int = 0):
+        held = state if not checkpoints else state_bytes_by_layer(cfg, engine.max_seqs + checkpoints)
+        kv = [k + s for k, s in zip(kv_bytes_by_layer(cfg, n, itemsize), held)]
+        spec = held_spec(header, kv, opts.stage.backend)
+        if opts.draft:  # the draft model and its KV pool sit on the first stage, priced as its trunk
+            from moeray.stages.runtime.draft_model import draft_bytes
+
+            spec.trunk_bytes.embedding += draft_bytes(opts.draft, n, itemsize)
+        if uses_mtp(header, engine):  # the next-token-prediction layer: on the last stage, with the head
+            from moeray.stages.runtime.mtp import mtp_bytes
+
+            spec.trunk_bytes.head += mtp_bytes(header, n, engine.max_seqs, itemsize, S == 1)
+        return plan_placement(spec, devs, profile, split=opts.split,
                               objective=opts.objective, trunk=opts.trunk, handoff_ms=handoff_ms, cover_b=opts.cover_b)
 
     try:
@@ -627,12 +667,34 @@ def plan_from_reports(header, reports: list[ProbeReport], opts: LaunchOptions, e
                     "under 2% of the predicted step")
     except PlacementError as exc:
         raise PlacementError(f"{exc}; {hint(min_blocks)}") from None
+    checkpoints, c_rule, c_tried = 0, "", []
+    if any(state) and engine.prefix_reuse:  # recurrent state: checkpoints for prefix reuse, priced as KV is
+        from moeray.planner.kv import trade_checkpoints
+
+        if engine.state_checkpoints is not None:
+            checkpoints, c_rule = engine.state_checkpoints, "as given (--state-checkpoints)"
+            if checkpoints:
+                try:
+                    plan = plan_for(blocks, checkpoints)
+                except PlacementError as exc:
+                    raise PlacementError(f"{exc}; {checkpoints} state checkpoints do not fit beside the KV: "
+                                         "lower --state-checkpoints") from None
+        else:
+            checkpoints, better, c_tried = trade_checkpoints(lambda c: plan_for(blocks, c), plan.predicted_ms,
+                                                             2 * engine.max_seqs)
+            plan = better or plan
+            c_rule = (f"auto: up to two per sequence slot (a prompt's end, its answer's last block), as many as "
+                      f"cost under 2% of the predicted step")
     ranges = [tuple(x) for x in plan.split]
     plan.kv = kv_plan(blocks, ranges, rule, tried)
+    plan.kv.checkpoints, plan.kv.checkpoint_rule = checkpoints, c_rule
     if any(state):
-        from moeray.planner.report import state_line
+        from moeray.planner.report import checkpoint_line, state_line
 
         plan.notes.append(state_line(state_bytes_by_layer(cfg, 1), ranges, engine.max_seqs))
+        if engine.prefix_reuse:
+            plan.notes.append(checkpoint_line(state_bytes_by_layer(cfg, 1), ranges, checkpoints,
+                                              sum(kv_bytes_by_layer(cfg, 1, itemsize)), c_rule, c_tried))
     return plan, ranges, speed_lines + plan.lines(verbose=opts.verbose_plan), plan.kv
 
 
@@ -671,8 +733,12 @@ def launch(path: str, opts: LaunchOptions = LaunchOptions(), engine: EngineConfi
     `log` gets every line a user should see at startup."""
     from moeray.stages.gguf.reader import read_gguf_header
 
-    ensure_ray(opts.address)
     header = read_gguf_header(path)
+    if opts.draft:
+        from moeray.stages.runtime.draft_model import check_draft
+
+        check_draft(opts.draft, header.config)
+    ensure_ray(opts.address)
     lines: list[str] = []
 
     def say(line: str) -> None:
@@ -691,7 +757,7 @@ def launch(path: str, opts: LaunchOptions = LaunchOptions(), engine: EngineConfi
         group.shutdown()
         raise
     return Launched(path, group, reports, plan, ranges, handoff_ms, lines,
-                    replace(engine, max_len=kv.context, kv_blocks=kv.blocks), kv,
+                    replace(engine, max_len=kv.context, kv_blocks=kv.blocks, state_checkpoints=kv.checkpoints), kv,
                     opts=opts, requested=engine, header=header, log=log)
 
 
@@ -711,16 +777,44 @@ def bring_up(group: StageGroup, header, path: str, opts: LaunchOptions, engine: 
         say(line)
     # The plan's trunk includes its layers' KV pool and sequence states (see held_spec); the
     # actor charges those itself.
-    state = state_bytes_by_layer(header.config, engine.max_seqs)
+    checkpoints = getattr(kv, "checkpoints", 0)
+    state = state_bytes_by_layer(header.config, engine.max_seqs + checkpoints)
     trunk_on_card = ([int(s.trunk_bytes) - kv_bytes - sum(state[a:b])
                       for s, kv_bytes, (a, b) in zip(plan.stages, kv.stage_bytes, ranges)]
                      if plan is not None else [0] * len(ranges))
+    from moeray.planner.kv import itemsize_for
+
+    itemsize = itemsize_for(r.device.kind for r in reports)
+    if opts.draft and plan is not None:  # the first stage charges its draft model itself
+        from moeray.stages.runtime.draft_model import draft_bytes
+
+        trunk_on_card[0] -= draft_bytes(opts.draft, kv.blocks, itemsize)
+    group.draft, group.mtp = opts.draft, uses_mtp(header, engine)
+    if group.mtp and plan is not None:  # and the last stage its next-token-prediction layer
+        from moeray.stages.runtime.mtp import mtp_bytes
+
+        trunk_on_card[-1] -= mtp_bytes(header, kv.blocks, engine.max_seqs, itemsize, len(ranges) == 1)
     group.load(path, ranges, kv.blocks, lambda i, rep: say(_load_line(rep)),
-               trunk_on_card, opts.profile, opts.cache_policy, engine.max_seqs)
+               trunk_on_card, opts.profile, opts.cache_policy, engine.max_seqs, checkpoints)
+    if opts.draft:
+        from moeray.stages.runtime.draft_model import draft_bytes
+
+        n = draft_bytes(opts.draft, kv.blocks, itemsize)
+        say(f"draft model {os.path.basename(opts.draft)}: {n / 2**20:.1f} MiB on stage 0 (its weights and a KV pool "
+            f"of {kv.blocks} blocks), priced as that stage's trunk; {group.draft_token_ms:.2f} ms a drafted token "
+            "(measured)")
     if opts.record_routing:
         group.record_routing(opts.record_routing)
         say(f"recording every stage's routing to {opts.record_routing}/stage<i>.trace")
     return reports, plan, ranges, handoff_ms, kv
+
+
+def uses_mtp(header, engine: EngineConfig) -> bool:
+    """The last stage loads the file's next-token-prediction layer: the file has one and speculation
+    may use it (--speculative auto or mtp)."""
+    from moeray.stages.runtime.mtp import mtp_layers
+
+    return engine.speculative in ("auto", "mtp") and mtp_layers(header) > 0
 
 
 def _probe_line(r: ProbeReport) -> str:
@@ -746,13 +840,34 @@ class RayPipeline:
     stage the sampling params); activations flow over their process group; the last stage's
     sampled tokens come back."""
 
+    verifies = True  # the last stage accepts drafted tokens (StepBatch.drafts): speculative decoding
+
+    @property
+    def draft_model(self) -> bool:
+        """The first stage runs a draft model (--draft): speculation may draft with it."""
+        return self.group.draft is not None
+
+    @property
+    def draft_token_ms(self) -> float:
+        return self.group.draft_token_ms
+
+    @property
+    def mtp(self) -> bool:
+        """The last stage runs the file's next-token-prediction layer: speculation drafts with it."""
+        return self.group.mtp
+
+    @property
+    def mtp_token_ms(self) -> float:
+        return self.group.mtp_token_ms
+
     def __init__(self, group: StageGroup, launched: Launched | None = None):
         self.group = group
         self.launched = launched  # owns the plan: re-plans when a node leaves
         self.n_stages = group.n_stages
         self.kv_blocks = group.kv_blocks  # the engine's block budget: what every stage allocated
-        # Sequence states the stages hold (recurrent layers), 0 for a model without them.
+        # Sequence states the stages hold (recurrent layers), 0 for a model without them, and checkpoints.
         self.state_slots = group.state_slots
+        self.state_checkpoints = group.state_checkpoints
 
     def submit(self, batch: StepBatch) -> list:
         return [a.step.remote(batch.for_stage(i, self.n_stages)) for i, a in enumerate(self.group.actors)]
@@ -787,6 +902,7 @@ class RayPipeline:
             self.n_stages = self.group.n_stages
             self.kv_blocks = self.group.kv_blocks
             self.state_slots = self.group.state_slots
+            self.state_checkpoints = self.group.state_checkpoints
 
     def _root_cause(self, handle: list) -> StageFailedError:
         """Among a step's per-stage errors: a dead actor first, else the earliest stage whose error

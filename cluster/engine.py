@@ -32,20 +32,24 @@ from typing import Any, Optional, Protocol, Sequence
 from moeray.cluster.config import EngineConfig
 from moeray.cluster.remote import StageFailedError
 from moeray.cluster.scheduler import EngineStats, Request, ScheduledStep, Scheduler
+from moeray.cluster.state_checkpoints import CheckpointLedger
+from moeray.cluster.speculation import Speculation
+from moeray.cluster.step_clock import StepClock
 from moeray.errors import MoerayError
 from moeray.stages.runtime.actor import StepBatch
 from moeray.stages.text.sampling import SamplingParams, StepOutput, StopStringStream
 
 log = logging.getLogger("moeray")
 
-# Why a model with recurrent layers runs without prefix reuse (docs/hybrid.md): cached KV
-# blocks hold attention's past but not a DeltaNet layer's, which is one state per sequence; resuming
-# after a cached prefix would need that state as it stood at the prefix's last block, i.e. a
-# snapshot per cached block, each as large as a whole sequence's state (Qwen3-Next-80B: 75 MiB,
-# against 384 KiB of float16 KV per 16-token block: one snapshot costs ~200 blocks of KV).
+# A model with recurrent layers reuses a cached prefix only as far as a checkpoint of its state
+# reaches (cluster/state_checkpoints.py, docs/hybrid.md): cached KV blocks hold attention's past but not a DeltaNet
+# layer's, one state per sequence, as large as ~200 blocks of KV (Qwen3-Next-80B: 75 MiB against
+# 384 KiB of float16 KV per 16-token block), so the stages keep a few chosen ones. Without any:
 PREFIX_REUSE_OFF = ("prefix reuse off: this model's recurrent (DeltaNet) layers keep one state per sequence, "
-                    "which cached KV blocks cannot restore (a snapshot per cached block would cost as much as "
-                    "~200 blocks of KV each); every prompt is prefilled whole")
+                    "which cached KV blocks cannot restore, and the stages hold no checkpoints of it "
+                    "(--state-checkpoints 0, or none fit); every prompt is prefilled whole")
+SPEC_OFF_RECURRENT = ("speculative decoding off: this model's recurrent (DeltaNet) layers would need their state "
+                      "restored after a rejected draft, which this pipeline does not do yet")
 
 
 class Pipeline(Protocol):
@@ -69,18 +73,39 @@ class Engine:
         # Recurrent layers: each sequence slot is also a state slot of the stages (allocated at
         # admission, freed at finish or preemption with the slot; a fresh slot starts from zeros).
         state_slots = getattr(pipeline, "state_slots", 0) or 0
+        checkpoints = None
         if state_slots:
             if config.max_seqs > state_slots:
                 raise MoerayError(f"max_seqs {config.max_seqs} is more than the {state_slots} sequence states the "
                                   "stages allocated; lower --max-seqs or load the stages with more")
-            if config.prefix_reuse:
+            n_ckpt = getattr(pipeline, "state_checkpoints", 0) or 0
+            if config.prefix_reuse and n_ckpt:  # checkpoint slots follow the sequence slots
+                checkpoints = CheckpointLedger(n_ckpt, base=state_slots)
+            elif config.prefix_reuse:
                 log.info(PREFIX_REUSE_OFF)
                 config = replace(config, prefix_reuse=False)
         self.pipeline, self.config, self.tokenizer = pipeline, config, tokenizer
+        # Drafts go only to a pipeline whose last stage verifies them (StageRunner.sample).
+        self.speculation = None
+        if getattr(pipeline, "verifies", False):
+            if state_slots:
+                if config.speculative != "off":
+                    log.info(SPEC_OFF_RECURRENT)
+            else:
+                self.speculation = Speculation(config.speculative, getattr(pipeline, "step_price", None),
+                                               max_draft=config.max_draft,
+                                               draft_model=getattr(pipeline, "draft_model", False),
+                                               draft_token_ms=getattr(pipeline, "draft_token_ms", 0.0),
+                                               mtp=getattr(pipeline, "mtp", False),
+                                               mtp_token_ms=getattr(pipeline, "mtp_token_ms", 0.0))
         self.scheduler = Scheduler(config, tokenizer.end_ids if tokenizer is not None else (),
-                                   config.kv_blocks or pool)
+                                   config.kv_blocks or pool, checkpoints, self.speculation)
         self.in_flight: deque[tuple[ScheduledStep, Any]] = deque()
         self._ids = itertools.count()
+        # Every step timed (its size and wall time), so speculation prices drafts at what steps cost here.
+        self.clock = StepClock(getattr(pipeline, "step_experts", ()) or ()) if self.speculation is not None else None
+        self._t_submit: dict[int, float] = {}
+        self._t_last = 0.0
 
     # ---------------------------------------------------------------- requests
 
@@ -133,6 +158,7 @@ class Engine:
         busy = {s.lane for s, _ in self.in_flight}
         for lane in range(self.config.micro_batches):
             if lane not in busy and (step := self.scheduler.schedule(lane)) is not None:
+                self._t_submit[step.id] = time.perf_counter()
                 self.in_flight.append((step, self.pipeline.submit(step.batch())))
         if not self.in_flight:
             return
@@ -142,7 +168,19 @@ class Engine:
         except StageFailedError as exc:
             self._fail_all(exc)
             raise
+        self._time(step)
         self.scheduler.postprocess(step, tokens)
+
+    def _time(self, step: ScheduledStep) -> None:
+        """The step's cost to the pipeline: from its submission, or from the result before it when
+        that came later (steps in flight together overlap: each is charged its own share)."""
+        now = time.perf_counter()
+        t0 = max(self._t_submit.pop(step.id, now), self._t_last)
+        self._t_last = now
+        if self.clock is not None:
+            n_logits = sum(len(r.draft) + 1 for r in step.rows if r.sample)
+            if self.clock.record(sum(len(r.tokens) for r in step.rows), n_logits, (now - t0) * 1e3):
+                self.speculation.set_price(self.clock.price)
 
     def run(self, reqs: Sequence[Request], timeout_s: float = 600.0) -> list[Request]:
         """Step until these requests are done (others keep running alongside)."""
@@ -167,6 +205,7 @@ class Engine:
             except Exception:  # noqa: BLE001 - lost with the stage
                 pass
         self.in_flight.clear()
+        self._t_submit.clear()
         self.scheduler.fail_running(str(exc))
         self.recover()
 
@@ -177,3 +216,8 @@ class Engine:
         pool = getattr(self.pipeline, "kv_blocks", None)
         if pool is not None and pool != self.scheduler.blocks.n_blocks:
             self.scheduler.resize_kv(pool)
+        ledger = self.scheduler.checkpoints
+        if ledger is not None:  # a re-plan may hold another number of checkpoints (0: none found again)
+            n, base = getattr(self.pipeline, "state_checkpoints", 0) or 0, getattr(self.pipeline, "state_slots", 0)
+            if (n, base) != (ledger.n, ledger.base):
+                self.scheduler.checkpoints = CheckpointLedger(n, base)

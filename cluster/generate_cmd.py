@@ -121,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
             raise MoerayError(f"--json-schema: {exc}") from None
         params = dataclasses.replace(params, grammar=grammar)
     if getattr(args, "exact", False):
-        from moeray.stages.kernels.qmatmul import set_backend
+        from moeray.stages.kernels.backend import set_backend
 
         set_backend("exact")
     model, cache = _load_with_experts(gguf, args)

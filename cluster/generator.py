@@ -27,7 +27,7 @@ class Completion:
 class GenerationStats:
     prefill_tokens: int = 0
     prefill_s: float = 0.0  # until every prompt has its first token
-    decode_tokens: int = 0  # tokens fed through decode steps, summed over sequences
+    decode_tokens: int = 0  # tokens generated after each sequence's first, summed (verified drafts included)
     decode_s: float = 0.0
 
     @property
@@ -76,7 +76,9 @@ class Generator:
         n_blocks = max(1, sum(blocks_for(n + 1) for n in lengths))
         cfg = EngineConfig(max_seqs=max(1, len(prompts)), max_len=max(lengths, default=1),
                            token_budget=self.config.token_budget, prefill_chunk=self.config.prefill_chunk,
-                           micro_batches=1, kv_blocks=n_blocks)
+                           prefill_alone=self.config.prefill_alone,
+                           micro_batches=1, kv_blocks=n_blocks, speculative=self.config.speculative,
+                           max_draft=self.config.max_draft)
         engine = Engine(LocalPipeline.from_model(self.model, n_blocks, cfg.max_seqs), cfg, self.tokenizer)
         engine.scheduler.reserve_output = True
         reqs = [engine.add(p, q) for p, q in zip(prompts, params)]
@@ -94,7 +96,7 @@ class Generator:
             if live:
                 yield reqs[0]
         st = engine.stats
-        self.stats = GenerationStats(st.prefill_tokens, t_prefilled - t0, st.decode_tokens,
-                                     time.perf_counter() - t_prefilled)
+        self.stats = GenerationStats(st.prefill_tokens, t_prefilled - t0,
+                                     sum(max(0, len(r.output) - 1) for r in reqs), time.perf_counter() - t_prefilled)
         if not live:
             yield from reqs

@@ -18,35 +18,72 @@ class LocalPipeline:
     `from_model` runs a model already loaded (its cache attached by the caller): `moeray generate`."""
 
     n_stages = 1
+    verifies = True  # its stage accepts drafted tokens (StepBatch.drafts): speculative decoding
 
-    def __init__(self, stage, kv_blocks: int | None = None, state_slots: int = 0):
+    def __init__(self, stage, kv_blocks: int | None = None, state_slots: int = 0, state_checkpoints: int = 0):
         self.stage = stage  # a StageActor or a StageRunner: step(StepBatch) -> tokens
         self.kv_blocks = kv_blocks  # blocks of its KV pool: the engine's budget
         self.state_slots = state_slots  # sequence states it holds (recurrent layers), 0 for none
+        self.state_checkpoints = state_checkpoints  # and checkpoint slots after them
         self.load_report = None
+        # Each MoE layer's routing heat and the price of reading an expert (cluster/step_clock.py):
+        # the expert part of a step's price, which speculation's draft lengths pay.
+        self.step_experts: tuple = ()
+        # A draft model on the (only) stage (stages/runtime/draft_model.py): speculation drafts with it.
+        self.draft_model, self.draft_token_ms = False, 0.0
+        # A next-token-prediction layer (stages/runtime/mtp.py): speculation drafts with what it proposes.
+        self.mtp, self.mtp_token_ms = False, 0.0
 
     @classmethod
     def from_file(cls, path: str, kv_blocks: int, simulated_budget: int | None = None,
                   profile: str | None = None, cache_policy: str = "static", max_seqs: int = 1,
-                  options=None) -> "LocalPipeline":
-        """`options`: the StageOptions it computes with (None: this process's)."""
+                  options=None, draft: str | None = None, mtp: bool = False,
+                  state_checkpoints: int = 0) -> "LocalPipeline":
+        """`options`: the StageOptions it computes with (None: this process's); `draft`: a draft
+        model's GGUF, run beside it; `mtp`: run the file's next-token-prediction layer;
+        `state_checkpoints`: a hybrid model's checkpoint slots of the state (cluster/state_checkpoints.py)."""
         from moeray.stages.runtime.actor import StageActor
         from moeray.stages.gguf.reader import read_gguf_header
 
         stage = StageActor(0, 1, simulated_budget if simulated_budget is not None else 1 << 62, options=options)
         cfg = read_gguf_header(path).config
-        pipe = cls(stage, kv_blocks, max_seqs if cfg.deltanet is not None else 0)
+        hybrid = cfg.deltanet is not None
+        pipe = cls(stage, kv_blocks, max_seqs if hybrid else 0, state_checkpoints if hybrid else 0)
         pipe.load_report = stage.load(path, 0, cfg.n_layers, kv_blocks, profile=profile, cache_policy=cache_policy,
-                                      state_slots=max_seqs, whole_cache_only=True)
+                                      state_slots=max_seqs, whole_cache_only=True, draft=draft, mtp=mtp,
+                                      state_checkpoints=pipe.state_checkpoints)
+        pipe.step_experts = local_step_experts(stage.model.gguf, profile)
+        pipe._drafting(stage.runner.drafter, stage.runner.mtp)
         return pipe
 
     @classmethod
-    def from_model(cls, model, kv_blocks: int, max_seqs: int = 1) -> "LocalPipeline":
-        """`max_seqs`: the engine's sequence slots, each a DeltaNet state where the model has them."""
+    def from_model(cls, model, kv_blocks: int, max_seqs: int = 1, draft: str | None = None,
+                   mtp: bool = False, state_checkpoints: int = 0) -> "LocalPipeline":
+        """`max_seqs`: the engine's sequence slots, each a DeltaNet state where the model has them,
+        and `state_checkpoints` more state slots for checkpoints (cluster/state_checkpoints.py);
+        `draft`: a draft model's GGUF (the same vocabulary), run beside it; `mtp`: run the file's
+        next-token-prediction layer."""
         from moeray.stages.runtime.actor import StageRunner
 
-        kv = model.new_kv_pool(kv_blocks, max_seqs)
-        return cls(StageRunner(model, kv), kv_blocks, max_seqs if kv.state is not None else 0)
+        kv = model.new_kv_pool(kv_blocks, max_seqs + state_checkpoints)
+        hybrid = kv.state is not None
+        pipe = cls(StageRunner(model, kv), kv_blocks, max_seqs if hybrid else 0, state_checkpoints if hybrid else 0)
+        if draft is not None:
+            from moeray.stages.runtime.draft_model import DraftModel
+
+            pipe.stage.drafter = DraftModel(draft, model.device, kv_blocks, model.config)
+        if mtp:
+            from moeray.stages.runtime.mtp import MTPHead
+
+            pipe.stage.mtp = MTPHead(model, kv_blocks, max_seqs)
+        pipe._drafting(pipe.stage.drafter, pipe.stage.mtp)
+        return pipe
+
+    def _drafting(self, drafter, mtp) -> None:
+        if drafter is not None:
+            self.draft_model, self.draft_token_ms = True, drafter.token_ms()
+        if mtp is not None:
+            self.mtp, self.mtp_token_ms = True, mtp.token_ms()
 
     def submit(self, batch: StepBatch) -> Any:
         return self.stage.step(batch)  # done when it returns: the handle is the result
@@ -56,3 +93,27 @@ class LocalPipeline:
 
     def recover(self) -> None:
         pass
+
+
+def local_step_experts(gguf, profile: str | None) -> tuple:
+    """The expert part of a one-process step's price: each MoE layer's heat from the routing
+    profile (uniform without one) and one measured miss time for every expert (in one process
+    every expert is read from host memory, resident or not)."""
+    import numpy as np
+
+    from moeray.cache.attach import load_profile
+    from moeray.cluster.step_clock import expert_layers
+    from moeray.stages.runtime.device import measure_miss_ms
+
+    cfg = gguf.config
+    if not cfg.is_moe:
+        return ()
+    prof = load_profile(profile, cfg.n_layers, cfg.n_experts)
+    counts = None
+    if prof.counts is not None:
+        counts = np.zeros((cfg.n_layers, cfg.n_experts))
+        for (layer, expert), c in zip(prof.pairs, prof.counts):
+            counts[layer, expert] = c
+    miss = measure_miss_ms(gguf, reps=10, budget_s=0.5)
+    return expert_layers(counts, cfg.moe_layers, cfg.n_experts, cfg.n_experts_used,
+                         [[miss] * cfg.n_experts for _ in cfg.moe_layers])

@@ -36,6 +36,11 @@ METRICS: dict[str, tuple[str, str]] = {
     "moeray_kv_cached_tokens": ("counter", "prompt tokens whose prefill a cached prefix skipped"),
     "moeray_kv_preemptions": ("counter", "sequences preempted (KV freed, prefilled again later) for lack of KV blocks"),
     "moeray_tokens_generated": ("counter", "output tokens handed to clients"),
+    "moeray_spec_verify_rows": ("counter", "decode rows that carried drafted tokens (speculative decoding)"),
+    "moeray_spec_drafted_tokens": ("counter", "drafted tokens sent to the target for verification"),
+    "moeray_spec_accepted_tokens": ("counter", "drafted tokens the target accepted"),
+    "moeray_spec_acceptance_rate": ("gauge", "accepted / drafted tokens since the server started"),
+    "moeray_spec_tokens_per_verify_row": ("gauge", "tokens a verify row gave on average (accepted drafts + 1)"),
     # Engine-side (tag `model` only: a name that starts moeray_stage_ would carry the stage tags).
     "moeray_failed_steps": ("counter", "failed pipeline steps (a stage died, hung or raised): the requests running failed"),
     "moeray_restarted_stages": ("counter", "stages restarted in place after a failure"),
@@ -70,6 +75,8 @@ _STAGE_GAUGES = {
     "moeray_stage_kv_blocks_free": lambda s: (s.kv or {}).get("free", 0),
 }
 _KV_COUNTERS = {"moeray_kv_cached_tokens": "cached_tokens", "moeray_kv_preemptions": "preemptions"}
+_SPEC_COUNTERS = {"moeray_spec_verify_rows": "verify_rows", "moeray_spec_drafted_tokens": "drafted_tokens",
+                  "moeray_spec_accepted_tokens": "accepted_tokens"}
 _FAULT_COUNTERS = {"moeray_failed_steps": "stage_failures", "moeray_restarted_stages": "restarts",
                    "moeray_nodes_lost": "nodes_lost", "moeray_replans": "replans"}
 
@@ -143,6 +150,15 @@ class Metrics:
             self.m["moeray_kv_prefix_hit_rate"].set(float(report.get("prefix_hit_rate", 0.0)), self._tags)
             self._counters(_KV_COUNTERS, report)
 
+    def spec(self, report: dict) -> None:
+        """Speculative decoding's counters (Service.spec_report): verify rows, drafted and accepted
+        tokens, the acceptance rate and the tokens a verify row gives."""
+        with self._lock:
+            self._counters(_SPEC_COUNTERS, report)
+            self.m["moeray_spec_acceptance_rate"].set(float(report.get("acceptance_rate", 0.0)), self._tags)
+            self.m["moeray_spec_tokens_per_verify_row"].set(float(report.get("tokens_per_verify_row", 0.0)),
+                                                            self._tags)
+
     def faults(self, report: dict) -> None:
         """The driver's fault counts (Service.faults_report): failures, restarts, lost nodes,
         re-plans; the stages serving now and how long the last recovery took."""
@@ -188,9 +204,10 @@ class Poller:
 
     def __init__(self, metrics: Metrics, read_stages: Callable[[], list],
                  read_queue: Callable[[], tuple[int, int]], interval_s: float = 2.0,
-                 read_kv: Optional[Callable[[], dict]] = None, read_faults: Optional[Callable[[], dict]] = None):
+                 read_kv: Optional[Callable[[], dict]] = None, read_faults: Optional[Callable[[], dict]] = None,
+                 read_spec: Optional[Callable[[], dict]] = None):
         self.metrics, self.read_stages, self.read_queue = metrics, read_stages, read_queue
-        self.read_kv, self.read_faults = read_kv, read_faults
+        self.read_kv, self.read_faults, self.read_spec = read_kv, read_faults, read_spec
         self.interval_s = interval_s
         self.last_error: Optional[str] = None
         self._stop = threading.Event()
@@ -210,6 +227,8 @@ class Poller:
         self.metrics.queue(*self.read_queue())
         if self.read_kv is not None:
             self.metrics.kv(self.read_kv())
+        if self.read_spec is not None:
+            self.metrics.spec(self.read_spec())
         if self.read_faults is not None:  # before the stages: they may be gone (a node left)
             self.metrics.faults(self.read_faults())
         self.metrics.stages(self.read_stages())

@@ -83,6 +83,9 @@ class _Request(BaseModel):
     prompt_cache_key: Optional[StrictStr] = None
     metadata: Optional[dict[StrictStr, StrictStr]] = None
     response_format: Optional["ResponseFormat"] = None  # structured output (stages/text/grammar.py)
+    # moeray's own: draft and verify tokens for this request (true / false; absent: the server's
+    # --speculative). The text is the same either way: greedy exactly, sampled in distribution.
+    speculative: Optional[StrictBool] = None
 
     @model_validator(mode="before")
     @classmethod

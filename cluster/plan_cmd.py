@@ -44,6 +44,10 @@ def add_arguments(p) -> None:
     p.add_argument("--max-seqs", type=int, default=1,
                    help="sequences that may run at once: each holds its recurrent state (DeltaNet layers) on the "
                         "layer's card, charged like KV (default 1)")
+    p.add_argument("--state-checkpoints", type=int, default=None, metavar="N",
+                   help="hybrid models: checkpoints of the recurrent state (one sequence's state each, on every "
+                        "recurrent layer's card) kept for prefix reuse (default: traded against the experts, up to "
+                        "two per sequence, as many as cost under 2%% of the predicted step)")
     p.add_argument("--kv-tokens", type=int, default=0,
                    help="tokens of KV every stage holds for its layers (e.g. 32768: one sequence at 32K), charged "
                         "at the architecture's KV per token (MLA: latent + rope key; GQA: k and v) in 16 bits "
@@ -136,11 +140,13 @@ def run(args) -> int:
     if args.max_seqs < 1:
         raise PlacementError(f"--max-seqs {args.max_seqs}: at least one sequence runs")
     per_seq_state = list(spec.state_bytes)
-    spec = spec.with_state_for(args.max_seqs)
     if args.kv_tokens < 0:
         raise PlacementError(f"--kv-tokens {args.kv_tokens}: a number of tokens, 0 or more")
+    if args.state_checkpoints is not None and args.state_checkpoints < 0:
+        raise PlacementError(f"--state-checkpoints {args.state_checkpoints}: a number of checkpoints, 0 or more")
     per_token_kv = list(spec.kv_token_bytes)
-    spec = spec.with_kv_for(args.kv_tokens)
+    base = spec
+    spec = base.with_state_for(args.max_seqs).with_kv_for(args.kv_tokens)
     devices = parse_devices(args.devices) if args.devices else load_devices_json(args.devices_json)
     profile_path = args.profile
     if args.model:
@@ -152,14 +158,35 @@ def run(args) -> int:
         mins = [int(x) for x in str(args.min_layers).split(",")]
     except ValueError:
         raise PlacementError(f"--min-layers {args.min_layers!r}: a number or one number per stage") from None
-    plan = plan_placement(spec, devices, profile, objective=args.stages_objective, split=args.split,
-                          trunk=args.trunk, handoff_ms=args.handoff_ms, min_layers=mins[0] if len(mins) == 1 else mins,
-                          mass=args.mass, cpu_factor=args.cpu_factor, method=args.method, cover_b=opts.cover_b)
+
+    def planned(spec):
+        return plan_placement(spec, devices, profile, objective=args.stages_objective, split=args.split,
+                              trunk=args.trunk, handoff_ms=args.handoff_ms,
+                              min_layers=mins[0] if len(mins) == 1 else mins, mass=args.mass,
+                              cpu_factor=args.cpu_factor, method=args.method, cover_b=opts.cover_b)
+
+    plan = planned(spec)
+    checkpoints, c_rule, c_tried = 0, "", []
+    if any(per_seq_state):  # recurrent state: its checkpoints (prefix reuse) priced against the experts
+        from moeray.planner.kv import trade_checkpoints
+
+        def with_checkpoints(c: int):
+            return planned(base.with_state_for(args.max_seqs + c).with_kv_for(args.kv_tokens))
+
+        if args.state_checkpoints is not None:
+            checkpoints, c_rule = args.state_checkpoints, "as given (--state-checkpoints)"
+            plan = with_checkpoints(checkpoints) if checkpoints else plan
+        else:
+            checkpoints, better, c_tried = trade_checkpoints(with_checkpoints, plan.predicted_ms, 2 * args.max_seqs)
+            plan = better or plan
+            c_rule = "auto: up to two per sequence, as many as cost under 2% of the predicted step"
     out = sys.stderr if args.json == "-" else sys.stdout
     if any(per_seq_state):
-        from moeray.planner.report import state_line
+        from moeray.planner.report import checkpoint_line, state_line
 
         plan.notes.append(state_line(per_seq_state, plan.split, args.max_seqs))
+        kv_block = 16 * sum(per_token_kv)
+        plan.notes.append(checkpoint_line(per_seq_state, plan.split, checkpoints, kv_block, c_rule, c_tried))
     if args.kv_tokens and any(per_token_kv):
         plan.notes.append(kv_line(per_token_kv, plan.split, args.kv_tokens))
     parts_lines = []

@@ -11,7 +11,9 @@ Each running request belongs to one of `micro_batches` lanes; every lane has at 
 flight (cluster/engine.py keeps that rule). A lane's step packs one decode token per decoding
 request, then prompt chunks (at most `prefill_chunk` tokens of a prompt per step, chunked
 prefill) until the step's `token_budget` is spent, so a long prompt never stalls the decodes
-that share its lane.
+that share its lane. While no sequence decodes (a lone long prompt, or prompts arriving together)
+nothing waits on a step, so chunks and budget grow to `prefill_alone` (llama.cpp's ubatch):
+fewer, bigger steps.
 
 `Scheduler.postprocess` owns every finish rule: the end token, the length, and stop strings,
 which it finds in the text it detokenises as tokens arrive (`Request.text`: released text only,
@@ -28,6 +30,8 @@ from typing import Optional, Sequence
 
 from moeray.cluster.config import EngineConfig
 from moeray.cluster.kv_blocks import BlockManager
+from moeray.cluster.state_checkpoints import CheckpointLedger
+from moeray.cluster.speculation import SeqSpec, Speculation
 from moeray.errors import MoerayError
 from moeray.stages.runtime.actor import StepBatch
 from moeray.stages.blocks.kv_cache import BLOCK_SIZE, blocks_for
@@ -60,6 +64,12 @@ class Request:
     kv_len: int = 0  # tokens whose KV the steps handed out so far write
     cached_tokens: int = 0  # prompt tokens whose KV was reused from a cached prefix (first admission)
     copy: Optional[tuple[int, int, int]] = None  # (block, own block, rows) to copy before its first chunk
+    # Recurrent state (hybrid models, cluster/state_checkpoints.py): the checkpoint slot to restore
+    # before its first chunk; the slot it keeps its latest block boundary's state in while it
+    # decodes; the prompt's block boundary to checkpoint at (its chunk is cut there)
+    restore: Optional[int] = None
+    rolling: Optional[int] = None
+    checkpoint_at: Optional[int] = None
     preemptions: int = 0
     fresh: bool = False  # admitted, its first row not yet scheduled: the stages start its sampler over
     t_admit: int = -1  # admission order: the youngest is preempted first
@@ -68,6 +78,7 @@ class Request:
     t_first: Optional[float] = None
     t_done: Optional[float] = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when params.logprobs is set
+    spec: Optional[SeqSpec] = None  # its drafter and acceptance record, when it drafts (cluster/speculation.py)
 
     @property
     def done(self) -> bool:
@@ -87,6 +98,9 @@ class Row:
     start: int  # tokens of the sequence in KV before this row
     fresh: bool  # the prompt's first chunk: the slot's KV and sampler start over
     sample: bool  # the prompt is fully fed with this row: a token comes back
+    draft: list[int] = field(default_factory=list)  # drafted tokens after the last one (a verify row)
+    model_k: int = 0  # of those, how many the first stage's draft model fills in (placeholders here)
+    mtp_k: int = 0  # tokens the last stage's next-token-prediction layer proposes after this row
 
 
 @dataclass
@@ -95,6 +109,12 @@ class ScheduledStep:
     lane: int
     rows: list[Row]  # in slot order: a lane's neighbouring slots read the KV cache as one view
     copies: list[tuple[int, int, int]] = field(default_factory=list)  # KV rows the stages copy first
+    state_before: list[tuple[int, int]] = field(default_factory=list)  # state slots copied before the step
+    state_after: list[tuple[int, int]] = field(default_factory=list)  # ... and after it
+    # The pipeline's extra drafters, which keep KV of every row: a draft model on the first stage,
+    # a next-token-prediction layer on the last (cluster/speculation.py).
+    draft_model: bool = False
+    mtp: bool = False
 
     def batch(self) -> StepBatch:
         # A sequence with penalties starts its last stage's TokenHistory from what it holds: the
@@ -107,7 +127,11 @@ class ScheduledStep:
                          sample=[r.req.params if r.sample else None for r in self.rows],
                          starts=[r.start for r in self.rows],
                          tables=[r.req.table[:blocks_for(r.start + len(r.tokens))] for r in self.rows],
-                         copies=self.copies or None, history=history if any(history) else None)
+                         copies=self.copies or None, state_before=self.state_before or None,
+                         state_after=self.state_after or None, history=history if any(history) else None,
+                         drafts=[r.draft for r in self.rows] if any(r.draft for r in self.rows) else None,
+                         draft_k=[r.model_k for r in self.rows] if self.draft_model else None,
+                         mtp_k=[r.mtp_k for r in self.rows] if self.mtp else None)
 
 
 @dataclass
@@ -117,13 +141,20 @@ class EngineStats:
     prefill_tokens: int = 0
     failures: int = 0
     preemptions: int = 0
+    draft_tokens: int = 0  # drafted tokens sent in verify rows
+    accepted_tokens: int = 0  # of those, accepted by the target
 
 
 class Scheduler:
     """Who runs (sequence slots, lanes, KV blocks), what each step feeds, and when a request is done."""
 
-    def __init__(self, config: EngineConfig, eos_ids: Sequence[int] = (), n_blocks: int | None = None):
+    def __init__(self, config: EngineConfig, eos_ids: Sequence[int] = (), n_blocks: int | None = None,
+                 checkpoints: CheckpointLedger | None = None, speculation: Optional[Speculation] = None):
+        """`checkpoints`: a hybrid model's recurrent-state checkpoints (prefix reuse then resumes
+        only where one of them holds the state); None: a model without recurrent layers."""
         self.config = config
+        self.checkpoints = checkpoints
+        self.speculation = speculation  # None: no drafts (the pipeline cannot verify them, or speculation is off)
         if n_blocks is None and config.max_len is None:
             raise MoerayError("an engine needs a KV budget: kv_blocks, or max_len (max_seqs sequences of it)")
         # Without a plan's budget, blocks for max_seqs sequences of max_len: what a slab held.
@@ -162,10 +193,14 @@ class Scheduler:
             if not req.prefill:
                 req.prefill = list(req.prompt)
             shared, wait = bm.match_prefix(req.prefill)
+            restore = None
+            if self.checkpoints is not None:  # recurrent layers: as far as a checkpoint holds their state
+                b, restore = self.checkpoints.find(bm.prefix_hashes(req.prefill, len(shared)))
+                shared, wait = shared[:b], False  # a prefix still being computed leaves no checkpoint to wait for
             if wait:  # a running request is computing the rest of this prefix: reuse it when written
                 return
             bm.take_shared(shared)  # before allocating: a matched cached block must not be evicted
-            src, n_copy = bm.match_tail(req.prefill, len(shared))
+            src, n_copy = bm.match_tail(req.prefill, len(shared)) if self.checkpoints is None else (None, 0)
             held = shared + ([src] if src is not None else [])  # the source too, until its copy is handed out
             bm.take_shared(held[len(shared):])
             total = len(req.prompt) + req.max_new if self.reserve_output else len(req.prefill) + 1
@@ -177,6 +212,14 @@ class Scheduler:
             req.table = shared + own
             req.fed = req.kv_len = len(shared) * BLOCK_SIZE + n_copy
             req.copy = (src, own[0], n_copy) if src is not None else None
+            if restore is not None:  # held until the step that copies it is handed out
+                self.checkpoints.take(restore)
+                self.checkpoints.stats.restored += 1
+                self.checkpoints.stats.restored_tokens += len(shared) * BLOCK_SIZE
+            req.restore = restore
+            if self.checkpoints is not None:  # the prompt's last full block before its final token
+                at = (len(req.prefill) - 1) // BLOCK_SIZE * BLOCK_SIZE
+                req.checkpoint_at = at if at > req.fed else None
             # Its prompt's full blocks can be found from now on; pending until a step writes them.
             bm.register(req.table, req.prefill, len(req.prefill) // BLOCK_SIZE, len(shared), pending=True)
             if req.preemptions == 0:
@@ -188,6 +231,8 @@ class Scheduler:
             req.slot = free.pop(free.index(min(free)))
             req.status, req.fresh = RequestStatus.RUNNING, True
             req.t_admit = next(self._admissions)
+            if req.spec is None and self.speculation is not None and self.speculation.wants(req.params):
+                req.spec = self.speculation.start(req.prompt + req.output)
             self.running.append(req)
 
     def _grow(self, req: Request, chosen: list[Request]) -> bool:
@@ -229,15 +274,19 @@ class Scheduler:
     def schedule(self, lane: int) -> Optional[ScheduledStep]:
         """The lane's next step: decodes first (what users wait on between tokens), then prompt
         chunks, within the token budget. None when the lane has nothing to run."""
-        budget = self.config.token_budget
+        budget, chunk = self.config.token_budget, self.config.prefill_chunk
+        if not any(r.fed == len(r.prefill) for r in self.running if not r.done):  # no one decodes
+            budget, chunk = max(budget, self.config.prefill_alone), max(chunk, self.config.prefill_alone)
         members = [r for r in self.running if r.lane == lane and not r.busy and not r.done]
-        rows, chosen = [], []
+        rows, chosen, before, after = [], [], [], []
         for r in members:
             if r.status is RequestStatus.RUNNING and r.fed == len(r.prefill) and budget >= 1 and self._grow(r, chosen):
                 rows.append(Row(r, [r.output[-1]], r.kv_len, fresh=False, sample=True))
                 chosen.append(r)
                 r.kv_len += 1
                 budget -= 1
+                if self.checkpoints is not None and r.kv_len % BLOCK_SIZE == 0:  # a block boundary crossed
+                    self._checkpoint(r, r.prompt + r.output, after)
         n_decode = len(rows)
         copies = []
         for r in members:
@@ -246,7 +295,15 @@ class Scheduler:
                     copies.append(r.copy)
                     self.blocks.release([r.copy[0]])  # later steps may write it: they run after this one
                     r.copy = None
-                n = min(self.config.prefill_chunk, len(r.prefill) - r.fed, budget)
+                if r.restore is not None:  # ... and its checkpointed state into its slot
+                    before.append((r.restore, r.slot))
+                    self.checkpoints.release(r.restore)
+                    r.restore = None
+                n = min(chunk, len(r.prefill) - r.fed, budget)
+                if r.checkpoint_at is not None and r.fed < r.checkpoint_at <= r.fed + n:
+                    n = r.checkpoint_at - r.fed  # the chunk ends at the boundary: its state is checkpointed
+                    r.checkpoint_at = None
+                    self._checkpoint(r, r.prefill[:r.fed + n], after, keep=False)
                 rows.append(Row(r, r.prefill[r.fed:r.fed + n], r.fed, fresh=r.fresh,
                                 sample=r.fed + n == len(r.prefill)))
                 # This chunk's full blocks are written by this step: the stages run steps in the
@@ -257,31 +314,118 @@ class Scheduler:
                 budget -= n
         if not rows:
             return None
-        rows.sort(key=lambda row: row.req.slot)
+        if self.speculation is not None and self.speculation.mtp:
+            for row in rows:  # rows that emit a token: the MTP layer's proposals after it, where drafting
+                r = row.req
+                if row.sample and r.spec is not None:
+                    row.mtp_k = self.speculation.mtp_length(r.spec, r.max_new - len(r.output))
         self.stats.decode_tokens += n_decode
         self.stats.prefill_tokens += sum(len(row.tokens) for row in rows) - n_decode
+        if self.speculation is not None and budget >= 1 and n_decode:
+            self._add_drafts(rows[:n_decode], sum(len(row.tokens) for row in rows), budget)
+        rows.sort(key=lambda row: row.req.slot)
         for row in rows:
             row.req.busy = True
-        return ScheduledStep(next(self._steps), lane, rows, copies)
+        spec = self.speculation
+        return ScheduledStep(next(self._steps), lane, rows, copies, before, after,
+                             draft_model=spec is not None and spec.draft_model, mtp=spec is not None and spec.mtp)
+
+    def _add_drafts(self, decode_rows: list[Row], n_plain: int, budget: int) -> None:
+        """Drafted tokens after the decode rows' last tokens, as many as the step's price says pay
+        (cluster/speculation.py), each taking KV room it can get without preempting anyone."""
+        rows = [row for row in decode_rows if row.req.spec is not None]
+        if not rows:
+            return
+        free_rows = self.blocks.n_available * BLOCK_SIZE
+        room = [max(0, min(r.req.max_new - len(r.req.output) - 1,  # the verify row adds one token of its own
+                           len(r.req.table) * BLOCK_SIZE - r.req.kv_len + free_rows)) for r in rows]
+        lengths = self.speculation.plan([r.req.spec for r in rows], room, n_plain, len(decode_rows), budget)
+        for row, k in zip(rows, lengths):
+            req = row.req
+            if k <= 0:
+                continue
+            need = blocks_for(req.kv_len + k) - len(req.table)
+            if need > 0:
+                got = self.blocks.allocate(need)
+                if got is None:
+                    continue
+                req.table += got
+            if req.spec.kind == "draft":  # the first stage's draft model fills these in
+                row.draft, row.model_k = [0] * k, k
+            elif req.spec.kind == "mtp":  # what the last stage's MTP layer proposed after the last token
+                row.draft = req.spec.proposal[:k]
+            else:
+                row.draft = req.spec.draft.tokens[:k]
+            row.tokens = row.tokens + row.draft
+            req.kv_len += k
+            self.stats.draft_tokens += k
+
+    def _checkpoint(self, req: Request, tokens: list[int], after: list, keep: bool = True) -> None:
+        """The state of `req` after this step, whose row ends exactly at the block boundary
+        len(tokens), into a checkpoint named by that prefix: the sequence's own rolling slot
+        (`keep`: a decode boundary, overwritten at the next) or a slot left to the cache (the
+        prompt's end)."""
+        h = self.blocks.prefix_hashes(tokens, len(tokens) // BLOCK_SIZE)[-1]
+        slot = self.checkpoints.save(h, req.rolling if keep else None)
+        if slot is None:
+            return
+        if keep and req.rolling is None:
+            self.checkpoints.take(slot)
+        if keep:
+            req.rolling = slot
+        after.append((req.slot, slot))
 
     def postprocess(self, step: ScheduledStep, tokens: Sequence[Optional[int]] | StepOutput) -> None:
-        """Hand each row its sampled token (and its log-probabilities) and apply the finish rules."""
+        """Hand each row its sampled token (and its log-probabilities) and apply the finish rules.
+        A verify row (a draft after its last token) gets the accepted drafts and one more token:
+        they are appended one by one under the same rules, so a sequence ends exactly where a plain
+        decode would (an end token, a stop string or max_tokens inside the accepted run), and the
+        KV of every position past its last kept token goes back (its blocks returned to the pool)."""
         self.stats.steps += 1
         now = time.perf_counter()
         result = StepOutput.of(tokens)
         logprobs = result.logprobs or [None] * len(result.tokens)
-        for row, tok, lp in zip(step.rows, result.tokens, logprobs):
+        proposals = result.proposals or [None] * len(result.tokens)
+        for row, tok, lp, proposal in zip(step.rows, result.tokens, logprobs, proposals):
             req = row.req
             req.busy = False
+            if req.spec is not None:  # the MTP layer's next draft: for the sequence's next row only
+                req.spec.proposal = proposal or []
+            if row.draft:  # until the verdict, only the row's first token is the sequence's
+                req.kv_len = row.start + 1
             if req.done:  # aborted while its step was in flight: the slot is free now
                 self._release(req)
-            elif tok is not None:  # None: the row was a prompt chunk with more to come
+            elif tok is None:  # the row was a prompt chunk with more to come
+                continue
+            elif row.draft:
+                self._append_verified(row, tok if isinstance(tok, list) else [tok],
+                                      lp if isinstance(lp, list) else [lp], now)
+            else:
                 self._append(req, tok, now, lp)
+
+    def _append_verified(self, row: Row, toks: list[int], lps: list, now: float) -> None:
+        req = row.req
+        n = 0
+        for tok, lp in zip(toks, lps + [None] * (len(toks) - len(lps))):
+            req.kv_len = row.start + n + 1  # the KV holds the row's first token and the drafts kept so far
+            n += 1
+            self._append(req, tok, now, lp)
+            if req.done:
+                break
+        self.speculation.observe(req.spec, len(row.draft), len(toks) - 1, n)
+        self.stats.accepted_tokens += len(toks) - 1
+        if not req.done and not self.reserve_output:
+            keep = blocks_for(req.kv_len)
+            if len(req.table) > keep:  # the rejected positions' blocks go back
+                self.blocks.release(req.table[keep:])
+                del req.table[keep:]
 
     def _append(self, req: Request, tok: int, now: float, logprob: Optional[TokenLogprob] = None) -> None:
         if req.t_first is None:
             req.t_first = now
         req.output.append(tok)
+        if req.spec is not None:
+            req.spec.drafter.extend((tok,))
         if logprob is not None:
             req.logprobs.append(logprob)
         if tok in self.eos_ids and not req.params.ignore_eos:
@@ -315,6 +459,8 @@ class Scheduler:
         with the stages). Waiting requests that no longer fit fail with the reason; the others get
         an output cap within the new pool."""
         self.blocks = BlockManager(n_blocks, self.config.prefix_reuse)
+        if self.checkpoints is not None:
+            self.checkpoints.forget_all()
         limit = min(self.config.max_len or self.kv_tokens, self.kv_tokens)
         for req in list(self.waiting):
             room = limit - len(req.prompt) - len(req.output)
@@ -332,6 +478,8 @@ class Scheduler:
             req.status, req.error, req.busy, req.t_done = RequestStatus.FAILED, message, False, time.perf_counter()
             self._release(req)
         self.blocks.forget_all()  # a restarted stage holds no KV: no cached prefix is valid
+        if self.checkpoints is not None:  # ... and no state
+            self.checkpoints.forget_all()
 
     def _release(self, req: Request) -> None:
         if req in self.running:
@@ -343,6 +491,16 @@ class Scheduler:
             self.blocks.release(req.table)
             req.table = []
 
+    def _drop_state(self, req: Request) -> None:
+        """A sequence leaves: the checkpoint it was to restore and its rolling one go back (the
+        rolling one stays findable until evicted)."""
+        for name in ("restore", "rolling"):
+            slot = getattr(req, name)
+            if slot is not None:
+                self.checkpoints.release(slot)
+                setattr(req, name, None)
+        req.checkpoint_at = None
+
     def _drop_copy(self, req: Request) -> None:
         """A sequence leaves before its first chunk was handed out: the rows it was to copy were
         never written into its block; the source it held goes back."""
@@ -352,3 +510,5 @@ class Scheduler:
             req.kv_len -= n
             self.blocks.release([src])
             req.copy = None
+        if self.checkpoints is not None:
+            self._drop_state(req)

@@ -17,7 +17,7 @@ from moeray.cluster.engine_loop import EngineLoop, Stream
 from moeray.errors import MoerayError
 
 
-# How the one process of `moeray serve --local` uses ggml's threads (stages/kernels/qmatmul.ThreadSettings),
+# How the one process of `moeray serve --local` uses ggml's threads (stages/kernels/threads.ThreadSettings),
 # where its StageOptions leave them unset: chosen by bench/serve_sweep.py beside llama-server.
 LOCAL_THREADS = dict(poll=1, parallel_bytes=1 << 20, adapt=True)
 # A model whose decode token reads more than BIG_TOKEN_BYTES of weights keeps every thread on every
@@ -39,7 +39,7 @@ def local_threads(token_bytes: int) -> dict:
 def local_stage_options(stage, token_bytes: int):
     """`serve --local`'s StageOptions: `stage` with what it leaves unset filled for the one
     process: ggml's threads every core it may run on, their settings by the model's size."""
-    from moeray.stages.kernels.qmatmul import ThreadSettings
+    from moeray.stages.kernels.threads import ThreadSettings
 
     threads = ThreadSettings.of(stage, ThreadSettings(**local_threads(token_bytes)))
     return dataclasses.replace(stage, threads=stage.threads or len(os.sched_getaffinity(0)), **threads.options())
@@ -99,24 +99,35 @@ class Service:
 
                 torch.set_num_threads(opts.launch.torch_threads)
             from moeray.stages.kernels import settings
-            from moeray.stages.kernels.qmatmul import ggml_available, ggml_threads
+            from moeray.stages.kernels.backend import ggml_available
+            from moeray.stages.kernels.threads import ggml_threads
             from moeray.stages.runtime.default_profile import resolve_profile
 
             stage = local_stage_options(opts.launch.stage, header.token_bytes())
             settings.use(stage)
             if ggml_available():
-                ggml_threads()  # fixed now, before torch's first op (qmatmul.set_threads says why)
+                ggml_threads()  # fixed now, before torch's first op (threads.set_threads says why)
             profile = resolve_profile(opts.launch.profile, self.path)
-            from moeray.cluster.driver import local_kv_plan
+            from moeray.cluster.driver import local_kv_plan, uses_mtp
 
             kv = local_kv_plan(header.config, engine_cfg, opts.local_budget)
-            engine_cfg = dataclasses.replace(engine_cfg, max_len=kv.context, kv_blocks=kv.blocks)
+            engine_cfg = dataclasses.replace(engine_cfg, max_len=kv.context, kv_blocks=kv.blocks,
+                                             state_checkpoints=kv.checkpoints)
             self.local = LocalPipeline.from_file(self.path, kv.blocks, opts.local_budget,
-                                                 profile, opts.launch.cache_policy, engine_cfg.max_seqs, stage)
+                                                 profile, opts.launch.cache_policy, engine_cfg.max_seqs, stage,
+                                                 draft=opts.launch.draft, mtp=uses_mtp(header, engine_cfg),
+                                                 state_checkpoints=kv.checkpoints)
             pipeline = self.local
             self.lines.append(f"one process: layers 0-{header.config.n_layers - 1} on {self.local.stage.device.name}")
             self.lines.append(_experts_line(header.config, self.local.load_report))
             self.lines.append(kv.line())
+            if kv.checkpoint_rule:
+                from moeray.cluster.driver import state_bytes_by_layer
+                from moeray.planner.report import checkpoint_line
+
+                self.lines.append(checkpoint_line(state_bytes_by_layer(header.config, 1), [(0, header.config.n_layers)],
+                                                  kv.checkpoints, kv.stage_bytes[0] // max(1, kv.blocks),
+                                                  kv.checkpoint_rule))
         else:
             from moeray.cluster.driver import launch
 
@@ -132,7 +143,8 @@ class Service:
                 self.metrics = Metrics(self.model_name)
                 self.poller = Poller(self.metrics, self.stage_stats, lambda: (self.loop.counts["running"],
                                                                               self.loop.counts["waiting"]),
-                                     opts.metrics_interval_s, read_kv=self.kv_report, read_faults=self.faults_report)
+                                     opts.metrics_interval_s, read_kv=self.kv_report, read_faults=self.faults_report,
+                                     read_spec=self.spec_report)
             except ImportError:  # no Ray: serve without metrics
                 pass
         self.loop = EngineLoop(self.engine, max_waiting=opts.max_waiting, on_tokens=self._on_tokens).start()
@@ -221,9 +233,21 @@ class Service:
                        "micro_batches": self.engine.config.micro_batches, "alive": self.loop.alive,
                        "last_failure": self.loop.last_failure},
             "kv": self.kv_report(),
+            "speculation": self.spec_report(),
             "faults": self.faults_report(),
             "server": {"pid": os.getpid(), "rss_bytes": process_rss_bytes()},
         }
+
+    def spec_report(self) -> dict:
+        """Speculative decoding's counters: the mode, verify rows, drafted and accepted tokens, the
+        acceptance rate and the tokens a verify row gave on average (cluster/speculation.py)."""
+        spec = self.engine.speculation
+        if spec is None:
+            return {"mode": "off", "why": "this pipeline does not verify drafts (a model with recurrent layers)"}
+        price = spec.price
+        return {"mode": spec.mode, **spec.stats.as_dict(),
+                "step_price": None if price is None else {"fixed_ms": round(price.fixed_ms, 3),
+                                                          "token_ms": round(price.token_ms, 3)}}
 
     def kv_report(self) -> dict:
         """The engine's KV ledger (read from the HTTP thread: plain counters, a moment stale at worst)."""

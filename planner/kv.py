@@ -37,6 +37,9 @@ class KVPlan:
     rule: str  # how the count was chosen
     stage_bytes: list = field(default_factory=list)  # KV bytes each stage allocates
     tried: list = field(default_factory=list)  # auto: (blocks, predicted ms per step or None: did not fit)
+    # A hybrid model's recurrent-state checkpoints on every stage (trade_checkpoints), and why that many
+    checkpoints: int = 0
+    checkpoint_rule: str = ""
 
     @property
     def tokens(self) -> int:
@@ -59,7 +62,8 @@ class KVPlan:
     def to_json(self) -> dict:
         return {"blocks": self.blocks, "block_tokens": self.block_tokens, "tokens": self.tokens,
                 "context": self.context, "concurrency": self.concurrency, "rule": self.rule,
-                "stage_bytes": list(self.stage_bytes), "tried": [list(t) for t in self.tried]}
+                "stage_bytes": list(self.stage_bytes), "tried": [list(t) for t in self.tried],
+                "state_checkpoints": self.checkpoints, "checkpoint_rule": self.checkpoint_rule}
 
 
 def blocks_for_fraction(fraction: float, free_bytes: int, block_bytes_all_layers: int) -> int:
@@ -151,3 +155,63 @@ def trade_kv(plan_for: Callable[[int], object], min_blocks: int, max_blocks: int
             else:
                 good, best_plan = n, plan
     return good, best_plan, tried
+
+
+def trade_checkpoints(plan_for: Callable[[int], object], base_ms: float, wanted: int,
+                      tolerance: float = TRADE_TOLERANCE) -> tuple[int, object | None, list]:
+    """Auto count of a hybrid model's recurrent-state checkpoints (cluster/state_checkpoints.py):
+    (n, plan at n or None for n = 0, [(n, predicted ms or None: did not fit)] tried).
+
+    A checkpoint is one sequence's state on every recurrent layer's card (Qwen3-Next-80B: 75 MiB,
+    the KV of ~200 blocks), so it is priced as the KV is: `plan_for(n)` is the placement with n of
+    them charged beside the KV pool, and n is the most, up to `wanted` (two per sequence slot: a
+    prompt's end and its answer's last block boundary), whose predicted decode step stays within
+    `tolerance` of `base_ms` (the plan without them): the experts they push out cost under 2% of
+    a step. `wanted` first; else the count its cost per checkpoint affords (the experts a
+    checkpoint pushes out cost about the same each), stepped down until it fits (halved when none fit, then bisected
+    up to the room)."""
+    tried: list = []
+    limit = base_ms * (1 + tolerance)
+
+    def score(n: int):
+        try:
+            plan = plan_for(n)
+        except PlacementError:
+            tried.append((n, None))
+            return None, None
+        tried.append((n, plan.predicted_ms))
+        return plan, plan.predicted_ms
+
+    if wanted < 1:
+        return 0, None, tried
+    plan, ms = score(wanted)
+    if plan is not None and ms <= limit:
+        return wanted, plan, tried
+    unfit = wanted if plan is None else None  # the fewest tried that did not fit the cards
+    n = wanted // 2 if ms is None or ms <= base_ms else min(wanted - 1, int((limit - base_ms) / ((ms - base_ms) / wanted)))
+    while n >= 1:
+        plan, ms = score(n)
+        if plan is not None and ms <= limit:
+            break
+        if plan is None:
+            unfit = n
+        n = n // 2 if ms is None or ms <= base_ms else min(n - 1, int((limit - base_ms) / ((ms - base_ms) / n)))
+    else:
+        return 0, None, tried
+    # Halving past room: what fits lies between n and the fewest that did not; bisect it.
+    while unfit is not None and unfit - n > 1:
+        mid = (n + unfit) // 2
+        p, m = score(mid)
+        if p is not None and m <= limit:
+            n, plan = mid, p
+        else:
+            unfit = mid
+    return n, plan, tried
+
+
+def checkpoints_within(budget_bytes: int, per_checkpoint: int, wanted: int) -> int:
+    """Checkpoints of `per_checkpoint` bytes that fit `budget_bytes`, at most `wanted`: a device
+    that holds every expert (one-process serving) has nothing to trade them against but room."""
+    if per_checkpoint <= 0:
+        return 0
+    return max(0, min(wanted, budget_bytes // per_checkpoint))

@@ -114,6 +114,18 @@ def state_line(per_seq: list[int], split, n_seqs: int) -> str:
             f"{n_seqs} sequence(s) (--max-seqs) charged to their layers' cards: {stages}")
 
 
+def checkpoint_line(per_seq: list[int], split, n: int, block_bytes: int, rule: str, tried=()) -> str:
+    """[state] the recurrent-state checkpoints each stage holds, and their price in KV blocks."""
+    each = sum(per_seq)
+    stages = ", ".join(format_bytes(n * sum(per_seq[a:b])) for a, b in split)
+    blocks = f" (the bytes of {each / block_bytes:.0f} KV blocks)" if block_bytes else ""
+    out = (f"[state] {n} checkpoint(s) of the recurrent state, {format_bytes(each)} each{blocks}, charged to "
+           f"their layers' cards: {stages}; {rule}")
+    if tried:
+        out += "; tried " + ", ".join(f"{c}: {'no fit' if ms is None else f'{ms:.1f} ms'}" for c, ms in tried)
+    return out
+
+
 def plot_plan(plan, path) -> None:
     try:
         import matplotlib

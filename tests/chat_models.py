@@ -16,8 +16,8 @@ from typing import Callable
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": "the city"}},
-                   "required": ["city"]}}}
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Lima", "Tokyo"]}},
+                   "required": ["city"], "additionalProperties": False}}}
 QUESTION = "What is the weather in Paris?"
 RESULT = '{"temperature": 18, "sky": "sunny"}'
 ANSWER = "It is sunny in Paris, 18 °C."
@@ -61,7 +61,7 @@ FAMILIES = {f.name: f for f in [
            reply_call=f'<think>\n{THOUGHT_1}\n</think>\n\n<tool_call>\n{{"name": "get_weather", "arguments": {CITY}}}\n'
                       "</tool_call><|im_end|>",
            reply_answer=f"<think>\n{THOUGHT_2}\n</think>\n\n{ANSWER}<|im_end|>"),
-    Family("qwen3.5", "qwen3.5", "qwen3_xml", "qwen3moe", CHATML, QWEN_TEXT,
+    Family("qwen3.5", "qwen3.5", "qwen3_xml", "qwen35moe", CHATML, QWEN_TEXT,
            reply_call=f"{THOUGHT_1}\n</think>\n\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n"
                       "</parameter>\n</function>\n</tool_call><|im_end|>",
            reply_answer=f"{THOUGHT_2}\n</think>\n\n{ANSWER}<|im_end|>"),
@@ -113,3 +113,133 @@ def moeray_tokenizer(fast):
     return Tokenizer(backend=fast.backend_tokenizer, bos_id=fast.bos_token_id, eos_id=fast.eos_token_id,
                      add_bos=False, chat_template=fast.chat_template,
                      end_ids=frozenset({fast.eos_token_id}), special_ids=control)
+
+
+# ---------------------------------------------------------------- a tiny model that learned the tool loop
+
+MAX_POS = 2048
+VOCAB = 768
+
+
+def tool_loop(family: Family, call_id: str = "call_0") -> tuple[list[dict], list[dict]]:
+    """The two requests of the tool loop, as an OpenAI client sends them (its second one carries the
+    reply it got: the reasoning, the call, and the tool's result)."""
+    first = [{"role": "user", "content": QUESTION}]
+    if family.format == "kimi_k2":
+        call_id = "functions.get_weather:0"  # the id a Kimi model writes (the template counts calls)
+    second = first + [
+        {"role": "assistant", "content": "", "reasoning_content": THOUGHT_1, "tool_calls": [
+            {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": CITY}}]},
+        {"role": "tool", "tool_call_id": call_id, "content": RESULT}]
+    return first, second
+
+
+def _builder(arch: str):
+    import tiny_models
+
+    if arch == "deepseek3":
+        return tiny_models.tiny_deepseek3
+    if arch == "gpt_oss":
+        return tiny_models.tiny_gpt_oss
+    if arch == "glm4moe":
+        return tiny_models.tiny_glm4moe
+    if arch == "qwen35moe":
+        from tiny_hybrid import tiny_qwen35moe
+
+        return tiny_qwen35moe
+    return tiny_models.BUILDERS[arch]
+
+
+def model_path(family: Family) -> Path:
+    """Where write_family_model's file is kept, once per machine (in the cache beside the default model):
+    the key is everything it depends on (the recipe, the family, its template, the GGUF writer and
+    tokenizer, the library versions)."""
+    import hashlib
+    import inspect
+    import os
+
+    import torch
+    import transformers
+
+    from llama_templates import template
+    from moeray.stages.gguf import writer
+    from moeray.stages.text import tokenizer
+
+    parts = [inspect.getsource(write_family_model), inspect.getsource(fast_tokenizer), repr(family), repr(WEATHER),
+             template(family.template), inspect.getsource(writer), inspect.getsource(tokenizer), VOCAB, MAX_POS,
+             torch.__version__, transformers.__version__]
+    key = hashlib.sha256("\n".join(map(str, parts)).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("MOERAY_CACHE_DIR") or Path.home() / ".cache" / "moeray") / "chat-models"
+    return cache / f"{family.name}-{key}.gguf"
+
+
+def family_model(family: Family) -> Path:
+    """write_family_model's file, made once per machine (model_path)."""
+    import os
+
+    path = model_path(family)
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        write_family_model(family, tmp)
+        tmp.rename(path)
+    return path
+
+
+def write_family_model(family: Family, path: Path, steps: int = 400, seed: int = 0) -> Path:
+    """A tiny model of the family's architecture carrying its template, taught the tool loop: asked
+    QUESTION with WEATHER it writes `reply_call`; given the result it writes `reply_answer`."""
+    import torch
+    import torch.nn.functional as F
+
+    from llama_templates import template
+    from moeray.stages.gguf.writer import write_gguf
+    from moeray.stages.text.chat import chat_format
+    from moeray.stages.text.tokenizer import Tokenizer
+
+    tpl = template(family.template)
+    fmt = chat_format(tpl)
+    assert fmt.name == family.format, (family.name, fmt.name)
+    first, second = tool_loop(family)
+
+    def prompts(tok):
+        return [fmt.render(tok, msgs, [WEATHER], family.variables).prompt for msgs in (first, second)]
+
+    # The vocabulary learns the texts it will see, so that a prompt is a few hundred tokens.
+    draft = moeray_tokenizer(fast_tokenizer(family, tpl, [QUESTION], 300))
+    corpus = prompts(draft) + [family.reply_call, family.reply_answer]
+    fast = fast_tokenizer(family, tpl, corpus * 4, VOCAB)
+
+    torch.manual_seed(seed)
+    model = _builder(family.arch)(seed)
+    model.resize_token_embeddings(VOCAB)
+    model.config.max_position_embeddings = MAX_POS
+    write_gguf(model, path, "F32", tokenizer=fast, name=f"tiny-{family.name}", token_roles=family.roles)
+    tok = Tokenizer.from_gguf(path)  # the ids the server will see
+    rows = []
+    for prompt, reply in zip(prompts(tok), (family.reply_call, family.reply_answer)):
+        p, r = tok.encode(prompt), tok.encode(reply, add_bos=False)
+        rows.append((torch.tensor(p + r), len(p)))
+
+    model.train()
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for step in range(steps):
+        opt.zero_grad()
+        loss, worst = 0.0, float("inf")
+        for ids, n in rows:
+            logits = model(ids[None]).logits[0, n - 1:-1]
+            target = ids[n:]
+            loss = loss + F.cross_entropy(logits, target)
+            top2 = logits.topk(2, dim=-1)
+            margin = torch.where(top2.indices[:, 0] == target, top2.values[:, 0] - top2.values[:, 1],
+                                 logits.gather(1, target[:, None])[:, 0] - top2.values[:, 0])
+            worst = min(worst, margin.min().item())
+        if worst > 2.0:  # every reply token the argmax, by a clear margin: greedy writes the reply
+            break
+        loss.backward()
+        opt.step()
+    else:
+        raise AssertionError(f"{family.name}: the tiny model did not learn its replies in {steps} steps (margin {worst:.2f})")
+    model.eval()
+    write_gguf(model, path, "F32", tokenizer=fast, name=f"tiny-{family.name}", token_roles=family.roles)
+    return path

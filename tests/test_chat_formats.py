@@ -4,7 +4,7 @@ every marker), malformed calls kept as content, and the grammar that forces a ca
 own format. The served tool loop on tiny models of each family: tests/test_chat_serve.py."""
 from __future__ import annotations
 
-import copy
+import contextlib
 import json
 
 import pytest
@@ -106,28 +106,32 @@ def test_each_template_chooses_its_family_and_the_architecture_decides_without_m
     assert chat_format(template("qwen3"), name="plain").name == "plain"  # --chat-format overrides
 
 
-@pytest.fixture
-def mutable_lists(monkeypatch):
+@contextlib.contextmanager
+def mutable_lists():
     """transformers' renderer with lists that may change: Kimi-K2's published template calls .append()
     and .pop(), which transformers' immutable sandbox refuses (so it cannot render a call at all)."""
-    from jinja2.sandbox import SandboxedEnvironment
+    from jinja2.sandbox import ImmutableSandboxedEnvironment, SandboxedEnvironment
     from transformers.utils import chat_template_utils as ctu
 
     ctu._compile_jinja_template.cache_clear()
-    monkeypatch.setattr(ctu, "ImmutableSandboxedEnvironment", SandboxedEnvironment)
-    yield
-    ctu._compile_jinja_template.cache_clear()
+    ctu.ImmutableSandboxedEnvironment = SandboxedEnvironment
+    try:
+        yield
+    finally:
+        ctu.ImmutableSandboxedEnvironment = ImmutableSandboxedEnvironment
+        ctu._compile_jinja_template.cache_clear()
 
 
 @pytest.mark.parametrize("follow_up", [False, True], ids=["up-to-the-results", "with-a-follow-up"])
 @pytest.mark.parametrize("name", list(TEMPLATE_FILES))
-def test_the_conversation_renders_as_transformers_renders_it(name, follow_up, tokenizers, mutable_lists):
+def test_the_conversation_renders_as_transformers_renders_it(name, follow_up, tokenizers):
     fast, tok = tokenizers[name]
     fmt = chat_format(tok.chat_template)
     turn = fmt.render(tok, openai_conversation(follow_up), TOOLS, VARIABLES.get(name, {}))
     conv, tools = hf_conversation(name, follow_up)
-    expected = fast.apply_chat_template(conv, tools=tools, tokenize=False, add_generation_prompt=True,
-                                        **VARIABLES.get(name, {}))
+    with mutable_lists():  # (the reference only: moeray renders in transformers' own sandbox)
+        expected = fast.apply_chat_template(conv, tools=tools, tokenize=False, add_generation_prompt=True,
+                                            **VARIABLES.get(name, {}))
     assert turn.prompt == expected
     # What the conversation holds reaches the prompt, as each template keeps it.
     assert "Tōkyō" in turn.prompt and "celsius" in turn.prompt and "get_time" in turn.prompt
@@ -439,3 +443,32 @@ def test_reasoning_before_a_forced_call_only_where_the_model_reasons(tokenizers)
     opened = chat_format(tok.chat_template).render(tok, msgs, TOOLS).forced_grammar(tok)
     xml = xml_call("Paris")
     assert accepts(opened, tok, f"I need Paris.\n</think>\n\n{xml}") and not accepts(opened, tok, xml)
+    # DeepSeek-V3.1 thinks only where its prompt opens <think>: after a tool's result (thinking on) the
+    # prompt ends in the result, and a forced call comes straight, as the model writes it there.
+    from chat_models import FAMILIES as SERVED, tool_loop
+
+    tok = tokenizers["deepseek-v3.1"][1]
+    after = chat_format(tok.chat_template).render(tok, tool_loop(SERVED["deepseek-v3.1"])[1], TOOLS, {"thinking": True})
+    assert after.thinking == "off"
+    forced = after.forced_grammar(tok)
+    assert accepts(forced, tok, ds(PARIS)) and not accepts(forced, tok, f"<think>ok</think>{ds(PARIS)}")
+
+
+def test_the_markers_are_whole_tokens_as_read_from_a_gguf(tmp_path):
+    """Every family's control and text tokens, written to a GGUF and read back (Tokenizer.from_gguf),
+    encode as the one token at their id, as llama.cpp matches them: DeepSeek's <｜User｜> is spelled
+    outside the byte alphabet, which transformers' converter leaves out."""
+    import tiny_models
+
+    from moeray.stages.gguf.writer import write_gguf
+    from moeray.stages.text.tokenizer import Tokenizer
+
+    for fam in FAMILIES.values():
+        fast = fast_tokenizer(fam, template(fam.template), ["What is the weather in Paris?"], 320)
+        path = write_gguf(tiny_models.tiny_llama(), tmp_path / f"{fam.name}.gguf", tokenizer=fast)
+        tok = Tokenizer.from_gguf(path)
+        for marker in fam.control + fam.text_tokens:
+            i = fast.convert_tokens_to_ids(marker)
+            assert tok.encode(f"a{marker}b", add_bos=False) == tok.encode("a", add_bos=False) + [i] + tok.encode("b", add_bos=False), (fam.name, marker)
+            if i not in tok.end_ids:  # (an end token is no text)
+                assert tok.with_rendered([marker]).decode([i]) == marker, marker

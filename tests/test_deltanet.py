@@ -4,7 +4,7 @@ and ggml's op on the ggml backend; chunked prefill carried across pieces resumes
 import pytest
 import torch
 
-from moeray.stages.kernels import qmatmul
+from moeray.stages.kernels import backend
 from moeray.stages.blocks.deltanet import (DeltaNetShape, causal_conv, causal_conv_step, gated_delta_chunked,
                                     gated_delta_step, gated_norm, ggml_gated_delta, l2norm)
 
@@ -93,7 +93,7 @@ def test_gated_norm_equals_transformers():
     assert (gated_norm(o, z, w, 1e-6) - ref(o.reshape(-1, 16), z.reshape(-1, 16)).view(5, 4, 16)).abs().max() <= 1e-5
 
 
-@pytest.mark.skipif(not qmatmul.ggml_available(), reason="ggml-python is not installed")
+@pytest.mark.skipif(not backend.ggml_available(), reason="ggml-python is not installed")
 @pytest.mark.parametrize("v_order", ["grouped", "tiled"])
 def test_ggml_gated_delta_net_equals_torch(v_order):
     """ggml_gated_delta_net (the ggml backend) against our torch rule: one prefill piece and a decode batch."""

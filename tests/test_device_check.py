@@ -219,7 +219,7 @@ def test_cuda_stage_logits_equal_cpu_with_half_the_experts_on_the_card(tmp_path)
     from device_check import device_logits, write_synthetic
 
     from moeray.stages.gguf.reader import GGUFFile
-    from moeray.stages.kernels.qmatmul import current_backend, set_backend
+    from moeray.stages.kernels.backend import current_backend, set_backend
 
     path = str(write_synthetic(tmp_path / "moe.gguf", quick=True))
     tokens = list(range(2, 26))

@@ -113,7 +113,8 @@ def test_lanes_own_slot_ranges_and_run_one_step_each_in_flight():
 
 
 def test_chunked_prefill_shares_the_token_budget_with_decodes_first():
-    eng, pipe = engine({"A": "zzzzzz", "B": "yyyyyy"}, max_seqs=2, micro_batches=1, prefill_chunk=4, token_budget=6)
+    eng, pipe = engine({"A": "zzzzzz", "B": "yyyyyy"}, max_seqs=2, micro_batches=1, prefill_chunk=4, token_budget=6,
+                       prefill_alone=4)
     a = eng.add(ids("AA"), SamplingParams(max_tokens=6))
     b = eng.add(ids("B" * 10), SamplingParams(max_tokens=2))
     eng.run([a, b])
@@ -123,6 +124,22 @@ def test_chunked_prefill_shares_the_token_budget_with_decodes_first():
     assert [[p is not None for p in x.sample] for x in first] == [[True, False], [True, False], [True, True]]
     assert b.text == "yy" and a.text == "zzzzzz"
     assert eng.stats.prefill_tokens == 12 and eng.stats.decode_tokens == sum(len(r.output) - 1 for r in (a, b))
+
+
+def test_a_prompt_no_decode_waits_on_takes_bigger_chunks():
+    """While no sequence decodes nothing waits on a step: a lone prompt's chunks (and the step's
+    budget) grow to prefill_alone; once a sequence decodes, the next prompt beside it goes back to
+    prefill_chunk within token_budget."""
+    eng, pipe = engine({"A": "zzzzzz", "B": "yy"}, max_seqs=2, micro_batches=1, prefill_chunk=4, token_budget=6,
+                       prefill_alone=16)
+    a = eng.add(ids("A" * 40), SamplingParams(max_tokens=6))
+    eng.step()
+    eng.step()
+    b = eng.add(ids("B" * 20), SamplingParams(max_tokens=2))
+    eng.run([a, b])
+    # A's last 8 and B's first 8 share a step no decode waits on; then A decodes beside B's chunks
+    assert [x.n_new for x in pipe.batches[:6]] == [[16], [16], [8, 8], [1, 4], [1, 4], [1, 4]]
+    assert a.text == "zzzzzz" and b.text == "yy"
 
 
 def test_abort_while_its_step_is_in_flight_frees_the_slot_when_the_step_returns():

@@ -10,13 +10,13 @@ from gguf import GGMLQuantizationType as T
 from gguf import quants
 
 from moeray.stages.blocks import expert_graph
-from moeray.stages.kernels import qmatmul
+from moeray.stages.kernels import graphs
 from moeray.stages.blocks.expert_graph import Part, Stack
 from moeray.stages.kernels.qmatmul import GLU
 from moeray.stages.gguf.reader import GGUFFile
 from moeray.stages.runtime.model import load_cached
 from moeray.stages.blocks.moe import HostExperts
-from moeray.stages.kernels.qmatmul import ggml_available
+from moeray.stages.kernels.backend import ggml_available
 
 pytestmark = pytest.mark.skipif(not ggml_available(), reason="ggml-python is not installed")
 
@@ -53,13 +53,13 @@ def test_the_graph_computes_the_torch_routes_experts(gguf, n):
 
 def test_one_graph_call_per_layer_whatever_the_batch(gguf, monkeypatch):
     calls = []
-    real = qmatmul._Graph.__call__
+    real = graphs._Graph.__call__
 
     def counting(self, pointers, out_ptr):
         calls.append(self)
         return real(self, pointers, out_ptr)
 
-    monkeypatch.setattr(qmatmul._Graph, "__call__", counting)
+    monkeypatch.setattr(graphs._Graph, "__call__", counting)
     host = HostExperts(gguf, "ggml")
     for n in (1, 16):
         calls.clear()

@@ -14,7 +14,8 @@ from gguf.quants import quantize
 from moeray.errors import MoerayError
 from moeray.stages.gguf.reader import TensorInfo, expert_bytes, tensor_role, trunk_bytes
 from moeray.stages.blocks.moe import ExpertWeights
-from moeray.stages.kernels.qmatmul import GLU, SILU, ExpertBias, QMatrix, ggml_available
+from moeray.stages.kernels.backend import ggml_available
+from moeray.stages.kernels.qmatmul import GLU, SILU, ExpertBias, QMatrix
 
 H, F, E, K = 64, 96, 4, 2
 needs_ggml = pytest.mark.skipif(not ggml_available(), reason="ggml-python is not installed (`make` builds it: docs/kernels.md#building-ggml)")

@@ -1,5 +1,5 @@
 """ggml's threads as `moeray serve --local` uses them: each graph learns whether one thread or all
-of them compute it faster (stages/qmatmul.ThreadChoice), and whichever it picks, the numbers are
+of them compute it faster (stages/kernels/threads.ThreadChoice), and whichever it picks, the numbers are
 the same: a row of the output is computed by one thread either way."""
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as QT
 
-from moeray.stages.kernels import qmatmul
-from moeray.stages.kernels.qmatmul import QMatrix, ThreadChoice, ThreadSettings
+from moeray.stages.kernels import graphs, threads
+from moeray.stages.kernels.qmatmul import QMatrix
+from moeray.stages.kernels.threads import ThreadChoice, ThreadSettings
 
 pytest.importorskip("ggml")
 from quant_blocks import random_blocks  # noqa: E402
@@ -60,18 +61,18 @@ def test_one_thread_or_two_the_output_is_bitwise_the_same(adapt):
     raw = random_blocks(QT.Q4_K, n * k // 256, rng, scale=0.01).reshape(-1)
     w = QMatrix.from_raw(raw, QT.Q4_K, (n, k), "ggml")
     x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
-    before = (qmatmul.ggml_threads(), qmatmul.thread_settings())
+    before = (threads.ggml_threads(), threads.thread_settings())
     try:
-        qmatmul.set_threads(1)
+        threads.set_threads(1)
         ref = w(x)
-        qmatmul.set_threads(2, ThreadSettings(poll=1, parallel_bytes=0, adapt=adapt))
+        threads.set_threads(2, ThreadSettings(poll=1, parallel_bytes=0, adapt=adapt))
         outs = [w(x) for _ in range(80)]  # with adapt, both plans run (the other is tried every 32 calls)
-        g = next(iter(qmatmul._graphs.values()))
+        g = next(iter(graphs._graphs.values()))
         assert (g.plans.choice is not None) == adapt and g.plans.plans[-1].n_threads == 2
         if adapt:
             assert min(g.plans.choice.seen) >= 2
     finally:
-        qmatmul.set_threads(*before)
+        threads.set_threads(*before)
     for out in outs:
         assert torch.equal(out, ref)
 

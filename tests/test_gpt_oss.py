@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType as QT
 from gpt_oss_model import write_gpt_oss
 from moeray.stages.gguf.reader import GGUFFile, read_gguf_header
 from moeray.stages.runtime.model import load_model
-from moeray.stages.kernels.qmatmul import ggml_available
+from moeray.stages.kernels.backend import ggml_available
 from tiny_models import EXPERT_FFN, HIDDEN, N_HEADS, token_ids
 
 RTOL = 1e-4  # of the largest |logit|, the exact backend

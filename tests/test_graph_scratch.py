@@ -1,4 +1,4 @@
-"""A graph's intermediates share scratch bytes once their last reader has run (qmatmul.place_scratch
+"""A graph's intermediates share scratch bytes once their last reader has run (graphs.place_scratch
 with the graph's nodes), as ggml's own allocator does: a stage graph of 30 layers then needs about
 one layer's intermediates. The results must not change: a long chain with branches, views and a
 result read many nodes later gives what torch computes; and no result lands on bytes the node
@@ -10,7 +10,7 @@ import ctypes
 import pytest
 import torch
 
-from moeray.stages.kernels.qmatmul import ggml_available, ggml_lib
+from moeray.stages.kernels.backend import ggml_available, ggml_lib
 
 pytestmark = pytest.mark.skipif(not ggml_available(), reason="ggml-python is not installed")
 

@@ -12,7 +12,7 @@ from moeray.stages.gguf.reader import GGUFFile
 from moeray.stages.gguf.writer import write_gguf
 from moeray.stages.blocks.attention import RoPE
 from moeray.stages.runtime.model import load_model
-from moeray.stages.kernels.qmatmul import ggml_available
+from moeray.stages.kernels.backend import ggml_available
 from tiny_hybrid import HYBRID_BUILDERS
 from tiny_models import token_ids
 

@@ -27,12 +27,12 @@ def exact_backend():
     run the exact backend: ggml rounds activations to 8 bits, which turns the 1e-7 differences of two
     attention kernels (masked vs causal) into 1e-3. The quantised backends have their own tests
     (test_parity_transformers.py, test_quantised_route.py)."""
-    from moeray.stages.kernels import qmatmul
+    from moeray.stages.kernels import backend
 
-    old = qmatmul.current_backend()
-    qmatmul.set_backend("exact")
+    old = backend.current_backend()
+    backend.set_backend("exact")
     yield
-    qmatmul.set_backend(old)
+    backend.set_backend(old)
 
 
 @pytest.fixture(scope="module")

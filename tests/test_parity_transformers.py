@@ -12,7 +12,7 @@ import torch
 
 from moeray.stages.gguf.writer import dequantized_state_dict, write_gguf
 from moeray.stages.runtime.model import load_model as _load_model
-from moeray.stages.kernels.qmatmul import ggml_available
+from moeray.stages.kernels.backend import ggml_available
 from tiny_models import (
     EXPERT_FFN,
     HEAD_DIM,

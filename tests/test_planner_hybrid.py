@@ -49,9 +49,10 @@ def test_state_is_charged_per_sequence_like_kv():
 
 
 def test_plan_four_cards_under_a_second(spec_path, capsys):
+    """One placement search (no state checkpoints to trade: their trade runs two or three more)."""
     t0 = time.perf_counter()
     rc = main(["plan", "--spec", str(spec_path), "--devices", "10GiB,10GiB,6GiB,6GiB", "--max-seqs", "8",
-               "--verbose"])
+               "--verbose", "--state-checkpoints", "0"])
     elapsed = time.perf_counter() - t0
     assert rc == 0 and elapsed < 1.0, elapsed
     lines = capsys.readouterr().out.splitlines()
@@ -85,3 +86,52 @@ def test_plan_of_a_hybrid_gguf_offers_dnproj_and_charges_state(tmp_path, capsys)
     assert "attn" in layer3 and "dnproj" not in layer3 and "state" not in layer3
     # conv 256 x 3 + 4 heads of 32 x 32, float32, in each of layers 0-2
     assert "[state] 3 recurrent layers hold 57.00 KiB of state per sequence; 4 sequence(s)" in out
+
+
+CHECKPOINTS = re.compile(r"^\[state\] (\d+) checkpoint\(s\) of the recurrent state, 75\.38 MiB each")
+
+
+def _plan(spec_path, capsys, devices, *extra):
+    assert main(["plan", "--spec", str(spec_path), "--devices", devices, "--max-seqs", "8", *extra]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    line = next(l for l in lines if CHECKPOINTS.match(l))
+    ms = float(re.search(r"predicted (\d+\.\d) ms", lines[0]).group(1))
+    return int(CHECKPOINTS.match(line).group(1)), ms, line
+
+
+def test_state_checkpoints_are_priced_against_the_experts(spec_path, capsys):
+    """Checkpoints of the recurrent state (prefix reuse on hybrid models) take the room of experts:
+    roomy cards hold two per sequence (16 for --max-seqs 8) at the first try; the 10+10+6+6 GiB
+    rig holds as many as keep the predicted step within 2% of none, found in at most three
+    searches; a count given is charged as given, and costs experts."""
+    n, _, line = _plan(spec_path, capsys, "40GiB,40GiB,40GiB,40GiB")
+    assert n == 16 and line.endswith("tried 16: " + line.split("tried 16: ")[1]) and line.count(" ms") == 1
+    none_n, none_ms, _ = _plan(spec_path, capsys, "10GiB,10GiB,6GiB,6GiB", "--state-checkpoints", "0")
+    n, ms, line = _plan(spec_path, capsys, "10GiB,10GiB,6GiB,6GiB")
+    assert none_n == 0 and 1 <= n < 16 and none_ms <= ms <= 1.02 * none_ms + 0.1
+    assert 2 <= line.split("tried ")[1].count(" ms") <= 3, line
+    given, ms5, _ = _plan(spec_path, capsys, "10GiB,10GiB,6GiB,6GiB", "--state-checkpoints", "12")
+    assert given == 12 and ms5 > ms
+
+
+def test_trade_checkpoints_rule():
+    """The rule alone: all wanted when they cost little; else what their cost per checkpoint affords,
+    stepped down until it fits; none when not even one fits or keeps within the tolerance."""
+    from moeray.planner.kv import trade_checkpoints
+
+    class Plan:
+        def __init__(self, ms):
+            self.predicted_ms = ms
+
+    def costs(per, fits=10**9):
+        def plan_for(n):
+            if n > fits:
+                raise PlacementError("no room")
+            return Plan(100.0 + per * n)
+        return plan_for
+
+    assert trade_checkpoints(costs(0.01), 100.0, 16)[0] == 16
+    n, plan, tried = trade_checkpoints(costs(0.5), 100.0, 16)
+    assert n == 4 and plan.predicted_ms == 102.0 and len(tried) == 2
+    assert trade_checkpoints(costs(0.01, fits=5), 100.0, 16)[0] == 5
+    assert trade_checkpoints(costs(3.0), 100.0, 16)[0] == 0

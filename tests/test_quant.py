@@ -9,7 +9,8 @@ from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize as reference
 from gguf.quants import quantize
 
-from moeray.stages.kernels.qmatmul import QMatrix, ggml_available
+from moeray.stages.kernels.backend import ggml_available
+from moeray.stages.kernels.qmatmul import QMatrix
 from moeray.stages.gguf.quant import dequantize
 from quant_blocks import ggml_to_float, random_blocks, with_random_experts
 from test_gguf_file import smollm2_path

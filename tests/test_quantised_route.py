@@ -9,10 +9,11 @@ import sys
 import pytest
 import torch
 
-from moeray.stages.kernels import qmatmul
+from moeray.stages.kernels import backend
 from moeray.stages.gguf.reader import GGUFFile
 from moeray.stages.runtime.model import load_cached, load_model, stage_trunk_bytes
-from moeray.stages.kernels.qmatmul import QMatrix, ggml_available
+from moeray.stages.kernels.backend import ggml_available
+from moeray.stages.kernels.qmatmul import QMatrix
 
 needs_ggml = pytest.mark.skipif(not ggml_available(), reason="ggml-python is not installed (`make` builds it: docs/kernels.md#building-ggml)")
 
@@ -91,11 +92,11 @@ def test_ggml_greedy_tokens_are_ones_the_exact_model_rates_best(gguf, default_mo
 
 def test_the_route_is_announced_and_a_wrong_one_is_refused(gguf, caplog):
     with caplog.at_level(logging.INFO, logger="moeray.kernels"):
-        qmatmul._announced.clear()
+        backend._announced.clear()
         load_model(gguf, backend="dequant")
     assert any("kernels: dequant" in r.getMessage() for r in caplog.records)
     with pytest.raises(Exception, match="choose one of ggml, dequant, exact"):
-        qmatmul.set_backend("fp32")
-    r = subprocess.run([sys.executable, "-c", "from moeray.stages.kernels.qmatmul import current_backend; current_backend()"],
+        backend.set_backend("fp32")
+    r = subprocess.run([sys.executable, "-c", "from moeray.stages.kernels.backend import current_backend; current_backend()"],
                        env={"MOERAY_BACKEND": "fast", "PATH": ""}, capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "MOERAY_BACKEND='fast'" in r.stderr

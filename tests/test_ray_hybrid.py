@@ -1,6 +1,7 @@
 """A hybrid (Gated DeltaNet) model on four simulated stages as Ray actors: the plan charges each
-stage its layers' sequence states beside their KV, every stage allocates exactly that, and the
-pipeline gives the one-process greedy tokens with prefix reuse off."""
+stage its layers' sequence states and state checkpoints beside their KV, every stage allocates
+exactly that, and the pipeline gives the one-process greedy tokens; a second turn resumes from a
+checkpoint of the state at its last cached block, on every stage (cluster/state_checkpoints.py)."""
 from __future__ import annotations
 
 import pytest
@@ -49,14 +50,21 @@ def test_stages_hold_the_priced_state_and_give_the_one_process_tokens(launched):
     from moeray.stages.gguf.reader import read_gguf_header
 
     cfg = read_gguf_header(launched.path).config
-    state = state_bytes_by_layer(cfg, MAX_SEQS)
+    checkpoints = launched.kv.checkpoints
+    assert checkpoints == 2 * MAX_SEQS  # tiny states: all that were wanted fit
+    state = state_bytes_by_layer(cfg, MAX_SEQS + checkpoints)
     assert [tuple(r) for r in launched.ranges] == [(0, 1), (1, 2), (2, 3), (3, 4)]
     assert any(l.startswith("[state] 3 recurrent layers") for l in launched.lines)
+    assert any(l.startswith(f"[state] {checkpoints} checkpoint(s)") for l in launched.lines)
     for st, (a, b) in zip(launched.stage_stats(), launched.ranges):
         held = {k: v for k, v in st.placed.items() if k.startswith("DeltaNet state")}
         assert sum(held.values()) == sum(state[a:b])  # layers 0-2: one state each; layer 3: none
     eng = Engine(launched.pipeline(), EngineConfig(max_seqs=MAX_SEQS, max_len=MAX_LEN, token_budget=16,
                                                    prefill_chunk=8, micro_batches=2, step_timeout_s=60))
-    assert eng.pipeline.state_slots == MAX_SEQS and not eng.scheduler.blocks.prefix_reuse
+    assert eng.pipeline.state_slots == MAX_SEQS and eng.scheduler.blocks.prefix_reuse
+    assert eng.scheduler.checkpoints.n == checkpoints
     reqs = eng.generate(PROMPTS, SamplingParams(max_tokens=N_NEW, ignore_eos=True), timeout_s=300)
     assert [r.output for r in reqs] == [_greedy(launched.path, p, N_NEW) for p in PROMPTS]
+    turn = PROMPTS[0] + reqs[0].output + [5, 6, 7]  # 37 + 8 + 3: resumes at 32, where the prompt's checkpoint is
+    second = eng.generate([turn], SamplingParams(max_tokens=N_NEW, ignore_eos=True), timeout_s=300)[0]
+    assert second.cached_tokens == 32 and second.output == _greedy(launched.path, turn, N_NEW)

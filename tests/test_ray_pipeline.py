@@ -48,9 +48,9 @@ def reference(default_model_path):
     return one_process_greedy(load_model(str(default_model_path)), PROMPTS, N_NEW, MAX_LEN)
 
 
-def _engine(launched) -> Engine:
+def _engine(launched, **cfg) -> Engine:
     return Engine(launched.pipeline(), EngineConfig(max_seqs=MAX_SEQS, max_len=MAX_LEN, token_budget=12,
-                                                    prefill_chunk=8, micro_batches=2, step_timeout_s=60))
+                                                    prefill_chunk=8, micro_batches=2, step_timeout_s=60, **cfg))
 
 
 def test_stages_report_their_own_budgets_and_the_plan_uses_them(launched):
@@ -93,6 +93,25 @@ def test_four_stages_give_the_one_process_greedy_tokens(launched, reference):
     reqs = eng.generate(PROMPTS, SamplingParams(max_tokens=N_NEW, ignore_eos=True), timeout_s=300)
     assert [r.output for r in reqs] == reference
     assert eng.stats.failures == 0
+
+
+def test_four_stages_verify_drafts_and_give_the_same_greedy_tokens(launched, reference):
+    """Speculative decoding across four stages, two micro-batches in flight: verify rows (drafts
+    right most of the time, wrong often) run down the pipeline like prompt chunks, the last stage
+    keeps what the target agrees with, and the tokens are the one-process greedy ones."""
+    from test_speculative import NoisyOracle, check_ledger
+
+    eng = _engine(launched, speculative="auto")
+    refs = {tuple(p): r for p, r in zip(PROMPTS, reference)}
+    eng.speculation.new_drafter = lambda toks: NoisyOracle(refs, toks, wrong=0.3, vocab=49152)
+    eng.speculation.PROBE = 1.0
+    reqs = [eng.add(p, SamplingParams(max_tokens=N_NEW, ignore_eos=True)) for p in PROMPTS]
+    while not all(r.done for r in reqs):
+        eng.step()
+        check_ledger(eng)
+    assert [r.output for r in reqs] == reference
+    s = eng.speculation.stats
+    assert s.verify_rows > 0 and 0 < s.accepted_tokens < s.drafted_tokens
 
 
 def test_each_stage_measures_the_hit_rate_its_plan_predicted(launched):

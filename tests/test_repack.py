@@ -12,9 +12,9 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 
 from moeray.errors import MoerayError
-from moeray.stages.kernels import qmatmul
-from moeray.stages.kernels import repack, settings
-from moeray.stages.kernels.qmatmul import QMatrix, ggml_available, swiglu
+from moeray.stages.kernels import backend, graphs, repack, settings
+from moeray.stages.kernels.backend import ggml_available
+from moeray.stages.kernels.qmatmul import QMatrix, swiglu
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -224,11 +224,11 @@ def test_repacked_host_experts_that_do_not_fit_fail_clearly(monkeypatch):
 
 
 def test_graph_mul_mat_keeps_a_rows_bits_inside_a_bigger_graph():
-    """qmatmul.graph_mul_mat, what fused graphs multiply a QMatrix with: x made inside the graph
+    """graphs.graph_mul_mat, what fused graphs multiply a QMatrix with: x made inside the graph
     (here 2x), a Q4_K weight repacked, each row of a batch of 9 equal to that row alone
     (MOERAY_REPACK=on, the batch-invariant setting)."""
     repack.set_mode("on")
-    G = qmatmul.ggml_lib()
+    G = backend.ggml_lib()
     w = matrix(T.Q4_K, 64, 512)
     w.repack()
     assert w.rows_alone
@@ -237,12 +237,12 @@ def test_graph_mul_mat_keeps_a_rows_bits_inside_a_bigger_graph():
         M = x.shape[0]
 
         def build(ctx):
-            wt, xt = qmatmul.graph_weight(ctx, w), G.ggml_new_tensor_2d(ctx, G.GGML_TYPE_F32, 512, M)
-            y = qmatmul.graph_mul_mat(ctx, w, wt, G.ggml_scale(ctx, xt, 2.0))
+            wt, xt = graphs.graph_weight(ctx, w), G.ggml_new_tensor_2d(ctx, G.GGML_TYPE_F32, 512, M)
+            y = graphs.graph_mul_mat(ctx, w, wt, G.ggml_scale(ctx, xt, 2.0))
             return [wt, xt], G.ggml_scale(ctx, y, 0.5), None
 
         out = torch.empty(M, 64)
-        qmatmul.ggml_graph(("test-graph-mul-mat", w.graph_key, M), build)([w.graph_ptr, x.data_ptr()], out.data_ptr())
+        graphs.ggml_graph(("test-graph-mul-mat", w.graph_key, M), build)([w.graph_ptr, x.data_ptr()], out.data_ptr())
         return out
 
     x = torch.randn(9, 512, generator=torch.Generator().manual_seed(6))

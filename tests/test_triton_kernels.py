@@ -152,8 +152,9 @@ def test_a_type_without_a_kernel_is_one_clear_error(tk):
 def test_qmatrix_multiplies_through_the_kernels_where_enabled(tk, monkeypatch):
     """QMatrix's CUDA backend, run here on CPU tensors through the interpreter (triton "on" is
     the tests' switch; on a card "auto" turns it on): same product, and the backend line says so."""
-    from moeray.stages.kernels import qmatmul, settings
-    from moeray.stages.kernels.qmatmul import QMatrix, backend_line
+    from moeray.stages.kernels import backend, settings
+    from moeray.stages.kernels.backend import backend_line
+    from moeray.stages.kernels.qmatmul import QMatrix
 
     raw = _matrix(T.Q6_K, 8, 256, seed=5)
     w = QMatrix(raw, T.Q6_K, (8, 256), "dequant")
@@ -167,7 +168,7 @@ def test_qmatrix_multiplies_through_the_kernels_where_enabled(tk, monkeypatch):
     assert (got - x @ w.dequantize().T).abs().max() <= 1e-5 * got.abs().max()
     settings.update(triton="off")  # off: the torch dequantiser, as on a card without triton
     assert torch.allclose(w(x), got, rtol=1e-5, atol=1e-5) and len(calls) == 1
-    assert "torch dequantise" in backend_line("dequant", torch.device("cpu")) and qmatmul._card_kernels(
+    assert "torch dequantise" in backend_line("dequant", torch.device("cpu")) and backend._card_kernels(
         torch.device("cpu")) is None
 
 

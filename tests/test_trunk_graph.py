@@ -20,7 +20,7 @@ from moeray.stages.gguf.writer import write_gguf
 from moeray.stages.blocks.kv_cache import BLOCK_SIZE
 from moeray.stages.runtime.model import load_model
 from moeray.stages.blocks.moe import HostExperts
-from moeray.stages.kernels.qmatmul import ggml_available
+from moeray.stages.kernels.backend import ggml_available
 from tiny_models import tiny_deepseek2, tiny_deepseek3, tiny_glm4moe, tiny_qwen2moe, tiny_qwen3moe, token_ids
 
 pytestmark = pytest.mark.skipif(not ggml_available(), reason="ggml-python is not installed")
@@ -218,7 +218,7 @@ def test_gpt_oss_runs_in_the_stage_graph(tmp_path):
 
 def test_repacked_q4k_weights(tmp_path):
     """Q4_K trunk matrices in ggml's repacked layout (the 30B shape's kind): the graph multiplies
-    them through qmatmul.graph_mul_mat, as the torch path's matmuls do."""
+    them through graphs.graph_mul_mat, as the torch path's matmuls do."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from shapes import Shape, write_shape
 
@@ -330,7 +330,7 @@ def test_top1_routing_decodes_several_sequences_in_the_stage_graph(tmp_path):
 def _route_in_graph(rule, logits: torch.Tensor, cfg, bias: torch.Tensor | None):
     """A graph routing rule (stages/blocks/routing.py GRAPH_ROUTING) alone in a graph: logits [N, E]
     -> (ids [N, k] int32, weights [N, k])."""
-    from moeray.stages.kernels.qmatmul import ggml_lib
+    from moeray.stages.kernels.backend import ggml_lib
     from moeray.stages.runtime.trunk_graph import MultiGraph
 
     G = ggml_lib()

@@ -102,6 +102,11 @@
       + "</tr>").join("");
   }
 
+  // Tokens generated after each request's first: one per decode row, plus the drafted tokens verify rows kept.
+  function generated(e) {
+    return e.decode_tokens + (e.accepted_tokens || 0);
+  }
+
   function record(report, now) {
     const stages = report.stages;
     if (stages.length !== state.nStages) {
@@ -131,9 +136,13 @@
     }
     state.prev = { t: now, stages: stages.map((s) => ({ lookups: (s.cache || {}).lookups || 0,
       hits: (s.cache || {}).hits || 0, steps: s.steps, step_s: s.step_s, tokens_in: s.tokens_in })),
-      decode: report.engine.decode_tokens };
+      decode: generated(report.engine) };
     const e = report.engine;
-    const gen = prev && dt > 0 ? ` · ${((e.decode_tokens - prev.decode) / dt).toFixed(1)} generated tokens/s` : "";
+    const gen = prev && dt > 0 ? ` · ${((generated(e) - prev.decode) / dt).toFixed(1)} generated tokens/s` : "";
+    const sp = report.speculation;
+    $("spec").textContent = !sp ? "" : sp.mode === "off" && !sp.verify_rows ? "speculation off"
+      : `speculation ${sp.mode} · ${sp.verify_rows ? (100 * sp.acceptance_rate).toFixed(0) : "–"}% of drafted tokens accepted`
+        + ` · ${sp.verify_rows ? sp.tokens_per_verify_row.toFixed(2) : "–"} tokens per verify row`;
     $("model").textContent = `${report.model} · context ${report.context} tokens · ${stages.length} stages`;
     $("engine").textContent = `running ${e.running} / ${e.max_seqs} · waiting ${e.waiting}${gen}`;
     $("kv-note").textContent = stages.some((s) => kvUse(s) != null) ? "" : "(n/a: this server reports no KV blocks)";

@@ -46,6 +46,9 @@ class BatchMeta:
     # Recurrent (DeltaNet) layers: the state slot each sequence continues (the engine's sequence
     # slots; stages/blocks/deltanet.py); a sequence starting at position 0 begins from zeros.
     state_slots: list[int] | None = None
+    # (slot, slot) copies of the recurrent state before and after the step (StepBatch.state_before)
+    state_before: list[tuple[int, int]] | None = None
+    state_after: list[tuple[int, int]] | None = None
     _window_masks: dict = field(default_factory=dict, repr=False)
 
     def window_mask(self, window: int) -> torch.Tensor:

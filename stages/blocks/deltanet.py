@@ -125,7 +125,7 @@ def ggml_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     dividing H_v: v head h reads q/k head h % H_q (ggml's tiled broadcast); v [B, T, H_v, D_v];
     g, beta [B, T, H_v]; state [B, H_v, D_k, D_v] -> (o [B, T, H_v, D_v], state [B, H_v, D_k, D_v]).
     """
-    from moeray.stages.kernels.qmatmul import _G, _graph
+    from moeray.stages.kernels.graphs import _G, _graph
 
     B, T, Hq, Dk = q.shape
     Hv, Dv = v.shape[2], v.shape[3]
@@ -153,11 +153,22 @@ def ggml_gated_delta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 # --- the state a stage keeps, and the layer ---------------------------------------------------
 
 class DeltaState:
-    """Per-sequence state slots of a stage's DeltaNet layers: conv [slots, C, K-1] and recurrent
-    [slots, H_v, D_k, D_v] per layer, float32, allocated once. Which slot a sequence owns is the
-    engine's decision (cluster/kv_blocks.py), carried in each step as block tables are; a step
-    that starts a sequence at position 0 begins from zeros, so a freed slot needs no clearing and
-    a re-prefill after preemption rebuilds the state exactly."""
+    """Per-sequence state slots of a stage's DeltaNet layers, float32, allocated once: per layer
+    conv [slots, C, K-1] and recurrent [slots, H_v, D_v, D_k], the recurrent state S stored
+    transposed (S[i][j], i < D_k, j < D_v, at [h, j, i]): ggml_gated_delta_net's own layout, so the
+    stage graph reads and writes a slot's rows as they lie (stages/runtime/trunk_graph.py); the torch
+    rule transposes.
+
+    Which slot holds what is the engine's decision, carried in each step as block tables are:
+    a running sequence's slot is its engine sequence slot (cluster/kv_blocks.py); slots past the
+    sequences' hold checkpoints (cluster/state_checkpoints.py). A step that starts a sequence at
+    position 0 begins from zeros (`clear`, before the step), so a freed slot needs no clearing and
+    a re-prefill after preemption rebuilds the state exactly.
+
+    `copy(pairs)` is the one primitive for everything else: a checkpoint taken (a sequence's slot
+    into a checkpoint slot, after the step that reached a block boundary), a checkpoint restored
+    (into a sequence's slot, before its first step), and speculative decoding's snapshot before a
+    verify step and restore after a rejection: each a copy of one slot's rows, every layer."""
 
     def __init__(self, layers: list[int], n_slots: int, shape: DeltaNetShape, device: str | torch.device = "cpu"):
         if n_slots < 1:
@@ -165,18 +176,42 @@ class DeltaState:
         self.layers, self.n_slots, self.shape = list(layers), n_slots, shape
         self._index = {layer: i for i, layer in enumerate(self.layers)}
         L = len(self.layers)
+        H, Dk, Dv = shape.rec_state_shape
         self.conv = torch.zeros((L, n_slots) + shape.conv_state_shape, device=device)
-        self.rec = torch.zeros((L, n_slots) + shape.rec_state_shape, device=device)
+        self.rec = torch.zeros((L, n_slots, H, Dv, Dk), device=device)
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv [slots, C, K-1], recurrent [slots, H_v, D_v, D_k]: S transposed) of one layer."""
         i = self._index[layer]
         return self.conv[i], self.rec[i]
 
     def check_slots(self, slots: list[int]) -> None:
         if len(set(slots)) != len(slots):
             raise ValueError(f"a step may hold each state slot once, got {slots}")
+        self._check(slots)
+
+    def _check(self, slots) -> None:
         if slots and not 0 <= min(slots) <= max(slots) < self.n_slots:
-            raise ValueError(f"state slots {slots} name a slot outside the pool of {self.n_slots}")
+            raise ValueError(f"state slots {list(slots)} name a slot outside the pool of {self.n_slots}")
+
+    def clear(self, slots: list[int]) -> None:
+        """Zero these slots in every layer: sequences that start at position 0."""
+        self._check(slots)
+        for s in slots:
+            self.conv[:, s].zero_()
+            self.rec[:, s].zero_()
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        """For each (src, dst), in order: slot src's state, every layer, into slot dst."""
+        self._check([x for p in pairs for x in p])
+        for src, dst in pairs:
+            if src != dst:
+                self.conv[:, dst] = self.conv[:, src]
+                self.rec[:, dst] = self.rec[:, src]
+
+    def slot_bytes(self) -> int:
+        """Bytes of one slot over every layer: what one checkpoint (or one copy) moves."""
+        return (self.conv[:, 0].numel() + self.rec[:, 0].numel()) * 4
 
     def nbytes(self) -> int:
         return self.conv.numel() * 4 + self.rec.numel() * 4
@@ -240,7 +275,7 @@ class GatedDeltaNet(torch.nn.Module):
         idx = torch.tensor(slots, device=x.device)
         fresh = torch.tensor([st == 0 for st in starts], device=x.device)
         conv0 = torch.where(fresh[:, None, None], 0.0, conv_all.index_select(0, idx))
-        rec0 = torch.where(fresh[:, None, None, None], 0.0, rec_all.index_select(0, idx))
+        rec0 = torch.where(fresh[:, None, None, None], 0.0, rec_all.index_select(0, idx).transpose(-1, -2))
         if max(n_new) == 1:  # decode: the whole batch in one step
             mixed, conv1 = causal_conv_step(qkv, conv0, self.conv_w)
             q, k, v = self._heads(mixed.unsqueeze(1))
@@ -257,6 +292,6 @@ class GatedDeltaNet(torch.nn.Module):
                 lo = hi
             o, conv1, rec1 = torch.cat(outs), torch.stack(convs), torch.stack(recs)
         conv_all.index_copy_(0, idx, conv1)
-        rec_all.index_copy_(0, idx, rec1.to(rec_all.dtype))
+        rec_all.index_copy_(0, idx, rec1.transpose(-1, -2).to(rec_all.dtype))
         o = gated_norm(o, z.view(-1, s.n_v_heads, s.head_v_dim), self.norm_w, self.eps)
         return self.w_out(o.reshape(-1, s.value_dim))

@@ -28,7 +28,9 @@ import torch
 from gguf import GGMLQuantizationType as T
 
 from moeray.stages.kernels import repack
-from moeray.stages.kernels.qmatmul import FLOAT_TYPES, GLU, ggml_graph, ggml_lib, row_bytes
+from moeray.stages.kernels.backend import ggml_lib
+from moeray.stages.kernels.graphs import ggml_graph
+from moeray.stages.kernels.qmatmul import FLOAT_TYPES, GLU, row_bytes
 
 KINDS = ("gate", "up", "down")
 

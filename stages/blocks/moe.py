@@ -25,7 +25,8 @@ from moeray.stages.arch.config import ModelConfig
 from moeray.stages.blocks.expert_graph import OneStack, Part, Stack, add_picks, fusable, run
 from moeray.stages.gguf.reader import EXPERT_KINDS, GGUFFile, expert_bytes
 from moeray.stages.kernels.host_memory import weight_buffer
-from moeray.stages.kernels.qmatmul import SILU, GLU, ExpertBias, QMatrix, current_backend, swiglu, to_device
+from moeray.stages.kernels.backend import current_backend
+from moeray.stages.kernels.qmatmul import SILU, GLU, ExpertBias, QMatrix, swiglu, to_device
 from moeray.stages.gguf.quant import as_uint8_tensor, dequantize
 from moeray.stages.blocks.routing import GRAPH_ROUTING, ROUTING
 

@@ -76,7 +76,7 @@ def _picked(ctx, G, scores, ids, E: int, N: int, k: int):
 
 def graph_softmax_topk(ctx, logits, cfg: ModelConfig, bias=None):
     """softmax_topk inside a ggml graph (no bias: the rule has none)."""
-    from moeray.stages.kernels.qmatmul import ggml_lib
+    from moeray.stages.kernels.backend import ggml_lib
 
     G = ggml_lib()
     E, N = logits.contents.ne[0], logits.contents.ne[1]
@@ -98,7 +98,7 @@ def graph_grouped_topk(ctx, logits, cfg: ModelConfig, bias=None):
     the best `expert_groups_used` groups kept (the others' scores set to -inf through get_rows /
     fill / set_rows); the k best; their uncorrected scores, renormalised (+1e-20, as the torch
     rule), times expert_weights_scale."""
-    from moeray.stages.kernels.qmatmul import ggml_lib
+    from moeray.stages.kernels.backend import ggml_lib
 
     G = ggml_lib()
     E, N = logits.contents.ne[0], logits.contents.ne[1]
@@ -130,7 +130,7 @@ def graph_grouped_topk(ctx, logits, cfg: ModelConfig, bias=None):
 def graph_topk_softmax(ctx, logits, cfg: ModelConfig, bias=None):
     """topk_softmax inside a ggml graph (gpt-oss; build_moe_ffn's SOFTMAX_WEIGHT gating): the
     router's bias added to the logits, the k largest, soft_max over those k."""
-    from moeray.stages.kernels.qmatmul import ggml_lib
+    from moeray.stages.kernels.backend import ggml_lib
 
     G = ggml_lib()
     E, N = logits.contents.ne[0], logits.contents.ne[1]

@@ -62,3 +62,19 @@ def load():
         print(f"moeray: {line}", file=sys.stderr, flush=True)
         raise ForeignGgmlError(line)
     return G
+
+
+_loaded: tuple | None = None
+
+
+def load_once() -> tuple:
+    """(ggml-python's module, None) for this process, loaded and checked on the first call; (None,
+    why) where it does not load (ImportError, an OSError from a library that does not load, a
+    foreign libggml)."""
+    global _loaded
+    if _loaded is None:
+        try:
+            _loaded = (load(), None)
+        except Exception as exc:
+            _loaded = (None, f"{type(exc).__name__}: {exc}")
+    return _loaded

@@ -58,14 +58,42 @@ class StepBatch:
     # (block, block, rows): copy the first rows of a written block into another before the step (a
     # prompt that goes on with tokens another sequence wrote: cluster/kv_blocks.py, match_tail)
     copies: list[tuple[int, int, int]] | None = None
+    # (slot, slot): recurrent state copied from one state slot into another, every recurrent layer
+    # of the stage, before the step (a checkpoint restored into a sequence's slot) and after it (a
+    # sequence's state at a block boundary checkpointed): cluster/state_checkpoints.py
+    state_before: list[tuple[int, int]] | None = None
+    state_after: list[tuple[int, int]] | None = None
     # last stage only: (prompt, output so far) of a sequence starting in its slot whose params have
     # penalties (SamplingParams.needs_history), else None; the stage then counts what it samples
     history: list[tuple[list[int], list[int]] | None] | None = None
+    # Last stage only: per sequence, the drafted tokens its row carries after its last token (a
+    # verify row: stages/text/verify.py); [] for a plain row; None when no row carries one.
+    drafts: list[list[int]] | None = None
+    # First and last stage, with a draft model (stages/runtime/draft_model.py): per sequence, the
+    # tokens it drafts into its row (placeholders in `tokens` and `drafts` until the first stage
+    # drafts them), 0 for a row it only mirrors, -1 for a sequence it does not serve; None: none.
+    draft_k: list[int] | None = None
+    # Last stage only, with a next-token-prediction layer (stages/runtime/mtp.py): per sequence, the
+    # tokens it proposes for the row's next step (0: none, its KV still kept); None: no such layer.
+    # The last stage then gets the token ids too (the layer reads them).
+    mtp_k: list[int] | None = None
 
     def for_stage(self, stage: int, n_stages: int) -> "StepBatch":
         last = stage == n_stages - 1
-        return replace(self, tokens=self.tokens if stage == 0 else None, sample=self.sample if last else None,
-                       history=self.history if last else None)
+        return replace(self, tokens=self.tokens if stage == 0 or (last and self.mtp_k is not None) else None,
+                       sample=self.sample if last else None,
+                       history=self.history if last else None, drafts=self.drafts if last else None,
+                       draft_k=self.draft_k if stage == 0 or last else None, mtp_k=self.mtp_k if last else None)
+
+    def model_drafted(self, drafts: list[list[int]]) -> "StepBatch":
+        """This step with the draft model's tokens in its rows (placeholders replaced): in the token
+        ids the first stage embeds and in the drafts the last stage verifies."""
+        k = self.draft_k or [0] * len(self.slots)
+        tokens = None if self.tokens is None else [
+            [t[0]] + d if n > 0 else t for t, d, n in zip(self.tokens, drafts, k)]
+        verified = None if self.drafts is None else [
+            d if n > 0 else v for v, d, n in zip(self.drafts, drafts, k)]
+        return replace(self, tokens=tokens, drafts=verified)
 
 
 @dataclass(frozen=True)
@@ -96,6 +124,8 @@ class LoadReport:
     host_resident_bytes: int
     cache_slots: int = 0
     cache_resident: int = 0
+    draft_token_ms: float = 0.0  # the first stage's draft model: ms of one drafted token (0: none)
+    mtp_token_ms: float = 0.0  # the last stage's next-token-prediction layer: ms of one proposed token
 
 
 @dataclass
@@ -151,6 +181,8 @@ class StageRunner:
 
     def __init__(self, model, kv):
         self.model, self.kv = model, kv  # kv: a KVPool
+        self.drafter = None  # the first stage's draft model (stages/runtime/draft_model.py), if any
+        self.mtp = None  # the last stage's next-token-prediction layer (stages/runtime/mtp.py), if any
         self.generators: dict[int, Any] = {}  # slot -> the torch.Generator of its sequence
         self.grammars = None  # stages/grammar.GrammarMasks, made on the first constrained request
         # slot -> its sequence's TokenHistory (penalties), or the (prompt, output) it is built from
@@ -166,41 +198,76 @@ class StageRunner:
                     self.histories[slot] = batch.history[i]
                 if self.grammars is not None:
                     self.grammars.reset(slot)
+                if self.mtp is not None:
+                    self.mtp.reset(slot)
         if batch.starts is None or batch.tables is None:
             raise MoerayError("a step needs its sequences' start positions and KV block tables")
-        if batch.copies:
-            self.kv.copy_rows(batch.copies)
-        return self.model.table_meta(batch.n_new, batch.starts, batch.tables, self.kv, batch.slots)
+        if batch.copies:  # every pool addressed by the tables: the target's, a draft model's, the MTP layer's
+            for pool in (self.kv, getattr(self.drafter, "kv", None), getattr(self.mtp, "kv", None)):
+                if pool is not None:
+                    pool.copy_rows(batch.copies)
+        return self.model.table_meta(batch.n_new, batch.starts, batch.tables, self.kv, batch.slots,
+                                     state_before=batch.state_before, state_after=batch.state_after)
 
     def layers(self, x, meta):
         return self.model.run_layers(x, meta, self.kv)
 
     def sample(self, batch: StepBatch, x, meta):
+        """The step's tokens (`_sample`) and, with a next-token-prediction layer, its KV kept up with
+        the step and its proposals for each row's next step (StepOutput.proposals)."""
+        result = self._sample(batch, x, meta)
+        if self.mtp is None or batch.mtp_k is None:
+            return result
+        from moeray.stages.text.sampling import StepOutput
+
+        out = StepOutput.of(result)
+        out.proposals = self._propose(batch, x, meta, out.tokens)
+        return out
+
+    def _propose(self, batch: StepBatch, x, meta, tokens) -> list:
+        """The MTP layer's catch-up over every row, then, where asked, its tokens after what each
+        row emitted (from the target state at the row's last kept position)."""
+        rows = [(i, slot, start, list(toks), table, fresh) for i, (slot, start, toks, table, fresh) in
+                enumerate(zip(batch.slots, batch.starts, batch.tokens, batch.tables, batch.fresh))]
+        states = self.mtp.catch_up(rows, x, meta)
+        proposals: list = [None] * len(batch.slots)
+        asks = []
+        for i, tok in enumerate(tokens):
+            if tok is None:
+                continue
+            emitted = tok if isinstance(tok, list) else [tok]
+            drafted = len(batch.drafts[i]) if batch.drafts is not None else 0
+            kept = batch.n_new[i] - drafted + len(emitted) - 1  # the row's positions the sequence keeps
+            state = states[i][kept - 1]
+            self.mtp.settle(batch.slots[i], state)
+            if batch.mtp_k[i] > 0:
+                asks.append((i, (batch.tables[i], batch.starts[i] + kept, emitted[-1], state, batch.mtp_k[i])))
+        for (i, _), d in zip(asks, self.mtp.draft([a for _, a in asks])):
+            proposals[i] = d
+        return proposals
+
+    def _sample(self, batch: StepBatch, x, meta):
         """A token per sequence whose params ask for one (its prompt is fully fed), else None; a
         StepOutput when some sequence asked for log-probabilities too. A sequence with a grammar
         samples only among the tokens its grammar allows next, from the same logits; one with
-        penalties reads its TokenHistory, which counts each token it samples here."""
-        from moeray.stages.text.sampling import StepOutput, TokenHistory, sample, token_logprobs
+        penalties reads its TokenHistory, which counts each token it samples here. A verify row
+        (batch.drafts: k drafted tokens after its last token) gets a list: the drafted tokens the
+        target accepts and one of its own (stages/text/verify.py), with a log-probability each."""
+        from moeray.stages.text.sampling import StepOutput, sample, token_logprobs
 
         want = [i for i, p in enumerate(batch.sample) if p is not None]
-        out: list[int | None] = [None] * len(batch.slots)
+        out: list = [None] * len(batch.slots)
         if not want:
             return out
+        drafts = batch.drafts
+        if drafts is not None and any(drafts[i] for i in want):
+            return self._verify(batch, x, meta, want)
         # A decode step in which every sequence samples: its rows are x itself, no gather.
         rows = x if len(want) == len(batch.slots) == x.shape[0] else x[meta.last_index[want]]
         logits = self.model.head(rows)
         params = [batch.sample[i] for i in want]
         slots = [batch.slots[i] for i in want]
-        for slot, p in zip(slots, params):
-            if slot not in self.generators:
-                self.generators[slot] = p.new_generator()
-            if p.needs_history:
-                if isinstance(self.histories.get(slot), tuple):  # its first sampled row: count what it holds
-                    prompt, output = self.histories[slot]
-                    self.histories[slot] = TokenHistory(logits.shape[-1], prompt, output, logits.device)
-                elif slot not in self.histories:
-                    raise MoerayError(f"slot {slot}: penalties asked for, but the sequence's tokens never came")
-        histories = [self.histories.get(slot) for slot in slots] if any(p.needs_history for p in params) else None
+        histories = self._prepare(slots, params, logits)
         allowed = None
         if any(p.grammar for p in params):
             grammars = self._grammars(logits.shape[-1])
@@ -222,6 +289,83 @@ class StageRunner:
                 logprobs[i] = token_logprobs(logits[row], tok, p.logprobs)
         return StepOutput(out, logprobs)
 
+    def _prepare(self, slots: list[int], params: list, logits) -> list | None:
+        """Each sequence's sampler (from its own seed) and, where its penalties read them, its
+        TokenHistory (made from the tokens it holds on its first sampled row); the histories by
+        row, or None when no row has penalties."""
+        from moeray.stages.text.sampling import TokenHistory
+
+        for slot, p in zip(slots, params):
+            if slot not in self.generators:
+                self.generators[slot] = p.new_generator()
+            if p.needs_history:
+                if isinstance(self.histories.get(slot), tuple):  # its first sampled row: count what it holds
+                    prompt, output = self.histories[slot]
+                    self.histories[slot] = TokenHistory(logits.shape[-1], prompt, output, logits.device)
+                elif slot not in self.histories:
+                    raise MoerayError(f"slot {slot}: penalties asked for, but the sequence's tokens never came")
+        return [self.histories.get(slot) for slot in slots] if any(p.needs_history for p in params) else None
+
+    def _verify(self, batch: StepBatch, x, meta, want: list[int]):
+        """A step with verify rows: every position of a verify row goes through the head (the
+        target's distribution after each drafted token), one position of a plain row; each verify
+        row's tokens are its accepted drafts and one more, each plain row's its sampled token."""
+        import torch
+
+        from moeray.stages.text.sampling import StepOutput, sample, token_logprobs
+        from moeray.stages.text.verify import verify_row
+
+        last = meta.last_index.tolist()
+        index, spans = [], []
+        for i in want:
+            k = len(batch.drafts[i])
+            spans.append((len(index), k + 1))
+            index.extend(range(last[i] - k, last[i] + 1))
+        logits = self.model.head(x[torch.tensor(index, device=x.device)])
+        out: list = [None] * len(batch.slots)
+        logprobs: list = [None] * len(batch.slots)
+        params = [batch.sample[i] for i in want]
+        slots = [batch.slots[i] for i in want]
+        histories = self._prepare(slots, params, logits) or [None] * len(want)
+        grammars = self._grammars(logits.shape[-1]) if any(p.grammar for p in params) else None
+        plain = [n for n, i in enumerate(want) if not batch.drafts[i]]
+        if plain:  # the plain rows together, as a step without drafts samples them
+            rows = [spans[n][0] for n in plain]
+            ps, ss, hs = [params[n] for n in plain], [slots[n] for n in plain], [histories[n] for n in plain]
+            allowed = ([grammars.allowed(s, p.grammar) if p.grammar else None for s, p in zip(ss, ps)]
+                       if grammars is not None else None)
+            toks = sample(logits[rows], ps, [self.generators[s] for s in ss], allowed,
+                          hs if any(h is not None for h in hs) else None)
+            for n, row, tok in zip(plain, rows, toks):
+                out[want[n]] = tok
+                self._took(slots[n], params[n], [tok], grammars)
+                if params[n].logprobs is not None:
+                    logprobs[want[n]] = token_logprobs(logits[row], tok, params[n].logprobs)
+        for n, i in enumerate(want):
+            draft = batch.drafts[i]
+            if not draft:
+                continue
+            p, slot = params[n], slots[n]
+            off, m = spans[n]
+            rows = logits[off:off + m]
+            masks = grammars.allowed_along(slot, p.grammar, draft) if p.grammar else None
+            toks = verify_row(rows, draft, p, self.generators[slot], masks, histories[n])
+            out[i] = toks
+            self._took(slot, p, toks, grammars)
+            if p.logprobs is not None:
+                logprobs[i] = [token_logprobs(rows[j], tok, p.logprobs) for j, tok in enumerate(toks)]
+        if all(batch.sample[i].logprobs is None for i in want):
+            return out
+        return StepOutput(out, logprobs)
+
+    def _took(self, slot: int, params, tokens: list[int], grammars) -> None:
+        """A sequence's new tokens: its grammar and its penalties' history move past them."""
+        for tok in tokens:
+            if params.grammar:
+                grammars.advance(slot, tok)
+            if params.needs_history:
+                self.histories[slot].add(tok)
+
     def _grammars(self, n_vocab: int):
         if self.grammars is None:
             from moeray.stages.text.grammar import GrammarMasks
@@ -231,10 +375,28 @@ class StageRunner:
             self.grammars = GrammarMasks(tokenizer, n_vocab)
         return self.grammars
 
+    def draft(self, batch: StepBatch) -> list[list[int]] | None:
+        """The draft model's tokens for the rows that ask (first stage), None without one."""
+        if self.drafter is None or batch.draft_k is None:
+            return None
+        return self.drafter.draft(batch.slots, batch.starts, batch.tokens, batch.tables, batch.fresh, batch.draft_k)
+
     def step(self, batch: StepBatch):
-        """The whole model in this process: embed, every layer, sample."""
+        """The whole model in this process: draft (a draft model's rows), embed, every layer, sample."""
         meta = self.begin(batch)
+        drafts = self.draft(batch)
+        if drafts is not None:
+            batch = batch.model_drafted(drafts)
         return self.sample(batch, self.layers(self.model.embed(batch.tokens), meta), meta)
+
+
+def _split(carry: list[int], batch: StepBatch) -> list[list[int]]:
+    """The last stage's view of the draft model's tokens: each drafting row's k of them, in row order."""
+    out, at = [], 0
+    for k in batch.draft_k or [0] * len(batch.slots):
+        out.append(carry[at:at + k] if k > 0 else [])
+        at += max(k, 0)
+    return out
 
 
 def _nvml_process_bytes(pci_bus_id: str) -> tuple[int | None, str]:
@@ -309,7 +471,8 @@ class StageActor:
         backend "auto" names the one it picked, threads the count ggml runs; `run_path` the
         loaded layers' (StageModel.path), None before loading."""
         from moeray.stages.kernels import repack, settings
-        from moeray.stages.kernels.qmatmul import current_backend, ggml_available, ggml_threads, thread_settings
+        from moeray.stages.kernels.backend import current_backend, ggml_available
+        from moeray.stages.kernels.threads import ggml_threads, thread_settings
 
         out = settings.current().as_dict()
         ts = thread_settings()
@@ -399,11 +562,12 @@ class StageActor:
     def load(self, path: str, first: int, end: int, kv_blocks: int,
              trunk_on_card: int | None = None, profile: str | None = None,
              cache_policy: str = "static", state_slots: int = 1, whole_cache_only: bool = False,
-             header=None) -> LoadReport:
+             state_checkpoints: int = 0, header=None, draft: str | None = None, mtp: bool = False) -> LoadReport:
         """Load layers [first, end) (+ embedding / head at the ends) and allocate a KV pool of
         `kv_blocks` blocks (stages/blocks/kv_cache.py) and, for recurrent (DeltaNet) layers, `state_slots`
-        sequence states (one per engine sequence slot: stages/blocks/deltanet.py),
-        charging both to this device's budget (a simulated device refuses what does not fit).
+        sequence states (one per engine sequence slot: stages/blocks/deltanet.py) and
+        `state_checkpoints` more (cluster/state_checkpoints.py), charging all of it to this device's
+        budget (a simulated device refuses what does not fit).
 
         `trunk_on_card` is the trunk the plan put on the card, in the bytes the planner priced
         (as stored in the GGUF); None charges the resident size of everything loaded. Routed
@@ -433,11 +597,26 @@ class StageActor:
         itemsize = 2 if kv_dtype(self.device.torch_device).itemsize == 2 else 4
         self.memory.charge(kv_blocks * kv_block_bytes(cfg, range(first, end), itemsize),
                            f"KV pool ({kv_blocks} blocks, {kv_blocks * BLOCK_SIZE} tokens)")
-        state = state_slots * sum(arch_of(cfg).state_bytes(cfg, l) for l in range(first, end))
+        state = (state_slots + state_checkpoints) * sum(arch_of(cfg).state_bytes(cfg, l) for l in range(first, end))
         if state:
-            self.memory.charge(state, f"DeltaNet state ({state_slots} sequence slots)")
+            self.memory.charge(state, f"DeltaNet state ({state_slots} sequence slots, {state_checkpoints} checkpoints)")
         trunk = stage_trunk_bytes(gguf, first, end)
         self.memory.charge(trunk if trunk_on_card is None else trunk_on_card, f"trunk of layers {first}-{end - 1}")
+        drafter = None
+        if draft is not None:  # speculative decoding's draft model: on the first stage, charged like trunk
+            from moeray.stages.runtime.draft_model import DraftModel
+
+            if first != 0:
+                raise MoerayError(f"stage {self.stage}: a draft model runs on the first stage only")
+            drafter = DraftModel(draft, self.device.torch_device, kv_blocks, cfg)
+            self.memory.charge(drafter.nbytes(), f"draft model {os.path.basename(draft)} (weights and KV)")
+        if mtp:  # speculative decoding's next-token-prediction layer, on the last stage: priced from the
+            from moeray.stages.runtime.mtp import mtp_bytes  # header before the cache takes the rest
+
+            if end != cfg.n_layers:
+                raise MoerayError(f"stage {self.stage}: the next-token-prediction layer runs on the last stage only")
+            self.memory.charge(mtp_bytes(header, kv_blocks, max(1, state_slots), itemsize, first == 0),
+                               "next-token-prediction layer (weights and KV)")
         model, cache = load_cached(gguf, (first, end), self.device.torch_device, budget_bytes=self.memory.free,
                                    profile=profile, policy=cache_policy, layout="per-layer",
                                    whole_cache_only=whole_cache_only)
@@ -447,15 +626,21 @@ class StageActor:
         if resident > trunk:  # the header's price is the runtime's size by construction; say so if not
             raise MoerayError(f"stage {self.stage}: the trunk of layers {first}-{end - 1} holds {resident} bytes, "
                               f"{trunk} were charged")
-        kv = model.new_kv_pool(kv_blocks, state_slots)
+        kv = model.new_kv_pool(kv_blocks, state_slots + state_checkpoints)
         self.model, self.runner = model, StageRunner(model, kv)
+        self.runner.drafter = drafter
+        if mtp:
+            from moeray.stages.runtime.mtp import MTPHead
+
+            self.runner.mtp = MTPHead(model, kv_blocks, max(1, state_slots))
         # Fixed once loaded: measured here, not again on every stats poll.
         self.trunk_bytes = (resident, stage_trunk_bytes(gguf, first, end, backend=None))
         self.steps, self.step_s, self.tokens_in = 0, 0.0, 0
         self.hidden = model.config.hidden
         return LoadReport(self.stage, (first, end), time.perf_counter() - t, dict(self.memory.parts),
                           self.memory.free, resident, cache.slots.n_slots if cache else 0,
-                          cache.core.n_resident if cache else 0)
+                          cache.core.n_resident if cache else 0, drafter.token_ms() if drafter else 0.0,
+                          self.runner.mtp.token_ms() if self.runner.mtp else 0.0)
 
     def step(self, batch: StepBatch) -> list[int | None] | None:
         """Run one micro-batch through this stage. The last stage returns a token per sequence
@@ -470,12 +655,22 @@ class StageActor:
         self.tokens_in += n_rows
         try:
             meta = self.runner.begin(batch)
-            x = self.model.embed(batch.tokens) if first else self.link.recv(n_rows, self.hidden)
+            carry = None  # the draft model's tokens, from the first stage to the last (StageLink)
+            if first:
+                drafts = self.runner.draft(batch)
+                if drafts is not None:
+                    batch = batch.model_drafted(drafts)
+                    carry = [t for d, k in zip(drafts, batch.draft_k) if k > 0 for t in d]
+                x = self.model.embed(batch.tokens)
+            else:
+                x, carry = self.link.recv(n_rows, self.hidden, carried=True)
             x = self.runner.layers(x, meta)
             if not last:
                 sent = True
-                self.link.send(x)
+                self.link.send(x, carry)
                 return None
+            if carry and not first:  # the drafted tokens, in the order of the rows that drafted them
+                batch = batch.model_drafted(_split(carry, batch))
             return self.runner.sample(batch, x, meta)
         except Exception:
             if not last and not sent and self.link is not None:

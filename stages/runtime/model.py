@@ -24,7 +24,8 @@ from moeray.stages.blocks.mla import MLAttention
 from moeray.stages.blocks.moe import DenseFFN, Experts, HostExperts, MoEBlock
 from moeray.stages.kernels import repack, settings
 from moeray.stages.kernels.host_memory import process_rss_bytes
-from moeray.stages.kernels.qmatmul import QMatrix, announce, current_backend
+from moeray.stages.kernels.backend import announce, current_backend
+from moeray.stages.kernels.qmatmul import QMatrix
 from moeray.stages.blocks.rope import RoPE
 from moeray.stages.runtime.trunk_graph import Dense, LayerSpec, Routed, TrunkGraphs, supports
 from moeray.stages.gguf.quant import dequantize
@@ -99,7 +100,8 @@ class StageModel(torch.nn.Module):
         self.layers = torch.nn.ModuleList(self._load_layer(i) for i in range(first, end))
         self.path = self._run_path(settings.current())
         log.info(self.path.line(first, end))
-        self.trunk = TrunkGraphs(cfg, {l.attn.window for l in self.layers} - {0}) if self.path.graphs else None
+        self.trunk = (TrunkGraphs(cfg, {getattr(l.attn, "window", 0) for l in self.layers} - {0})
+                      if self.path.graphs else None)
         self._specs = None  # each layer's trunk_graph.LayerSpec, made at the first graph step
         self._step_specs_for = None  # (each layer's OneStack, the specs made for them)
         self.register_buffer("out_norm", None, persistent=False)
@@ -326,16 +328,20 @@ class StageModel(torch.nn.Module):
         return slot_batch_meta(n_new, slots, kv, self.device)
 
     def table_meta(self, n_new: list[int], starts: list[int], tables: list[list[int]], kv: KVPool,
-                   slots: list[int] | None = None) -> BatchMeta:
+                   slots: list[int] | None = None, state_before: list[tuple[int, int]] | None = None,
+                   state_after: list[tuple[int, int]] | None = None) -> BatchMeta:
         """Where each new token goes in a block pool: the engine says where each sequence starts
         and which blocks hold it, and (recurrent layers) which state slot it continues: its
-        sequence slot."""
+        sequence slot; and which state slots are copied before and after the step (checkpoints:
+        run_layers does it)."""
         kv.check_tables(tables, [s + n for s, n in zip(starts, n_new)])
         if kv.state is not None:
             if slots is None:
                 raise MoerayError("a step through recurrent (DeltaNet) layers needs each sequence's state slot")
             kv.state.check_slots(slots)
-        return make_batch_meta(n_new, starts, tables, self.device, state_slots=slots)
+        meta = make_batch_meta(n_new, starts, tables, self.device, state_slots=slots)
+        meta.state_before, meta.state_after = state_before, state_after
+        return meta
 
     def embed(self, tokens: list[list[int]] | torch.Tensor) -> torch.Tensor:
         """Token ids (a list per sequence, or a flat tensor) -> packed hidden states [N, hidden]."""
@@ -350,11 +356,21 @@ class StageModel(torch.nn.Module):
         """Packed hidden [N, hidden] through this stage's layers; appends the step's k/v to `kv`.
         On the ggml backend a GQA stage runs each layer's trunk as one graph (stages/runtime/trunk_graph.py)
         when the step's shape has one; otherwise (and on the other backends) the torch ops below."""
+        state = kv.state
+        if state is not None:
+            if meta.state_before:  # checkpoints restored into their sequences' slots
+                state.copy(meta.state_before)
+            if meta.state_slots is not None:  # sequences that start over begin from zeros
+                fresh = [slot for slot, start in zip(meta.state_slots, meta.starts) if start == 0]
+                if fresh:
+                    state.clear(fresh)
         step = self.trunk.step(meta, kv) if self.trunk is not None else None
         if step is not None:
             x = self._run_graphs(hidden.float().contiguous(), step, kv)
         else:
             x = self._run_torch(hidden, meta, kv)
+        if state is not None and meta.state_after:  # block boundaries' states checkpointed
+            state.copy(meta.state_after)
         if meta.slots is not None:  # a fixed-slot cache keeps its own lengths
             kv.advance(meta.slots, meta.n_new)
         return x

@@ -6,7 +6,9 @@ A gloo process group (NCCL on GPU) sends the [tokens, hidden] tensor point to po
 ~0.1 ms, the path vLLM's Ray executor settled on. bench/pipeline.py measures both.
 
 Every message carries one extra leading row, the status row: element 0 is 0 for activations
-and 1 for "the step failed upstream". A stage whose step raised still sends a status row, so
+and 1 for "the step failed upstream"; element 1 counts the token ids that follow it in the row
+(a draft model's tokens, drafted on the first stage and verified on the last: exact in float32
+below 2**24, far past any vocabulary). A stage whose step raised still sends a status row, so
 the stages after it fail the same step at once instead of waiting for a tensor that never
 comes. Every wait is bounded by the group's timeout.
 
@@ -80,10 +82,16 @@ class StageLink:
     def is_last(self) -> bool:
         return self.rank == self.world_size - 1
 
-    def send(self, hidden: torch.Tensor) -> None:
-        """Send activations [n, hidden] (float32) to the next stage."""
+    def send(self, hidden: torch.Tensor, tokens: list[int] | None = None) -> None:
+        """Send activations [n, hidden] (float32) to the next stage, with `tokens` in the status row."""
         msg = torch.empty(hidden.shape[0] + 1, hidden.shape[1], dtype=torch.float32, device=self.device)
         msg[0].zero_()
+        if tokens:
+            if len(tokens) + 2 > hidden.shape[1]:
+                raise MoerayError(f"stage {self.rank}: {len(tokens)} drafted tokens do not fit a status row of "
+                                  f"{hidden.shape[1]} values; lower --max-draft or --token-budget")
+            msg[0, 1] = len(tokens)
+            msg[0, 2:2 + len(tokens)] = torch.tensor(tokens, dtype=torch.float32)
         msg[1:].copy_(hidden)
         self._send(msg)
 
@@ -93,9 +101,9 @@ class StageLink:
         msg[0, 0] = FAILED
         self._send(msg)
 
-    def recv(self, n_rows: int, hidden_size: int) -> torch.Tensor:
+    def recv(self, n_rows: int, hidden_size: int, carried: bool = False):
         """Receive [n_rows, hidden] from the previous stage, on this stage's compute device;
-        TransportError if it failed upstream."""
+        TransportError if it failed upstream. carried: (activations, the status row's token ids)."""
         msg = torch.empty(n_rows + 1, hidden_size, dtype=torch.float32, device=self.device, pin_memory=self._pin)
         try:
             dist.recv(msg, src=self.rank - 1)
@@ -103,9 +111,11 @@ class StageLink:
             raise TransportError(f"stage {self.rank}: receiving from stage {self.rank - 1} failed: {exc}") from exc
         if msg[0, 0].item() != OK:
             raise TransportError(f"stage {self.rank}: stage {self.rank - 1} or one before it failed this step")
-        if self.device != self.compute_device:
-            return msg[1:].to(self.compute_device, non_blocking=True)
-        return msg[1:]
+        x = msg[1:].to(self.compute_device, non_blocking=True) if self.device != self.compute_device else msg[1:]
+        if not carried:
+            return x
+        n = int(msg[0, 1].item())
+        return x, [int(t) for t in msg[0, 2:2 + n].tolist()] if n else []
 
     def _send(self, msg: torch.Tensor) -> None:
         try:

@@ -18,7 +18,7 @@ mul_mat_id nodes join as well (stages/blocks/expert_graph.py moe_ffn), and its s
 gated or not) beside them, so the layer is one call. A dense layer's FFN (DeepSeek's first
 layers, GLM's first) is graph nodes too. Otherwise the experts (and the shared expert) run
 between two such calls. One graph serves every layer of the same shape: weights, norms, pool and
-step inputs are placeholders whose data pointers are assigned per call (qmatmul.graph_weight /
+step inputs are placeholders whose data pointers are assigned per call (graphs.graph_weight /
 graph_key / graph_ptr for the weights).
 
 `TrunkGraphs.stage` chains every layer of a stage into one graph for a decode-sized step when
@@ -55,10 +55,15 @@ import torch
 
 from moeray.stages.blocks.expert_graph import OneStack, moe_ffn, stack_pointers, stack_tensors
 from moeray.stages.blocks.kv_cache import BLOCK_SIZE, KVPool
-from moeray.stages.blocks.attention import Attention, BatchMeta
+from moeray.stages.blocks.attention import Attention, BatchMeta, GatedAttention
+from moeray.stages.blocks.deltanet import GatedDeltaNet
 from moeray.stages.blocks.mla import MLAttention
-from moeray.stages.kernels.qmatmul import GLU, GraphPlans, QMatrix, ggml_lib, graph_mul_mat, graph_weight, place_scratch
+from moeray.stages.kernels.backend import ggml_lib
+from moeray.stages.kernels.graphs import graph_mul_mat, graph_weight, place_scratch
+from moeray.stages.kernels.qmatmul import GLU, QMatrix
+from moeray.stages.kernels.threads import GraphPlans
 
+L2_EPS = 1e-6  # the DeltaNet's q/k L2 norm: x / sqrt(sum x^2 + L2_EPS) (stages/blocks/deltanet.l2norm)
 KEY_PAD = 64  # keys per graph shape: a decode step builds a new graph every KEY_PAD tokens
 # A graph's intermediates share scratch once their last reader has run (qmatmul.place_scratch), so
 # a stage graph needs about one layer's intermediates; a stage graph over this much (a step far
@@ -148,8 +153,11 @@ class MultiGraph:
 
 def supports(attn, cfg) -> bool:
     """Whether a layer's attention runs as a trunk graph (else the stage keeps the torch path):
-    GQA with fused qkv on the ggml backend, sinks, sliding windows and YaRN (gpt-oss) included; MLA
-    (DeepSeek, Kimi) with every matrix on the ggml backend (k_b / v_b also float)."""
+    GQA with fused qkv on the ggml backend, sinks, sliding windows and YaRN (gpt-oss) included, and
+    the hybrid families' gated attention; MLA (DeepSeek, Kimi) with every matrix on the ggml backend
+    (k_b / v_b also float); a Gated DeltaNet whose projections are on the ggml backend."""
+    if type(attn) is GatedDeltaNet:
+        return all(w.backend == "ggml" for w in attn.w_in) and attn.w_out.backend == "ggml"
     if cfg.rope_style not in ("normal", "neox"):
         return False
     if type(attn) is MLAttention:  # k_b / v_b may be float (read as float32 by the per-head products)
@@ -157,7 +165,7 @@ def supports(attn, cfg) -> bool:
         rest = [w for w in attn.weights() if isinstance(w, QMatrix) and all(w is not h for h in heads)]
         return all(w.backend == "ggml" for w in rest) and all(
             w.backend == "ggml" or (w.backend == "exact" and w.data.device.type == "cpu") for w in heads)
-    return (type(attn) is Attention and len(attn.w_qkv) == 1 and attn.w_qkv[0].backend == "ggml"
+    return (type(attn) in (Attention, GatedAttention) and len(attn.w_qkv) == 1 and attn.w_qkv[0].backend == "ggml"
             and attn.w_o.backend == "ggml")
 
 
@@ -190,6 +198,14 @@ class Step:
     rows: int = 0  # rows of the pool
     gap: int = 0  # view mode: rows from one sequence's keys to the next's
     windows: tuple = ()  # float16 masks like `mask` for each sliding window (TrunkGraphs.windows' order)
+    # Recurrent (DeltaNet) layers: the state slot of each sequence, int32 [B]; with padded queries
+    # each padded row's weight in the state (1, or 0 for a pad row: it neither decays nor writes
+    # the state), float32 [B * t], and each sequence's new token count (its conv state's end)
+    state_idx: torch.Tensor | None = None
+    valid: torch.Tensor | None = None
+    n_new: tuple = ()
+    n_slots: int = 0  # slots of the state pools
+    state_base: int = -1  # the first state slot when the step's slots are consecutive (read as views), else -1
 
 
 @dataclass(frozen=True)
@@ -279,9 +295,14 @@ class LayerSpec:
             ws = a.weights()
             self._key = (("mla",) + tuple(w.graph_key if isinstance(w, QMatrix) else w.shape for w in ws), E, 0)
             fixed = [w.graph_ptr if isinstance(w, QMatrix) else w.data_ptr() for w in ws]
+        elif type(a) is GatedDeltaNet:  # the input projection's parts, the output, then the vectors
+            self._key = (("deltanet",) + tuple(w.graph_key for w in a.w_in) + (a.w_out.graph_key,), E, 0)
+            fixed = ([w.graph_ptr for w in a.w_in] + [a.w_out.graph_ptr]
+                     + [t.data_ptr() for t in (a.conv_w, a.dt_bias, a.a, a.norm_w)])
         else:
             opt = self.optional()
-            self._key = (a.w_qkv[0].graph_key, a.w_o.graph_key, tuple(o is not None for o in opt), E, a.window)
+            self._key = (a.w_qkv[0].graph_key, a.w_o.graph_key, tuple(o is not None for o in opt), E, a.window,
+                         type(a) is GatedAttention)
             fixed = [a.w_qkv[0].graph_ptr, a.w_o.graph_ptr] + [o.data_ptr() for o in opt if o is not None]
         self._ptrs = ([attn_norm.data_ptr(), ffn_norm.data_ptr()] + fixed, [] if router is None else [router.data_ptr()])
 
@@ -314,10 +335,16 @@ class LayerSpec:
 
     def ptrs(self, step: Step, kv: KVPool) -> list[int]:
         """The data pointers of the layer's inputs, in _layer_nodes' order."""
-        pools = [p for p in kv.layer(self.attn.layer) if p is not None]  # k and v; MLA's one latent pool
-        ptrs = self._ptrs[0] + [p.data_ptr() for p in pools]
-        if step.read_base >= 0:  # the keys as views of the pool from the step's first row
-            ptrs += [p.data_ptr() + step.read_base * p.shape[2] * 4 for p in pools]  # bytes per pool row
+        if type(self.attn) is GatedDeltaNet:  # its conv and recurrent state pools (and their step's rows)
+            pools = kv.state.layer(self.attn.layer)
+            ptrs = self._ptrs[0] + [p.data_ptr() for p in pools]
+            if step.state_base >= 0:
+                ptrs += [p.data_ptr() + step.state_base * p[0].numel() * 4 for p in pools]
+        else:
+            pools = [p for p in kv.layer(self.attn.layer) if p is not None]  # k and v; MLA's one latent pool
+            ptrs = self._ptrs[0] + [p.data_ptr() for p in pools]
+            if step.read_base >= 0:  # the keys as views of the pool from the step's first row
+                ptrs += [p.data_ptr() + step.read_base * p.shape[2] * 4 for p in pools]  # bytes per pool row
         ptrs += self._ptrs[1]
         routed = self.routed
         if routed is not None:
@@ -351,15 +378,28 @@ class TrunkGraphs:
         B, t = len(meta.n_new), meta.t_max
         if kv.dtype != torch.float32 or meta.positions.device.type != "cpu":
             return None
-        pad = unpad = None
+        state = kv.state
+        if state is not None and meta.state_slots is None:
+            return None
+        pad = unpad = valid = None
         if any(n != t for n in meta.n_new):  # queries padded to [B, t] (pad rows copy token 0, unread)
             unpad = (meta.seq_of_token * t + meta.off_of_token).to(torch.int32)
             pad = torch.zeros(B * t, dtype=torch.int32)
             pad[unpad.long()] = torch.arange(meta.n_tokens, dtype=torch.int32)
-        k0 = kv.k[0]
-        rows = k0.shape[1]
+            if state is not None:  # a pad row leaves the recurrent state as it is
+                valid = torch.zeros(B * t)
+                valid[unpad.long()] = 1.0
+        recurrent, state_base = (), -1
+        if state is not None:  # the pool's slots, how states are read, where each conv state ends (padded)
+            slots = meta.state_slots
+            if slots == list(range(slots[0], slots[0] + B)):  # consecutive: read in place, as views
+                state_base = slots[0]
+            recurrent = (state.n_slots, state_base >= 0) + (tuple(meta.n_new) if pad is not None else ())
         keys_pad = -(-meta.keys_max // KEY_PAD) * KEY_PAD
-        if meta.read_view is not None:
+        rows = kv.k[0].shape[1] if kv.k else 0
+        if not kv.k:  # a stage of DeltaNet layers only: no keys to read (the mask unread)
+            base, gap, gather, mode, keys_pad = 0, 0, None, ("none",), KEY_PAD
+        elif meta.read_view is not None:
             base, gap = meta.read_view
             keys_pad = min(keys_pad, rows - base - (B - 1) * gap)
             if keys_pad < meta.keys_max:
@@ -382,14 +422,17 @@ class TrunkGraphs:
         windows = tuple(mask.masked_fill((torch.arange(keys_pad).view(1, 1, keys_pad) <= q_pos - w).unsqueeze(1),
                                          float("-inf")) for w in self.windows)
         # the key: everything a graph's shapes depend on (the pool's rows, the step's tokens too)
-        return Step((B, t, keys_pad, pad is not None) + mode + (rows, meta.n_tokens), meta.n_tokens,
+        return Step((B, t, keys_pad, pad is not None) + mode + (rows, meta.n_tokens) + recurrent, meta.n_tokens,
                     meta.positions.to(torch.int32), meta.write_rows.to(torch.int64).contiguous(), mask, base, gather,
-                    pad, unpad, rows, gap, windows)
+                    pad, unpad, rows, gap, windows,
+                    None if state is None else torch.tensor(meta.state_slots, dtype=torch.int32), valid,
+                    tuple(meta.n_new), 0 if state is None else state.n_slots, state_base)
 
     def layer(self, step: Step, x: torch.Tensor, r: torch.Tensor | None, layer: LayerSpec, kv: KVPool) -> LayerOut:
         """x + r + attention, and after it the FFN's input h and the router's logits, or with
         `layer.routed` the routing (and the routed experts) too (see LayerOut)."""
-        g = self._graph((step.key, r is not None, layer.key()), lambda: self._builder(step, [layer], r is not None, False))
+        g = self._graph((step.key, r is not None, layer.key()), lambda: self._builder(step, [layer], r is not None, False),
+                        256 + (6 * step.key[0] if step.valid is not None else 0))  # padded DeltaNet: a write per sequence
         ptrs = [x.data_ptr()] + ([r.data_ptr()] if r is not None else []) + self._step_ptrs(step) + layer.ptrs(step, kv)
         N, H = x.shape
         routed = layer.routed
@@ -421,7 +464,8 @@ class TrunkGraphs:
         key = (step.key,) + tuple(l.key() for l in layers)
         g = self._stages.pop(key, None)
         if g is None:
-            g = MultiGraph(self._builder(step, layers, False, True), 160 * len(layers))
+            per_layer = 160 + (6 * step.key[0] if step.valid is not None else 0)  # padded DeltaNet: a write per sequence
+            g = MultiGraph(self._builder(step, layers, False, True), per_layer * len(layers))
             if g.scratch.numel() > STAGE_SCRATCH_BYTES:
                 g = False  # too big a step for one graph (remembered): one graph per layer
             kept = g.scratch.numel() if g else 0
@@ -448,12 +492,13 @@ class TrunkGraphs:
         when the caller's specs, the pool or the step's first key row change: a decode step then
         neither builds nor writes them (~0.5 ms a token for 30 layers)."""
         kept = self._kept_ptrs
-        if kept is not None and kept[0] is layers and kept[1] is kv and kept[2] == step.read_base:
+        where = (step.read_base, step.state_base)
+        if kept is not None and kept[0] is layers and kept[1] is kv and kept[2] == where:
             return kept[3]
         ptrs = []
         for layer in layers:
             ptrs += layer.ptrs(step, kv)
-        self._kept_ptrs = (layers, kv, step.read_base, tuple(ptrs))
+        self._kept_ptrs = (layers, kv, where, tuple(ptrs))
         return self._kept_ptrs[3]
 
     def _graph(self, key: tuple, builder, n_nodes: int = 256) -> MultiGraph:
@@ -473,6 +518,10 @@ class TrunkGraphs:
             ptrs.append(step.gather.data_ptr())
         if step.pad is not None:
             ptrs += [step.pad.data_ptr(), step.unpad.data_ptr()]
+        if step.state_idx is not None:
+            ptrs.append(step.state_idx.data_ptr())
+            if step.valid is not None:
+                ptrs.append(step.valid.data_ptr())
         return ptrs
 
     def _builder(self, step: Step, layers: list[LayerSpec], has_r: bool, whole: bool):
@@ -507,6 +556,12 @@ class TrunkGraphs:
             if padded:
                 shared["pad"], shared["unpad"] = new(B * t, type=G.GGML_TYPE_I32), new(N, type=G.GGML_TYPE_I32)
                 inputs += [shared["pad"], shared["unpad"]]
+            if step.state_idx is not None:
+                shared["state_idx"] = new(B, type=G.GGML_TYPE_I32)
+                inputs.append(shared["state_idx"])
+                if step.valid is not None:
+                    shared["valid"] = new(1, B * t)
+                    inputs.append(shared["valid"])
             outputs, effects = [], []
             for layer in layers:
                 ins, outs, writes = self._layer_nodes(ctx, new, step, shared, x, layer)
@@ -534,7 +589,8 @@ class TrunkGraphs:
 
         attn_norm, ffn_norm = new(H), new(H)
         a = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, x, cfg.rms_eps), attn_norm)
-        nodes = self._mla_nodes if type(attn) is MLAttention else self._gqa_nodes
+        nodes = (self._mla_nodes if type(attn) is MLAttention else
+                 self._deltanet_nodes if type(attn) is GatedDeltaNet else self._gqa_nodes)
         ins, o, writes = nodes(ctx, new, step, shared, a, layer)
         inputs = [attn_norm, ffn_norm] + ins
         w_router = r_bias = None
@@ -632,6 +688,8 @@ class TrunkGraphs:
         attn = layer.attn
         w_qkv, w_o = attn.w_qkv[0], attn.w_o
         write_rows, mask = shared["write_rows"], shared["mask"]
+        gated = type(attn) is GatedAttention  # attn_q yields per head [q, gate] (qwen3next, qwen35moe)
+        Qg = 2 * Q if gated else Q  # the q part's width in the projection
 
         wq, wo = graph_weight(ctx, w_qkv), graph_weight(ctx, w_o)
         b_qkv, q_norm, k_norm, b_o, sinks = (new(n) if o is not None else None
@@ -644,9 +702,12 @@ class TrunkGraphs:
         if b_qkv is not None:
             qkv = G.ggml_add(ctx, qkv, b_qkv)
         nb1 = qkv.contents.nb[1]
-        q = G.ggml_view_3d(ctx, qkv, D, nh, N, D * 4, nb1, 0)
-        k = G.ggml_view_3d(ctx, qkv, D, nkv, N, D * 4, nb1, Q * 4)
-        v = G.ggml_view_3d(ctx, qkv, D, nkv, N, D * 4, nb1, (Q + KV) * 4)
+        q = G.ggml_view_3d(ctx, qkv, D, nh, N, (Qg // nh) * 4, nb1, 0)
+        k = G.ggml_view_3d(ctx, qkv, D, nkv, N, D * 4, nb1, Qg * 4)
+        v = G.ggml_view_3d(ctx, qkv, D, nkv, N, D * 4, nb1, (Qg + KV) * 4)
+        gate = None
+        if gated:
+            gate = G.ggml_cont_2d(ctx, G.ggml_view_3d(ctx, qkv, D, nh, N, 2 * D * 4, nb1, D * 4), Q, N)
         if q_norm is not None:
             q = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, q, eps), q_norm)
             k = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, k, eps), k_norm)
@@ -666,10 +727,100 @@ class TrunkGraphs:
         o = G.ggml_reshape_2d(ctx, o, Q, B * t)
         if padded:  # and back to the packed tokens
             o = G.ggml_get_rows(ctx, o, shared["unpad"])
+        if gate is not None:  # the per-head output gate
+            o = G.ggml_mul(ctx, o, G.ggml_sigmoid(ctx, gate))
         o = graph_mul_mat(ctx, w_o, wo, o)
         if b_o is not None:
             o = G.ggml_add(ctx, o, b_o)
         return inputs, o, [wk, wv]
+
+    def _deltanet_nodes(self, ctx, new, step: Step, shared: dict, a, layer: LayerSpec):
+        """A Gated DeltaNet token mixer (stages/blocks/deltanet.py, llama.cpp's qwen3next.cpp /
+        qwen35moe.cpp) from the normed input a [H, N]: (its inputs: the projections, conv kernel,
+        dt bias, A, gated norm weight, then the layer's conv and recurrent state pools; its output
+        [H, N]; its two state writes).
+
+        The step's sequences read their states from the pools where they lie when their slots are
+        consecutive (views: an engine lane's neighbouring slots), else by slot (ggml_get_rows at the
+        step's state slots), run as [B, t] (padded queries where their token counts differ: a pad row's
+        beta and decay are 0, so it leaves the state as it is), and write the new states back in
+        place (ggml_set_rows): the conv state is the last K-1 inputs of each sequence's real
+        tokens, the recurrent state ggml_gated_delta_net's final one."""
+        cfg, G = self.cfg, ggml_lib()
+        dn = cfg.deltanet
+        B, t, _, padded = step.key[:4]
+        N, M = step.n, B * t
+        C, Vd, Hv, Hk, Dk, Dv, K = (dn.conv_dim, dn.value_dim, dn.n_v_heads, dn.n_k_heads, dn.head_k_dim,
+                                     dn.head_v_dim, dn.conv_kernel)
+        Kd = dn.key_dim
+        attn = layer.attn
+        idx = shared["state_idx"]
+
+        ws = [graph_weight(ctx, w) for w in attn.w_in]
+        wo = graph_weight(ctx, attn.w_out)
+        conv_w, dt_bias, A, norm_w = new(K, C), new(Hv), new(Hv), new(Dv)
+        conv_pool, rec_pool = new((K - 1) * C, step.n_slots), new(Dk * Dv * Hv, step.n_slots)
+        inputs = ws + [wo, conv_w, dt_bias, A, norm_w, conv_pool, rec_pool]
+        if step.state_base >= 0:  # consecutive slots: the states read where they lie (views of the pools)
+            conv_rows, rec_rows = new((K - 1) * C, B), new(Dk * Dv * Hv, B)
+            inputs += [conv_rows, rec_rows]
+        else:  # gathered by slot
+            conv_rows, rec_rows = G.ggml_get_rows(ctx, conv_pool, idx), G.ggml_get_rows(ctx, rec_pool, idx)
+
+        # [qkv (C); z (Vd); beta (Hv); alpha (Hv)] per token: one matmul where the parts share a type
+        parts = [graph_mul_mat(ctx, w, wt, a) for w, wt in zip(attn.w_in, ws)]
+        proj = parts[0]
+        for p in parts[1:]:
+            proj = G.ggml_concat(ctx, proj, p, 0)
+        R = C + Vd + 2 * Hv
+        rp = G.ggml_get_rows(ctx, proj, shared["pad"]) if padded else proj  # [R, B * t]
+        rb = R * 4
+        qkv = G.ggml_view_3d(ctx, rp, C, t, B, rb, rb * t, 0)
+        beta = G.ggml_sigmoid(ctx, G.ggml_cont(ctx, G.ggml_view_2d(ctx, rp, Hv, M, rb, (C + Vd) * 4)))
+        alpha = G.ggml_cont(ctx, G.ggml_view_2d(ctx, rp, Hv, M, rb, (C + Vd + Hv) * 4))
+        g = G.ggml_mul(ctx, G.ggml_softplus(ctx, G.ggml_add(ctx, alpha, dt_bias)), A)  # log decay, <= 0
+        if padded:
+            beta, g = G.ggml_mul(ctx, beta, shared["valid"]), G.ggml_mul(ctx, g, shared["valid"])
+        beta, g = G.ggml_reshape_4d(ctx, beta, 1, Hv, t, B), G.ggml_reshape_4d(ctx, g, 1, Hv, t, B)
+
+        # the short conv over [conv state (K-1), the step's tokens] per sequence, time first
+        state = G.ggml_reshape_3d(ctx, conv_rows, K - 1, C, B)
+        conv_in = G.ggml_concat(ctx, state, G.ggml_transpose(ctx, qkv), 0)  # [K-1+t, C, B]
+        ci = conv_in.contents
+        writes = []
+        ends = [t] * B if not padded else list(step.n_new)
+        if not padded:  # every sequence's new conv state: its last K-1 inputs
+            last = G.ggml_cont(ctx, G.ggml_view_3d(ctx, conv_in, K - 1, C, B, ci.nb[1], ci.nb[2], t * 4))
+            writes.append(G.ggml_set_rows(ctx, conv_pool, G.ggml_reshape_2d(ctx, last, (K - 1) * C, B), idx))
+        else:  # each its own: its real tokens end at its own count
+            for i, n in enumerate(ends):
+                last = G.ggml_cont(ctx, G.ggml_view_2d(ctx, conv_in, K - 1, C, ci.nb[1], i * ci.nb[2] + n * 4))
+                writes.append(G.ggml_set_rows(ctx, conv_pool, G.ggml_reshape_2d(ctx, last, (K - 1) * C, 1),
+                                              G.ggml_view_1d(ctx, idx, 1, i * 4)))
+        mixed = G.ggml_silu(ctx, G.ggml_ssm_conv(ctx, conv_in, conv_w))  # [C, t, B]
+
+        cb = C * 4
+        q = G.ggml_view_4d(ctx, mixed, Dk, Hk, t, B, Dk * 4, cb, cb * t, 0)
+        k = G.ggml_view_4d(ctx, mixed, Dk, Hk, t, B, Dk * 4, cb, cb * t, Kd * 4)
+        v = G.ggml_cont(ctx, G.ggml_view_4d(ctx, mixed, Dv, Hv, t, B, Dv * 4, cb, cb * t, 2 * Kd * 4))
+        # L2 normalised as the torch rule's l2norm (x / sqrt(sum x^2 + 1e-6)), llama.cpp's form
+        q, k = (G.ggml_scale(ctx, G.ggml_rms_norm(ctx, x, L2_EPS / Dk), Dk ** -0.5) for x in (q, k))
+        if Hv != Hk and dn.v_order == "grouped":  # v head h reads k head h // r: repeat each k head r times
+            r = Hv // Hk
+            q, k = (G.ggml_reshape_4d(ctx, G.ggml_repeat_4d(ctx, G.ggml_reshape_4d(ctx, x, Dk, 1, Hk, t * B),
+                                                             Dk, r, Hk, t * B), Dk, Hv, t, B) for x in (q, k))
+        s = G.ggml_reshape_4d(ctx, rec_rows, Dk, Dv, Hv, B)
+        out = G.ggml_gated_delta_net(ctx, q, k, v, g, beta, s, 1)  # [o (Vd x M); final states (B of them)]
+        o = G.ggml_view_2d(ctx, out, Vd, M, Vd * 4, 0)
+        new_s = G.ggml_view_2d(ctx, out, Dk * Dv * Hv, B, Dk * Dv * Hv * 4, Vd * M * 4)
+        writes.append(G.ggml_set_rows(ctx, rec_pool, new_s, idx))
+        if padded:  # back to the packed tokens
+            o = G.ggml_get_rows(ctx, o, shared["unpad"])
+        # the norm-gated output, RMSNorm(o) * w * silu(z) per head, and the output projection
+        z = G.ggml_cont(ctx, G.ggml_view_3d(ctx, proj, Dv, Hv, N, Dv * 4, proj.contents.nb[1], C * 4))
+        o = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, G.ggml_reshape_3d(ctx, o, Dv, Hv, N), cfg.rms_eps), norm_w)
+        o = G.ggml_reshape_2d(ctx, G.ggml_mul(ctx, o, G.ggml_silu(ctx, z)), Vd, N)
+        return inputs, graph_mul_mat(ctx, attn.w_out, wo, o), writes
 
     def _mla_nodes(self, ctx, new, step: Step, shared: dict, a, layer: LayerSpec):
         """MLA (stages/blocks/mla.py, the weight-absorbed form of llama.cpp's deepseek2.cpp) from the normed

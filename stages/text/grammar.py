@@ -105,6 +105,23 @@ class GrammarMasks:
         bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), dtype=np.uint8), bitorder="little")
         return torch.from_numpy(bits[:self.n_vocab].astype(bool))
 
+    def allowed_along(self, slot: int, grammar: str, draft) -> list:
+        """The masks of a verify row's k+1 positions (stages/text/verify.py): the mask now, then after
+        each drafted token in turn, consumed tentatively and rolled back before returning. A draft
+        token the grammar forbids is refused at its position (its probability there is 0), so the
+        positions after it are never reached: their masks are None."""
+        masks = [self.allowed(slot, grammar)]
+        m = self.matchers[slot]
+        taken = 0
+        for d in draft:
+            if m.is_error() or not bool(masks[-1][d]) or not m.consume_token(d):
+                break
+            taken += 1
+            masks.append(self.allowed(slot, grammar))
+        if taken:
+            m.rollback(taken)
+        return masks + [None] * (len(draft) + 1 - len(masks))
+
     def advance(self, slot: int, token: int) -> None:
         m = self.matchers.get(slot)
         if m is not None and not m.is_error():

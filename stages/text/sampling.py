@@ -54,6 +54,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None = none; n = the sampled token's log-probability and the n likeliest
     grammar: str | None = None  # an llguidance grammar (stages/text/grammar.py) the text must follow
+    speculative: bool | None = None  # draft and verify tokens (cluster/speculation.py); None: the server's default
 
     def __post_init__(self) -> None:
         if not self.temperature >= 0:
@@ -362,9 +363,12 @@ def token_logprobs(logits: torch.Tensor, token: int, n_top: int) -> TokenLogprob
 @dataclass
 class StepOutput:
     """What the last stage returns for one micro-batch: a token per row (None: the row was a prompt
-    chunk with more to come) and, where its params asked, that token's log-probabilities."""
-    tokens: list[int | None]
-    logprobs: list[TokenLogprob | None] | None = None
+    chunk with more to come; a list for a verify row: its accepted drafts and one more token) and,
+    where its params asked, that token's log-probabilities (a list of them for a verify row)."""
+    tokens: list[int | list[int] | None]
+    logprobs: list[TokenLogprob | list[TokenLogprob] | None] | None = None
+    # a next-token-prediction layer's tokens for the row's next step (stages/runtime/mtp.py), per row
+    proposals: list[list[int] | None] | None = None
 
     @classmethod
     def of(cls, result) -> "StepOutput":

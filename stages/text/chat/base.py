@@ -40,6 +40,7 @@ class ChatFormat:
     section: ClassVar[Optional[tuple[str, str]]] = None  # around all the calls of a reply
     call: ClassVar[Optional[tuple[str, str]]] = None  # around one call
     call_separator: ClassVar[str] = ""  # between two forced calls
+    opens_think: ClassVar[bool] = True  # the model may open its reasoning itself (else only the prompt does)
     extra_markers: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, template: Optional[str] = None):
@@ -104,7 +105,7 @@ class ChatFormat:
         tail = prompt.rstrip()
         if tail.endswith(self.think[0]):
             return "open"
-        if tail.endswith(self.think[1]) or self.think[0] not in self.template:
+        if tail.endswith(self.think[1]) or self.think[0] not in self.template or not self.opens_think:
             return "off"
         return "optional"
 

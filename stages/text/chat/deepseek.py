@@ -52,6 +52,7 @@ class DeepSeek(ChatFormat):
     section = ("<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>")
     call = ("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>")
     extra_markers = (SEP,)
+    opens_think = False  # the template opens <think> (or closes it); the model does not
 
     @property
     def fenced(self) -> bool:

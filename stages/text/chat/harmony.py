@@ -39,8 +39,8 @@ class Harmony(ChatFormat):
     name = "harmony"
     summary = "gpt-oss: analysis channel = reasoning, final = content, commentary to=functions.f = a call"
     think = None
-    call = (MESSAGE, END)  # not read by the generic reader: says that this format has calls
     extra_markers = (START, CHANNEL, MESSAGE, END, CONSTRAIN)
+    calls_tools = True  # messages to functions.NAME (its own reader, not the generic one's call markers)
 
     def template_variables(self, variables):
         effort = variables.get("reasoning_effort")

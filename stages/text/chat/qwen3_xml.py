@@ -35,6 +35,7 @@ class Qwen3Xml(ChatFormat):
     summary = "Qwen3-Coder, Qwen3.5/3.6: <tool_call><function=f><parameter=p>…, reasoning in <think>"
     call = ("<tool_call>", "</tool_call>")
     call_separator = "\n"
+    opens_think = False  # the template opens <think> (or closes it); the model does not
 
     def parse_call(self, text: str, done: bool, tools) -> Optional[CallParse]:
         head = _FUNCTION.match(text)
