@@ -151,7 +151,10 @@ def profile_decode(path: str, n_prompt: int, n_decode: int, backend: str | None 
         setattr(owner, name, wrapper)
         return owner, name, real
 
+    from moeray.stages.blocks import deltanet
+
     patches = [timed(layers.Attention, "forward", "attention (qkv, rope, kv write, sdpa, out proj)"),
+               timed(deltanet.GatedDeltaNet, "forward", "Gated DeltaNet layers (torch ops between graphs)"),
                timed(trunk_graph.TrunkGraphs, "layer", "trunk graph (norms, qkv, rope, kv write, attention, "
                                                        "out proj, residual, router logits)"),
                timed(trunk_graph.TrunkGraphs, "stage", "stage graph (every layer's trunk, routing, experts)"),

@@ -68,7 +68,13 @@ def moeray_decode(path: str, batch: int, prompt: int, decode: int, threads: int,
         run([sys.executable, str(HERE / "decode.py"), "--model", path, "--batch", str(batch), "--prompt-tokens",
              str(prompt), "--decode-tokens", str(decode), "--caches", "0", "--threads", str(threads),
              "--no-llama-cpp", "--json", str(out), *extra], timeout=3600)
-        return json.loads(out.read_text())["rows"][0]
+        got = json.loads(out.read_text())
+        if got.get("profile"):  # --moeray-args --profile: where a batch-1 decode token's time goes
+            prof = got["profile"]
+            print(f"moeray profile, batch 1, host path: {prof['ms_per_token']:.1f} ms a token", file=sys.stderr)
+            for part, ms in sorted(prof["parts"].items(), key=lambda kv: -kv[1]):
+                print(f"  {part:<70} {ms:7.2f} ms {100 * ms / prof['ms_per_token']:5.1f}%", file=sys.stderr)
+        return {**got["rows"][0], "profile": got.get("profile")}
 
 
 def llama_bench(bin_dir: Path, path: str, threads: int, prompt: int, decode: int, reps: int) -> dict:
