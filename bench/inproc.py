@@ -32,19 +32,22 @@ class MemoryLink:
     def is_last(self) -> bool:
         return self.rank == self.world_size - 1
 
-    def send(self, hidden) -> None:
-        self.queues[self.rank].append(hidden)
+    def send(self, hidden, tokens: list[int] | None = None) -> None:
+        self.queues[self.rank].append((hidden, list(tokens or ())))
 
     def send_failure(self, n_rows: int, hidden_size: int) -> None:
         self.queues[self.rank].append(None)
 
-    def recv(self, n_rows: int, hidden_size: int):
-        x = self.queues[self.rank - 1].popleft()
-        if x is None:
+    def recv(self, n_rows: int, hidden_size: int, carried: bool = False):
+        """As StageLink.recv: the activations, with the drafted tokens they carry when `carried`."""
+        msg = self.queues[self.rank - 1].popleft()
+        if msg is None:
             raise RuntimeError(f"stage {self.rank - 1} failed this step")
+        x, tokens = msg
         if tuple(x.shape) != (n_rows, hidden_size):
             raise RuntimeError(f"stage {self.rank}: expected [{n_rows}, {hidden_size}], got {tuple(x.shape)}")
-        return x.to(self.compute_device)
+        x = x.to(self.compute_device)
+        return (x, tokens) if carried else x
 
 
 class InProcessPipeline:
