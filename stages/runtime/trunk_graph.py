@@ -65,7 +65,7 @@ from moeray.stages.kernels.threads import GraphPlans
 
 L2_EPS = 1e-6  # the DeltaNet's q/k L2 norm: x / sqrt(sum x^2 + L2_EPS) (stages/blocks/deltanet.l2norm)
 KEY_PAD = 64  # keys per graph shape: a decode step builds a new graph every KEY_PAD tokens
-# A graph's intermediates share scratch once their last reader has run (qmatmul.place_scratch), so
+# A graph's intermediates share scratch once their last reader has run (graphs.place_scratch), so
 # a stage graph needs about one layer's intermediates; a stage graph over this much (a step far
 # bigger than decode) runs per layer instead. At most STAGE_GRAPHS_BYTES of them are kept, the least
 # recently used dropped first: served steps move between a few hot shapes (every sequence decoding,
