@@ -23,9 +23,11 @@ published count.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
+import shutil
 import sys
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -468,13 +470,21 @@ def write_shape(name: str, seed: int = 0, shape: Shape | None = None, path: Path
             add(p + "ffn_down_shexp.weight", H, s.shared_ff)
     vec("output_norm.weight", H)
     add("output.weight", s.vocab, H, want=head)
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    if header_only:
-        w.write_ti_data_to_file()
-    else:
-        w.write_tensors_to_file()
-    w.close()
+    try:
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        if header_only:
+            w.write_ti_data_to_file()
+        else:
+            w.write_tensors_to_file()
+        w.close()
+    except OSError as exc:  # a full disk: leave no partial file of many GiB behind
+        with contextlib.suppress(OSError):
+            w.close()
+        tmp.unlink(missing_ok=True)
+        free = shutil.disk_usage(path.parent).free
+        raise SystemExit(f"{path}: could not write the {name}-shaped file ({exc}); {free / 2**30:.1f} GiB free "
+                         f"there: free disk space or point MOERAY_CACHE_DIR at a larger disk") from exc
     os.replace(tmp, path)
     meta.write_text(json.dumps({"shape": record, "bytes": path.stat().st_size}))
     return path
