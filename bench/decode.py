@@ -124,6 +124,28 @@ def bench_moeray(path: str, batch_sizes, n_prompt: int, n_decode: int, caches=("
     return rows
 
 
+
+def llama_greedy_step(L, ctx, batch, n_vocab: int, seqs: list[list[int]], start: int) -> list[int]:
+    """One llama_decode through llama-cpp-python's low-level API: append seqs[i] to sequence i
+    (positions from start) in `batch`; the greedy next token of each."""
+    import ctypes
+
+    import numpy as np
+
+    n, last = 0, []
+    for i, toks in enumerate(seqs):
+        for j, t in enumerate(toks):
+            batch.token[n], batch.pos[n], batch.n_seq_id[n] = t, start + j, 1
+            batch.seq_id[n][0] = i
+            batch.logits[n] = j == len(toks) - 1
+            n += 1
+        last.append(n - 1)
+    batch.n_tokens = n
+    if L.llama_decode(ctx, batch) != 0:
+        raise RuntimeError("llama_decode failed")
+    return [int(np.ctypeslib.as_array(ctypes.cast(L.llama_get_logits_ith(ctx, k), ctypes.POINTER(ctypes.c_float)),
+                                      shape=(n_vocab,)).argmax()) for k in last]
+
 def profile_decode(path: str, n_prompt: int, n_decode: int, backend: str | None = None) -> dict:
     """Where a decode token's time goes at batch 1, every expert on the host path: wall time of
     each part of the stage's step (timers around the model's own methods), ms per token."""
@@ -234,24 +256,7 @@ def bench_llama_cpp(path: str, threads: int, batch_sizes, n_prompt: int, n_decod
         batch = L.llama_batch_init(b * n_prompt, 0, b)
 
         def decode(seqs: list[list[int]], start: int) -> list[int]:
-            """Append seqs[i] to sequence i (positions from start); greedy next token of each."""
-            n, last = 0, []
-            for i, toks in enumerate(seqs):
-                for j, t in enumerate(toks):
-                    batch.token[n], batch.pos[n], batch.n_seq_id[n] = t, start + j, 1
-                    batch.seq_id[n][0] = i
-                    batch.logits[n] = j == len(toks) - 1
-                    n += 1
-                last.append(n - 1)
-            batch.n_tokens = n
-            if L.llama_decode(ctx, batch) != 0:
-                raise RuntimeError("llama_decode failed")
-            out = []
-            for k in last:
-                logits = np.ctypeslib.as_array(ctypes.cast(L.llama_get_logits_ith(ctx, k), ctypes.POINTER(ctypes.c_float)),
-                                               shape=(n_vocab,))
-                out.append(int(logits.argmax()))
-            return out
+            return llama_greedy_step(L, ctx, batch, n_vocab, seqs, start)
 
         decode([prompt_ids(tokenizer, 16, 0)], 0)  # warm-up
         L.llama_memory_clear(L.llama_get_memory(ctx), True)

@@ -68,9 +68,8 @@ def llama_cpp_steps(path: str, batch: int, n_prompt: int, steps: int, rounds: in
     import ctypes
 
     import llama_cpp as L
-    import numpy as np
 
-    from decode import _quiet, prompt_ids
+    from decode import _quiet, llama_greedy_step, prompt_ids
     from moeray.stages.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_gguf(path)
@@ -89,19 +88,7 @@ def llama_cpp_steps(path: str, batch: int, n_prompt: int, steps: int, rounds: in
     prompts = [prompt_ids(tok, n_prompt, i) for i in range(batch)]
 
     def decode(seqs, start):
-        n, last = 0, []
-        for i, toks in enumerate(seqs):
-            for j, t in enumerate(toks):
-                lb.token[n], lb.pos[n], lb.n_seq_id[n] = t, start + j, 1
-                lb.seq_id[n][0] = i
-                lb.logits[n] = j == len(toks) - 1
-                n += 1
-            last.append(n - 1)
-        lb.n_tokens = n
-        if L.llama_decode(ctx, lb) != 0:
-            raise RuntimeError("llama_decode failed")
-        return [int(np.ctypeslib.as_array(ctypes.cast(L.llama_get_logits_ith(ctx, k), ctypes.POINTER(ctypes.c_float)),
-                                          shape=(n_vocab,)).argmax()) for k in last]
+        return llama_greedy_step(L, ctx, lb, n_vocab, seqs, start)
 
     runs = []
     for r in range(rounds + 1):
