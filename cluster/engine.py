@@ -48,8 +48,11 @@ log = logging.getLogger("moeray")
 PREFIX_REUSE_OFF = ("prefix reuse off: this model's recurrent (DeltaNet) layers keep one state per sequence, "
                     "which cached KV blocks cannot restore, and the stages hold no checkpoints of it "
                     "(--state-checkpoints 0, or none fit); every prompt is prefilled whole")
-SPEC_OFF_RECURRENT = ("speculative decoding off: this model's recurrent (DeltaNet) layers would need their state "
-                      "restored after a rejected draft, which this pipeline does not do yet")
+# Speculation on a hybrid model snapshots a verifying sequence's state into a spare state slot,
+# borrowed from the checkpoint slots (cluster/scheduler.py); with none of those there is no spare:
+SPEC_OFF_NO_SPARES = ("speculative decoding off: this model's recurrent (DeltaNet) layers need a spare state slot "
+                      "to snapshot a verifying sequence into (borrowed from the checkpoint slots), and the stages "
+                      "hold none (--state-checkpoints 0, or none fit)")
 
 
 class Pipeline(Protocol):
@@ -73,7 +76,7 @@ class Engine:
         # Recurrent layers: each sequence slot is also a state slot of the stages (allocated at
         # admission, freed at finish or preemption with the slot; a fresh slot starts from zeros).
         state_slots = getattr(pipeline, "state_slots", 0) or 0
-        checkpoints = None
+        checkpoints = spares = None
         if state_slots:
             if config.max_seqs > state_slots:
                 raise MoerayError(f"max_seqs {config.max_seqs} is more than the {state_slots} sequence states the "
@@ -84,22 +87,26 @@ class Engine:
             elif config.prefix_reuse:
                 log.info(PREFIX_REUSE_OFF)
                 config = replace(config, prefix_reuse=False)
+            # verify rows borrow their spare state slots from the checkpoint slots (only them without prefix reuse)
+            spares = checkpoints or (CheckpointLedger(n_ckpt, base=state_slots) if n_ckpt else None)
         self.pipeline, self.config, self.tokenizer = pipeline, config, tokenizer
         # Drafts go only to a pipeline whose last stage verifies them (StageRunner.sample).
         self.speculation = None
+        # A hybrid model's verify rows need a spare state slot each (cluster/speculation.py).
         if getattr(pipeline, "verifies", False):
-            if state_slots:
+            if state_slots and spares is None:
                 if config.speculative != "off":
-                    log.info(SPEC_OFF_RECURRENT)
+                    log.info(SPEC_OFF_NO_SPARES)
             else:
                 self.speculation = Speculation(config.speculative, getattr(pipeline, "step_price", None),
                                                max_draft=config.max_draft,
                                                draft_model=getattr(pipeline, "draft_model", False),
                                                draft_token_ms=getattr(pipeline, "draft_token_ms", 0.0),
                                                mtp=getattr(pipeline, "mtp", False),
-                                               mtp_token_ms=getattr(pipeline, "mtp_token_ms", 0.0))
+                                               mtp_token_ms=getattr(pipeline, "mtp_token_ms", 0.0),
+                                               recurrent=bool(state_slots))
         self.scheduler = Scheduler(config, tokenizer.end_ids if tokenizer is not None else (),
-                                   config.kv_blocks or pool, checkpoints, self.speculation)
+                                   config.kv_blocks or pool, checkpoints, self.speculation, spares)
         self.in_flight: deque[tuple[ScheduledStep, Any]] = deque()
         self._ids = itertools.count()
         # Every step timed (its size and wall time), so speculation prices drafts at what steps cost here.
@@ -216,8 +223,11 @@ class Engine:
         pool = getattr(self.pipeline, "kv_blocks", None)
         if pool is not None and pool != self.scheduler.blocks.n_blocks:
             self.scheduler.resize_kv(pool)
-        ledger = self.scheduler.checkpoints
+        sched = self.scheduler
+        ledger = sched.spares  # the checkpoint ledger, or the spares' own over the same slots
         if ledger is not None:  # a re-plan may hold another number of checkpoints (0: none found again)
             n, base = getattr(self.pipeline, "state_checkpoints", 0) or 0, getattr(self.pipeline, "state_slots", 0)
             if (n, base) != (ledger.n, ledger.base):
-                self.scheduler.checkpoints = CheckpointLedger(n, base)
+                sched.spares = CheckpointLedger(n, base)
+                if sched.checkpoints is not None:
+                    sched.checkpoints = sched.spares

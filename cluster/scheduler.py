@@ -70,6 +70,11 @@ class Request:
     restore: Optional[int] = None
     rolling: Optional[int] = None
     checkpoint_at: Optional[int] = None
+    # Speculation on a hybrid model (docs/speculative.md): the spare state slot its verify row's
+    # snapshot is in (the state before the row), and after a rejected draft the kept tokens before
+    # its last one that its next row feeds again over that snapshot, restored into its slot
+    spare: Optional[int] = None
+    refeed: int = 0
     preemptions: int = 0
     fresh: bool = False  # admitted, its first row not yet scheduled: the stages start its sampler over
     t_admit: int = -1  # admission order: the youngest is preempted first
@@ -101,6 +106,9 @@ class Row:
     draft: list[int] = field(default_factory=list)  # drafted tokens after the last one (a verify row)
     model_k: int = 0  # of those, how many the first stage's draft model fills in (placeholders here)
     mtp_k: int = 0  # tokens the last stage's next-token-prediction layer proposes after this row
+    # A hybrid model's decode row that may not carry a draft: it re-feeds tokens after a rejected
+    # one, or its state is checkpointed after the step (a draft would move where the row ends)
+    no_draft: bool = False
 
 
 @dataclass
@@ -143,17 +151,26 @@ class EngineStats:
     preemptions: int = 0
     draft_tokens: int = 0  # drafted tokens sent in verify rows
     accepted_tokens: int = 0  # of those, accepted by the target
+    # A hybrid model's rejected drafts: the state restored from the spare snapshot, and the kept
+    # tokens its next rows fed again (what rejections cost there beyond the drafted tokens)
+    state_restores: int = 0
+    refeed_tokens: int = 0
 
 
 class Scheduler:
     """Who runs (sequence slots, lanes, KV blocks), what each step feeds, and when a request is done."""
 
     def __init__(self, config: EngineConfig, eos_ids: Sequence[int] = (), n_blocks: int | None = None,
-                 checkpoints: CheckpointLedger | None = None, speculation: Optional[Speculation] = None):
+                 checkpoints: CheckpointLedger | None = None, speculation: Optional[Speculation] = None,
+                 spares: CheckpointLedger | None = None):
         """`checkpoints`: a hybrid model's recurrent-state checkpoints (prefix reuse then resumes
-        only where one of them holds the state); None: a model without recurrent layers."""
+        only where one of them holds the state); None: a model without recurrent layers.
+        `spares`: a hybrid model's ledger of state slots that verify rows borrow a spare from (the
+        checkpoint ledger itself, or one over the same slots when prefix reuse is off); None: a
+        model without recurrent layers, whose drafts need no snapshot."""
         self.config = config
         self.checkpoints = checkpoints
+        self.spares = spares if spares is not None else checkpoints
         self.speculation = speculation  # None: no drafts (the pipeline cannot verify them, or speculation is off)
         if n_blocks is None and config.max_len is None:
             raise MoerayError("an engine needs a KV budget: kv_blocks, or max_len (max_seqs sequences of it)")
@@ -281,12 +298,24 @@ class Scheduler:
         rows, chosen, before, after = [], [], [], []
         for r in members:
             if r.status is RequestStatus.RUNNING and r.fed == len(r.prefill) and budget >= 1 and self._grow(r, chosen):
-                rows.append(Row(r, [r.output[-1]], r.kv_len, fresh=False, sample=True))
+                # After a rejected draft (hybrid): the state before the verify row is copied back
+                # and the row feeds the kept tokens again with the new one, so the recurrent state
+                # ends where a plain decode's does (attention rewrites the same KV there).
+                n = r.refeed
+                row = Row(r, r.output[-1 - n:], r.kv_len - n, fresh=False, sample=True, no_draft=n > 0)
+                if n:
+                    before.append((r.spare, r.slot))
+                    self.spares.release(r.spare)  # its copy is handed out: later steps may overwrite it
+                    r.spare, r.refeed = None, 0
+                    self.stats.state_restores += 1
+                    self.stats.refeed_tokens += n
+                rows.append(row)
                 chosen.append(r)
                 r.kv_len += 1
-                budget -= 1
+                budget -= 1 + n  # may go below 0: a re-fed row never waits, the chunks and drafts do
                 if self.checkpoints is not None and r.kv_len % BLOCK_SIZE == 0:  # a block boundary crossed
                     self._checkpoint(r, r.prompt + r.output, after)
+                    row.no_draft = True
         n_decode = len(rows)
         copies = []
         for r in members:
@@ -322,7 +351,7 @@ class Scheduler:
         self.stats.decode_tokens += n_decode
         self.stats.prefill_tokens += sum(len(row.tokens) for row in rows) - n_decode
         if self.speculation is not None and budget >= 1 and n_decode:
-            self._add_drafts(rows[:n_decode], sum(len(row.tokens) for row in rows), budget)
+            self._add_drafts(rows[:n_decode], sum(len(row.tokens) for row in rows), budget, before, after)
         rows.sort(key=lambda row: row.req.slot)
         for row in rows:
             row.req.busy = True
@@ -330,10 +359,15 @@ class Scheduler:
         return ScheduledStep(next(self._steps), lane, rows, copies, before, after,
                              draft_model=spec is not None and spec.draft_model, mtp=spec is not None and spec.mtp)
 
-    def _add_drafts(self, decode_rows: list[Row], n_plain: int, budget: int) -> None:
+    def _add_drafts(self, decode_rows: list[Row], n_plain: int, budget: int, before: list,
+                    after: list) -> None:
         """Drafted tokens after the decode rows' last tokens, as many as the step's price says pay
-        (cluster/speculation.py), each taking KV room it can get without preempting anyone."""
+        (cluster/speculation.py), each taking KV room it can get without preempting anyone. On a
+        hybrid model each verify row also takes a spare state slot, its sequence's state copied
+        into it before the step; a row that gets none runs plain (k = 0)."""
         rows = [row for row in decode_rows if row.req.spec is not None]
+        if self.spares is not None:
+            rows = [row for row in rows if not row.no_draft]
         if not rows:
             return
         free_rows = self.blocks.n_available * BLOCK_SIZE
@@ -344,12 +378,22 @@ class Scheduler:
             req = row.req
             if k <= 0:
                 continue
+            spare = None
+            if self.spares is not None:
+                spare = self.spares.borrow(avoid={dst for _, dst in after})
+                if spare is None:  # every spare slot is held: plain decode this step
+                    continue
             need = blocks_for(req.kv_len + k) - len(req.table)
             if need > 0:
                 got = self.blocks.allocate(need)
                 if got is None:
+                    if spare is not None:
+                        self.spares.release(spare)
                     continue
                 req.table += got
+            if spare is not None:  # the state before the row, restored should a draft be refused
+                before.append((req.slot, spare))
+                req.spare = spare
             if req.spec.kind == "draft":  # the first stage's draft model fills these in
                 row.draft, row.model_k = [0] * k, k
             elif req.spec.kind == "mtp":  # what the last stage's MTP layer proposed after the last token
@@ -414,6 +458,12 @@ class Scheduler:
                 break
         self.speculation.observe(req.spec, len(row.draft), len(toks) - 1, n)
         self.stats.accepted_tokens += len(toks) - 1
+        if req.spare is not None and not req.done:
+            if len(toks) - 1 == len(row.draft):  # every draft kept: the state is the plain decode's
+                self.spares.release(req.spare)
+                req.spare = None
+            else:  # its state absorbed refused tokens: the next row restores the snapshot, re-feeds
+                req.refeed = req.kv_len - row.start
         if not req.done and not self.reserve_output:
             keep = blocks_for(req.kv_len)
             if len(req.table) > keep:  # the rejected positions' blocks go back
@@ -512,3 +562,6 @@ class Scheduler:
             req.copy = None
         if self.checkpoints is not None:
             self._drop_state(req)
+        if req.spare is not None:  # a snapshot no row will restore (a re-prefill rebuilds the state)
+            self.spares.release(req.spare)
+            req.spare, req.refeed = None, 0

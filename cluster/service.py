@@ -243,7 +243,8 @@ class Service:
         acceptance rate and the tokens a verify row gave on average (cluster/speculation.py)."""
         spec = self.engine.speculation
         if spec is None:
-            return {"mode": "off", "why": "this pipeline does not verify drafts (a model with recurrent layers)"}
+            return {"mode": "off", "why": "this pipeline does not verify drafts, or a model with recurrent layers "
+                                          "has no spare state slots (--state-checkpoints 0)"}
         price = spec.price
         return {"mode": spec.mode, **spec.stats.as_dict(),
                 "step_price": None if price is None else {"fixed_ms": round(price.fixed_ms, 3),

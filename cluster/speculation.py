@@ -21,8 +21,12 @@ Modes (EngineConfig.speculative, default off; a request's `speculative` flag tur
   mtp    the file's next-token-prediction layer (GLM-4.5's nextn, stages/runtime/mtp.py) only
   auto   every drafter the pipeline has (n-gram, and the draft model and MTP layer where loaded),
          priced per step: drafts only where they pay, from the drafter with the surer first token
-A model with recurrent (DeltaNet) layers runs without speculation whatever the mode (cluster/engine.py
-SPEC_OFF_RECURRENT): its state is not yet restored after a rejected draft.
+A model with recurrent (DeltaNet) layers (`recurrent`) verifies drafts too: its state absorbs a
+whole verify row, so the scheduler snapshots the sequence's state slot into a spare one before the
+row and, after a rejection, restores it and feeds the kept tokens again in the sequence's next row
+(cluster/scheduler.py, docs/speculative.md). That re-feed is priced into the draft lengths
+(planner/draft_length.py `refeed_ms`): a hybrid model drafts only where the wider rows after its
+rejections are paid for too.
 """
 from __future__ import annotations
 
@@ -121,12 +125,13 @@ class Speculation:
     def __init__(self, mode: str = "auto", price: Optional[StepPrice] = None, ngram: NgramConfig = NgramConfig(),
                  max_draft: int = 32, seed: int = 0, drafter: Optional[Callable[[list[int]], Any]] = None,
                  draft_model: bool = False, draft_token_ms: float = 0.0, mtp: bool = False,
-                 mtp_token_ms: float = 0.0):
+                 mtp_token_ms: float = 0.0, recurrent: bool = False):
         """`drafter(tokens)`: a sequence's engine-side drafter (extend(tokens), draft(max_tokens) ->
         Draft), default the n-gram drafter; `draft_model`: the pipeline's first stage has a draft
         model (stages/runtime/draft_model.py), whose every drafted token costs `draft_token_ms`;
         `mtp`: its last stage has a next-token-prediction layer (stages/runtime/mtp.py), which
-        proposes tokens after each step at `mtp_token_ms` each."""
+        proposes tokens after each step at `mtp_token_ms` each; `recurrent`: the model has
+        recurrent layers, whose rejected drafts are re-fed in a later row (priced in)."""
         if mode not in MODES:
             raise MoerayError(f"speculative mode {mode!r} is not one of {', '.join(MODES)}")
         if mode == "draft" and not draft_model:
@@ -136,6 +141,7 @@ class Speculation:
             raise MoerayError("--speculative mtp needs a model file with next-token-prediction (nextn) layers, "
                               "which this one has not; use --speculative auto or ngram")
         self.mode, self.ngram, self.max_draft = mode, ngram, max_draft
+        self.recurrent = recurrent
         self.new_drafter = drafter or (lambda tokens: NgramDrafter(ngram, tokens))
         self.draft_model, self.draft_token_ms = draft_model and mode in ("auto", "draft"), draft_token_ms
         self.mtp, self.mtp_token_ms = mtp and mode in ("auto", "mtp"), mtp_token_ms
@@ -210,8 +216,10 @@ class Speculation:
         if not seqs or budget <= 0:
             return [0] * len(seqs)
         offers = [self._offer(s, r) for s, r in zip(seqs, room)]
-        table = self.step_table(n_plain + min(budget, sum(o.max_tokens for o in offers)))
-        choice = choose_draft_lengths(table, n_plain, value, offers, budget)
+        table = self.step_table(n_plain + 1 + min(budget, sum(o.max_tokens for o in offers)))
+        # a re-fed token costs a later step what one more token costs this one
+        refeed_ms = max(0.0, table[n_plain + 1] - table[n_plain]) if self.recurrent else 0.0
+        choice = choose_draft_lengths(table, n_plain, value, offers, budget, refeed_ms)
         lengths = [row_size_below(k) for k in choice.lengths]
         for i, (o, k) in enumerate(zip(offers, lengths)):
             if k == 0 and o.max_tokens > 0 and sum(lengths) < budget and self._rng.random() < self.PROBE:

@@ -22,9 +22,11 @@ Unreferenced checkpoints are evicted least recently used first. How many slots t
 the planner's decision (planner/kv.py `trade_checkpoints`: each costs one sequence's state on
 every recurrent layer's card, against KV blocks and expert slots).
 
-The same copy (slot to slot, on every stage, before or after a step) is the primitive a verify
-step of speculative decoding needs: snapshot a sequence's slot into a spare one before the step,
-copy it back after a rejection.
+The same copy (slot to slot, on every stage, before or after a step) is what a verify step of
+speculative decoding needs: a hybrid sequence's slot is snapshotted into a spare slot before the
+step and copied back after a rejection (cluster/scheduler.py, docs/speculative.md). Spares are
+borrowed from these slots (`borrow`: a free one, else the least recently used checkpoint is
+evicted for it) and go back unnamed, so they never cost a checkpoint slot of their own.
 """
 from __future__ import annotations
 
@@ -38,6 +40,7 @@ class CheckpointStats:
     restored: int = 0  # prompts resumed from one
     restored_tokens: int = 0  # prompt tokens those skipped
     evicted: int = 0
+    borrowed: int = 0  # spare slots lent to verify steps (speculative decoding on a hybrid model)
 
 
 class CheckpointLedger:
@@ -78,6 +81,17 @@ class CheckpointLedger:
             else:
                 self.free.append(slot)
 
+    def borrow(self, avoid=()) -> int | None:
+        """A slot to snapshot a speculating sequence's state into (speculative decoding's spare),
+        held until `release`; it holds no prefix's state, so it goes back to the free slots.
+        `avoid`: slots this step writes after it runs (checkpoints just saved), which a snapshot
+        taken before the step must not share. None: every slot is held."""
+        slot = self._allocate(avoid)
+        if slot is not None:
+            self.take(slot)
+            self.stats.borrowed += 1
+        return slot
+
     # ---------------------------------------------------------------- saving
 
     def save(self, h: int, own: int | None = None) -> int | None:
@@ -105,12 +119,13 @@ class CheckpointLedger:
         self.stats.saved += 1
         return slot
 
-    def _allocate(self) -> int | None:
+    def _allocate(self, avoid=()) -> int | None:
         if self.free:
             return self.free.pop()
-        if not self.cached:
+        slot = next((s for s in self.cached if s not in avoid), None)  # the least recently used
+        if slot is None:
             return None
-        slot, _ = self.cached.popitem(last=False)  # the least recently used
+        del self.cached[slot]
         self._forget(slot)
         self.stats.evicted += 1
         return slot

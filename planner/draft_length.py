@@ -21,6 +21,13 @@ tokens per ms the whole batch gets. The choice maximises exactly that, so a draf
 where it raises the step's expected throughput: under a full batch, where the experts are already
 read and each token's own compute is what grows, drafts shrink to 0 unless they are very sure.
 
+A hybrid model (recurrent DeltaNet layers) pays once more for a rejection: its state absorbed the
+whole row, so the sequence's next row restores the state from before the row and feeds the kept
+tokens again (cluster/scheduler.py). A draft of k tokens refused after j accepted ones adds j + 1
+tokens to a later step, so its expected re-fed tokens are sum_{j<k} a^j (1 - a) (j + 1), and the
+k-th drafted token adds a^(k-1) (1 - a) k of them; each is priced at `refeed_ms` (a token's
+marginal price in a step) on the choice's side of the cost.
+
 Pure: no torch, no Ray, no environment.
 """
 from __future__ import annotations
@@ -91,7 +98,7 @@ class Choice:
 
 
 def choose_draft_lengths(step_ms: Sequence[float], n_plain: int, value: float, offers: Sequence[Offer],
-                         max_draft: int | None = None) -> Choice:
+                         max_draft: int | None = None, refeed_ms: float = 0.0) -> Choice:
     """Draft lengths for `offers` that maximise the step's expected tokens per ms.
 
     step_ms[n]: the predicted ms of a step of n tokens (StepPrice.table), long enough for every
@@ -99,6 +106,8 @@ def choose_draft_lengths(step_ms: Sequence[float], n_plain: int, value: float, o
     yield (its decode rows). Each offer's drafted tokens are worth a^1, a^2, ... (decreasing), so
     the best m drafted tokens are the m largest of those chances over all offers; every m up to
     the limit is tried, and the best ratio wins (the smallest m on ties: 0 when nothing pays).
+    `refeed_ms`: what one token re-fed after a rejection costs a later step (a hybrid model; 0
+    where a rejection costs nothing more), charged at each drafted token's expected re-feed.
     """
     limit = sum(o.max_tokens for o in offers)
     if max_draft is not None:
@@ -120,6 +129,9 @@ def choose_draft_lengths(step_ms: Sequence[float], n_plain: int, value: float, o
         lengths[i] += 1
         gained += -g
         drafting_ms += offers[i].token_ms
+        if refeed_ms:  # the k-th token: a rejection at it or after re-feeds k more tokens, at a^(k-1) (1 - a)
+            a, k = offers[i].acceptance, lengths[i]
+            drafting_ms += refeed_ms * a ** (k - 1) * (1 - a) * k
         if lengths[i] < offers[i].max_tokens:
             heapq.heappush(heap, (-offers[i].gain(lengths[i] + 1), i))
         n = n_plain + len(order)

@@ -725,22 +725,175 @@ def test_mtp_across_ray_stages(glm_mtp):
 # ---------------------------------------------------------------- a hybrid model (recurrent DeltaNet state)
 
 
-def test_a_hybrid_model_decodes_plainly_and_says_why(tmp_path, caplog):
-    """A rejected draft would leave a DeltaNet layer's state advanced past the kept tokens, and this
-    pipeline does not restore it: a hybrid model (tiny qwen3next) runs without speculation whatever
-    the mode or a request's flag asks, says so in one line, and gives the plain greedy tokens."""
+class HybridModels(Models):
+    """The tiny hybrid families (tests/tiny_hybrid.py): Q8_0 on the default backend (the stage
+    graphs), and ("exact", family) F32 on the exact backend."""
+
+    def __missing__(self, key):
+        from tiny_hybrid import HYBRID_BUILDERS
+
+        exact = isinstance(key, tuple)
+        family = key[1] if exact else key
+        path = write_gguf(HYBRID_BUILDERS[family](), self.folder / f"{family}{'-f32' if exact else ''}.gguf",
+                          "F32" if exact else "Q8_0")
+        self[key] = load_model(path, backend="exact") if exact else load_model(path)
+        return self[key]
+
+
+@pytest.fixture(scope="module")
+def hybrid_models(tmp_path_factory):
+    return HybridModels(tmp_path_factory.mktemp("hspec"))
+
+
+def hybrid_engine(model, max_seqs: int, mode: str, drafter=None, checkpoints: int | None = None, **cfg) -> Engine:
+    """A hybrid model's engine: `checkpoints` state slots after the sequence slots (default one per
+    sequence), from which verify rows borrow their spares."""
+    n_ckpt = max_seqs if checkpoints is None else checkpoints
+    eng = Engine(LocalPipeline.from_model(model, 160, max_seqs, state_checkpoints=n_ckpt),
+                 EngineConfig(max_seqs=max_seqs, max_len=256, micro_batches=1, speculative=mode, **cfg))
+    if drafter is not None:
+        eng.speculation.new_drafter = drafter
+        eng.speculation.PROBE = 1.0
+    return eng
+
+
+def check_spares(eng: Engine) -> None:
+    """The state-slot ledger after a step: every checkpoint slot free, cached or held, held exactly
+    by the sequences that name it (a checkpoint to restore, a rolling one, a verify row's spare);
+    a sequence holds a spare only while its verify row is in flight or its restore is pending."""
+    from collections import Counter
+
+    sched = eng.scheduler
+    led = sched.spares
+    held = Counter(s for r in sched.running + list(sched.waiting)
+                   for s in (r.restore, r.rolling, r.spare) if s is not None)
+    assert dict(held) == led.ref
+    free, cached = set(led.free), set(led.cached)
+    assert len(free) == len(led.free) and not free & cached and not (free | cached) & set(led.ref)
+    assert len(free) + len(cached) + len(led.ref) == led.n
+    for r in sched.running:
+        assert (r.spare is not None) == (r.busy and any(row.req is r and row.draft for s, _ in eng.in_flight
+                                                        for row in s.rows) or r.refeed > 0), r.id
+        assert r.refeed == 0 or r.spare is not None
+    for r in list(sched.waiting):
+        assert r.spare is None and r.refeed == 0
+
+
+def run_hybrid_checked(eng: Engine, prompts, params) -> list:
+    reqs = [eng.add(p, params) for p in prompts]
+    while not all(r.done for r in reqs):
+        eng.step()
+        check_ledger(eng)
+        check_spares(eng)
+    assert not eng.scheduler.spares.ref or eng.config.prefix_reuse  # only checkpoints' holders, if any
+    assert all(r.spare is None for r in reqs)
+    return reqs
+
+
+HYBRIDS = ["qwen3next", "qwen35moe"]
+
+
+@pytest.mark.parametrize("family", HYBRIDS)
+def test_hybrid_greedy_tokens_are_the_same_with_and_without_speculation(hybrid_models, family):
+    """A hybrid model drafts: each verify row snapshots its sequence's DeltaNet state into a spare
+    slot, and a rejected draft's next row restores it and feeds the kept tokens again. With a
+    drafter wrong one token in four (rejections every few rows) the greedy tokens are the plain
+    decode's, one sequence and sixteen; the KV ledger and the state-slot ledger are checked after
+    every step and no spare is left held."""
+    model = hybrid_models[family]
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    for batch in (1, 16):
+        prompts = prompts_for(batch, seed=batch)
+        plain = [r.output for r in run_hybrid_checked(hybrid_engine(model, batch, "off"), prompts, params)]
+        refs = {tuple(p): o for p, o in zip(prompts, plain)}
+        eng = hybrid_engine(model, batch, "auto", drafter=lambda toks: NoisyOracle(refs, toks, vocab=300))
+        got = [r.output for r in run_hybrid_checked(eng, prompts, params)]
+        assert got == plain, (family, batch)
+        s = eng.speculation.stats
+        # both verdicts: accepted runs, and rows whose draft met a refused token (restored after)
+        assert s.accepted_tokens > 0 and s.by_drafter["ngram"].rejected > 0 and s.verify_rows > 0
+        assert eng.stats.state_restores > 0 and eng.stats.refeed_tokens >= eng.stats.state_restores
+        assert eng.stats.steps < run_steps_plain(plain)
+
+
+def test_after_a_rejection_the_recurrent_state_is_the_plain_decodes(hybrid_models):
+    """The state itself (exact backend, F32, tiny Qwen3-Next): after each step whose row restored
+    the snapshot and re-fed the kept tokens, the sequence's conv and recurrent state over every
+    DeltaNet layer equals, within 1e-4 of its largest value, the state a plain decode holds after
+    the same tokens; and the next step's log-probabilities are the plain decode's."""
+    model = hybrid_models["exact", "qwen3next"]
+    prompt = prompts_for(1, seed=5)[0]
+    params = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=3)
+
+    def states(eng):
+        """Each step's (tokens in KV, the state after it, restored this step?), for the one sequence."""
+        req = eng.add(prompt, params)
+        kv, out = eng.pipeline.stage.kv, []
+        while not req.done:
+            restores = eng.stats.state_restores
+            eng.step()
+            check_ledger(eng)
+            check_spares(eng)
+            if not req.done and req.refeed == 0:  # not waiting on a restore: the state is its tokens'
+                out.append((req.kv_len, kv.state.conv[:, req.slot].clone(), kv.state.rec[:, req.slot].clone(),
+                            eng.stats.state_restores > restores))
+        return req, out
+
+    plain_req, plain = states(hybrid_engine(model, 1, "off"))
+    by_len = {n: (c, r) for n, c, r, _ in plain}
+    refs = {tuple(prompt): plain_req.output}
+    eng = hybrid_engine(model, 1, "auto", drafter=lambda toks: NoisyOracle(refs, toks, wrong=0.4, vocab=300))
+    got_req, got = states(eng)
+    restored = [(n, c, r) for n, c, r, was in got if was]
+    assert len(restored) >= 2 and eng.speculation.stats.by_drafter["ngram"].rejected > 0
+    for n, conv, rec in restored:
+        want_conv, want_rec = by_len[n]
+        assert (conv - want_conv).abs().max() <= 1e-4 * want_conv.abs().max(), n
+        assert (rec - want_rec).abs().max() <= 1e-4 * want_rec.abs().max(), n
+    assert got_req.output == plain_req.output
+    a = torch.tensor([[lp.logprob] + [p for _, p in lp.top] for lp in got_req.logprobs])
+    b = torch.tensor([[lp.logprob] + [p for _, p in lp.top] for lp in plain_req.logprobs])
+    assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+
+
+def test_a_hybrid_model_without_spare_slots_decodes_plainly_and_says_why(hybrid_models, caplog):
+    """No checkpoint slots (--state-checkpoints 0): no spare to snapshot a verifying sequence's
+    state into, so the hybrid model runs without speculation whatever the mode or a request's flag
+    asks, says so in one line, and gives the plain greedy tokens."""
     import logging
 
-    from moeray.cluster.engine import SPEC_OFF_RECURRENT
-    from tiny_hybrid import tiny_qwen3next
+    from moeray.cluster.engine import SPEC_OFF_NO_SPARES
 
-    model = load_model(write_gguf(tiny_qwen3next(), tmp_path / "qwen3next.gguf", "F32"), backend="exact")
+    model = hybrid_models["qwen3next"]
     prompts = prompts_for(4, seed=3)
-    plain = [r.output for r in run_checked(engine_for(model, 4, "off"), prompts,
+    plain = [r.output for r in run_checked(hybrid_engine(model, 4, "off", checkpoints=0), prompts,
                                            SamplingParams(max_tokens=16, ignore_eos=True))]
     with caplog.at_level(logging.INFO, logger="moeray"):
-        eng = engine_for(model, 4, "auto")
-    assert any(r.getMessage() == SPEC_OFF_RECURRENT for r in caplog.records)
+        eng = hybrid_engine(model, 4, "auto", checkpoints=0)
+    assert any(r.getMessage() == SPEC_OFF_NO_SPARES for r in caplog.records)
     assert eng.speculation is None
     got = run_checked(eng, prompts, SamplingParams(max_tokens=16, ignore_eos=True, speculative=True))
     assert [r.output for r in got] == plain
+
+
+def test_a_hybrid_sequence_without_a_free_spare_decodes_plainly(hybrid_models):
+    """Two sequence slots, one checkpoint slot (prefix reuse off, so it only lends spares): at most
+    one sequence verifies a draft at a time; the other runs plain rows, and the tokens are the
+    plain decode's."""
+    model = hybrid_models["qwen3next"]
+    prompts = prompts_for(2, seed=7)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    plain = [r.output for r in run_hybrid_checked(hybrid_engine(model, 2, "off", checkpoints=1), prompts, params)]
+    refs = {tuple(p): o for p, o in zip(prompts, plain)}
+    eng = hybrid_engine(model, 2, "auto", drafter=lambda toks: NoisyOracle(refs, toks, vocab=300), checkpoints=1,
+                        prefix_reuse=False)
+    assert eng.scheduler.checkpoints is None and eng.scheduler.spares.n == 1
+    reqs = [eng.add(p, params) for p in prompts]
+    most = 0
+    while not all(r.done for r in reqs):
+        eng.step()
+        check_ledger(eng)
+        check_spares(eng)
+        most = max(most, sum(r.spare is not None for r in reqs))
+    assert most == 1 and [r.output for r in reqs] == plain
+    assert eng.speculation.stats.verify_rows > 0
