@@ -203,8 +203,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    help="compute every prompt in full (default: reuse the KV of a prompt prefix already computed)")
     g.add_argument("--state-checkpoints", type=int, default=d.state_checkpoints, metavar="N",
                    help="hybrid models (DeltaNet layers): checkpoints of the recurrent state the stages keep, "
-                        "from which a conversation's next turn resumes (0: none, every prompt prefilled whole; "
-                        "default: the planner trades them against KV and expert slots)")
+                        "from which a conversation's next turn resumes, and which speculation's verify rows borrow "
+                        "as spares (0: none, every prompt prefilled whole and no drafts; default: the planner "
+                        "trades them against KV and expert slots)")
     g.add_argument("--speculative", choices=("auto", "off", "ngram", "draft", "mtp"), default=d.speculative,
                    help="speculative decoding: draft tokens and verify them in one step (auto: every drafter the "
                         f"model has, priced per step; default {d.speculative}); a request's `speculative` overrides it")

@@ -14,6 +14,11 @@ Each running request belongs to one of `micro_batches` lanes; every lane has at 
 flight, so with M lanes up to M micro-batches move down the pipeline at once and the stages work
 on different ones at the same time (stage 0 embeds lane 1 while stage 3 samples lane 0).
 
+Speculative decoding (cluster/speculation.py, docs/speculative.md): a decode row may carry drafted
+tokens, verified by the last stage; on a model with recurrent layers each verify row also snapshots
+its sequence's state into a spare state slot (borrowed from the checkpoint slots) so a rejected
+draft can be undone (cluster/scheduler.py). Without any such slot a hybrid model does not draft.
+
 A pipeline is three calls (submit, result, recover): RayPipeline (cluster/driver.py) runs the
 stages as Ray actors; LocalPipeline (cluster/local_pipeline.py) runs a whole model in this
 process. A step that does not come back within `step_timeout_s` is reported with the stage it is

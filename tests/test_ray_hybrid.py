@@ -1,7 +1,9 @@
 """A hybrid (Gated DeltaNet) model on four simulated stages as Ray actors: the plan charges each
 stage its layers' sequence states and state checkpoints beside their KV, every stage allocates
 exactly that, and the pipeline gives the one-process greedy tokens; a second turn resumes from a
-checkpoint of the state at its last cached block, on every stage (cluster/state_checkpoints.py)."""
+checkpoint of the state at its last cached block, on every stage (cluster/state_checkpoints.py);
+drafts verified over the four stages (two micro-batches in flight) give the same tokens, each stage
+restoring its own layers' state after a rejected draft."""
 from __future__ import annotations
 
 import pytest
@@ -68,3 +70,38 @@ def test_stages_hold_the_priced_state_and_give_the_one_process_tokens(launched):
     turn = PROMPTS[0] + reqs[0].output + [5, 6, 7]  # 37 + 8 + 3: resumes at 32, where the prompt's checkpoint is
     second = eng.generate([turn], SamplingParams(max_tokens=N_NEW, ignore_eos=True), timeout_s=300)[0]
     assert second.cached_tokens == 32 and second.output == _greedy(launched.path, turn, N_NEW)
+
+
+class _OftenWrong:
+    """Drafts the known greedy continuation, its first token wrong every other draft: rejections
+    (the state restored on every stage, the kept tokens re-fed) and accepted runs both."""
+
+    def __init__(self, refs: dict, tokens: list[int]):
+        self.prompt = next(p for p in refs if tuple(tokens[:len(p)]) == p)
+        self.ref, self.n, self.calls = refs[self.prompt], len(tokens), 0
+
+    def extend(self, tokens) -> None:
+        self.n += len(list(tokens))
+
+    def draft(self, max_tokens: int):
+        from moeray.cluster.ngram import Draft
+
+        at = self.n - len(self.prompt)
+        out = list(self.ref[at:at + max_tokens])
+        self.calls += 1
+        if out and self.calls % 2:
+            out[0] = (out[0] + 1) % 300
+        return Draft(out, 8 if out else 0)
+
+
+def test_drafts_verified_over_the_stages_keep_the_greedy_tokens(launched):
+    eng = Engine(launched.pipeline(), EngineConfig(max_seqs=MAX_SEQS, max_len=MAX_LEN, token_budget=16,
+                                                   prefill_chunk=8, micro_batches=2, step_timeout_s=60))
+    refs = {tuple(p): _greedy(launched.path, p, N_NEW) for p in PROMPTS}
+    eng.speculation.new_drafter = lambda toks: _OftenWrong(refs, toks)
+    eng.speculation.PROBE = 1.0
+    reqs = eng.generate(PROMPTS, SamplingParams(max_tokens=N_NEW, ignore_eos=True, speculative=True), timeout_s=300)
+    assert [r.output for r in reqs] == [refs[tuple(p)] for p in PROMPTS]
+    s = eng.speculation.stats
+    assert s.accepted_tokens > 0 and eng.stats.state_restores > 0
+    assert not any(r.spare is not None for r in reqs) and eng.scheduler.spares.stats.borrowed > 0

@@ -64,6 +64,23 @@ def test_the_experts_a_draft_touches_raise_its_price():
     assert alike.ms(4) < dear.ms(4)
 
 
+def test_a_hybrid_models_rejections_are_priced_as_the_tokens_they_re_feed():
+    """On a hybrid model a rejection after j accepted drafts re-feeds j + 1 tokens in a later row:
+    the k-th drafted token costs a^(k-1) (1 - a) k of them more, each at a token's price: a
+    drafter right 9 times in 10 drafts shorter than on a model without recurrent layers (8 tokens
+    against 10 here), a surely right one (a = 1) as long."""
+    flat = StepPrice(fixed_ms=10.0, token_ms=1.0).table(80)
+    for a, shorter in ((0.9, True), (1.0, False)):
+        plain = choose_draft_lengths(flat, 1, 1, [Offer(a, 30)])
+        hybrid = choose_draft_lengths(flat, 1, 1, [Offer(a, 30)], refeed_ms=1.0)
+        assert (hybrid.lengths[0] < plain.lengths[0]) == shorter, (a, plain.lengths, hybrid.lengths)
+        assert hybrid.lengths[0] > 0
+    # the expected re-fed tokens of a k-token draft, summed the way the choice adds them
+    a, k = 0.6, 5
+    direct = sum(a ** j * (1 - a) * (j + 1) for j in range(k))
+    assert sum(a ** (i - 1) * (1 - a) * i for i in range(1, k + 1)) == pytest.approx(direct)
+
+
 # ---------------------------------------------------------------- the n-gram drafter
 
 
@@ -854,6 +871,24 @@ def test_after_a_rejection_the_recurrent_state_is_the_plain_decodes(hybrid_model
     a = torch.tensor([[lp.logprob] + [p for _, p in lp.top] for lp in got_req.logprobs])
     b = torch.tensor([[lp.logprob] + [p for _, p in lp.top] for lp in plain_req.logprobs])
     assert (a - b).abs().max() <= 1e-4 * b.abs().max()
+
+
+def test_a_hybrid_model_with_an_attention_draft_model_keeps_the_greedy_tokens(hybrid_models, tmp_path):
+    """A transformer draft model (tiny llama, the same vocabulary, mostly wrong) drafting for a hybrid
+    target: its rejected rows restore the target's state and re-feed, and the draft model's own KV
+    is rewritten at the re-fed positions like the target's; the greedy tokens are the plain ones."""
+    import tiny_models as tm
+
+    model = hybrid_models["qwen3next"]
+    prompts = prompts_for(3, seed=22)
+    params = SamplingParams(max_tokens=16, ignore_eos=True)
+    plain = [r.output for r in run_hybrid_checked(hybrid_engine(model, 3, "off"), prompts, params)]
+    draft = write_gguf(tm.tiny_llama(seed=9), tmp_path / "draft.gguf", "Q8_0")
+    eng = Engine(LocalPipeline.from_model(model, 96, 3, draft=str(draft), state_checkpoints=3),
+                 EngineConfig(max_seqs=3, max_len=256, micro_batches=1, speculative="draft"))
+    eng.speculation.PROBE = 1.0
+    assert [r.output for r in run_hybrid_checked(eng, prompts, params)] == plain
+    assert eng.speculation.stats.by_drafter["draft"].rows > 0 and eng.stats.state_restores > 0
 
 
 def test_a_hybrid_model_without_spare_slots_decodes_plainly_and_says_why(hybrid_models, caplog):
