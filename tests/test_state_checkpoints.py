@@ -209,3 +209,19 @@ def test_ledger_evicts_least_recently_used_and_never_a_held_slot():
     assert led.save(106) is None  # already held (another sequence, same prefix)
     led.forget_all()
     assert led.find([101, 104, 106, 107]) == (0, None) and len(led.free) == 3
+
+
+def test_ledger_lends_spares_for_verify_rows_free_first_then_the_least_recently_used():
+    """Speculation's spare slots (cluster/scheduler.py): a free slot first, else the least recently
+    used unheld checkpoint, never one this step checkpoints into (`avoid`: written after the step,
+    while the snapshot is taken before it) nor a held one; a spare goes back free, holding no prefix."""
+    led = CheckpointLedger(3, base=4)
+    spare = led.borrow()
+    assert spare == 4 and led.ref[spare] == 1 and led.stats.borrowed == 1
+    a, b = led.save(101), led.save(102)  # 5, 6: every slot now named or lent
+    assert led.borrow(avoid={a}) == b and led.find([101, 102]) == (1, a)  # b evicted, a kept
+    assert led.borrow(avoid={a}) is None  # a is this step's checkpoint, the others are lent
+    led.release(spare)
+    assert led.free == [spare] and led.find([101]) == (1, a)  # back free, no prefix named
+    led.take(a)
+    assert led.borrow() == spare and led.borrow() is None  # held slots are never lent
