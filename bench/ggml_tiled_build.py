@@ -120,6 +120,9 @@ def main() -> int:
     ap.add_argument("--out", required=True, help="the folder to put on PYTHONPATH (it gets ggml/)")
     ap.add_argument("--version", default="0.0.45", help="the ggml-python sdist to patch (the installed one)")
     ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--llamafile", action="store_true",
+                    help="also llamafile's sgemm (Q8_0, Q4_0, float at 2+ rows), which the Makefile leaves out: "
+                         "a row's result then depends on its batch")
     args = ap.parse_args()
     import ggml
 
@@ -143,7 +146,9 @@ def main() -> int:
     (cpu / "ggml-cpu.c").write_text(src)
 
     build = work / "build"
-    subprocess.run(["cmake", "-S", str(vendor), "-B", str(build), "-G", "Ninja", *CMAKE_FLAGS], check=True)
+    flags = [f for f in CMAKE_FLAGS if not (args.llamafile and f.startswith("-DGGML_LLAMAFILE"))]
+    flags += ["-DGGML_LLAMAFILE=ON"] if args.llamafile else []
+    subprocess.run(["cmake", "-S", str(vendor), "-B", str(build), "-G", "Ninja", *flags], check=True)
     subprocess.run(["ninja", "-C", str(build), f"-j{args.jobs}", "ggml-base", "ggml-cpu", "ggml"], check=True)
 
     out = Path(args.out) / "ggml"
