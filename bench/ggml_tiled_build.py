@@ -121,7 +121,7 @@ def main() -> int:
     ap.add_argument("--version", default="0.0.45", help="the ggml-python sdist to patch (the installed one)")
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--llamafile", action="store_true",
-                    help="also llamafile's sgemm (Q8_0, Q4_0, float at 2+ rows), which the Makefile leaves out: "
+                    help="also llamafile's sgemm (plain Q8_0, Q4_0 and float matrices; not mul_mat_id), which the Makefile leaves out: "
                          "a row's result then depends on its batch")
     args = ap.parse_args()
     import ggml
