@@ -54,9 +54,9 @@ class EngineConfig:
     # Speculative decoding (cluster/speculation.py): auto | off | ngram | draft | mtp; a request's
     # `speculative` flag overrides it. Draft lengths are priced per step (planner/draft_length.py),
     # at most max_draft tokens a row. Off by default: served on the default model (bench/spec.py, one
-    # client, a CPU shared with other jobs) auto lost to plain decode, paying prompts included: each
-    # extra token of a verify row cost 0.6-0.8 of a plain step there (bench/spec_steps.py; llama.cpp's
-    # batches cost as much: llama-bench -p 1,2,4,8), so few drafts paid (docs/speculative.md#measured).
+    # client, 2 threads) auto ran 1.08-1.20x plain decode where the answer repeats its prompt but
+    # 0.94x on free chat, whose drafts are accepted as often but lengthen steps that cost more than
+    # the price expects (docs/speculative.md#measured).
     speculative: str = "off"
     max_draft: int = 32
 
