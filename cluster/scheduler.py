@@ -333,6 +333,12 @@ class Scheduler:
                     n = r.checkpoint_at - r.fed  # the chunk ends at the boundary: its state is checkpointed
                     r.checkpoint_at = None
                     self._checkpoint(r, r.prefill[:r.fed + n], after, keep=False)
+                elif (self.checkpoints is not None and r.fed + n == len(r.prefill)
+                      and (r.fed + n) % BLOCK_SIZE == 0):
+                    # The prompt ends on a block boundary: its state there is the sequence's first
+                    # rolling checkpoint (as a decode step's boundary is), so a next turn that
+                    # begins with this prompt and an answer shorter than a block resumes here.
+                    self._checkpoint(r, r.prefill[:r.fed + n], after)
                 rows.append(Row(r, r.prefill[r.fed:r.fed + n], r.fed, fresh=r.fresh,
                                 sample=r.fed + n == len(r.prefill)))
                 # This chunk's full blocks are written by this step: the stages run steps in the

@@ -15,7 +15,8 @@ only the rest is prefilled.
 Which boundaries (cluster/scheduler.py), as llama-server's context checkpoints choose theirs:
   * the prompt's last full block before its final token (the chunk is cut there): the same prompt
     sent again, a regenerated answer, a turn whose template rewrote the previous answer;
-  * while decoding, each block boundary the sequence crosses, in one slot the sequence keeps
+  * the prompt's end, where it falls on a block boundary, and while decoding each block boundary
+    the sequence crosses, in one slot the sequence keeps
     (overwritten every 16 tokens): when it finishes, the state at its last full block of prompt +
     answer, which the next turn's prompt begins with.
 Unreferenced checkpoints are evicted least recently used first. How many slots the stages hold is

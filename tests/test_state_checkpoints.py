@@ -112,6 +112,20 @@ def test_second_turn_resumes_from_the_answers_last_block(exact):
     _same(again, got, "regenerated")
 
 
+def test_a_prompt_ending_on_a_block_boundary_is_checkpointed_there(exact):
+    """Turn 1: a 48-token prompt (three whole blocks) and an answer shorter than a block (its 10
+    tokens never reach the boundary at 64). Turn 2 = that prompt + answer + 6 new tokens resumes at
+    48, the prompt's own end, not at 32 (its last block before its final token), and gives the
+    tokens and log-probabilities of an engine that prefills it all."""
+    eng, ref = _engine(exact), _engine(exact, checkpoints=0)
+    a = _tokens(48, 11)
+    first = _turn(eng, a, 10)
+    second = a + first.output + _tokens(6, 12)
+    got = _turn(eng, second, 6)
+    assert got.cached_tokens == 48
+    _same(got, _turn(ref, second, 6), "second turn after a whole-block prompt")
+
+
 def test_a_checkpoint_is_never_used_past_a_difference(exact):
     """A turn that rewrites the previous answer at position 45 cannot resume at 48 (the state
     there saw the old token): it resumes at the prompt's own checkpoint, 32, and its tokens are a
