@@ -226,16 +226,24 @@ def prompts_for(n: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(1, 290) for _ in range(6 + 5 * (i % 4))] for i in range(n)]
 
 
+def greedy_with_and_without(build, run, model, batch: int):
+    """`batch` prompts decoded greedily without speculation, then with it through a drafter that
+    knows the plain answer but is wrong one token in four: (the speculating engine, its tokens, the
+    plain tokens). `build(model, batch, mode, drafter=...)` makes an engine, `run` drives it with
+    its ledgers checked after every step."""
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    prompts = prompts_for(batch, seed=batch)
+    plain = [r.output for r in run(build(model, batch, "off"), prompts, params)]
+    refs = {tuple(p): o for p, o in zip(prompts, plain)}
+    eng = build(model, batch, "auto", drafter=lambda toks: NoisyOracle(refs, toks, vocab=300))
+    return eng, [r.output for r in run(eng, prompts, params)], plain
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_greedy_tokens_are_the_same_with_and_without_speculation(family_models, family):
     model = family_models[family]
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
     for batch in (1, 16):
-        prompts = prompts_for(batch, seed=batch)
-        plain = [r.output for r in run_checked(engine_for(model, batch, "off"), prompts, params)]
-        refs = {tuple(p): o for p, o in zip(prompts, plain)}
-        eng = engine_for(model, batch, "auto", drafter=lambda toks: NoisyOracle(refs, toks, vocab=300))
-        got = [r.output for r in run_checked(eng, prompts, params)]
+        eng, got, plain = greedy_with_and_without(engine_for, run_checked, model, batch)
         assert got == plain, (family, batch)
         s = eng.speculation.stats
         # both paths ran: accepted runs and refused drafts
@@ -823,13 +831,8 @@ def test_hybrid_greedy_tokens_are_the_same_with_and_without_speculation(hybrid_m
     decode's, one sequence and sixteen; the KV ledger and the state-slot ledger are checked after
     every step and no spare is left held."""
     model = hybrid_models[family]
-    params = SamplingParams(max_tokens=24, ignore_eos=True)
     for batch in (1, 16):
-        prompts = prompts_for(batch, seed=batch)
-        plain = [r.output for r in run_hybrid_checked(hybrid_engine(model, batch, "off"), prompts, params)]
-        refs = {tuple(p): o for p, o in zip(prompts, plain)}
-        eng = hybrid_engine(model, batch, "auto", drafter=lambda toks: NoisyOracle(refs, toks, vocab=300))
-        got = [r.output for r in run_hybrid_checked(eng, prompts, params)]
+        eng, got, plain = greedy_with_and_without(hybrid_engine, run_hybrid_checked, model, batch)
         assert got == plain, (family, batch)
         s = eng.speculation.stats
         # both verdicts: accepted runs, and rows whose draft met a refused token (restored after)

@@ -55,6 +55,16 @@ def _turn(eng, prompt, n):
     return req
 
 
+def _second_turn(model, prompt, answer, new, out):
+    """Turn 1: a prompt of `prompt` = (length, seed) random tokens and `answer` tokens of answer;
+    turn 2: that prompt + the answer + `new` = (length, seed) more, `out` tokens asked. Returns
+    turn 2 as run with checkpoints after turn 1 and as an engine without any prefills it whole."""
+    eng, ref = _engine(model), _engine(model, checkpoints=0)
+    a = _tokens(*prompt)
+    second = a + _turn(eng, a, answer).output + _tokens(*new)
+    return _turn(eng, second, out), _turn(ref, second, out)
+
+
 def _same(got, ref, what, rtol=RTOL):
     """Two requests: the same greedy tokens, each step's log-probabilities (the sampled token's and
     the top 5) within rtol of the largest |logprob|."""
@@ -117,13 +127,9 @@ def test_a_prompt_ending_on_a_block_boundary_is_checkpointed_there(exact):
     tokens never reach the boundary at 64). Turn 2 = that prompt + answer + 6 new tokens resumes at
     48, the prompt's own end, not at 32 (its last block before its final token), and gives the
     tokens and log-probabilities of an engine that prefills it all."""
-    eng, ref = _engine(exact), _engine(exact, checkpoints=0)
-    a = _tokens(48, 11)
-    first = _turn(eng, a, 10)
-    second = a + first.output + _tokens(6, 12)
-    got = _turn(eng, second, 6)
+    got, want = _second_turn(exact, (48, 11), 10, (6, 12), 6)
     assert got.cached_tokens == 48
-    _same(got, _turn(ref, second, 6), "second turn after a whole-block prompt")
+    _same(got, want, "second turn after a whole-block prompt")
 
 
 def test_a_checkpoint_is_never_used_past_a_difference(exact):
@@ -193,13 +199,9 @@ def test_second_turn_on_the_stage_graphs(hf, tmp_path):
     prefill's within the route's bound (1e-1 of the largest; measured 0: the same bits)."""
     model = StageModel.from_gguf(str(write_gguf(hf, tmp_path / "q8.gguf", "Q8_0")), backend="ggml")
     assert model.trunk is not None
-    eng, ref = _engine(model), _engine(model, checkpoints=0)
-    a = _tokens(40, 9)
-    first = _turn(eng, a, 20)
-    second = a + first.output + _tokens(10, 10)
-    got = _turn(eng, second, 8)
+    got, want = _second_turn(model, (40, 9), 20, (10, 10), 8)
     assert got.cached_tokens == 48
-    _same(got, _turn(ref, second, 8), "second turn, ggml", rtol=1e-1)
+    _same(got, want, "second turn, ggml", rtol=1e-1)
 
 
 def test_ledger_evicts_least_recently_used_and_never_a_held_slot():
