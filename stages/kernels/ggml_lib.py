@@ -78,3 +78,33 @@ def load_once() -> tuple:
         except Exception as exc:
             _loaded = (None, f"{type(exc).__name__}: {exc}")
     return _loaded
+
+
+# llama.cpp's tiled K/IQ-quant GEMM (stages/kernels/ggml_build.py puts it into the ggml that `make
+# venv` builds; ggml-python's PyPI sdist lacks it): one of these, for the backend line and a stage's options.
+TILED_ON, TILED_OFF, TILED_ABSENT = "on", "off", "absent"
+TILED_SYMBOL = "ggml_compute_forward_mul_mat_tiled"
+
+
+def tiled_gemm(G=None, environ=os.environ) -> str:
+    """"on": this process's libggml-cpu has the tiled GEMM and will take it (8+ rows of a K/IQ-quant
+    matrix, or routed to one expert); "off": it has it, GGML_CPU_TILED_MM=0 turns it off (ggml reads
+    the variable once, at its first matmul); "absent": a ggml-python built without it (or none)."""
+    if G is None:
+        G = load_once()[0]
+    if G is None or not hasattr(G.lib, TILED_SYMBOL):  # G.lib looks names up in ggml-python's libggml*
+        return TILED_ABSENT
+    value = environ.get("GGML_CPU_TILED_MM")
+    try:  # ggml's own test: atoi(value) != 0
+        on = value is None or int(re.match(r"\s*[-+]?\d*", value).group().strip() or 0) != 0
+    except ValueError:
+        on = False
+    return TILED_ON if on else TILED_OFF
+
+
+def tiled_line(state: str) -> str:
+    """The backend line's words for tiled_gemm()'s state."""
+    return {TILED_ON: "tiled K/IQ-quant GEMM at 8+ rows (GGML_CPU_TILED_MM=0: off)",
+            TILED_OFF: "tiled K/IQ-quant GEMM off (GGML_CPU_TILED_MM=0)",
+            TILED_ABSENT: "no tiled K/IQ-quant GEMM in this ggml-python: K/IQ-quant prefill is slower "
+                          "(`make venv` builds it, docs/kernels.md#tiled-gemm)"}[state]

@@ -472,6 +472,7 @@ class StageActor:
         loaded layers' (StageModel.path), None before loading."""
         from moeray.stages.kernels import repack, settings
         from moeray.stages.kernels.backend import current_backend, ggml_available
+        from moeray.stages.kernels.ggml_lib import tiled_gemm
         from moeray.stages.kernels.threads import ggml_threads, thread_settings
 
         out = settings.current().as_dict()
@@ -480,6 +481,7 @@ class StageActor:
                    ggml_poll=ts.poll, ggml_parallel_kb=ts.parallel_bytes >> 10, ggml_adapt=ts.adapt)
         if ggml_available():
             out["threads"] = ggml_threads()
+            out["ggml_tiled"] = tiled_gemm()  # llama.cpp's tiled K/IQ-quant GEMM: on, off or absent
         out["run_path"] = None if self.model is None else asdict(self.model.path)
         return out
 

@@ -1,0 +1,253 @@
+"""Build ggml-python with llama.cpp's tiled K/IQ-quant GEMM (what `make venv` installs).
+
+Why: at prefill the routed experts of a K- or IQ-quant model are most of the time, and the ggml
+that ggml-python 0.0.45 (the newest on PyPI) vendors multiplies them row by row (`ggml_vec_dot_*`:
+a weight row is decoded again for every token). llama.cpp's ggml has `ggml-cpu/tiled/`, which
+decodes a weight tile once for 8+ tokens, in `mul_mat` and per expert in `mul_mat_id`: the
+Qwen3.6 4-layer cut's prefill went from 0.51x to 1.00x llama-bench with it
+(docs/performance-families.md). That code is self-contained; its four files are vendored beside
+this module (`ggml_tiled/`, README.md there names the llama.cpp commit) and this module:
+
+1. downloads the ggml-python sdist (`pip download`, version VERSION: the hooks below are anchored
+   in its text),
+2. copies the tiled files into its vendored ggml and hooks them where llama.cpp does
+   (`ggml_compute_forward_mul_mat`, `..._mul_mat_id` per expert, both ops' work sizes in
+   `ggml_graph_plan`, the ggml-cpu CMakeLists),
+3. `pip install`s the patched source with the caller's CMAKE_ARGS (the Makefile's GGML_CMAKE_ARGS).
+
+Any step failing (no network, another version, an anchor not found, a compile error) falls back
+to the plain `pip install ggml-python`, with one line saying the tiled GEMM is absent. At run time
+stages/kernels/ggml_lib.py tells which build loaded (`tiled_gemm()`), and the backend line says it.
+
+    CMAKE_ARGS="..." python stages/kernels/ggml_build.py install              # make venv
+    python stages/kernels/ggml_build.py install --target /tmp/g [--llamafile] # a side build: PYTHONPATH=/tmp/g
+    python stages/kernels/ggml_build.py vendor --llama-cpp /path/to/llama.cpp # refresh ggml_tiled/
+
+Numerics: the tiled kernel sums a row's per-block products in another order than vec_dot, so a
+matrix row differs by ~1e-7 relative (the last float32 bit) between a call where it runs tiled
+(8+ rows, or 8+ rows routed to its expert) and one where it does not. `GGML_CPU_TILED_MM=0`
+(llama.cpp's switch, read once per process) turns the path off. docs/kernels.md#tiled-gemm.
+
+Standard library only: the Makefile runs it before ggml-python exists.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+VERSION = "0.0.45"  # the ggml-python sdist whose text the hooks below are written against
+TILED = Path(__file__).resolve().with_name("ggml_tiled")
+FILES = ("tiled.h", "tiled.cpp", "tiled-kernel.h", "tiled-kernel.cpp")
+
+# The Makefile's GGML_CMAKE_ARGS, for a side build run without it (CMAKE_ARGS unset): portable AVX2,
+# never -march=native; no OpenMP; no llamafile sgemm (batch invariance); DT_RPATH (ggml_lib.py).
+DEFAULT_CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_OPENMP=OFF "
+                      "-DGGML_LLAMAFILE=OFF -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--disable-new-dtags")
+
+ABSENT = ("moeray: ggml-python installed WITHOUT llama.cpp's tiled K/IQ-quant GEMM ({why}); K- and IQ-quant "
+          "prefill will be slower (up to ~2x on the routed experts). docs/kernels.md#tiled-gemm")
+
+# The ggml-cpu CMakeLists: the tiled sources beside repack.cpp, as llama.cpp lists them.
+CMAKE_HOOK = ("        ggml-cpu/repack.cpp\n",
+              "        ggml-cpu/repack.cpp\n" + "".join(f"        ggml-cpu/tiled/{f}\n" for f in FILES))
+
+# (text in ggml-python's vendored ggml-cpu.c, what it becomes): llama.cpp's hooks, as it places them.
+HOOKS = [
+    ('#include "ggml-threading.h"\n', '#include "ggml-threading.h"\n#include "tiled/tiled.h"\n'),
+    ("""        ggml_compute_forward_fwht(params, dst);
+        return;
+    }
+
+    GGML_TENSOR_BINARY_OP_LOCALS
+""", """        ggml_compute_forward_fwht(params, dst);
+        return;
+    }
+
+    // If tiled is supported, it will execute the full op here and we return
+    if (ggml_compute_forward_mul_mat_tiled(params, dst)) {
+        return;
+    }
+
+    GGML_TENSOR_BINARY_OP_LOCALS
+"""),
+    ("""        incr_ptr_aligned(&wdata_cur, CACHE_LINE_SIZE * n_as, CACHE_LINE_SIZE);
+
+    GGML_ASSERT(params->wsize""", """        incr_ptr_aligned(&wdata_cur, CACHE_LINE_SIZE * n_as, CACHE_LINE_SIZE);
+
+    char * tiled_scratch = incr_ptr_aligned(&wdata_cur, ggml_tiled_wdata_size(nth, dst), 64);
+
+    GGML_ASSERT(params->wsize"""),
+    ("""        if (cne1 == 0) {
+            continue;
+        }
+
+        const char * src0_cur""", """        if (cne1 == 0) {
+            continue;
+        }
+
+        if (ggml_compute_forward_mul_mat_id_tiled(params, dst, cur_a, cne1, (const int32_t *) &MMID_MATRIX_ROW(cur_a, 0), tiled_scratch)) {
+            continue;
+        }
+
+        const char * src0_cur"""),
+    ("""                            cur = ggml_row_size(vec_dot_type, ggml_nelements(node->src[1]));
+                        }
+                    } break;""", """                            cur = ggml_row_size(vec_dot_type, ggml_nelements(node->src[1]));
+                        }
+                        cur = GGML_PAD(cur, 64);
+                        cur += ggml_tiled_wdata_size(n_tasks, node);
+                    } break;"""),
+    ("""                        cur += CACHE_LINE_SIZE*n_as + CACHE_LINE_SIZE;
+                    } break;""", """                        cur += CACHE_LINE_SIZE*n_as + CACHE_LINE_SIZE;
+                        cur = GGML_PAD(cur, 64);
+                        cur += ggml_tiled_wdata_size(n_tasks, node);
+                    } break;"""),
+]
+
+
+class PatchError(Exception):
+    """The sdist's text is not what the hooks expect (another ggml-python version)."""
+
+
+def replace_once(text: str, old: str, new: str, where: str) -> str:
+    if text.count(old) != 1:
+        raise PatchError(f"{where}: expected one match of {old.strip().splitlines()[0]!r}, found {text.count(old)} "
+                         "(another ggml-python version? compare with llama.cpp's ggml-cpu.c)")
+    return text.replace(old, new)
+
+
+def patch(sdist: Path, tiled: Path = TILED) -> None:
+    """Put the tiled GEMM into an unpacked ggml-python sdist at `sdist` (PatchError: it does not fit)."""
+    cpu = sdist / "vendor" / "ggml" / "src" / "ggml-cpu"
+    if not (cpu / "ggml-cpu.c").is_file():
+        raise PatchError(f"{cpu}/ggml-cpu.c not found")
+    cmake = replace_once((cpu / "CMakeLists.txt").read_text(), *CMAKE_HOOK, "ggml-cpu/CMakeLists.txt")
+    src = (cpu / "ggml-cpu.c").read_text()
+    for old, new in HOOKS:
+        src = replace_once(src, old, new, "ggml-cpu.c")
+    (cpu / "tiled").mkdir(exist_ok=True)
+    for f in FILES:
+        shutil.copyfile(tiled / f, cpu / "tiled" / f)
+    (cpu / "CMakeLists.txt").write_text(cmake)
+    (cpu / "ggml-cpu.c").write_text(src)
+
+
+def fetch_sdist(python: str, version: str, work: Path) -> Path:
+    """ggml-python's sdist of `version`, downloaded with pip and unpacked under `work`."""
+    subprocess.run([python, "-m", "pip", "download", "-q", f"ggml-python=={version}", "--no-deps",
+                    "--no-binary", ":all:", "-d", str(work)], check=True)
+    archive = next(work.glob("ggml_python-*.tar.gz"))
+    with tarfile.open(archive) as tar:
+        if hasattr(tarfile, "data_filter"):  # 3.11.4+: no links or paths out of `work`
+            tar.extractall(work, filter="data")
+        else:
+            tar.extractall(work)
+    return next(p for p in work.glob("ggml_python-*") if p.is_dir())
+
+
+def pip_install(python: str, what: str, cmake_args: str, target: str | None, quiet: bool) -> None:
+    # --no-cache-dir: pip would otherwise reuse a wheel it built earlier with other CMAKE_ARGS
+    cmd = [python, "-m", "pip", "install", "--no-cache-dir", *(["-q"] if quiet else []), what]
+    if target:  # a side folder for PYTHONPATH: ggml only (the venv has numpy); replace what is there
+        cmd += ["--target", target, "--no-deps", "--upgrade"]
+    subprocess.run(cmd, check=True, env={**os.environ, "CMAKE_ARGS": cmake_args})
+
+
+def install(python: str = sys.executable, cmake_args: str | None = None, version: str = VERSION,
+            target: str | None = None, fallback: bool = True, quiet: bool = True) -> bool:
+    """Install ggml-python with the tiled GEMM into `python`'s environment (or `target`); True when
+    the tiled build went in. Else the plain sdist (`fallback`), with one line saying so."""
+    cmake_args = os.environ.get("CMAKE_ARGS", DEFAULT_CMAKE_ARGS) if cmake_args is None else cmake_args
+    if "-march=native" in cmake_args or "GGML_NATIVE=ON" in cmake_args.upper():
+        raise SystemExit("ggml_build: never -march=native (GGML_NATIVE=ON): the library dies with SIGILL on an older CPU")
+    work = Path(tempfile.mkdtemp(prefix="moeray-ggml-"))
+    try:
+        try:
+            sdist = fetch_sdist(python, version, work)
+            patch(sdist)
+            print(f"moeray: building ggml-python {version} with llama.cpp's tiled K/IQ-quant GEMM "
+                  f"(stages/kernels/ggml_tiled/; a few minutes)", flush=True)
+            pip_install(python, str(sdist), cmake_args, target, quiet)
+            return True
+        except (subprocess.CalledProcessError, PatchError, OSError, StopIteration, tarfile.TarError) as exc:
+            why = exc if isinstance(exc, PatchError) else f"{type(exc).__name__}: {exc}"
+            print(ABSENT.format(why=why), file=sys.stderr, flush=True)
+            if not fallback:
+                raise
+        pip_install(python, f"ggml-python>={version}", cmake_args, target, quiet)
+        return False
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def without_iq1(tiled_cpp: str) -> str:
+    """tiled.cpp without its IQ1_S / IQ1_M unpackers and cases: ggml-python 0.0.45's ggml-common.h
+    has no C++ copy of their grid (those types then run ggml's row-by-row kernels)."""
+    start = tiled_cpp.index("// iq1_s: ")
+    body = tiled_cpp.index("static void tiled_unpack_src0(const block_iq1_m", start)
+    depth, end = 0, None
+    for m in re.finditer(r"[{}]", tiled_cpp[body:]):
+        depth += 1 if m.group() == "{" else -1
+        if depth == 0:
+            end = body + m.end()
+            break
+    text = tiled_cpp[:start] + tiled_cpp[end:]
+    text = text.replace("        case GGML_TYPE_IQ1_S:\n        case GGML_TYPE_IQ1_M:\n", "")
+    return re.sub(r"        case GGML_TYPE_IQ1_[SM]:\n            return tiled_matmul_dispatch<block_iq1_[sm],[^\n]*\n", "", text)
+
+
+HEADER = ("// From llama.cpp ({origin}), MIT License, Copyright (c) 2023-2026 The ggml authors:\n"
+          "// see LICENSE and README.md beside this file.{note}\n\n")
+
+
+def vendor(llama_cpp: Path, origin: str, dest: Path = TILED) -> None:
+    """Copy llama.cpp's ggml/src/ggml-cpu/tiled/ into `dest`, IQ1 stripped, each file headed with
+    where it comes from (README.md there names the commit: update it by hand)."""
+    src = llama_cpp / "ggml" / "src" / "ggml-cpu" / "tiled"
+    for f in FILES:
+        text = (src / f).read_text()
+        note = ""
+        if f == "tiled.cpp":
+            text, note = without_iq1(text), "\n// Changed for moeray: IQ1_S / IQ1_M removed (stages/kernels/ggml_build.py without_iq1)."
+        (dest / f).write_text(HEADER.format(origin=origin, note=note) + text)
+    shutil.copyfile(llama_cpp / "LICENSE", dest / "LICENSE")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    i = sub.add_parser("install", help="pip install ggml-python with the tiled GEMM (CMAKE_ARGS from the environment)")
+    i.add_argument("--target", help="install into this folder (for PYTHONPATH) instead of the environment")
+    i.add_argument("--version", default=VERSION)
+    i.add_argument("--llamafile", action="store_true",
+                   help="also llamafile's sgemm (plain Q8_0, Q4_0 and float matrices), which the Makefile leaves "
+                        "out: a row's result then depends on its batch (measurement only)")
+    i.add_argument("--no-fallback", action="store_true", help="fail instead of installing the plain ggml-python")
+    i.add_argument("-v", "--verbose", action="store_true", help="show pip's and the compiler's output")
+    v = sub.add_parser("vendor", help="refresh ggml_tiled/ from a llama.cpp source tree")
+    v.add_argument("--llama-cpp", required=True, type=Path)
+    v.add_argument("--origin", required=True, help="what README.md and the headers name, e.g. 'commit 0c1e57098'")
+    args = ap.parse_args(argv)
+    if args.cmd == "vendor":
+        vendor(args.llama_cpp, args.origin)
+        return 0
+    cmake_args = os.environ.get("CMAKE_ARGS", DEFAULT_CMAKE_ARGS)
+    if args.llamafile:
+        cmake_args = " ".join(a for a in shlex.split(cmake_args) if not a.startswith("-DGGML_LLAMAFILE")) + " -DGGML_LLAMAFILE=ON"
+    ok = install(cmake_args=cmake_args, version=args.version, target=args.target, fallback=not args.no_fallback,
+                 quiet=not args.verbose)
+    if args.target:
+        print(f"PYTHONPATH={args.target} puts this ggml-python first (GGML_CPU_TILED_MM=0: the tiled GEMM off)")
+    return 0 if ok or not args.no_fallback else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
