@@ -165,7 +165,7 @@ def test_a_row_computed_tiled_is_within_the_last_bit_of_the_row_alone():
     got = _batch_vs_alone()
     for name, r in got.items():
         batch, err_alone, err_batched = r["mul_mat"]
-        assert batch <= 1e-6 and r["mul_mat_id"] <= 1e-6, (name, r)  # measured <= 1.3e-7
+        assert batch <= 1e-6 and r["mul_mat_id"] <= 1e-6, (name, r)  # measured <= 1.9e-7 (mul_mat), 2.6e-7 (an expert's FFN)
         assert abs(err_batched - err_alone) <= 1e-6, (name, r)  # no less exact than the row-by-row kernel
     # the path is taken: its sums differ from vec_dot's in the last bit somewhere in every type
     assert all(r["mul_mat"][0] > 0 and r["mul_mat_id"] > 0 for r in got.values()), got

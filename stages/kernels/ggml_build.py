@@ -52,8 +52,9 @@ FILES = ("tiled.h", "tiled.cpp", "tiled-kernel.h", "tiled-kernel.cpp")
 DEFAULT_CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_OPENMP=OFF "
                       "-DGGML_LLAMAFILE=OFF -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--disable-new-dtags")
 
-ABSENT = ("moeray: ggml-python installed WITHOUT llama.cpp's tiled K/IQ-quant GEMM ({why}); K- and IQ-quant "
-          "prefill will be slower (up to ~2x on the routed experts). docs/kernels.md#tiled-gemm")
+ABSENT = ("moeray: ggml-python goes in WITHOUT llama.cpp's tiled K/IQ-quant GEMM ({why}): the plain sdist "
+          "instead (or the one installed), so K- and IQ-quant prefill will be slower (up to ~2x on the routed "
+          "experts); the `moeray: kernels:` line says which build runs. docs/kernels.md#tiled-gemm")
 
 # The ggml-cpu CMakeLists: the tiled sources beside repack.cpp, as llama.cpp lists them.
 CMAKE_HOOK = ("        ggml-cpu/repack.cpp\n",
