@@ -468,7 +468,8 @@ class StageActor:
 
     def options(self) -> dict[str, Any]:
         """The StageOptions this stage computes with, each as its kernels resolve it now: the
-        backend "auto" names the one it picked, threads the count ggml runs; `run_path` the
+        backend "auto" names the one it picked, threads the count ggml runs, ggml_tiled whether its
+        ggml takes llama.cpp's tiled GEMM (docs/kernels.md#tiled-gemm); `run_path` the
         loaded layers' (StageModel.path), None before loading."""
         from moeray.stages.kernels import repack, settings
         from moeray.stages.kernels.backend import current_backend, ggml_available
