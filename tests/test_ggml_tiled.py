@@ -90,6 +90,13 @@ def test_any_failure_installs_the_plain_sdist_and_says_prefill_is_slower(monkeyp
     assert len(err) == 1 and "WITHOUT llama.cpp's tiled" in err[0] and "prefill will be slower" in err[0]
 
 
+def test_a_side_build_gets_the_makefiles_flags():
+    text = (Path(__file__).resolve().parents[1] / "Makefile").read_text().replace("\\\n", " ")
+    makefile = next(ln for ln in text.splitlines() if ln.startswith("GGML_CMAKE_ARGS ?="))
+    assert makefile.split("?=", 1)[1].split() == ggml_build.DEFAULT_CMAKE_ARGS.split()
+    assert "ggml_build.py install" in text
+
+
 def test_native_builds_are_refused():
     with pytest.raises(SystemExit, match="never -march=native"):
         ggml_build.install(cmake_args="-DGGML_NATIVE=ON")
