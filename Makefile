@@ -28,7 +28,7 @@ $(VENV)/.installed: pyproject.toml Makefile stages/kernels/ggml_build.py $(wildc
 	$(PY) -m pip install -q -e '.[test]'
 	# Optional: without it moeray runs the pure-torch route and says so in its log. ggml-python's
 	# sdist with llama.cpp's tiled K/IQ-quant GEMM put into its ggml (stages/kernels/ggml_build.py:
-	# 1.6 CPU min); where that fails, the plain sdist and a line saying prefill will be slower.
+	# 75 s on 2 cores); where that fails, the plain sdist and a line saying prefill will be slower.
 	CMAKE_ARGS="$(GGML_CMAKE_ARGS)" $(PY) stages/kernels/ggml_build.py install \
 	  || echo "moeray: ggml-python did not build; the slower torch route will run (see README)"
 	touch $@
