@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     out = eng.generate([ids], params)[0]
     wall = time.perf_counter() - t0
     by = defaultdict(list)
-    for n, _, ms in eng.clock.steps:
+    for n, _, _, _, ms in eng.clock.steps:
         by[n].append(ms)
     one = statistics.median(by[1]) if by.get(1) else None
     rows = [{"tokens": n, "steps": len(v), "median_ms": statistics.median(v)} for n, v in sorted(by.items())]
@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['median_ms'] / one:.2f}× |" if one else f"| {r['tokens']} | {r['steps']} | {r['median_ms']:.1f} | |")
     price, stats = eng.speculation.price, eng.speculation.stats.as_dict()
     if price is not None:
-        print(f"\nfitted step price: fixed {price.fixed_ms:.1f} ms + {price.token_ms:.1f} ms a token (+ the experts' union)")
+        print(f"\nfitted step price: fixed {price.fixed_ms:.1f} ms + {price.token_ms:.1f} ms a token + {price.draft_ms:.1f} ms "
+              f"a drafted token + {price.verify_row_ms:.1f} ms a verify row (+ the experts' union, weighted {price.expert_scale:.2f})")
     print(f"acceptance: {stats['accepted_tokens']} of {stats['drafted_tokens']} drafted tokens in "
           f"{stats['verify_rows']} verify rows ({stats['tokens_per_verify_row']:.2f} tokens a row)")
     if args.json:

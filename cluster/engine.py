@@ -180,19 +180,29 @@ class Engine:
         except StageFailedError as exc:
             self._fail_all(exc)
             raise
-        self._time(step)
+        ms = self._time(step)
+        spec = self.speculation
+        accepted = spec.stats.accepted_tokens if spec is not None else 0
         self.scheduler.postprocess(step, tokens)
+        if spec is not None:  # the drafts' measured worth (cluster/speculation.py step_done)
+            spec.step_done(sum(len(r.tokens) for r in step.rows), sum(len(r.draft) for r in step.rows),
+                           spec.stats.accepted_tokens - accepted, sum(1 for r in step.rows if r.sample), ms,
+                           sum(1 for r in step.rows if r.draft))
 
-    def _time(self, step: ScheduledStep) -> None:
+    def _time(self, step: ScheduledStep) -> float:
         """The step's cost to the pipeline: from its submission, or from the result before it when
         that came later (steps in flight together overlap: each is charged its own share)."""
         now = time.perf_counter()
         t0 = max(self._t_submit.pop(step.id, now), self._t_last)
         self._t_last = now
+        ms = (now - t0) * 1e3
         if self.clock is not None:
             n_logits = sum(len(r.draft) + 1 for r in step.rows if r.sample)
-            if self.clock.record(sum(len(r.tokens) for r in step.rows), n_logits, (now - t0) * 1e3):
+            drafted = sum(len(r.draft) for r in step.rows)
+            verify_rows = sum(1 for r in step.rows if r.draft)
+            if self.clock.record(sum(len(r.tokens) for r in step.rows), n_logits, ms, drafted, verify_rows):
                 self.speculation.set_price(self.clock.price)
+        return ms
 
     def run(self, reqs: Sequence[Request], timeout_s: float = 600.0) -> list[Request]:
         """Step until these requests are done (others keep running alongside)."""

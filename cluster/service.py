@@ -248,7 +248,10 @@ class Service:
         price = spec.price
         return {"mode": spec.mode, **spec.stats.as_dict(),
                 "step_price": None if price is None else {"fixed_ms": round(price.fixed_ms, 3),
-                                                          "token_ms": round(price.token_ms, 3)}}
+                                                          "token_ms": round(price.token_ms, 3),
+                                                          "expert_scale": round(price.expert_scale, 3),
+                                                          "draft_ms": round(price.draft_ms, 3),
+                                                          "verify_row_ms": round(price.verify_row_ms, 3)}}
 
     def kv_report(self) -> dict:
         """The engine's KV ledger (read from the HTTP thread: plain counters, a moment stale at worst)."""

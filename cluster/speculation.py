@@ -10,6 +10,13 @@ compute and the union of experts the tokens read, each at its stage's measured p
 goes in only where it raises the step's expected tokens per ms, so a full batch, or a sequence
 whose drafts keep failing, runs plain decode rows (k = 0).
 
+The price is fitted to the steps as timed (cluster/step_clock.py), verify steps included, so a
+drafted token is charged what it has cost at this machine's batch widths. What the price and the
+acceptance estimates still get wrong is caught by the measured result (`step_done`): the tokens
+the drafts kept against the tokens plain decoding would have made in the time they added; where
+drafting has been a loss it pauses (planner/draft_length.py DraftGuard), so `auto` does not run
+below plain decoding for long.
+
 The verify row runs on the stages like a prompt chunk; the last stage accepts a prefix of the
 draft and adds one token of its own (stages/text/verify.py); the scheduler appends them under the
 usual finish rules and gives back the KV blocks past the last accepted token.
@@ -37,7 +44,7 @@ from typing import Any, Callable, Optional
 
 from moeray.cluster.ngram import Draft, NgramConfig, NgramDrafter
 from moeray.errors import MoerayError
-from moeray.planner.draft_length import Offer, StepPrice, acceptance_estimate, choose_draft_lengths
+from moeray.planner.draft_length import DraftGuard, Offer, StepPrice, acceptance_estimate, choose_draft_lengths
 
 MODES = ("auto", "off", "ngram", "draft", "mtp")
 # Match lengths share acceptance statistics in these bands (a 2-token match guesses, an 8-token one copies).
@@ -82,6 +89,11 @@ class SpecStats:
     accepted_tokens: int = 0  # drafted tokens the target accepted
     emitted_tokens: int = 0  # tokens verify rows gave (accepted + one each)
     by_drafter: dict[str, Tally] = field(default_factory=dict)
+    pauses: int = 0  # times drafting paused: its measured goodput fell below plain decoding's
+    paused_steps: int = 0  # steps run without drafts for it
+    # measured / predicted ms of the steps without drafts and with them (the price's bias, decayed)
+    plain_fit: float = 1.0
+    verify_fit: float = 1.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -97,7 +109,9 @@ class SpecStats:
                 "acceptance_rate": round(self.acceptance_rate, 4),
                 "tokens_per_verify_row": round(self.tokens_per_verify_row, 3),
                 "by_drafter": {k: {"verify_rows": t.rows, "drafted_tokens": t.drafted,
-                                   "accepted_tokens": int(t.accepted)} for k, t in self.by_drafter.items()}}
+                                   "accepted_tokens": int(t.accepted)} for k, t in self.by_drafter.items()},
+                "pauses": self.pauses, "paused_steps": self.paused_steps,
+                "measured_over_predicted": {"plain": round(self.plain_fit, 3), "verify": round(self.verify_fit, 3)}}
 
 
 @dataclass
@@ -121,6 +135,7 @@ class Speculation:
     PRIOR = 0.5  # a drafter's assumed acceptance before it has drafted (a mid guess, updated fast)
     PROBE = 1 / 32  # offers refused for a low rate are tried with one token this often: rates move
     DECAY = 0.97  # a sequence's record forgets old rows: a copy starts or ends mid-answer
+    FIT_DECAY = 0.98  # per step, the measured / predicted sums
 
     def __init__(self, mode: str = "auto", price: Optional[StepPrice] = None, ngram: NgramConfig = NgramConfig(),
                  max_draft: int = 32, seed: int = 0, drafter: Optional[Callable[[list[int]], Any]] = None,
@@ -152,6 +167,9 @@ class Speculation:
         self.bands: dict[int, Tally] = {}  # per n-gram match band, over every sequence
         self.model_tally = Tally()  # the draft model, over every sequence
         self._rng = random.Random(seed)
+        self.guard = DraftGuard()
+        # decayed sums of measured and predicted ms: steps without drafts, steps with them
+        self._fit = {False: [0.0, 0.0], True: [0.0, 0.0]}
 
     @property
     def enabled(self) -> bool:
@@ -213,18 +231,46 @@ class Speculation:
         """Draft lengths for these sequences in a step of `n_plain` tokens yielding `value`:
         room[i] is the most sequence i may draft (its tokens left, KV it may take); each sequence's
         `kind` says which drafter its row's tokens come from."""
-        if not seqs or budget <= 0:
+        if not seqs or budget <= 0 or not self.guard.open:  # paused: drafting measured a loss
             return [0] * len(seqs)
         offers = [self._offer(s, r) for s, r in zip(seqs, room)]
         table = self.step_table(n_plain + 1 + min(budget, sum(o.max_tokens for o in offers)))
         # a re-fed token costs a later step what one more token costs this one
         refeed_ms = max(0.0, table[n_plain + 1] - table[n_plain]) if self.recurrent else 0.0
-        choice = choose_draft_lengths(table, n_plain, value, offers, budget, refeed_ms)
+        price = self.price or StepPrice(0.0, 0.0)
+        choice = choose_draft_lengths(table, n_plain, value, offers, budget, refeed_ms, price.draft_ms,
+                                      price.verify_row_ms)
         lengths = [row_size_below(k) for k in choice.lengths]
         for i, (o, k) in enumerate(zip(offers, lengths)):
             if k == 0 and o.max_tokens > 0 and sum(lengths) < budget and self._rng.random() < self.PROBE:
                 lengths[i] = 1  # keep measuring a rate the choice has stopped trying
         return lengths
+
+    def step_done(self, n_tokens: int, drafted: int, accepted: int, value: int, ms: float, verify_rows: int = 0) -> None:
+        """A step came back: its tokens (`drafted` of them drafted, `accepted` of those kept), the
+        tokens its rows gave without the drafts (`value`: its decode rows) and its measured ms.
+        Keeps the price's measured / predicted ratio for steps without and with drafts, and scores
+        the drafts (DraftGuard): the ms they added is the step's measured ms less the same step
+        without them (its predicted ms, times what plain steps measured over their prediction)."""
+        if n_tokens <= 0 or ms <= 0 or self.mode == "off" and not drafted:
+            return
+        if not self.guard.open:
+            self.stats.paused_steps += 1
+        table = self.step_table(n_tokens)
+        price = self.price or StepPrice(0.0, 0.0)
+        predicted = table[n_tokens] + drafted * price.draft_ms + verify_rows * price.verify_row_ms
+        sums = self._fit[drafted > 0]
+        sums[0] = sums[0] * self.FIT_DECAY + ms
+        sums[1] = sums[1] * self.FIT_DECAY + predicted
+        plain = self._fit[False]
+        r_plain = plain[0] / plain[1] if plain[1] > 0 else 1.0
+        self.stats.plain_fit = r_plain
+        if sums is not plain:
+            self.stats.verify_fit = sums[0] / sums[1] if sums[1] > 0 else 1.0
+        without = r_plain * table[n_tokens - drafted] if n_tokens > drafted else 0.0
+        rate = value / without if without > 0 else 0.0
+        if self.guard.step(drafted, accepted, ms - without, rate):
+            self.stats.pauses += 1
 
     def observe(self, seq: SeqSpec, drafted: int, accepted: int, emitted: int) -> None:
         """A verify row came back: `accepted` of its `drafted` tokens, `emitted` tokens in all

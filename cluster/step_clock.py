@@ -5,8 +5,27 @@ tokens read are the cost model's: each MoE layer's routing heat (a profile's cou
 k/E) and the price of reading one expert there (its stage's measured miss time; a resident expert
 on a card costs next to nothing). The rest, the trunk's fixed cost per step and its cost per token
 (and per logit row: a verify row needs the head at every position), is fitted to the steps this
-engine has run: every step's wall time, its token count and its logit rows, least squares over a
-recent window, pulled towards a prior until the window holds steps of more than one size.
+engine has run: every step's wall time, its token count, its logit rows and its drafted tokens,
+least squares over a recent window, pulled towards a prior until the window holds steps of more
+than one size.
+
+Two more numbers are fitted, because the cost model's shape can be wrong for the machine and the
+choice of draft lengths depends on the *marginal* cost of a token at the batch's width:
+- the weight of the expert part (1 = as the cost model says). The union of experts saturates
+  with n, so at a full batch it says a drafted token reads no new expert and costs only its trunk
+  compute; where experts are not what a step waits on (a CPU in one process: every expert already
+  in memory, paid per token routed to it) that under-prices each extra token at a full batch and
+  over-prices small steps. Measured on the default model, 2 threads, 16 rows (bench/spec_price.py):
+  plain steps came in at 0.5-0.8 of their predicted ms, steps with drafts at 0.9-1.0, and a drafted
+  token cost 9-30 ms against 8-9 predicted: drafts looked cheap exactly where they were not.
+- what a drafted token costs beyond any token (`draft_ms`) and what a row carrying a draft costs
+  once (`verify_row_ms`): a verify row's own work (attention queries padded to the longest row of
+  the step, the verdict, a step shape of its own), learned from the steps that carried drafts
+  against those that did not. On the default model at 1 row a 2-token step took 33 ms against a
+  plain step's 14, while longer rows cost ~10 ms a drafted token: the first drafted token of a
+  row is the dear one.
+Coefficients are kept non-negative (a coefficient the data would push below 0 is fixed at 0 and
+the rest refitted).
 
 Pure arithmetic over numbers the pipeline gives; numpy for the fit.
 """
@@ -45,18 +64,25 @@ class StepClock:
 
     def __init__(self, layers: tuple[LayerExperts, ...] = (), overlap: tuple[float, ...] = ()):
         self.layers, self.overlap = layers, overlap
-        self.steps: deque[tuple[int, int, float]] = deque(maxlen=self.WINDOW)
+        self.steps: deque[tuple[int, int, int, int, float]] = deque(maxlen=self.WINDOW)
         self._since = 0
         self._price: Optional[StepPrice] = None
+        self._expert: dict[int, float] = {}
 
     def expert_ms(self, n: int) -> float:
-        return StepPrice(0.0, 0.0, self.layers, self.overlap).ms(n) if n > 0 and self.layers else 0.0
+        """The cost model's expert part of a step of n tokens (before the fitted weight)."""
+        if n <= 0 or not self.layers:
+            return 0.0
+        if n not in self._expert:
+            self._expert[n] = StepPrice(0.0, 0.0, self.layers, self.overlap).ms(n)
+        return self._expert[n]
 
-    def record(self, n_tokens: int, n_logits: int, ms: float) -> bool:
-        """One step's size and wall time; True when the price was refitted."""
+    def record(self, n_tokens: int, n_logits: int, ms: float, drafted: int = 0, verify_rows: int = 0) -> bool:
+        """One step's size (tokens, logit rows, drafted tokens among its tokens, rows carrying
+        them) and wall time; True when the price was refitted."""
         if n_tokens <= 0 or ms <= 0:
             return False
-        self.steps.append((n_tokens, n_logits, ms))
+        self.steps.append((n_tokens, n_logits, drafted, verify_rows, ms))
         self._since += 1
         if self._price is None or self._since >= self.REFIT_EVERY:
             self._since = 0
@@ -65,26 +91,42 @@ class StepClock:
         return False
 
     def fit(self) -> Optional[StepPrice]:
-        """fixed + token * n + logit * rows fitted to the window's times less their expert part;
-        the step price charges a drafted token both (it is a token and a logit row)."""
+        """ms = fixed + token * n + logit * rows + draft * drafted + verify * verify rows + weight *
+        experts(n), least squares over the window with a ridge towards the prior (each
+        coefficient's pull worth PRIOR_WEIGHT steps), coefficients >= 0. The step price charges a
+        token both its token and logit parts (a drafted token is both), a drafted token `draft_ms`
+        on top and a verify row `verify_row_ms`."""
         if not self.steps:
             return None
         data = np.array(self.steps, dtype=np.float64)
-        n, rows, ms = data[:, 0], data[:, 1], data[:, 2]
-        y = ms - np.array([self.expert_ms(int(x)) for x in n])
+        n, rows, drafted, verify, ms = data[:, 0], data[:, 1], data[:, 2], data[:, 3], data[:, 4]
+        experts = np.array([self.expert_ms(int(x)) for x in n])
         # The prior: the smallest steps' median is mostly fixed cost; each token then costs a
-        # fifth of it (a step several tokens long costs noticeably more: drafts start cautious).
-        small = y[n == n.min()]
-        base = max(float(np.median(small)), 1e-3)
-        prior = np.array([0.8 * base, 0.1 * base, 0.1 * base])
-        X = np.stack([np.ones_like(n), n, rows], axis=1)
-        w = self.PRIOR_WEIGHT * float(np.mean(np.sum(X * X, axis=1)))  # ridge on the scale of the data
-        A = X.T @ X + w * np.eye(3)
-        b = X.T @ y + w * prior
-        fixed, token, logit = np.linalg.solve(A, b)
-        token, logit = max(float(token), 0.0), max(float(logit), 0.0)
-        fixed = max(float(fixed), 0.0)
-        return StepPrice(fixed, token + logit, self.layers, self.overlap)
+        # fifth of it (a step several tokens long costs noticeably more: drafts start cautious); a
+        # drafted token or verify row costs what any token does; the expert part is the cost model's, unless it
+        # alone would be more than half of the smallest steps' time (then it is scaled to that).
+        n0 = int(n.min())
+        base = max(float(np.median(ms[n == n0])), 1e-3)
+        e0 = self.expert_ms(n0)
+        weight0 = 1.0 if e0 <= 0.5 * base else 0.5 * base / e0
+        rest = base - weight0 * e0
+        prior = np.array([0.8 * rest, 0.1 * rest, 0.1 * rest, 0.0, 0.0, weight0])
+        X = np.stack([np.ones_like(n), n, rows, drafted, verify, experts], axis=1)
+        w = self.PRIOR_WEIGHT * np.maximum(np.mean(X * X, axis=0), 1e-6)
+        coef = np.zeros(len(prior))
+        free = np.ones(len(prior), dtype=bool)
+        for _ in range(len(prior)):  # non-negative: the negatives fixed at 0, the rest refitted
+            Xf = X[:, free]
+            A = Xf.T @ Xf + np.diag(w[free])
+            b = Xf.T @ ms + w[free] * prior[free]
+            coef[:] = 0.0
+            coef[free] = np.linalg.solve(A, b)
+            if (coef >= 0).all():
+                break
+            free &= coef > 0
+        fixed, token, logit, draft, row, weight = (max(float(c), 0.0) for c in coef)
+        return StepPrice(fixed, token + logit, self.layers, self.overlap, expert_scale=weight, draft_ms=draft,
+                         verify_row_ms=row)
 
     @property
     def price(self) -> Optional[StepPrice]:

@@ -61,12 +61,23 @@ class StepPrice:
     token_ms: float  # each token's own compute through the trunk
     layers: tuple[LayerExperts, ...] = ()
     overlap: tuple[float, ...] = ()  # per token count n (index n - 1): consecutive routing / independent; () = 1
+    # What the timed steps say the experts' part is worth: 1 = the cost model's expert prices as
+    # they are; below 1 where an expert's read is not what a step waits on (a CPU whose experts
+    # all sit in memory pays per token routed, which the token term carries)
+    expert_scale: float = 1.0
+    # What a drafted token costs beyond any token of the step (its head row is in token_ms), and
+    # what a row carrying a draft costs once (the verdict over its positions, queries padded to
+    # the longest row of the step, a step shape of its own): measured on the steps that carried
+    # drafts against those that did not; charged by the choice per drafted token, per verify row
+    draft_ms: float = 0.0
+    verify_row_ms: float = 0.0
 
     def ms(self, n: int) -> float:
         if n <= 0:
             return 0.0
         ov = self.overlap[min(n, len(self.overlap)) - 1] if self.overlap else 1.0
-        return self.fixed_ms + self.token_ms * n + ov * sum(layer.expected_ms(n) for layer in self.layers)
+        experts = sum(layer.expected_ms(n) for layer in self.layers) if self.expert_scale else 0.0
+        return self.fixed_ms + self.token_ms * n + self.expert_scale * ov * experts
 
     def table(self, n_max: int) -> list[float]:
         """T(0..n_max)."""
@@ -98,7 +109,8 @@ class Choice:
 
 
 def choose_draft_lengths(step_ms: Sequence[float], n_plain: int, value: float, offers: Sequence[Offer],
-                         max_draft: int | None = None, refeed_ms: float = 0.0) -> Choice:
+                         max_draft: int | None = None, refeed_ms: float = 0.0, draft_ms: float = 0.0,
+                         row_ms: float = 0.0) -> Choice:
     """Draft lengths for `offers` that maximise the step's expected tokens per ms.
 
     step_ms[n]: the predicted ms of a step of n tokens (StepPrice.table), long enough for every
@@ -108,6 +120,9 @@ def choose_draft_lengths(step_ms: Sequence[float], n_plain: int, value: float, o
     the limit is tried, and the best ratio wins (the smallest m on ties: 0 when nothing pays).
     `refeed_ms`: what one token re-fed after a rejection costs a later step (a hybrid model; 0
     where a rejection costs nothing more), charged at each drafted token's expected re-feed.
+    `draft_ms`: what each drafted token costs beyond a token of the step (StepPrice.draft_ms);
+    `row_ms`: what a row carrying a draft costs once, charged with its first drafted token
+    (StepPrice.verify_row_ms).
     """
     limit = sum(o.max_tokens for o in offers)
     if max_draft is not None:
@@ -128,7 +143,7 @@ def choose_draft_lengths(step_ms: Sequence[float], n_plain: int, value: float, o
         order.append(i)
         lengths[i] += 1
         gained += -g
-        drafting_ms += offers[i].token_ms
+        drafting_ms += offers[i].token_ms + draft_ms + (row_ms if lengths[i] == 1 else 0.0)
         if refeed_ms:  # the k-th token: a rejection at it or after re-feeds k more tokens, at a^(k-1) (1 - a)
             a, k = offers[i].acceptance, lengths[i]
             drafting_ms += refeed_ms * a ** (k - 1) * (1 - a) * k
@@ -150,3 +165,58 @@ def acceptance_estimate(accepted: float, rejected: float, prior: float, strength
     success chance of a geometric run, pulled towards `prior` (the drafter's rate over every
     sequence) by `strength` pseudo-observations."""
     return (accepted + strength * prior) / (accepted + rejected + strength)
+
+
+@dataclass
+class DraftGuard:
+    """Drafting's measured worth, and a pause where it has been a loss.
+
+    The choice above is only as right as its step price and its acceptance estimates. This keeps
+    the score on the steps that carried drafts, as they were measured: the drafted tokens kept
+    (won) against the tokens plain decoding would have made in the time the drafts added to those
+    steps (spent: each step's measured ms less what the same step without its drafts costs, times
+    the plain rate of its decode rows). Where won falls below spent over `min_steps` such steps,
+    drafts lowered throughput whatever the price said: drafting pauses for `pause` steps, doubled
+    at each trip in a row (a workload where drafts never pay is tried less and less often), back
+    to `first_pause` after a run of steps that paid; each try starts with a clean score.
+    """
+    min_steps: int = 16  # verify steps judged before a verdict (a step's time is noisy)
+    decay: float = 0.95  # per judged step: the score follows the workload as it changes
+    first_pause: int = 64  # steps
+    max_pause: int = 4096
+    won: float = 0.0
+    spent: float = 0.0
+    judged: int = 0
+    paused: int = 0  # steps left without drafts
+    pause: int = 0  # the next pause's length (first_pause until a trip)
+    trips: int = 0
+
+    def __post_init__(self) -> None:
+        self.pause = self.pause or self.first_pause
+
+    @property
+    def open(self) -> bool:
+        return self.paused <= 0
+
+    def step(self, drafted: int, accepted: int, extra_ms: float, plain_rate: float) -> bool:
+        """One step done: its drafted tokens, how many were kept, the ms its drafts added and the
+        plain rate (tokens per ms) of its decode rows. True when it trips a pause."""
+        if self.paused > 0:
+            self.paused -= 1
+            return False
+        if drafted <= 0:
+            return False
+        self.won = self.won * self.decay + accepted
+        self.spent = self.spent * self.decay + max(extra_ms, 0.0) * plain_rate
+        self.judged += 1
+        if self.judged < self.min_steps:
+            return False
+        if self.won < self.spent:
+            self.paused, self.trips = self.pause, self.trips + 1
+            self.pause = min(2 * self.pause, self.max_pause)
+            self.won = self.spent = 0.0
+            self.judged = 0
+            return True
+        if self.judged >= 4 * self.min_steps:
+            self.pause = self.first_pause
+        return False

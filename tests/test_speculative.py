@@ -21,7 +21,8 @@ from moeray.cluster.engine import Engine
 from moeray.cluster.local_pipeline import LocalPipeline
 from moeray.cluster.ngram import Draft, NgramConfig, NgramDrafter
 from moeray.cluster.speculation import Speculation
-from moeray.planner.draft_length import LayerExperts, Offer, StepPrice, choose_draft_lengths
+from moeray.cluster.step_clock import StepClock
+from moeray.planner.draft_length import DraftGuard, LayerExperts, Offer, StepPrice, choose_draft_lengths
 from moeray.stages.blocks.kv_cache import blocks_for
 from moeray.stages.gguf.writer import write_gguf
 from moeray.stages.runtime.model import load_model
@@ -79,6 +80,62 @@ def test_a_hybrid_models_rejections_are_priced_as_the_tokens_they_re_feed():
     a, k = 0.6, 5
     direct = sum(a ** j * (1 - a) * (j + 1) for j in range(k))
     assert sum(a ** (i - 1) * (1 - a) * i for i in range(1, k + 1)) == pytest.approx(direct)
+
+
+def test_the_fitted_price_charges_what_wide_and_drafted_steps_cost():
+    """A machine whose steps cost per token (20 ms + 10 ms a token, as a CPU in one process: every
+    expert in memory, paid per token routed) and 5 ms more per row carrying a draft, while the cost
+    model's expert part saturates with the tokens (the union of 8 experts): fitted with the expert
+    part as given, a full batch looked able to take drafts cheaply (16 rows drafted a token each at
+    a = 0.9, where each costs 0.9 / 15 ms against the plain 16 / 180 ms). Fitted from the timed
+    steps, verify steps included, the full batch drafts nothing and one row still drafts."""
+    layers = tuple(LayerExperts((0.25,) * 8, (0.5,) * 8) for _ in range(4))
+    clock = StepClock(layers)
+    steps = [(r, 0, 0) for r in (1, 2, 4, 8, 12, 16) for _ in range(4)]  # plain rows
+    steps += [(16, d, v) for d in (1, 2, 4, 8, 16) for v in (1, 2, 4) if v <= d]  # drafts at a full batch
+    steps += [(1, d, 1) for d in (1, 3, 7)]  # and on one row
+    for rows, d, v in steps * 4:
+        n = rows + d
+        clock.record(n, n, 20.0 + 10.0 * n + 5.0 * v, drafted=d, verify_rows=v)
+    price = clock.fit()
+    assert price.verify_row_ms == pytest.approx(5.0, abs=1.5)
+    table = price.table(200)
+    for n in (1, 8, 16):  # plain steps as timed, within a few ms
+        assert table[n] == pytest.approx(20.0 + 10.0 * n, abs=4.0)
+    full = choose_draft_lengths(table, 16, 16, [Offer(0.9, 8)] * 16, draft_ms=price.draft_ms,
+                                row_ms=price.verify_row_ms)
+    assert full.lengths == [0] * 16
+    one = choose_draft_lengths(table, 1, 1, [Offer(0.9, 8)], draft_ms=price.draft_ms, row_ms=price.verify_row_ms)
+    assert one.lengths[0] > 0  # 0.9 a 10-ms token beats 1 a 30-ms step
+
+
+def test_drafting_pauses_while_its_measured_goodput_is_below_plain():
+    """Whatever the price says, the steps with drafts are scored as measured: the tokens the drafts
+    kept against the tokens plain decoding would have made in the ms they added. A loss over 16
+    verify steps pauses drafting (no drafts, no probes) for 64 steps, then it is tried again; a
+    drafter that pays is never paused."""
+    def engine(ms_with_drafts: float, accepted: int) -> Speculation:
+        spec = Speculation("ngram", price=StepPrice(fixed_ms=100.0, token_ms=0.1))  # drafts look nearly free
+        seq = spec.start([1, 2, 3, 4, 5, 6] * 4 + [1, 2, 3])
+        for _ in range(8):  # plain steps as predicted: 100 ms, a token each
+            spec.step_done(1, 0, 0, 1, spec.step_table(1)[1])
+        for _ in range(DraftGuard.min_steps):
+            k = spec.plan([seq], [8], 1, 1, 8)[0]
+            assert k > 0
+            spec.observe(seq, k, min(accepted, k), min(accepted, k) + 1)
+            spec.step_done(1 + k, k, min(accepted, k), 1, ms_with_drafts)
+        return spec, seq
+
+    losing, seq = engine(300.0, 1)  # 200 ms more for 1 kept token: 2 plain tokens' time
+    assert losing.stats.pauses == 1
+    for _ in range(DraftGuard.first_pause):
+        assert losing.plan([seq], [8], 1, 1, 8) == [0]
+        losing.step_done(1, 0, 0, 1, 100.0)
+    assert losing.stats.paused_steps == DraftGuard.first_pause
+    assert losing.plan([seq], [8], 1, 1, 8)[0] > 0  # tried again
+    assert losing.guard.pause == 2 * DraftGuard.first_pause  # a second loss in a row pauses longer
+    paying, _ = engine(110.0, 3)  # 10 ms more for 3 kept tokens
+    assert paying.stats.pauses == 0 and paying.guard.open
 
 
 # ---------------------------------------------------------------- the n-gram drafter
