@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 from moeray.cluster.ngram import Draft, NgramConfig, NgramDrafter
@@ -133,7 +133,12 @@ class Speculation:
     """The engine's drafters and the per-step choice of draft lengths."""
 
     PRIOR = 0.5  # a drafter's assumed acceptance before it has drafted (a mid guess, updated fast)
-    PROBE = 1 / 32  # offers refused for a low rate are tried with one token this often: rates move
+    # Offers refused for a low rate are tried with one token this often (rates move), where a
+    # surer drafter (PROBE_RATE) would have been drafted: a probe where no rate could pay (a full
+    # batch on a machine whose drafted tokens cost what plain rows do) is a cost with nothing to
+    # learn. PROBE = 1 (tests): every refused offer verifies one token every step, guard or not.
+    PROBE = 1 / 32
+    PROBE_RATE = 0.95
     DECAY = 0.97  # a sequence's record forgets old rows: a copy starts or ends mid-answer
     FIT_DECAY = 0.98  # per step, the measured / predicted sums
 
@@ -231,7 +236,7 @@ class Speculation:
         """Draft lengths for these sequences in a step of `n_plain` tokens yielding `value`:
         room[i] is the most sequence i may draft (its tokens left, KV it may take); each sequence's
         `kind` says which drafter its row's tokens come from."""
-        if not seqs or budget <= 0 or not self.guard.open:  # paused: drafting measured a loss
+        if not seqs or budget <= 0 or not self.guard.open and self.PROBE < 1:  # paused: drafting measured a loss
             return [0] * len(seqs)
         offers = [self._offer(s, r) for s, r in zip(seqs, room)]
         table = self.step_table(n_plain + 1 + min(budget, sum(o.max_tokens for o in offers)))
@@ -241,8 +246,15 @@ class Speculation:
         choice = choose_draft_lengths(table, n_plain, value, offers, budget, refeed_ms, price.draft_ms,
                                       price.verify_row_ms)
         lengths = [row_size_below(k) for k in choice.lengths]
-        for i, (o, k) in enumerate(zip(offers, lengths)):
-            if k == 0 and o.max_tokens > 0 and sum(lengths) < budget and self._rng.random() < self.PROBE:
+        refused = [i for i, (o, k) in enumerate(zip(offers, lengths)) if k == 0 and o.max_tokens > 0]
+        if refused and self.PROBE < 1:  # only where a surer rate would change the choice
+            surer = [replace(o, acceptance=max(o.acceptance, self.PROBE_RATE)) if k == 0 else o
+                     for o, k in zip(offers, lengths)]
+            could = choose_draft_lengths(table, n_plain, value, surer, budget, refeed_ms, price.draft_ms,
+                                         price.verify_row_ms).lengths
+            refused = [i for i in refused if could[i] > 0]
+        for i in refused:
+            if sum(lengths) < budget and self._rng.random() < self.PROBE:
                 lengths[i] = 1  # keep measuring a rate the choice has stopped trying
         return lengths
 

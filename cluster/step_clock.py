@@ -112,21 +112,39 @@ class StepClock:
         rest = base - weight0 * e0
         prior = np.array([0.8 * rest, 0.1 * rest, 0.1 * rest, 0.0, 0.0, weight0])
         X = np.stack([np.ones_like(n), n, rows, drafted, verify, experts], axis=1)
-        w = self.PRIOR_WEIGHT * np.maximum(np.mean(X * X, axis=0), 1e-6)
+        # each coefficient's prior weighs PRIOR_WEIGHT steps that have its feature (a window with
+        # one verify step among hundreds of plain ones must not let that one step set the
+        # drafted tokens' price)
+        nonzero = np.maximum((X != 0).sum(axis=0), 1)
+        w = self.PRIOR_WEIGHT * np.maximum((X * X).sum(axis=0) / nonzero, 1e-6)
+        # A step that a busy machine held up (another process, a page fault) is no price of its
+        # size: Huber weights, refitted twice, keep such steps from pulling the fit.
+        weights = np.ones_like(ms)
+        for _ in range(3):
+            coef = self._solve(X, ms, weights, w, prior)
+            resid = ms - X @ coef
+            scale = 1.4826 * float(np.median(np.abs(resid))) + 1e-6
+            weights = np.minimum(1.0, 2.0 * scale / np.maximum(np.abs(resid), 1e-12))
+        fixed, token, logit, draft, row, weight = (max(float(c), 0.0) for c in coef)
+        return StepPrice(fixed, token + logit, self.layers, self.overlap, expert_scale=weight, draft_ms=draft,
+                         verify_row_ms=row)
+
+    @staticmethod
+    def _solve(X: np.ndarray, y: np.ndarray, weights: np.ndarray, ridge: np.ndarray, prior: np.ndarray) -> np.ndarray:
+        """Weighted least squares with a ridge towards `prior`, coefficients >= 0 (those the data
+        would push below 0 fixed at 0, the rest refitted)."""
         coef = np.zeros(len(prior))
         free = np.ones(len(prior), dtype=bool)
-        for _ in range(len(prior)):  # non-negative: the negatives fixed at 0, the rest refitted
+        for _ in range(len(prior)):
             Xf = X[:, free]
-            A = Xf.T @ Xf + np.diag(w[free])
-            b = Xf.T @ ms + w[free] * prior[free]
+            A = (Xf * weights[:, None]).T @ Xf + np.diag(ridge[free])
+            b = (Xf * weights[:, None]).T @ y + ridge[free] * prior[free]
             coef[:] = 0.0
             coef[free] = np.linalg.solve(A, b)
             if (coef >= 0).all():
                 break
             free &= coef > 0
-        fixed, token, logit, draft, row, weight = (max(float(c), 0.0) for c in coef)
-        return StepPrice(fixed, token + logit, self.layers, self.overlap, expert_scale=weight, draft_ms=draft,
-                         verify_row_ms=row)
+        return coef
 
     @property
     def price(self) -> Optional[StepPrice]:

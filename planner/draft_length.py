@@ -183,7 +183,7 @@ class DraftGuard:
     min_steps: int = 16  # verify steps judged before a verdict (a step's time is noisy)
     decay: float = 0.95  # per judged step: the score follows the workload as it changes
     first_pause: int = 64  # steps
-    max_pause: int = 4096
+    max_pause: int = 1024  # at a full batch of 150-ms steps, 2.5 minutes
     won: float = 0.0
     spent: float = 0.0
     judged: int = 0
