@@ -84,7 +84,9 @@ class StepClock:
             return False
         self.steps.append((n_tokens, n_logits, drafted, verify_rows, ms))
         self._since += 1
-        if self._price is None or self._since >= self.REFIT_EVERY:
+        # the first steps (graphs built, caches cold) price poorly: refitted after 1, 2, 4, 8 steps
+        early = len(self.steps) < self.REFIT_EVERY and len(self.steps) & (len(self.steps) - 1) == 0
+        if self._price is None or early or self._since >= self.REFIT_EVERY:
             self._since = 0
             self._price = self.fit()
             return True
