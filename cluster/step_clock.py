@@ -120,13 +120,15 @@ class StepClock:
         nonzero = np.maximum((X != 0).sum(axis=0), 1)
         w = self.PRIOR_WEIGHT * np.maximum((X * X).sum(axis=0) / nonzero, 1e-6)
         # A step that a busy machine held up (another process, a page fault) is no price of its
-        # size: Huber weights, refitted twice, keep such steps from pulling the fit.
+        # size: Huber weights, refitted twice, keep such steps from pulling the fit. Not the steps
+        # with drafts: fewer, and dearer than the rest is what they are there to show.
         weights = np.ones_like(ms)
+        plain = drafted == 0
         for _ in range(3):
             coef = self._solve(X, ms, weights, w, prior)
             resid = ms - X @ coef
-            scale = 1.4826 * float(np.median(np.abs(resid))) + 1e-6
-            weights = np.minimum(1.0, 2.0 * scale / np.maximum(np.abs(resid), 1e-12))
+            scale = 1.4826 * float(np.median(np.abs(resid[plain]) if plain.any() else np.abs(resid))) + 1e-6
+            weights = np.where(plain, np.minimum(1.0, 2.0 * scale / np.maximum(np.abs(resid), 1e-12)), 1.0)
         fixed, token, logit, draft, row, weight = (max(float(c), 0.0) for c in coef)
         return StepPrice(fixed, token + logit, self.layers, self.overlap, expert_scale=weight, draft_ms=draft,
                          verify_row_ms=row)
