@@ -53,10 +53,9 @@ class EngineConfig:
     state_checkpoints: Optional[int] = None
     # Speculative decoding (cluster/speculation.py): auto | off | ngram | draft | mtp; a request's
     # `speculative` flag overrides it. Draft lengths are priced per step (planner/draft_length.py),
-    # at most max_draft tokens a row. Off by default: served on the default model (bench/spec.py, one
-    # client, 2 threads) auto ran 1.08-1.20x plain decode where the answer repeats its prompt but
-    # 0.94x on free chat, whose drafts are accepted as often but lengthen steps that cost more than
-    # the price expects (docs/speculative.md#measured).
+    # at most max_draft tokens a row, and paused where they measure a loss. Off by default: on the
+    # default model's CPU a drafted token costs most of a step, so auto gains little at one client
+    # and runs within noise of plain decoding at 16 clients (0.94-1.02x; docs/speculative.md#measured).
     speculative: str = "off"
     max_draft: int = 32
 
