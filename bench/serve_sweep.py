@@ -21,6 +21,7 @@ import os
 import shlex
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -36,11 +37,21 @@ from load import Client, model_id, percentile  # noqa: E402
 from moeray.stages.runtime.transport import free_port  # noqa: E402
 
 
-def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
+def log_tail(log, lines: int = 15) -> str:
+    """The last lines a server wrote (its error, when it dies before it is ready)."""
+    if log is None:
+        return ""
+    log.flush()
+    log.seek(0)
+    return "".join(log.read().decode(errors="replace").splitlines(keepends=True)[-lines:])
+
+
+def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float, log=None) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode} before it was ready")
+            raise SystemExit(f"server exited with {proc.returncode} before it was ready; its last lines:\n"
+                             f"{log_tail(log)}")
         try:
             with urllib.request.urlopen(f"{url}/v1/models", timeout=5) as r:
                 if r.status == 200:
@@ -49,7 +60,7 @@ def wait_ready(proc: subprocess.Popen, url: str, timeout_s: float) -> None:
             pass
         time.sleep(1.0)
     proc.kill()
-    raise SystemExit(f"server not ready in {timeout_s:.0f} s")
+    raise SystemExit(f"server not ready in {timeout_s:.0f} s; its last lines:\n{log_tail(log)}")
 
 
 def cpu_seconds(root: int) -> dict[int, float]:
@@ -92,11 +103,11 @@ def drive(url: str, clients: int, seconds: float, max_tokens: int) -> dict:
 
 def run_server(label: str, cmd: list[str], env: dict, url: str, args) -> list[dict]:
     print(f"# {label}: {' '.join(shlex.quote(c) for c in cmd)}", file=sys.stderr, flush=True)
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    log = tempfile.TemporaryFile()  # the server's output, shown if it fails to come up
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     rows = []
     try:
-        wait_ready(proc, url, args.ready_timeout)
+        wait_ready(proc, url, args.ready_timeout, log)
         drive(url, max(args.clients), args.warmup, args.max_tokens)  # graphs built, caches warm
         for n in args.clients:
             load = os.getloadavg()[0]
@@ -116,6 +127,7 @@ def run_server(label: str, cmd: list[str], env: dict, url: str, args) -> list[di
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+        log.close()
     return rows
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import errno
 import json
+import os
 import re
 import signal
 import socket
@@ -153,11 +154,16 @@ def start_ray(address: str | None, metrics_port: int, dashboard: bool, dashboard
     if ray.is_initialized():
         return None
     address = ray_init_address(address)
-    if address != "local":
-        ctx = ray.init(address=address, logging_level="WARNING")
-    else:
-        ctx = ray.init(address="local", include_dashboard=dashboard, dashboard_port=dashboard_port,
-                       _metrics_export_port=metrics_port, logging_level="WARNING")
+    try:
+        if address != "local":
+            ctx = ray.init(address=address, logging_level="WARNING")
+        else:
+            ctx = ray.init(address="local", include_dashboard=dashboard, dashboard_port=dashboard_port,
+                           _metrics_export_port=metrics_port, logging_level="WARNING")
+    except Exception as exc:  # noqa: BLE001 - ray.init raises a plain Exception when its node times out
+        where = "the local Ray node" if address == "local" else f"Ray at {address}"
+        raise MoerayError(f"{where} did not start: {exc} Fix: retry when the machine is less loaded, `ray stop` a "
+                          "stuck Ray first, or run without Ray (--local --no-metrics)") from None
     url = getattr(ctx, "dashboard_url", None)
     return f"http://{url}" if url and not url.startswith("http") else url or None
 
@@ -217,6 +223,8 @@ def run(args: argparse.Namespace) -> int:
 
         raise CLIError("--no-metrics is for --local on its own (no Ray at all): not with stages, --address or --dashboard")
     check_ports(args)
+    if args.model is not None and not os.path.isfile(args.model):  # before Ray starts: a minute saved, one line
+        raise FileNotFoundError(f"{args.model}: no such file")
     local, rc = None, 0
     try:
         ray_dashboard = None

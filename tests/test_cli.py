@@ -78,6 +78,7 @@ def test_logits_writes_float32_for_every_position(smollm2_dense_path, tmp_path):
         (["serve", "--local", "--threads", "0"], "--threads N (N >= 1) is for --local"),
         (["serve", "--no-metrics"], "--no-metrics is for --local on its own"),
         (["serve", "--local", "--no-metrics", "--dashboard"], "--no-metrics is for --local on its own"),
+        (["serve", "--local", "no/such/model.gguf"], "no such file"),  # said before Ray starts
     ],
 )
 def test_errors_are_one_clean_line(tmp_path, args, message):
