@@ -253,8 +253,9 @@ class Speculation:
             could = choose_draft_lengths(table, n_plain, value, surer, budget, refeed_ms, price.draft_ms,
                                          price.verify_row_ms).lengths
             refused = [i for i in refused if could[i] > 0]
-        for i in refused:
-            if sum(lengths) < budget and self._rng.random() < self.PROBE:
+        for i in refused:  # a drafter never verified on this sequence is tried once for sure: its rate is a guess
+            first = seqs[i].tally(seqs[i].kind).rows == 0
+            if sum(lengths) < budget and (first or self._rng.random() < self.PROBE):
                 lengths[i] = 1  # keep measuring a rate the choice has stopped trying
         return lengths
 
