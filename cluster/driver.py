@@ -537,21 +537,28 @@ class Launched:
         self.group.shutdown()
 
 
-def local_kv_plan(config, engine: EngineConfig, free_bytes: int, itemsize: int = 4):
-    """The KV budget of a one-process server (planner/kv.py local_plan), for this model's layers."""
+def local_kv_plan(config, engine: EngineConfig, free_bytes: int, itemsize: int = 4, trunk_bytes: int = 0):
+    """The KV budget of a one-process server (planner/kv.py local_plan), for this model's layers.
+
+    `trunk_bytes`: what the trunk will hold of the same device (stages/runtime/model.py
+    stage_trunk_bytes). The stage charges the KV pool, the sequences' recurrent states and the
+    trunk to one budget (stages/runtime/actor.py load), so the KV is planned within what the trunk
+    and the states leave: on a 4 GiB device, half of it for Qwen3.6's KV beside its 2.25 GiB trunk
+    and 1.2 GiB of states did not fit and the server did not start."""
     from moeray.planner.kv import local_plan
     from moeray.stages.blocks.kv_cache import BLOCK_SIZE, kv_block_bytes
 
-    plan = local_plan(config.context_length, engine.max_len, engine.kv_blocks, engine.kv_fraction, free_bytes,
-                      kv_block_bytes(config, config.n_layers, itemsize), BLOCK_SIZE)
     per_state = sum(state_bytes_by_layer(config, 1))
+    room = max(0, free_bytes - trunk_bytes - engine.max_seqs * per_state)
+    plan = local_plan(config.context_length, engine.max_len, engine.kv_blocks, engine.kv_fraction, room,
+                      kv_block_bytes(config, config.n_layers, itemsize), BLOCK_SIZE)
     if per_state and engine.prefix_reuse:  # recurrent state: checkpoints for prefix reuse
         from moeray.planner.kv import checkpoints_within
 
         if engine.state_checkpoints is not None:
             plan.checkpoints, plan.checkpoint_rule = engine.state_checkpoints, "as given (--state-checkpoints)"
         else:  # nothing to trade against on a device that holds every expert: a quarter of what is left
-            room = free_bytes - plan.stage_bytes[0] - engine.max_seqs * per_state
+            room -= plan.stage_bytes[0]
             plan.checkpoints = checkpoints_within(room // 4, per_state, 2 * engine.max_seqs)
             plan.checkpoint_rule = "auto: up to two per sequence slot, within a quarter of the device left"
     return plan

@@ -110,7 +110,10 @@ class Service:
             profile = resolve_profile(opts.launch.profile, self.path)
             from moeray.cluster.driver import local_kv_plan, uses_mtp
 
-            kv = local_kv_plan(header.config, engine_cfg, opts.local_budget)
+            from moeray.stages.runtime.model import stage_trunk_bytes
+
+            kv = local_kv_plan(header.config, engine_cfg, opts.local_budget,
+                               trunk_bytes=stage_trunk_bytes(header, 0, header.config.n_layers))
             engine_cfg = dataclasses.replace(engine_cfg, max_len=kv.context, kv_blocks=kv.blocks,
                                              state_checkpoints=kv.checkpoints)
             self.local = LocalPipeline.from_file(self.path, kv.blocks, opts.local_budget,
