@@ -101,8 +101,9 @@ def local_plan(model_context: int, max_len: int | None, kv_blocks: int | None, k
                free_bytes: int, block_bytes_all_layers: int, block_tokens: int) -> KVPlan:
     """The KV budget of a one-process server (no expert trade: its device holds every expert):
     --kv-blocks / --kv-fraction, else one sequence at the full context, or, where that would take
-    over half of free_bytes (the device less the trunk and the states: cluster/driver.py local_kv_plan) (Qwen3-30B-A3B: 40,960 tokens, 7.5 GiB of float32 KV beside its trunk),
-    one sequence of what half of it holds, unless --max-len asked for a length."""
+    over half of `free_bytes` (Qwen3-30B-A3B: 40,960 tokens, 7.5 GiB of float32 KV), one sequence
+    of what half of it holds, unless --max-len asked for a length. `free_bytes`: the device less
+    the trunk and the sequences' states (cluster/driver.py local_kv_plan)."""
     context = context_tokens(model_context, max_len)
     n, rule = fixed_blocks(kv_blocks, kv_fraction, free_bytes, block_bytes_all_layers)
     if n is None:
@@ -110,8 +111,8 @@ def local_plan(model_context: int, max_len: int | None, kv_blocks: int | None, k
         fit = (free_bytes // 2) // max(1, block_bytes_all_layers)
         if max_len is None and 1 <= fit < n:
             n, context = fit, fit * block_tokens
-            rule = (f"one sequence of {context} tokens, half of what the device has left beside the trunk (the model's {model_context} "
-                    "would not fit; --max-len or --kv-blocks to choose)")
+            rule = (f"one sequence of {context} tokens, half of what the device has left beside the trunk "
+                    f"(the model's {model_context} would not fit; --max-len or --kv-blocks to choose)")
     return KVPlan(n, block_tokens, context, rule, [n * block_bytes_all_layers])
 
 
