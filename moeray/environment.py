@@ -12,7 +12,9 @@ variables below are not a second way in:
   where `moeray serve` runs reaches every node through the configuration, visibly.
 - Inputs that are not knobs: where built models go (MOERAY_CACHE_DIR), the API key's default
   (MOERAY_API_KEY: a secret stays out of argv), the Ray cluster to join (RAY_ADDRESS), the library
-  path a foreign libggml could come from (LD_LIBRARY_PATH), Triton's interpreter (TRITON_INTERPRET).
+  path a foreign libggml could come from (LD_LIBRARY_PATH), Triton's interpreter (TRITON_INTERPRET),
+  ggml's own switch for its tiled GEMM (GGML_CPU_TILED_MM, read by ggml itself; moeray only reports
+  it), and the CMake flags `make venv` builds ggml-python with (CMAKE_ARGS, stages/kernels/ggml_build.py).
 - Variables moeray SETS for the Ray processes it starts (`set_default`).
 
 tests/ and bench/ may set variables for the processes they start; the package reads them only
@@ -149,6 +151,22 @@ def library_path() -> str:
 def triton_interpreted() -> bool:
     """TRITON_INTERPRET=1: Triton runs kernels in its interpreter (on the CPU; the tests' way)."""
     return os.environ.get("TRITON_INTERPRET", "") == "1"
+
+
+def ggml_tiled_switch() -> str | None:
+    """GGML_CPU_TILED_MM: ggml's own switch for llama.cpp's tiled GEMM (None: unset, on), reported by
+    stages/kernels/ggml_lib.py tiled_gemm; ggml reads it itself."""
+    return os.environ.get("GGML_CPU_TILED_MM")
+
+
+def cmake_args(default: str) -> str:
+    """CMAKE_ARGS: the flags ggml-python is built with (stages/kernels/ggml_build.py; the Makefile's)."""
+    return os.environ.get("CMAKE_ARGS", default)
+
+
+def with_variable(name: str, value: str) -> dict[str, str]:
+    """This process's environment with `name` set, for a process it starts (pip building ggml)."""
+    return {**os.environ, name: value}
 
 
 def set_default(name: str, value: str) -> None:

@@ -33,7 +33,6 @@ Standard library only: the Makefile runs it before ggml-python exists.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import shlex
 import shutil
@@ -42,6 +41,8 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
+
+from moeray import environment
 
 VERSION = "0.0.45"  # the ggml-python sdist whose text the hooks below are written against
 TILED = Path(__file__).resolve().with_name("ggml_tiled")
@@ -159,14 +160,14 @@ def pip_install(python: str, what: str, cmake_args: str, target: str | None, qui
     cmd = [python, "-m", "pip", "install", "--no-cache-dir", *(["-q"] if quiet else []), what]
     if target:  # a side folder for PYTHONPATH: ggml only (the venv has numpy); replace what is there
         cmd += ["--target", target, "--no-deps", "--upgrade"]
-    subprocess.run(cmd, check=True, env={**os.environ, "CMAKE_ARGS": cmake_args})
+    subprocess.run(cmd, check=True, env=environment.with_variable("CMAKE_ARGS", cmake_args))
 
 
 def install(python: str = sys.executable, cmake_args: str | None = None, version: str = VERSION,
             target: str | None = None, fallback: bool = True, quiet: bool = True) -> bool:
     """Install ggml-python with the tiled GEMM into `python`'s environment (or `target`); True when
     the tiled build went in. Else the plain sdist (`fallback`), with one line saying so."""
-    cmake_args = os.environ.get("CMAKE_ARGS", DEFAULT_CMAKE_ARGS) if cmake_args is None else cmake_args
+    cmake_args = environment.cmake_args(DEFAULT_CMAKE_ARGS) if cmake_args is None else cmake_args
     if "-march=native" in cmake_args or "GGML_NATIVE=ON" in cmake_args.upper():
         raise SystemExit("ggml_build: never -march=native (GGML_NATIVE=ON): the library dies with SIGILL on an older CPU")
     work = Path(tempfile.mkdtemp(prefix="moeray-ggml-"))
@@ -240,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "vendor":
         vendor(args.llama_cpp, args.origin)
         return 0
-    cmake_args = os.environ.get("CMAKE_ARGS", DEFAULT_CMAKE_ARGS)
+    cmake_args = environment.cmake_args(DEFAULT_CMAKE_ARGS)
     if args.llamafile:
         cmake_args = " ".join(a for a in shlex.split(cmake_args) if not a.startswith("-DGGML_LLAMAFILE")) + " -DGGML_LLAMAFILE=ON"
     ok = install(cmake_args=cmake_args, version=args.version, target=args.target, fallback=not args.no_fallback,

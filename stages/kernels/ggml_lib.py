@@ -86,7 +86,7 @@ TILED_ON, TILED_OFF, TILED_ABSENT = "on", "off", "absent"
 TILED_SYMBOL = "ggml_compute_forward_mul_mat_tiled"
 
 
-def tiled_gemm(G=None, environ=os.environ) -> str:
+def tiled_gemm(G=None, environ: dict | None = None) -> str:
     """"on": this process's libggml-cpu has the tiled GEMM and will take it (8+ rows of a K/IQ-quant
     matrix, or routed to one expert); "off": it has it, GGML_CPU_TILED_MM=0 turns it off (ggml reads
     the variable once, at its first matmul); "absent": a ggml-python built without it (or none)."""
@@ -94,7 +94,7 @@ def tiled_gemm(G=None, environ=os.environ) -> str:
         G = load_once()[0]
     if G is None or not hasattr(G.lib, TILED_SYMBOL):  # G.lib looks names up in ggml-python's libggml*
         return TILED_ABSENT
-    value = environ.get("GGML_CPU_TILED_MM")
+    value = environment.ggml_tiled_switch() if environ is None else environ.get("GGML_CPU_TILED_MM")
     try:  # ggml's own test: atoi(value) != 0
         on = value is None or int(re.match(r"\s*[-+]?\d*", value).group().strip() or 0) != 0
     except ValueError:
