@@ -7,12 +7,13 @@ PY      = $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 # ggml's CPU kernels (the quantised route) through ggml-python, built from source for any x86-64
 # with AVX2: never -march=native (a binary built that way dies with SIGILL on an older CPU). No
-# OpenMP (ggml's own sleeping thread pool does not spin against torch's) and no llamafile sgemm
-# (every batch size then runs the same dot products, so a sequence's logits do not depend on
-# what it is batched with). Linked with DT_RPATH (--disable-new-dtags), which the loader reads
+# OpenMP (ggml's own sleeping thread pool does not spin against torch's). llamafile's sgemm built in,
+# for Q8_0 / Q4_0 matrices only (StageOptions.sgemm_rows): on AVX2 it gives a row the bits ggml's dot
+# products give, so a sequence's logits still do not depend on what it is batched with (its float
+# kernels would: moeray never lets a float matrix take it). Linked with DT_RPATH (--disable-new-dtags), which the loader reads
 # BEFORE LD_LIBRARY_PATH: its libraries then find each other, never a llama.cpp build's libggml
 # on the path (RUNPATH, the default, comes after it: a foreign libggml-base.so got in and segfaulted).
-GGML_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_OPENMP=OFF -DGGML_LLAMAFILE=OFF \
+GGML_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_OPENMP=OFF -DGGML_LLAMAFILE=ON \
 	-DCMAKE_SHARED_LINKER_FLAGS=-Wl,--disable-new-dtags
 
 .PHONY: venv demo generate test clean

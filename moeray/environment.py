@@ -13,8 +13,8 @@ variables below are not a second way in:
 - Inputs that are not knobs: where built models go (MOERAY_CACHE_DIR), the API key's default
   (MOERAY_API_KEY: a secret stays out of argv), the Ray cluster to join (RAY_ADDRESS), the library
   path a foreign libggml could come from (LD_LIBRARY_PATH), Triton's interpreter (TRITON_INTERPRET),
-  ggml's own switch for its tiled GEMM (GGML_CPU_TILED_MM, read by ggml itself; moeray only reports
-  it), and the CMake flags `make venv` builds ggml-python with (CMAKE_ARGS, stages/kernels/ggml_build.py).
+  ggml's own switch for its tiled GEMM (GGML_CPU_TILED_MM, read by ggml itself in each process;
+  moeray only reports it: StageOptions.tiled_gemm is the knob), and the CMake flags `make venv` builds ggml-python with (CMAKE_ARGS, stages/kernels/ggml_build.py).
 - Variables moeray SETS for the Ray processes it starts (`set_default`).
 
 tests/ and bench/ may set variables for the processes they start; the package reads them only
@@ -86,6 +86,9 @@ OVERRIDES = (
     Override("MOERAY_TRUNK_GRAPH", "stage.trunk_graph", _flag, "a layer's trunk as one ggml graph (1/0)"),
     Override("MOERAY_FUSED_MOE", "stage.fused_moe", _flag, "routing and experts inside the trunk graph (1/0)"),
     Override("MOERAY_STAGE_GRAPH", "stage.stage_graph", _flag, "a decode step's layers as one graph (1/0)"),
+    Override("MOERAY_TILED_GEMM", "stage.tiled_gemm", _flag, "llama.cpp's tiled K/IQ-quant GEMM at 8+ rows (1/0)"),
+    Override("MOERAY_SGEMM_ROWS", "stage.sgemm_rows", _count,
+             "llamafile's sgemm for Q8_0/Q4_0 products of at least this many rows (0: never)"),
     Override("MOERAY_TRITON", "stage.triton", _triton, "the card's Triton kernels: auto | on (1) | off (0)"),
     Override("MOERAY_SPLIT_COVER_B", "launch.cover_b", _positive, "b of the planner's mass curve H(f)"),
 )

@@ -1,8 +1,10 @@
-"""llama.cpp's tiled K/IQ-quant GEMM in the ggml that `make venv` builds (stages/kernels/ggml_build.py,
-docs/kernels.md#tiled-gemm): the patch's hooks and its fallback, how a process tells which build it
-has, and what the path does to a row's bits: ~1e-7 of the largest output between a row computed
-tiled (8+ rows, or 8+ rows routed to one expert) and the same row alone; the same bits at every
-batch with GGML_CPU_TILED_MM=0."""
+"""llama.cpp's tiled K/IQ-quant GEMM and llamafile's sgemm in the ggml that `make venv` builds
+(stages/kernels/ggml_build.py, docs/kernels.md#tiled-gemm): the patch's hooks and its fallback, how
+a process tells which build it has, the stage options that switch each path at run time, and what
+the paths do to a row's bits: ~1e-7 of the largest output between a row computed tiled (8+ rows, or
+8+ rows routed to one expert) and the same row alone; the same
+bits at every batch with the tiled path off (tiled_gemm=False or GGML_CPU_TILED_MM=0); the sgemm
+keeps a row's bits (quantised matrices only)."""
 from __future__ import annotations
 
 import json
@@ -23,6 +25,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from quant_blocks import random_blocks  # noqa: E402
 
 # The types the tiled path takes (IQ1_S / IQ1_M left out of the vendored copy).
+# The types moeray lets llamafile's sgemm take (its float and IQ4_NL kernels, which sum a row in
+# another order than ggml's, are never given a matrix).
+SGEMM_TYPES = ("Q8_0", "Q4_0", "Q5_0")
 TILED_TYPES = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S")
 
 
@@ -44,6 +49,9 @@ def test_the_patch_hooks_every_anchor_once_and_copies_the_vendored_files(tmp_pat
     src = (cpu / "ggml-cpu.c").read_text()
     assert all(new in src for _, new in ggml_build.HOOKS)
     assert src.count("ggml_compute_forward_mul_mat_id_tiled(") == 1 and src.count("ggml_tiled_wdata_size(") == 3
+    # the run-time switches: both tiled calls behind the stage's option, both sgemm calls behind its width
+    assert src.count("moeray_tiled_on && ggml_compute_forward_mul_mat") == 2
+    assert src.count("MOERAY_SGEMM(src0, ne11)") == 2 and "void moeray_ggml_set_gemm_paths(" in src
     assert "ggml-cpu/tiled/tiled.cpp" in (cpu / "CMakeLists.txt").read_text()
     for f in ggml_build.FILES:
         assert (cpu / "tiled" / f).read_bytes() == (ggml_build.TILED / f).read_bytes()
@@ -111,6 +119,21 @@ def test_the_state_follows_ggmls_own_reading_of_the_variable(value, state):
     env = {} if value is None else {"GGML_CPU_TILED_MM": value}
     assert tiled_gemm(G, env) == state  # ggml: getenv == NULL || atoi(value) != 0
     assert tiled_gemm(SimpleNamespace(lib=SimpleNamespace()), env) == TILED_ABSENT
+    assert tiled_gemm(G, env, enabled=False) == TILED_OFF  # the stage's option turns it off whatever ggml's is
+
+
+def test_the_switches_are_stage_options_with_debugging_overrides(monkeypatch):
+    from moeray.errors import ConfigError
+    from moeray.stages.kernels.settings import StageOptions
+    from moeray import environment
+
+    assert StageOptions().tiled_gemm is True and StageOptions().sgemm_rows == 2
+    with pytest.raises(ConfigError, match="sgemm_rows"):
+        StageOptions(sgemm_rows=-1)
+    monkeypatch.setenv("MOERAY_SGEMM_ROWS", "0")
+    monkeypatch.setenv("MOERAY_TILED_GEMM", "0")
+    opts, lines = environment.fold(StageOptions(), "stage")
+    assert (opts.sgemm_rows, opts.tiled_gemm) == (0, False) and len(lines) == 2
 
 
 # ---------------------------------------------------------------- numerics
@@ -178,14 +201,109 @@ def test_a_row_computed_tiled_is_within_the_last_bit_of_the_row_alone():
     assert all(r["mul_mat"][0] > 0 and r["mul_mat_id"] > 0 for r in got.values()), got
 
 
-def test_with_the_tiled_path_off_every_row_keeps_its_bits_at_every_batch():
-    """GGML_CPU_TILED_MM=0 (read once per process by ggml: a fresh one here)."""
+def test_with_the_stage_option_off_every_row_keeps_its_bits_at_every_batch():
+    """StageOptions.tiled_gemm=False: switched in this process, between graphs."""
     _needs_tiled()
-    env = dict(os.environ, GGML_CPU_TILED_MM="0")
-    r = subprocess.run([sys.executable, __file__], capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
-    got = json.loads(r.stdout.splitlines()[-1])
-    assert all(v["mul_mat"][0] == 0 and v["mul_mat_id"] == 0 for v in got.values()), got
+    from moeray.stages.kernels import settings
+
+    saved = settings.snapshot()
+    try:
+        settings.update(tiled_gemm=False)
+        got = _batch_vs_alone(("Q4_K", "IQ3_S", "Q6_K"))
+        assert all(v["mul_mat"][0] == 0 and v["mul_mat_id"] == 0 for v in got.values()), got
+        settings.update(tiled_gemm=True)
+        if tiled_gemm() == TILED_ON:  # and back on: the path is taken again
+            got = _batch_vs_alone(("Q4_K", "IQ3_S", "Q6_K"))
+            assert all(v["mul_mat"][0] > 0 for v in got.values()), got
+    finally:
+        settings.restore(saved)
+
+
+def _ggml_f32_mul_mat(w, x):
+    """w [N, K] @ x [M, K].T as one ggml mul_mat of two float32 tensors (a QMatrix of float32
+    weights multiplies in torch, so this graph is built by hand)."""
+    import torch
+
+    from moeray.stages.kernels.ggml_lib import load_once
+    from moeray.stages.kernels.graphs import ggml_graph
+
+    G, (N, K), M = load_once()[0], w.shape, x.shape[0]
+
+    def build(ctx):
+        wt = G.ggml_new_tensor_2d(ctx, G.GGML_TYPE_F32, K, N)
+        xt = G.ggml_new_tensor_2d(ctx, G.GGML_TYPE_F32, K, M)
+        return [wt, xt], G.ggml_mul_mat(ctx, wt, xt), None
+
+    out = torch.empty(M, N)
+    ggml_graph(("test-f32-mul-mat", N, K, M), build)([w.data_ptr(), x.data_ptr()], out.data_ptr())
+    return out
+
+
+def _sgemm_vs_alone(m: int, rows: int) -> dict:
+    """Per type: (max |batched - alone| / max |alone| over m rows, the batched result's error against
+    float32 over the alone one's, the products llamafile's sgemm computed for the batched call) with
+    sgemm_rows=rows, in the plain layout."""
+    import torch
+
+    from moeray.stages.kernels import repack, settings
+    from moeray.stages.kernels.ggml_lib import sgemm_products
+    from moeray.stages.kernels.qmatmul import QMatrix
+
+    saved, out = settings.snapshot(), {}
+    repack.set_mode("off")
+    try:
+        settings.update(sgemm_rows=rows)
+        rng = np.random.default_rng(1)
+        for name in SGEMM_TYPES + ("IQ4_NL", "F32"):
+            n, k = 256, 512
+            x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+            if name == "F32":
+                wf = torch.from_numpy(rng.standard_normal((n, k)).astype(np.float32))
+                w, ref = (lambda v, wf=wf: _ggml_f32_mul_mat(wf, v)), x @ wf.T
+            else:
+                raw = random_blocks(QT[name], n * k // 32, rng, scale=0.01).reshape(-1)
+                w = QMatrix.from_raw(raw, QT[name], (n, k), "ggml")
+                ref = x @ w.dequantize().T
+            before = sgemm_products()
+            batched = w(x)
+            taken = sgemm_products() - before
+            alone = torch.cat([w(x[i:i + 1]) for i in range(m)])
+            top = alone.abs().max().item()
+            err_alone = (alone - ref).abs().max().item()
+            out[name] = ((batched - alone).abs().max().item() / top,
+                         (batched - ref).abs().max().item() / max(err_alone, 1e-6 * top), taken)
+    finally:
+        settings.restore(saved)
+    return out
+
+
+def _needs_sgemm():
+    _needs_tiled()
+    from moeray.stages.kernels.ggml_lib import SWITCH_SYMBOL, load_once, sgemm_built
+    G = load_once()[0]
+    if not sgemm_built(G) or not hasattr(G.lib, SWITCH_SYMBOL):
+        pytest.skip("this ggml-python has no llamafile sgemm behind moeray's switch (`make venv` builds it)")
+
+
+def test_llamafile_sgemm_takes_quantised_matrices_at_prefill_widths_with_their_bits():
+    """At 40 rows with sgemm_rows=32 the sgemm computes the Q8_0, Q4_0 and Q5_0 products; on this AVX2
+    build its kernels sum a row's blocks in ggml's own order, so every row keeps the bits it has
+    alone (which lets the default take it from 2 rows: 1.2-1.4x faster at 2-16 rows, 1.3-1.8x at
+    256). A float32 (a router) or IQ4_NL matrix never takes it: those kernels sum in another order
+    (1.6e-7 of the largest output measured on IQ4_NL), and a router's last bit flips expert choices."""
+    _needs_sgemm()
+    got = _sgemm_vs_alone(m=40, rows=32)
+    assert all(got[name][2] == 1 for name in SGEMM_TYPES) and got["IQ4_NL"][2] == got["F32"][2] == 0, got
+    for name, (batch, err_ratio, _) in got.items():
+        assert batch == 0 and err_ratio <= 1.0 + 1e-6, (name, got)
+
+
+def test_below_sgemm_rows_or_with_it_off_ggmls_dot_products_run():
+    """Fewer rows than sgemm_rows (16 < 32), or sgemm_rows=0 at any width: ggml's own kernels."""
+    _needs_sgemm()
+    for m, rows in ((16, 32), (40, 0)):
+        got = _sgemm_vs_alone(m=m, rows=rows)
+        assert all(taken == 0 and batch == 0 for batch, _, taken in got.values()), (m, rows, got)
 
 
 if __name__ == "__main__":

@@ -68,7 +68,7 @@ def backend_line(backend: str, device: torch.device) -> str:
         return (f"moeray: kernels: ggml (quantised blocks, 8-bit activations; a GQA or MLA layer's trunk, softmax "
                 f"top-k routing and routed experts in one ggml graph where one stack serves its picks, else "
                 f"the experts in mul_mat_id graphs after it) on cpu, {n} thread(s){spin}; "
-                f"{tiled_line(tiled_gemm(_G))}; {repack.layout_line()}")
+                f"{tiled_line(tiled_gemm(_G), settings.current().sgemm_rows, _G)}; {repack.layout_line()}")
     if backend == "exact":
         return f"moeray: kernels: exact (float32 copies of every weight, debugging) on {device}"
     if _card_kernels(device) is not None:

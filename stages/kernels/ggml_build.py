@@ -20,13 +20,23 @@ to the plain `pip install ggml-python`, with one line saying the tiled GEMM is a
 stages/kernels/ggml_lib.py tells which build loaded (`tiled_gemm()`), and the backend line says it.
 
     CMAKE_ARGS="..." python stages/kernels/ggml_build.py install              # make venv
-    python stages/kernels/ggml_build.py install --target /tmp/g [--llamafile] # a side build: PYTHONPATH=/tmp/g
+    python stages/kernels/ggml_build.py install --target /tmp/g               # a side build: PYTHONPATH=/tmp/g
     python stages/kernels/ggml_build.py vendor --llama-cpp /path/to/llama.cpp # refresh ggml_tiled/
+
+It also builds llamafile's sgemm in (-DGGML_LLAMAFILE=ON: tinyBLAS, plain Q8_0, Q4_0 and float
+matrices; llama.cpp takes it for every such product) and adds two run-time switches (SWITCHES
+below), which a stage sets from its options before it plans a graph: the tiled GEMM on or off
+(StageOptions.tiled_gemm), and the fewest rows a product needs to take llamafile's sgemm
+(StageOptions.sgemm_rows: 2), and only for Q8_0, Q4_0 and Q5_0 matrices, whose kernels give
+ggml's bits: float and IQ4_NL ones keep ggml's kernels.
 
 Numerics: the tiled kernel sums a row's per-block products in another order than vec_dot, so a
 matrix row differs by ~1e-7 relative (the last float32 bit) between a call where it runs tiled
-(8+ rows, or 8+ rows routed to its expert) and one where it does not. `GGML_CPU_TILED_MM=0`
-(llama.cpp's switch, read once per process) turns the path off. docs/kernels.md#tiled-gemm.
+(8+ rows, or 8+ rows routed to its expert) and one where it does not. llamafile's Q8_0 / Q4_0
+/ Q5_0 kernels on AVX2 give ggml's bits (tests/test_ggml_tiled.py); its float and IQ4_NL ones would
+not, and never run. `tiled_gemm=False` (or
+GGML_CPU_TILED_MM=0, llama.cpp's switch) turns the tiled path off, `sgemm_rows=0` the sgemm.
+docs/kernels.md#tiled-gemm.
 
 Standard library only: the Makefile runs it before ggml-python exists.
 """
@@ -34,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import shlex
 import shutil
 import subprocess
 import sys
@@ -49,9 +58,9 @@ TILED = Path(__file__).resolve().with_name("ggml_tiled")
 FILES = ("tiled.h", "tiled.cpp", "tiled-kernel.h", "tiled-kernel.cpp")
 
 # The Makefile's GGML_CMAKE_ARGS, for a side build run without it (CMAKE_ARGS unset): portable AVX2,
-# never -march=native; no OpenMP; no llamafile sgemm (batch invariance); DT_RPATH (ggml_lib.py).
+# never -march=native; no OpenMP; llamafile's sgemm (Q8_0 / Q4_0 only, switched at run time); DT_RPATH (ggml_lib.py).
 DEFAULT_CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_OPENMP=OFF "
-                      "-DGGML_LLAMAFILE=OFF -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--disable-new-dtags")
+                      "-DGGML_LLAMAFILE=ON -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--disable-new-dtags")
 
 ABSENT = ("moeray: ggml-python goes in WITHOUT llama.cpp's tiled K/IQ-quant GEMM ({why}): the plain sdist "
           "instead (or the one installed), so K- and IQ-quant prefill will be slower (up to ~2x on the routed "
@@ -61,9 +70,36 @@ ABSENT = ("moeray: ggml-python goes in WITHOUT llama.cpp's tiled K/IQ-quant GEMM
 CMAKE_HOOK = ("        ggml-cpu/repack.cpp\n",
               "        ggml-cpu/repack.cpp\n" + "".join(f"        ggml-cpu/tiled/{f}\n" for f in FILES))
 
+# moeray's run-time switches (StageOptions.tiled_gemm and .sgemm_rows, set by stages/kernels/ggml_lib.py
+# set_gemm_paths before a graph is planned): which of the two GEMMs a matmul may take, and a count of
+# the sgemm's products (tests/test_ggml_tiled.py: its bits are ggml's, so only the count shows it ran). Set between
+# graphs, never during one, so every thread of a graph takes the same path.
+SWITCHES = """
+// moeray: run-time switches (stages/kernels/ggml_build.py). moeray_tiled_on: llama.cpp's tiled
+// K/IQ-quant GEMM may run (besides its own GGML_CPU_TILED_MM). moeray_sgemm_rows: llamafile's sgemm
+// runs only for a product of at least this many rows, and of a Q8_0, Q4_0 or Q5_0 matrix, whose
+// x86 kernels sum a row's blocks in ggml's order (the same bits). Its float and IQ4_NL kernels sum
+// in another: a float32 router's last bit flips expert choices at near-ties, and a prompt's answer
+// would depend on how it was split into steps.
+static int moeray_tiled_on = 1;
+static int64_t moeray_sgemm_rows = INT64_MAX;
+static int64_t moeray_sgemm_products = 0;  // products the sgemm computed (thread 0 counts): for tests
+#define MOERAY_SGEMM(w, rows) ((rows) >= moeray_sgemm_rows && \
+    ((w)->type == GGML_TYPE_Q8_0 || (w)->type == GGML_TYPE_Q4_0 || (w)->type == GGML_TYPE_Q5_0))
+
+GGML_BACKEND_API int64_t moeray_ggml_sgemm_products(void) {
+    return moeray_sgemm_products;
+}
+
+GGML_BACKEND_API void moeray_ggml_set_gemm_paths(int tiled_on, int64_t sgemm_rows) {
+    moeray_tiled_on = tiled_on != 0;
+    moeray_sgemm_rows = sgemm_rows > 0 ? sgemm_rows : INT64_MAX;
+}
+"""
+
 # (text in ggml-python's vendored ggml-cpu.c, what it becomes): llama.cpp's hooks, as it places them.
 HOOKS = [
-    ('#include "ggml-threading.h"\n', '#include "ggml-threading.h"\n#include "tiled/tiled.h"\n'),
+    ('#include "ggml-threading.h"\n', '#include "ggml-threading.h"\n#include "tiled/tiled.h"\n' + SWITCHES),
     ("""        ggml_compute_forward_fwht(params, dst);
         return;
     }
@@ -74,7 +110,7 @@ HOOKS = [
     }
 
     // If tiled is supported, it will execute the full op here and we return
-    if (ggml_compute_forward_mul_mat_tiled(params, dst)) {
+    if (moeray_tiled_on && ggml_compute_forward_mul_mat_tiled(params, dst)) {
         return;
     }
 
@@ -95,11 +131,26 @@ HOOKS = [
             continue;
         }
 
-        if (ggml_compute_forward_mul_mat_id_tiled(params, dst, cur_a, cne1, (const int32_t *) &MMID_MATRIX_ROW(cur_a, 0), tiled_scratch)) {
+        if (moeray_tiled_on && ggml_compute_forward_mul_mat_id_tiled(params, dst, cur_a, cne1, (const int32_t *) &MMID_MATRIX_ROW(cur_a, 0), tiled_scratch)) {
             continue;
         }
 
         const char * src0_cur"""),
+    # llamafile's sgemm (built in with -DGGML_LLAMAFILE=ON) only at moeray_sgemm_rows rows and more
+    ("""    if (src1_cont) {
+        for (int64_t i13 = 0; i13 < ne13; i13++)""", """    if (src1_cont && MOERAY_SGEMM(src0, ne11)) {
+        for (int64_t i13 = 0; i13 < ne13; i13++)"""),
+    ("""#if GGML_USE_LLAMAFILE
+    if (src1->type != vec_dot_type) {""", """#if GGML_USE_LLAMAFILE
+    if (src1->type != vec_dot_type && MOERAY_SGEMM(src0, ne11)) {"""),
+    ("""                    goto UseGgmlGemm1;
+        return;""", """                    goto UseGgmlGemm1;
+        if (params->ith == 0) moeray_sgemm_products++;
+        return;"""),
+    ("""                    goto UseGgmlGemm2;
+        return;""", """                    goto UseGgmlGemm2;
+        if (params->ith == 0) moeray_sgemm_products++;
+        return;"""),
     ("""                            cur = ggml_row_size(vec_dot_type, ggml_nelements(node->src[1]));
                         }
                     } break;""", """                            cur = ggml_row_size(vec_dot_type, ggml_nelements(node->src[1]));
@@ -229,9 +280,6 @@ def main(argv: list[str] | None = None) -> int:
     i = sub.add_parser("install", help="pip install ggml-python with the tiled GEMM (CMAKE_ARGS from the environment)")
     i.add_argument("--target", help="install into this folder (for PYTHONPATH) instead of the environment")
     i.add_argument("--version", default=VERSION)
-    i.add_argument("--llamafile", action="store_true",
-                   help="also llamafile's sgemm (plain Q8_0, Q4_0 and float matrices), which the Makefile leaves "
-                        "out: a row's result then depends on its batch (measurement only)")
     i.add_argument("--no-fallback", action="store_true", help="fail instead of installing the plain ggml-python")
     i.add_argument("-v", "--verbose", action="store_true", help="show pip's and the compiler's output")
     v = sub.add_parser("vendor", help="refresh ggml_tiled/ from a llama.cpp source tree")
@@ -241,13 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd == "vendor":
         vendor(args.llama_cpp, args.origin)
         return 0
-    cmake_args = environment.cmake_args(DEFAULT_CMAKE_ARGS)
-    if args.llamafile:
-        cmake_args = " ".join(a for a in shlex.split(cmake_args) if not a.startswith("-DGGML_LLAMAFILE")) + " -DGGML_LLAMAFILE=ON"
-    ok = install(cmake_args=cmake_args, version=args.version, target=args.target, fallback=not args.no_fallback,
-                 quiet=not args.verbose)
+    ok = install(version=args.version, target=args.target, fallback=not args.no_fallback, quiet=not args.verbose)
     if args.target:
-        print(f"PYTHONPATH={args.target} puts this ggml-python first (GGML_CPU_TILED_MM=0: the tiled GEMM off)")
+        print(f"PYTHONPATH={args.target} puts this ggml-python first (MOERAY_TILED_GEMM=0: the tiled GEMM off, MOERAY_SGEMM_ROWS=0: the sgemm)")
     return 0 if ok or not args.no_fallback else 1
 
 

@@ -14,6 +14,7 @@ the library and the fix). The caller then runs without ggml: nothing ever calls 
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import sys
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from moeray import environment
 from moeray.errors import MoerayError
+from moeray.stages.kernels import settings
 
 _LIB = re.compile(r"(^|/)libggml(-[\w-]+)?\.so(\.[\d.]+)?$")  # libggml.so, libggml-cpu.so.0.25.3
 
@@ -86,25 +88,80 @@ TILED_ON, TILED_OFF, TILED_ABSENT = "on", "off", "absent"
 TILED_SYMBOL = "ggml_compute_forward_mul_mat_tiled"
 
 
-def tiled_gemm(G=None, environ: dict | None = None) -> str:
+def tiled_gemm(G=None, environ: dict | None = None, enabled: bool | None = None) -> str:
     """"on": this process's libggml-cpu has the tiled GEMM and will take it (8+ rows of a K/IQ-quant
-    matrix, or routed to one expert); "off": it has it, GGML_CPU_TILED_MM=0 turns it off (ggml reads
-    the variable once, at its first matmul); "absent": a ggml-python built without it (or none)."""
+    matrix, or routed to one expert); "off": it has it, but the stage's options (`enabled`, default
+    StageOptions.tiled_gemm) or GGML_CPU_TILED_MM=0 (ggml's own switch, read at its first matmul)
+    turn it off; "absent": a ggml-python built without it (or none)."""
     if G is None:
         G = load_once()[0]
     if G is None or not hasattr(G.lib, TILED_SYMBOL):  # G.lib looks names up in ggml-python's libggml*
         return TILED_ABSENT
+    if enabled is None:
+        enabled = settings.current().tiled_gemm
     value = environment.ggml_tiled_switch() if environ is None else environ.get("GGML_CPU_TILED_MM")
     try:  # ggml's own test: atoi(value) != 0
         on = value is None or int(re.match(r"\s*[-+]?\d*", value).group().strip() or 0) != 0
     except ValueError:
         on = False
-    return TILED_ON if on else TILED_OFF
+    return TILED_ON if on and enabled else TILED_OFF
 
 
-def tiled_line(state: str) -> str:
-    """The backend line's words for tiled_gemm()'s state."""
-    return {TILED_ON: "tiled K/IQ-quant GEMM at 8+ rows (GGML_CPU_TILED_MM=0: off)",
-            TILED_OFF: "tiled K/IQ-quant GEMM off (GGML_CPU_TILED_MM=0)",
-            TILED_ABSENT: "no tiled K/IQ-quant GEMM in this ggml-python: K/IQ-quant prefill is slower "
-                          "(`make venv` builds it, docs/kernels.md#tiled-gemm)"}[state]
+# The run-time switches ggml_build.py adds to ggml-cpu.c: which GEMM a matmul may take.
+SWITCH_SYMBOL = "moeray_ggml_set_gemm_paths"
+_applied: tuple | None = None  # (tiled on, sgemm rows) last given to this process's ggml
+
+
+def set_gemm_paths(options, G=None) -> bool:
+    """Give this process's ggml the options' tiled_gemm and sgemm_rows (called before a graph is
+    planned, so never during a graph: every thread of one takes the same path). False where the
+    ggml-python was not built by ggml_build.py (no switches: tiled as GGML_CPU_TILED_MM says,
+    llamafile's sgemm as it was built)."""
+    global _applied
+    if G is None:
+        G = load_once()[0]
+    if G is None or not hasattr(G.lib, SWITCH_SYMBOL):
+        return False
+    want = (bool(options.tiled_gemm), int(options.sgemm_rows))
+    if want != _applied:
+        fn = getattr(G.lib, SWITCH_SYMBOL)
+        fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int64], None
+        fn(*want)
+        _applied = want
+    return True
+
+
+def sgemm_products(G=None) -> int | None:
+    """How many matmuls llamafile's sgemm has computed in this process (None: no switch built in)."""
+    if G is None:
+        G = load_once()[0]
+    if G is None or not hasattr(G.lib, "moeray_ggml_sgemm_products"):
+        return None
+    fn = G.lib.moeray_ggml_sgemm_products
+    fn.argtypes, fn.restype = [], ctypes.c_int64
+    return int(fn())
+
+
+def sgemm_built(G=None) -> bool:
+    """Whether this process's libggml-cpu has llamafile's sgemm in it (-DGGML_LLAMAFILE=ON)."""
+    if G is None:
+        G = load_once()[0]
+    return G is not None and hasattr(G.lib, "ggml_cpu_has_llamafile") and bool(G.lib.ggml_cpu_has_llamafile())
+
+
+def tiled_line(state: str, sgemm_rows: int | None = None, G=None) -> str:
+    """The backend line's words for tiled_gemm()'s state and where llamafile's sgemm runs."""
+    tiled = {TILED_ON: "tiled K/IQ-quant GEMM at 8+ rows",
+             TILED_OFF: "tiled K/IQ-quant GEMM off",
+             TILED_ABSENT: "no tiled K/IQ-quant GEMM in this ggml-python: K/IQ-quant prefill is slower "
+                           "(`make venv` builds it, docs/kernels.md#tiled-gemm)"}[state]
+    if sgemm_rows is None:
+        return tiled
+    G = load_once()[0] if G is None else G
+    if not sgemm_built(G):
+        sgemm = "no llamafile sgemm in this build"
+    elif not hasattr(G.lib, SWITCH_SYMBOL):
+        sgemm = "llamafile sgemm at every width (a ggml-python not built by `make venv`)"
+    else:
+        sgemm = f"llamafile sgemm for Q8_0/Q4_0/Q5_0 at {sgemm_rows}+ rows" if sgemm_rows else "llamafile sgemm off"
+    return f"{tiled}; {sgemm}"

@@ -55,6 +55,11 @@ class StageOptions:
     trunk_graph       a layer's trunk (attention, norms, router) as one ggml graph
     fused_moe         the routing, routed experts, shared expert and dense FFN inside that graph
     stage_graph       a decode step's layers as one graph
+    tiled_gemm        llama.cpp's tiled GEMM for K/IQ-quant matrices times 8+ rows (prefill; a
+                      row's last float32 bit then depends on whether it ran tiled)
+    sgemm_rows        llamafile's sgemm for plain Q8_0 and Q4_0 matrices times at least this many
+                      rows, 0: never (2: wherever it beats ggml's dot products; on the AVX2 build
+                      `make venv` makes it gives a row the same bits, tests/test_ggml_tiled.py)
     triton            the card's Triton GGUF kernels: auto, on, off
     """
     backend: str = "auto"
@@ -69,12 +74,16 @@ class StageOptions:
     trunk_graph: bool = True
     fused_moe: bool = True
     stage_graph: bool = True
+    tiled_gemm: bool = True
+    sgemm_rows: int = 2
     triton: str = "auto"
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():
             if getattr(self, name) not in choices:
                 raise ConfigError(name, getattr(self, name), _WHY[name])
+        if not isinstance(self.sgemm_rows, int) or self.sgemm_rows < 0:
+            raise ConfigError("sgemm_rows", self.sgemm_rows, "give a row count >= 0 (0: never llamafile's sgemm)")
         for name in ("threads", "ggml_poll", "ggml_parallel_kb"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 0):

@@ -469,11 +469,12 @@ class StageActor:
     def options(self) -> dict[str, Any]:
         """The StageOptions this stage computes with, each as its kernels resolve it now: the
         backend "auto" names the one it picked, threads the count ggml runs, ggml_tiled whether its
-        ggml takes llama.cpp's tiled GEMM (docs/kernels.md#tiled-gemm); `run_path` the
+        ggml takes llama.cpp's tiled GEMM (docs/kernels.md#tiled-gemm), ggml_sgemm whether it has
+        llamafile's sgemm; `run_path` the
         loaded layers' (StageModel.path), None before loading."""
         from moeray.stages.kernels import repack, settings
         from moeray.stages.kernels.backend import current_backend, ggml_available
-        from moeray.stages.kernels.ggml_lib import tiled_gemm
+        from moeray.stages.kernels.ggml_lib import sgemm_built, tiled_gemm
         from moeray.stages.kernels.threads import ggml_threads, thread_settings
 
         out = settings.current().as_dict()
@@ -483,6 +484,7 @@ class StageActor:
         if ggml_available():
             out["threads"] = ggml_threads()
             out["ggml_tiled"] = tiled_gemm()  # llama.cpp's tiled K/IQ-quant GEMM: on, off or absent
+            out["ggml_sgemm"] = sgemm_built()  # llamafile's sgemm built in (taken at sgemm_rows+ rows)
         out["run_path"] = None if self.model is None else asdict(self.model.path)
         return out
 
