@@ -131,6 +131,17 @@ def set_gemm_paths(options, G=None) -> bool:
     return True
 
 
+def _apply_changed_options() -> None:
+    """New options: given to ggml at once, not only when the next graph is planned (one that is cached
+    would otherwise run with the old paths). After a reset, the next graph's plan reads them."""
+    opts = settings.snapshot()
+    if opts is not None and _loaded is not None and _loaded[0] is not None:
+        set_gemm_paths(opts, _loaded[0])
+
+
+settings.on_change(_apply_changed_options)
+
+
 def sgemm_products(G=None) -> int | None:
     """How many matmuls llamafile's sgemm has computed in this process (None: no switch built in)."""
     if G is None:
