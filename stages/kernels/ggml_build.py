@@ -58,7 +58,7 @@ TILED = Path(__file__).resolve().with_name("ggml_tiled")
 FILES = ("tiled.h", "tiled.cpp", "tiled-kernel.h", "tiled-kernel.cpp")
 
 # The Makefile's GGML_CMAKE_ARGS, for a side build run without it (CMAKE_ARGS unset): portable AVX2,
-# never -march=native; no OpenMP; llamafile's sgemm (Q8_0 / Q4_0 only, switched at run time); DT_RPATH (ggml_lib.py).
+# never -march=native; no OpenMP; llamafile's sgemm (Q8_0 / Q4_0 / Q5_0 only, switched at run time); DT_RPATH (ggml_lib.py).
 DEFAULT_CMAKE_ARGS = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_OPENMP=OFF "
                       "-DGGML_LLAMAFILE=ON -DCMAKE_SHARED_LINKER_FLAGS=-Wl,--disable-new-dtags")
 

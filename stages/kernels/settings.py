@@ -57,7 +57,7 @@ class StageOptions:
     stage_graph       a decode step's layers as one graph
     tiled_gemm        llama.cpp's tiled GEMM for K/IQ-quant matrices times 8+ rows (prefill; a
                       row's last float32 bit then depends on whether it ran tiled)
-    sgemm_rows        llamafile's sgemm for plain Q8_0 and Q4_0 matrices times at least this many
+    sgemm_rows        llamafile's sgemm for plain Q8_0, Q4_0, Q5_0 matrices times at least this many
                       rows, 0: never (2: wherever it beats ggml's dot products; on the AVX2 build
                       `make venv` makes it gives a row the same bits, tests/test_ggml_tiled.py)
     triton            the card's Triton GGUF kernels: auto, on, off
