@@ -58,11 +58,11 @@ def profile_prefill(path: str, n_tokens: int, reps: int = 2, split: bool = False
     real_after = moe.MoEBlock.after_graph
     calls = {"i": 0}
 
-    def layer(self, step, x, r, spec, kv):
+    def layer(self, step, x, r, spec, kv, **kw):
         i = calls["i"] % len(kinds)
         calls["i"] += 1
         w, c = time.perf_counter(), time.process_time()
-        out = real_layer(self, step, x, r, spec, kv)
+        out = real_layer(self, step, x, r, spec, kv, **kw)
         add(f"layer graph: {kinds[i]}", time.perf_counter() - w, time.process_time() - c)
         return out
 

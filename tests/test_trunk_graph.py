@@ -287,7 +287,7 @@ def test_the_stage_graph_is_its_layer_graphs_bit_for_bit(tiny_files):
     calls = []
     for name in ("layer", "stage"):
         real = getattr(model.trunk, name)
-        setattr(model.trunk, name, lambda *a, real=real, name=name: calls.append(name) or real(*a))
+        setattr(model.trunk, name, lambda *a, real=real, name=name, **kw: calls.append(name) or real(*a, **kw))
     fn = _prefill_then_decode(token_ids(20), 9)
     runs = []
     for stage in (True, False):
@@ -396,7 +396,7 @@ def test_shared_expert_dense_layers_and_sigmoid_routing_run_in_the_stage_graph(t
     calls = []
     for call in ("layer", "stage"):
         real = getattr(model.trunk, call)
-        setattr(model.trunk, call, lambda *a, real=real, call=call: calls.append(call) or real(*a))
+        setattr(model.trunk, call, lambda *a, real=real, call=call, **kw: calls.append(call) or real(*a, **kw))
     fn = _prefill_then_decode(token_ids(20, seed=4), 9)
     runs = {}
     for fused, stage in ((True, True), (True, False), (False, False)):
@@ -451,7 +451,7 @@ def test_glm4moe_through_an_expert_cache_counts_every_lookup(tiny_files, n_slots
         monkeypatch.setattr(layer.ffn.shared, "forward", lambda h, real=real: shared.append(1) or real(h))
     for call in ("layer", "stage"):
         real = getattr(model.trunk, call)
-        monkeypatch.setattr(model.trunk, call, lambda *a, real=real, call=call: calls.append(call) or real(*a))
+        monkeypatch.setattr(model.trunk, call, lambda *a, real=real, call=call, **kw: calls.append(call) or real(*a, **kw))
     fn = _prefill_then_decode(token_ids(20, seed=6), 9)
     runs = {}
     for fused in (True, False):

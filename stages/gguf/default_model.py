@@ -104,8 +104,9 @@ def derive_router_directions(model, tokenizer) -> tuple[np.ndarray, np.ndarray]:
             sums[i] = part if sums[i] is None else sums[i] + part
         hooks.append(layer.ffn.register_forward_hook(keep))
     try:
-        prompts = prompt_token_ids(tokenizer)  # one batched prefill of all prompts
-        model.step(prompts, list(range(len(prompts))), model.new_kv_cache(len(prompts), max(map(len, prompts))))
+        prompts = prompt_token_ids(tokenizer)  # one batched prefill of all prompts, every position
+        kv = model.new_kv_cache(len(prompts), max(map(len, prompts)))  # through every layer (no out_rows)
+        model.run_layers(model.embed(prompts), model.batch_meta(list(map(len, prompts)), list(range(len(prompts))), kv), kv)
     finally:
         for h in hooks:
             h.remove()

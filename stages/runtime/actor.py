@@ -209,8 +209,26 @@ class StageRunner:
         return self.model.table_meta(batch.n_new, batch.starts, batch.tables, self.kv, batch.slots,
                                      state_before=batch.state_before, state_after=batch.state_after)
 
-    def layers(self, x, meta):
-        return self.model.run_layers(x, meta, self.kv)
+    def layers(self, x, meta, batch: StepBatch | None = None):
+        """The stage's layers over x. batch: on the last stage, the step's batch; then only the rows
+        its head reads (head_rows) leave the last layer, and `sample` takes them as they are."""
+        rows = None if batch is None else self.head_rows(batch, meta)
+        return self.model.run_layers(x, meta, self.kv, rows)
+
+    def head_rows(self, batch: StepBatch, meta) -> list[int] | None:
+        """The packed rows the last stage's head reads this step, ascending: each sampling row's last
+        position, every position of a verify row's drafts and its last token; None where every row
+        is read (the next-token-prediction layer catches up on all of them). A step that samples
+        nothing (a prompt's middle chunk) still keeps its last row: a graph needs one."""
+        if self.mtp is not None and batch.mtp_k is not None:
+            return None
+        last = meta.last_index.tolist()
+        rows = []
+        for i, p in enumerate(batch.sample):
+            if p is not None:
+                k = len(batch.drafts[i]) if batch.drafts is not None and batch.drafts[i] else 0
+                rows.extend(range(last[i] - k, last[i] + 1))
+        return rows or [last[-1]]
 
     def sample(self, batch: StepBatch, x, meta):
         """The step's tokens (`_sample`) and, with a next-token-prediction layer, its KV kept up with
@@ -262,9 +280,7 @@ class StageRunner:
         drafts = batch.drafts
         if drafts is not None and any(drafts[i] for i in want):
             return self._verify(batch, x, meta, want)
-        # A decode step in which every sequence samples: its rows are x itself, no gather.
-        rows = x if len(want) == len(batch.slots) == x.shape[0] else x[meta.last_index[want]]
-        logits = self.model.head(rows)
+        logits = self.model.head(self._rows(x, meta.last_index[want]))
         params = [batch.sample[i] for i in want]
         slots = [batch.slots[i] for i in want]
         histories = self._prepare(slots, params, logits)
@@ -288,6 +304,12 @@ class StageRunner:
             if p.logprobs is not None:
                 logprobs[i] = token_logprobs(logits[row], tok, p.logprobs)
         return StepOutput(out, logprobs)
+
+    @staticmethod
+    def _rows(x, index):
+        """The head's rows of x: x itself where it holds only them (`layers` kept head_rows, which
+        are these; or a decode step in which every row samples), else gathered from every row."""
+        return x if x.shape[0] == len(index) else x[index]
 
     def _prepare(self, slots: list[int], params: list, logits) -> list | None:
         """Each sequence's sampler (from its own seed) and, where its penalties read them, its
@@ -321,7 +343,7 @@ class StageRunner:
             k = len(batch.drafts[i])
             spans.append((len(index), k + 1))
             index.extend(range(last[i] - k, last[i] + 1))
-        logits = self.model.head(x[torch.tensor(index, device=x.device)])
+        logits = self.model.head(self._rows(x, torch.tensor(index, device=x.device)))
         out: list = [None] * len(batch.slots)
         logprobs: list = [None] * len(batch.slots)
         params = [batch.sample[i] for i in want]
@@ -387,7 +409,7 @@ class StageRunner:
         drafts = self.draft(batch)
         if drafts is not None:
             batch = batch.model_drafted(drafts)
-        return self.sample(batch, self.layers(self.model.embed(batch.tokens), meta), meta)
+        return self.sample(batch, self.layers(self.model.embed(batch.tokens), meta, batch), meta)
 
 
 def _split(carry: list[int], batch: StepBatch) -> list[list[int]]:
@@ -669,13 +691,13 @@ class StageActor:
                 x = self.model.embed(batch.tokens)
             else:
                 x, carry = self.link.recv(n_rows, self.hidden, carried=True)
-            x = self.runner.layers(x, meta)
+            if carry and last and not first:  # the drafted tokens, in the order of the rows that drafted them
+                batch = batch.model_drafted(_split(carry, batch))
+            x = self.runner.layers(x, meta, batch if last else None)
             if not last:
                 sent = True
                 self.link.send(x, carry)
                 return None
-            if carry and not first:  # the drafted tokens, in the order of the rows that drafted them
-                batch = batch.model_drafted(_split(carry, batch))
             return self.runner.sample(batch, x, meta)
         except Exception:
             if not last and not sent and self.link is not None:

@@ -127,9 +127,9 @@ class DraftModel:
         starts = [s for _, s, _ in rows]
         tables = [list(t) for _, _, t in rows]
         meta = m.table_meta(n_new, starts, tables, self.kv)
-        x = m.run_layers(m.embed([t for t, _, _ in rows]), meta, self.kv)
         idx = [j for j, w in enumerate(want) if w]
+        # the last layer's FFN only for the rows the head reads (one, at least, where none is)
+        x = m.run_layers(m.embed([t for t, _, _ in rows]), meta, self.kv, meta.last_index[idx or [-1]])
         if not idx:
             return []
-        logits = m.head(x[meta.last_index[idx]])
-        return logits.argmax(-1).tolist()
+        return m.head(x).argmax(-1).tolist()

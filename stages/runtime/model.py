@@ -352,10 +352,22 @@ class StageModel(torch.nn.Module):
         return self.tok_embd.rows(tokens.to(self.device))
 
     @torch.inference_mode()
-    def run_layers(self, hidden: torch.Tensor, meta: BatchMeta, kv: KVPool) -> torch.Tensor:
+    def run_layers(self, hidden: torch.Tensor, meta: BatchMeta, kv: KVPool,
+                   out_rows: torch.Tensor | None = None) -> torch.Tensor:
         """Packed hidden [N, hidden] through this stage's layers; appends the step's k/v to `kv`.
         On the ggml backend a GQA stage runs each layer's trunk as one graph (stages/runtime/trunk_graph.py)
-        when the step's shape has one; otherwise (and on the other backends) the torch ops below."""
+        when the step's shape has one; otherwise (and on the other backends) the torch ops below.
+
+        out_rows: the packed rows the caller reads (the head's, on the last stage), ascending, or
+        None for all; then the last layer's FFN runs for those rows only (its attention still
+        writes every row's keys) and the result is [len(out_rows), hidden], those rows in order,
+        with the bits of the same rows run in full (each FFN row depends on its own row only)."""
+        if out_rows is not None:
+            out_rows = torch.as_tensor(out_rows, dtype=torch.long).to(hidden.device)
+            if out_rows.numel() == 0:
+                raise ValueError("run_layers: out_rows is empty; pass None for every row, or at least one row")
+            if out_rows.numel() == hidden.shape[0]:  # every row, in order (ascending, distinct)
+                out_rows = None
         state = kv.state
         if state is not None:
             if meta.state_before:  # checkpoints restored into their sequences' slots
@@ -364,11 +376,11 @@ class StageModel(torch.nn.Module):
                 fresh = [slot for slot, start in zip(meta.state_slots, meta.starts) if start == 0]
                 if fresh:
                     state.clear(fresh)
-        step = self.trunk.step(meta, kv) if self.trunk is not None else None
+        step = self.trunk.step(meta, kv, out_rows) if self.trunk is not None else None
         if step is not None:
             x = self._run_graphs(hidden.float().contiguous(), step, kv)
         else:
-            x = self._run_torch(hidden, meta, kv)
+            x = self._run_torch(hidden, meta, kv, out_rows)
         if state is not None and meta.state_after:  # block boundaries' states checkpointed
             state.copy(meta.state_after)
         if meta.slots is not None:  # a fixed-slot cache keeps its own lengths
@@ -387,13 +399,14 @@ class StageModel(torch.nn.Module):
         specs = self._step_specs()
         if self.path.stage and step.n <= STAGE_TOKENS and all(s.whole for s in specs):
             got = self.trunk.stage(step, x, specs, kv)
-            if got is not None:
+            if got is not None:  # a small step: every row through the last FFN, then the rows read
                 x, ids, weights = got
                 self._count_stage(specs, ids.long(), weights)
-                return x
+                return x if step.out_rows is None else x[step.out_rows.long()]
         r = None
-        for (ffn, _, _), spec in zip(self._specs, specs):
-            out = self.trunk.layer(step, x, r, spec, kv)
+        last = len(specs) - 1
+        for i, ((ffn, _, _), spec) in enumerate(zip(self._specs, specs)):
+            out = self.trunk.layer(step, x, r, spec, kv, last=i == last)
             x = out.x
             if out.ffn is not None:  # the whole FFN ran inside (an MoE layer's experts counted now)
                 r = out.ffn
@@ -453,12 +466,15 @@ class StageModel(torch.nn.Module):
         dense = None if d is None else Dense.of(d.gate, d.up, d.down, ffn.w_shared_gate if moe else None)
         return ffn, spec, dense
 
-    def _run_torch(self, hidden: torch.Tensor, meta: BatchMeta, kv: KVPool) -> torch.Tensor:
+    def _run_torch(self, hidden: torch.Tensor, meta: BatchMeta, kv: KVPool,
+                   out_rows: torch.Tensor | None = None) -> torch.Tensor:
         eps = self.config.rms_eps
         cos_sin = self.rope.cos_sin(meta.positions)
         x = hidden
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x = x + layer.attn(rms_norm(x, layer.attn_norm, eps), meta, kv, self.rope, cos_sin)
+            if out_rows is not None and i == len(self.layers) - 1:  # as the graphs: the rows read only
+                x = x[out_rows]
             x = x + layer.ffn(rms_norm(x, layer.ffn_norm, eps))
         return x
 
@@ -479,8 +495,7 @@ class StageModel(torch.nn.Module):
         if any(len(t) == 0 for t in tokens):
             raise ValueError("every sequence in a step needs at least one new token")
         meta = self.batch_meta([len(t) for t in tokens], slots, kv)
-        x = self.run_layers(self.embed(tokens), meta, kv)
-        return self.head(x[meta.last_index])
+        return self.head(self.run_layers(self.embed(tokens), meta, kv, meta.last_index))
 
     @torch.inference_mode()
     def logits_all(self, token_ids: list[int]) -> torch.Tensor:

@@ -206,6 +206,11 @@ class Step:
     n_new: tuple = ()
     n_slots: int = 0  # slots of the state pools
     state_base: int = -1  # the first state slot when the step's slots are consecutive (read as views), else -1
+    # The rows the caller reads after the stage's last layer (the head's: each sampling sequence's
+    # last token), int32 [M], or None: every row. With them the last layer's FFN runs for those
+    # rows only, after its attention has written every row's keys (llama.cpp's inp_out_ids): a
+    # 512-token prefill chunk takes its last layer's experts for 1 token, not 512.
+    out_rows: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -345,6 +350,8 @@ class LayerSpec:
             ptrs = self._ptrs[0] + [p.data_ptr() for p in pools]
             if step.read_base >= 0:  # the keys as views of the pool from the step's first row
                 ptrs += [p.data_ptr() + step.read_base * p.shape[2] * 4 for p in pools]  # bytes per pool row
+                if type(self.attn) is MLAttention:  # its values: the same rows (_mla_nodes)
+                    ptrs.append(ptrs[-1])
         ptrs += self._ptrs[1]
         routed = self.routed
         if routed is not None:
@@ -372,9 +379,10 @@ class TrunkGraphs:
         self._stages: dict[tuple, MultiGraph | bool] = {}  # stage graphs, oldest first
         self._kept_ptrs = None  # (specs, pool, read_base, their pointers): see _layer_ptrs
 
-    def step(self, meta: BatchMeta, kv: KVPool) -> Step | None:
+    def step(self, meta: BatchMeta, kv: KVPool, out_rows: torch.Tensor | None = None) -> Step | None:
         """The step's shared inputs, or None when its shape has no graph form: sequences adding
-        different token counts (mixed prefill + decode), a pool other than float32 on the host."""
+        different token counts (mixed prefill + decode), a pool other than float32 on the host.
+        out_rows: the rows read after the last layer (Step.out_rows), None: all."""
         B, t = len(meta.n_new), meta.t_max
         if kv.dtype != torch.float32 or meta.positions.device.type != "cpu":
             return None
@@ -426,15 +434,24 @@ class TrunkGraphs:
                     meta.positions.to(torch.int32), meta.write_rows.to(torch.int64).contiguous(), mask, base, gather,
                     pad, unpad, rows, gap, windows,
                     None if state is None else torch.tensor(meta.state_slots, dtype=torch.int32), valid,
-                    tuple(meta.n_new), 0 if state is None else state.n_slots, state_base)
+                    tuple(meta.n_new), 0 if state is None else state.n_slots, state_base,
+                    None if out_rows is None else out_rows.to(torch.int32).contiguous())
 
-    def layer(self, step: Step, x: torch.Tensor, r: torch.Tensor | None, layer: LayerSpec, kv: KVPool) -> LayerOut:
+    def layer(self, step: Step, x: torch.Tensor, r: torch.Tensor | None, layer: LayerSpec, kv: KVPool,
+              last: bool = False) -> LayerOut:
         """x + r + attention, and after it the FFN's input h and the router's logits, or with
-        `layer.routed` the routing (and the routed experts) too (see LayerOut)."""
-        g = self._graph((step.key, r is not None, layer.key()), lambda: self._builder(step, [layer], r is not None, False),
+        `layer.routed` the routing (and the routed experts) too (see LayerOut). last: the stage's
+        last layer, whose outputs keep only step.out_rows (where set)."""
+        prune = last and step.out_rows is not None
+        n_out = step.out_rows.numel() if prune else None
+        g = self._graph((step.key, r is not None, layer.key(), n_out),
+                        lambda: self._builder(step, [layer], r is not None, False, prune),
                         256 + (6 * step.key[0] if step.valid is not None else 0))  # padded DeltaNet: a write per sequence
-        ptrs = [x.data_ptr()] + ([r.data_ptr()] if r is not None else []) + self._step_ptrs(step) + layer.ptrs(step, kv)
+        ptrs = ([x.data_ptr()] + ([r.data_ptr()] if r is not None else []) + self._step_ptrs(step, prune)
+                + layer.ptrs(step, kv))
         N, H = x.shape
+        if prune:
+            N = n_out
         routed = layer.routed
         if routed is None and layer.dense is not None:  # a dense layer's FFN inside
             out = LayerOut(torch.empty(N, H), ffn=torch.empty(N, H))
@@ -509,7 +526,7 @@ class TrunkGraphs:
             g = self._graphs[key] = MultiGraph(builder(), n_nodes)
         return g
 
-    def _step_ptrs(self, step: Step) -> list[int]:
+    def _step_ptrs(self, step: Step, prune: bool = False) -> list[int]:
         ptrs = [step.positions.data_ptr(), step.write_rows.data_ptr(), step.mask.data_ptr()]
         ptrs += [m.data_ptr() for m in step.windows]
         if self.factors is not None:
@@ -522,11 +539,14 @@ class TrunkGraphs:
             ptrs.append(step.state_idx.data_ptr())
             if step.valid is not None:
                 ptrs.append(step.valid.data_ptr())
+        if prune:
+            ptrs.append(step.out_rows.data_ptr())
         return ptrs
 
-    def _builder(self, step: Step, layers: list[LayerSpec], has_r: bool, whole: bool):
+    def _builder(self, step: Step, layers: list[LayerSpec], has_r: bool, whole: bool, prune: bool = False):
         """A MultiGraph builder: the step's shared inputs, then each layer's nodes (whole: chained
-        through their FFN outputs, the stage's graph; else the one layer's graph)."""
+        through their FFN outputs, the stage's graph; else the one layer's graph). prune: the last
+        layer's outputs keep step.out_rows only."""
         G = ggml_lib()
         B, t, keys_pad, padded = step.key[:4]
         N, H = step.n, self.cfg.hidden
@@ -562,9 +582,12 @@ class TrunkGraphs:
                 if step.valid is not None:
                     shared["valid"] = new(1, B * t)
                     inputs.append(shared["valid"])
+            if prune:
+                shared["out_rows"] = new(step.out_rows.numel(), type=G.GGML_TYPE_I32)
+                inputs.append(shared["out_rows"])
             outputs, effects = [], []
-            for layer in layers:
-                ins, outs, writes = self._layer_nodes(ctx, new, step, shared, x, layer)
+            for i, layer in enumerate(layers):
+                ins, outs, writes = self._layer_nodes(ctx, new, step, shared, x, layer, prune and i == len(layers) - 1)
                 inputs += ins
                 effects += writes
                 if whole:  # the next layer's input: the residual plus this layer's routed experts
@@ -578,9 +601,10 @@ class TrunkGraphs:
 
         return build
 
-    def _layer_nodes(self, ctx, new, step: Step, shared: dict, x, layer: LayerSpec):
+    def _layer_nodes(self, ctx, new, step: Step, shared: dict, x, layer: LayerSpec, prune: bool = False):
         """One layer's nodes from its input x: (its inputs, in LayerSpec.ptrs' order; its outputs,
-        in LayerOut's order; its KV writes)."""
+        in LayerOut's order; its KV writes). prune: after the attention only shared["out_rows"]
+        go on (the FFN and every output then have those rows)."""
         cfg = self.cfg
         G = ggml_lib()
         N, H = step.n, cfg.hidden
@@ -608,6 +632,9 @@ class TrunkGraphs:
                 inputs.append(slot_of)
 
         x_out = G.ggml_add(ctx, x, o)
+        if prune:  # every row's keys are written above; only the rows read later take the FFN
+            x_out = G.ggml_get_rows(ctx, x_out, shared["out_rows"])
+            N = x_out.contents.ne[1]
         h = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, x_out, cfg.rms_eps), ffn_norm)
         dense = None
         if layer.dense is not None:  # a dense layer's FFN, or the shared expert (its inputs last)
@@ -826,7 +853,10 @@ class TrunkGraphs:
         """MLA (stages/blocks/mla.py, the weight-absorbed form of llama.cpp's deepseek2.cpp) from the normed
         input a [H, N]: (its inputs: MLAttention.weights, the latent pool and its read; its output
         [H, N]; its latent KV write). Every query head reads the one key head [latent, k_pe] of
-        C + R values a cached token; the value is the first C of the same rows (a view)."""
+        C + R values a cached token; the value is the first C of the same rows: a view of the
+        gathered keys, or in view mode a second input at the keys' address (ggml checks a view's
+        dense size against its source's strided size, which sequences' overlapping windows make
+        smaller: two prompts of 20 and 13 tokens in blocks 0-1 and 2-3 aborted the process)."""
         cfg = self.cfg
         G = ggml_lib()
         B, t, keys_pad, padded = step.key[:4]
@@ -875,7 +905,13 @@ class TrunkGraphs:
             query = G.ggml_get_rows(ctx, G.ggml_reshape_2d(ctx, query, (C + R) * nh, N), shared["pad"])
         q4 = G.ggml_permute(ctx, G.ggml_reshape_4d(ctx, query, C + R, nh, t, B), 0, 2, 1, 3)  # [C + R, t, heads, B]
         kr = k_read.contents
-        v_read = G.ggml_view_4d(ctx, k_read, C, kr.ne[1], kr.ne[2], kr.ne[3], kr.nb[1], kr.nb[2], kr.nb[3], 0)
+        if step.read_base >= 0:  # view mode: the value is a second input at the key's address (below)
+            v_read = new(C, kr.ne[1], kr.ne[2], kr.ne[3])
+            for i in (1, 2, 3):
+                v_read.contents.nb[i] = kr.nb[i]
+            inputs.append(v_read)
+        else:
+            v_read = G.ggml_view_4d(ctx, k_read, C, kr.ne[1], kr.ne[2], kr.ne[3], kr.nb[1], kr.nb[2], kr.nb[3], 0)
         o = G.ggml_flash_attn_ext(ctx, q4, k_read, v_read, shared["mask"], attn.scale, 0.0, 0.0)  # [C, heads, t, B]
         G.ggml_flash_attn_ext_set_prec(o, G.GGML_PREC_F32)
         o = G.ggml_reshape_2d(ctx, o, C * nh, B * t)
