@@ -16,6 +16,10 @@ timed prefills only (this script in a child, perf enabled around them through it
 --perf-ctl) and `llama-bench -p N -n 0 -r 1` (its warm-up prefill and its one repetition, divided
 by two; its model load lands in "other", so llama.cpp's "other" is an upper bound). This is the
 table that says which kernel a gap is in (docs/performance-families.md, the Qwen3.6 prefill).
+`make venv`'s ggml is stripped, so perf names none of moeray's kernels (they land in "other"): for
+this table run it over an unstripped build, `SKBUILD_INSTALL_STRIP=false CMAKE_ARGS="<the Makefile's
+GGML_CMAKE_ARGS>" python stages/kernels/ggml_build.py install --target /tmp/ggml-sym`, with
+PYTHONPATH=/tmp/ggml-sym.
 """
 from __future__ import annotations
 
