@@ -38,14 +38,15 @@ def _load(path, routes: list, backend: str = "ggml"):
     return load_model(path, backend=backend, experts=host)
 
 
-def _two_steps(model, rows_of):
+def _two_steps(model, rows_of, lengths=(20, 13)):
     """Two sequences prefilled together (20 and 13 tokens: padded queries), then a decode step of
     both; each step's run_layers output with out_rows = rows_of(meta) and what the KV pool holds."""
     kv = model.new_kv_pool(64, state_slots=2)
     outs = []
+    a, b = lengths
     with torch.inference_mode():
-        for n_new, starts, toks in (([20, 13], [0, 0], [token_ids(20, seed=1), token_ids(13, seed=2)]),
-                                    ([1, 1], [20, 13], [[5], [7]])):
+        for n_new, starts, toks in (([a, b], [0, 0], [token_ids(a, seed=1), token_ids(b, seed=2)]),
+                                    ([1, 1], [a, b], [[5], [7]])):
             meta = model.table_meta(n_new, starts, [[0, 1], [2, 3]], kv, [0, 1])
             outs.append(model.run_layers(model.embed(toks), meta, kv, rows_of(meta)))
     pools = [p.clone() for p in kv.k + kv.v if p is not None]
@@ -77,6 +78,23 @@ def test_kept_rows_have_the_bits_of_a_full_run(files, name, backend):
     rows = lambda routes, l: sum(n for layer, n in routes if layer == l)
     assert rows(full_routes, L) == 33 + 2 and rows(kept_routes, L) == 2 + 2
     assert all(rows(kept_routes, l) == rows(full_routes, l) for l in range(L))
+
+
+def test_a_small_step_prunes_inside_the_stage_graph(files):
+    """A step of at most STAGE_TOKENS rows runs the stage's layers as one graph: the last layer's
+    FFN there too runs for the kept rows only, with the same bits, its picks counted apart."""
+    full_routes, kept_routes = [], []
+    full, _ = _two_steps(_load(files["qwen3moe"], full_routes), lambda meta: None, (10, 7))
+    model = _load(files["qwen3moe"], kept_routes)
+    stages = []
+    real = model.trunk.stage
+    model.trunk.stage = lambda *a: stages.append(1) or real(*a)
+    kept, _ = _two_steps(model, lambda meta: meta.last_index, (10, 7))
+    assert len(stages) == 2, "both steps should have run as one stage graph"
+    assert torch.equal(kept[0], full[0][[9, 16]]) and torch.equal(kept[1], full[1])
+    rows = lambda routes, l: [n for layer, n in routes if layer == l]
+    assert rows(kept_routes, 2) == [2, 2] and rows(full_routes, 2) == [17, 2]
+    assert rows(kept_routes, 0) == rows(full_routes, 0) == [17, 2]
 
 
 def test_step_and_a_middle_chunk(files):

@@ -540,13 +540,13 @@ def test_served_speculation_per_request_with_its_counters_in_stages_and_promethe
         assert s["mode"] == "off" and s["verify_rows"] > 0 and 0 < s["accepted_tokens"] <= s["drafted_tokens"]
         status, bad = post({**ask, "speculative": "yes"})
         assert status == 400 and "speculative" in json.dumps(bad)
-        deadline, seen = time.monotonic() + 30, None
-        while time.monotonic() < deadline and seen is None:
+        deadline, seen = time.monotonic() + 30, None  # Ray exports metrics every few seconds: poll
+        while time.monotonic() < deadline and seen != s["accepted_tokens"]:
             with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as r:
                 found = re.search(r'^ray_moeray_spec_accepted_tokens_total\{[^}]*model="m"[^}]*\} (\S+)$',
                                   r.read().decode(), re.M)
             seen = float(found.group(1)) if found else None
-            if seen is None:
+            if seen != s["accepted_tokens"]:
                 time.sleep(1)
         assert seen == s["accepted_tokens"]
     finally:

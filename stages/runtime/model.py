@@ -399,10 +399,10 @@ class StageModel(torch.nn.Module):
         specs = self._step_specs()
         if self.path.stage and step.n <= STAGE_TOKENS and all(s.whole for s in specs):
             got = self.trunk.stage(step, x, specs, kv)
-            if got is not None:  # a small step: every row through the last FFN, then the rows read
-                x, ids, weights = got
-                self._count_stage(specs, ids.long(), weights)
-                return x if step.out_rows is None else x[step.out_rows.long()]
+            if got is not None:
+                x, ids, weights, tail = got
+                self._count_stage(specs, ids.long(), weights, tail)
+                return x
         r = None
         last = len(specs) - 1
         for i, ((ffn, _, _), spec) in enumerate(zip(self._specs, specs)):
@@ -444,16 +444,21 @@ class StageModel(torch.nn.Module):
         self._step_specs_for = (ones, specs)
         return specs
 
-    def _count_stage(self, specs: list, ids: torch.Tensor, weights: torch.Tensor) -> None:
+    def _count_stage(self, specs: list, ids: torch.Tensor, weights: torch.Tensor, tail=None) -> None:
         """The experts' counting for a step that ran as one stage graph (ids, weights [M, N, k] of
-        its M MoE layers in order): in one call where the experts count a whole stage at once."""
+        its M MoE layers in order; tail: the last layer's (ids, weights) where it ran for fewer
+        rows, TrunkGraphs.stage), in layer order: in one call where the experts count a whole
+        stage at once."""
         moe = [(ffn, spec) for (ffn, _, _), spec in zip(self._specs, specs) if spec.routed is not None]
+        last = moe.pop() if tail is not None else None
         after_stage = getattr(self.experts, "after_stage", None)
-        if after_stage is not None and all(ffn.experts is self.experts for ffn, _ in moe):
+        if moe and after_stage is not None and all(ffn.experts is self.experts for ffn, _ in moe):
             after_stage([ffn.layer for ffn, _ in moe], ids, weights, [spec.routed.one for _, spec in moe])
-            return
-        for (ffn, spec), i, w in zip(moe, ids, weights):
-            ffn.count_graph(i, w, spec.routed.one)
+        else:
+            for (ffn, spec), i, w in zip(moe, ids, weights):
+                ffn.count_graph(i, w, spec.routed.one)
+        if last is not None:
+            last[0].count_graph(tail[0].long(), tail[1], last[1].routed.one)
 
     @staticmethod
     def _graph_spec(layer: TransformerLayer) -> tuple:

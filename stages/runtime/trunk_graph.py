@@ -470,19 +470,20 @@ class TrunkGraphs:
         g(ptrs, [t.data_ptr() for t in out if t is not None])  # LayerOut's order is the graph's
         return out
 
-    def stage(self, step: Step, x: torch.Tensor, layers: list[LayerSpec], kv: KVPool
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    def stage(self, step: Step, x: torch.Tensor, layers: list[LayerSpec], kv: KVPool) -> tuple | None:
         """Every layer of the stage in one graph, as llama.cpp runs a token: each layer's FFN
         inside (every `layer.whole`: an MoE layer's routing, routed experts and shared expert, or
         a dense layer's FFN), its output added to the residual inside. x [N, H] -> (the stream
-        after the last layer's FFN, ids [M, N, k] int32, weights [M, N, k] of its M MoE layers in
-        order), for the caller's counting per layer; None when the step's graph would hold more
-        than STAGE_SCRATCH_BYTES of intermediates."""
-        key = (step.key,) + tuple(l.key() for l in layers)
+        after the last layer's FFN: step.out_rows' rows where set, ids [M, N, k] int32 and weights
+        [M, N, k] of its M MoE layers in order, and None or, where the last layer is an MoE layer
+        that ran for step.out_rows only, its (ids, weights) apart), for the caller's counting per
+        layer; None when the step's graph would hold more than STAGE_SCRATCH_BYTES of intermediates."""
+        prune = step.out_rows is not None
+        key = (step.key, step.out_rows.numel() if prune else None) + tuple(l.key() for l in layers)
         g = self._stages.pop(key, None)
         if g is None:
             per_layer = 160 + (6 * step.key[0] if step.valid is not None else 0)  # padded DeltaNet: a write per sequence
-            g = MultiGraph(self._builder(step, layers, False, True), per_layer * len(layers))
+            g = MultiGraph(self._builder(step, layers, False, True, prune), per_layer * len(layers))
             if g.scratch.numel() > STAGE_SCRATCH_BYTES:
                 g = False  # too big a step for one graph (remembered): one graph per layer
             kept = g.scratch.numel() if g else 0
@@ -495,14 +496,19 @@ class TrunkGraphs:
         if g is False:
             return None
         N, H = x.shape
-        L, k = sum(l.routed is not None for l in layers), self.cfg.n_experts_used
-        out, ids, weights = torch.empty(N, H), torch.empty(L, N, k, dtype=torch.int32), torch.empty(L, N, k)
+        M = step.out_rows.numel() if prune else N
+        cut = prune and layers[-1].routed is not None  # the last layer's picks: M rows, kept apart
+        L, k = sum(l.routed is not None for l in layers) - cut, self.cfg.n_experts_used
+        out, ids, weights = torch.empty(M, H), torch.empty(L, N, k, dtype=torch.int32), torch.empty(L, N, k)
         size = N * k * 4  # bytes of one layer's ids (and weights)
         outs = [out.data_ptr()]
         for l in range(L):
             outs += [ids.data_ptr() + l * size, weights.data_ptr() + l * size]
-        g([x.data_ptr()] + self._step_ptrs(step), outs, self._layer_ptrs(layers, step, kv))
-        return out, ids, weights
+        tail = (torch.empty(M, k, dtype=torch.int32), torch.empty(M, k)) if cut else None
+        if tail is not None:
+            outs += [t.data_ptr() for t in tail]
+        g([x.data_ptr()] + self._step_ptrs(step, prune), outs, self._layer_ptrs(layers, step, kv))
+        return out, ids, weights, tail
 
     def _layer_ptrs(self, layers: list[LayerSpec], step: Step, kv: KVPool) -> tuple[int, ...]:
         """The stage graph's per-layer input pointers (weights, pools, stacks), made again only
