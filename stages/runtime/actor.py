@@ -228,6 +228,8 @@ class StageRunner:
             if p is not None:
                 k = len(batch.drafts[i]) if batch.drafts is not None and batch.drafts[i] else 0
                 rows.extend(range(last[i] - k, last[i] + 1))
+        if len(rows) == meta.n_tokens:  # a decode step in which every row samples: no gather to build
+            return None
         return rows or [last[-1]]
 
     def sample(self, batch: StepBatch, x, meta):
