@@ -38,36 +38,41 @@ class LocalPipeline:
     def from_file(cls, path: str, kv_blocks: int, simulated_budget: int | None = None,
                   profile: str | None = None, cache_policy: str = "static", max_seqs: int = 1,
                   options=None, draft: str | None = None, mtp: bool = False,
-                  state_checkpoints: int = 0) -> "LocalPipeline":
+                  state_checkpoints: int = 0, host_checkpoints: int = 0) -> "LocalPipeline":
         """`options`: the StageOptions it computes with (None: this process's); `draft`: a draft
         model's GGUF, run beside it; `mtp`: run the file's next-token-prediction layer;
-        `state_checkpoints`: a hybrid model's checkpoint slots of the state (cluster/state_checkpoints.py)."""
+        `state_checkpoints`: a hybrid model's checkpoint slots of the state on the device
+        (cluster/state_checkpoints.py), `host_checkpoints` more in host memory (the engine's ledger
+        holds them all)."""
         from moeray.stages.runtime.actor import StageActor
         from moeray.stages.gguf.reader import read_gguf_header
 
         stage = StageActor(0, 1, simulated_budget if simulated_budget is not None else 1 << 62, options=options)
         cfg = read_gguf_header(path).config
         hybrid = cfg.deltanet is not None
-        pipe = cls(stage, kv_blocks, max_seqs if hybrid else 0, state_checkpoints if hybrid else 0)
+        host = host_checkpoints if hybrid else 0
+        pipe = cls(stage, kv_blocks, max_seqs if hybrid else 0, (state_checkpoints + host) if hybrid else 0)
         pipe.load_report = stage.load(path, 0, cfg.n_layers, kv_blocks, profile=profile, cache_policy=cache_policy,
                                       state_slots=max_seqs, whole_cache_only=True, draft=draft, mtp=mtp,
-                                      state_checkpoints=pipe.state_checkpoints)
+                                      state_checkpoints=pipe.state_checkpoints - host, host_checkpoints=host)
         pipe.step_experts = local_step_experts(stage.model.gguf, profile)
         pipe._drafting(stage.runner.drafter, stage.runner.mtp)
         return pipe
 
     @classmethod
     def from_model(cls, model, kv_blocks: int, max_seqs: int = 1, draft: str | None = None,
-                   mtp: bool = False, state_checkpoints: int = 0) -> "LocalPipeline":
+                   mtp: bool = False, state_checkpoints: int = 0, host_checkpoints: int = 0) -> "LocalPipeline":
         """`max_seqs`: the engine's sequence slots, each a DeltaNet state where the model has them,
-        and `state_checkpoints` more state slots for checkpoints (cluster/state_checkpoints.py);
+        and `state_checkpoints` more state slots for checkpoints (cluster/state_checkpoints.py),
+        `host_checkpoints` more in host memory;
         `draft`: a draft model's GGUF (the same vocabulary), run beside it; `mtp`: run the file's
         next-token-prediction layer."""
         from moeray.stages.runtime.actor import StageRunner
 
-        kv = model.new_kv_pool(kv_blocks, max_seqs + state_checkpoints)
+        kv = model.new_kv_pool(kv_blocks, max_seqs + state_checkpoints, host_checkpoints)
         hybrid = kv.state is not None
-        pipe = cls(StageRunner(model, kv), kv_blocks, max_seqs if hybrid else 0, state_checkpoints if hybrid else 0)
+        pipe = cls(StageRunner(model, kv), kv_blocks, max_seqs if hybrid else 0,
+                   state_checkpoints + host_checkpoints if hybrid else 0)
         if draft is not None:
             from moeray.stages.runtime.draft_model import DraftModel
 

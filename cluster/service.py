@@ -36,6 +36,22 @@ def local_threads(token_bytes: int) -> dict:
     return BIG_LOCAL_THREADS if token_bytes > BIG_TOKEN_BYTES else LOCAL_THREADS
 
 
+# Host memory `serve --local` may give a hybrid model's state checkpoints that its device has no
+# room for: this share of what is available beside the model file (its page cache must stay:
+# every expert is read from it). llama-server's prompt cache takes up to 8 GiB of RAM by default.
+HOST_CHECKPOINT_SHARE = 8
+
+
+def host_checkpoint_bytes(header) -> int:
+    """Host bytes for state checkpoints: (MemAvailable - the model's files) / HOST_CHECKPOINT_SHARE."""
+    from moeray.stages.kernels.repack import mem_available
+
+    available = mem_available()
+    if available is None:
+        return 0
+    return max(0, available - sum(p.size for p in header.parts)) // HOST_CHECKPOINT_SHARE
+
+
 def local_stage_options(stage, token_bytes: int):
     """`serve --local`'s StageOptions: `stage` with what it leaves unset filled for the one
     process: ggml's threads every core it may run on, their settings by the model's size."""
@@ -112,14 +128,18 @@ class Service:
 
             from moeray.stages.runtime.model import stage_trunk_bytes
 
-            kv = local_kv_plan(header.config, engine_cfg, opts.local_budget,
-                               trunk_bytes=stage_trunk_bytes(header, 0, header.config.n_layers))
+            cfg = header.config
+            kv = local_kv_plan(cfg, engine_cfg, opts.local_budget,
+                               trunk_bytes=stage_trunk_bytes(header, 0, cfg.n_layers),
+                               expert_bytes=cfg.n_experts * sum(header.expert_bytes(l) for l in range(cfg.n_layers)),
+                               host_bytes=host_checkpoint_bytes(header))
             engine_cfg = dataclasses.replace(engine_cfg, max_len=kv.context, kv_blocks=kv.blocks,
-                                             state_checkpoints=kv.checkpoints)
+                                             state_checkpoints=kv.checkpoints + kv.host_checkpoints)
             self.local = LocalPipeline.from_file(self.path, kv.blocks, opts.local_budget,
                                                  profile, opts.launch.cache_policy, engine_cfg.max_seqs, stage,
                                                  draft=opts.launch.draft, mtp=uses_mtp(header, engine_cfg),
-                                                 state_checkpoints=kv.checkpoints)
+                                                 state_checkpoints=kv.checkpoints,
+                                                 host_checkpoints=kv.host_checkpoints)
             pipeline = self.local
             self.lines.append(f"one process: layers 0-{header.config.n_layers - 1} on {self.local.stage.device.name}")
             self.lines.append(_experts_line(header.config, self.local.load_report))

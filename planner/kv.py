@@ -40,6 +40,8 @@ class KVPlan:
     # A hybrid model's recurrent-state checkpoints on every stage (trade_checkpoints), and why that many
     checkpoints: int = 0
     checkpoint_rule: str = ""
+    # ... and more of them in host memory (one-process serving), copied over when taken or restored
+    host_checkpoints: int = 0
 
     @property
     def tokens(self) -> int:
@@ -63,7 +65,8 @@ class KVPlan:
         return {"blocks": self.blocks, "block_tokens": self.block_tokens, "tokens": self.tokens,
                 "context": self.context, "concurrency": self.concurrency, "rule": self.rule,
                 "stage_bytes": list(self.stage_bytes), "tried": [list(t) for t in self.tried],
-                "state_checkpoints": self.checkpoints, "checkpoint_rule": self.checkpoint_rule}
+                "state_checkpoints": self.checkpoints, "host_state_checkpoints": self.host_checkpoints,
+                "checkpoint_rule": self.checkpoint_rule}
 
 
 def blocks_for_fraction(fraction: float, free_bytes: int, block_bytes_all_layers: int) -> int:

@@ -43,10 +43,12 @@ def _tokens(n, seed):
     return [rng.randrange(1, 290) for _ in range(n)]
 
 
-def _engine(model, checkpoints=CHECKPOINTS, kv_blocks=200, **kw):
+def _engine(model, checkpoints=CHECKPOINTS, kv_blocks=200, host=0, **kw):
+    """`checkpoints` slots on the device, then `host` in host memory (the ledger holds them all)."""
     cfg = EngineConfig(**{"max_seqs": MAX_SEQS, "max_len": 1024, "micro_batches": 1, "token_budget": 64,
-                          "prefill_chunk": 24, "kv_blocks": kv_blocks, "state_checkpoints": checkpoints, **kw})
-    return Engine(LocalPipeline.from_model(model, kv_blocks, MAX_SEQS, state_checkpoints=checkpoints), cfg)
+                          "prefill_chunk": 24, "kv_blocks": kv_blocks, "state_checkpoints": checkpoints + host, **kw})
+    return Engine(LocalPipeline.from_model(model, kv_blocks, MAX_SEQS, state_checkpoints=checkpoints,
+                                           host_checkpoints=host), cfg)
 
 
 def _turn(eng, prompt, n):
@@ -120,6 +122,27 @@ def test_second_turn_resumes_from_the_answers_last_block(exact):
     again = _turn(eng, second, 8)
     assert again.cached_tokens == (len(second) - 1) // BLOCK_SIZE * BLOCK_SIZE == 64
     _same(again, got, "regenerated")
+
+
+def test_checkpoints_in_host_memory_resume_a_second_turn_as_the_devices_do(exact):
+    """Two checkpoint slots on the device and six in host memory (serve --local gives a hybrid
+    model's checkpoints host memory where its device has no room): four conversations (two
+    checkpoints each: the prompt's last block, the answer's) all kept, and each one's second turn
+    resumes at its answer's last block with a full re-prefill's tokens and log-probabilities, the
+    first from the device, the others from the host; a step never runs a host slot as a sequence's."""
+    eng, ref = _engine(exact, checkpoints=2, host=6), _engine(exact, checkpoints=0)
+    state = eng.pipeline.stage.kv.state
+    assert (state.n_slots, state.host_slots) == (MAX_SEQS + 2, 6)
+    with pytest.raises(ValueError, match="outside the pool"):
+        state.check_slots([state.n_slots])  # the first host slot
+    firsts = [(a, _turn(eng, a, 20)) for a in (_tokens(40, 20 + i) for i in range(4))]
+    assert eng.scheduler.checkpoints.stats.evicted == 0
+    for i, (a, first) in enumerate(firsts):
+        second = a + first.output + _tokens(10, 30 + i)
+        got = _turn(eng, second, 6)
+        assert got.cached_tokens == 48, i
+        _same(got, _turn(ref, second, 6), f"second turn {i}")
+    assert eng.scheduler.checkpoints.stats.restored == 4
 
 
 def test_a_prompt_ending_on_a_block_boundary_is_checkpointed_there(exact):

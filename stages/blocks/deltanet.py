@@ -168,17 +168,31 @@ class DeltaState:
     `copy(pairs)` is the one primitive for everything else: a checkpoint taken (a sequence's slot
     into a checkpoint slot, after the step that reached a block boundary), a checkpoint restored
     (into a sequence's slot, before its first step), and speculative decoding's snapshot before a
-    verify step and restore after a rejection: each a copy of one slot's rows, every layer."""
+    verify step and restore after a rejection: each a copy of one slot's rows, every layer.
 
-    def __init__(self, layers: list[int], n_slots: int, shape: DeltaNetShape, device: str | torch.device = "cpu"):
+    `host_slots` more slots, numbered after the device's (n_slots .. n_slots + host_slots - 1), lie
+    in host memory (pinned beside a card): checkpoints the device has no room for, as llama-server
+    keeps its prompt cache in RAM. Only `copy` touches them (a step reads and writes sequence
+    slots, which are the device's), so a checkpoint there costs one slot's copy across the bus
+    when it is taken or restored (Qwen3.6: 63 MiB, a few ms over PCIe) and no device bytes."""
+
+    def __init__(self, layers: list[int], n_slots: int, shape: DeltaNetShape, device: str | torch.device = "cpu",
+                 host_slots: int = 0):
         if n_slots < 1:
             raise ValueError(f"a DeltaNet state pool needs at least one slot, got {n_slots}")
-        self.layers, self.n_slots, self.shape = list(layers), n_slots, shape
+        if host_slots < 0:
+            raise ValueError(f"host_slots must be >= 0, got {host_slots}")
+        self.layers, self.n_slots, self.host_slots, self.shape = list(layers), n_slots, host_slots, shape
         self._index = {layer: i for i, layer in enumerate(self.layers)}
         L = len(self.layers)
         H, Dk, Dv = shape.rec_state_shape
         self.conv = torch.zeros((L, n_slots) + shape.conv_state_shape, device=device)
         self.rec = torch.zeros((L, n_slots, H, Dv, Dk), device=device)
+        # Uninitialised: a checkpoint slot is written before it is ever read (the ledger restores
+        # only what it saved), so the host's pages are taken as checkpoints fill them, not at load.
+        pin = torch.device(device).type == "cuda"
+        self.host_conv = torch.empty((L, host_slots) + shape.conv_state_shape, pin_memory=pin)
+        self.host_rec = torch.empty((L, host_slots, H, Dv, Dk), pin_memory=pin)
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(conv [slots, C, K-1], recurrent [slots, H_v, D_v, D_k]: S transposed) of one layer."""
@@ -186,35 +200,48 @@ class DeltaState:
         return self.conv[i], self.rec[i]
 
     def check_slots(self, slots: list[int]) -> None:
+        """A step's state slots: each once, and on the device (host slots are copied, never stepped)."""
         if len(set(slots)) != len(slots):
             raise ValueError(f"a step may hold each state slot once, got {slots}")
-        self._check(slots)
+        self._check(slots, self.n_slots)
 
-    def _check(self, slots) -> None:
-        if slots and not 0 <= min(slots) <= max(slots) < self.n_slots:
-            raise ValueError(f"state slots {list(slots)} name a slot outside the pool of {self.n_slots}")
+    def _check(self, slots, limit: int | None = None) -> None:
+        limit = self.n_slots + self.host_slots if limit is None else limit
+        if slots and not 0 <= min(slots) <= max(slots) < limit:
+            raise ValueError(f"state slots {list(slots)} name a slot outside the pool of {limit}")
+
+    def _slot(self, s: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(conv, recurrent) of slot s over every layer: a view of the device's or the host's tensors."""
+        if s < self.n_slots:
+            return self.conv[:, s], self.rec[:, s]
+        return self.host_conv[:, s - self.n_slots], self.host_rec[:, s - self.n_slots]
 
     def clear(self, slots: list[int]) -> None:
         """Zero these slots in every layer: sequences that start at position 0."""
         self._check(slots)
         for s in slots:
-            self.conv[:, s].zero_()
-            self.rec[:, s].zero_()
+            for t in self._slot(s):
+                t.zero_()
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
-        """For each (src, dst), in order: slot src's state, every layer, into slot dst."""
+        """For each (src, dst), in order: slot src's state, every layer, into slot dst (either on
+        the device or the host)."""
         self._check([x for p in pairs for x in p])
         for src, dst in pairs:
             if src != dst:
-                self.conv[:, dst] = self.conv[:, src]
-                self.rec[:, dst] = self.rec[:, src]
+                for to, frm in zip(self._slot(dst), self._slot(src)):
+                    to.copy_(frm)
 
     def slot_bytes(self) -> int:
         """Bytes of one slot over every layer: what one checkpoint (or one copy) moves."""
         return (self.conv[:, 0].numel() + self.rec[:, 0].numel()) * 4
 
     def nbytes(self) -> int:
+        """The device's bytes (the host slots aside: host_nbytes)."""
         return self.conv.numel() * 4 + self.rec.numel() * 4
+
+    def host_nbytes(self) -> int:
+        return self.host_conv.numel() * 4 + self.host_rec.numel() * 4
 
 
 class GatedDeltaNet(torch.nn.Module):

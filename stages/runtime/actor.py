@@ -591,12 +591,14 @@ class StageActor:
     def load(self, path: str, first: int, end: int, kv_blocks: int,
              trunk_on_card: int | None = None, profile: str | None = None,
              cache_policy: str = "static", state_slots: int = 1, whole_cache_only: bool = False,
-             state_checkpoints: int = 0, header=None, draft: str | None = None, mtp: bool = False) -> LoadReport:
+             state_checkpoints: int = 0, header=None, draft: str | None = None, mtp: bool = False,
+             host_checkpoints: int = 0) -> LoadReport:
         """Load layers [first, end) (+ embedding / head at the ends) and allocate a KV pool of
         `kv_blocks` blocks (stages/blocks/kv_cache.py) and, for recurrent (DeltaNet) layers, `state_slots`
         sequence states (one per engine sequence slot: stages/blocks/deltanet.py) and
         `state_checkpoints` more (cluster/state_checkpoints.py), charging all of it to this device's
-        budget (a simulated device refuses what does not fit).
+        budget (a simulated device refuses what does not fit); `host_checkpoints` more checkpoints in
+        host memory (numbered after those), not charged.
 
         `trunk_on_card` is the trunk the plan put on the card, in the bytes the planner priced
         (as stored in the GGUF); None charges the resident size of everything loaded. Routed
@@ -655,7 +657,7 @@ class StageActor:
         if resident > trunk:  # the header's price is the runtime's size by construction; say so if not
             raise MoerayError(f"stage {self.stage}: the trunk of layers {first}-{end - 1} holds {resident} bytes, "
                               f"{trunk} were charged")
-        kv = model.new_kv_pool(kv_blocks, state_slots + state_checkpoints)
+        kv = model.new_kv_pool(kv_blocks, state_slots + state_checkpoints, host_checkpoints)
         self.model, self.runner = model, StageRunner(model, kv)
         self.runner.drafter = drafter
         if mtp:

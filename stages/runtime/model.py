@@ -294,15 +294,16 @@ class StageModel(torch.nn.Module):
                        dtype=kv_dtype(self.device), device=self.device, kv_layers=self.kv_layers(),
                        state=self._state(max_seqs), v_dim=v_dim)
 
-    def new_kv_pool(self, n_blocks: int, state_slots: int = 1) -> KVPool:
+    def new_kv_pool(self, n_blocks: int, state_slots: int = 1, host_state_slots: int = 0) -> KVPool:
         """A pool of `n_blocks` blocks, addressed by the engine's block tables (the serving path),
-        and `state_slots` DeltaNet states (one per sequence slot of the engine) when the stage
-        holds recurrent layers."""
+        and `state_slots` DeltaNet states (one per sequence slot of the engine, then the
+        checkpoints on the device) and `host_state_slots` more in host memory (checkpoints) when
+        the stage holds recurrent layers."""
         c = self.config
         heads, k_dim, v_dim = self._kv_shape()
         return KVPool(self.first, self.end - self.first, n_blocks, heads, k_dim,
                       dtype=kv_dtype(self.device), device=self.device, kv_layers=self.kv_layers(),
-                      state=self._state(state_slots), v_dim=v_dim)
+                      state=self._state(state_slots, host_state_slots), v_dim=v_dim)
 
     def _kv_shape(self) -> tuple[int, int, int]:
         """(heads, key width, value width) of this stage's KV pool: its architecture's layout
@@ -319,9 +320,9 @@ class StageModel(torch.nn.Module):
         arch = arch_of(self.config)
         return [l for l in range(self.first, self.end) if arch.state_bytes(self.config, l) > 0]
 
-    def _state(self, n_slots: int) -> DeltaState | None:
+    def _state(self, n_slots: int, host_slots: int = 0) -> DeltaState | None:
         layers = self.recurrent_layers()
-        return DeltaState(layers, n_slots, self.config.deltanet, self.device) if layers else None
+        return DeltaState(layers, n_slots, self.config.deltanet, self.device, host_slots) if layers else None
 
     def batch_meta(self, n_new: list[int], slots: list[int], kv: KVCache) -> BatchMeta:
         """Where each new token goes in a fixed-slot cache, from the slots' own lengths."""
