@@ -70,7 +70,7 @@ def _experts_line(cfg, report) -> str:
     if report.cache_slots:
         return f"experts: {report.cache_resident} resident in {report.cache_slots} slots of the simulated device"
     return (f"experts: every routed expert computed from host memory ({format_bytes(report.free_bytes)} of the "
-            "simulated device is left after KV and trunk, less than all of them; a part of them there would "
+            "simulated device is left after KV, recurrent states and trunk, less than all of them; a part of them there would "
             "read no fewer bytes and split each layer's step)")
 
 
