@@ -50,11 +50,11 @@ class LocalPipeline:
         stage = StageActor(0, 1, simulated_budget if simulated_budget is not None else 1 << 62, options=options)
         cfg = read_gguf_header(path).config
         hybrid = cfg.deltanet is not None
-        host = host_checkpoints if hybrid else 0
-        pipe = cls(stage, kv_blocks, max_seqs if hybrid else 0, (state_checkpoints + host) if hybrid else 0)
+        on_card, host = (state_checkpoints, host_checkpoints) if hybrid else (0, 0)
+        pipe = cls(stage, kv_blocks, max_seqs if hybrid else 0, on_card + host)
         pipe.load_report = stage.load(path, 0, cfg.n_layers, kv_blocks, profile=profile, cache_policy=cache_policy,
                                       state_slots=max_seqs, whole_cache_only=True, draft=draft, mtp=mtp,
-                                      state_checkpoints=pipe.state_checkpoints - host, host_checkpoints=host)
+                                      state_checkpoints=on_card, host_checkpoints=host)
         pipe.step_experts = local_step_experts(stage.model.gguf, profile)
         pipe._drafting(stage.runner.drafter, stage.runner.mtp)
         return pipe

@@ -237,11 +237,8 @@ class DeltaState:
         return (self.conv[:, 0].numel() + self.rec[:, 0].numel()) * 4
 
     def nbytes(self) -> int:
-        """The device's bytes (the host slots aside: host_nbytes)."""
+        """The device's bytes (the host slots aside)."""
         return self.conv.numel() * 4 + self.rec.numel() * 4
-
-    def host_nbytes(self) -> int:
-        return self.host_conv.numel() * 4 + self.host_rec.numel() * 4
 
 
 class GatedDeltaNet(torch.nn.Module):
