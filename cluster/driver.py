@@ -244,10 +244,12 @@ class StageGroup:
 
     def load(self, path: str, ranges: list[tuple[int, int]], kv_blocks: int,
              progress=None, trunk_on_card: list[int] | None = None, profile: str | None = None,
-             cache_policy: str = "static", state_slots: int = 1, state_checkpoints: int = 0) -> list[LoadReport]:
+             cache_policy: str = "static", state_slots: int = 1, state_checkpoints: int = 0,
+             host_checkpoints: int = 0) -> list[LoadReport]:
         """Each stage loads only its layer range, a KV pool of `kv_blocks` blocks and (recurrent
-        layers) `state_slots` sequence states and `state_checkpoints` checkpoint slots after them;
-        `progress(stage, report)` as each one finishes."""
+        layers) `state_slots` sequence states and `state_checkpoints` checkpoint slots after them
+        on its device, `host_checkpoints` more in host memory; `progress(stage, report)` as each one
+        finishes."""
         trunk_on_card = trunk_on_card or [0] * len(ranges)
         from moeray.stages.gguf.reader import read_gguf_header
 
@@ -256,13 +258,13 @@ class StageGroup:
         self.kv_blocks = kv_blocks
         hybrid = any(state_bytes_by_layer(self.model_header.config, 1))
         self.state_slots = state_slots if hybrid else 0
-        self.state_checkpoints = state_checkpoints if hybrid else 0
+        self.state_checkpoints = state_checkpoints + host_checkpoints if hybrid else 0  # the engine's ledger: all
         last = len(ranges) - 1
         self.load_args = [(path, a, b, kv_blocks, t, profile, cache_policy, state_slots, False, state_checkpoints)
                           for (a, b), t in zip(ranges, trunk_on_card)]
         # speculative decoding's drafters: a draft model on the first stage, an MTP layer on the last
-        self.load_kwargs = [{"draft": self.draft if i == 0 else None, "mtp": self.mtp and i == last}
-                            for i in range(len(ranges))]
+        self.load_kwargs = [{"draft": self.draft if i == 0 else None, "mtp": self.mtp and i == last,
+                             "host_checkpoints": host_checkpoints if hybrid else 0} for i in range(len(ranges))]
         refs = [a.load.remote(*args, header=self.header, **kw)
                 for a, args, kw in zip(self.actors, self.load_args, self.load_kwargs)]
         reports = gather(refs, self.timeout_s, "loading", progress=progress)
@@ -712,8 +714,16 @@ def plan_from_reports(header, reports: list[ProbeReport], opts: LaunchOptions, e
             c_rule = (f"auto: up to two per sequence slot (a prompt's end, its answer's last block), as many as "
                       f"cost under 2% of the predicted step")
     ranges = [tuple(x) for x in plan.split]
+    host = 0
+    if any(state) and engine.prefix_reuse and engine.state_checkpoints is None:
+        from moeray.planner.kv import HOST_CHECKPOINT_SHARE
+
+        host = host_checkpoints(reports, ranges, state_bytes_by_layer(cfg, 1), 2 * engine.max_seqs - checkpoints)
+        if host:
+            c_rule += (f"; {host} more in host memory (each node's share: MemAvailable less the model's files, "
+                       f"/{HOST_CHECKPOINT_SHARE}, split among its stages; copied when taken or restored)")
     plan.kv = kv_plan(blocks, ranges, rule, tried)
-    plan.kv.checkpoints, plan.kv.checkpoint_rule = checkpoints, c_rule
+    plan.kv.checkpoints, plan.kv.checkpoint_rule, plan.kv.host_checkpoints = checkpoints, c_rule, host
     if any(state):
         from moeray.planner.report import checkpoint_line, state_line
 
@@ -722,6 +732,22 @@ def plan_from_reports(header, reports: list[ProbeReport], opts: LaunchOptions, e
             plan.notes.append(checkpoint_line(state_bytes_by_layer(cfg, 1), ranges, checkpoints,
                                               sum(kv_bytes_by_layer(cfg, 1, itemsize)), c_rule, c_tried))
     return plan, ranges, speed_lines + plan.lines(verbose=opts.verbose_plan), plan.kv
+
+
+def host_checkpoints(reports: list[ProbeReport], ranges, state_per_layer: list[int], wanted: int) -> int:
+    """State checkpoints every stage can keep in its node's host memory, beyond those its device
+    holds (`moeray serve --local` does the same: local_kv_plan): each node's room
+    (ProbeReport.host_checkpoint_bytes) split evenly among the stages on it, one count for all."""
+    from moeray.planner.kv import host_checkpoints_for
+
+    if wanted < 1:
+        return 0
+    on_node: dict[str, int] = {}
+    for r in reports:
+        node = r.device.node_ip or r.device.hostname
+        on_node[node] = on_node.get(node, 0) + 1
+    rooms = [r.host_checkpoint_bytes // on_node[r.device.node_ip or r.device.hostname] for r in reports]
+    return host_checkpoints_for(rooms, [sum(state_per_layer[a:b]) for a, b in ranges], wanted)
 
 
 def shared_host_speeds(reports: list[ProbeReport]) -> tuple[list[tuple[float, float]], list[str]]:
@@ -783,7 +809,8 @@ def launch(path: str, opts: LaunchOptions = LaunchOptions(), engine: EngineConfi
         group.shutdown()
         raise
     return Launched(path, group, reports, plan, ranges, handoff_ms, lines,
-                    replace(engine, max_len=kv.context, kv_blocks=kv.blocks, state_checkpoints=kv.checkpoints), kv,
+                    replace(engine, max_len=kv.context, kv_blocks=kv.blocks,
+                            state_checkpoints=kv.checkpoints + kv.host_checkpoints), kv,
                     opts=opts, requested=engine, header=header, log=log)
 
 
@@ -821,7 +848,8 @@ def bring_up(group: StageGroup, header, path: str, opts: LaunchOptions, engine: 
 
         trunk_on_card[-1] -= mtp_bytes(header, kv.blocks, engine.max_seqs, itemsize, len(ranges) == 1)
     group.load(path, ranges, kv.blocks, lambda i, rep: say(_load_line(rep)),
-               trunk_on_card, opts.profile, opts.cache_policy, engine.max_seqs, checkpoints)
+               trunk_on_card, opts.profile, opts.cache_policy, engine.max_seqs, checkpoints,
+               getattr(kv, "host_checkpoints", 0))
     if opts.draft:
         from moeray.stages.runtime.draft_model import draft_bytes
 

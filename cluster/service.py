@@ -36,20 +36,13 @@ def local_threads(token_bytes: int) -> dict:
     return BIG_LOCAL_THREADS if token_bytes > BIG_TOKEN_BYTES else LOCAL_THREADS
 
 
-# Host memory `serve --local` may give a hybrid model's state checkpoints that its device has no
-# room for: this share of what is available beside the model file (its page cache must stay:
-# every expert is read from it). llama-server's prompt cache takes up to 8 GiB of RAM by default.
-HOST_CHECKPOINT_SHARE = 8
-
-
 def host_checkpoint_bytes(header) -> int:
-    """Host bytes for state checkpoints: (MemAvailable - the model's files) / HOST_CHECKPOINT_SHARE."""
+    """Host memory `serve --local` may give a hybrid model's state checkpoints that its device has no
+    room for: (MemAvailable - the model's files) / HOST_CHECKPOINT_SHARE (planner/kv.py)."""
+    from moeray.planner.kv import host_checkpoint_room
     from moeray.stages.kernels.repack import mem_available
 
-    available = mem_available()
-    if available is None:
-        return 0
-    return max(0, available - sum(p.size for p in header.parts)) // HOST_CHECKPOINT_SHARE
+    return host_checkpoint_room(mem_available(), sum(p.size for p in header.parts))
 
 
 def local_stage_options(stage, token_bytes: int):

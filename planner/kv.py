@@ -219,3 +219,25 @@ def checkpoints_within(budget_bytes: int, per_checkpoint: int, wanted: int) -> i
     if per_checkpoint <= 0:
         return 0
     return max(0, min(wanted, budget_bytes // per_checkpoint))
+
+
+# Host memory for state checkpoints the devices have no room for: this share of what a node has
+# available beside the model's files (their page cache must stay: every host expert is read from
+# it). llama-server keeps its prompt cache in RAM the same way (up to 8 GiB by default).
+HOST_CHECKPOINT_SHARE = 8
+
+
+def host_checkpoint_room(available_bytes: int | None, model_file_bytes: int) -> int:
+    """Host bytes for checkpoints on one node: (MemAvailable - the model's files there) / HOST_CHECKPOINT_SHARE."""
+    if available_bytes is None:
+        return 0
+    return max(0, available_bytes - model_file_bytes) // HOST_CHECKPOINT_SHARE
+
+
+def host_checkpoints_for(rooms: list[int], per_state: list[int], wanted: int) -> int:
+    """Checkpoints every stage can hold in host memory: stage i has `rooms[i]` bytes and one
+    checkpoint of its layers' state takes `per_state[i]` (0: no recurrent layer, no limit). One
+    count for all stages, the smallest, because a checkpoint slot names the same sequence's state
+    on every stage (cluster/state_checkpoints.py)."""
+    counts = [checkpoints_within(room, per, wanted) for room, per in zip(rooms, per_state) if per > 0]
+    return min(counts) if counts else 0

@@ -105,3 +105,45 @@ def test_drafts_verified_over_the_stages_keep_the_greedy_tokens(launched):
     s = eng.speculation.stats
     assert s.accepted_tokens > 0 and eng.stats.state_restores > 0
     assert not any(r.spare is not None for r in reqs) and eng.scheduler.spares.stats.borrowed > 0
+
+
+def test_checkpoints_the_cards_have_no_room_for_live_in_host_memory(launched):
+    """Cards that hold the trunk, KV and sequence states with too little room left for one checkpoint:
+    the plan puts every checkpoint in the nodes' host memory (each stage the same count), a second
+    turn resumes from one on both stages, and a verify row's spare in host memory keeps the greedy
+    tokens after rejections."""
+    from dataclasses import replace
+
+    from moeray.cluster.driver import plan_from_reports
+    from moeray.stages.gguf.reader import read_gguf_header
+    from moeray.stages.runtime.actor import ProbeReport
+    from moeray.stages.runtime.device import simulated_device
+
+    header = read_gguf_header(launched.path)
+    engine = EngineConfig(max_seqs=MAX_SEQS, max_len=MAX_LEN, kv_blocks=12)
+    opts = LaunchOptions(2, torch_threads=1, timeout_s=180, split="K=2")
+    # what each card holds without checkpoints (the planner's own charge), and 1 KiB more
+    reports = [ProbeReport(i, 0, simulated_device(64 * MiB, i), 1.0, 0.1, 0.0, [0]) for i in range(2)]
+    sized, *_ = plan_from_reports(header, reports, opts, replace(engine, state_checkpoints=0), 0.2)
+    tight = launch(launched.path, replace(opts, simulate=[s.trunk_bytes + 1024 for s in sized.stages]), engine,
+                   log=lambda line: None)
+    try:
+        assert (tight.kv.checkpoints, tight.kv.host_checkpoints) == (0, 2 * MAX_SEQS)
+        assert any(l.startswith("[state] 0 checkpoint(s)") and f"{2 * MAX_SEQS} more in host memory" in l
+                   for l in tight.lines)
+        eng = Engine(tight.pipeline(), EngineConfig(max_seqs=MAX_SEQS, max_len=MAX_LEN, token_budget=16,
+                                                    prefill_chunk=8, step_timeout_s=60))
+        assert eng.scheduler.checkpoints.n == 2 * MAX_SEQS
+        first = eng.generate([PROMPTS[0]], SamplingParams(max_tokens=N_NEW, ignore_eos=True), timeout_s=300)[0]
+        turn = PROMPTS[0] + first.output + [5, 6, 7]
+        second = eng.generate([turn], SamplingParams(max_tokens=N_NEW, ignore_eos=True), timeout_s=300)[0]
+        assert second.cached_tokens == 32 and second.output == _greedy(launched.path, turn, N_NEW)
+        refs = {tuple(p): _greedy(launched.path, p, N_NEW) for p in PROMPTS[1:]}
+        eng.speculation.new_drafter = lambda toks: _OftenWrong(refs, toks)
+        eng.speculation.PROBE = 1.0
+        reqs = eng.generate(PROMPTS[1:], SamplingParams(max_tokens=N_NEW, ignore_eos=True, speculative=True),
+                            timeout_s=300)
+        assert [r.output for r in reqs] == [refs[tuple(p)] for p in PROMPTS[1:]]
+        assert eng.stats.state_restores > 0 and eng.scheduler.spares.stats.borrowed > 0
+    finally:
+        tight.shutdown()

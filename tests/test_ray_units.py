@@ -187,3 +187,28 @@ def test_a_stale_ray_start_cluster_file_is_never_joined(tmp_path, monkeypatch):
     assert ray_init_address("10.1.2.3:6379") == "10.1.2.3:6379"
     monkeypatch.setenv("RAY_ADDRESS", "127.0.0.1:6380")
     assert ray_init_address(None) == "127.0.0.1:6380"
+
+
+def test_checkpoints_the_devices_cannot_hold_go_to_each_nodes_host_memory():
+    # A hybrid model's stages keep up to two state checkpoints per sequence slot; what the cards'
+    # trade leaves out goes to host memory, each node's share split among its stages, and one count
+    # for all of them (a checkpoint slot names the same sequence on every stage).
+    from dataclasses import replace
+
+    from moeray.cluster.driver import host_checkpoints
+
+    reports = _reports([100 * MiB] * 3)
+    ips = ["10.0.0.1", "10.0.0.1", "10.0.0.2"]
+    for r, ip in zip(reports, ips):
+        r.device = replace(r.device, node_ip=ip)
+        r.host_checkpoint_bytes = 1000 * MiB if ip == "10.0.0.1" else 300 * MiB
+    state = [10 * MiB, 0, 10 * MiB, 10 * MiB, 0, 20 * MiB]  # per layer, one sequence; 0: attention
+    ranges = [(0, 2), (2, 4), (4, 6)]  # 10, 20 and 20 MiB a checkpoint
+    # 500 MiB each on the shared node (50 and 25 checkpoints), 300 MiB alone (15): 15 for all
+    assert host_checkpoints(reports, ranges, state, wanted=16) == 15
+    assert host_checkpoints(reports, ranges, state, wanted=4) == 4
+    assert host_checkpoints(reports, ranges, state, wanted=0) == 0
+    # a stage without recurrent layers sets no limit, however little host memory it has
+    reports[2].host_checkpoint_bytes = 0
+    assert host_checkpoints(reports, [(0, 2), (2, 4), (4, 5)], [10 * MiB, 0, 10 * MiB, 10 * MiB, 0, 0], 40) == 25
+    assert host_checkpoints(reports, ranges, state, wanted=16) == 0  # ... but one that has them, does

@@ -112,6 +112,8 @@ class ProbeReport:
     miss_ms: float  # measured ms per expert computed from the host copy
     measure_s: float
     parts_here: list[int] = field(default_factory=list)  # the model's files (parts) complete on this node
+    # host memory this node offers state checkpoints (planner/kv.py host_checkpoint_room), shared by its stages
+    host_checkpoint_bytes: int = 0
 
 
 @dataclass
@@ -541,8 +543,12 @@ class StageActor:
         self.device = probe_device(self.simulated_budget, index=self.stage,  # free memory now, after timing
                                    card_share=self.card_share)
         self.memory = device_ledger(self.device, self.stage)
+        from moeray.planner.kv import host_checkpoint_room
+        from moeray.stages.kernels.repack import mem_available
+
+        host_room = host_checkpoint_room(mem_available(), sum(header.parts[i].size for i in here))
         return ProbeReport(self.stage, os.getpid(), self.device, speed.layer_ms, speed.miss_ms,
-                           time.perf_counter() - t, here)
+                           time.perf_counter() - t, here, host_room)
 
     def check_parts(self, header, parts: list[int]) -> dict[int, FileFingerprint | str]:
         """Each of the model's files `parts` (0-based) as this node sees it: its size and sampled
