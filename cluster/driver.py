@@ -738,15 +738,15 @@ def host_checkpoints(reports: list[ProbeReport], ranges, state_per_layer: list[i
     """State checkpoints every stage can keep in its node's host memory, beyond those its device
     holds (`moeray serve --local` does the same: local_kv_plan): each node's room
     (ProbeReport.host_checkpoint_bytes) split evenly among the stages on it, one count for all."""
+    from collections import Counter
+
     from moeray.planner.kv import host_checkpoints_for
 
     if wanted < 1:
         return 0
-    on_node: dict[str, int] = {}
-    for r in reports:
-        node = r.device.node_ip or r.device.hostname
-        on_node[node] = on_node.get(node, 0) + 1
-    rooms = [r.host_checkpoint_bytes // on_node[r.device.node_ip or r.device.hostname] for r in reports]
+    nodes = [r.device.node_ip or r.device.hostname for r in reports]
+    on_node = Counter(nodes)
+    rooms = [r.host_checkpoint_bytes // on_node[n] for r, n in zip(reports, nodes)]
     return host_checkpoints_for(rooms, [sum(state_per_layer[a:b]) for a, b in ranges], wanted)
 
 

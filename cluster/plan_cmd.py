@@ -181,7 +181,10 @@ def run(args) -> int:
             plan = better or plan
             c_rule = "auto: up to two per sequence, as many as cost under 2% of the predicted step"
             if checkpoints < 2 * args.max_seqs:  # the rest: host memory, which only the stages can measure
-                c_rule += "; at launch the rest in the nodes' host memory, as far as an eighth of it goes"
+                from moeray.planner.kv import HOST_CHECKPOINT_SHARE
+
+                c_rule += (f"; at launch the rest in the nodes' host memory, as far as 1/{HOST_CHECKPOINT_SHARE} "
+                           "of what each has available goes")
     out = sys.stderr if args.json == "-" else sys.stdout
     if any(per_seq_state):
         from moeray.planner.report import checkpoint_line, state_line
