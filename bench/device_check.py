@@ -116,7 +116,7 @@ def write_synthetic(path: Path, quick: bool, seed: int = 0) -> Path:
 
 def model_bytes(path: str, max_seqs: int, max_len: int) -> dict:
     """Trunk (KV of every layer included), one copy of every expert, as the planner prices them."""
-    from moeray.cluster.driver import held_spec
+    from moeray.cluster.placement import held_spec
     from moeray.stages.blocks.kv_cache import kv_layer_bytes
     from moeray.stages.blocks.kv_cache import blocks_for
     from moeray.stages.gguf.reader import read_gguf_header

@@ -38,7 +38,7 @@ def moeray_turns(path: str, prompt: list[int], n_answer: int, new: list[int], ch
     import torch
 
     from moeray.cluster.config import EngineConfig
-    from moeray.cluster.driver import local_kv_plan
+    from moeray.cluster.placement import local_kv_plan
     from moeray.cluster.engine import Engine
     from moeray.cluster.local_pipeline import LocalPipeline
     from moeray.stages.blocks.kv_cache import blocks_for

@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write every step here")
     args = p.parse_args(argv)
     from moeray.cluster.cli import build_parser
-    from moeray.cluster.serve_cmd import options_from_args
+    from moeray.cluster.commands.serve import options_from_args
     from moeray.cluster.service import Service
 
     if args.model is None:

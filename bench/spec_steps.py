@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args(argv)
     from moeray.cluster.cli import build_parser
-    from moeray.cluster.serve_cmd import options_from_args
+    from moeray.cluster.commands.serve import options_from_args
     from moeray.cluster.service import Service
     from moeray.stages.text.sampling import SamplingParams
 

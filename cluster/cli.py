@@ -1,8 +1,8 @@
 """The `moeray` command line.
 
-Each subcommand lives in its own module, which exposes `add_arguments(parser)` and
-`run(args) -> int`. Modules are imported only when their subcommand runs, so that
-`moeray plan` starts in milliseconds and never imports torch or Ray.
+Each subcommand lives in its own module of cluster/commands/, which exposes
+`add_arguments(parser)` and `run(args) -> int`. Modules are imported only when their subcommand
+runs, so that `moeray plan` starts in milliseconds and never imports torch or Ray.
 """
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from moeray.errors import MoerayError  # torch-free
 
 # name -> (module, one-line help). Add a subcommand by adding a line here.
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "generate": ("moeray.cluster.generate_cmd", "generate text from a prompt in one process"),
-    "logits": ("moeray.cluster.logits_cmd", "write float32 logits for every position (parity checks)"),
-    "plan": ("moeray.cluster.plan_cmd", "run the placement search for a model and a set of devices"),
-    "profile": ("moeray.cluster.profile_cmd", "make a routing profile from traces, or show one"),
-    "run": ("moeray.cluster.run_cmd", "run prompts through the model on pipeline stages (Ray actors)"),
-    "serve": ("moeray.cluster.serve_cmd", "serve the model over an OpenAI-compatible HTTP API (Ray Serve)"),
+    "generate": ("moeray.cluster.commands.generate", "generate text from a prompt in one process"),
+    "logits": ("moeray.cluster.commands.logits", "write float32 logits for every position (parity checks)"),
+    "plan": ("moeray.cluster.commands.plan", "run the placement search for a model and a set of devices"),
+    "profile": ("moeray.cluster.commands.profile", "make a routing profile from traces, or show one"),
+    "run": ("moeray.cluster.commands.run", "run prompts through the model on pipeline stages (Ray actors)"),
+    "serve": ("moeray.cluster.commands.serve", "serve the model over an OpenAI-compatible HTTP API (Ray Serve)"),
 }
 
 

@@ -5,9 +5,10 @@
    of CPU for simulated devices), PACK by default, SPREAD on request.
 2. Probe: every actor reports its device, free bytes, node and measured speeds, and which of the
    model's files (its parts, for a model cut by gguf-split) its node holds.
-3. Plan: the placement search runs over the reported budgets and speeds. Then each stage checks
-   the files its layers need as its node sees them (size and sampled hash): a missing, short or
-   different file is named with its node before anything loads.
+3. Plan: the placement search runs over the reported budgets and speeds (cluster/placement.py,
+   the arithmetic without Ray). Then each stage checks the files its layers need as its node
+   sees them (size and sampled hash): a missing, short or different file is named with its node
+   before anything loads.
 4. Load: each actor loads only its layer range, mapping only the files that hold it; its KV pool
    allocated (the plan's block count).
 5. Wire: the stages join one process group (activations go stage to stage over it).
@@ -25,10 +26,23 @@ from typing import Any
 
 from moeray import environment
 from moeray.cluster.config import EngineConfig, LaunchOptions
+from moeray.cluster.placement import gpu_share, plan_from_reports, state_bytes_by_layer, uses_mtp
 from moeray.cluster.remote import StageFailedError, StagesLate, as_ready, error_of, gather, gather_one
 from moeray.errors import MoerayError, PlacementError
+from moeray.planner.kv import itemsize_for
+from moeray.stages.gguf.parts import stage_parts_lines
+from moeray.stages.gguf.reader import read_gguf_header
 from moeray.stages.kernels.settings import StageOptions
-from moeray.stages.runtime.actor import LoadReport, ProbeReport, StageStats, StepBatch
+from moeray.stages.runtime.actor import StageActor
+from moeray.stages.runtime.default_profile import resolve_profile
+from moeray.stages.runtime.draft_model import check_draft, draft_bytes
+from moeray.stages.runtime.mtp import mtp_bytes
+from moeray.stages.runtime.step import LoadReport, ProbeReport, StageStats, StepBatch, StepOutput
+from moeray.stages.runtime.transport import TransportError, link_backend
+
+# Ray is imported inside the functions that call it, not here: Ray reads RAY_DEDUP_LOGS when it is
+# first imported, and local_ray_env() sets it only when a command starts Ray (ensure_ray, serve's
+# start_ray), after this module was imported.
 
 DEVICE_RESOURCE = "moeray_device"  # declare it on nodes (ray start --resources) to stand in for GPUs
 SIM_CPU = 0.01  # what a simulated stage reserves: stages must not hold whole cores (2-core hosts)
@@ -44,7 +58,7 @@ class NodeLostError(StageFailedError):
 
 def dead_nodes(node_ids) -> set[str]:
     """Those of `node_ids` that Ray's GCS no longer counts as alive."""
-    import ray
+    import ray  # late: see the note after the imports
 
     alive = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
     return {n for n in node_ids if n and not alive.get(n, False)}
@@ -73,34 +87,17 @@ def local_ray_env() -> None:
 def ensure_ray(address: str | None = None) -> None:
     """Join the cluster at `address`, or start a local one; log lines from actors stay readable."""
     local_ray_env()
-    import ray
+    import ray  # late: see the note after the imports
 
     if not ray.is_initialized():
         ray.init(address=ray_init_address(address), include_dashboard=False, log_to_driver=True,
                  logging_level="WARNING", configure_logging=True)
 
 
-def gpu_share(n_stages: int, n_gpus: float, gpus_per_stage: float | None = None) -> float:
-    """The part of a GPU each stage reserves: `gpus_per_stage` as given (0 < x <= 1), else a whole
-    card while there are cards enough, else 1/k of one with k = ceil(stages / GPUs), so that k
-    stages share each card (Ray packs fractional GPU bundles onto one card: 0.5 + 0.5)."""
-    import math
-
-    if gpus_per_stage is not None:
-        if not 0 < gpus_per_stage <= 1:
-            raise MoerayError(f"--gpus-per-stage {gpus_per_stage}: a stage runs on one card, give a share "
-                              "0 < x <= 1 (0.5: two stages per card)")
-        return float(gpus_per_stage)
-    if n_gpus < 1:
-        raise PlacementError("the Ray cluster has no GPUs; pass --simulate-devices SIZE,... to run on CPU")
-    k = math.ceil(n_stages / int(n_gpus))
-    return 1.0 if k <= 1 else math.floor(1e4 / k) / 1e4  # Ray counts resources to 4 decimals
-
-
 def stage_resources(simulated: bool, n_stages: int = 1, gpus_per_stage: float | None = None
                     ) -> tuple[dict[str, float], dict[str, Any]]:
     """(bundle, actor options) for one stage on this cluster."""
-    import ray
+    import ray  # late: see the note after the imports
 
     have = ray.cluster_resources()
     if not simulated:
@@ -141,7 +138,7 @@ class StageGroup:
     _actor_opts: dict = field(default_factory=dict)
 
     def start(self) -> "StageGroup":
-        import ray
+        import ray  # late: see the note after the imports
         from ray.util.placement_group import placement_group
 
         if self.simulate is not None and len(self.simulate) != self.n_stages:
@@ -162,10 +159,8 @@ class StageGroup:
         return self
 
     def _spawn(self, i: int):
-        import ray
+        import ray  # late: see the note after the imports
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from moeray.stages.runtime.actor import StageActor
 
         budget = None if self.simulate is None else self.simulate[i]
         return ray.remote(StageActor).options(
@@ -177,7 +172,7 @@ class StageGroup:
     def share_header(self, header) -> Any:
         """The model's header as one Ray object every stage call takes (a tokenizer's metadata is
         megabytes: sent once, not per call)."""
-        import ray
+        import ray  # late: see the note after the imports
 
         if self.header is None:
             self.header, self.model_header = ray.put(header), header
@@ -185,8 +180,6 @@ class StageGroup:
 
     def probe(self, path: str, header=None) -> list[ProbeReport]:
         """Each actor's report (device, budget, node, speeds, the model's files on its node)."""
-        from moeray.stages.gguf.reader import read_gguf_header
-
         ref = self.share_header(header or read_gguf_header(path))
         self.reports = gather([a.probe.remote(path, ref) for a in self.actors], self.timeout_s, "probe")
         return self.reports
@@ -220,14 +213,10 @@ class StageGroup:
             raise MoerayError("; ".join(problems))
         if not header.in_parts:
             return []
-        from moeray.stages.gguf.parts import stage_parts_lines
-
         return [f"{line}; checked on {self.where(i)}" for i, line in enumerate(stage_parts_lines(header, ranges))]
 
     def connect(self, timeout_s: float = 30.0) -> None:
         """(Re-)form the stages' process group; stage 0's node hosts the rendezvous."""
-        from moeray.stages.runtime.transport import link_backend
-
         addr = gather_one(self.actors[0].node_ip.remote(), self.timeout_s, "connect")
         port = gather_one(self.actors[0].free_port.remote(), self.timeout_s, "connect")
         backend = (link_backend([(r.device.kind, r.device.node_id, r.device.pci_bus_id) for r in self.reports])
@@ -251,8 +240,6 @@ class StageGroup:
         on its device, `host_checkpoints` more in host memory; `progress(stage, report)` as each one
         finishes."""
         trunk_on_card = trunk_on_card or [0] * len(ranges)
-        from moeray.stages.gguf.reader import read_gguf_header
-
         if self.header is None:
             self.share_header(read_gguf_header(path))
         self.kv_blocks = kv_blocks
@@ -274,14 +261,12 @@ class StageGroup:
 
     def record_routing(self, folder: str) -> None:
         """Every stage appends its routing to folder/stage<i>.trace."""
-        import os
-
         gather([a.record_routing.remote(os.path.join(os.path.abspath(folder), f"stage{i}.trace"))
                 for i, a in enumerate(self.actors)], self.timeout_s, "starting the routing trace")
 
     def mark_hung(self, i: int) -> None:
         """A stage stopped answering: kill it so its peers' waits end, and restart it in recover()."""
-        import ray
+        import ray  # late: see the note after the imports
 
         self.hung.add(i)
         ray.kill(self.actors[i], no_restart=True)
@@ -314,7 +299,7 @@ class StageGroup:
         process group among all stages. Returns the restarted stages. NodeLostError when a dead
         stage's node has left the cluster (before or while its replacement waits for a place):
         its bundle's device is gone with it, and only a re-plan on what is left can serve."""
-        import ray
+        import ray  # late: see the note after the imports
 
         dead = [i for i, ok in enumerate(self.alive()) if not ok]
         if (lost := self.lost(dead)) is not None:
@@ -339,7 +324,7 @@ class StageGroup:
         """The restarted stages answer a ping; while they wait for a place, their old nodes are
         watched: Ray may take seconds to declare a crashed node dead, and a bundle whose node left
         waits for a device that is never coming back."""
-        import ray
+        import ray  # late: see the note after the imports
 
         refs = [self.actors[i].ping.remote() for i in dead]
         deadline = time.monotonic() + self.timeout_s
@@ -360,7 +345,7 @@ class StageGroup:
         return out[-1]
 
     def shutdown(self) -> None:
-        import ray
+        import ray  # late: see the note after the imports
 
         for a in self.actors:
             try:
@@ -455,7 +440,7 @@ class Launched:
     def devices_left(self) -> tuple[int, list[int] | None]:
         """(stages the cluster can hold now, their simulated budgets): one per device left, at most
         as many as were asked for; simulated budgets of the stages still alive first."""
-        import ray
+        import ray  # late: see the note after the imports
 
         opts, actor = self.opts, self.group._actor_opts
         have = ray.cluster_resources()
@@ -539,256 +524,13 @@ class Launched:
         self.group.shutdown()
 
 
-def local_kv_plan(config, engine: EngineConfig, free_bytes: int, itemsize: int = 4, trunk_bytes: int = 0,
-                  expert_bytes: int = 0, host_bytes: int = 0):
-    """The KV budget of a one-process server (planner/kv.py local_plan), for this model's layers.
-
-    `trunk_bytes`: what the trunk will hold of the same device (stages/runtime/model.py
-    stage_trunk_bytes). The stage charges the KV pool, the sequences' recurrent states and the
-    trunk to one budget (stages/runtime/actor.py load), so the KV is planned within what the trunk
-    and the states leave: on a 4 GiB device, half of it for Qwen3.6's KV beside its 2.25 GiB trunk
-    and 1.2 GiB of states did not fit and the server did not start.
-
-    A hybrid model's checkpoints (auto): up to two per sequence slot. `expert_bytes`: every routed
-    expert; where what the KV leaves of the device cannot hold them all, they stay in host memory
-    (the stage caches them only whole: load_cached's whole_cache_only) and the checkpoints take
-    all of it, else a quarter. `host_bytes`: host memory for the checkpoints the device has no
-    room for (llama-server keeps its prompt cache in RAM the same way): Qwen3.6 on a 4 GiB device
-    held 1, and 4 clients cycling 8 prompts (bench/families.py --rows serve) prefilled every prompt
-    whole: 3.4 tok/s against llama-server's 5.1; with 8 checkpoints 5.0."""
-    from moeray.planner.kv import local_plan
-    from moeray.stages.blocks.kv_cache import BLOCK_SIZE, kv_block_bytes
-
-    per_state = sum(state_bytes_by_layer(config, 1))
-    room = max(0, free_bytes - trunk_bytes - engine.max_seqs * per_state)
-    plan = local_plan(config.context_length, engine.max_len, engine.kv_blocks, engine.kv_fraction, room,
-                      kv_block_bytes(config, config.n_layers, itemsize), BLOCK_SIZE)
-    if per_state and engine.prefix_reuse:  # recurrent state: checkpoints for prefix reuse
-        from moeray.planner.kv import checkpoints_within
-
-        if engine.state_checkpoints is not None:
-            plan.checkpoints, plan.checkpoint_rule = engine.state_checkpoints, "as given (--state-checkpoints)"
-        else:
-            wanted = 2 * engine.max_seqs
-            room -= plan.stage_bytes[0]
-            if expert_bytes and room < expert_bytes:  # nothing else would use what the KV leaves
-                plan.checkpoints = checkpoints_within(room, per_state, wanted)
-                plan.checkpoint_rule = ("auto: up to two per sequence slot, in what the KV leaves of the device "
-                                        "(the experts stay in host memory: they do not all fit there)")
-            else:  # beside experts the device can hold: a quarter of what is left
-                plan.checkpoints = checkpoints_within(room // 4, per_state, wanted)
-                plan.checkpoint_rule = "auto: up to two per sequence slot, within a quarter of the device left"
-            plan.host_checkpoints = checkpoints_within(host_bytes, per_state, wanted - plan.checkpoints)
-            if plan.host_checkpoints:
-                plan.checkpoint_rule += (f"; {plan.host_checkpoints} more in host memory "
-                                         f"({plan.host_checkpoints * per_state / 2**20:.0f} MiB, copied when taken or restored)")
-    return plan
-
-
-def state_bytes_by_layer(config, n_seqs: int) -> list[int]:
-    """Each layer's recurrent state for `n_seqs` sequence slots (0 where the layer keeps only KV):
-    held on the layer's card for every sequence that may run, so priced with its KV."""
-    from moeray.stages.arch import arch_of
-
-    arch = arch_of(config)
-    return [n_seqs * arch.state_bytes(config, l) for l in range(config.n_layers)]
-
-
-def held_spec(header, kv_bytes_per_layer: int | list[int] = 0, backend: str | None = None):
-    """The planner's ModelSpec in the bytes a stage really holds on its device.
-
-    On the quantised backends a slot and the trunk hold the GGUF's own blocks (float32 only for
-    vectors and routers), on the exact backend float32 copies: `held_bytes` in stages/gguf/reader.py
-    prices both, and the stage is charged the same numbers. A layer's KV cache is on the card with
-    its trunk whatever the split, so it is priced as part of that layer's trunk: the search then
-    charges every candidate range exactly the KV it would allocate. `kv_bytes_per_layer`: one
-    figure for every layer, or a list (kv_bytes_by_layer) where the layers' KV differ.
-    """
-    from moeray.planner.spec import ModelSpec, TrunkBytes
-    from moeray.stages.gguf.reader import expert_bytes, trunk_bytes, trunk_pieces
-
-    backend = "exact" if backend == "exact" else "quantised"  # ggml and dequant hold the same blocks
-    cfg = header.config
-    t = trunk_bytes(header.tensors, cfg, backend)
-    kv = kv_bytes_per_layer if isinstance(kv_bytes_per_layer, list) else [kv_bytes_per_layer] * cfg.n_layers
-    layers = [k + n for k, n in zip(kv, t["layers"])]
-    experts = [expert_bytes(header.tensors, l, backend) for l in range(cfg.n_layers)]
-    pieces = []  # a hybrid model's layers are offered in pieces: dnproj, attn, ..., and its KV + sequence states
-    if any(state_bytes_by_layer(cfg, 1)):
-        pieces = [dict(p, **{"kv+state": k}) if k else p for p, k in zip(trunk_pieces(header.tensors, cfg, backend), kv)]
-    return ModelSpec(cfg.n_layers, cfg.n_experts, cfg.n_experts_used, experts,
-                     TrunkBytes(t["embedding"], t["head"], layers, pieces))
-
-
-def plan_from_reports(header, reports: list[ProbeReport], opts: LaunchOptions, engine: EngineConfig,
-                      handoff_ms: float):
-    """The planner over what the actors reported. Returns (plan or None, ranges, lines, kv).
-
-    Each card offers its free bytes less its reserve; the trunk the stage holds (all of it:
-    StageModel computes the trunk on its own device) and the KV pool of its layers are charged per
-    candidate range inside the search, so a split is never chosen that its KV cannot fit. The KV
-    budget (blocks, the same on every stage) is --kv-blocks, --kv-fraction, or traded against the
-    expert slots (planner/kv.py).
-    """
-    from moeray.planner.devices import DeviceSpec
-    from moeray.planner.kv import KVPlan, context_tokens, fixed_blocks, itemsize_for, trade_kv
-    from moeray.planner.search import parse_split, plan_placement, proportional_split
-    from moeray.stages.blocks.kv_cache import BLOCK_SIZE, blocks_for, kv_block_bytes, kv_bytes_by_layer, kv_layer_bytes
-
-    cfg, S, L = header.config, len(reports), header.config.n_layers
-    itemsize = itemsize_for(r.device.kind for r in reports)
-    context = context_tokens(cfg.context_length, engine.max_len)
-    speeds, speed_lines = shared_host_speeds(reports)
-    devs = [DeviceSpec(f"stage {r.stage} {r.device.name}", r.device.free_bytes - r.device.reserve_bytes,
-                       layer_ms, miss_ms) for r, (layer_ms, miss_ms) in zip(reports, speeds)]
-    fixed, rule = fixed_blocks(engine.kv_blocks, engine.kv_fraction, sum(d.free_bytes for d in devs),
-                               kv_block_bytes(cfg, L, itemsize))
-    min_blocks = fixed or blocks_for(context)
-
-    def hint(n: int) -> str:
-        return (f"the KV cache takes {kv_layer_bytes(cfg, n, itemsize)} bytes per layer for {n} blocks ({n * BLOCK_SIZE} "
-                f"tokens: {'as given' if fixed else f'one sequence at the {context}-token context'}): lower --max-len "
-                "or --kv-blocks, or add stages")
-
-    def kv_plan(n: int, ranges, rule: str, tried=()) -> KVPlan:
-        layer = kv_bytes_by_layer(cfg, n, itemsize)
-        return KVPlan(n, BLOCK_SIZE, context, rule, [sum(layer[a:b]) for a, b in ranges], list(tried))
-
-    if not cfg.is_moe:  # no experts to place: split by layer speed (or as given)
-        ks = parse_split(opts.split, L, S) or proportional_split(L, devs)
-        bounds = [0] + list(ks) + [L]
-        kv_layer = kv_bytes_by_layer(cfg, min_blocks, itemsize)
-        for r, d, a, b in zip(reports, devs, bounds[:-1], bounds[1:]):
-            if sum(kv_layer[a:b]) > d.free_bytes:
-                raise PlacementError(f"stage {r.stage}: {r.device.name} cannot hold layers {a}-{b - 1}; {hint(min_blocks)}")
-        ranges = list(zip(bounds[:-1], bounds[1:]))
-        kv = kv_plan(min_blocks, ranges, rule or "one sequence at the full context (no experts to trade)")
-        return None, ranges, speed_lines + [f"layer split (dense model, by measured layer speed): K={','.join(map(str, ks))}",
-                              kv.line()], kv
-    from moeray.planner.profile import Profile
-
-    profile = Profile.load(opts.profile, L, cfg.n_experts) if opts.profile else None
-
-    state = state_bytes_by_layer(cfg, engine.max_seqs)  # every sequence slot's DeltaNet state
-
-    def plan_for(n: int, checkpoints: int = 0):
-        held = state if not checkpoints else state_bytes_by_layer(cfg, engine.max_seqs + checkpoints)
-        kv = [k + s for k, s in zip(kv_bytes_by_layer(cfg, n, itemsize), held)]
-        spec = held_spec(header, kv, opts.stage.backend)
-        if opts.draft:  # the draft model and its KV pool sit on the first stage, priced as its trunk
-            from moeray.stages.runtime.draft_model import draft_bytes
-
-            spec.trunk_bytes.embedding += draft_bytes(opts.draft, n, itemsize)
-        if uses_mtp(header, engine):  # the next-token-prediction layer: on the last stage, with the head
-            from moeray.stages.runtime.mtp import mtp_bytes
-
-            spec.trunk_bytes.head += mtp_bytes(header, n, engine.max_seqs, itemsize, S == 1)
-        return plan_placement(spec, devs, profile, split=opts.split,
-                              objective=opts.objective, trunk=opts.trunk, handoff_ms=handoff_ms, cover_b=opts.cover_b)
-
-    try:
-        if fixed:
-            blocks, plan, tried = fixed, plan_for(fixed), []
-        else:
-            blocks, plan, tried = trade_kv(plan_for, min_blocks, engine.max_seqs * min_blocks)
-            rule = ("auto: from one sequence at the full context, doubled while the experts it displaces cost "
-                    "under 2% of the predicted step")
-    except PlacementError as exc:
-        raise PlacementError(f"{exc}; {hint(min_blocks)}") from None
-    checkpoints, c_rule, c_tried = 0, "", []
-    if any(state) and engine.prefix_reuse:  # recurrent state: checkpoints for prefix reuse, priced as KV is
-        from moeray.planner.kv import trade_checkpoints
-
-        if engine.state_checkpoints is not None:
-            checkpoints, c_rule = engine.state_checkpoints, "as given (--state-checkpoints)"
-            if checkpoints:
-                try:
-                    plan = plan_for(blocks, checkpoints)
-                except PlacementError as exc:
-                    raise PlacementError(f"{exc}; {checkpoints} state checkpoints do not fit beside the KV: "
-                                         "lower --state-checkpoints") from None
-        else:
-            checkpoints, better, c_tried = trade_checkpoints(lambda c: plan_for(blocks, c), plan.predicted_ms,
-                                                             2 * engine.max_seqs)
-            plan = better or plan
-            c_rule = (f"auto: up to two per sequence slot (a prompt's end, its answer's last block), as many as "
-                      f"cost under 2% of the predicted step")
-    ranges = [tuple(x) for x in plan.split]
-    host = 0
-    if any(state) and engine.prefix_reuse and engine.state_checkpoints is None:
-        from moeray.planner.kv import HOST_CHECKPOINT_SHARE
-
-        host = host_checkpoints(reports, ranges, state_bytes_by_layer(cfg, 1), 2 * engine.max_seqs - checkpoints)
-        if host:
-            c_rule += (f"; {host} more in host memory (each node's share: MemAvailable less the model's files, "
-                       f"/{HOST_CHECKPOINT_SHARE}, split among its stages; copied when taken or restored)")
-    plan.kv = kv_plan(blocks, ranges, rule, tried)
-    plan.kv.checkpoints, plan.kv.checkpoint_rule, plan.kv.host_checkpoints = checkpoints, c_rule, host
-    if any(state):
-        from moeray.planner.report import checkpoint_line, state_line
-
-        plan.notes.append(state_line(state_bytes_by_layer(cfg, 1), ranges, engine.max_seqs))
-        if engine.prefix_reuse:
-            plan.notes.append(checkpoint_line(state_bytes_by_layer(cfg, 1), ranges, checkpoints,
-                                              sum(kv_bytes_by_layer(cfg, 1, itemsize)), c_rule, c_tried))
-    return plan, ranges, speed_lines + plan.lines(verbose=opts.verbose_plan), plan.kv
-
-
-def host_checkpoints(reports: list[ProbeReport], ranges, state_per_layer: list[int], wanted: int) -> int:
-    """State checkpoints every stage can keep in its node's host memory, beyond those its device
-    holds (`moeray serve --local` does the same: local_kv_plan): each node's room
-    (ProbeReport.host_checkpoint_bytes) split evenly among the stages on it, one count for all."""
-    from collections import Counter
-
-    from moeray.planner.kv import host_checkpoints_for
-
-    if wanted < 1:
-        return 0
-    nodes = [r.device.node_ip or r.device.hostname for r in reports]
-    on_node = Counter(nodes)
-    rooms = [r.host_checkpoint_bytes // on_node[n] for r, n in zip(reports, nodes)]
-    return host_checkpoints_for(rooms, [sum(state_per_layer[a:b]) for a, b in ranges], wanted)
-
-
-def shared_host_speeds(reports: list[ProbeReport]) -> tuple[list[tuple[float, float]], list[str]]:
-    """(layer_ms, miss_ms) per stage for the planner, and a line for each adjustment.
-
-    Simulated devices on one node are the same CPU cores: their timings differ only by noise
-    (another stage loading, another process), and a planner that believes a 3x gap gives one card
-    a single layer and wastes its room. They are planned with the median of their measurements.
-    """
-    import statistics
-
-    speeds = [(r.layer_ms, r.miss_ms) for r in reports]
-    lines = []
-    by_node: dict[str, list[int]] = {}
-    for i, r in enumerate(reports):
-        if r.device.kind == "simulated" and r.device.node_ip:  # an unknown node is not known to be shared
-            by_node.setdefault(r.device.node_ip, []).append(i)
-    for node, idx in by_node.items():
-        if len(idx) < 2:
-            continue
-        layer_ms = statistics.median(reports[i].layer_ms for i in idx)
-        miss_ms = statistics.median(reports[i].miss_ms for i in idx)
-        for i in idx:
-            speeds[i] = (layer_ms, miss_ms)
-        lines.append(f"simulated devices {', '.join(str(reports[i].stage) for i in idx)} share the CPU of {node}: "
-                     f"planned with the median of their timings, {layer_ms:.3f} ms per layer, "
-                     f"{miss_ms:.3f} ms per missed expert")
-    return speeds, lines
-
-
 def launch(path: str, opts: LaunchOptions = LaunchOptions(), engine: EngineConfig = EngineConfig(),
            log=print) -> Launched:
     """Probe -> plan -> load -> wire, with KV pools of the plan's block count; `Launched.engine` is
     `engine` with max_len (the context) and kv_blocks resolved: build the Engine with it.
     `log` gets every line a user should see at startup."""
-    from moeray.stages.gguf.reader import read_gguf_header
-
     header = read_gguf_header(path)
     if opts.draft:
-        from moeray.stages.runtime.draft_model import check_draft
-
         check_draft(opts.draft, header.config)
     ensure_ray(opts.address)
     lines: list[str] = []
@@ -796,8 +538,6 @@ def launch(path: str, opts: LaunchOptions = LaunchOptions(), engine: EngineConfi
     def say(line: str) -> None:
         lines.append(line)
         log(line)
-
-    from moeray.stages.runtime.default_profile import resolve_profile
 
     opts = replace(opts, profile=resolve_profile(opts.profile, path, say))
     group = StageGroup(opts.n_stages, opts.simulate, opts.strategy, opts.torch_threads, opts.timeout_s,
@@ -835,24 +575,16 @@ def bring_up(group: StageGroup, header, path: str, opts: LaunchOptions, engine: 
     trunk_on_card = ([int(s.trunk_bytes) - kv_bytes - sum(state[a:b])
                       for s, kv_bytes, (a, b) in zip(plan.stages, kv.stage_bytes, ranges)]
                      if plan is not None else [0] * len(ranges))
-    from moeray.planner.kv import itemsize_for
-
     itemsize = itemsize_for(r.device.kind for r in reports)
     if opts.draft and plan is not None:  # the first stage charges its draft model itself
-        from moeray.stages.runtime.draft_model import draft_bytes
-
         trunk_on_card[0] -= draft_bytes(opts.draft, kv.blocks, itemsize)
     group.draft, group.mtp = opts.draft, uses_mtp(header, engine)
     if group.mtp and plan is not None:  # and the last stage its next-token-prediction layer
-        from moeray.stages.runtime.mtp import mtp_bytes
-
         trunk_on_card[-1] -= mtp_bytes(header, kv.blocks, engine.max_seqs, itemsize, len(ranges) == 1)
     group.load(path, ranges, kv.blocks, lambda i, rep: say(_load_line(rep)),
                trunk_on_card, opts.profile, opts.cache_policy, engine.max_seqs, checkpoints,
                getattr(kv, "host_checkpoints", 0))
     if opts.draft:
-        from moeray.stages.runtime.draft_model import draft_bytes
-
         n = draft_bytes(opts.draft, kv.blocks, itemsize)
         say(f"draft model {os.path.basename(opts.draft)}: {n / 2**20:.1f} MiB on stage 0 (its weights and a KV pool "
             f"of {kv.blocks} blocks), priced as that stage's trunk; {group.draft_token_ms:.2f} ms a drafted token "
@@ -861,14 +593,6 @@ def bring_up(group: StageGroup, header, path: str, opts: LaunchOptions, engine: 
         group.record_routing(opts.record_routing)
         say(f"recording every stage's routing to {opts.record_routing}/stage<i>.trace")
     return reports, plan, ranges, handoff_ms, kv
-
-
-def uses_mtp(header, engine: EngineConfig) -> bool:
-    """The last stage loads the file's next-token-prediction layer: the file has one and speculation
-    may use it (--speculative auto or mtp)."""
-    from moeray.stages.runtime.mtp import mtp_layers
-
-    return engine.speculative in ("auto", "mtp") and mtp_layers(header) > 0
 
 
 def _probe_line(r: ProbeReport) -> str:
@@ -926,8 +650,8 @@ class RayPipeline:
     def submit(self, batch: StepBatch) -> list:
         return [a.step.remote(batch.for_stage(i, self.n_stages)) for i, a in enumerate(self.group.actors)]
 
-    def result(self, handle: list, timeout_s: float) -> list[int | None]:
-        import ray
+    def result(self, handle: list, timeout_s: float) -> StepOutput:
+        import ray  # late: see the note after the imports
 
         # Results as they come, so a stage that died or raised is reported at once, not after the
         # stages behind it give up waiting for its activations.
@@ -962,10 +686,8 @@ class RayPipeline:
         """Among a step's per-stage errors: a dead actor first, else the earliest stage whose error
         is its own (not the 'failed upstream' the stages after it report). The other stages get a
         moment to report too: the root cause is often not the first to come back."""
-        import ray
+        import ray  # late: see the note after the imports
         from ray.exceptions import RayActorError
-
-        from moeray.stages.runtime.transport import TransportError
 
         ray.wait(handle, num_returns=len(handle), timeout=2.0)
         errors = [(i, exc) for i, ref in enumerate(handle) if (exc := error_of(ref)) is not None]

@@ -6,7 +6,7 @@ Where a token goes, in the order this file runs it:
     Engine.step():
       scheduler.admit()        waiting requests take a sequence slot and their prompt's KV blocks
       scheduler.schedule(lane) ──▶ pipeline.submit(batch)      for every idle lane
-      pipeline.result(oldest)  ──▶ scheduler.postprocess(step, tokens)
+      pipeline.result(oldest)  ──▶ scheduler.postprocess(step, out)
                                the tokens are appended, detokenised and the finish rules applied:
                                `Request.text` grows, `Request.done` turns true
 
@@ -32,7 +32,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import replace
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Protocol, Sequence
 
 from moeray.cluster.config import EngineConfig
 from moeray.cluster.remote import StageFailedError
@@ -41,8 +41,8 @@ from moeray.cluster.state_checkpoints import CheckpointLedger
 from moeray.cluster.speculation import Speculation
 from moeray.cluster.step_clock import StepClock
 from moeray.errors import MoerayError
-from moeray.stages.runtime.actor import StepBatch
-from moeray.stages.text.sampling import SamplingParams, StepOutput, StopStringStream
+from moeray.stages.runtime.step import StepBatch, StepOutput
+from moeray.stages.text.sampling import SamplingParams, StopStringStream
 
 log = logging.getLogger("moeray")
 
@@ -65,7 +65,7 @@ class Pipeline(Protocol):
 
     def submit(self, batch: StepBatch) -> Any: ...
 
-    def result(self, handle: Any, timeout_s: float) -> list[Optional[int]] | StepOutput: ...
+    def result(self, handle: Any, timeout_s: float) -> StepOutput: ...
 
     def recover(self) -> None: ...
 
@@ -176,14 +176,14 @@ class Engine:
             return
         step, handle = self.in_flight.popleft()
         try:
-            tokens = self.pipeline.result(handle, self.config.step_timeout_s)
+            out = self.pipeline.result(handle, self.config.step_timeout_s)
         except StageFailedError as exc:
             self._fail_all(exc)
             raise
         ms = self._time(step)
         spec = self.speculation
         accepted = spec.stats.accepted_tokens if spec is not None else 0
-        self.scheduler.postprocess(step, tokens)
+        self.scheduler.postprocess(step, out)
         if spec is not None:  # the drafts' measured worth (cluster/speculation.py step_done)
             spec.step_done(sum(len(r.tokens) for r in step.rows), sum(len(r.draft) for r in step.rows),
                            spec.stats.accepted_tokens - accepted, sum(1 for r in step.rows if r.sample), ms,

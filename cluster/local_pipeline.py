@@ -5,10 +5,19 @@ here a step is computed when it is submitted, so its handle is its result.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
-from moeray.stages.runtime.actor import StepBatch
-from moeray.stages.text.sampling import StepOutput
+import numpy as np
+
+from moeray.cache.attach import load_profile
+from moeray.cluster.step_clock import expert_layers
+from moeray.stages.gguf.reader import read_gguf_header
+from moeray.stages.runtime.actor import StageActor
+from moeray.stages.runtime.device import measure_miss_ms
+from moeray.stages.runtime.draft_model import DraftModel
+from moeray.stages.runtime.mtp import MTPHead
+from moeray.stages.runtime.runner import StageRunner
+from moeray.stages.runtime.step import StepBatch, StepOutput
 
 
 class LocalPipeline:
@@ -21,7 +30,7 @@ class LocalPipeline:
     verifies = True  # its stage accepts drafted tokens (StepBatch.drafts): speculative decoding
 
     def __init__(self, stage, kv_blocks: int | None = None, state_slots: int = 0, state_checkpoints: int = 0):
-        self.stage = stage  # a StageActor or a StageRunner: step(StepBatch) -> tokens
+        self.stage = stage  # a StageActor or a StageRunner: step(StepBatch) -> StepOutput
         self.kv_blocks = kv_blocks  # blocks of its KV pool: the engine's budget
         self.state_slots = state_slots  # sequence states it holds (recurrent layers), 0 for none
         self.state_checkpoints = state_checkpoints  # and checkpoint slots after them
@@ -44,9 +53,6 @@ class LocalPipeline:
         `state_checkpoints`: a hybrid model's checkpoint slots of the state on the device
         (cluster/state_checkpoints.py), `host_checkpoints` more in host memory (the engine's ledger
         holds them all)."""
-        from moeray.stages.runtime.actor import StageActor
-        from moeray.stages.gguf.reader import read_gguf_header
-
         stage = StageActor(0, 1, simulated_budget if simulated_budget is not None else 1 << 62, options=options)
         cfg = read_gguf_header(path).config
         hybrid = cfg.deltanet is not None
@@ -67,19 +73,13 @@ class LocalPipeline:
         `host_checkpoints` more in host memory;
         `draft`: a draft model's GGUF (the same vocabulary), run beside it; `mtp`: run the file's
         next-token-prediction layer."""
-        from moeray.stages.runtime.actor import StageRunner
-
         kv = model.new_kv_pool(kv_blocks, max_seqs + state_checkpoints, host_checkpoints)
         hybrid = kv.state is not None
         pipe = cls(StageRunner(model, kv), kv_blocks, max_seqs if hybrid else 0,
                    state_checkpoints + host_checkpoints if hybrid else 0)
         if draft is not None:
-            from moeray.stages.runtime.draft_model import DraftModel
-
             pipe.stage.drafter = DraftModel(draft, model.device, kv_blocks, model.config)
         if mtp:
-            from moeray.stages.runtime.mtp import MTPHead
-
             pipe.stage.mtp = MTPHead(model, kv_blocks, max_seqs)
         pipe._drafting(pipe.stage.drafter, pipe.stage.mtp)
         return pipe
@@ -93,7 +93,7 @@ class LocalPipeline:
     def submit(self, batch: StepBatch) -> Any:
         return self.stage.step(batch)  # done when it returns: the handle is the result
 
-    def result(self, handle: Any, timeout_s: float) -> list[Optional[int]] | StepOutput:
+    def result(self, handle: Any, timeout_s: float) -> StepOutput:
         return handle
 
     def recover(self) -> None:
@@ -104,12 +104,6 @@ def local_step_experts(gguf, profile: str | None) -> tuple:
     """The expert part of a one-process step's price: each MoE layer's heat from the routing
     profile (uniform without one) and one measured miss time for every expert (in one process
     every expert is read from host memory, resident or not)."""
-    import numpy as np
-
-    from moeray.cache.attach import load_profile
-    from moeray.cluster.step_clock import expert_layers
-    from moeray.stages.runtime.device import measure_miss_ms
-
     cfg = gguf.config
     if not cfg.is_moe:
         return ()

@@ -34,7 +34,7 @@ class LocalServer:
                                 access_log=False, lifespan="off")
         self.server = uvicorn.Server(config)
         # Off the main thread uvicorn installs no signal handlers: `moeray serve` keeps its own
-        # (SIGTERM / SIGINT -> an orderly shutdown, serve_cmd.stop_on_signals).
+        # (SIGTERM / SIGINT -> an orderly shutdown, cluster/commands/serve.py stop_on_signals).
         self.thread = threading.Thread(target=self.server.run, name="moeray-http", daemon=True)
         self.thread.start()
         deadline = time.monotonic() + ready_timeout_s

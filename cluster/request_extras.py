@@ -2,7 +2,7 @@
 chat template's variables.
 
 The server (cluster/serve_app.py) turns these request fields into SamplingParams (`logprobs`,
-`grammar`: both act on the last stage, stages/runtime/actor.py StageRunner.sample) and the engine's
+`grammar`: both act on the last stage, stages/runtime/runner.py StageRunner.sample) and the engine's
 TokenLogprobs back into OpenAI's response shapes. Tools, their forced calls and the reply's
 reading are the model's chat format's (stages/text/chat/). Every field either does what it asks or
 is a 400 naming it.

@@ -33,9 +33,9 @@ from moeray.cluster.kv_blocks import BlockManager
 from moeray.cluster.state_checkpoints import CheckpointLedger
 from moeray.cluster.speculation import SeqSpec, Speculation
 from moeray.errors import MoerayError
-from moeray.stages.runtime.actor import StepBatch
 from moeray.stages.blocks.kv_cache import BLOCK_SIZE, blocks_for
-from moeray.stages.text.sampling import SamplingParams, StepOutput, StopStringStream, TokenLogprob
+from moeray.stages.runtime.step import StepBatch, StepOutput
+from moeray.stages.text.sampling import SamplingParams, StopStringStream, TokenLogprob
 
 
 class RequestStatus(Enum):
@@ -425,7 +425,7 @@ class Scheduler:
             req.rolling = slot
         after.append((req.slot, slot))
 
-    def postprocess(self, step: ScheduledStep, tokens: Sequence[Optional[int]] | StepOutput) -> None:
+    def postprocess(self, step: ScheduledStep, result: StepOutput) -> None:
         """Hand each row its sampled token (and its log-probabilities) and apply the finish rules.
         A verify row (a draft after its last token) gets the accepted drafts and one more token:
         they are appended one by one under the same rules, so a sequence ends exactly where a plain
@@ -433,7 +433,6 @@ class Scheduler:
         KV of every position past its last kept token goes back (its blocks returned to the pool)."""
         self.stats.steps += 1
         now = time.perf_counter()
-        result = StepOutput.of(tokens)
         logprobs = result.logprobs or [None] * len(result.tokens)
         proposals = result.proposals or [None] * len(result.tokens)
         for row, tok, lp, proposal in zip(step.rows, result.tokens, logprobs, proposals):

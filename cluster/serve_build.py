@@ -33,7 +33,7 @@ NOT_APP_OPTIONS = {
 
 
 def _parser() -> argparse.ArgumentParser:
-    from moeray.cluster.serve_cmd import add_arguments
+    from moeray.cluster.commands.serve import add_arguments
 
     p = argparse.ArgumentParser(prog="moeray.cluster.serve_build:build", exit_on_error=False)
     add_arguments(p)
@@ -72,7 +72,7 @@ def options(args: dict[str, Any]):
     """ServeOptions from the builder's args, through `moeray serve`'s parser and checks."""
     import ray
 
-    from moeray.cluster.serve_cmd import options_from_args
+    from moeray.cluster.commands.serve import options_from_args
 
     if not ray.is_initialized():
         # `serve run IMPORT_PATH` calls the builder before it joins Ray, but the options depend on

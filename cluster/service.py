@@ -117,7 +117,7 @@ class Service:
             if ggml_available():
                 ggml_threads()  # fixed now, before torch's first op (threads.set_threads says why)
             profile = resolve_profile(opts.launch.profile, self.path)
-            from moeray.cluster.driver import local_kv_plan, uses_mtp
+            from moeray.cluster.placement import local_kv_plan, uses_mtp
 
             from moeray.stages.runtime.model import stage_trunk_bytes
 
@@ -138,7 +138,7 @@ class Service:
             self.lines.append(_experts_line(header.config, self.local.load_report))
             self.lines.append(kv.line())
             if kv.checkpoint_rule:
-                from moeray.cluster.driver import state_bytes_by_layer
+                from moeray.cluster.placement import state_bytes_by_layer
                 from moeray.planner.report import checkpoint_line
 
                 self.lines.append(checkpoint_line(state_bytes_by_layer(header.config, 1), [(0, header.config.n_layers)],

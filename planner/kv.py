@@ -106,7 +106,7 @@ def local_plan(model_context: int, max_len: int | None, kv_blocks: int | None, k
     --kv-blocks / --kv-fraction, else one sequence at the full context, or, where that would take
     over half of `free_bytes` (Qwen3-30B-A3B: 40,960 tokens, 7.5 GiB of float32 KV), one sequence
     of what half of it holds, unless --max-len asked for a length. `free_bytes`: the device less
-    the trunk and the sequences' states (cluster/driver.py local_kv_plan)."""
+    the trunk and the sequences' states (cluster/placement.py local_kv_plan)."""
     context = context_tokens(model_context, max_len)
     n, rule = fixed_blocks(kv_blocks, kv_fraction, free_bytes, block_bytes_all_layers)
     if n is None:

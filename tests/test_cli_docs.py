@@ -1,12 +1,12 @@
-"""docs/cli.md is the argparse parsers' own text (cluster/cli_docs.py writes it), and the docs name
-only flags the commands have."""
+"""docs/cli.md is the argparse parsers' own text (cluster/commands/cli_docs.py writes it), and the
+docs name only flags the commands have."""
 from __future__ import annotations
 
 import difflib
 import re
 from pathlib import Path
 
-from moeray.cluster import cli_docs
+from moeray.cluster.commands import cli_docs
 
 ROOT = Path(__file__).resolve().parents[1]
 

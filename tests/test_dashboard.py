@@ -213,7 +213,8 @@ def test_the_ray_dashboard_names_each_stage_actor(dashboard_server):
 
 def test_a_stage_repr_carries_its_layers_and_live_hit_rate(default_model_path):
     """In process (what a log line or ray.get(actor.describe.remote()) shows after loading)."""
-    from moeray.stages.runtime.actor import StageActor, StepBatch
+    from moeray.stages.runtime.actor import StageActor
+    from moeray.stages.runtime.step import StepBatch
 
     stage = StageActor(0, 1, simulated_budget=150 << 20, torch_threads=1)
     assert repr(stage).startswith("StageActor(stage=0/1, device=simulated device 0")

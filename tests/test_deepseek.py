@@ -18,7 +18,7 @@ def ds_file(tmp_path_factory):
 
 
 def test_the_header_reads_as_deepseek3_and_prices_the_latent_kv(ds_file):
-    from moeray.cluster.driver import held_spec
+    from moeray.cluster.placement import held_spec
     from moeray.stages.blocks.kv_cache import kv_bytes_by_layer
 
     h = read_gguf_header(ds_file)

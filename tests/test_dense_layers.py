@@ -41,7 +41,7 @@ def test_config_and_tensors_say_which_layers_are_dense(mixed):
 
 def test_plan_has_no_pairs_and_no_slots_in_the_dense_layer(mixed, capsys):
     from moeray.cluster.cli import main
-    from moeray.cluster.plan_cmd import spec_from_gguf
+    from moeray.cluster.commands.plan import spec_from_gguf
 
     spec = spec_from_gguf(str(mixed))
     assert spec.moe_layers == [1, 2, 3] and spec.expert_bytes[0] == 0

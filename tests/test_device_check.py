@@ -123,7 +123,7 @@ def test_dequant_matmul_in_row_blocks_equals_the_whole(qtype):
 
 
 def test_gpu_share_packs_stages_onto_cards():
-    from moeray.cluster.driver import gpu_share
+    from moeray.cluster.placement import gpu_share
 
     assert gpu_share(2, 2) == 1.0 and gpu_share(1, 1) == 1.0  # a card each while they last
     assert gpu_share(2, 1) == 0.5 and gpu_share(4, 2) == 0.5 and gpu_share(8, 3) == 0.3333

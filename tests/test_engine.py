@@ -14,6 +14,7 @@ from moeray.cluster.generator import Generator
 from moeray.cluster.remote import StageFailedError
 from moeray.cluster.scheduler import RequestStatus
 from moeray.errors import MoerayError
+from moeray.stages.runtime.step import StepOutput
 from moeray.stages.text.sampling import SamplingParams
 from fakes import CharTokenizer
 
@@ -54,7 +55,7 @@ class ScriptedPipeline:
             script, pos = self.slot_script[slot]
             out.append(ord(script[pos]) if pos < len(script) else 0)
             self.slot_script[slot] = (script, pos + 1)
-        return out
+        return StepOutput(out)
 
     def recover(self):
         self.recovered += 1
@@ -282,7 +283,7 @@ def test_the_engine_thread_forwards_the_engines_text_and_frees_what_the_client_d
 def test_serve_local_runs_one_micro_batch_unless_told_otherwise():
     """One stage has no other stage to overlap: `--local` steps every running sequence as one batch."""
     from moeray.cluster.cli import build_parser
-    from moeray.cluster.serve_cmd import options_from_args
+    from moeray.cluster.commands.serve import options_from_args
 
     def engine_of(*flags):
         argv = ["serve", *flags]

@@ -18,7 +18,7 @@ def glm_file(tmp_path_factory):
 
 
 def test_the_mtp_layer_is_in_the_file_but_not_loaded_nor_priced(glm_file, caplog):
-    from moeray.cluster.plan_cmd import spec_from_gguf
+    from moeray.cluster.commands.plan import spec_from_gguf
 
     with caplog.at_level(logging.INFO, logger="moeray.arch"):
         h = read_gguf_header(glm_file)

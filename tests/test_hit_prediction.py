@@ -36,7 +36,7 @@ NEW_TOKENS = 16
 @pytest.fixture(scope="module")
 def setup(default_model_path, tmp_path_factory):
     from moeray.cache.attach import routing_trace
-    from moeray.cluster.driver import held_spec
+    from moeray.cluster.placement import held_spec
     from moeray.stages.blocks.kv_cache import kv_layer_bytes
     from moeray.stages.blocks.kv_cache import blocks_for
     from moeray.stages.runtime.default_profile import _OneExpertPerLayer, default_profile_for, greedy

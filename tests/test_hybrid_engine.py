@@ -15,7 +15,7 @@ import torch
 from moeray.cluster.config import EngineConfig
 from moeray.cluster.engine import Engine
 from moeray.cluster.local_pipeline import LocalPipeline
-from moeray.stages.runtime.actor import StageRunner
+from moeray.stages.runtime.runner import StageRunner
 from moeray.stages.gguf.writer import write_gguf
 from moeray.stages.blocks.kv_cache import blocks_for
 from moeray.stages.runtime.model import StageModel

@@ -157,7 +157,7 @@ def test_iq3_experts_load_price_and_run(tmp_path, qtype):
     import numpy as np
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QT
 
-    from moeray.cluster.driver import held_spec
+    from moeray.cluster.placement import held_spec
     from moeray.stages.gguf.reader import read_gguf_header
     from quant_blocks import with_random_experts
     from tiny_hybrid import tiny_qwen3next

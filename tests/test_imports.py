@@ -1,7 +1,9 @@
 """The house: imports run one way (cluster -> stages -> cache -> planner -> moeray's own base
 modules), stages/ is rooms that import only rooms below them (DESIGN.md), the planner loads neither
 torch nor Ray and reads no environment (it is the brain, testable and benchmarkable in
-milliseconds), and no module of the package but moeray/environment.py touches os.environ.
+milliseconds), the step's contract (stages/runtime/step.py) loads neither, placement
+(cluster/placement.py) and the one-process pipeline load no Ray, and no module of the package but
+moeray/environment.py touches os.environ.
 
 The rule for the environment: the package (moeray/, stages/, cache/, planner/, cluster/) reads
 and sets variables only through moeray/environment.py, which lists every one. tests/ and bench/
@@ -76,13 +78,33 @@ def test_the_planner_loads_neither_torch_nor_ray():
     code = ("import sys, importlib, pkgutil, moeray.planner as p\n"
             "for m in pkgutil.iter_modules(p.__path__):\n"
             "    importlib.import_module('moeray.planner.' + m.name)\n"
-            "import moeray.cluster.plan_cmd\n"
+            "import moeray.cluster.commands.plan\n"
             "import moeray.stages.arch as arch, moeray.stages.gguf.reader\n"
             "assert len(arch.supported()) >= 3  # every architecture module imported\n"
             "bad = [m for m in ('torch', 'ray') if m in sys.modules]\n"
             "assert not bad, bad\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
+
+
+def _loads_none_of(modules: tuple[str, ...], imports: str) -> None:
+    code = (f"import sys\n{imports}\n"
+            f"bad = [m for m in {modules!r} if m in sys.modules]\n"
+            "assert not bad, bad\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
+def test_the_step_contract_loads_neither_torch_nor_ray():
+    """StepBatch, StepOutput and the stage reports (stages/runtime/step.py) are plain dataclasses
+    the engine, the scheduler and the driver read."""
+    _loads_none_of(("torch", "ray"), "import moeray.stages.runtime.step")
+
+
+def test_placement_and_the_one_process_pipeline_load_no_ray():
+    """cluster/placement.py is the arithmetic the driver wires Ray around, and a one-process
+    pipeline (cluster/local_pipeline.py: StageActor, StageRunner) runs without Ray."""
+    _loads_none_of(("ray",), "import moeray.cluster.placement, moeray.cluster.local_pipeline")
 
 
 # stages/ in rooms, each importing only the rooms below it (DESIGN.md, "Layout"): arch and gguf at

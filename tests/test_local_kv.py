@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 from moeray.cluster.config import EngineConfig
-from moeray.cluster.driver import local_kv_plan
+from moeray.cluster.placement import local_kv_plan
 from moeray.stages.blocks.kv_cache import kv_bytes_by_layer
 from moeray.stages.gguf.reader import read_gguf_header
 from moeray.stages.blocks.kv_cache import BLOCK_SIZE
@@ -43,7 +43,7 @@ def test_a_hybrid_models_checkpoints_take_what_the_kv_leaves_then_host_memory(tm
     # Qwen3.6 on serve --local's 4 GiB device: its experts cannot all be cached there (they stay in
     # host memory), yet the checkpoints got a quarter of what the KV left: 1, and 4 clients cycling
     # 8 prompts prefilled every prompt whole (3.4 tok/s against llama-server's 5.1).
-    from moeray.cluster.driver import state_bytes_by_layer
+    from moeray.cluster.placement import state_bytes_by_layer
     from moeray.stages.gguf.writer import write_gguf
     from tiny_hybrid import tiny_qwen3next
 

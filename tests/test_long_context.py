@@ -9,7 +9,8 @@ import random
 import pytest
 import torch
 
-from moeray.stages.runtime.actor import StageRunner, StepBatch
+from moeray.stages.runtime.runner import StageRunner
+from moeray.stages.runtime.step import StepBatch
 from moeray.stages.blocks.kv_cache import blocks_for
 
 N_PROMPT, CHUNK, N_DECODE = 6000, 512, 3

@@ -59,7 +59,7 @@ def test_the_default_model_on_the_default_cards_serves_its_whole_context(default
     """The default simulated cards hold one 8,192-token sequence of float32 KV (what 16 x 512
     reserved before) and the planner says so; a bigger KV budget is refused with the fix named."""
     from moeray.cluster.config import DEFAULT_SIMULATED, EngineConfig, LaunchOptions
-    from moeray.cluster.driver import plan_from_reports
+    from moeray.cluster.placement import plan_from_reports
     from moeray.stages.gguf.reader import read_gguf_header
     from moeray.units import parse_sizes
     from test_ray_units import _reports

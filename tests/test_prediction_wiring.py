@@ -9,7 +9,7 @@ import math
 import pytest
 
 from moeray.cluster.config import LaunchOptions
-from moeray.stages.runtime.actor import StageStats
+from moeray.stages.runtime.step import StageStats
 
 
 def test_stages_learn_by_default():

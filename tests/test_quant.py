@@ -117,7 +117,7 @@ def moe_256(tmp_path_factory):
 @needs_ggml
 @pytest.mark.parametrize("qtype", CODEBOOK_TYPES, ids=lambda t: t.name)
 def test_model_with_codebook_experts_is_priced_at_its_bytes_and_runs_on_every_route(moe_256, tmp_path, qtype):
-    from moeray.cluster.driver import held_spec
+    from moeray.cluster.placement import held_spec
     from moeray.stages.gguf.reader import read_gguf_header
     from moeray.stages.runtime.model import load_model
 

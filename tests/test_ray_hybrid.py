@@ -11,7 +11,8 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from moeray.cluster.config import EngineConfig, LaunchOptions  # noqa: E402
-from moeray.cluster.driver import launch, state_bytes_by_layer  # noqa: E402
+from moeray.cluster.driver import launch  # noqa: E402
+from moeray.cluster.placement import state_bytes_by_layer  # noqa: E402
 from moeray.cluster.engine import Engine  # noqa: E402
 from moeray.stages.text.sampling import SamplingParams  # noqa: E402
 
@@ -114,9 +115,9 @@ def test_checkpoints_the_cards_have_no_room_for_live_in_host_memory(launched):
     tokens after rejections."""
     from dataclasses import replace
 
-    from moeray.cluster.driver import plan_from_reports
+    from moeray.cluster.placement import plan_from_reports
     from moeray.stages.gguf.reader import read_gguf_header
-    from moeray.stages.runtime.actor import ProbeReport
+    from moeray.stages.runtime.step import ProbeReport
     from moeray.stages.runtime.device import simulated_device
 
     header = read_gguf_header(launched.path)

@@ -93,7 +93,7 @@ def test_speed_probe_times_the_real_layer(smollm2_path, default_model_path):
 
 
 def _reports(budgets, layer_ms=(1.0, 1.0), miss_ms=0.5):
-    from moeray.stages.runtime.actor import ProbeReport
+    from moeray.stages.runtime.step import ProbeReport
     from moeray.stages.runtime.device import simulated_device
 
     return [ProbeReport(i, 0, simulated_device(b, i), layer_ms[i % len(layer_ms)], miss_ms, 0.0, [0])
@@ -102,7 +102,7 @@ def _reports(budgets, layer_ms=(1.0, 1.0), miss_ms=0.5):
 
 def test_plan_prices_what_a_stage_holds_from_the_reported_budgets(default_model_path):
     from moeray.cluster.config import EngineConfig, LaunchOptions
-    from moeray.cluster.driver import held_spec, plan_from_reports
+    from moeray.cluster.placement import held_spec, plan_from_reports
     from moeray.stages.blocks.kv_cache import kv_layer_bytes
     from moeray.errors import PlacementError
 
@@ -156,7 +156,7 @@ def test_simulated_cards_on_one_node_are_planned_at_one_speed():
     # that believed it gave one card a single layer and left its room unused. A real card keeps its own.
     from dataclasses import replace
 
-    from moeray.cluster.driver import shared_host_speeds
+    from moeray.cluster.placement import shared_host_speeds
 
     reports = _reports([100 * MiB] * 4, layer_ms=(3.8, 1.4, 2.0, 1.5))
     for r in reports:
@@ -195,7 +195,7 @@ def test_checkpoints_the_devices_cannot_hold_go_to_each_nodes_host_memory():
     # for all of them (a checkpoint slot names the same sequence on every stage).
     from dataclasses import replace
 
-    from moeray.cluster.driver import host_checkpoints
+    from moeray.cluster.placement import host_checkpoints
 
     reports = _reports([100 * MiB] * 3)
     ips = ["10.0.0.1", "10.0.0.1", "10.0.0.2"]

@@ -207,7 +207,7 @@ def test_ray_up_the_onprem_file_then_moeray_serve_answers_then_ray_down(node, tm
                               env=env, cwd=checkout)
     assert down.returncode == 0, down.stdout[-2000:] + down.stderr[-2000:]
     # Nothing of the cluster is left: Ray's GCS port of the file (6379) is free again.
-    from moeray.cluster.serve_cmd import _port_problem
+    from moeray.cluster.commands.serve import _port_problem
 
     deadline = time.monotonic() + 30
     while _port_problem("", 6379) and time.monotonic() < deadline:

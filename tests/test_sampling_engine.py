@@ -13,7 +13,7 @@ import torch
 from moeray.cluster.config import EngineConfig
 from moeray.cluster.engine import Engine
 from moeray.cluster.local_pipeline import LocalPipeline
-from moeray.stages.runtime.actor import StepBatch
+from moeray.stages.runtime.step import StepBatch
 from moeray.stages.text import sampling
 from moeray.stages.text.sampling import SamplingParams
 from test_gguf_file import tiny_config, write_synthetic_gguf

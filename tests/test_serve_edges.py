@@ -27,7 +27,7 @@ pytest.importorskip("ray")
 from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from moeray.cluster.serve_cmd import _port_problem  # noqa: E402
+from moeray.cluster.commands.serve import _port_problem  # noqa: E402
 from moeray.stages.runtime.transport import free_port  # noqa: E402
 
 MODEL = "edge"

@@ -168,7 +168,7 @@ def test_profile_make_ranks_pairs_by_count(tmp_path, capsys):
 
 
 def test_profile_make_from_several_traces_and_a_killed_one(tmp_path):
-    from moeray.cluster.profile_cmd import profile_from_traces
+    from moeray.cluster.commands.profile import profile_from_traces
 
     a, b = tmp_path / "a.msgpack", tmp_path / "b.msgpack"
     with TraceWriter(a, n_layers=1, n_experts=4, k=1) as w:

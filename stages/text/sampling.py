@@ -360,22 +360,6 @@ def token_logprobs(logits: torch.Tensor, token: int, n_top: int) -> TokenLogprob
     return TokenLogprob(token, float(logp[token]), pairs)
 
 
-@dataclass
-class StepOutput:
-    """What the last stage returns for one micro-batch: a token per row (None: the row was a prompt
-    chunk with more to come; a list for a verify row: its accepted drafts and one more token) and,
-    where its params asked, that token's log-probabilities (a list of them for a verify row)."""
-    tokens: list[int | list[int] | None]
-    logprobs: list[TokenLogprob | list[TokenLogprob] | None] | None = None
-    # a next-token-prediction layer's tokens for the row's next step (stages/runtime/mtp.py), per row
-    proposals: list[list[int] | None] | None = None
-
-    @classmethod
-    def of(cls, result) -> "StepOutput":
-        """A pipeline may return a bare token list (no row asked for log-probabilities)."""
-        return result if isinstance(result, StepOutput) else cls(list(result))
-
-
 class WindowDecoder:
     """`tokenizer.decode(ids)` of a growing list of ids at a cost that does not grow with it.
 

@@ -16,7 +16,7 @@ import time
 from moeray.cluster.config import (add_chat_format_argument, add_engine_arguments, add_launch_arguments,
                                    engine_config_from_args,
                                    launch_options_from_args, simulated_devices)
-from moeray.cluster.generate_cmd import add_sampling_arguments, check_logit_bias, sampling_params_from_args
+from moeray.cluster.commands.generate import add_sampling_arguments, check_logit_bias, sampling_params_from_args
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

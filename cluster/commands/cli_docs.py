@@ -1,6 +1,6 @@
 """docs/cli.md, written from the `moeray` command's own argparse parsers, so the reference cannot
-drift from the flags: `python -m moeray.cluster.cli_docs > docs/cli.md` (tests/test_cli_docs.py
-fails when the file differs from what this prints)."""
+drift from the flags: `python -m moeray.cluster.commands.cli_docs > docs/cli.md`
+(tests/test_cli_docs.py fails when the file differs from what this prints)."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +9,7 @@ import sys
 
 from moeray.cluster.cli import SUBCOMMANDS
 
-REGENERATE = "python -m moeray.cluster.cli_docs > docs/cli.md"
+REGENERATE = "python -m moeray.cluster.commands.cli_docs > docs/cli.md"
 WIDTH = 100  # usage lines wrap here whatever the terminal (argparse reads $COLUMNS otherwise)
 
 
