@@ -129,6 +129,48 @@ class LaunchOptions:
 
 
 @dataclass
+class RequestLimits:
+    """The most one request may ask of the server: beyond a bound it is a 4xx naming the field
+    (413 for the body), checked before anything is rendered, tokenised or compiled, on every route
+    that generates (cluster/edge.py). The bounds are well above what real clients send (OpenAI
+    itself takes 4 stop strings, 128 tools, schemas of 5,000 properties nested 10 deep)."""
+    max_body_bytes: int = 16 << 20  # a request's body; a 15 MiB prompt still gets its own answer
+    max_json_depth: int = 64  # arrays and objects nested in the body
+    max_messages: int = 4096  # messages (or input items) of one conversation
+    max_stop: int = 16  # stop strings
+    max_stop_chars: int = 1024  # characters of one stop string
+    max_logit_bias: int = 1024  # logit_bias entries
+    max_tools: int = 128  # tools (functions) offered
+    max_schema_depth: int = 32  # objects and arrays nested in one JSON schema (a tool's, response_format's)
+    max_schema_nodes: int = 20_000  # values in one JSON schema (5,000 properties take ~10,000)
+    # A grammar compiled longer than this is a 400 (off the event loop, on a worker thread).
+    grammar_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_json_depth", "max_messages", "max_stop", "max_stop_chars",
+                     "max_logit_bias", "max_tools", "max_schema_depth", "max_schema_nodes"):
+            if getattr(self, name) < 1:
+                raise MoerayError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not self.grammar_timeout_s > 0:
+            raise MoerayError(f"grammar_timeout_s must be > 0, got {self.grammar_timeout_s}")
+
+
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether binding `host` keeps the server on this machine."""
+    import ipaddress
+
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+@dataclass
 class ServeOptions:
     model: Optional[str] = None  # GGUF path; None = the embedded default model
     model_name: Optional[str] = None  # the id clients send; default: the file's stem
@@ -136,6 +178,21 @@ class ServeOptions:
     launch: LaunchOptions = field(default_factory=LaunchOptions)
     engine: EngineConfig = field(default_factory=EngineConfig)
     max_waiting: int = 64  # requests queued for a slot before 429
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    # Requests the server holds beyond its running and waiting ones, each only until the door answers
+    # it (a 429, a 4xx): Serve's max_ongoing_requests is max_seqs + max_waiting + this, so a burst
+    # reaches the door (which refuses in milliseconds) instead of Serve's queue.
+    door_requests: int = 256
+    # Serve's own queue in front of the replica (max_queued_requests): beyond it Serve answers 429.
+    serve_queue: int = 64
+    # Host headers the server answers (a DNS-rebinding page names its own); None: any. `moeray
+    # serve` fills in the loopback names when it binds a loopback address.
+    allowed_hosts: Optional[tuple[str, ...]] = None
+    # GET /metrics wants the API key like /v1/* (False: open, for a scraper that has none)
+    metrics_need_key: bool = True
+    # SIGTERM: stop admitting, let running requests finish for this long, then end the rest with an
+    # error (a stream: an error event and [DONE]); Serve's graceful shutdown is given this and more.
+    drain_s: float = 30.0
     api_key: Optional[str] = None
     metrics_interval_s: float = 2.0
     # Metrics through Ray (ray.util.metrics -> Prometheus). False (`--local --no-metrics`): none, and
@@ -146,6 +203,13 @@ class ServeOptions:
     # (--local's ggml threads are launch.stage.threads; None: every core the one process may run on)
     # How chat templates are called and replies read (stages/text/chat/): None = the GGUF's own family
     chat_format: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.max_waiting < 0 or self.door_requests < 1 or self.serve_queue < 1:
+            raise MoerayError(f"need max_waiting >= 0, door_requests >= 1 and serve_queue >= 1; got {self.max_waiting}, "
+                              f"{self.door_requests} and {self.serve_queue}")
+        if self.drain_s < 0:
+            raise MoerayError(f"drain_s must be >= 0 (0: end every request at once), got {self.drain_s}")
 
 
 def resolve_model(path: str | None, rebuild: bool = False) -> str:
@@ -221,6 +285,31 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         prefix_reuse=not args.no_prefix_reuse,
                         state_checkpoints=getattr(args, "state_checkpoints", None), speculative=args.speculative,
                         max_draft=args.max_draft)
+
+
+def add_limits_arguments(p: argparse.ArgumentParser) -> None:
+    """RequestLimits as flags (docs/operations.md#bounds)."""
+    d = RequestLimits
+    g = p.add_argument_group("request bounds (beyond one: a 4xx naming the field)")
+    for name, what in (("max_body_bytes", "bytes of a request's body (413 beyond)"),
+                       ("max_json_depth", "arrays and objects nested in a request's JSON"),
+                       ("max_messages", "messages of one conversation"),
+                       ("max_stop", "stop strings of one request"),
+                       ("max_stop_chars", "characters of one stop string"),
+                       ("max_logit_bias", "logit_bias entries of one request"),
+                       ("max_tools", "tools of one request"),
+                       ("max_schema_depth", "objects and arrays nested in one JSON schema (tools, response_format)"),
+                       ("max_schema_nodes", "values in one JSON schema")):
+        g.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(d, name), metavar="N",
+                       help=f"{what} (default {getattr(d, name)})")
+    g.add_argument("--grammar-timeout", type=float, default=d.grammar_timeout_s, metavar="S",
+                   help="seconds a request's grammar (response_format, a forced tool call) may take to compile, "
+                        f"off the event loop, before it is a 400 (default {d.grammar_timeout_s:.0f})")
+
+
+def limits_from_args(args: argparse.Namespace) -> RequestLimits:
+    names = [f for f in RequestLimits.__dataclass_fields__ if f != "grammar_timeout_s"]
+    return RequestLimits(**{n: getattr(args, n) for n in names}, grammar_timeout_s=args.grammar_timeout)
 
 
 def add_launch_arguments(p: argparse.ArgumentParser) -> None:

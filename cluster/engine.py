@@ -118,6 +118,10 @@ class Engine:
         self.clock = StepClock(getattr(pipeline, "step_experts", ()) or ()) if self.speculation is not None else None
         self._t_submit: dict[int, float] = {}
         self._t_last = 0.0
+        # After a stage failure step() restarts the pipeline itself (`moeray generate`, `run`); the
+        # server's engine thread sets this False and recovers on a thread of its own
+        # (cluster/engine_loop.py), so that recovery never holds the thread that takes requests.
+        self.recovers_inline = True
 
     # ---------------------------------------------------------------- requests
 
@@ -164,16 +168,34 @@ class Engine:
 
     # ---------------------------------------------------------------- the loop
 
-    def step(self) -> None:
-        """Admit, fill every idle lane with a micro-batch, then take the oldest result."""
+    def step(self) -> bool:
+        """Admit, fill every idle lane with a micro-batch, then take the oldest result. False when
+        there was nothing to run (every running sequence waits on something else): the caller
+        should wait for news rather than call again at once."""
         self.scheduler.admit()
         busy = {s.lane for s, _ in self.in_flight}
+        submitted = False
         for lane in range(self.config.micro_batches):
             if lane not in busy and (step := self.scheduler.schedule(lane)) is not None:
                 self._t_submit[step.id] = time.perf_counter()
-                self.in_flight.append((step, self.pipeline.submit(step.batch())))
+                try:
+                    handle = self.pipeline.submit(step.batch())
+                except Exception as exc:
+                    # In one process a step runs as it is submitted: a step that raised (a MoerayError
+                    # of the stage, a bug) fails its own rows, whose KV it may have half written; their
+                    # slots and blocks go back now, never left marked busy.
+                    self._t_submit.pop(step.id, None)
+                    self.scheduler.fail_step(step, f"the step failed: {type(exc).__name__}: {exc}")
+                    log.error("a step failed on submission; its %d request(s) failed: %s: %s", len(step.rows),
+                              type(exc).__name__, exc)
+                    submitted = True
+                    if not isinstance(exc, MoerayError):
+                        raise
+                    continue
+                self.in_flight.append((step, handle))
+                submitted = True
         if not self.in_flight:
-            return
+            return submitted
         step, handle = self.in_flight.popleft()
         try:
             out = self.pipeline.result(handle, self.config.step_timeout_s)
@@ -188,6 +210,7 @@ class Engine:
             spec.step_done(sum(len(r.tokens) for r in step.rows), sum(len(r.draft) for r in step.rows),
                            spec.stats.accepted_tokens - accepted, sum(1 for r in step.rows if r.sample), ms,
                            sum(1 for r in step.rows if r.draft))
+        return True
 
     def _time(self, step: ScheduledStep) -> float:
         """The step's cost to the pipeline: from its submission, or from the result before it when
@@ -229,12 +252,18 @@ class Engine:
         self.in_flight.clear()
         self._t_submit.clear()
         self.scheduler.fail_running(str(exc))
-        self.recover()
+        if self.recovers_inline:
+            self.recover()
 
     def recover(self) -> None:
         """Let the pipeline restart what died (or re-plan), then take its KV pool: after a re-plan
         on fewer devices it may hold another number of blocks."""
         self.pipeline.recover()
+        self.recovered()
+
+    def recovered(self) -> None:
+        """After the pipeline recovered (on any thread): take its KV pool and state slots, on the
+        thread that owns the engine."""
         pool = getattr(self.pipeline, "kv_blocks", None)
         if pool is not None and pool != self.scheduler.blocks.n_blocks:
             self.scheduler.resize_kv(pool)

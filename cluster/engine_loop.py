@@ -34,6 +34,25 @@ class EngineDownError(MoerayError):
     """The engine thread stopped or the pipeline failed (HTTP 503)."""
 
 
+class ShuttingDownError(EngineDownError):
+    """The server is draining before it stops: it admits nothing new (HTTP 503)."""
+
+
+class Ticket:
+    """A request let in at the door (EngineLoop.door): counted as queued from then on, so a burst
+    is refused before anything of it is rendered or tokenised; `submit` takes it over, and
+    `release` (idempotent) lets it go when the request ends first (a 4xx, a client that left)."""
+
+    def __init__(self, loop: "EngineLoop"):
+        self.loop, self.held = loop, True
+
+    def release(self) -> None:
+        with self.loop._lock:
+            if self.held:
+                self.held = False
+                self.loop._at_door -= 1
+
+
 @dataclass
 class Delta:
     text: str  # newly released text ("" while held back: a possible stop string, a partial character)
@@ -98,6 +117,14 @@ class EngineLoop:
         self.down: Optional[str] = None
         self.retry_s = retry_s
         self.counts = {"running": 0, "waiting": 0, "free_slots": engine.n_free_slots}
+        self._at_door = 0  # requests let in at the door, not yet submitted
+        # Recovery runs on a thread of its own (the engine thread keeps taking requests and
+        # aborts); while it runs, `recovering` says what failed, and after a failed one `down` why
+        # nothing serves: /health answers 503 with either.
+        engine.recovers_inline = False
+        self.recovering: Optional[str] = None
+        self._retry_at = 0.0  # while down: when to try to recover again
+        self.draining = False  # SIGTERM: nothing new is admitted (drain)
 
     # ---------------------------------------------------------------- called from the event loop
 
@@ -114,18 +141,44 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.fatal is None
 
-    def submit(self, prompt: Sequence[int], params: SamplingParams) -> Stream:
+    def _refuse(self) -> None:
+        """Raise what a new request gets now: the engine stopped, nothing serves, or a drain."""
         if not self.alive:
             raise EngineDownError(f"the engine is not running: {self.fatal or 'stopped'}")
+        if self.draining:
+            raise ShuttingDownError("the server is shutting down and takes no new requests; retry on another replica "
+                                    "or once it is back")
         if self.down is not None:
             raise EngineDownError(self.down)
+
+    def _overload(self, extra: int) -> None:
+        """OverloadedError when `extra` more requests would leave more than max_waiting waiting for
+        a slot (under the lock)."""
+        queued = self.counts["waiting"] + self._pending + extra - self.counts["free_slots"]
+        if queued > self.max_waiting:
+            raise OverloadedError(
+                f"all {self.counts['running'] + self.counts['free_slots']} sequence slots are busy and "
+                f"{max(queued - extra, 0)} requests are already waiting (limit {self.max_waiting}); retry later")
+
+    def door(self) -> Ticket:
+        """Let a request in before anything of it is read, rendered or tokenised, or refuse it at
+        once (OverloadedError: 429; EngineDownError: 503): the queue bound the engine keeps,
+        counting the requests let in and not yet submitted."""
+        self._refuse()
         with self._lock:
-            # Requests that would have to wait for a KV slot if this one were taken too.
-            queued = self.counts["waiting"] + self._pending - self.counts["free_slots"]
-            if queued >= self.max_waiting:
-                raise OverloadedError(
-                    f"all {self.counts['running'] + self.counts['free_slots']} sequence slots are busy and "
-                    f"{max(queued, 0)} requests are already waiting (limit {self.max_waiting}); retry later")
+            self._overload(self._at_door + 1)
+            self._at_door += 1
+        return Ticket(self)
+
+    def submit(self, prompt: Sequence[int], params: SamplingParams, ticket: Optional[Ticket] = None) -> Stream:
+        """Queue a request; with the `ticket` the door gave it, the bound was checked there."""
+        self._refuse()
+        with self._lock:
+            if ticket is not None and ticket.held:  # let in at the door: counted since
+                ticket.held = False
+                self._at_door -= 1
+            else:
+                self._overload(self._at_door + 1)
             self._pending += 1
         stream = Stream(list(prompt), params, asyncio.get_running_loop())
         self._inbox.put(("add", stream))
@@ -144,13 +197,12 @@ class EngineLoop:
         try:
             while not self._stop.is_set():
                 self._drain_inbox()
-                if self.down is not None:
+                if self.recovering is not None:
+                    self._idle()  # the recovery thread posts its outcome to the inbox
+                elif self.down is not None:
                     self._while_down()
-                elif self.engine.has_work():
-                    self._step()
-                else:
-                    self._wake.wait(self.idle_wait_s)
-                    self._wake.clear()
+                elif not (self.engine.has_work() and self._step()):
+                    self._idle()  # nothing to run, or nothing to do until news comes
         except BaseException as exc:  # noqa: BLE001 - reported to every client, then 503s
             self.fatal = f"{exc.__class__.__name__}: {exc}"
             traceback.print_exc()
@@ -167,13 +219,21 @@ class EngineLoop:
                 if op == "add":
                     self._finish(s, Finished(None, reason))
 
+    def _idle(self) -> None:
+        self._wake.wait(self.idle_wait_s)
+        self._wake.clear()
+
     def _drain_inbox(self) -> None:
         while True:
             try:
                 op, s = self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if op == "add":
+            if op == "recovered":
+                self._recovered(s)
+            elif op == "end all":
+                self._end_all(s)
+            elif op == "add":
                 with self._lock:
                     self._pending -= 1
                 if s.done:
@@ -192,16 +252,46 @@ class EngineLoop:
                     self._streams.remove(s)
         self._count()
 
-    def _step(self) -> None:
+    def _step(self) -> bool:
+        progressed = True
         try:
-            self.engine.step()
+            progressed = self.engine.step()
         except StageFailedError as exc:
-            # The engine failed its running requests and restarted the stage; waiting ones go on.
+            # The engine failed its running requests; waiting ones go on once the stages are back.
             self.last_failure = str(exc)
-        except MoerayError as exc:
-            # The recovery found no way to serve (the devices left cannot hold the model).
-            self.last_failure = self.down = str(exc)
+            self._recover(str(exc))
         self._deliver()
+        self._count()
+        return progressed
+
+    def _recover(self, cause: str) -> None:
+        """Restart (or re-plan) the pipeline on a thread of its own; its outcome comes back
+        through the inbox (`_recovered`)."""
+        self.recovering = cause
+
+        def run() -> None:
+            try:
+                self.engine.pipeline.recover()
+                outcome = None
+            except BaseException as exc:  # noqa: BLE001 - any failure to recover is reported, then retried
+                outcome = exc
+            self._inbox.put(("recovered", outcome))
+            self._wake.set()
+
+        threading.Thread(target=run, name="moeray-recovery", daemon=True).start()
+
+    def _recovered(self, outcome: Optional[BaseException]) -> None:
+        """On the engine thread: the pipeline is back (the engine takes its pool), or not (`down`
+        says why, waiting requests fail with it, a retry comes every `retry_s`)."""
+        cause, self.recovering = self.recovering, None
+        if outcome is None:
+            self.engine.recovered()
+            self.down = None
+        else:
+            why = str(outcome) if isinstance(outcome, MoerayError) else \
+                f"recovery failed ({type(outcome).__name__}: {outcome}) after: {cause}"
+            self.last_failure = self.down = why
+            self._retry_at = time.monotonic() + self.retry_s
         self._count()
 
     def _while_down(self) -> None:
@@ -212,14 +302,40 @@ class EngineLoop:
             self._finish(s, Finished(None, self.down))
         self._streams.clear()
         self._count()
-        if self._stop.wait(self.retry_s):
-            return
-        try:
-            self.engine.recover()
-            self.down = None
-        except MoerayError as exc:
-            self.down = str(exc)
-        self._count()
+        if time.monotonic() >= self._retry_at:
+            self._recover(self.down)
+        else:
+            self._idle()
+
+    # ---------------------------------------------------------------- shutting down
+
+    def drain(self, timeout_s: float, reason: str = "the server is shutting down") -> int:
+        """From any thread: admit nothing new, let what runs finish for up to `timeout_s`, then end
+        the rest with `reason` (a stream gets an error event and [DONE]). Returns how many were
+        ended so. Bounded: `timeout_s` plus a few seconds at most."""
+        self.draining = True
+        deadline = time.monotonic() + timeout_s
+        while self._busy() and time.monotonic() < deadline and self.alive:
+            time.sleep(0.05)
+        if not self._busy() or not self.alive:
+            return 0
+        left = self.counts["running"] + self.counts["waiting"]
+        self._inbox.put(("end all", reason))
+        self._wake.set()
+        deadline = time.monotonic() + 5.0
+        while self._busy() and time.monotonic() < deadline and self.alive:
+            time.sleep(0.05)
+        return left
+
+    def _busy(self) -> bool:
+        return bool(self._streams or self._pending or self.counts["running"] or self.counts["waiting"])
+
+    def _end_all(self, reason: str) -> None:
+        for s in self._streams:
+            if s.req is not None and not s.req.done:
+                self.engine.abort(s.req)
+            self._finish(s, Finished(None, reason))
+        self._streams.clear()
 
     def _deliver(self) -> None:
         now = time.perf_counter()

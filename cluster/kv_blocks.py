@@ -218,6 +218,15 @@ class BlockManager:
                 else:
                     self.free.append(b)
 
+    def forget(self, blocks: list[int]) -> None:
+        """What these blocks hold is not to be trusted (a step that wrote them failed): each one no
+        sequence holds now is no longer findable by its prefix, and free."""
+        for b in blocks:
+            if self.ref[b] == 0 and b in self.cached:
+                del self.cached[b]
+                self._forget(b)
+                self.free.append(b)
+
     def forget_all(self) -> None:
         """The stages lost their KV (a restart): no block holds anything any more."""
         self.free = deque(range(self.n_blocks))

@@ -173,13 +173,29 @@ class NamedToolChoice(BaseModel):
     function: dict  # {"name": ...}
 
 
+class FunctionCallIn(BaseModel):
+    """The function of an assistant's earlier call, as a client sends it back."""
+    model_config = ConfigDict(extra="allow")
+
+    name: StrictStr
+    arguments: Union[StrictStr, dict, None] = None  # a JSON text (OpenAI's), or the object itself
+
+
+class ToolCallIn(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    id: Optional[StrictStr] = None
+    type: Literal["function"] = "function"
+    function: FunctionCallIn
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: Union[StrictStr, list[dict], None] = None
     name: Optional[StrictStr] = None
-    tool_calls: Optional[list[dict]] = None  # an assistant's earlier calls
+    tool_calls: Optional[list[ToolCallIn]] = None  # an assistant's earlier calls
     tool_call_id: Optional[StrictStr] = None  # a tool message answers this call
     reasoning_content: Optional[StrictStr] = None  # an assistant's earlier reasoning (vLLM's name)
     reasoning: Optional[StrictStr] = None  # the same, by its newer name

@@ -95,7 +95,7 @@ def _response_format_grammar(body, error) -> Optional[str]:
 
 def _check(service, grammar: str, param: str, error) -> None:
     try:
-        check_grammar(grammar, service.tokenizer)
+        check_grammar(grammar, service.tokenizer, getattr(service, "n_vocab", None))
     except GrammarError as exc:
         raise error(f"{param}: {exc}", param) from None
 

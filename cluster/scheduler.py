@@ -80,6 +80,7 @@ class Request:
     t_admit: int = -1  # admission order: the youngest is preempted first
     busy: bool = False  # in a micro-batch that is in flight
     t_arrive: float = field(default_factory=time.perf_counter)
+    t_admitted: Optional[float] = None  # when it first took a sequence slot
     t_first: Optional[float] = None
     t_done: Optional[float] = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when params.logprobs is set
@@ -248,6 +249,8 @@ class Scheduler:
             req.slot = free.pop(free.index(min(free)))
             req.status, req.fresh = RequestStatus.RUNNING, True
             req.t_admit = next(self._admissions)
+            if req.t_admitted is None:  # its queue time ends at its first admission
+                req.t_admitted = time.perf_counter()
             if req.spec is None and self.speculation is not None and self.speculation.wants(req.params):
                 req.spec = self.speculation.start(req.prompt + req.output)
             self.running.append(req)
@@ -535,6 +538,22 @@ class Scheduler:
         self.blocks.forget_all()  # a restarted stage holds no KV: no cached prefix is valid
         if self.checkpoints is not None:  # ... and no state
             self.checkpoints.forget_all()
+
+    def fail_step(self, step: ScheduledStep, message: str) -> None:
+        """A step that raised before it came back: its requests fail with `message`, their slots and
+        blocks go back, and blocks it may have half written are forgotten (no prefix finds them)."""
+        now = time.perf_counter()
+        for row in step.rows:
+            req = row.req
+            req.busy = False
+            if req not in self.running:
+                continue
+            table = list(req.table)
+            if not req.done:  # (one aborted while its step ran is done already)
+                req.status, req.error, req.t_done = RequestStatus.FAILED, message, now
+            req.kv_len = 0  # nothing it holds is to be read again
+            self._release(req)
+            self.blocks.forget(table)
 
     def _release(self, req: Request) -> None:
         if req in self.running:

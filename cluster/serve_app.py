@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import json
+import re
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Iterable, Optional
@@ -45,7 +45,8 @@ from moeray.cluster import openai_schema as oa
 from moeray.cluster import request_extras as xt
 from moeray.cluster import request_sampling as rs
 from moeray.cluster.config import ServeOptions
-from moeray.cluster.engine_loop import EngineDownError, Finished, OverloadedError
+from moeray.cluster import edge
+from moeray.cluster.engine_loop import EngineDownError, Finished, OverloadedError, ShuttingDownError
 from moeray.cluster.service import Service
 from moeray.errors import MoerayError
 from moeray.stages.text.chat import ChatFormatError, Delta
@@ -76,6 +77,10 @@ class APIError(Exception):
                         headers=headers, media_type="application/json")
 
 
+# The tags pydantic puts in an error's location for the member of a union it tried ('int', 'str',
+# 'list[int]', 'function-after[...]'): not a part of the request, so not of the param it names.
+_UNION_TAG = re.compile(r"^(int|float|str|bool|dict|list|none|json-or-python|[a-z-]+\[.*\])$")
+
 # Errors raised by openai_schema's own checks: their code is their type, their ctx names the parameter.
 _SCHEMA_ERRORS = ("unknown_parameter", "unsupported_parameter", "unsupported_value", "invalid_value")
 
@@ -86,7 +91,7 @@ def _validation_error(exc) -> APIError:
     if first.get("type") == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".rstrip(": "),
                         code="invalid_json")
-    loc = [str(p) for p in first.get("loc", []) if p != "body"]
+    loc = [str(p) for p in first.get("loc", []) if p != "body" and not _UNION_TAG.match(str(p))]
     param = ".".join(loc) or None
     msg = first.get("msg", "invalid request")
     if first.get("type") in _SCHEMA_ERRORS:
@@ -180,9 +185,22 @@ async def prepare_call(service: Service, body: oa._Request, prompt: list[int], e
                        "at once (--max-seqs) and each choice is one", param="n", code="invalid_value")
     params = rs.sampling_params(body, wanted, service.tokenizer.vocab_size, bad_request)
     if extras.grammar is not None:
-        await asyncio.to_thread(xt.check_extras, service, extras, bad_request)
+        await compile_grammar(service, extras)
     return Call(service, prompt, xt.apply(params, extras), extras, oa.new_id(id_prefix), oa.now(),
                 body.include_usage_in_stream())
+
+
+async def compile_grammar(service: Service, extras: xt.Extras) -> None:
+    """Compile (and check) the request's grammar on a worker thread, bounded in time: a schema
+    that takes longer than --grammar-timeout is a 400 naming its field. The compiled grammar is
+    kept for the stage that applies it (stages/text/grammar.py), so no step waits on a compile."""
+    timeout = service.opts.limits.grammar_timeout_s
+    try:
+        await asyncio.wait_for(asyncio.to_thread(service.prepare_grammar, extras, bad_request), timeout)
+    except asyncio.TimeoutError:
+        raise APIError(400, f"{extras.grammar_param}: the grammar did not compile within {timeout:g} s "
+                       "(--grammar-timeout); give a smaller or simpler schema", param=extras.grammar_param,
+                       code="schema_too_complex") from None
 
 
 async def text_deltas(call: Call) -> AsyncIterator[str]:
@@ -190,9 +208,11 @@ async def text_deltas(call: Call) -> AsyncIterator[str]:
     count when it ends. A consumer that stops early (a client that went away) frees the sequence."""
     service, outcome = call.service, call.out
     try:
-        stream = service.loop.submit(call.prompt, call.params)
+        stream = service.loop.submit(call.prompt, call.params, edge.take_ticket())
     except OverloadedError as exc:
         raise APIError(429, str(exc), type_="rate_limit_error", code="overloaded") from None
+    except ShuttingDownError as exc:
+        raise APIError(503, str(exc), type_="server_error", code="shutting_down") from None
     except EngineDownError as exc:
         raise APIError(503, str(exc), type_="server_error", code="engine_unavailable") from None
     # The first token waits for a slot and a prefill; later ones for a step or two.
@@ -208,7 +228,7 @@ async def text_deltas(call: Call) -> AsyncIterator[str]:
             if isinstance(item, Finished):
                 if item.error is not None:
                     raise APIError(503, f"the request failed: {item.error}", type_="server_error",
-                                   code="pipeline_failed")
+                                   code="shutting_down" if service.loop.draining else "pipeline_failed")
                 outcome.finish_reason, outcome.done = item.reason, True
                 outcome.cached_tokens = stream.req.cached_tokens if stream.req is not None else 0
                 return
@@ -220,6 +240,7 @@ async def text_deltas(call: Call) -> AsyncIterator[str]:
     finally:
         outcome.text = "".join(parts)
         service.loop.abort(stream)  # gone early (client left, error): the engine drops the sequence
+        service.request_done(stream, outcome.finish_reason if outcome.done else "abort")
 
 
 async def choice_deltas(calls: list[Call]) -> AsyncIterator[tuple[int, Optional[str]]]:
@@ -305,6 +326,11 @@ def chat_prompt(service: Service, body: oa.ChatCompletionRequest, extras: xt.Ext
     except TemplateError as exc:  # the template's own raise_exception(...): roles out of order, ...
         raise APIError(400, f"the model's chat template rejected the messages: {exc}", param="messages",
                        code="invalid_value") from None
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError, RecursionError) as exc:
+        # A template (or a format's reading of the messages) meeting a shape it did not expect: the
+        # messages' fault as far as the client can tell, and one it can fix; never a 500.
+        raise APIError(400, f"the messages could not be rendered by the model's chat template: {type(exc).__name__}: "
+                       f"{exc}", param="messages", code="invalid_value") from None
     refuse_untokenized(service, extras.turn.prompt, "messages")
     xt.force_call(service, extras, bad_request)
     return service.tokenizer.encode(extras.turn.prompt)
@@ -330,8 +356,9 @@ def refuse_untokenized(service: Service, text: str, param: str) -> None:
 
 async def chat_completions(body: oa.ChatCompletionRequest, request: Request):
     service: Service = request.app.state.service
-    extras = xt.chat_extras(service, body, bad_request)
-    prompt = await asyncio.to_thread(chat_prompt, service, body, extras)  # off the event loop
+    # off the event loop: a JSON schema's grammar is built here, a conversation rendered and tokenised
+    extras = await asyncio.to_thread(xt.chat_extras, service, body, bad_request)
+    prompt = await asyncio.to_thread(chat_prompt, service, body, extras)
     calls = (await prepare_call(service, body, prompt, extras, "chatcmpl")).choices(body.n)
     if body.stream:
         return await sse_response(calls, [ChatChunks(c) for c in calls])
@@ -355,7 +382,7 @@ def chat_choice(call: Call, text: str) -> oa.ChatChoice:
 
 async def completions(body: oa.CompletionRequest, request: Request):
     service: Service = request.app.state.service
-    extras = xt.completion_extras(service, body, bad_request)
+    extras = await asyncio.to_thread(xt.completion_extras, service, body, bad_request)
     prompt = (await asyncio.to_thread(encode_prompt, service, body.prompt, "prompt") if isinstance(body.prompt, str)
               else list(body.prompt))
     calls = (await prepare_call(service, body, prompt, extras, "cmpl")).choices(body.n)
@@ -546,13 +573,30 @@ async def models(request: Request):
 
 
 async def health(request: Request):
+    """200 while serving; 503 with the reason otherwise: the engine stopped, a drain before the
+    server stops, stages being restarted or re-planned, or a recovery that failed (what is left of
+    the cluster cannot hold the model). A load balancer sends traffic elsewhere meanwhile."""
     service: Service = request.app.state.service
-    if not service.loop.alive:
-        return APIError(503, f"the engine is not running: {service.loop.fatal}", type_="server_error",
+    loop = service.loop
+    if not loop.alive:
+        return APIError(503, f"the engine is not running: {loop.fatal}", type_="server_error",
                         code="engine_unavailable").response()
-    if service.loop.down is not None:  # what a lost node left cannot hold the model
-        return APIError(503, service.loop.down, type_="server_error", code="engine_unavailable").response()
-    return {"status": "ok", "model": service.model_name, **service.loop.counts}
+    if loop.draining:
+        return APIError(503, "the server is shutting down", type_="server_error", code="shutting_down").response()
+    if loop.recovering is not None:
+        return APIError(503, f"the stages are being restarted or re-planned after: {loop.recovering}",
+                        type_="server_error", code="recovering").response()
+    if loop.down is not None:  # a recovery failed: what a lost node left cannot hold the model, ...
+        return APIError(503, loop.down, type_="server_error", code="engine_unavailable").response()
+    return {"status": "ok", "model": service.model_name, **loop.counts}
+
+
+async def metrics(request: Request):
+    """GET /metrics: Prometheus' text format, vLLM's names where the meaning is the same, beside
+    moeray's per-stage numbers (cluster/prometheus.py)."""
+    service: Service = request.app.state.service
+    body, content_type = await asyncio.to_thread(service.prometheus.exposition)
+    return Response(content=body, media_type=content_type)
 
 
 async def live_profile(request: Request):
@@ -600,36 +644,30 @@ async def _unexpected(request: Request, exc: Exception):
                     type_="server_error", code="internal_error").response()
 
 
-async def _auth(request: Request, call_next):
-    api_key = request.app.state.service.opts.api_key
-    if api_key and request.url.path.startswith("/v1/"):
-        given = request.headers.get("authorization", "")
-        token = given[7:].strip() if given[:7].lower() == "bearer " else ""
-        if not hmac.compare_digest(token.encode(), api_key.encode()):
-            return APIError(401, "incorrect API key provided" if token else "no API key provided "
-                            "(send 'Authorization: Bearer KEY')", code="invalid_api_key").response()
-    return await call_next(request)
-
-
 def build_app(service: Service):
     from fastapi import FastAPI
 
     from moeray.cluster.dashboard import add_dashboard
 
     app = FastAPI(title="moeray", description="OpenAI-compatible endpoint over a pipeline of MoE stages")
+    # Every route's JSON body is checked against the request bounds before its model validates it,
+    # and every request passes the edge (Host, key, body size, the door, a client that leaves):
+    # cluster/edge.py. Routes added later get both.
+    app.router.route_class = edge.CheckedRoute
     app.state.service = service
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http)
     app.add_exception_handler(Exception, _unexpected)
-    app.middleware("http")(_auth)
+    app.add_middleware(edge.Edge, service=service)
+    app.get("/metrics")(metrics)
     app.post("/v1/chat/completions")(chat_completions)
     app.post("/v1/completions")(completions)
     app.get("/v1/models")(models)
     app.get("/health")(health)
     app.get("/v1/admin/profile")(live_profile)
     app.get("/v1/stages")(stages)
-    add_dashboard(app, service.opts.api_key)  # GET /dashboard: the live page of the stages (after _auth: see there)
+    add_dashboard(app, service.opts.api_key)  # GET /dashboard: the live page of the stages (after the edge: see there)
     return app
 
 
@@ -650,8 +688,18 @@ class MoerayServer:
         return build_app(self.service)
 
     def check_health(self) -> None:
+        # Only a dead engine makes Serve restart the replica (and its stages with it); recovering
+        # stages or a drain are /health's 503, not a reason to start over.
         if not self.service.loop.alive:
             raise RuntimeError(f"the engine is not running: {self.service.loop.fatal}")
+
+    async def drain(self, timeout_s: float) -> int:
+        """Before Serve stops this replica (`moeray serve` calls it on SIGTERM): admit nothing new,
+        let running requests finish for up to `timeout_s`, end the rest with an error (a stream: an
+        error event and [DONE]). Returns how many were ended so."""
+        ended = await asyncio.to_thread(self.service.loop.drain, timeout_s)
+        await asyncio.sleep(0.5)  # the streams write their last events before Serve closes them
+        return ended
 
     def __del__(self):
         try:
@@ -665,13 +713,22 @@ def deployment(opts: ServeOptions):
     CPU (the stages do the work; on a 2-core host a whole-CPU replica would starve them)."""
     from ray import serve
 
+    from ray.serve.config import BackpressureConfig
+
     cls = serve.ingress()(MoerayServer)
     dep = serve.deployment(
         # On the head node: a worker node that leaves takes only its stages, never the engine.
         cls, name="moeray", num_replicas=1, ray_actor_options={"num_cpus": 0, "resources": {HEAD_RESOURCE: 0.001}},
-        # Requests beyond the engine's waiting limit must reach it to get their 429.
-        max_ongoing_requests=opts.engine.max_seqs + opts.max_waiting + 16,
-        health_check_period_s=10, health_check_timeout_s=30, graceful_shutdown_timeout_s=5,
+        # A burst must reach the replica's door, which answers a 429 (or a 4xx) in milliseconds, not
+        # wait in Serve's queue: room for every running and waiting request and `door_requests` more
+        # being answered. Beyond that Serve queues `serve_queue`, then answers 429 itself.
+        max_ongoing_requests=opts.engine.max_seqs + opts.max_waiting + opts.door_requests,
+        max_queued_requests=opts.serve_queue,
+        backpressure_config=BackpressureConfig(status_code=429, retry_after_s=1),
+        # SIGTERM: `moeray serve` drains the replica for drain_s (MoerayServer.drain); Serve's own
+        # shutdown (serve run, serve deploy) then waits that long too before it stops the replica.
+        health_check_period_s=10, health_check_timeout_s=30, graceful_shutdown_timeout_s=opts.drain_s + 10,
+        graceful_shutdown_wait_loop_s=1,
         # A constructor that fails (no placement fits, a bad file) fails the same way again.
         max_constructor_retry_count=1)
     return dep.bind(opts)

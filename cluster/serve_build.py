@@ -82,7 +82,7 @@ def options(args: dict[str, Any]):
         ns = _parser().parse_args(argv_from(args))
     except (argparse.ArgumentError, SystemExit) as exc:
         raise MoerayError(f"serve_build: {exc}") from None
-    return options_from_args(ns)
+    return options_from_args(ns, bind_host=None)  # http_options.host binds it: no default Host check
 
 
 def build(args: dict[str, Any]):

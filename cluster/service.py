@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 from pathlib import Path
 
 from moeray.cluster import openai_schema as oa
@@ -163,9 +164,27 @@ class Service:
                                      read_spec=self.spec_report)
             except ImportError:  # no Ray: serve without metrics
                 pass
+        self.tokens_out = 0  # tokens handed to clients (vllm:generation_tokens_total)
+        from moeray.cluster.prometheus import ServedMetrics
+
+        # GET /metrics on the serving port, Ray or not (cluster/prometheus.py)
+        self.prometheus = ServedMetrics(self.model_name, lambda: self.loop.counts, self.kv_report, self.stage_stats,
+                                        self.faults_report, self.spec_report, lambda: self.tokens_out,
+                                        stage_every_s=opts.metrics_interval_s)
         self.loop = EngineLoop(self.engine, max_waiting=opts.max_waiting, on_tokens=self._on_tokens).start()
         if self.poller is not None:
             self.poller.start()
+        # The grammar engine's view of the vocabulary takes a second to build: now, beside the first
+        # requests, not inside the first one that asks for structured output.
+        threading.Thread(target=self._warm_grammar, name="moeray-grammar-warm", daemon=True).start()
+
+    def _warm_grammar(self) -> None:
+        try:
+            from moeray.stages.text.grammar import ll_tokenizer
+
+            ll_tokenizer(self.tokenizer, self.n_vocab)
+        except Exception:  # noqa: BLE001 - no llguidance: a grammar request says so itself
+            pass
 
     @property
     def context(self) -> int:
@@ -179,6 +198,7 @@ class Service:
         down = self.loop.down if hasattr(self, "loop") else None
         if self.launched is None:
             return {"stage_failures": self.engine.stats.failures, "down": down, "events": [],
+                    "recovering": self.loop.recovering if hasattr(self, "loop") else None,
                     "stages_serving": 0 if down else 1}
         down = down or self.launched.down
         recovering = self.launched.recovering
@@ -194,12 +214,49 @@ class Service:
         return say
 
     def _on_tokens(self, delivered: list[tuple[Stream, int]], now: float) -> None:
-        """One step's deliveries: the token counter once, a TTFT or an ITL per request."""
-        if self.metrics is None:
-            return
+        """One step's deliveries (on the engine thread): the token count, a TTFT or an ITL per request."""
+        n = sum(k for _, k in delivered)
+        self.tokens_out += n
         ttfts = [now - s.t_submit for s, _ in delivered if s.t_last is None]
-        itls = [(now - s.t_last) / n for s, n in delivered if s.t_last is not None]
-        self.metrics.tokens(sum(n for _, n in delivered), ttfts, itls)
+        itls = [(now - s.t_last) / k for s, k in delivered if s.t_last is not None]
+        self.prometheus.tokens(ttfts, itls)
+        if self.metrics is not None:
+            self.metrics.tokens(n, ttfts, itls)
+
+    def request_done(self, stream: Stream, reason: str) -> None:
+        """A request ended (on the event loop): its latency, queue time and token counts for /metrics."""
+        import time
+
+        req = stream.req
+        queued = None
+        if req is not None and getattr(req, "t_admitted", None) is not None:
+            queued = req.t_admitted - req.t_arrive
+        self.prometheus.done(reason, time.perf_counter() - stream.t_submit, queued, len(stream.prompt),
+                             stream.sent_tokens)
+
+    @property
+    def n_vocab(self) -> int:
+        """The logits' width the last stage masks a grammar over (the model's, which a padded
+        embedding may make wider than the tokenizer's vocabulary)."""
+        return self.header_config.vocab_size
+
+    def prepare_grammar(self, extras, error) -> None:
+        """On a worker thread: compile the request's grammar here (a bad one is `error`'s 400) and
+        where it is applied, so that no step waits on a compile: this process keeps it for --local;
+        over Ray the last stage compiles its own copy now, beside its steps."""
+        from moeray.cluster import request_extras as xt
+
+        if self.launched is not None and extras.grammar is not None and self.launched.recovering is None:
+            try:  # the last stage starts compiling its own copy now (StageActor.prepare_grammar)
+                self.launched.group.actors[-1].prepare_grammar.remote(extras.grammar)
+            except Exception:  # noqa: BLE001 - a stage restarting: its step compiles the grammar itself
+                pass
+        xt.check_extras(self, extras, error)
+
+    def drain(self, timeout_s: float) -> int:
+        """SIGTERM: stop admitting, let what runs finish for up to `timeout_s`, end the rest with
+        an error (EngineLoop.drain)."""
+        return self.loop.drain(timeout_s)
 
     def stage_stats(self, timeout_s: float = 10.0):
         """Each stage's live numbers (StageActor.stats: StageStats), with a deadline."""

@@ -23,8 +23,9 @@ import socket
 import sys
 import time
 
-from moeray.cluster.config import (ServeOptions, add_chat_format_argument, add_engine_arguments, add_launch_arguments, engine_config_from_args,
-                                   launch_options_from_args, simulated_devices)
+from moeray.cluster.config import (LOOPBACK_HOSTS, ServeOptions, add_chat_format_argument, add_engine_arguments,
+                                   add_launch_arguments, add_limits_arguments, engine_config_from_args, is_loopback,
+                                   launch_options_from_args, limits_from_args, simulated_devices)
 from moeray import environment
 from moeray.errors import MoerayError
 
@@ -41,6 +42,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "replica, no stage actors)")
     p.add_argument("--max-waiting", type=int, default=ServeOptions.max_waiting,
                    help=f"requests queued for a slot before 429 (default {ServeOptions.max_waiting})")
+    p.add_argument("--allowed-hosts", metavar="NAMES",
+                   help="Host headers the server answers, comma-separated (a name, an address, or * for any); "
+                        "others get a 403, which stops a DNS-rebinding web page (default: "
+                        f"{','.join(LOOPBACK_HOSTS)} when --host is a loopback address, else any)")
+    p.add_argument("--drain-timeout", type=float, default=ServeOptions.drain_s, metavar="S",
+                   help="on SIGTERM or Ctrl-C: stop admitting, let running requests finish for this long, then end "
+                        f"the rest with an error event and [DONE] (default {ServeOptions.drain_s:.0f})")
+    p.add_argument("--open-metrics", action="store_true",
+                   help="GET /metrics without the API key (default: it wants the key, as /v1/* does)")
     p.add_argument("--threads", type=int, default=None,
                    help="--local: ggml's threads in the one process (default: every core it may run on; each "
                         "graph then learns whether one thread or all compute it faster; 1: one thread)")
@@ -50,6 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_chat_format_argument(p)
     add_launch_arguments(p)
     add_engine_arguments(p)
+    add_limits_arguments(p)
     p.add_argument("--metrics-export-port", type=int, default=8080,
                    help="Prometheus port of the local Ray node (when this command starts Ray); 0: a free one")
     p.add_argument("--dashboard", action="store_true",
@@ -58,8 +69,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ready-timeout", type=float, default=600.0, help="seconds to wait for the server")
 
 
-def options_from_args(args: argparse.Namespace) -> ServeOptions:
-    """ServeOptions from the command line (checked here, before the replica starts)."""
+def allowed_hosts(given: str | None, bind_host: str | None) -> tuple[str, ...] | None:
+    """The Host headers to answer: --allowed-hosts as given (* for any), else the loopback names
+    when the server binds a loopback address (nothing else can name it), else any (None)."""
+    if given is not None:
+        names = tuple(n.strip().lower() for n in given.split(",") if n.strip())
+        return None if "*" in names or not names else names
+    return LOOPBACK_HOSTS if bind_host is not None and is_loopback(bind_host) else None
+
+
+def options_from_args(args: argparse.Namespace, bind_host: str | None = "flag") -> ServeOptions:
+    """ServeOptions from the command line (checked here, before the replica starts). `bind_host`:
+    the address the HTTP server binds (default --host), which decides the default --allowed-hosts;
+    None where another program binds it (Serve's config file): no default check then."""
     from moeray.cluster.cli import CLIError
 
     if args.stages < 1:
@@ -74,9 +96,12 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
             # which reads each routed expert once per step instead of once per lane (bench/load.py,
             # 16 clients: 48.6 against 37.0 out tok/s with two lanes; the method: docs/performance.md#served).
             engine.micro_batches = 1
+    bind_host = args.host if bind_host == "flag" else bind_host
     return ServeOptions(model=args.model, model_name=args.model_name, local=args.local, launch=launch, engine=engine,
                         max_waiting=args.max_waiting, api_key=args.api_key or None,
-                        metrics=not args.no_metrics, chat_format=args.chat_format)
+                        metrics=not args.no_metrics, chat_format=args.chat_format, limits=limits_from_args(args),
+                        allowed_hosts=allowed_hosts(args.allowed_hosts, bind_host), drain_s=args.drain_timeout,
+                        metrics_need_key=not args.open_metrics)
 
 
 def check_ports(args: argparse.Namespace) -> None:
@@ -139,8 +164,11 @@ def stop_on_signals() -> None:
     signal.signal(signal.SIGINT, handler)
 
 
-def start_ray(address: str | None, metrics_port: int, dashboard: bool, dashboard_port: int = 8265) -> str | None:
-    """Start a local Ray (or join `address`); returns the Ray dashboard's URL when one runs."""
+def start_ray(address: str | None, metrics_port: int, dashboard: bool, dashboard_port: int = 8265,
+              bind_host: str = "127.0.0.1") -> str | None:
+    """Start a local Ray (or join `address`); returns the Ray dashboard's URL when one runs. A server
+    bound to a loopback address starts a Ray bound to loopback too: its metrics exporter (and every
+    port of Ray's) is then not on the network either."""
     from moeray.cluster.driver import local_ray_env, ray_init_address
 
     local_ray_env()
@@ -149,11 +177,16 @@ def start_ray(address: str | None, metrics_port: int, dashboard: bool, dashboard
     # inherit these, so they take effect from ray.init on.
     environment.set_default("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "30")
     environment.set_default("RAY_SERVE_PROXY_HEALTH_CHECK_TIMEOUT_S", "30")
+    address = ray_init_address(address)
+    if address == "local" and is_loopback(bind_host):
+        # Ray's own switch for a cluster of this machine alone (its default off Linux), read when ray
+        # is imported: the node takes the loopback address, so its metrics exporter, raylet and GCS
+        # listen there.
+        environment.set_default("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 
     if ray.is_initialized():
         return None
-    address = ray_init_address(address)
     try:
         if address != "local":
             ctx = ray.init(address=address, logging_level="WARNING")
@@ -225,11 +258,16 @@ def run(args: argparse.Namespace) -> int:
     check_ports(args)
     if args.model is not None and not os.path.isfile(args.model):  # before Ray starts: a minute saved, one line
         raise FileNotFoundError(f"{args.model}: no such file")
-    local, rc = None, 0
+    local, rc, serving = None, 0, False
     try:
         ray_dashboard = None
+        if not is_loopback(args.host) and not args.api_key:
+            print(f"moeray serve: warning: --host {args.host} serves beyond this machine with no API key: anyone who "
+                  f"reaches port {args.port} can use the model; set --api-key KEY (or MOERAY_API_KEY)",
+                  file=sys.stderr, flush=True)
         if not args.no_metrics:
-            ray_dashboard = start_ray(args.address, args.metrics_export_port, args.dashboard, args.dashboard_port)
+            ray_dashboard = start_ray(args.address, args.metrics_export_port, args.dashboard, args.dashboard_port,
+                                      args.host)
         stop_on_signals()
         opts = options_from_args(args)
         if args.local:  # the model and the HTTP server in this process (cluster/local_server.py)
@@ -245,6 +283,8 @@ def run(args: argparse.Namespace) -> int:
         for line in report["plan"]:
             print(line)
         print(f"serving {report['model']} at {url}/v1 (context {report['context']} tokens)")
+        print(f"metrics (Prometheus): {url}/metrics" + (" (with the API key)" if opts.api_key and opts.metrics_need_key
+                                                          else ""))
         if not args.address and not args.no_metrics:
             print(f"Ray metrics (Prometheus): http://127.0.0.1:{args.metrics_export_port}/metrics")
         if ray_dashboard:
@@ -254,6 +294,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"live stage page: {url}/dashboard" + ("?key=$MOERAY_API_KEY" if opts.api_key else ""))
         print(curl_example(url, report["model"], opts.api_key))
         sys.stdout.flush()
+        serving = True
         if local is not None:  # serve until SIGINT / SIGTERM, or until the one process cannot serve
             why = local.wait()
             print(f"moeray serve: {why}; exiting with status 1 so that a supervisor (systemd, Kubernetes, "
@@ -265,6 +306,8 @@ def run(args: argparse.Namespace) -> int:
     except Stop as stop:
         what = ("the HTTP server, the engine" + ("" if args.no_metrics else " and Ray")) if args.local else \
             "Serve, the stages and Ray"
+        if serving:
+            drain(local, args.drain_timeout, str(stop))
         print(f"moeray serve: {stop}: shutting down {what} ...", file=sys.stderr, flush=True)
     finally:
         if local is not None:
@@ -272,6 +315,29 @@ def run(args: argparse.Namespace) -> int:
         shutdown(serve_started=not args.local)
     print("moeray serve: stopped", file=sys.stderr)
     return rc
+
+
+def drain(local, timeout_s: float, signal_name: str) -> None:
+    """Before stopping: admit nothing new (503, /health too), let running requests finish for up to
+    `timeout_s`, then end the rest with an error (a stream: an error event and [DONE]). In this
+    process with --local; in the Serve replica otherwise (MoerayServer.drain). Bounded."""
+    print(f"moeray serve: {signal_name}: draining: no new requests; the running ones get up to {timeout_s:g} s "
+          "(--drain-timeout) ...", file=sys.stderr, flush=True)
+    try:
+        if local is not None:
+            ended = local.service.drain(timeout_s)
+            time.sleep(0.5)  # the streams write their last events
+        else:
+            from ray import serve
+
+            ended = serve.get_app_handle("moeray").drain.remote(timeout_s).result(timeout_s=timeout_s + 20)
+    except Exception as exc:  # noqa: BLE001 - a replica already gone (Ctrl-C reaches Ray's processes too)
+        print(f"moeray serve: the drain did not finish ({type(exc).__name__}); stopping anyway", file=sys.stderr,
+              flush=True)
+        return
+    if ended:
+        print(f"moeray serve: {ended} request(s) still running after {timeout_s:g} s were ended with an error",
+              file=sys.stderr, flush=True)
 
 
 def shutdown(serve_started: bool = True) -> None:

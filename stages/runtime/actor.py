@@ -374,6 +374,24 @@ class StageActor:
         if self.device.kind == "cuda":
             torch.cuda.reset_peak_memory_stats(torch.device(self.device.torch_device))
 
+    def prepare_grammar(self, grammar: str) -> None:
+        """The server saw a request with this grammar (response_format, a forced tool call): the
+        last stage, which applies it, compiles it now on a thread of its own, beside its steps, so
+        the request's first step finds it compiled (stages/text/grammar.py). Returns at once."""
+        if self.model is None or self.stage != self.n_stages - 1:
+            return
+        from moeray.stages.text.grammar import in_background, matcher
+        from moeray.stages.text.tokenizer import Tokenizer
+
+        gguf, n_vocab = self.model.gguf, self.model.config.vocab_size
+
+        def compile_it() -> None:
+            if getattr(self, "_grammar_tokenizer", None) is None:
+                self._grammar_tokenizer = Tokenizer.from_metadata(gguf.metadata, source=gguf.path)
+            matcher(self._grammar_tokenizer, grammar, n_vocab)
+
+        in_background(compile_it)
+
     def record_routing(self, path: str) -> None:
         """Append every routing decision of this stage's expert cache to the trace file `path`
         (flushed whenever stats are polled), so served traffic can be replayed offline."""

@@ -14,8 +14,10 @@ is a 400, not a failed step.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import threading
+from collections import OrderedDict
 from typing import Any, Optional
 
 from moeray.errors import MoerayError
@@ -25,7 +27,16 @@ from moeray.errors import MoerayError
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 _lock = threading.Lock()
-_ll_tokenizers: dict[tuple[int, int], Any] = {}
+_ll_tokenizers: dict[tuple, Any] = {}
+_vocab_ids: dict[int, tuple[Any, str]] = {}  # id(backend) -> (backend, a digest of its vocabulary)
+# Compiled grammars by (their llguidance tokenizer, text): a large schema takes a second to compile,
+# a copy of the compiled matcher microseconds. The server compiles a request's grammar on a worker
+# thread before it is submitted (cluster/service.py prepare_grammar), so the stage that applies it
+# finds it here and its step never waits on a compile.
+_compiled: "OrderedDict[tuple, Any]" = OrderedDict()
+_compiling: dict[tuple, threading.Event] = {}  # compiles under way: another asker waits for them
+COMPILED_KEPT = 32
+_worker = None  # the one thread `in_background` compiles on
 
 
 class GrammarError(MoerayError):
@@ -56,24 +67,68 @@ def ll_tokenizer(tokenizer, n_vocab: Optional[int] = None):
     import llguidance
 
     n_vocab = n_vocab or tokenizer.vocab_size
-    key = (id(tokenizer.backend), n_vocab)
-    with _lock:
+    backend = tokenizer.backend
+    with _lock:  # by the vocabulary's content: the server's tokenizer and a stage's share one
+        if id(backend) not in _vocab_ids or _vocab_ids[id(backend)][0] is not backend:
+            _vocab_ids[id(backend)] = (backend, hashlib.sha256(backend.to_str().encode()).hexdigest())
+        key = (_vocab_ids[id(backend)][1], n_vocab, tuple(sorted(tokenizer.end_ids)))
         if key not in _ll_tokenizers:
             eos = sorted(tokenizer.end_ids) or ([tokenizer.eos_id] if tokenizer.eos_id is not None else None)
             _ll_tokenizers[key] = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=n_vocab, eos_token=eos)
         return _ll_tokenizers[key]
 
 
-def check_grammar(grammar: str, tokenizer) -> None:
-    """Raise GrammarError naming the problem if `grammar` does not compile for this tokenizer."""
+def matcher(tokenizer, grammar: str, n_vocab: Optional[int] = None):
+    """A fresh matcher of `grammar`: a copy of the one compiled before in this process, compiled
+    now (and kept) when there is none."""
     import llguidance
 
+    ll = ll_tokenizer(tokenizer, n_vocab)
+    key = (id(ll), grammar)
+    while True:
+        with _lock:
+            m = _compiled.get(key)
+            if m is not None:
+                _compiled.move_to_end(key)
+                return m.deep_copy()
+            under_way = _compiling.get(key)
+            if under_way is None:
+                _compiling[key] = threading.Event()
+                break
+        under_way.wait()  # compiled by another thread now: take its result (or compile, if it failed)
     try:
-        failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, ll_tokenizer(tokenizer))
+        m = llguidance.LLMatcher(ll, grammar, log_level=0)
+        with _lock:
+            _compiled[key] = m
+            while len(_compiled) > COMPILED_KEPT:
+                _compiled.popitem(last=False)
+    finally:
+        with _lock:
+            _compiling.pop(key).set()
+    return m.deep_copy()
+
+
+def in_background(fn) -> None:
+    """Run `fn` (a compile) on this process's grammar thread; what it raises is dropped (the step
+    that needs the grammar compiles it then, and names the error)."""
+    global _worker
+    from concurrent.futures import ThreadPoolExecutor
+
+    with _lock:
+        if _worker is None:
+            _worker = ThreadPoolExecutor(1, thread_name_prefix="moeray-grammar")
+    _worker.submit(fn)
+
+
+def check_grammar(grammar: str, tokenizer, n_vocab: Optional[int] = None) -> None:
+    """Raise GrammarError naming the problem if `grammar` does not compile for this tokenizer; the
+    compiled grammar is kept for the sequences that will use it (`matcher`)."""
+    try:
+        m = matcher(tokenizer, grammar, n_vocab)
     except Exception as exc:  # noqa: BLE001 - whatever the engine refuses is the request's problem, not a 500
         raise GrammarError(f"the grammar engine refused it: {exc}") from None
-    if failed:
-        raise GrammarError(messages[0] if messages else "the grammar does not compile")
+    if m.is_error():
+        raise GrammarError(m.get_error() or "the grammar does not compile")
 
 
 class GrammarMasks:
@@ -88,14 +143,12 @@ class GrammarMasks:
 
     def allowed(self, slot: int, grammar: str):
         """Bool [n_vocab]: the tokens this slot's sequence may take next."""
-        import llguidance
         import numpy as np
         import torch
 
         m = self.matchers.get(slot)
         if m is None:
-            m = self.matchers[slot] = llguidance.LLMatcher(ll_tokenizer(self.tokenizer, self.n_vocab), grammar,
-                                                           log_level=0)
+            m = self.matchers[slot] = matcher(self.tokenizer, grammar, self.n_vocab)
         if m.is_error():
             # The server checked the grammar, so this is an engine fault: end the sequence (an end token
             # is the one thing allowed) rather than let it run unconstrained or fail the whole step.
