@@ -594,13 +594,13 @@ def connect(url: str, key: Optional[str]) -> Server:
     return srv
 
 
-def run(url: str, key: Optional[str], groups: set[str], beside_s: Optional[float] = None, abort_s: float = 3.0,
+def run(url: str, key: Optional[str], groups: set[str], beside_s: Optional[float] = None, abort_s: float = 5.0,
         burst: int = 300, bound_429_s: float = 2.0, ray_metrics_port: Optional[int] = None,
         sigterm_pid: Optional[int] = None, drain_s: float = 3.0, kill_stage: bool = False,
-        say=print) -> list[Result]:
+        beside_factor: float = 5.0, beside_floor_s: float = 1.5, say=print) -> list[Result]:
     srv = connect(url, key)
     base = statistics.median(srv.small() for _ in range(3))
-    bound = beside_s if beside_s is not None else max(1.5, 5 * base)
+    bound = beside_s if beside_s is not None else max(beside_floor_s, beside_factor * base)
     say(f"probe: {url}, model {srv.model}, context {srv.context}, {srv.max_seqs} slots; a small request takes "
         f"{base:.2f} s alone, {bound:.2f} s allowed beside a case")
     results: list[Result] = []
@@ -642,8 +642,12 @@ def main() -> int:
     p.add_argument("--url", required=True)
     p.add_argument("--api-key", default=None)
     p.add_argument("--only", default="leave,input,burst,net,ops", help="groups: leave, input, burst, net, ops")
-    p.add_argument("--beside-s", type=float, default=None, help="bound on a small request beside a case")
-    p.add_argument("--abort-s", type=float, default=3.0, help="a client that left frees its sequence within this")
+    p.add_argument("--beside-s", type=float, default=None,
+                   help="bound on a small request beside a case (default: --beside-factor times its time alone, "
+                        "at least --beside-floor)")
+    p.add_argument("--beside-factor", type=float, default=5.0)
+    p.add_argument("--beside-floor", type=float, default=1.5)
+    p.add_argument("--abort-s", type=float, default=5.0, help="a client that left frees its sequence within this")
     p.add_argument("--burst", type=int, default=300)
     p.add_argument("--bound-429-s", type=float, default=2.0, help="every 429 of the burst within this")
     p.add_argument("--ray-metrics-port", type=int, default=None, help="check Ray's exporter is not on the network")
@@ -653,7 +657,8 @@ def main() -> int:
     p.add_argument("--json", help="write every case here")
     args = p.parse_args()
     results = run(args.url, args.api_key, set(args.only.split(",")), args.beside_s, args.abort_s, args.burst,
-                  args.bound_429_s, args.ray_metrics_port, args.sigterm, args.drain_s, args.kill_stage)
+                  args.bound_429_s, args.ray_metrics_port, args.sigterm, args.drain_s, args.kill_stage,
+                  args.beside_factor, args.beside_floor)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump([asdict(r) for r in results], fh, indent=1)

@@ -167,11 +167,40 @@ class Trace:
     records: list[TraceRecord] = field(default_factory=list)
     truncated_bytes: int = 0    # bytes at the end that did not form a whole record (a killed writer)
     paths: list[str] = field(default_factory=list)
+    _record_paths: list[str] = field(default_factory=list, repr=False)  # each record's file
 
     @property
     def n_tokens(self) -> int:
         """Tokens routed through the first traced layer."""
         return sum(len(r.ids) for r in self.records if r.layer == self.header.first)
+
+    def layer_tokens(self) -> dict[int, int]:
+        """Tokens each traced layer routed, by layer (a dense layer records nothing)."""
+        out: dict[int, int] = {}
+        for r in self.records:
+            out[r.layer] = out.get(r.layer, 0) + len(r.ids)
+        return out
+
+    def check_whole(self, layers: Sequence[int] = ()) -> None:
+        """Raise TraceError naming the layers short of the others in a file: a whole trace routes
+        every token through every MoE layer it traces (each step is written whole), so a layer
+        with fewer picks than the rest was cut (or recorded only the rows some optimisation kept),
+        and a profile made from it would weigh that layer wrong. `layers`: MoE layers that must
+        be there (a trace's header does not say which layers are dense)."""
+        for path, tokens in self._tokens_by_file().items():
+            tokens = {**{layer: 0 for layer in layers}, **tokens}
+            if len(set(tokens.values())) > 1:
+                most = max(tokens.values())
+                short = ", ".join(f"layer {layer} {n} of {most}" for layer, n in sorted(tokens.items()) if n < most)
+                raise TraceError(f"{path}: the trace does not add up: every traced layer should route the same "
+                                 f"{most} tokens, but {short}; record it again")
+
+    def _tokens_by_file(self) -> dict[str, dict[int, int]]:
+        out: dict[str, dict[int, int]] = {}
+        for r, path in zip(self.records, self._record_paths):
+            by = out.setdefault(path, {})
+            by[r.layer] = by.get(r.layer, 0) + len(r.ids)
+        return out
 
     def counts(self):
         """[n_layers, n_experts] int64: how often each (layer, expert) pair was routed to."""
@@ -270,6 +299,7 @@ def read_trace(paths: str | os.PathLike | Sequence[str | os.PathLike]) -> Trace:
                     raise TraceError(f"{path}: record names layer {obj.layer} / experts outside "
                                      f"the model ({h.n_layers} layers, {h.n_experts} experts)")
                 trace.records.append(obj)
+                trace._record_paths.append(path)
         trace.paths.append(path)
         trace.truncated_bytes += tail[0]
     if trace is None:

@@ -2,9 +2,19 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
+
+# Tests never read or write the user's own moeray cache (~/.cache/moeray, or the MOERAY_CACHE_DIR
+# they set): a profile that `make demo` recorded there would otherwise be what a test reads, and a
+# test's files would land among theirs. The whole session, and every `moeray` it starts, builds and
+# finds the default model (its profile, the fetched reference files) in the tests' own cache:
+# $MOERAY_TEST_CACHE_DIR, else ~/.cache/moeray-tests, shared by every checkout on the machine so the
+# model is built once, not per session or per test.
+TEST_CACHE = Path(os.environ.get("MOERAY_TEST_CACHE_DIR") or Path.home() / ".cache" / "moeray-tests")
+os.environ["MOERAY_CACHE_DIR"] = str(TEST_CACHE)
 
 
 @pytest.fixture(autouse=True)
@@ -30,8 +40,8 @@ def smollm2_dense_path() -> Path:
 
 @pytest.fixture(scope="session")
 def default_model_path(smollm2_dense_path) -> Path:
-    """The upcycled default model, built once per session into the user's cache (or
-    $MOERAY_CACHE_DIR) exactly as `moeray generate` does; later sessions reuse the checked file."""
+    """The upcycled default model, built into the tests' cache (TEST_CACHE) exactly as `moeray
+    generate` does, once per machine; later sessions reuse the checked file."""
     from moeray.stages.gguf.default_model import default_model_path as build_or_get
 
     return build_or_get(quiet=True)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 
-from moeray.cache.trace import read_trace
+from moeray.cache.trace import TraceWriter, read_trace
 from moeray.planner.profile import Profile
 from moeray.stages.runtime import default_profile as dp
 from moeray.stages.gguf.default_model import FILE_NAME, load_prompts
@@ -41,9 +42,12 @@ def test_recorded_again_only_when_missing_or_stale(default_model_path, tmp_path,
     calls = []
 
     def fake_record(model_path, dst, max_tokens=dp.MAX_TOKENS, quiet=False):
-        calls.append(dst)
-        Profile.uniform(30, 8).save(dst)
-        dst.with_name(dp.TRACE_NAME).write_bytes(b"")
+        calls.append(dst)  # a whole trace of one token, and the profile that counts it
+        dst.with_name(dp.TRACE_NAME).unlink(missing_ok=True)
+        with TraceWriter(dst.with_name(dp.TRACE_NAME), n_layers=30, n_experts=8, k=2) as w:
+            for layer in range(30):
+                w.record(layer, [[layer % 8, (layer + 1) % 8]], [[0.5, 0.5]])
+        Profile.from_counts(read_trace(dst.with_name(dp.TRACE_NAME)).counts()).save(dst)
         return dst
 
     monkeypatch.setattr(dp, "record_profile", fake_record)
@@ -57,4 +61,28 @@ def test_recorded_again_only_when_missing_or_stale(default_model_path, tmp_path,
     first.unlink()
     dp.default_profile_for(model)
     assert len(calls) == 3  # missing: recorded again
+    first.with_name(dp.TRACE_NAME).unlink()
+    with TraceWriter(first.with_name(dp.TRACE_NAME), n_layers=30, n_experts=8, k=2) as w:
+        w.record(0, [[1, 2]], [[0.5, 0.5]])  # a step cut after its first layer: not whole
+    dp.default_profile_for(model)
+    assert len(calls) == 4  # a trace that does not add up is named and recorded again, not used
+    dp.default_profile_for(model)
+    assert len(calls) == 4
     assert dp.default_profile_for(tmp_path / "some-other-model.gguf") is None
+
+
+def test_a_trace_whose_last_layer_is_short_is_named_not_used(tmp_path):
+    from moeray.cache.trace import TraceError
+
+    path = tmp_path / "stage3.trace"
+    with TraceWriter(path, n_layers=4, n_experts=8, k=2, first=2, end=4) as w:
+        w.record(2, [[0, 1], [2, 3]], [[0.5, 0.5]] * 2)
+        w.record(3, [[0, 1]], [[0.5, 0.5]])  # the head's row only
+    trace = read_trace(path)
+    with pytest.raises(TraceError, match=r"stage3.trace: the trace does not add up.*layer 3 1 of 2"):
+        trace.check_whole()
+    from moeray.cluster.commands.profile import profile_from_traces
+    from moeray.errors import ProfileError
+
+    with pytest.raises(ProfileError, match="does not add up"):
+        profile_from_traces([path])

@@ -14,7 +14,7 @@ import numpy as np
 
 from moeray.planner.mass import H, mass_model
 from moeray.planner.profile import Profile
-from moeray.errors import ProfileError
+from moeray.errors import MoerayError, ProfileError
 
 CURVE_FRACTIONS = (0.01, 0.05, 0.1, 0.2, 0.25, 0.5, 0.75, 1.0)
 
@@ -54,6 +54,10 @@ def profile_from_traces(paths) -> tuple[Profile, "object"]:
     from moeray.cache.trace import read_trace
 
     trace = read_trace(paths)
+    try:
+        trace.check_whole()
+    except MoerayError as exc:
+        raise ProfileError(str(exc)) from None
     counts = trace.counts()
     if counts.sum() == 0:
         raise ProfileError(f"{', '.join(map(str, paths))}: the traces hold no routing decisions")

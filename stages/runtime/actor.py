@@ -346,6 +346,9 @@ class StageActor:
             raise
         finally:
             self.step_s += time.perf_counter() - t0
+            writer = getattr(self.model.experts, "trace_writer", None)
+            if writer is not None:  # whole steps on disk: a stage killed later loses none of them
+                writer.flush()
 
     def device_memory(self) -> dict[str, Any]:
         """What this stage was charged against what its device really holds: the ledger's parts

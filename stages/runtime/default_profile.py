@@ -54,24 +54,32 @@ class _OneExpertPerLayer:
         return self.host.weights(layer, 0)(x) * weights.sum(-1, keepdim=True).to(x.dtype)
 
 
+def whole_step(model, tokens: list[list[int]], slots: list[int], kv):
+    """model.step, but every row runs every layer: a step's last layer otherwise computes its
+    experts only for the rows the head reads (StageModel.run_layers' out_rows), and a trace would
+    then hold a fraction of the last layer's picks. Returns the logits of each sequence's last row."""
+    meta = model.batch_meta([len(t) for t in tokens], slots, kv)
+    return model.head(model.run_layers(model.embed(tokens), meta, kv)[meta.last_index])
+
+
 def greedy(model, prompts: list[list[int]], max_tokens: int, end_ids) -> int:
     """All prompts as one batch: one prefill step, then greedy decode steps until every sequence
-    has `max_tokens` new tokens or an end token (what an engine does, without one). Returns the
-    tokens generated."""
+    has `max_tokens` new tokens or an end token (what an engine does, without one), every row
+    through every layer (`whole_step`). Returns the tokens generated."""
     import torch
 
     n_new = 0
     with torch.inference_mode():
         kv = model.new_kv_cache(len(prompts), max(map(len, prompts)) + max_tokens)
         live = list(range(len(prompts)))
-        nxt = model.step(prompts, live, kv).argmax(-1).tolist()
+        nxt = whole_step(model, prompts, live, kv).argmax(-1).tolist()
         n_new += len(nxt)
         for _ in range(max_tokens - 1):
             keep = [(i, t) for i, t in zip(live, nxt) if t not in end_ids]
             if not keep:
                 break
             live = [i for i, _ in keep]
-            nxt = model.step([[t] for _, t in keep], live, kv).argmax(-1).tolist()
+            nxt = whole_step(model, [[t] for _, t in keep], live, kv).argmax(-1).tolist()
             n_new += len(nxt)
     return n_new
 
@@ -104,7 +112,9 @@ def record_profile(model_path, dst, max_tokens: int = MAX_TOKENS, quiet: bool = 
         greedy(model, prompt_token_ids(tok), max_tokens, tok.end_ids)
     finally:
         writer.close()
-    profile = Profile.from_counts(read_trace(tmp_trace).counts())
+    recorded = read_trace(tmp_trace)
+    recorded.check_whole(range(cfg.n_layers))
+    profile = Profile.from_counts(recorded.counts())
     tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
     profile.save(tmp)
     os.replace(tmp_trace, trace)
@@ -146,7 +156,29 @@ def default_profile_for(model_path, rebuild: bool = False, quiet: bool = False) 
         return None
     dst = path.with_name(PROFILE_NAME)
     want = profile_inputs(path)
-    if rebuild or not dst.is_file() or not dst.with_name(TRACE_NAME).is_file() or _read_record(dst) != want:
+    if rebuild or not dst.is_file() or not dst.with_name(TRACE_NAME).is_file() or _read_record(dst) != want \
+            or not _adds_up(dst):
         record_profile(path, dst, quiet=quiet)
         _sidecar(dst).write_text(json.dumps(want))
     return dst
+
+
+def _adds_up(dst: Path) -> bool:
+    """The recorded profile counts its trace, and the trace is whole (every layer routed every
+    token): one that does not (cut, or made by a recorder that skipped rows) is named and recorded
+    again, never planned from."""
+    from moeray.cache.trace import TraceError, read_trace
+    from moeray.planner.profile import Profile
+
+    try:
+        trace = read_trace(dst.with_name(TRACE_NAME))
+        trace.check_whole(range(trace.header.n_layers))  # the upcycled model: every layer is MoE
+        import numpy as np
+
+        if not np.array_equal(Profile.load(dst).count_table(), trace.counts()):
+            raise TraceError(f"{dst}: the profile does not count its trace {dst.with_name(TRACE_NAME)}")
+    except (TraceError, MoerayError, OSError, ValueError) as exc:
+        print(f"moeray: the default model's routing profile is not whole ({exc}); recording it again",
+              file=sys.stderr)
+        return False
+    return True

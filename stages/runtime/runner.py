@@ -53,8 +53,15 @@ class StageRunner:
     def layers(self, x, meta, batch: StepBatch | None = None):
         """The stage's layers over x. batch: on the last stage, the step's batch; then only the rows
         its head reads (head_rows) leave the last layer, and `sample` takes them as they are."""
-        rows = None if batch is None else self.head_rows(batch, meta)
+        rows = None if batch is None or self.traced() else self.head_rows(batch, meta)
         return self.model.run_layers(x, meta, self.kv, rows)
+
+    def traced(self) -> bool:
+        """Routing is being recorded (--record-routing): then every row runs the last layer's
+        experts, so the trace holds every layer's picks for every token (a profile made from it
+        weighs the last layer as the others), at the cost of that layer's FFN for all rows."""
+        experts = self.model.experts
+        return getattr(experts, "trace_writer", None) is not None or getattr(experts, "on_route", None) is not None
 
     def head_rows(self, batch: StepBatch, meta) -> list[int] | None:
         """The packed rows the last stage's head reads this step, ascending: each sampling row's last
