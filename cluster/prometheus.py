@@ -211,6 +211,7 @@ STAGE_READERS = {  # moeray_stage_* from a stage's StageStats
     "moeray_stage_step_seconds": lambda s: s.step_s,
     "moeray_stage_resident_experts": lambda s: (s.cache or {}).get("resident", 0),
     "moeray_stage_cache_slots": lambda s: (s.cache or {}).get("slots", 0),
+    "moeray_stage_cache_bytes": lambda s: (s.cache or {}).get("used_bytes", 0),
     "moeray_stage_predicted_hit_rate": lambda s: s.predicted_hit_rate,
     "moeray_stage_first_layer": lambda s: s.layers[0] if s.layers else None,
     "moeray_stage_last_layer": lambda s: s.layers[1] - 1 if s.layers else None,
@@ -221,4 +222,5 @@ FAULT_READERS = {"moeray_failed_steps": "stage_failures", "moeray_restarted_stag
                  "moeray_nodes_lost": "nodes_lost", "moeray_replans": "replans",
                  "moeray_stages_serving": "stages_serving", "moeray_recovery_seconds": "last_recovery_s"}
 SPEC_READERS = {"moeray_spec_verify_rows": "verify_rows", "moeray_spec_drafted_tokens": "drafted_tokens",
-                "moeray_spec_accepted_tokens": "accepted_tokens", "moeray_spec_acceptance_rate": "acceptance_rate"}
+                "moeray_spec_accepted_tokens": "accepted_tokens", "moeray_spec_acceptance_rate": "acceptance_rate",
+                "moeray_spec_tokens_per_verify_row": "tokens_per_verify_row"}

@@ -1,8 +1,9 @@
 """The Grafana dashboard's queries against a real Prometheus scraping a real `moeray serve`.
 
-Prometheus (Debian's `prometheus` binary; .ci/run installs it as root) scrapes Ray's metrics export
-port every second. After traffic, every series a panel of ray_configs/moeray-dashboard.json names
-exists with the model and stage labels, every panel's query evaluates, and the hit-rate panel's own
+Prometheus (Debian's `prometheus` binary; .ci/run installs it as root) scrapes the server's own
+GET /metrics (the serving port, with the API key, as a gateway scrapes vLLM) every second. After
+traffic, every series a panel of ray_configs/moeray-dashboard.json names exists with the model and
+stage labels, every panel's query evaluates, and the hit-rate panel's own
 expression, over a window from one settled scrape to another, equals what GET /v1/stages reports
 for the lookups between those two moments. A panel that names a series moeray no longer exports,
 or a hit-rate query that computes something else, fails here.
@@ -41,8 +42,9 @@ def prometheus(request, tmp_path_factory):
     config = root / "prometheus.yml"
     config.write_text(
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
-        "scrape_configs:\n  - job_name: ray\n    static_configs:\n"
-        f"      - targets: ['127.0.0.1:{dashboard_server.metrics_port}']\n")
+        "scrape_configs:\n  - job_name: moeray\n    metrics_path: /metrics\n"
+        f"    authorization:\n      credentials: {dashboard_server.key}\n    static_configs:\n"
+        f"      - targets: ['{dashboard_server.url.removeprefix('http://')}']\n")
     port = free_port()
     proc = subprocess.Popen([binary, f"--config.file={config}", f"--storage.tsdb.path={root / 'data'}",
                              f"--web.listen-address=127.0.0.1:{port}", "--storage.tsdb.retention.time=1h"],
@@ -80,11 +82,11 @@ def series(api: str, name: str) -> list[dict]:
 
 
 def dashboard_queries() -> tuple[list[str], set[str]]:
-    """Every panel's PromQL, and every ray_moeray_* series the dashboard names (variables too)."""
+    """Every panel's PromQL, and every vllm:* and moeray_* series the dashboard names (variables too)."""
     board = json.loads(DASHBOARD.read_text())
     exprs = [t["expr"] for p in board["panels"] for t in p.get("targets", [])]
     texts = exprs + [v.get("query", "") for v in board["templating"]["list"]]
-    return exprs, {n for t in texts for n in re.findall(r"\bray_moeray_[a-z_]+", t)}
+    return exprs, {n for t in texts for n in re.findall(r"(?<![\w:])(?:vllm:[a-z0-9_]+|moeray_[a-z0-9_]+)", t)}
 
 
 def concrete(expr: str, window: str) -> str:
@@ -100,7 +102,7 @@ def settled(api: str, server: dict, timeout_s: float = 60.0) -> tuple[dict, floa
         stages = {str(s["stage"]): s for s in server.get("/v1/stages")["stages"]}
         samples = {}
         for what in ("hits", "lookups"):
-            for r in query(api, f'ray_moeray_stage_expert_{what}_total{{model="{MODEL}"}}[5s]'):
+            for r in query(api, f'moeray_stage_expert_{what}_total{{model_name="{MODEL}"}}[5s]'):
                 samples.setdefault(what, {}).setdefault(r["metric"]["stage"], []).append(r["values"][-1])
         last = (samples, {k: (v["cache"]["hits"], v["cache"]["lookups"]) for k, v in stages.items()})
         ok = set(samples.get("lookups", {})) == set(stages) == set(samples.get("hits", {}))
@@ -131,8 +133,8 @@ def test_every_dashboard_series_exists_and_the_hit_rate_query_equals_v1_stages(p
     for name in sorted(names):
         found = series(api, name)
         assert found, f"{name}: the dashboard queries it, Prometheus has no such series"
-        assert {s["model"] for s in found} == {MODEL}, (name, found)
-        if name.startswith("ray_moeray_stage_"):
+        assert {s["model_name"] for s in found} == {MODEL}, (name, found)
+        if name.startswith("moeray_stage_"):
             assert {s["stage"] for s in found} == stages, (name, found)
 
     # Every panel's query evaluates to something (a query naming a missing series gives nothing).

@@ -15,7 +15,6 @@ pytest.importorskip("jsonschema")
 
 from ray.autoscaler._private.util import prepare_config, validate_config  # noqa: E402
 
-from moeray.cluster.metrics import METRICS, exported_name  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent.parent / "ray_configs"
 CLUSTER_FILES = ["onprem-gpu.yaml", "aws-gpu.yaml"]
@@ -55,24 +54,23 @@ def _queries(dashboard: dict) -> list[str]:
     return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
 
 
-def test_dashboard_queries_name_metrics_moeray_defines():
+def test_dashboard_queries_name_metrics_moeray_serves():
+    """Every series a panel or a variable names is one GET /metrics on the serving port exports
+    (vLLM's names and moeray's), the latency histograms and the hit rate's counters among them."""
+    from test_prometheus_text import exposition_names
+
     dashboard = json.loads((CONFIGS / "moeray-dashboard.json").read_text())
-    exported = {exported_name(n) for n in METRICS}
-    histograms = {exported_name(n) for n, (kind, _) in METRICS.items() if kind == "histogram"}
+    exported = exposition_names()
     used = set()
-    for q in _queries(dashboard):
-        for name in re.findall(r"\bray_moeray_[a-z_]+", q):
-            base = re.sub(r"_(bucket|sum|count)$", "", name)
-            assert name in exported or base in histograms, f"{name} in {q!r} is not a moeray metric"
-            used.add(base)
-    for var in dashboard["templating"]["list"]:
-        for name in re.findall(r"\bray_moeray_[a-z_]+", var.get("query", "")):
-            assert name in exported
-    # The latency histograms and the stage counters behind the hit rate all have panels.
-    assert {exported_name("moeray_time_to_first_token_seconds"),
-            exported_name("moeray_inter_token_latency_seconds"),
-            exported_name("moeray_stage_expert_hits"), exported_name("moeray_stage_expert_lookups"),
-            exported_name("moeray_stage_predicted_hit_rate")} <= used
+    texts = _queries(dashboard) + [v.get("query", "") for v in dashboard["templating"]["list"]]
+    for q in texts:
+        for name in re.findall(r"(?<![\w:])(?:vllm:[a-z0-9_]+|moeray_[a-z0-9_]+)", q):
+            assert name in exported, f"{name} in {q!r} is not a series GET /metrics exports"
+            used.add(re.sub(r"_(bucket|sum|count)$", "", name))
+        assert "ray_moeray_" not in q, q  # Ray's export is not what the dashboard reads
+    assert {"vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds", "moeray_stage_expert_hits_total",
+            "moeray_stage_expert_lookups_total", "moeray_stage_predicted_hit_rate", "vllm:kv_cache_usage_perc",
+            "vllm:num_requests_running", "vllm:num_requests_waiting"} <= used
 
 
 def test_dashboard_has_a_hit_rate_panel_per_stage():
@@ -81,6 +79,6 @@ def test_dashboard_has_a_hit_rate_panel_per_stage():
     assert len(hit) == 1 and hit[0]["repeat"] == "stage"  # Grafana repeats it for every stage
     expr = hit[0]["targets"][0]["expr"]
     hits, lookups = expr.split(" / ")
-    assert "rate(ray_moeray_stage_expert_hits_total" in hits and 'stage=~"$stage"' in hits
-    assert "rate(ray_moeray_stage_expert_lookups_total" in lookups
+    assert "rate(moeray_stage_expert_hits_total" in hits and 'stage=~"$stage"' in hits
+    assert "rate(moeray_stage_expert_lookups_total" in lookups
     assert any(v["name"] == "stage" for v in dashboard["templating"]["list"])
