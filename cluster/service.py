@@ -152,6 +152,13 @@ class Service:
             pipeline = self.launched.pipeline()
             engine_cfg = self.launched.engine  # the context and the KV blocks the plan settled
         self.engine = Engine(pipeline, engine_cfg, self.tokenizer)
+        try:  # the last stage's grammar masks, before requests come (StageActor.warm_grammars)
+            if self.launched is None:
+                self.local.stage.warm_grammars()
+            else:
+                self.launched.group.actors[-1].warm_grammars.remote()
+        except Exception:  # noqa: BLE001 - not needed to serve: the first grammar request builds them
+            pass
         self.metrics = self.poller = None
         if opts.metrics:  # --no-metrics: none
             try:

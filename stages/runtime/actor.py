@@ -377,6 +377,17 @@ class StageActor:
         if self.device.kind == "cuda":
             torch.cuda.reset_peak_memory_stats(torch.device(self.device.torch_device))
 
+    def warm_grammars(self) -> None:
+        """A server's last stage, once loaded: its grammar masks (their tokenizer, on this thread,
+        the steps' own) and the grammar engine's view of the vocabulary (a second's work, on the
+        grammar thread), so the first request with structured output does not wait for them."""
+        from moeray.stages.text.grammar import in_background, ll_tokenizer
+
+        if self.model is None or self.stage != self.n_stages - 1:
+            return
+        masks = self.runner._grammars(self.model.config.vocab_size)
+        in_background(lambda: ll_tokenizer(masks.tokenizer, masks.n_vocab))
+
     def prepare_grammar(self, grammar: str) -> None:
         """The server saw a request with this grammar (response_format, a forced tool call): the
         last stage, which applies it, compiles it now on a thread of its own, beside its steps, so
@@ -384,16 +395,9 @@ class StageActor:
         if self.model is None or self.stage != self.n_stages - 1:
             return
         from moeray.stages.text.grammar import in_background, matcher
-        from moeray.stages.text.tokenizer import Tokenizer
 
-        gguf, n_vocab = self.model.gguf, self.model.config.vocab_size
-
-        def compile_it() -> None:
-            if getattr(self, "_grammar_tokenizer", None) is None:
-                self._grammar_tokenizer = Tokenizer.from_metadata(gguf.metadata, source=gguf.path)
-            matcher(self._grammar_tokenizer, grammar, n_vocab)
-
-        in_background(compile_it)
+        masks = self.runner._grammars(self.model.config.vocab_size)
+        in_background(lambda: matcher(masks.tokenizer, grammar, masks.n_vocab))
 
     def record_routing(self, path: str) -> None:
         """Append every routing decision of this stage's expert cache to the trace file `path`
