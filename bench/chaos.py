@@ -10,14 +10,21 @@ a simulated multi-node cluster, nodes removed and added back).
 Every --kill-every seconds a random stage's process gets SIGKILL (its pid from GET /v1/stages);
 with --nodes, every --node-every seconds the node of a random stage is removed from the cluster
 and a fresh one with the same card joins --node-back seconds later. --clients threads stream chat
-completions back to back. Reported:
+completions back to back; with --hostile SHARE, that share of their requests is a hostile client's
+instead: one of bench/probe.py's malformed or oversized requests (INPUTS, each checked against the
+status it must get), or a client that leaves (before its first token, after it, or a non-streaming
+one that gives up after a second). Reported:
 
 - requests succeeded / failed, and of those NOT in flight at a fault, the share that succeeded;
 - that every failure was an OpenAI-shaped error (an HTTP error with {"error": {...}}, or an error
   event in the stream followed by [DONE]) and none a hang (no byte for --hang-s) or a reset;
+- 5xx answers other than a 503 while the stages recover (--recovery-s after a fault): none allowed;
+- hostile inputs that got another status than the probe wants;
 - per fault, the time until a request sent after it got its first token (serving again);
-- the server's RSS (the Serve replica: driver + engine, from /v1/stages) after warm-up and at the end.
+- the server's RSS (the Serve replica: driver + engine, from /v1/stages) after warm-up and at the
+  end: within --rss-growth (10%).
 
+Exit status 1 on any hang, reset, 5xx outside recovery, wrong status, or RSS growth beyond the bound.
 Writes the table and, with --json PATH, every request and fault.
 """
 from __future__ import annotations
@@ -33,10 +40,21 @@ import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from urllib.parse import urlparse
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/probe.py: the hostile inputs
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Why is the sky blue?",
            "List three uses of copper.", "What does a pipeline stage do?", "Name a famous painting."]
+API_KEY: str | None = None  # --api-key: sent with every request
+
+
+def _headers(extra: dict | None = None) -> dict:
+    h = {"Content-Type": "application/json", **(extra or {})}
+    if API_KEY:
+        h["Authorization"] = f"Bearer {API_KEY}"
+    return h
 
 
 @dataclass
@@ -45,9 +63,10 @@ class Result:
     t0: float
     t1: float = 0.0
     t_first: float | None = None  # first content token
-    outcome: str = ""  # ok | error (OpenAI-shaped) | bad (reset, hang, non-JSON error)
+    outcome: str = ""  # ok | error (OpenAI-shaped) | bad (reset, hang, non-JSON error, a status it must not get)
     status: int = 0
     detail: str = ""
+    kind: str = "stream"  # stream | input: NAME | leave: how
 
 
 @dataclass
@@ -62,7 +81,7 @@ def get_json(url: str, path: str, timeout: float = 30.0) -> dict:
     u = urlparse(url)
     c = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
     try:
-        c.request("GET", path)
+        c.request("GET", path, headers=_headers())
         r = c.getresponse()
         return json.loads(r.read())
     finally:
@@ -77,7 +96,7 @@ def one_request(url: str, model: str, i: int, max_tokens: int, hang_s: float) ->
                        "messages": [{"role": "user", "content": random.choice(PROMPTS)}]})
     c = http.client.HTTPConnection(u.hostname, u.port, timeout=hang_s)
     try:
-        c.request("POST", "/v1/chat/completions", body, {"Content-Type": "application/json"})
+        c.request("POST", "/v1/chat/completions", body, _headers())
         r = c.getresponse()
         res.status = r.status
         if r.status != 200:
@@ -119,17 +138,81 @@ def one_request(url: str, model: str, i: int, max_tokens: int, hang_s: float) ->
     return res
 
 
+def hostile_input(probe_server, case, built: tuple, i: int, hang_s: float) -> Result:
+    """One of the probe's malformed or oversized requests (`built`: what case.build made of it):
+    it must get the status the probe wants."""
+    res = Result(i, time.monotonic(), kind=f"input: {case.name}")
+    method, path, body, headers, chunked = built
+    r = probe_server.request(method, path, body, headers, timeout=hang_s, chunked=chunked)
+    res.t1, res.status = time.monotonic(), r.status
+    wanted = case.status if isinstance(case.status, tuple) else (case.status,)
+    if not r.status:
+        res.outcome, res.detail = "bad", ("hang: " if "timed out" in r.error else "reset: ") + r.error[:200]
+    elif r.status in wanted:
+        res.outcome = "ok"
+    elif r.status >= 500 and r.err.get("message"):
+        res.outcome, res.detail = "error", f"{r.status} {r.err.get('code')}: {r.err.get('message', '')[:200]}"
+    else:
+        res.outcome, res.detail = "bad", f"{r.status} (the probe wants {case.status}): {r.body[:200]!r}"
+    return res
+
+
+def leaver(probe_server, i: int, how: str) -> Result:
+    """A client that leaves: before its first token, after it, or a non-streaming one after 1 s."""
+    import probe
+
+    res = Result(i, time.monotonic(), kind=f"leave: {how}")
+    body = json.dumps(probe_server.chat(random.choice(PROMPTS), max_tokens=64, stream=how != "read timeout")).encode()
+    try:
+        s = probe.open_socket(probe_server, "POST", "/v1/chat/completions", body)
+        if how == "after first token":
+            s.settimeout(60)
+            got = b""
+            while b"data: {" not in got and (chunk := s.recv(4096)):
+                got += chunk
+        elif how == "read timeout":
+            s.settimeout(1.0)
+            try:
+                s.recv(4096)
+            except TimeoutError:
+                pass
+        s.close()
+        res.outcome = "ok"
+    except OSError as exc:
+        res.outcome, res.detail = "bad", f"reset: {type(exc).__name__}: {exc}"
+    res.t1 = time.monotonic()
+    return res
+
+
 class Clients:
-    def __init__(self, url: str, model: str, n: int, max_tokens: int, hang_s: float):
+    def __init__(self, url: str, model: str, n: int, max_tokens: int, hang_s: float, hostile: float = 0.0,
+                 seed: int = 0):
         self.url, self.model, self.max_tokens, self.hang_s = url, model, max_tokens, hang_s
+        self.hostile = hostile
         self.results: list[Result] = []
         self.stop = threading.Event()
         self.lock = threading.Lock()
         self.threads = [threading.Thread(target=self._run, args=(i,), daemon=True) for i in range(n)]
+        self.probe_server = None
+        if hostile > 0:
+            import probe
+
+            self.probe_server = probe.connect(url, API_KEY)
+            self.inputs = [(case, case.build(self.probe_server)) for case in probe.INPUTS]  # built once
+        self.rngs = [random.Random(seed * 1000 + i) for i in range(n)]
+
+    def _one(self, i: int) -> Result:
+        rng = self.rngs[i]
+        if self.probe_server is None or rng.random() >= self.hostile:
+            return one_request(self.url, self.model, i, self.max_tokens, self.hang_s)
+        if rng.random() < 0.25:
+            return leaver(self.probe_server, i, rng.choice(("at once", "after first token", "read timeout")))
+        case, built = rng.choice(self.inputs)
+        return hostile_input(self.probe_server, case, built, i, self.hang_s)
 
     def _run(self, i: int) -> None:
         while not self.stop.is_set():
-            r = one_request(self.url, self.model, i, self.max_tokens, self.hang_s)
+            r = self._one(i)
             with self.lock:
                 self.results.append(r)
             if r.outcome != "ok":
@@ -247,11 +330,17 @@ def recovery_times(faults: list[Fault], results: list[Result]) -> None:
         f.recovered_s = round(min(firsts) - f.t, 2) if firsts else None
 
 
-def summary(results: list[Result], faults: list[Fault], rss: tuple[int, int], minutes: float) -> dict:
+def summary(results: list[Result], faults: list[Fault], rss: tuple[int, int], minutes: float,
+            recovery_s: float = 120.0) -> dict:
     hit = [f.t for f in faults if f.kind != "node-add"]
 
     def in_flight(r: Result) -> bool:
         return any(r.t0 <= t <= r.t1 for t in hit)
+
+    def recovering(r: Result) -> bool:
+        return any(t <= r.t1 <= t + recovery_s for t in hit) or in_flight(r)
+
+    fivexx = [r for r in results if r.status >= 500 and not (r.status == 503 and recovering(r))]
 
     clear = [r for r in results if not in_flight(r)]
     bad = [r for r in results if r.outcome == "bad"]
@@ -261,13 +350,18 @@ def summary(results: list[Result], faults: list[Fault], rss: tuple[int, int], mi
         "minutes": minutes, "requests": len(results), "succeeded": sum(r.outcome == "ok" for r in results),
         "failed": sum(r.outcome != "ok" for r in results),
         "failed_openai_shaped": sum(r.outcome == "error" for r in results),
-        "failed_bad": len(bad), "bad_examples": [r.detail for r in bad[:5]],
+        "failed_bad": len(bad), "bad_examples": [f"{r.kind}: {r.detail}" for r in bad[:5]],
         "not_in_flight": len(clear), "not_in_flight_succeeded": sum(r.outcome == "ok" for r in clear),
         "not_in_flight_success_rate": round(sum(r.outcome == "ok" for r in clear) / max(1, len(clear)), 4),
         "faults": len(hit), "recovered": len(done),
         "recovery_s_median": done[len(done) // 2] if done else None, "recovery_s_max": done[-1] if done else None,
         "rss_before_mib": round(rss[0] / 2**20, 1), "rss_after_mib": round(rss[1] / 2**20, 1),
         "rss_growth": round(rss[1] / rss[0] - 1, 4) if rss[0] else None,
+        "hangs": sum(r.detail.startswith("hang") for r in bad), "resets": sum(r.detail.startswith("reset") for r in bad),
+        "5xx_outside_recovery": len(fivexx), "5xx_examples": [f"{r.kind}: {r.status} {r.detail}" for r in fivexx[:5]],
+        "hostile_inputs": sum(r.kind.startswith("input") for r in results),
+        "hostile_wrong_status": sum(r.kind.startswith("input") and r.outcome == "bad" and r.status > 0 for r in results),
+        "leavers": sum(r.kind.startswith("leave") for r in results),
     }
 
 
@@ -287,6 +381,12 @@ def main() -> int:
     p.add_argument("--node-back", type=float, default=20.0, help="seconds until a node joins again (--nodes)")
     p.add_argument("--warmup", type=float, default=20.0, help="seconds of traffic before the first fault")
     p.add_argument("--hang-s", type=float, default=120.0, help="no byte for this long counts as a hang")
+    p.add_argument("--hostile", type=float, default=0.0, metavar="SHARE",
+                   help="share of the requests that are a hostile client's (bench/probe.py's inputs, clients that leave)")
+    p.add_argument("--api-key", default=None, help="the server's key (sent with every request)")
+    p.add_argument("--recovery-s", type=float, default=120.0,
+                   help="a 503 ending within this many seconds of a fault counts as the stages recovering")
+    p.add_argument("--rss-growth", type=float, default=0.10, help="the most RSS may grow from warm-up to the end")
     p.add_argument("--port", type=int, default=8011)
     p.add_argument("--serve-args", default="--stages 2 --simulate-devices 1600MiB,1600MiB --max-seqs 16 --max-len 512",
                    help="moeray serve's flags when this script starts it")
@@ -294,6 +394,8 @@ def main() -> int:
     p.add_argument("--log", default="chaos-serve.log", help="the started server's output")
     p.add_argument("--json", help="write the summary, faults and requests here")
     args = p.parse_args()
+    global API_KEY
+    API_KEY = args.api_key
     rng = random.Random(args.seed)
     random.seed(args.seed)
     cluster = server = None
@@ -307,11 +409,13 @@ def main() -> int:
                 serve_args += ["--address", cluster.address, "--spread"]
             else:
                 serve_args += ["--metrics-export-port", "0"]  # Ray holds a stopped server's port a while
+            if args.api_key:
+                serve_args += ["--api-key", args.api_key]
             server = Server(serve_args, args.port, args.log)
             server.wait_up(900)
             url = server.url
         model = get_json(url, "/v1/models")["data"][0]["id"]
-        clients = Clients(url, model, args.clients, args.max_tokens, args.hang_s)
+        clients = Clients(url, model, args.clients, args.max_tokens, args.hang_s, args.hostile, args.seed)
         clients.start()
         time.sleep(args.warmup)
         rss_before = server_rss(url)
@@ -330,7 +434,7 @@ def main() -> int:
         rss_after = server_rss(url)
         results = list(clients.results)
         recovery_times(faults, results)
-        out = summary(results, faults, (rss_before, rss_after), args.minutes)
+        out = summary(results, faults, (rss_before, rss_after), args.minutes, args.recovery_s)
         try:
             out["server_faults"] = get_json(url, "/v1/stages").get("faults")
         except Exception:  # noqa: BLE001
@@ -352,11 +456,19 @@ def main() -> int:
         print(f"  fault {f.kind:<11} {f.target:<26} {rec}" if f.kind != "node-add" else f"  {f.kind:<17} {f.target}")
     print(f"  server RSS {out['rss_before_mib']} MiB after warm-up, {out['rss_after_mib']} MiB at the end "
           f"({100 * (out['rss_growth'] or 0):+.1f}%)")
+    print(f"  hangs {out['hangs']}, resets {out['resets']}, 5xx other than a 503 while recovering "
+          f"{out['5xx_outside_recovery']}" + (f" ({'; '.join(out['5xx_examples'])})" if out['5xx_examples'] else ""))
+    if args.hostile:
+        print(f"  hostile: {out['hostile_inputs']} probe inputs ({out['hostile_wrong_status']} got another status than "
+              f"the probe wants), {out['leavers']} clients that left")
+    for line in out["bad_examples"]:
+        print(f"  bad: {line}")
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"summary": out, "faults": [asdict(f) for f in faults],
                        "requests": [asdict(r) for r in results]}, fh, indent=1)
-    return 0 if out["failed_bad"] == 0 else 1
+    ok = out["failed_bad"] == 0 and out["5xx_outside_recovery"] == 0 and (out["rss_growth"] or 0) <= args.rss_growth
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":
