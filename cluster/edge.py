@@ -278,7 +278,7 @@ def _schemas(body: dict) -> list[tuple[str, str, Any]]:
 def check_body(body: Any, limits: RequestLimits) -> None:
     """Raise BoundError for the first bound `body` (a parsed JSON request) goes beyond."""
     if not isinstance(body, dict):
-        return  # not an object: the route's validation says so
+        body = {"": body}  # not an object (the route's validation says so): only its nesting is bounded
     for name in ("messages", "input"):
         items = body.get(name)
         if isinstance(items, list) and len(items) > limits.max_messages:
