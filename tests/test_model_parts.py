@@ -21,7 +21,6 @@ import pytest
 from moeray.stages.gguf.reader import GGUFFile, read_gguf_header, write_header_only
 from moeray.stages.gguf.writer import split_gguf
 
-LLAMA_BIN = Path(os.environ.get("LLAMA_CPP_BIN", "/work/llamacpp/build/bin"))
 TOKENS = "1 504 3575 282 4649 314 28 33 9 2"
 
 
@@ -226,11 +225,13 @@ def test_a_wrong_count_and_an_unnamed_part_are_named(tiny, tmp_path):
 
 
 def _llama_gguf_split() -> Path:
-    exe = LLAMA_BIN / "llama-gguf-split"
-    if not exe.is_file():
-        pytest.skip(f"llama.cpp's llama-gguf-split is not built at {exe} (build llama.cpp's llama-gguf-split "
-                    "target, or set LLAMA_CPP_BIN)")
-    return exe
+    from moeray.environment import llama_cpp_tool
+
+    exe = llama_cpp_tool("llama-gguf-split")
+    if exe is None:
+        pytest.skip("llama.cpp's llama-gguf-split is not in LLAMA_CPP_BIN's folder or on PATH (build llama.cpp's "
+                    "llama-gguf-split target and set LLAMA_CPP_BIN to its build/bin)")
+    return Path(exe)
 
 
 @pytest.mark.parametrize("how, ours", [

@@ -173,8 +173,11 @@ def _bound_tokenizers(smollm2_dense_path):
 
     yield "byte-level BPE (SmolLM2)", Tokenizer.from_gguf(smollm2_dense_path)
     yield "sentencepiece BPE, byte fallback", Tokenizer.from_metadata(_spm_metadata()[1])
-    # llama.cpp's reference vocabularies where its source is here (CI has none): every one moeray reads
-    for path in sorted(glob.glob("/work/llamacpp/src/models/ggml-vocab-*.gguf")):
+    # llama.cpp's reference vocabularies where tests/llama_vocab.py has fetched them into the cache (no
+    # download here): every one moeray reads
+    from llama_vocab import _cache as vocab_cache
+
+    for path in sorted(glob.glob(str(vocab_cache() / "ggml-vocab-*.gguf"))):
         try:
             yield path.rsplit("/", 1)[-1], Tokenizer.from_gguf(path)
         except Exception:  # noqa: BLE001 - an architecture transformers' converter does not know
