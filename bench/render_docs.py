@@ -220,7 +220,13 @@ def readme_rows(R: Results) -> list[list[str]]:
     out = []
 
     def cmd(name: str) -> str:
-        return code(R[name]["run"]["command"])
+        run = R[name]["run"]
+        return code(run["command"]) + (f" at `{run['commit']}`" if run.get("commit") else "")
+
+    def against(rs: list[dict], key: str, who: str = "llama.cpp") -> str:
+        """'1.01× / 0.94× llama.cpp', or nothing where the run had no llama.cpp beside it."""
+        ratios = [r.get(key) for r in rs]
+        return " / ".join(x_(v) for v in ratios) + f" {who}" if all(v is not None for v in ratios) else ""
 
     if "decode-default" in R:
         d = R["decode-default"]
@@ -229,17 +235,17 @@ def readme_rows(R: Results) -> list[list[str]]:
             if all(rs):
                 out.append([f"decode, default model, {what}, 1 / 16 sequences",
                             " / ".join(f(r["decode_tok_s"]) for r in rs) + " tok/s",
-                            " / ".join(x_(r.get("decode_vs_llama_cpp")) for r in rs) + " llama.cpp", cmd("decode-default")])
+                            against(rs, "decode_vs_llama_cpp"), cmd("decode-default")])
         rs = [moeray_row(d, "all", b) for b in (1, 16)]
         if all(rs):
             out.append(["prefill, default model, every expert resident, 1 / 16 prompts of 64 tokens",
                         " / ".join(f(r["prefill_tok_s"]) for r in rs) + " tok/s",
-                        " / ".join(x_(r.get("prefill_vs_llama_cpp")) for r in rs) + " llama.cpp", "same run"])
+                        against(rs, "prefill_vs_llama_cpp"), "same run"])
     if "decode-qwen3-30b-a3b" in R:
         rs = [r for b in (1, 4, 16) if (r := moeray_row(R["decode-qwen3-30b-a3b"], "0", b))]
         out.append([f"decode, Qwen3-30B-A3B shape, host path, {' / '.join(str(r['batch']) for r in rs)} sequences",
                     " / ".join(f(r["decode_tok_s"]) for r in rs) + " tok/s",
-                    " / ".join(x_(r.get("decode_vs_llama_cpp")) for r in rs) + " llama.cpp", cmd("decode-qwen3-30b-a3b")])
+                    against(rs, "decode_vs_llama_cpp"), cmd("decode-qwen3-30b-a3b")])
     for name, what in (("serve-default-local", "served, default model, `serve --local`"),
                        ("serve-default-stages4", "served, default model, 4 Ray stages"),
                        ("serve-qwen3-30b-a3b", "served, Qwen3-30B-A3B shape, `serve --local`")):
@@ -694,7 +700,7 @@ TABLES = [
           ["deltanet"], deltanet_table),
     Table("mla", "docs/models.md", ["cached tokens", "absorbed ms", "decompressed ms", "decompressed / absorbed",
                                     "max difference"], ["mla"], mla_absorbed_table),
-    Table("sampling", "docs/sampling.md", ["parameters", "`sample()`, 16 rows", "extra per row"], ["sampling"],
+    Table("sampling", "docs/sampling.md", ["parameters", "`sample()` on every row", "extra per row"], ["sampling"],
           sampling_table),
     Table("huge-prompt", "docs/sampling.md",
           ["server", "the huge prompt answered", "the small request beside it", "the small request alone"],
