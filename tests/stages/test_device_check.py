@@ -17,7 +17,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
 from moeray.errors import MoerayError, PlacementError
 from quant_blocks import random_blocks
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "device_check.py"
 FAST_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4, T.IQ4_NL, T.IQ4_XS, T.IQ3_XXS, T.IQ3_S,
               T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ1_S, T.IQ1_M)

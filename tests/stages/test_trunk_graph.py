@@ -4,7 +4,7 @@ the ggml backend (stages/blocks/attention.py: the reference), on the default mod
 Both sides quantise activations to 8 bits before each matmul, so a 1e-7 difference upstream (RoPE
 in float32 vs float64, flash attention's online softmax vs SDPA) can move one rounding step and
 grow through the layers: the bound is the ggml backend's own (1e-1 of the largest logit, as in
-tests/test_parity_transformers.py), checked where both sides routed every layer to the same
+tests/stages/test_parity_transformers.py), checked where both sides routed every layer to the same
 experts; measured here: 1e-2 to 3e-2 (the fused backend is as close to the exact backend as the torch
 ggml backend: 3.0e-2 vs 3.3e-2 of the largest logit on the default model's 48-token prefill)."""
 from __future__ import annotations
@@ -219,7 +219,7 @@ def test_gpt_oss_runs_in_the_stage_graph(tmp_path):
 def test_repacked_q4k_weights(tmp_path):
     """Q4_K trunk matrices in ggml's repacked layout (the 30B shape's kind): the graph multiplies
     them through graphs.graph_mul_mat, as the torch path's matmuls do."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from shapes import Shape, write_shape
 
     s = Shape("qwen3moe", layers=2, hidden=256, heads=4, kv_heads=2, head_dim=64, experts=4, used=2,

@@ -24,7 +24,7 @@ from serve_process import stop
 pytest_plugins = ["live_dashboard_server"]  # the session's one `moeray serve --dashboard --api-key ...`
 MODEL = "moeray-dash"  # the name that server serves under (checked below)
 
-DASHBOARD = Path(__file__).resolve().parent.parent / "ray_configs" / "moeray-dashboard.json"
+DASHBOARD = Path(__file__).resolve().parents[2] / "ray_configs" / "moeray-dashboard.json"
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
 
 

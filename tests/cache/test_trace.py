@@ -12,7 +12,7 @@ import pytest
 
 from moeray.cache.trace import TraceError, TraceWriter, iter_trace, read_trace
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _ids(t: int, layer: int) -> list[int]:

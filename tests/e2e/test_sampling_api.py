@@ -1,7 +1,7 @@
 """The sampling fields, `n` and streamed usage over HTTP, and a huge prompt refused without holding
 anyone up: the HTTP app and the engine of `moeray serve --local` in this process (cluster/
 local_server.py, the default model), so a test can watch the tokenizer. What each field computes is
-tests/test_sampling.py's (against a direct computation) and tests/test_sampling_engine.py's
+tests/stages/test_sampling.py's (against a direct computation) and tests/cluster/test_sampling_engine.py's
 (through the engine); here: each reaches the sampler, a bad value is a 400 naming it, `n` choices
 share the prompt's KV blocks and each has its own seed, usage comes once."""
 from __future__ import annotations

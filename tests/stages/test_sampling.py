@@ -1,8 +1,8 @@
 """Sampling (greedy, temperature, top-k, top-p, min-p, logit_bias, the repetition / frequency /
 presence penalties, seeds) and stop strings on streamed text. Each processor is checked against a
 direct computation written here element by element, in vLLM's order; the engine carrying them to
-the last stage is tests/test_sampling_engine.py's. The generation loop's finish rules and
-scheduling are tests/test_engine.py's."""
+the last stage is tests/cluster/test_sampling_engine.py's. The generation loop's finish rules and
+scheduling are tests/cluster/test_engine.py's."""
 from __future__ import annotations
 
 import pytest

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from moeray.cluster import cli_docs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_docs_cli_md_is_what_the_parsers_print_now():

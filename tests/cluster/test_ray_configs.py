@@ -17,7 +17,7 @@ from ray.autoscaler._private.util import prepare_config, validate_config  # noqa
 
 from moeray.cluster.metrics import METRICS, exported_name  # noqa: E402
 
-CONFIGS = Path(__file__).resolve().parent.parent / "ray_configs"
+CONFIGS = Path(__file__).resolve().parents[2] / "ray_configs"
 CLUSTER_FILES = ["onprem-gpu.yaml", "aws-gpu.yaml"]
 
 

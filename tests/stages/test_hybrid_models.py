@@ -99,7 +99,7 @@ def test_chunked_prefill_then_decode_match_transformers(files, name):
 # 8e-3 (qwen35moe). Q8_0 (activations rounded to 8 bits, as llama.cpp does): 0.23 and 0.16, and
 # the routing differs at 28-38% of positions: the DeltaNet's L2-normalised q/k and the norm-gated
 # output rescale the rounding of four random layers. ggml_gated_delta_net itself equals the torch
-# rule to 1e-6 (tests/test_deltanet.py), so the error is the matmuls' activation rounding.
+# rule to 1e-6 (tests/stages/test_deltanet.py), so the error is the matmuls' activation rounding.
 GGML_RTOL = {"F16": 2e-2, "Q8_0": 0.3}
 GGML_SAME_ROUTING = {"F16": 0.9, "Q8_0": 0.5}
 

@@ -1,4 +1,4 @@
-"""deepseek2 beyond logit parity (tests/test_parity_transformers.py): what the file says, the
+"""deepseek2 beyond logit parity (tests/stages/test_parity_transformers.py): what the file says, the
 latent KV layout and its price, and stages chained over the dense and MoE layers."""
 from __future__ import annotations
 

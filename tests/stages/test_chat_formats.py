@@ -1,7 +1,7 @@
 """Chat formats (stages/text/chat/): every family's published template called as transformers'
 apply_chat_template is, its replies read into OpenAI's message whole and streamed (every split of
 every marker), malformed calls kept as content, and the grammar that forces a call in the family's
-own format. The served tool loop on tiny models of each family: tests/test_chat_serve.py."""
+own format. The served tool loop on tiny models of each family: tests/e2e/test_chat_serve.py."""
 from __future__ import annotations
 
 import contextlib

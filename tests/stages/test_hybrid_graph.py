@@ -7,7 +7,7 @@ on tiny random Qwen3-Next and Qwen3.5-MoE files (Q8_0).
 Both sides run the same ggml matmuls (activations rounded to 8 bits before each) and
 ggml_gated_delta_net for the rule; q/k's L2 norm, the conv and flash attention against SDPA differ
 in the last bits, which now and then moves one rounding step that the recurrent state then carries
-forward. The bound is the ggml backend's own, 1e-1 of the largest logit (tests/test_trunk_graph.py);
+forward. The bound is the ggml backend's own, 1e-1 of the largest logit (tests/stages/test_trunk_graph.py);
 measured: 0 to 2.8e-2 (equal bit for bit up to a first flipped rounding, e.g. position 67 of 150).
 A conv state left unwritten, a pad row that writes the state, or a padded sequence's conv state
 cut at the step's widest count is off by 1.2-1.4 of the largest logit (each tried)."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -21,8 +20,7 @@ from gguf import GGMLQuantizationType as QT
 from moeray.stages.kernels import ggml_build
 from moeray.stages.kernels.ggml_lib import TILED_ABSENT, TILED_OFF, TILED_ON, TILED_SYMBOL, tiled_gemm
 
-sys.path.insert(0, str(Path(__file__).parent))
-from quant_blocks import random_blocks  # noqa: E402
+from quant_blocks import random_blocks
 
 # The types the tiled path takes (IQ1_S / IQ1_M left out of the vendored copy).
 # The types moeray lets llamafile's sgemm take (its float and IQ4_NL kernels, which sum a row in
@@ -99,7 +97,7 @@ def test_any_failure_installs_the_plain_sdist_and_says_prefill_is_slower(monkeyp
 
 
 def test_a_side_build_gets_the_makefiles_flags():
-    text = (Path(__file__).resolve().parents[1] / "Makefile").read_text().replace("\\\n", " ")
+    text = (Path(__file__).resolve().parents[2] / "Makefile").read_text().replace("\\\n", " ")
     makefile = next(ln for ln in text.splitlines() if ln.startswith("GGML_CMAKE_ARGS ?="))
     assert makefile.split("?=", 1)[1].split() == ggml_build.DEFAULT_CMAKE_ARGS.split()
     assert "ggml_build.py install" in text

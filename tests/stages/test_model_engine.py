@@ -2,7 +2,7 @@
 
 Uses the real SmolLM2 GGUF (dense llama, Q4_1) and tiny random MoE GGUFs written in
 test_gguf_file.py (Mixtral-style llama, qwen2moe, qwen3moe; Q8_0). Correctness against
-transformers is tests/test_parity_transformers.py's job; here each behaviour is checked against
+transformers is tests/stages/test_parity_transformers.py's job; here each behaviour is checked against
 the engine's own simplest path (one sequence, one shot, one stage).
 """
 from __future__ import annotations

@@ -38,7 +38,7 @@ def test_generate_stop_string_and_seeded_sampling(smollm2_dense_path):
 
 
 def test_generate_penalties_and_logit_bias(smollm2_dense_path):
-    """The sampling flags reach the sampler (what each computes: tests/test_sampling.py)."""
+    """The sampling flags reach the sampler (what each computes: tests/stages/test_sampling.py)."""
     args = ["generate", smollm2_dense_path, "--prompt", "a b a b a b a b a b", "--max-tokens", "8"]
     plain = moeray(*args)
     assert plain.returncode == 0, plain.stderr

@@ -1,8 +1,8 @@
 """Structured output and tool calls: the grammar mask on the embedded default model in one process
 (`moeray generate --json-schema`, the engine `moeray serve` runs), and tools through the real `moeray serve --local` on a tiny GGUF whose chat template renders
 them (tests/tool_model.py). Log-probabilities, response_format over Ray stages and the 400 for a
-template without tools are in tests/test_serve_api.py (its server runs the default model); every
-family's chat format, its parser and its forced calls in tests/test_chat_formats.py."""
+template without tools are in tests/e2e/test_serve_api.py (its server runs the default model); every
+family's chat format, its parser and its forced calls in tests/stages/test_chat_formats.py."""
 from __future__ import annotations
 
 import json
@@ -30,7 +30,7 @@ def test_moeray_generate_json_schema_flag(default_model_path, tmp_path, capsys):
     (tmp_path / "s.json").write_text(json.dumps(schema))
     cmd = [sys.executable, "-m", "moeray.cluster.cli", "generate", str(default_model_path), "--chat",
            "--prompt", "What is the capital of France? Answer as JSON.", "--max-tokens", "20"]
-    # Sampled here; greedy, sampled and max_tokens over Ray stages are tests/test_serve_api.py's (the same
+    # Sampled here; greedy, sampled and max_tokens over Ray stages are tests/e2e/test_serve_api.py's (the same
     # StageRunner.sample masks both). The grammar completes, then only the end token is allowed: it stops.
     r = subprocess.run(cmd + ["--json-schema", str(tmp_path / "s.json"), "--temperature", "0.8", "--seed", "11"],
                        capture_output=True, text=True, timeout=300)

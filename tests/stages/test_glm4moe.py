@@ -1,4 +1,4 @@
-"""glm4moe beyond logit parity (tests/test_parity_transformers.py): the MTP layer llama.cpp's
+"""glm4moe beyond logit parity (tests/stages/test_parity_transformers.py): the MTP layer llama.cpp's
 converter appends is in the file but neither loaded nor priced, and reading it says so once."""
 from __future__ import annotations
 

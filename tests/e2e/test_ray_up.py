@@ -30,7 +30,7 @@ import pytest
 yaml = pytest.importorskip("yaml")
 pytest.importorskip("ray")
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
 
 PROXY = textwrap.dedent("""\

@@ -3,7 +3,7 @@ tiny model of the family that learned one tool loop in its own chat format (test
 carrying the family's published template. The call comes back as `tool_calls`, the reasoning as
 `reasoning_content`, whole and streamed; the tool's result goes back and the answer comes; and
 `tool_choice: "required"` makes the model call where it would have answered, in its family's format.
-Parsers, templates and grammars on their own: tests/test_chat_formats.py."""
+Parsers, templates and grammars on their own: tests/stages/test_chat_formats.py."""
 from __future__ import annotations
 
 import json

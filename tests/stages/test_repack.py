@@ -16,8 +16,7 @@ from moeray.stages.kernels import backend, graphs, repack, settings
 from moeray.stages.kernels.backend import ggml_available
 from moeray.stages.kernels.qmatmul import QMatrix, swiglu
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from quant_blocks import random_blocks  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not ggml_available() or repack.handle() is None,

@@ -17,7 +17,7 @@ from tiny_models import EXPERT_FFN, HIDDEN, N_HEADS, token_ids
 RTOL = 1e-4  # of the largest |logit|, the exact backend
 # ggml's 8-bit activations through Q8_0 attention and MXFP4 experts: measured 5.1e-2 of the largest
 # logit on these 20 tokens (F32 trunk, ggml for the experts only: 2.6e-2), the bound the other
-# families' ggml parity uses (tests/test_parity_transformers.py). Longer inputs can flip a near-tie
+# families' ggml parity uses (tests/stages/test_parity_transformers.py). Longer inputs can flip a near-tie
 # top-2 choice on rounding alone (0.44 at 40 tokens), which no tolerance on logits covers.
 GGML_RTOL = 1e-1
 IDS = token_ids(20)
@@ -118,7 +118,7 @@ def test_published_gpt_oss_120b_is_planned_from_its_header(tmp_path, capsys):
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from headers import write_gpt_oss_header
 
     from moeray.cluster.cli import main

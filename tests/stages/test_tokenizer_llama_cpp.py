@@ -24,7 +24,7 @@ from moeray.stages.text.tokenizer import Tokenizer
 # llama.cpp's vocab test files: byte-level BPE with their pre-tokenizers, and sentencepiece (spm, phi-3).
 VOCABS = ["gpt-2", "llama-bpe", "llama-spm", "qwen2", "qwen35", "deepseek-llm", "deepseek-coder", "falcon", "mpt",
           "starcoder", "refact", "command-r", "phi-3"]
-REFERENCE = Path(__file__).parent / "data" / "llama_cpp_pretok.json"
+REFERENCE = Path(__file__).parents[1] / "data" / "llama_cpp_pretok.json"
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 from shapes import _SCALES, SHAPES, Shape, random_blocks, shrink, write_shape  # noqa: E402
 

@@ -5,7 +5,7 @@ KV budget complete with 0 errors and the tokens of a plain greedy loop. A tiny r
 (3 layers, written as a GGUF) keeps it fast: dense, because a random router flips experts on
 the last-bit differences between a re-prefill and a decode, which the upcycled default model's
 router cannot (its experts are copies); the 6,000-token parity on the default model is
-tests/test_long_context.py."""
+tests/e2e/test_long_context.py."""
 from __future__ import annotations
 
 import random

@@ -22,7 +22,7 @@ from ray.serve.schema import ServeDeploySchema  # noqa: E402
 from moeray.cluster.serve_build import argv_from  # noqa: E402
 from moeray.errors import MoerayError  # noqa: E402
 
-SERVE_YAML = Path(__file__).resolve().parent.parent / "ray_configs" / "serve.yaml"
+SERVE_YAML = Path(__file__).resolve().parents[2] / "ray_configs" / "serve.yaml"
 
 
 def test_the_shipped_file_is_a_valid_serve_deploy_config_naming_the_builder():
