@@ -1,11 +1,9 @@
-"""The CUDA path: bench/device_check.py end to end on the CPU (its dry run), the CUDA-specific rules
-that the CPU can check (device-preserving dequantisation, bounded scratch, card shares, link
-backends), and tests marked `cuda` that run on a GPU and skip, saying why, everywhere else."""
+"""The CUDA path: the CUDA-specific rules that the CPU can check (device-preserving dequantisation,
+bounded scratch, card shares, link backends), and tests marked `cuda` that run on a GPU and skip,
+saying why, everywhere else. bench/device_check.py end to end on the CPU (its dry run):
+tests/e2e/test_device_check_script.py."""
 from __future__ import annotations
 
-import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,7 +16,6 @@ from moeray.errors import MoerayError, PlacementError
 from quant_blocks import random_blocks
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "device_check.py"
 FAST_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4, T.IQ4_NL, T.IQ4_XS, T.IQ3_XXS, T.IQ3_S,
               T.IQ2_XXS, T.IQ2_XS, T.IQ2_S, T.IQ1_S, T.IQ1_M)
 NO_CUDA = "no CUDA device here (torch.cuda.is_available() is False): run on a GPU machine with torch's CUDA build"
@@ -27,68 +24,6 @@ NO_CUDA = "no CUDA device here (torch.cuda.is_available() is False): run on a GP
 def _blocks(qtype: T, n_blocks: int, seed: int = 0) -> torch.Tensor:
     """Random blocks with sane float16 scales (random bytes there could be inf or NaN)."""
     return torch.from_numpy(random_blocks(qtype, n_blocks, np.random.default_rng(seed), scale=0.01).reshape(-1))
-
-
-def _run_script(out: Path, *extra: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(SCRIPT), "--out", str(out), *extra], cwd=ROOT, text=True,
-                          capture_output=True, timeout=timeout, env={**os.environ, "RAY_DEDUP_LOGS": "0"})
-
-
-# ---------------------------------------------------------------- the dry run
-
-
-@pytest.fixture(scope="module")
-def dry_run(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
-    """The whole script on the CPU, small: the synthetic MoE in 1 and 2 simulated stages."""
-    out = tmp_path_factory.mktemp("device_check")
-    proc = _run_script(out, "--device", "cpu", "--quick", "--models", "synthetic")
-    report = out / "device_check.json"
-    assert report.is_file(), proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc, json.loads(report.read_text())
-
-
-@pytest.mark.slow
-def test_dry_run_passes_every_check(dry_run):
-    proc, data = dry_run
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert data["finished"] and not data["errors"]
-    failed = [c for c in data["checks"] if not c["pass"]]
-    assert not failed and len(data["checks"]) >= 7, data["checks"]
-    assert "checks passed" in proc.stdout and "synthetic" in proc.stdout  # the summary table
-
-
-@pytest.mark.slow
-def test_dry_run_measures_what_the_gpu_run_reports(dry_run):
-    _, data = dry_run
-    assert "NVML" in json.dumps(data["probe"]["views"])  # NVML's answer here: why it has no card to show
-    m = data["models"]["synthetic"]
-    assert m["experts_bytes"] > 0 and m["size_bytes"] > m["experts_bytes"]
-    lg = m["logits"]
-    assert lg["rel_diff"] == 0.0 and lg["argmax_agreement"] == 1.0  # the same kernels on the same CPU
-    assert 0 < lg["resident"] < lg["n_experts_total"]  # the capped cache: hits from slots, misses from the host
-    for n in (1, 2):
-        run = m[f"stages_{n}"]
-        assert run["greedy"] == m["cpu_greedy"] and len(run["greedy"]) == 8
-        assert [d["batch"] for d in run["decode"]] == [1, 4] and all(d["decode_tok_s"] > 0 for d in run["decode"])
-        assert len(run["stages"]) == n
-        for s in run["stages"]:
-            # "about half" of the experts are resident and hit; the rest are misses on the host
-            assert 0.25 <= s["hit_rate"] <= 0.75 and s["lookups"] > 0
-            mem = s["memory"]
-            assert 0 < mem["held_bytes"] <= mem["charged_bytes"]
-            assert {"KV pool", "expert cache"} <= {k.split(" (")[0] for k in mem["charged"]}
-    hop = m["stages_2"]["hop"]
-    assert hop["rows1"]["intact"] and hop["rows16"]["intact"] and hop["rows1"]["backend"] == "gloo"
-    assert hop["rows1"]["ms_per_hop"] > 0
-
-
-def test_cuda_requested_without_cuda_is_one_clear_line(tmp_path):
-    if torch.cuda.is_available():
-        pytest.skip("this machine has CUDA: the refusal cannot happen")
-    proc = _run_script(tmp_path, "--device", "cuda", timeout=120)
-    assert proc.returncode == 2
-    assert "sees no CUDA device" in proc.stderr and "--device cpu" in proc.stderr
-    assert "Traceback" not in proc.stderr
 
 
 # ---------------------------------------------------------------- CUDA rules the CPU can check
@@ -235,12 +170,3 @@ def test_cuda_stage_logits_equal_cpu_with_half_the_experts_on_the_card(tmp_path)
     scale = abs(cpu["logits"]).max()
     assert abs(gpu["logits"] - cpu["logits"]).max() <= 1e-3 * scale
     assert gpu["torch_peak_run_bytes"] <= 1.05 * (gpu["trunk_bytes"] + gpu["slots_bytes"]) + (64 << 20)
-
-
-@pytest.mark.cuda
-@pytest.mark.slow
-@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
-def test_cuda_device_check_quick(tmp_path):
-    proc = _run_script(tmp_path, "--device", "cuda", "--quick", "--models", "synthetic")
-    data = json.loads((tmp_path / "device_check.json").read_text())
-    assert proc.returncode == 0, [c for c in data["checks"] if not c["pass"]] or data["errors"]

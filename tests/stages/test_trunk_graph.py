@@ -6,7 +6,8 @@ in float32 vs float64, flash attention's online softmax vs SDPA) can move one ro
 grow through the layers: the bound is the ggml backend's own (1e-1 of the largest logit, as in
 tests/stages/test_parity_transformers.py), checked where both sides routed every layer to the same
 experts; measured here: 1e-2 to 3e-2 (the fused backend is as close to the exact backend as the torch
-ggml backend: 3.0e-2 vs 3.3e-2 of the largest logit on the default model's 48-token prefill)."""
+ggml backend: 3.0e-2 vs 3.3e-2 of the largest logit on the default model's 48-token prefill).
+The default model's cases: tests/e2e/test_trunk_graph_default_model.py."""
 from __future__ import annotations
 
 import sys
@@ -86,26 +87,6 @@ def _prefill_then_decode(ids, chunk: int):
             out.append(model.head(model.run_layers(model.embed([ids[a:b]]), meta, kv)))
         return torch.cat(out)
     return fn
-
-
-@pytest.fixture(scope="module")
-def default(default_model_path):
-    return Both(default_model_path)
-
-
-def test_default_model_prefill_logits(default):
-    _close(default, lambda m: m.logits_all(token_ids(48, seed=3)), "prefill", routed_alike=False)
-
-
-def test_default_model_prefill_chunks_then_decode(default):
-    _close(default, _prefill_then_decode(token_ids(30, seed=5), 11), "chunks + decode", routed_alike=False)
-
-
-def test_sixteen_sequences_with_shared_prefix_blocks(default):
-    """The engine's case: block tables (sequences 0-3 share their first block, so keys are
-    gathered by block), prompts continued past a shared prefix, decode of all 16 together, then a
-    mixed steps (one, then two sequences add two tokens, the others one)."""
-    _sixteen_sequences(default)
 
 
 def test_gpt_oss_sixteen_sequences_past_the_window(tmp_path):
