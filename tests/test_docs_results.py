@@ -126,7 +126,7 @@ MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:work|home|Users|scratch|mnt|root)/")
 def test_no_page_bench_test_or_results_file_names_a_machine_path():
     files = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "NOTICE", ROOT / "Makefile", ROOT / "pyproject.toml",
              *(ROOT / "docs").rglob("*.md"), *(ROOT / "docs" / "results").glob("*.json"), *(ROOT / "bench").glob("*.py"),
-             *(ROOT / "tests").glob("*.py"), *(ROOT / "ray_configs").glob("*")]
+             *(ROOT / "tests").rglob("*.py"), *(ROOT / "ray_configs").glob("*")]
     found = [f"{p.relative_to(ROOT)}:{n}: {line.strip()[:120]}" for p in files if p.is_file()
              for n, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if MACHINE_PATH.search(line)]
     assert not found, "a path of one machine (take it from an argument, PATH or an environment variable):\n" + \
