@@ -40,9 +40,11 @@ from moeray.cluster.scheduler import EngineStats, Request, ScheduledStep, Schedu
 from moeray.cluster.state_checkpoints import CheckpointLedger
 from moeray.cluster.speculation import Speculation
 from moeray.cluster.step_clock import StepClock
+from moeray.cluster.timeline import StepTiming, Timeline, now_ns
 from moeray.errors import MoerayError
 from moeray.stages.runtime.step import StepBatch, StepOutput
-from moeray.stages.text.sampling import SamplingParams, StopStringStream
+from moeray.stages.text.detokenize import StopStringStream
+from moeray.stages.text.sampling import SamplingParams
 
 log = logging.getLogger("moeray")
 
@@ -116,12 +118,14 @@ class Engine:
         self._ids = itertools.count()
         # Every step timed (its size and wall time), so speculation prices drafts at what steps cost here.
         self.clock = StepClock(getattr(pipeline, "step_experts", ()) or ()) if self.speculation is not None else None
-        self._t_submit: dict[int, float] = {}
-        self._t_last = 0.0
+        self._t_submit: dict[int, int] = {}  # step id -> when it was handed to the pipeline (ns)
+        self._t_last = 0
+        self.last_step = StepTiming()  # the step whose result came back last (cluster/timeline.py)
 
     # ---------------------------------------------------------------- requests
 
-    def add(self, prompt: Sequence[int], params: SamplingParams = SamplingParams()) -> Request:
+    def add(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(),
+            timeline: Timeline | None = None) -> Request:
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise MoerayError("an empty prompt cannot be continued; give at least one token")
@@ -135,7 +139,9 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise MoerayError("stop strings need an engine with a tokenizer")
         detok = StopStringStream(self.tokenizer, params.stop) if self.tokenizer is not None else None
-        req = Request(next(self._ids), prompt, params, min(params.max_tokens, room), detok)
+        req = Request(next(self._ids), prompt, params, min(params.max_tokens, room), detok, timeline=timeline)
+        if timeline is not None:
+            timeline.mark("taken")
         self.scheduler.waiting.append(req)
         return req
 
@@ -170,32 +176,37 @@ class Engine:
         busy = {s.lane for s, _ in self.in_flight}
         for lane in range(self.config.micro_batches):
             if lane not in busy and (step := self.scheduler.schedule(lane)) is not None:
-                self._t_submit[step.id] = time.perf_counter()
+                t = self._t_submit[step.id] = now_ns()
+                for row in step.rows:
+                    if row.req.timeline is not None:
+                        row.req.timeline.mark("scheduled", t)
                 self.in_flight.append((step, self.pipeline.submit(step.batch())))
         if not self.in_flight:
             return
         step, handle = self.in_flight.popleft()
+        start = self._t_submit.get(step.id, 0)
         try:
             out = self.pipeline.result(handle, self.config.step_timeout_s)
         except StageFailedError as exc:
             self._fail_all(exc)
             raise
-        ms = self._time(step)
+        end = now_ns()
+        ms = self._time(step, end)
         spec = self.speculation
         accepted = spec.stats.accepted_tokens if spec is not None else 0
         self.scheduler.postprocess(step, out)
+        self.last_step = StepTiming(start, end, out.sample_ns, now_ns() - end)
         if spec is not None:  # the drafts' measured worth (cluster/speculation.py step_done)
             spec.step_done(sum(len(r.tokens) for r in step.rows), sum(len(r.draft) for r in step.rows),
                            spec.stats.accepted_tokens - accepted, sum(1 for r in step.rows if r.sample), ms,
                            sum(1 for r in step.rows if r.draft))
 
-    def _time(self, step: ScheduledStep) -> float:
-        """The step's cost to the pipeline: from its submission, or from the result before it when
-        that came later (steps in flight together overlap: each is charged its own share)."""
-        now = time.perf_counter()
+    def _time(self, step: ScheduledStep, now: int) -> float:
+        """The step's cost to the pipeline (ms): from its submission, or from the result before it
+        when that came later (steps in flight together overlap: each is charged its own share)."""
         t0 = max(self._t_submit.pop(step.id, now), self._t_last)
         self._t_last = now
-        ms = (now - t0) * 1e3
+        ms = (now - t0) / 1e6
         if self.clock is not None:
             n_logits = sum(len(r.draft) + 1 for r in step.rows if r.sample)
             drafted = sum(len(r.draft) for r in step.rows)
