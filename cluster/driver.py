@@ -137,6 +137,9 @@ class StageGroup:
     header: Any = None  # the model's header as the driver read it: every stage gets it (a Ray object)
     model_header: Any = None  # ... and the header itself
     hung: set = field(default_factory=set)
+    # The sampling rows' slots of the last step whose tokens the last stage sends to the first
+    # (StepBatch.loop_back), until a step takes them there (RayPipeline.submit); none once re-formed
+    looped: list[int] | None = None
     _actor_opts: dict = field(default_factory=dict)
 
     def start(self) -> "StageGroup":
@@ -225,6 +228,7 @@ class StageGroup:
                    if self.reports else None)
         gather([a.connect.remote(addr, port, timeout_s, backend) for a in self.actors], self.timeout_s + timeout_s,
                "connect")
+        self.looped = None  # a new group: no tokens on their way
 
     def where(self, i: int) -> str:
         """'simulated device 2 (8.00 MiB on CPU) on 192.0.2.2' -- for error messages."""
@@ -624,6 +628,8 @@ class RayPipeline:
     sampled tokens come back."""
 
     verifies = True  # the last stage accepts drafted tokens (StepBatch.drafts): speculative decoding
+    async_submit = True  # submit only sends the step: the stages compute while the engine goes on
+    loops_back = True  # the last stage can send its tokens to the first (StepBatch.loop_back): chained decode
 
     @property
     def draft_model(self) -> bool:
@@ -658,7 +664,14 @@ class RayPipeline:
 
     def submit(self, batch: StepBatch) -> list:
         t0 = now_ns()
-        refs = [a.step.remote(batch.for_stage(i, self.n_stages)) for i, a in enumerate(self.group.actors)]
+        group = self.group
+        # The step after one whose last stage sent its tokens to the first takes them there, whatever
+        # it holds (the send waits for it): known to the group, whichever engine hands out the steps.
+        if group.looped is not None:
+            batch, group.looped = replace(batch, looped=group.looped), None
+        if batch.loop_back:
+            group.looped = [slot for slot, want in zip(batch.slots, batch.sample) if want]
+        refs = [a.step.remote(batch.for_stage(i, self.n_stages)) for i, a in enumerate(group.actors)]
         self._sent[id(refs)] = (batch.step_id, t0, now_ns())
         return refs
 

@@ -216,15 +216,20 @@ class EngineLoop:
         self._count()
 
     def _step(self) -> None:
+        failed = True
         try:
-            self.engine.step()
+            # What the last step released goes to the event loop once the next step is on its way
+            # (Engine.step: on a pipeline that computes as it is handed a step, just before).
+            self.engine.step(on_submitted=self._deliver)
+            failed = False
         except StageFailedError as exc:
             # The engine failed its running requests and restarted the stage; waiting ones go on.
             self.last_failure = str(exc)
         except MoerayError as exc:
             # The recovery found no way to serve (the devices left cannot hold the model).
             self.last_failure = self.down = str(exc)
-        self._deliver()
+        if failed or not self.engine.has_work():  # no next step to wait for
+            self._deliver()
         self._count()
 
     def _while_down(self) -> None:

@@ -35,7 +35,7 @@ from moeray.cluster.speculation import SeqSpec, Speculation
 from moeray.cluster.timeline import Timeline
 from moeray.errors import MoerayError
 from moeray.stages.blocks.kv_cache import BLOCK_SIZE, blocks_for
-from moeray.stages.runtime.step import StepBatch, StepOutput
+from moeray.stages.runtime.step import LOOPED, StepBatch, StepOutput
 from moeray.stages.text.detokenize import StopStringStream
 from moeray.stages.text.sampling import SamplingParams, TokenLogprob
 
@@ -80,7 +80,7 @@ class Request:
     preemptions: int = 0
     fresh: bool = False  # admitted, its first row not yet scheduled: the stages start its sampler over
     t_admit: int = -1  # admission order: the youngest is preempted first
-    busy: bool = False  # in a micro-batch that is in flight
+    in_flight: int = 0  # its micro-batches in flight (two while a chained decode runs ahead: cluster/engine.py)
     t_arrive: float = field(default_factory=time.perf_counter)
     t_first: Optional[float] = None
     t_done: Optional[float] = None
@@ -97,6 +97,11 @@ class Request:
     @property
     def done(self) -> bool:
         return self.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
+
+    @property
+    def busy(self) -> bool:
+        """In a micro-batch that is in flight."""
+        return self.in_flight > 0
 
     @property
     def text(self) -> str:
@@ -133,6 +138,17 @@ class ScheduledStep:
     draft_model: bool = False
     mtp: bool = False
     ended: list[int] = field(default_factory=list)  # slots whose sequences ended since the last step
+    # A chained decode (cluster/engine.py): the last stage sends this step's tokens to the first
+    # stage, for the step that continues it; `chained`: this step is such a continuation
+    loop_back: bool = False
+    chained: bool = False
+
+    @property
+    def plain_decode(self) -> bool:
+        """Every row a plain decode (one token, sampled; no draft), nothing copied around the step:
+        a step the same rows can continue one token later."""
+        return (not self.copies and not self.state_before and not self.state_after and not self.draft_model
+                and not self.mtp and all(r.sample and len(r.tokens) == 1 and not r.draft for r in self.rows))
 
     def batch(self) -> StepBatch:
         # A sequence with penalties starts its last stage's TokenHistory from what it holds: the
@@ -146,7 +162,7 @@ class ScheduledStep:
                          sample=[r.sample for r in self.rows],
                          # a sequence's params once, with its fresh row (the stage keeps them)
                          params=[r.req.stage_params if r.fresh else None for r in self.rows] if any(fresh) else None,
-                         ended=self.ended or None,
+                         ended=self.ended or None, loop_back=self.loop_back,
                          starts=[r.start for r in self.rows],
                          tables=[r.req.table[:blocks_for(r.start + len(r.tokens))] for r in self.rows],
                          copies=self.copies or None, state_before=self.state_before or None,
@@ -169,6 +185,7 @@ class EngineStats:
     # tokens its next rows fed again (what rejections cost there beyond the drafted tokens)
     state_restores: int = 0
     refeed_tokens: int = 0
+    chained_steps: int = 0  # decode steps issued before the one they continue came back (cluster/engine.py)
 
 
 class Scheduler:
@@ -378,12 +395,38 @@ class Scheduler:
             self._add_drafts(rows[:n_decode], sum(len(row.tokens) for row in rows), budget, before, after)
         rows.sort(key=lambda row: row.req.slot)
         for row in rows:
-            row.req.busy = True
+            row.req.in_flight += 1
         spec = self.speculation
         ended, self.ended = self.ended, []
         return ScheduledStep(next(self._steps), lane, rows, copies, before, after,
                              draft_model=spec is not None and spec.draft_model, mtp=spec is not None and spec.mtp,
                              ended=ended)
+
+    def continue_decode(self, step: ScheduledStep) -> Optional[ScheduledStep]:
+        """The step after `step`, issued before `step` comes back (a chained decode: its tokens come
+        from the last stage itself, StepBatch.looped): the same sequences one token on, those that
+        are not done and whose next token is within max_tokens. None when no row is left, or the
+        KV pool has no free block for a row that needs one (no one is preempted for it)."""
+        rows = [r.req for r in step.rows
+                if not r.req.done and len(r.req.output) + r.req.in_flight < r.req.max_new]
+        if not rows or self.checkpoints is not None or self.spares is not None:
+            return None
+        need = [r for r in rows if len(r.table) * BLOCK_SIZE <= r.kv_len]
+        if need:
+            got = self.blocks.allocate(len(need))
+            if got is None:
+                return None
+            for r, block in zip(need, got):
+                r.table.append(block)
+        out = []
+        for r in rows:
+            out.append(Row(r, [LOOPED], r.kv_len, fresh=False, sample=True))
+            r.kv_len += 1
+            r.in_flight += 1
+        self.stats.decode_tokens += len(out)
+        self.stats.chained_steps += 1
+        ended, self.ended = self.ended, []
+        return ScheduledStep(next(self._steps), step.lane, out, ended=ended, chained=True)
 
     def _add_drafts(self, decode_rows: list[Row], n_plain: int, budget: int, before: list,
                     after: list) -> None:
@@ -457,13 +500,14 @@ class Scheduler:
         proposals = result.proposals or [None] * len(result.tokens)
         for row, tok, lp, proposal in zip(step.rows, result.tokens, logprobs, proposals):
             req = row.req
-            req.busy = False
+            req.in_flight -= 1
             if req.spec is not None:  # the MTP layer's next draft: for the sequence's next row only
                 req.spec.proposal = proposal or []
             if row.draft:  # until the verdict, only the row's first token is the sequence's
                 req.kv_len = row.start + 1
-            if req.done:  # aborted while its step was in flight: the slot is free now
-                self._release(req)
+            if req.done:  # finished or aborted while this step was in flight: the slot is free once none is
+                if not req.in_flight:
+                    self._release(req)
             elif tok is None:  # the row was a prompt chunk with more to come
                 continue
             elif row.draft:
@@ -530,7 +574,7 @@ class Scheduler:
 
     def finish(self, req: Request, reason: str) -> None:
         req.status, req.finish_reason, req.t_done = RequestStatus.FINISHED, reason, time.perf_counter()
-        if not req.busy:
+        if not req.in_flight:
             self._release(req)
 
     def abort(self, req: Request) -> None:
@@ -560,7 +604,7 @@ class Scheduler:
     def fail_running(self, message: str) -> None:
         """Every running request lost its KV state; waiting ones are untouched."""
         for req in list(self.running):
-            req.status, req.error, req.busy, req.t_done = RequestStatus.FAILED, message, False, time.perf_counter()
+            req.status, req.error, req.in_flight, req.t_done = RequestStatus.FAILED, message, 0, time.perf_counter()
             self._release(req)
         self.blocks.forget_all()  # a restarted stage holds no KV: no cached prefix is valid
         if self.checkpoints is not None:  # ... and no state

@@ -100,6 +100,10 @@ class Service:
                                 opts.chat_format)
         self.tokenizer = self.tokenizer.with_rendered(self.chat.markers())
         self.tokenizer.max_token_bytes  # noqa: B018 - read the vocabulary once now, not on a request
+        try:  # the template compiled and its renderer imported now: seconds the first request would wait
+            self.chat.render(self.tokenizer, [{"role": "user", "content": "hello"}])
+        except Exception:  # noqa: BLE001 - no template, or one that refuses this message: the requests say why
+            pass
         self.created = oa.now()
         self.launched = None
         self.lines: list[str] = []

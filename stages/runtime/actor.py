@@ -122,6 +122,7 @@ class StageActor:
             # Simulated stages share the host's cores; without this each grabs all of them.
             torch.set_num_threads(torch_threads)
         self.stage, self.n_stages = stage, n_stages
+        self._loop_tokens = None  # a one-stage pipeline's looped tokens, kept for its next step
         self.simulated_budget = simulated_budget
         self.card_share = card_share  # the part of its GPU Ray gave this stage (0.5: two stages per card)
         self.device: DeviceInfo = probe_device(simulated_budget, index=stage, card_share=card_share)
@@ -228,6 +229,7 @@ class StageActor:
         backend = backend or ("nccl" if self.device.kind == "cuda" else "gloo")
         self.link = StageLink(master_addr, master_port, self.stage, self.n_stages, timeout_s, backend,
                               compute_device=self.device.torch_device)
+        self._loop_tokens = None  # a chain of decode steps does not outlive its process group
         return self.stage
 
     def ping(self) -> int:
@@ -325,6 +327,8 @@ class StageActor:
         self.steps += 1
         self.tokens_in += n_rows
         try:
+            if first and batch.looped is not None:  # the last stage's tokens of the step before, first thing
+                batch = batch.with_looped(dict(zip(batch.looped, self._looped_tokens(len(batch.looped)))))
             meta = self.runner.begin(batch)
             carry = None  # the draft model's tokens, from the first stage to the last (StageLink)
             if first:
@@ -346,6 +350,12 @@ class StageActor:
                 self.timings.append((batch.step_id, t0, t_in, t_layers, time.perf_counter_ns()))
                 return None
             out = self.runner.sample(batch, x, meta)
+            if batch.loop_back:  # to the first stage, for the step that continues this one
+                sampled = [t for t, want in zip(out.tokens, batch.sample) if want]
+                if first:
+                    self._loop_tokens = sampled
+                else:
+                    self.link.send_tokens(sampled)
             t_out = time.perf_counter_ns()
             out.sample_ns = t_out - t_layers
             self.timings.append((batch.step_id, t0, t_in, t_layers, t_out))
@@ -359,6 +369,16 @@ class StageActor:
             raise
         finally:
             self.step_s += (time.perf_counter_ns() - t0) / 1e9
+
+    def _looped_tokens(self, n: int) -> list[int]:
+        """The first stage: the last stage's sampled tokens of the step before (this stage's own
+        when it is the only one)."""
+        if self.n_stages == 1:
+            tokens, self._loop_tokens = self._loop_tokens, None
+            if tokens is None or len(tokens) != n:
+                raise MoerayError(f"stage 0: a step continues one whose {n} tokens it does not hold")
+            return tokens
+        return self.link.recv_tokens(n)
 
     def device_memory(self) -> dict[str, Any]:
         """What this stage was charged against what its device really holds: the ledger's parts

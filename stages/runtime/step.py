@@ -15,6 +15,10 @@ from moeray.stages.runtime.device import DeviceInfo
 if TYPE_CHECKING:  # annotations only: sampling.py loads torch
     from moeray.stages.text.sampling import SamplingParams, TokenLogprob
 
+# A decode row's token the engine does not know yet: the last stage sent it to the first stage
+# itself, after sampling the step before (StepBatch.loop_back, StepBatch.looped).
+LOOPED = -1
+
 
 @dataclass(kw_only=True)
 class StepBatch:
@@ -40,6 +44,12 @@ class StepBatch:
     # fresh row carries any)
     params: list[SamplingParams | None] | None = None
     ended: list[int] | None = None  # last stage only: slots whose sequences ended since the last step
+    # A decode step issued before the one it continues came back (cluster/engine.py, chained decode):
+    # the last stage sends its sampled tokens (one per sampling row, in row order) straight to the
+    # first stage (`loop_back`), and the next step the first stage runs takes them first (`looped`:
+    # the slots they belong to, in that order); its rows whose token is LOOPED take their slot's.
+    loop_back: bool = False  # last stage only
+    looped: list[int] | None = None  # first stage only
     starts: list[int] | None = None  # tokens each sequence holds in KV before this step
     tables: list[list[int]] | None = None  # each sequence's KV blocks, at least up to its last new token
     # (block, block, rows): copy the first rows of a written block into another before the step (a
@@ -69,9 +79,15 @@ class StepBatch:
         last = stage == n_stages - 1
         return replace(self, tokens=self.tokens if stage == 0 or (last and self.mtp_k is not None) else None,
                        sample=self.sample if last else None, params=self.params if last else None,
-                       ended=self.ended if last else None,
+                       ended=self.ended if last else None, loop_back=self.loop_back and last,
+                       looped=self.looped if stage == 0 else None,
                        history=self.history if last else None, drafts=self.drafts if last else None,
                        draft_k=self.draft_k if stage == 0 or last else None, mtp_k=self.mtp_k if last else None)
+
+    def with_looped(self, tokens: dict[int, int]) -> "StepBatch":
+        """This step with its LOOPED tokens filled in from the last stage's (slot -> token)."""
+        return replace(self, tokens=[[tokens[slot] if t == LOOPED else t for t in row]
+                                     for slot, row in zip(self.slots, self.tokens)])
 
     def model_drafted(self, drafts: list[list[int]]) -> "StepBatch":
         """This step with the draft model's tokens in its rows (placeholders replaced): in the token
