@@ -173,6 +173,7 @@ class Engine:
                 self._t_submit[step.id] = time.perf_counter()
                 self.in_flight.append((step, self.pipeline.submit(step.batch())))
         if not self.in_flight:
+            self._t_last = 0.0  # nothing ran: the next step's time starts at its submission
             return
         step, handle = self.in_flight.popleft()
         try:
@@ -180,23 +181,31 @@ class Engine:
         except StageFailedError as exc:
             self._fail_all(exc)
             raise
-        ms = self._time(step)
+        cold = getattr(out, "cold", False)
+        ms = self._time(step, cold)
         spec = self.speculation
         accepted = spec.stats.accepted_tokens if spec is not None else 0
         self.scheduler.postprocess(step, out)
-        if spec is not None:  # the drafts' measured worth (cluster/speculation.py step_done)
+        if spec is not None and not cold:  # the drafts' measured worth (cluster/speculation.py step_done)
             spec.step_done(sum(len(r.tokens) for r in step.rows), sum(len(r.draft) for r in step.rows),
                            spec.stats.accepted_tokens - accepted, sum(1 for r in step.rows if r.sample), ms,
                            sum(1 for r in step.rows if r.draft))
+        if not self.has_work():  # idle from here: the next step's time starts at its submission
+            self._t_last = 0.0
 
-    def _time(self, step: ScheduledStep) -> float:
-        """The step's cost to the pipeline: from its submission, or from the result before it when
-        that came later (steps in flight together overlap: each is charged its own share)."""
+    def _time(self, step: ScheduledStep, cold: bool = False) -> float:
+        """The step's cost: the time since the result before it while the engine stayed busy (the
+        step, and this loop's own work between steps: the last step's postprocess, the hand-off to
+        the server, scheduling this one: a verify row that emits k tokens pays it once, k plain
+        steps k times), else since its submission. Steps in flight together overlap: each is
+        charged the time between its result and the one before. A `cold` step (the stages built a
+        graph for it) is not priced: that time is once per shape, not its size's."""
         now = time.perf_counter()
-        t0 = max(self._t_submit.pop(step.id, now), self._t_last)
+        t0 = self._t_last or self._t_submit.pop(step.id, now)
+        self._t_submit.pop(step.id, None)
         self._t_last = now
         ms = (now - t0) * 1e3
-        if self.clock is not None:
+        if self.clock is not None and not cold:
             n_logits = sum(len(r.draft) + 1 for r in step.rows if r.sample)
             drafted = sum(len(r.draft) for r in step.rows)
             verify_rows = sum(1 for r in step.rows if r.draft)

@@ -83,6 +83,9 @@ class StepOutput:
     logprobs: list[TokenLogprob | list[TokenLogprob] | None] | None = None
     # a next-token-prediction layer's tokens for the row's next step (stages/runtime/mtp.py), per row
     proposals: list[list[int] | None] | None = None
+    # the last stage built a graph of a shape it had not run before during this step: its time is
+    # no price of its size (cluster/engine.py keeps it out of speculation's step price and guard)
+    cold: bool = False
 
 
 @dataclass(frozen=True)
