@@ -53,8 +53,11 @@ MATCH_BANDS = (2, 3, 4, 6, 8, 16, 32, 64)
 COPY_BAND = 16  # from here a sequence's own record of its n-gram drafts is kept apart ("copy"): a
 # copy's long rows are not judged by the short guesses the same answer made elsewhere
 # A verify row's length (k + 1) is one of these: each step shape is a graph the stages build once
-# (~15-20 ms on the default model, a step's worth) and keep, so a few sizes are built once and reused.
-ROW_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# per ROW_KEY_PAD keys (stages/runtime/trunk_graph.py; ~30 ms on the default model's 30 layers at one
+# thread, a step or more) and keep, so a few sizes are built once and reused. Powers of two: a
+# copy's rows grow 2, 4, 8, ... as its acceptance is measured, and a dozen sizes built a graph
+# every few verify rows of a 200-token copy.
+ROW_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 def row_size_below(k: int) -> int:

@@ -67,8 +67,8 @@ from moeray.stages.kernels.threads import GraphPlans
 
 L2_EPS = 1e-6  # the DeltaNet's q/k L2 norm: x / sqrt(sum x^2 + L2_EPS) (stages/blocks/deltanet.l2norm)
 KEY_PAD = 64  # keys per graph shape: a decode step builds a new graph every KEY_PAD tokens
-# Keys per graph shape of a step whose rows hold several tokens. Speculation's verify rows come in a
-# dozen lengths (cluster/speculation.py ROW_SIZES), each a graph of its own at each key count, and a
+# Keys per graph shape of a step whose rows hold several tokens. Speculation's verify rows come in
+# several lengths (cluster/speculation.py ROW_SIZES), each a graph of its own at each key count, and a
 # graph costs a decode step or more to build (~30 ms on the default model's 30 layers, in Python):
 # at KEY_PAD a copy-heavy answer built a new one every few verify rows. Padded keys cost next to
 # nothing there: ggml's flash attention skips the masked ones (a key, or a tile of them). A
