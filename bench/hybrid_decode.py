@@ -163,9 +163,10 @@ def kernels(args) -> dict[tuple[str, int], dict[str, float]]:
             with tempfile.TemporaryDirectory() as d:
                 ctl = Path(d) / "ctl"
                 os.mkfifo(ctl)
-                child(engine, one, (str(Path(d) / "perf.data"), str(ctl)))
+                data = Path(args.perf_dir or d) / f"perf-{engine}-{depth}.data"
+                child(engine, one, (str(data), str(ctl)))
                 parts: dict[str, float] = {}
-                for label, sec in kernel_table(str(Path(d) / "perf.data"), args.tokens):
+                for label, sec in kernel_table(str(data), args.tokens):
                     parts[label] = parts.get(label, 0.0) + 1e3 * sec
                 table[(engine, depth)] = parts
     return table
@@ -179,6 +180,7 @@ def main() -> int:
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--kernels", action="store_true", help="both engines under perf: CPU ms a token per kernel class")
+    ap.add_argument("--perf-dir", help="--kernels: keep perf's data files here (perf report -i ...)")
     ap.add_argument("--json")
     ap.add_argument("--child", choices=("moeray", "llama.cpp"), help=argparse.SUPPRESS)
     ap.add_argument("--perf-ctl", help=argparse.SUPPRESS)
