@@ -196,6 +196,7 @@ class Engine:
         if on_submitted is not None:
             on_submitted()
         if not self.in_flight:
+            self._t_last = 0.0  # nothing ran: the next step's time starts at its submission
             return
         step, handle = self.in_flight.popleft()
         try:
@@ -204,7 +205,8 @@ class Engine:
             self._fail_all(exc)
             raise
         end = now_ns()
-        ms, start = self._time(step, end)
+        cold = getattr(out, "cold", False)
+        ms, start = self._time(step, end, cold)
         spec = self.speculation
         accepted = spec.stats.accepted_tokens if spec is not None else 0
         self.scheduler.postprocess(step, out)
@@ -215,10 +217,12 @@ class Engine:
                 if cont is not None:
                     self._submit(cont)
         self.last_step = StepTiming(start, end, out.sample_ns, now_ns() - end)
-        if spec is not None:  # the drafts' measured worth (cluster/speculation.py step_done)
+        if spec is not None and not cold:  # the drafts' measured worth (cluster/speculation.py step_done)
             spec.step_done(sum(len(r.tokens) for r in step.rows), sum(len(r.draft) for r in step.rows),
                            spec.stats.accepted_tokens - accepted, sum(1 for r in step.rows if r.sample), ms,
                            sum(1 for r in step.rows if r.draft))
+        if not self.has_work():  # idle from here: the next step's time starts at its submission
+            self._t_last = 0.0
 
     def _submit(self, step: ScheduledStep) -> None:
         """Hand `step` to the pipeline (which sees that the step after one that loops its tokens back
@@ -241,14 +245,18 @@ class Engine:
         return (self.loops_back and step.plain_decode and not sched.waiting
                 and all(r.lane == step.lane for r in sched.running) and all(r.req.spec is None for r in step.rows))
 
-    def _time(self, step: ScheduledStep, now: int) -> tuple[float, int]:
-        """The step's cost to the pipeline (ms) and when it began: its submission, or the result
-        before it when that came later (steps in flight together overlap: each is charged its own
-        share)."""
-        t0 = max(self._t_submit.pop(step.id, now), self._t_last)
+    def _time(self, step: ScheduledStep, now: int, cold: bool = False) -> tuple[float, int]:
+        """The step's cost (ms) and when it began: the result before it while the engine stayed busy
+        (the step, and this loop's own work between steps: the last step's postprocess, the hand-off
+        to the server, scheduling this one: a verify row that emits k tokens pays it once, k plain
+        steps k times), else its submission. Steps in flight together overlap: each is charged the
+        time between its result and the one before. A `cold` step (the stages built a graph for it)
+        is not priced: that time is once per shape, not its size's."""
+        t0 = self._t_last or self._t_submit.pop(step.id, now)
+        self._t_submit.pop(step.id, None)
         self._t_last = now
         ms = (now - t0) / 1e6
-        if self.clock is not None:
+        if self.clock is not None and not cold:
             n_logits = sum(len(r.draft) + 1 for r in step.rows if r.sample)
             drafted = sum(len(r.draft) for r in step.rows)
             verify_rows = sum(1 for r in step.rows if r.draft)

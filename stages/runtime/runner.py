@@ -9,6 +9,7 @@ import torch
 
 from moeray.errors import MoerayError
 from moeray.stages.runtime.step import StepBatch, StepOutput
+from moeray.stages.runtime.trunk_graph import MultiGraph
 from moeray.stages.text.grammar import GrammarMasks
 from moeray.stages.text import sampling  # called through the module: a test watches sampling.sample
 from moeray.stages.text.tokenizer import Tokenizer
@@ -31,8 +32,10 @@ class StageRunner:
         # slot -> its sequence's TokenHistory (penalties), or the (prompt, output) it is built from
         # on the sequence's first sampled row (where the vocabulary and the device are known)
         self.histories: dict[int, Any] = {}
+        self._built = 0  # MultiGraph.built when the step began: the step is cold where it moved
 
     def begin(self, batch: StepBatch):
+        self._built = MultiGraph.built
         for slot in batch.ended or ():  # sequences that ended: what the stage kept for them goes
             self._forget(slot)
         for i, (slot, fresh) in enumerate(zip(batch.slots, batch.fresh)):
@@ -105,6 +108,7 @@ class StageRunner:
         """The step's tokens (`_sample`) and, with a next-token-prediction layer, its KV kept up with
         the step and its proposals for each row's next step (StepOutput.proposals)."""
         out = self._sample(batch, x, meta)
+        out.cold = MultiGraph.built != self._built
         if self.mtp is None or batch.mtp_k is None:
             return out
         out.proposals = self._propose(batch, x, meta, out.tokens)

@@ -110,6 +110,9 @@ class StepOutput:
     # a next-token-prediction layer's tokens for the row's next step (stages/runtime/mtp.py), per row
     proposals: list[list[int] | None] | None = None
     sample_ns: int = 0  # the last stage's head and sampling, nanoseconds (cluster/timeline.py)
+    # the last stage built a graph of a shape it had not run before during this step: its time is
+    # no price of its size (cluster/engine.py keeps it out of speculation's step price and guard)
+    cold: bool = False
 
 
 @dataclass(frozen=True)
