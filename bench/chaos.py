@@ -44,6 +44,7 @@ from pathlib import Path
 from urllib.parse import urlparse
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/probe.py: the hostile inputs
+from results import write_results  # noqa: E402
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Why is the sky blue?",
            "List three uses of copper.", "What does a pipeline stage do?", "Name a famous painting."]
@@ -464,9 +465,9 @@ def main() -> int:
     for line in out["bad_examples"]:
         print(f"  bad: {line}")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"summary": out, "faults": [asdict(f) for f in faults],
-                       "requests": [asdict(r) for r in results]}, fh, indent=1)
+        write_results(args.json, {"clients": args.clients, "kill_every": args.kill_every, "nodes": args.nodes,
+                                  "summary": out, "faults": [asdict(f) for f in faults],
+                                  "requests": [asdict(r) for r in results]})
     ok = out["failed_bad"] == 0 and out["5xx_outside_recovery"] == 0 and (out["rss_growth"] or 0) <= args.rss_growth
     return 0 if ok else 1
 

@@ -13,7 +13,7 @@ engine's running and waiting counts (GET /v1/stages) are back where they were wi
 Prints one line per case and exits 1 when any fails; --json PATH writes every case.
 
 The cases want a server started with a key (--api-key), a small context (--max-len 1024), a few
-sequence slots (--max-seqs 4) and a short queue (--max-waiting 8): tests/test_hostile_probe.py
+sequence slots (--max-seqs 4) and a short queue (--max-waiting 8): tests/e2e/test_hostile_probe.py
 starts `moeray serve` so, on Ray stages and with --local. `INPUTS` (the malformed and oversized
 bodies) is what bench/chaos.py mixes into its traffic.
 """

@@ -29,6 +29,7 @@ import asyncio
 import contextvars
 import hmac
 import json
+import time
 from typing import Any, Optional
 
 from fastapi.routing import APIRoute
@@ -42,6 +43,7 @@ OPEN_PATHS = ("/health",)
 OPEN_PREFIXES = ("/dashboard",)
 PARSE_ON_THREAD_BYTES = 1 << 20  # a body larger than this is parsed off the event loop
 
+ARRIVED = "moeray.arrived"  # the scope key of a request's arrival time (perf_counter_ns: cluster/timeline.py)
 _ticket: contextvars.ContextVar = contextvars.ContextVar("moeray_door_ticket", default=None)
 
 
@@ -112,6 +114,7 @@ class Edge:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        scope[ARRIVED] = time.perf_counter_ns()
         headers = dict(scope.get("headers") or [])
         path = scope.get("path", "")
         if self.allowed is not None:

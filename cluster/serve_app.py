@@ -19,7 +19,8 @@ server forwards text: the engine detokenises, finds stop strings and end tokens,
 requests (cluster/scheduler.py, Scheduler.postprocess).
 
 Routes: POST /v1/chat/completions, POST /v1/completions (JSON or SSE streams), GET /v1/models,
-GET /health, GET /v1/stages, GET /v1/admin/profile (the routing served so far, as a profile). Errors use OpenAI's shape {"error": {"message", "type", "param",
+GET /health, GET /v1/stages, GET /v1/stages/timeline (where the last requests' time went),
+GET /v1/admin/profile (the routing served so far, as a profile). Errors use OpenAI's shape {"error": {"message", "type", "param",
 "code"}}: 400 malformed JSON / wrong field types / a parameter moeray does not do (named in
 "param") / prompt over the context / max_tokens out of range, 401 bad API key, 404 unknown model,
 429 too many waiting, 503 engine down, 504 a request that got no token within its deadline. An
@@ -48,12 +49,19 @@ from moeray.cluster.config import ServeOptions
 from moeray.cluster import edge
 from moeray.cluster.engine_loop import EngineDownError, Finished, OverloadedError, ShuttingDownError
 from moeray.cluster.service import Service
+from moeray.cluster.timeline import KEEP_REQUESTS, MAX_DELIVERIES, Timeline, now_ns
 from moeray.errors import MoerayError
 from moeray.stages.text.chat import ChatFormatError, Delta
+from moeray.stages.text.detokenize import stop_matcher
 from moeray.stages.text.sampling import SamplingParams
 
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's resource of the head node
 DEFAULT_MAX_TOKENS = 256  # when a request gives none (capped by the room its prompt leaves)
+# A prompt this short (characters, a few messages, no tools) is rendered and tokenised on the event
+# loop: well under a millisecond, where the hop to a worker thread and back costs two thread
+# wake-ups (milliseconds on a busy machine). Anything longer goes to a worker thread.
+INLINE_PROMPT_CHARS = 2048
+INLINE_PROMPT_MESSAGES = 8
 
 
 # ---------------------------------------------------------------- errors
@@ -134,6 +142,7 @@ class Call:
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage and no choices
     out: Outcome = dataclasses.field(default_factory=Outcome)
     index: int = 0  # which of the request's choices
+    timeline: Optional[Timeline] = None  # where its time goes (cluster/timeline.py): the first choice's
 
     @property
     def model(self) -> str:
@@ -141,8 +150,8 @@ class Call:
 
     def choices(self, n: int) -> list["Call"]:
         """The request's n choices: this one first, each its own seed stream (request_sampling)."""
-        return [self] + [dataclasses.replace(self, params=rs.choice_params(self.params, i), out=Outcome(), index=i)
-                         for i in range(1, n)]
+        return [self] + [dataclasses.replace(self, params=rs.choice_params(self.params, i), out=Outcome(), index=i,
+                                             timeline=None) for i in range(1, n)]
 
 
 def usage(calls: list[Call]) -> oa.Usage:
@@ -154,7 +163,7 @@ def usage(calls: list[Call]) -> oa.Usage:
 
 
 async def prepare_call(service: Service, body: oa._Request, prompt: list[int], extras: xt.Extras,
-                       id_prefix: str) -> Call:
+                       id_prefix: str, timeline: Optional[Timeline] = None) -> Call:
     """Check the model, the prompt length and max_tokens; build the sampling params with what the
     request asks beyond text (log-probabilities, a grammar: compiled here, off the event loop)."""
     if body.model != service.model_name:
@@ -186,8 +195,15 @@ async def prepare_call(service: Service, body: oa._Request, prompt: list[int], e
     params = rs.sampling_params(body, wanted, service.tokenizer.vocab_size, bad_request)
     if extras.grammar is not None:
         await compile_grammar(service, extras)
-    return Call(service, prompt, xt.apply(params, extras), extras, oa.new_id(id_prefix), oa.now(),
-                body.include_usage_in_stream())
+    if params.stop:  # the stop strings' matcher, built here once (not on the engine thread)
+        await asyncio.to_thread(stop_matcher, params.stop)
+    call = Call(service, prompt, xt.apply(params, extras), extras, oa.new_id(id_prefix), oa.now(),
+                body.include_usage_in_stream(), timeline=timeline)
+    if timeline is not None:
+        timeline.id, timeline.prompt_tokens = call.id, len(prompt)
+        timeline.mark("prepared")
+        service.timelines.add(timeline)
+    return call
 
 
 async def compile_grammar(service: Service, extras: xt.Extras) -> None:
@@ -206,9 +222,9 @@ async def compile_grammar(service: Service, extras: xt.Extras) -> None:
 async def text_deltas(call: Call) -> AsyncIterator[str]:
     """The request's text as the engine releases it; `call.out` holds the finish reason and token
     count when it ends. A consumer that stops early (a client that went away) frees the sequence."""
-    service, outcome = call.service, call.out
+    service, outcome, tl = call.service, call.out, call.timeline
     try:
-        stream = service.loop.submit(call.prompt, call.params, edge.take_ticket())
+        stream = service.loop.submit(call.prompt, call.params, edge.take_ticket(), tl)
     except OverloadedError as exc:
         raise APIError(429, str(exc), type_="rate_limit_error", code="overloaded") from None
     except ShuttingDownError as exc:
@@ -232,13 +248,19 @@ async def text_deltas(call: Call) -> AsyncIterator[str]:
                 outcome.finish_reason, outcome.done = item.reason, True
                 outcome.cached_tokens = stream.req.cached_tokens if stream.req is not None else 0
                 return
+            if tl is not None and len(tl.taken) < MAX_DELIVERIES:
+                tl.taken.append(now_ns())
             outcome.completion_tokens += item.n_tokens
             outcome.logprobs.extend(item.logprobs)
             if item.text:
                 parts.append(item.text)
-                yield item.text
+                yield item.text  # back here once the consumer wants more: its chunk is written
+            if tl is not None and len(tl.written) < MAX_DELIVERIES:
+                tl.written.append(now_ns())
     finally:
         outcome.text = "".join(parts)
+        if tl is not None:
+            tl.done = now_ns()
         service.loop.abort(stream)  # gone early (client left, error): the engine drops the sequence
         service.request_done(stream, outcome.finish_reason if outcome.done else "abort")
 
@@ -354,12 +376,32 @@ def refuse_untokenized(service: Service, text: str, param: str) -> None:
                        "bytes), which leaves no room for a completion", param=param, code="context_length_exceeded")
 
 
+def request_timeline(request: Request) -> Timeline:
+    """A request's timeline from its arrival (the edge noted it) and now, when its handler runs."""
+    tl = Timeline()
+    tl.mark("http", request.scope.get(ARRIVED))
+    tl.mark("parsed")
+    return tl
+
+
+def _short_chat(body: oa.ChatCompletionRequest, extras: xt.Extras) -> bool:
+    """Short enough to render on the event loop: few messages of little text, no tools."""
+    return (extras.tools is None and extras.forced is None and len(body.messages) <= INLINE_PROMPT_MESSAGES
+            and sum(len(m.text()) for m in body.messages) <= INLINE_PROMPT_CHARS)
+
+
 async def chat_completions(body: oa.ChatCompletionRequest, request: Request):
     service: Service = request.app.state.service
-    # off the event loop: a JSON schema's grammar is built here, a conversation rendered and tokenised
+    tl = request_timeline(request)
+    # off the event loop: the tools' and response_format's schemas checked, a long conversation
+    # rendered and tokenised (a few short messages are rendered here: a thread hop costs more)
     extras = await asyncio.to_thread(xt.chat_extras, service, body, bad_request)
-    prompt = await asyncio.to_thread(chat_prompt, service, body, extras)
-    calls = (await prepare_call(service, body, prompt, extras, "chatcmpl")).choices(body.n)
+    if _short_chat(body, extras):
+        prompt = chat_prompt(service, body, extras)
+    else:
+        prompt = await asyncio.to_thread(chat_prompt, service, body, extras)
+    tl.mark("rendered")
+    calls = (await prepare_call(service, body, prompt, extras, "chatcmpl", tl)).choices(body.n)
     if body.stream:
         return await sse_response(calls, [ChatChunks(c) for c in calls])
     texts = await collect(request, calls)
@@ -382,10 +424,16 @@ def chat_choice(call: Call, text: str) -> oa.ChatChoice:
 
 async def completions(body: oa.CompletionRequest, request: Request):
     service: Service = request.app.state.service
+    tl = request_timeline(request)
     extras = await asyncio.to_thread(xt.completion_extras, service, body, bad_request)
-    prompt = (await asyncio.to_thread(encode_prompt, service, body.prompt, "prompt") if isinstance(body.prompt, str)
-              else list(body.prompt))
-    calls = (await prepare_call(service, body, prompt, extras, "cmpl")).choices(body.n)
+    if not isinstance(body.prompt, str):
+        prompt = list(body.prompt)
+    elif len(body.prompt) <= INLINE_PROMPT_CHARS:
+        prompt = encode_prompt(service, body.prompt, "prompt")
+    else:
+        prompt = await asyncio.to_thread(encode_prompt, service, body.prompt, "prompt")  # off the event loop
+    tl.mark("rendered")
+    calls = (await prepare_call(service, body, prompt, extras, "cmpl", tl)).choices(body.n)
     chunks = [CompletionChunks(c) for c in calls]
     if body.stream:
         return await sse_response(calls, chunks)
@@ -621,6 +669,14 @@ async def stages(request: Request):
                        code="stages_unavailable") from None
 
 
+async def stages_timeline(request: Request, last: int = 16):
+    """The last requests' timelines, raw (cluster/timeline.py): where each one's time went."""
+    service: Service = request.app.state.service
+    if not 1 <= last <= KEEP_REQUESTS:
+        raise APIError(400, f"last must be in [1, {KEEP_REQUESTS}], got {last}", param="last", code="invalid_value")
+    return JSONResponse({"requests": service.timelines.last(last)})
+
+
 # ---------------------------------------------------------------- the app
 
 
@@ -642,6 +698,9 @@ async def _unexpected(request: Request, exc: Exception):
     server goes on (Starlette answers with this, then re-raises for the log)."""
     return APIError(500, f"internal error while serving {request.url.path}: {type(exc).__name__}: {exc}",
                     type_="server_error", code="internal_error").response()
+
+
+ARRIVED = edge.ARRIVED  # the scope key of a request's arrival time (perf_counter_ns), noted by the edge
 
 
 def build_app(service: Service):
@@ -667,6 +726,7 @@ def build_app(service: Service):
     app.get("/health")(health)
     app.get("/v1/admin/profile")(live_profile)
     app.get("/v1/stages")(stages)
+    app.get("/v1/stages/timeline")(stages_timeline)
     add_dashboard(app, service.opts.api_key)  # GET /dashboard: the live page of the stages (after the edge: see there)
     return app
 

@@ -16,6 +16,19 @@ import pytest
 TEST_CACHE = Path(os.environ.get("MOERAY_TEST_CACHE_DIR") or Path.home() / ".cache" / "moeray-tests")
 os.environ["MOERAY_CACHE_DIR"] = str(TEST_CACHE)
 
+# tests/ mirrors the package (planner, cache, stages, cluster), and e2e/ holds what starts Ray, a
+# server or a browser, trains a model, or runs the embedded model end to end. Each test carries its
+# folder's name as a marker: `make test-fast` is `-m "not e2e"`, `-m planner` one floor.
+FOLDERS = ("planner", "cache", "stages", "cluster", "e2e")
+
+
+def pytest_collection_modifyitems(items):
+    root = Path(__file__).parent
+    for item in items:
+        parts = item.path.relative_to(root).parts if item.path.is_relative_to(root) else ()
+        if len(parts) > 1 and parts[0] in FOLDERS:
+            item.add_marker(parts[0])
+
 
 @pytest.fixture(autouse=True)
 def _stage_options():
