@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("ray")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 import probe  # noqa: E402
 from serve_process import start_serve  # noqa: E402
 
