@@ -111,7 +111,8 @@ class Engine:
                                                mtp_token_ms=getattr(pipeline, "mtp_token_ms", 0.0),
                                                recurrent=bool(state_slots))
         self.scheduler = Scheduler(config, tokenizer.end_ids if tokenizer is not None else (),
-                                   config.kv_blocks or pool, checkpoints, self.speculation, spares)
+                                   config.kv_blocks or pool, checkpoints, self.speculation, spares,
+                                   getattr(pipeline, "host_blocks", 0) or 0)
         self.in_flight: deque[tuple[ScheduledStep, Any]] = deque()
         self._ids = itertools.count()
         # Every step timed (its size and wall time), so speculation prices drafts at what steps cost here.
