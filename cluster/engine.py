@@ -237,7 +237,9 @@ class Engine:
         on fewer devices it may hold another number of blocks."""
         self.pipeline.recover()
         pool = getattr(self.pipeline, "kv_blocks", None)
-        if pool is not None and pool != self.scheduler.blocks.n_blocks:
+        host = getattr(self.pipeline, "host_blocks", 0) or 0  # a re-plan sizes the host tier again too
+        if pool is not None and (pool != self.scheduler.blocks.n_blocks or host != self.scheduler.host_blocks):
+            self.scheduler.host_blocks = host
             self.scheduler.resize_kv(pool)
         sched = self.scheduler
         ledger = sched.spares  # the checkpoint ledger, or the spares' own over the same slots

@@ -136,3 +136,35 @@ def test_the_ledger_saves_a_named_block_before_it_is_written_again():
     assert shared == a[:1]
     assert bm.match_host(prompt, 1) == [s for _, s in reversed(saves)]  # blocks 1 and 2 of the prompt, in order
     assert got is not None
+
+
+def test_a_hybrid_conversation_resumes_from_host_blocks_and_its_checkpoint(tmp_path):
+    """A hybrid model's second turn, its KV blocks pushed to the host tier by other traffic: the
+    blocks come back from host memory and its state from its checkpoint at the answer's last block
+    boundary (checkpoints and blocks share the host tier's room), with the tokens and
+    log-probabilities of an engine that prefills the whole turn (exact backend, 1e-4)."""
+    from moeray.stages.gguf.writer import write_gguf
+    from moeray.stages.runtime.model import StageModel
+    from test_state_checkpoints import MAX_SEQS, _same, _tokens, _turn
+    from tiny_hybrid import tiny_qwen3next
+
+    model = StageModel.from_gguf(str(write_gguf(tiny_qwen3next(max_pos=4096), tmp_path / "f32.gguf", "F32")),
+                                 backend="exact")
+
+    def engine(host_blocks: int, checkpoints: int = 16, kv_blocks: int = 16):
+        cfg = EngineConfig(max_seqs=MAX_SEQS, max_len=256, micro_batches=1, token_budget=64, prefill_chunk=24,
+                           kv_blocks=kv_blocks, state_checkpoints=checkpoints)
+        return Engine(LocalPipeline.from_model(model, kv_blocks, MAX_SEQS, state_checkpoints=checkpoints,
+                                               host_blocks=host_blocks), cfg)
+
+    eng, ref = engine(32), engine(0, checkpoints=0)
+    a = _tokens(40, 5)
+    first = _turn(eng, a, 20)
+    for i in range(4):  # 60-token prompts, one after another: the 16-block pool gives turn 1's blocks away
+        _turn(eng, _tokens(60, 40 + i), 4)
+    second = a + first.output + _tokens(10, 6)
+    assert eng.scheduler.blocks.match_prefix(second)[0] == []
+    got = _turn(eng, second, 8)
+    assert got.cached_tokens == 48 and eng.scheduler.blocks.host.stats.hits == 3
+    assert eng.scheduler.checkpoints.stats.restored == 1
+    _same(got, _turn(ref, second, 8), "second turn from the host tier")
