@@ -363,15 +363,13 @@ def host_tier(reports: list[ProbeReport], ranges, config, kv: KVPlan, engine: En
     first (`moeray serve --local` does the same: local_kv_plan), then KV blocks its pools evict
     (cluster/kv_blocks.py). One count of each for all stages (a slot names the same prefix on every
     stage). Fills kv.host_checkpoints, kv.host_blocks and their words."""
-    nodes = [r.device.node_ip or r.device.hostname for r in reports]
-    on_node = Counter(nodes)
-    rooms = [r.host_tier_bytes // on_node[n] for r, n in zip(reports, nodes)]
+    rooms = host_rooms(reports)
     if not any(rooms) or not engine.prefix_reuse:
         return
     state_per_layer = state_per_layer or [0] * config.n_layers
     per_state = [sum(state_per_layer[a:b]) for a, b in ranges]
     if any(per_state) and engine.state_checkpoints is None:
-        host = host_checkpoints_for(rooms, per_state, 2 * engine.max_seqs - kv.checkpoints)
+        host = host_checkpoints(reports, ranges, state_per_layer, 2 * engine.max_seqs - kv.checkpoints)
         if host:
             kv.host_checkpoints = host
             kv.checkpoint_rule += (f"; {host} more in host memory (the host tier: checkpoints first; copied when "
@@ -383,6 +381,22 @@ def host_tier(reports: list[ProbeReport], ranges, config, kv: KVPlan, engine: En
 
     kv.host_rule = (f"each node's --kv-host room ({', '.join(format_bytes(r) for r in rooms)} per stage) less its "
                     f"checkpoints; a block the pool evicts is saved there and copied back on a prefix hit")
+
+
+def host_rooms(reports: list[ProbeReport]) -> list[int]:
+    """Each stage's host tier bytes: its node's room (ProbeReport.host_tier_bytes) split evenly
+    among the stages on that node."""
+    nodes = [r.device.node_ip or r.device.hostname for r in reports]
+    on_node = Counter(nodes)
+    return [r.host_tier_bytes // on_node[n] for r, n in zip(reports, nodes)]
+
+
+def host_checkpoints(reports: list[ProbeReport], ranges, state_per_layer: list[int], wanted: int) -> int:
+    """State checkpoints every stage can keep in its host tier, beyond those its device holds
+    (`moeray serve --local` does the same: local_kv_plan): one count for all (host_rooms)."""
+    if wanted < 1:
+        return 0
+    return host_checkpoints_for(host_rooms(reports), [sum(state_per_layer[a:b]) for a, b in ranges], wanted)
 
 
 def shared_host_speeds(reports: list[ProbeReport]) -> tuple[list[tuple[float, float]], list[str]]:

@@ -129,15 +129,19 @@ def test_mla_keeps_one_latent_row_so_its_v_type_follows_k(toy_files):
 
 
 @needs_ggml
-@pytest.mark.parametrize("cache_type", ["q8_0", "q4_0", "f16"])
-def test_the_graph_attends_over_quantised_rows_as_the_torch_path_does(default_model_path, cache_type):
+@pytest.mark.parametrize("cache_type,rtol", [("q8_0", 0.1), ("q4_0", 0.2), ("f16", 0.1)])
+def test_the_graph_attends_over_quantised_rows_as_the_torch_path_does(default_model_path, cache_type, rtol):
     """The engine's steps (a shared prefix block gathered, 16 sequences decoding, mixed padded steps)
     over a pool of each type: the trunk graph (flash attention on the rows as stored) against the
-    torch path (the same rows dequantised), within the ggml backend's tolerance."""
+    torch path (the same rows dequantised), within the ggml backend's tolerance (q4_0: twice it,
+    measured 0.146 of the largest logit). Flash attention multiplies a quantised key by the query
+    rounded to q8_0 (its dot products' type, as in llama.cpp): one layer's output moves ~1.4% of its
+    largest value against the torch path's float query, over q8_0 and q4_0 rows alike; through 30
+    layers the coarser q4_0 keys let it grow further."""
     from test_trunk_graph import Both, _sixteen_sequences
 
     settings.update(cache_type_k=cache_type, cache_type_v=cache_type)
-    _sixteen_sequences(Both(default_model_path))
+    _sixteen_sequences(Both(default_model_path), rtol=rtol)
 
 
 @needs_ggml

@@ -59,7 +59,7 @@ class StageRunner:
         pools = [p for p in (self.kv, getattr(self.drafter, "kv", None), getattr(self.mtp, "kv", None)) if p is not None]
         if batch.kv_save or batch.kv_load:  # the host tier first: a save reads a block before anything rewrites it
             for pool in pools:
-                if pool.host is None and pool is self.kv:
+                if pool.host is None and pool is self.kv and pool.k:  # (a stage of DeltaNet layers only has no rows)
                     raise MoerayError("a step moves KV blocks to or from the host tier, and this stage keeps none")
                 if pool.host is not None:
                     pool.host.save(batch.kv_save or [])
