@@ -4,10 +4,8 @@ The torch path writes the very bytes ggml_set_rows writes (so either path reads 
 wrote); the trunk graph attends over quantised rows as stored (ggml_flash_attn_ext) and the torch
 path over the same rows dequantised, within the ggml backend's tolerance, for GQA with gathered and
 padded steps, MLA's latent (DeepSeek) and a hybrid's attention layers; a pool takes exactly the
-bytes its types say. On the default model q8_0 changes what f16 predicts as llama.cpp's own q8_0
-cache does (its llama-perplexity --kl-divergence on this model: the same top token at 95.4% of
-positions, mean KL 0.0045): only near-ties flip. A type the model's attention cannot use is one
-line naming it and the fix."""
+bytes its types say. A type the model's attention cannot use is one line naming it and the fix.
+The default model's runs: tests/e2e/test_kv_types_default_model.py."""
 from __future__ import annotations
 
 import ctypes
@@ -109,7 +107,7 @@ def test_a_type_the_attention_cannot_use_is_one_line(tmp_path):
 def toy_files(tmp_path_factory):
     """bench/shapes.py's toy widths of an MLA family and a hybrid one: rows of 160 (latent 128 + rope
     key 32) and heads of 64, each a whole number of 32-value blocks."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     from shapes import SHAPES, shrink, write_shape
 
     root = tmp_path_factory.mktemp("toys")
@@ -129,31 +127,21 @@ def test_mla_keeps_one_latent_row_so_its_v_type_follows_k(toy_files):
 
 
 @needs_ggml
-@pytest.mark.parametrize("cache_type,rtol", [("q8_0", 0.1), ("q4_0", 0.2), ("f16", 0.1)])
-def test_the_graph_attends_over_quantised_rows_as_the_torch_path_does(default_model_path, cache_type, rtol):
-    """The engine's steps (a shared prefix block gathered, 16 sequences decoding, mixed padded steps)
-    over a pool of each type: the trunk graph (flash attention on the rows as stored) against the
-    torch path (the same rows dequantised), within the ggml backend's tolerance (q4_0: twice it,
-    measured 0.146 of the largest logit). Flash attention multiplies a quantised key by the query
-    rounded to q8_0 (its dot products' type, as in llama.cpp): one layer's output moves ~1.4% of its
-    largest value against the torch path's float query, over q8_0 and q4_0 rows alike; through 30
-    layers the coarser q4_0 keys let it grow further."""
-    from test_trunk_graph import Both, _sixteen_sequences
-
-    settings.update(cache_type_k=cache_type, cache_type_v=cache_type)
-    _sixteen_sequences(Both(default_model_path), rtol=rtol)
-
-
-@needs_ggml
 @pytest.mark.parametrize("name", ["deepseek-v2-lite", "qwen3.6-35b-a3b"])
 def test_mla_and_hybrid_attention_over_a_q8_0_pool(toy_files, name):
     """DeepSeek's latent rows and a hybrid's attention layers (its DeltaNet states stay float32) in
-    q8_0: the graph against the torch path, chunks then decode, both reading the same pool."""
+    q8_0: the graph against the torch path, chunks then decode, both reading the same pool. The MLA
+    toy is compared after its first (dense) layer: its random routers sit at near-ties, so from the
+    first MoE layer on a last-bit difference picks other experts, in float32 as in q8_0 (measured:
+    0.73 of the largest logit in float32, 0.70 in q8_0, against 0.014 and 0.012 after layer 0)."""
+    from moeray.stages.runtime.model import StageModel
+
     from test_trunk_graph import RTOL
     from tiny_models import token_ids
 
     settings.update(cache_type_k="q8_0", cache_type_v="q8_0")
-    model = load_model(toy_files[name])
+    mla = name == "deepseek-v2-lite"
+    model = StageModel.from_gguf(toy_files[name], (0, 1) if mla else None)
     ids = [t % 49152 for t in token_ids(40, seed=3)]
 
     def run():
@@ -161,7 +149,8 @@ def test_mla_and_hybrid_attention_over_a_q8_0_pool(toy_files, name):
         assert kv.types == KVTypes.same("q8_0") and kv.k[0].dtype == torch.uint8
         out, cuts = [], [0, 17, 21, *range(22, len(ids) + 1)]
         for a, b in zip(cuts, cuts[1:]):
-            out.append(model.head(model.run_layers(model.embed([ids[a:b]]), model.batch_meta([b - a], [0], kv), kv)))
+            h = model.run_layers(model.embed([ids[a:b]]), model.batch_meta([b - a], [0], kv), kv)
+            out.append(h if mla else model.head(h))
         return torch.cat(out)
 
     trunk = model.trunk
@@ -172,35 +161,4 @@ def test_mla_and_hybrid_attention_over_a_q8_0_pool(toy_files, name):
         ref = run()
         model.trunk = trunk
     err = (graph - ref).abs().max() / ref.abs().max()
-    assert err <= RTOL, f"{err:.2e} of the largest logit"
-
-
-@pytest.fixture(scope="module")
-def default_model(default_model_path):
-    return load_model(default_model_path)
-
-
-def test_q8_0_changes_what_f16_predicts_only_at_near_ties(default_model, default_model_path):
-    """Teacher-forced over the default model's bundled prompts (through its chat template): q8_0
-    against f16, both through the graph. Measured: the same top token at 95.7% of 349 positions,
-    every flip where f16's top two are within 0.5 of each other, mean KL 0.0065, the largest logit
-    moving 2.3. llama.cpp's own q8_0 cache on this model flips as often (llama-perplexity
-    --kl-divergence against f16 on 7,168 tokens of prose: the same top token at 95.4 +/- 0.35%):
-    this 135M-parameter model's top two logits are often near-ties."""
-    from moeray.stages.gguf import default_model as dm
-    from moeray.stages.text.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_gguf(default_model_path)
-    f16, q8 = [], []
-    for ids in dm.prompt_token_ids(tok):
-        f16.append(default_model.logits_all(ids, KVTypes.same("f16")))
-        q8.append(default_model.logits_all(ids, KVTypes.same("q8_0")))
-    a, b = torch.cat(f16), torch.cat(q8)
-    top2 = a.topk(2, -1).values
-    margin = top2[:, 0] - top2[:, 1]
-    flipped = a.argmax(-1) != b.argmax(-1)
-    assert 1 - flipped.float().mean() >= 0.94, f"the same top token at {1 - flipped.float().mean():.1%}"
-    assert (margin[flipped] < 0.75).all(), margin[flipped]
-    la, lb = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
-    kl = (la.exp() * (la - lb)).sum(-1)
-    assert kl.mean() < 0.01 and (a - b).abs().max() < 3.0, (kl.mean(), (a - b).abs().max())
+    assert err <= RTOL, f"{err:.2e} of the largest value"
