@@ -13,6 +13,10 @@ the tokens of all of them over the wall time. moeray runs as `moeray serve --loc
 MODE` (one process, the engine a user gets); llama-server with `--spec-type MODE` and the same
 threads. moeray's acceptance (drafted and accepted tokens, from /v1/stages) is printed with its rows.
 The greedy answers of moeray with and without speculation are compared: they must be the same text.
+Beside tokens/s each row has tokens per CPU second of the server process (all its threads and
+children, while it answered the kind): at --threads 1 that is the work each engine did, which
+other jobs on a shared machine move far less than the wall clock; a ratio of those is the fairer
+one there.
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ from results import write_results  # noqa: E402
 from moeray.environment import llama_cpp_tool  # noqa: E402
 
 from moeray.stages.runtime.transport import free_port  # noqa: E402
+from serve_sweep import cpu_seconds  # noqa: E402
 
 PROMPTS = json.loads((HERE / "spec_prompts.json").read_text())
 KINDS = ("code", "quotes", "json", "chat")
@@ -151,10 +156,13 @@ def run_server(label: str, cmd: list[str], env: dict, port: int, args) -> list[d
             for kind in args.kinds:
                 before = spec_stats(port)
                 load = os.getloadavg()[0]
+                cpu0 = sum(cpu_seconds(proc.pid).values())
                 if n == 1:
                     r = one_client(port, model, kind, args.max_tokens, args.reps)
                 else:
                     r = many_clients(port, model, kind, args.max_tokens, n, args.per_client)
+                r["cpu_s"] = sum(cpu_seconds(proc.pid).values()) - cpu0
+                r["tok_per_cpu_s"] = r["tokens"] / r["cpu_s"] if r["cpu_s"] > 0 else 0.0
                 after = spec_stats(port)
                 if before is not None and after is not None:
                     drafted = after["drafted_tokens"] - before["drafted_tokens"]
@@ -164,7 +172,8 @@ def run_server(label: str, cmd: list[str], env: dict, port: int, args) -> list[d
                 r.update(label=label, kind=kind, clients=n, load=load)
                 rows.append(r)
                 extra = f", accepted {r['spec']['accepted']}/{r['spec']['drafted']}" if r.get("spec") else ""
-                print(f"#   {kind:6s} {n:2d} clients: {r['tok_s']:.1f} tok/s{extra}, load {load:.1f}",
+                print(f"#   {kind:6s} {n:2d} clients: {r['tok_s']:.1f} tok/s, {r['tok_per_cpu_s']:.1f} tok/CPU-s{extra}, "
+                      f"load {load:.1f}",
                       file=sys.stderr, flush=True)
     finally:
         proc.terminate()
@@ -224,22 +233,27 @@ def main(argv: list[str] | None = None) -> int:
         port = free_port()
         rows += run_server(label, [c.replace("{port}", str(port)) for c in cmd], env, port, args)
 
-    def rate(label_start: str, kind: str, n: int) -> float | None:
-        found = [r["tok_s"] for r in rows if r["label"].startswith(label_start) and r["kind"] == kind
+    def rate(label_start: str, kind: str, n: int, key: str = "tok_s") -> float | None:
+        found = [r[key] for r in rows if r["label"].startswith(label_start) and r["kind"] == kind
                  and r["clients"] == n]
         return max(found) if found else None
 
-    print(f"\nmodel {Path(args.model).name}, {args.threads} threads, greedy, max_tokens {args.max_tokens}\n")
-    print("| server | prompts | clients | tok/s | vs moeray off | vs llama-server's best n-gram | accepted / drafted |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"\nmodel {Path(args.model).name}, {args.threads} threads, greedy, max_tokens {args.max_tokens}; "
+          "tok/CPU-s: the tokens over the server's CPU seconds (all its threads and processes) while it "
+          "answered: at --threads 1 the work itself, which a shared machine moves less than the wall clock\n")
+    print("| server | prompts | clients | tok/s | vs moeray off | vs llama-server's best n-gram | tok/CPU-s | "
+          "vs moeray off (CPU) | vs best n-gram (CPU) | accepted / drafted |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        off = rate("moeray --speculative off", r["kind"], r["clients"])
-        best = max((x for m in args.llama_modes if m.startswith("ngram")
-                    if (x := rate(f"llama-server --spec-type {m}", r["kind"], r["clients"])) is not None), default=None)
+        cells = [r["label"], r["kind"], str(r["clients"])]
+        for key in ("tok_s", "tok_per_cpu_s"):
+            off = rate("moeray --speculative off", r["kind"], r["clients"], key)
+            best = max((x for m in args.llama_modes if m.startswith("ngram")
+                        if (x := rate(f"llama-server --spec-type {m}", r["kind"], r["clients"], key)) is not None),
+                       default=None)
+            cells += [f"{r[key]:.1f}", f"{r[key] / off:.2f}×" if off else "", f"{r[key] / best:.2f}×" if best else ""]
         s = r.get("spec")
-        cells = [r["label"], r["kind"], str(r["clients"]), f"{r['tok_s']:.1f}",
-                 f"{r['tok_s'] / off:.2f}×" if off else "", f"{r['tok_s'] / best:.2f}×" if best else "",
-                 f"{s['accepted']} / {s['drafted']}" if s else ""]
+        cells.append(f"{s['accepted']} / {s['drafted']}" if s else "")
         print("| " + " | ".join(cells) + " |")
     plain = {(r["kind"], r["clients"]): r.get("texts") for r in rows if r["label"] == "moeray --speculative off"}
     for r in rows:

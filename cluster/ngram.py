@@ -10,6 +10,14 @@ no device memory; the target's verification keeps the output exact.
 
 The index is incremental: each appended token adds one entry per n-gram length (the position of
 the token that follows that n-gram), so drafting costs a few dict lookups, not a scan.
+
+A draft says how sure it is by its match: how many tokens before it agree with the text before
+its source, counted past `n_max` (up to `run_max`) once the n-gram is found. A copy in progress
+(a function rewritten with one name changed, a quoted paragraph) has matched for dozens of tokens
+and goes on; a 2-token match is a guess. llama-server's ngram-mod drafts only after a 24-token
+match, and then 48 to 64 tokens at once; here the match length selects the acceptance record the
+draft is priced with (cluster/speculation.py), so a long copy drafts long rows and a short match
+short ones, or none.
 """
 from __future__ import annotations
 
@@ -19,17 +27,20 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class NgramConfig:
     n_min: int = 2  # the shortest suffix looked up (1 would draft after any repeated token)
-    n_max: int = 8  # the longest; a longer match is a surer copy (the acceptance is kept per length)
+    n_max: int = 8  # the longest looked up; a longer match is a surer copy (the acceptance is kept per length)
+    run_max: int = 64  # how far back a found match is followed to measure it (Draft.match)
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_min <= self.n_max:
             raise ValueError(f"n-gram drafter: need 1 <= n_min <= n_max, got {self.n_min}, {self.n_max}")
+        if self.run_max < self.n_max:
+            raise ValueError(f"n-gram drafter: need run_max >= n_max, got {self.run_max}, {self.n_max}")
 
 
 @dataclass
 class Draft:
     tokens: list[int]
-    match: int  # the suffix length that matched (0: no draft): the drafter's confidence
+    match: int  # the tokens before the draft that agree with those before its source (0: no draft), at most run_max
 
 
 class NgramDrafter:
@@ -67,5 +78,8 @@ class NgramDrafter:
             while len(out) < max_tokens:  # toks + out, read from pos on: always behind its own end
                 i = pos + len(out)
                 out.append(toks[i] if i < L else out[i - L])
-            return Draft(out, n)
+            match = n  # and how much further back the copy agrees
+            while match < c.run_max and match < pos and toks[L - 1 - match] == toks[pos - 1 - match]:
+                match += 1
+            return Draft(out, match)
         return Draft([], 0)

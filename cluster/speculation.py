@@ -47,11 +47,17 @@ from moeray.errors import MoerayError
 from moeray.planner.draft_length import DraftGuard, Offer, StepPrice, acceptance_estimate, choose_draft_lengths
 
 MODES = ("auto", "off", "ngram", "draft", "mtp")
-# Match lengths share acceptance statistics in these bands (a 2-token match guesses, an 8-token one copies).
-MATCH_BANDS = (2, 3, 4, 6, 8)
+# Match lengths share acceptance statistics in these bands (a 2-token match guesses; a match of
+# dozens of tokens is a copy in progress, which goes on: cluster/ngram.py Draft.match).
+MATCH_BANDS = (2, 3, 4, 6, 8, 16, 32, 64)
+COPY_BAND = 16  # from here a sequence's own record of its n-gram drafts is kept apart ("copy"): a
+# copy's long rows are not judged by the short guesses the same answer made elsewhere
 # A verify row's length (k + 1) is one of these: each step shape is a graph the stages build once
-# (~15-20 ms on the default model, a step's worth) and keep, so a few sizes are built once and reused.
-ROW_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+# per ROW_KEY_PAD keys (stages/runtime/trunk_graph.py; ~30 ms on the default model's 30 layers at one
+# thread, a step or more) and keep, so a few sizes are built once and reused. Powers of two: a
+# copy's rows grow 2, 4, 8, ... as its acceptance is measured, and a dozen sizes built a graph
+# every few verify rows of a 200-token copy.
+ROW_SIZES = (1, 2, 4, 8, 16, 32, 64)
 
 
 def row_size_below(k: int) -> int:
@@ -61,6 +67,12 @@ def row_size_below(k: int) -> int:
 
 def match_band(n: int) -> int:
     return max(b for b in MATCH_BANDS if b <= n) if n >= MATCH_BANDS[0] else 0
+
+
+def band_prior(band: int) -> float:
+    """The acceptance assumed for an n-gram draft of this match band before any was judged: a
+    2-token match is a coin toss, a match of 32 tokens a copy (0.94)."""
+    return band / (band + 2) if band > 0 else 0.5
 
 
 @dataclass
@@ -199,10 +211,21 @@ class Speculation:
 
     def rate(self, seq: SeqSpec, kind: str, band: int = 0) -> float:
         """The acceptance rate a drafter is expected to have on this sequence: its record here,
-        pulled towards its record over all sequences (for the n-gram drafter at this match band)."""
-        over_all = {"draft": self.model_tally, "mtp": self.mtp_tally}.get(kind) or self.bands.get(band)
-        prior = over_all.rate(self.PRIOR) if over_all is not None else self.PRIOR
-        return seq.tally(kind).rate(prior)
+        pulled towards its record over all sequences (for the n-gram drafter at this match band,
+        whose own prior grows with the band)."""
+        if kind in ("draft", "mtp"):
+            over_all, prior = (self.model_tally if kind == "draft" else self.mtp_tally), self.PRIOR
+        else:
+            over_all, prior = self.bands.get(band), band_prior(band)
+        if over_all is not None:
+            prior = over_all.rate(prior)
+        return seq.tally(self._record(kind, band)).rate(prior)
+
+    @staticmethod
+    def _record(kind: str, band: int) -> str:
+        """Which of a sequence's records a draft is judged by: its drafter's, the n-gram drafter's
+        copies (a long match) apart from its guesses."""
+        return "copy" if kind == "ngram" and band >= COPY_BAND else kind
 
     def _offer(self, s: SeqSpec, room: int) -> Offer:
         """The better of the sequence's drafters this step (the surer first token), and which."""
@@ -254,7 +277,9 @@ class Speculation:
                                          price.verify_row_ms).lengths
             refused = [i for i in refused if could[i] > 0]
         for i in refused:  # a drafter never verified on this sequence is tried once for sure: its rate is a guess
-            first = seqs[i].tally(seqs[i].kind).rows == 0
+            s = seqs[i]
+            band = match_band(s.draft.match) if s.kind == "ngram" and s.draft is not None else 0
+            first = s.tally(self._record(s.kind, band)).rows == 0
             if sum(lengths) < budget and (first or self._rng.random() < self.PROBE):
                 lengths[i] = 1  # keep measuring a rate the choice has stopped trying
         return lengths
@@ -289,11 +314,11 @@ class Speculation:
         """A verify row came back: `accepted` of its `drafted` tokens, `emitted` tokens in all
         (fewer than accepted + 1 where the sequence finished inside the row)."""
         kind = seq.kind
-        seq.tally(kind).add(drafted, accepted, self.DECAY)
+        band = match_band(seq.draft.match if seq.draft is not None else 0) if kind == "ngram" else 0
+        seq.tally(self._record(kind, band)).add(drafted, accepted, self.DECAY)
         if kind in ("draft", "mtp"):
             (self.model_tally if kind == "draft" else self.mtp_tally).add(drafted, accepted, self.DECAY)
         else:
-            band = match_band(seq.draft.match if seq.draft is not None else 0)
             self.bands.setdefault(band, Tally()).add(drafted, accepted, self.DECAY)
         self.stats.by_drafter.setdefault(kind, Tally()).add(drafted, accepted)
         s = self.stats

@@ -74,7 +74,7 @@ class StepClock:
         if n <= 0 or not self.layers:
             return 0.0
         if n not in self._expert:
-            self._expert[n] = StepPrice(0.0, 0.0, self.layers, self.overlap).ms(n)
+            self._expert[n] = StepPrice(0.0, 0.0, self.layers, self.overlap).experts_ms(n)
         return self._expert[n]
 
     def record(self, n_tokens: int, n_logits: int, ms: float, drafted: int = 0, verify_rows: int = 0) -> bool:
@@ -131,7 +131,7 @@ class StepClock:
             weights = np.where(plain, np.minimum(1.0, 2.0 * scale / np.maximum(np.abs(resid), 1e-12)), 1.0)
         fixed, token, logit, draft, row, weight = (max(float(c), 0.0) for c in coef)
         return StepPrice(fixed, token + logit, self.layers, self.overlap, expert_scale=weight, draft_ms=draft,
-                         verify_row_ms=row)
+                         verify_row_ms=row, expert_curve=self.expert_ms)
 
     @staticmethod
     def _solve(X: np.ndarray, y: np.ndarray, weights: np.ndarray, ridge: np.ndarray, prior: np.ndarray) -> np.ndarray:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -71,13 +71,26 @@ class StepPrice:
     # drafts against those that did not; charged by the choice per drafted token, per verify row
     draft_ms: float = 0.0
     verify_row_ms: float = 0.0
+    # The expert part of n tokens (overlap applied, before expert_scale), kept by whoever refits the
+    # price (cluster/step_clock.py): a refit changes the coefficients, not the layers' heat, and
+    # summing every layer's experts for each n of a table costs a decode step's worth of Python
+    # on a large model. None: summed here.
+    expert_curve: Optional[Callable[[int], float]] = field(default=None, compare=False, repr=False)
+
+    def experts_ms(self, n: int) -> float:
+        """The expert part of a step of n tokens, before expert_scale."""
+        if n <= 0 or not self.layers:
+            return 0.0
+        if self.expert_curve is not None:
+            return self.expert_curve(n)
+        ov = self.overlap[min(n, len(self.overlap)) - 1] if self.overlap else 1.0
+        return ov * sum(layer.expected_ms(n) for layer in self.layers)
 
     def ms(self, n: int) -> float:
         if n <= 0:
             return 0.0
-        ov = self.overlap[min(n, len(self.overlap)) - 1] if self.overlap else 1.0
-        experts = sum(layer.expected_ms(n) for layer in self.layers) if self.expert_scale else 0.0
-        return self.fixed_ms + self.token_ms * n + self.expert_scale * ov * experts
+        experts = self.experts_ms(n) if self.expert_scale else 0.0
+        return self.fixed_ms + self.token_ms * n + self.expert_scale * experts
 
     def table(self, n_max: int) -> list[float]:
         """T(0..n_max)."""

@@ -29,7 +29,9 @@ Keys are read where they lie: a view of the pool when the step's block tables al
 (BatchMeta.read_view), else the step's whole blocks gathered with ggml_get_rows. The pool's rows are
 in its cache types (float32, float16, q8_0, q4_0 for K and V apart, llama.cpp's -ctk / -ctv):
 ggml_set_rows writes (quantises) them and ggml_flash_attn_ext reads them as stored. Their count is
-padded to KEY_PAD (masked) so a decode step reuses its graph for KEY_PAD tokens.
+padded to KEY_PAD (masked) so a decode step reuses its graph for KEY_PAD tokens; a step of
+several tokens a row (a verify row of drafted tokens, a prompt chunk) to ROW_KEY_PAD, so that a
+verify row of each length is built once for that many keys, not every KEY_PAD.
 
 A step whose sequences add different token counts (prefill chunks beside decode tokens) pads
 its queries to [B, t_max] inside the graph (get_rows there and back), as the torch path pads them.
@@ -68,6 +70,14 @@ from moeray.stages.kernels.threads import GraphPlans
 
 L2_EPS = 1e-6  # the DeltaNet's q/k L2 norm: x / sqrt(sum x^2 + L2_EPS) (stages/blocks/deltanet.l2norm)
 KEY_PAD = 64  # keys per graph shape: a decode step builds a new graph every KEY_PAD tokens
+# Keys per graph shape of a step whose rows hold several tokens. Speculation's verify rows come in
+# several lengths (cluster/speculation.py ROW_SIZES), each a graph of its own at each key count, and a
+# graph costs a decode step or more to build (~30 ms on the default model's 30 layers, in Python):
+# at KEY_PAD a copy-heavy answer built a new one every few verify rows. Padded keys cost next to
+# nothing there: ggml's flash attention skips the masked ones (a key, or a tile of them). A
+# one-token step keeps KEY_PAD: its attention splits the keys among the threads, and padded keys
+# would leave a thread idle.
+ROW_KEY_PAD = 4 * KEY_PAD
 # A graph's intermediates share scratch once their last reader has run (graphs.place_scratch), so
 # a stage graph needs about one layer's intermediates; a stage graph over this much (a step far
 # bigger than decode) runs per layer instead. At most STAGE_GRAPHS_BYTES of them are kept, the least
@@ -83,7 +93,10 @@ class MultiGraph:
     torch storage assigned per call; views of them are re-pointed per call; every other node
     gets a fixed place in one scratch buffer."""
 
+    built = 0  # graphs built in this process: a step that built one ran slower than its shape does
+
     def __init__(self, build, n_nodes: int = 256):
+        MultiGraph.built += 1
         G = self._G = ggml_lib()
         slots = max(2048, 2 * n_nodes)  # the graph's node table (ggml's default is 2048)
         size = G.ggml_tensor_overhead() * n_nodes + G.ggml_graph_overhead_custom(slots, False) + 4096
@@ -409,7 +422,8 @@ class TrunkGraphs:
             if slots == list(range(slots[0], slots[0] + B)):  # consecutive: read in place, as views
                 state_base = slots[0]
             recurrent = (state.n_slots, state_base >= 0) + (tuple(meta.n_new) if pad is not None else ())
-        keys_pad = -(-meta.keys_max // KEY_PAD) * KEY_PAD
+        quantum = KEY_PAD if t == 1 else ROW_KEY_PAD
+        keys_pad = -(-meta.keys_max // quantum) * quantum
         rows = kv.k[0].shape[1] if kv.k else 0
         if not kv.k:  # a stage of DeltaNet layers only: no keys to read (the mask unread)
             base, gap, gather, mode, keys_pad = 0, 0, None, ("none",), KEY_PAD

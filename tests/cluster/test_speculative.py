@@ -147,11 +147,26 @@ def test_the_ngram_drafter_copies_what_followed_the_longest_earlier_match():
     # the suffix (1, 2) was followed by 6 7 8 ...: the copy goes on through the text after it
     assert d.draft(5) == Draft([6, 7, 8, 3, 4], 2)
     d.extend([6, 7, 8])  # now (2, 6, 7, 8) matches 4 long: what followed it last time was 3
-    assert d.draft(3) == Draft([3, 4, 1], 4)
+    assert d.draft(3) == Draft([3, 4, 1], 5)  # the 1 before it agrees too: a match of 5 (past n_max)
     # a repeat that reaches the present keeps repeating through its own draft
     r = NgramDrafter(NgramConfig(2, 4), [1, 2, 3, 1, 2, 3, 1, 2])
     assert r.draft(7).tokens == [3, 1, 2, 3, 1, 2, 3]
     assert NgramDrafter(NgramConfig(2, 4), [1, 2, 3, 4]).draft(4) == Draft([], 0)
+
+
+def test_a_long_copy_drafts_longer_rows_than_a_short_match():
+    """The same price, no acceptance measured yet: a sequence copying a 40-token passage (its
+    match followed back past n_max, as llama-server's ngram-mod waits for 24 tokens) drafts a long
+    row; one whose last two tokens merely occurred before drafts a short one, or none."""
+    passage = list(range(100, 140))
+    copying = NgramDrafter(NgramConfig(), [1, 2, 3] + passage + [7, 8] + passage[:30])
+    assert copying.draft(8) == Draft(passage[30:38], 30)
+    guessing = NgramDrafter(NgramConfig(), [5, 6, 41, 42, 43, 44, 5, 6])
+    assert guessing.draft(8).match == 2
+    price = StepPrice(fixed_ms=10.0, token_ms=2.0)  # a token a fifth of a step: drafts pay where sure
+    spec = Speculation("ngram", price=price)
+    copy_row, guess_row = (spec.plan([spec.start(d.tokens)], [32], 1, 1, 32)[0] for d in (copying, guessing))
+    assert copy_row >= 6 and guess_row <= 2
 
 
 # ---------------------------------------------------------------- acceptance on logits (pure)
@@ -326,6 +341,51 @@ def test_the_ngram_drafter_on_a_copying_sequence_gains_tokens_per_step(family_mo
     got = [r.output for r in run_checked(on, prompts, params)]
     assert got == plain
     assert on.speculation.stats.accepted_tokens > 0
+
+
+def test_a_verify_rows_graph_serves_the_next_hundred_keys_and_its_build_is_not_priced(family_models):
+    """A verify row of 4 tokens builds its step graph once for ROW_KEY_PAD keys: the same row a
+    hundred tokens later runs it again (a copy-heavy answer verifies rows of a few lengths all
+    along). The step that built it says so (StepOutput.cold); the one after does not."""
+    from moeray.stages.runtime.step import StepBatch
+    from moeray.stages.runtime.trunk_graph import KEY_PAD, ROW_KEY_PAD, MultiGraph
+
+    model = family_models["qwen3moe"]
+    runner = LocalPipeline.from_model(model, 32, 1).stage
+    ids = prompts_for(1, seed=3)[0] * 30
+    table, greedy = list(range(16)), SamplingParams(max_tokens=500)
+    runner.step(StepBatch(step_id=0, slots=[0], n_new=[120], fresh=[True], tokens=[ids[:120]], sample=[True],
+                          params=[greedy], starts=[0], tables=[table]))
+    built, outs = [], []
+    for start in (20, 20 + 100):  # rewritten in place: a verify row at each position
+        row = ids[start:start + 4]
+        before = MultiGraph.built
+        outs.append(runner.step(StepBatch(step_id=1, slots=[0], n_new=[4], fresh=[False], tokens=[row],
+                                          sample=[True], starts=[start], tables=[table], drafts=[row[1:]])))
+        built.append(MultiGraph.built - before)
+    assert ROW_KEY_PAD > 100 + 4 + KEY_PAD
+    if built[0] == 0:
+        pytest.skip("this model's steps run without the ggml stage graphs")
+    assert built[1] == 0 and outs[0].cold and not outs[1].cold
+
+
+def test_a_steps_price_counts_the_engines_work_between_steps_and_skips_graph_builds(family_models):
+    """The step clock times a step from the result before it while the engine stays busy: the
+    server's work between steps (here a 30-ms pause) is paid per step, so it is in the price a
+    verify row saves; a step whose graph was built during it is no price of its size and is left
+    out."""
+    import time
+
+    eng = engine_for(family_models["qwen3moe"], 1, "ngram")
+    req = eng.add(prompts_for(1, seed=4)[0], SamplingParams(max_tokens=10, ignore_eos=True))
+    steps = 0
+    while not req.done:
+        eng.step()
+        steps += 1
+        time.sleep(0.03)
+    timed = [ms for *_, ms in eng.clock.steps]
+    assert 0 < len(timed) < steps  # the prompt's step and the first decode's built graphs
+    assert all(ms >= 30.0 for ms in timed)
 
 
 class CharModelTokenizer:
