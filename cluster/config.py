@@ -20,6 +20,7 @@ from typing import Optional
 
 from moeray import environment
 from moeray.errors import ConfigError, MoerayError
+from moeray.planner.kv import CACHE_TYPE_CHOICES
 from moeray.stages.kernels.settings import BACKENDS, HOST_EXPERTS, REPACK_MODES, TRITON, StageOptions
 
 CACHE_POLICIES = ("static", "adaptive", "lru")
@@ -121,8 +122,15 @@ class LaunchOptions:
     # Speculative decoding's draft model: a small GGUF of the same vocabulary, run on the first
     # stage and priced there as trunk (its weights and a KV pool of the plan's block count).
     draft: Optional[str] = None
+    # The host tier of every node (state checkpoints, then KV blocks its stages' pools evict, found
+    # again by prefix hash): auto (1/8 of MemAvailable less the model's files, planner/kv.py), off,
+    # a share of that (0.25) or a size (8GiB), split among the node's stages.
+    kv_host: str = "auto"
 
     def __post_init__(self) -> None:
+        from moeray.planner.kv import check_host_tier
+
+        self.kv_host = check_host_tier(self.kv_host)
         if self.gpus_per_stage is not None and not 0 < self.gpus_per_stage <= 1:
             raise MoerayError(f"--gpus-per-stage {self.gpus_per_stage}: a stage runs on one card, give a share "
                               "0 < x <= 1 (0.5: two stages per card)")
@@ -345,6 +353,10 @@ def add_launch_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--draft", metavar="MODEL.gguf", default=d.draft,
                    help="a draft model for speculative decoding: a small GGUF of the same vocabulary, run on the "
                         "first stage (--speculative auto uses it where it drafts better than the n-gram lookup)")
+    g.add_argument("--kv-host", metavar="SIZE", default=d.kv_host,
+                   help="host memory each node gives its stages' evicted KV blocks and state checkpoints, found "
+                        "again by prefix and copied back instead of prefilled: auto (1/8 of MemAvailable less the "
+                        "model's files), off, a share (0.25) or a size (8GiB) (default auto)")
     g.add_argument("--gpus-per-stage", type=float, metavar="SHARE", default=d.gpus_per_stage,
                    help="the part of a GPU each stage reserves, e.g. 0.5: two stages share a card, each "
                         "planned with half of it (default: a card per stage, shared evenly when stages > GPUs)")
@@ -374,6 +386,12 @@ def add_stage_arguments(p: argparse.ArgumentParser) -> None:
                         "serve --local: on for models under 1 GiB a token)")
     g.add_argument("--triton", choices=TRITON, default=d.triton,
                    help="the card's Triton GGUF kernels (auto: on CUDA when triton imports)")
+    g.add_argument("--cache-type-k", "-ctk", dest="cache_type_k", choices=CACHE_TYPE_CHOICES, default=d.cache_type_k,
+                   help="how the KV cache stores K rows: f32, f16, q8_0, q4_0 (llama.cpp's -ctk); auto (default): "
+                        "q8_0 on a stage where the room it frees buys expert slots worth more than its reads, else f16")
+    g.add_argument("--cache-type-v", "-ctv", dest="cache_type_v", choices=CACHE_TYPE_CHOICES, default=d.cache_type_v,
+                   help="how the KV cache stores V rows (llama.cpp's -ctv; an MLA model's latent follows K); "
+                        "auto (default) as for K")
     for name, what in (("hugepages", "weight copies in transparent huge pages"),
                        ("scratch-reuse", "graph intermediates share places once read"),
                        ("trunk-graph", "a layer's trunk as one ggml graph (off: torch's ops)"),
@@ -388,7 +406,8 @@ def stage_options_from_args(args: argparse.Namespace, threads: Optional[int] = N
                         ggml_adapt=None if args.ggml_adapt is None else args.ggml_adapt == "on", repack=args.repack,
                         host_experts=args.host_experts, hugepages=not args.no_hugepages,
                         scratch_reuse=not args.no_scratch_reuse, trunk_graph=not args.no_trunk_graph,
-                        fused_moe=not args.no_fused_moe, stage_graph=not args.no_stage_graph, triton=args.triton)
+                        fused_moe=not args.no_fused_moe, stage_graph=not args.no_stage_graph, triton=args.triton,
+                        cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
 
 
 def with_overrides(opts: LaunchOptions, say=lambda line: print(line, file=sys.stderr)) -> LaunchOptions:
@@ -409,7 +428,8 @@ def launch_options_from_args(args: argparse.Namespace, simulate: Optional[list[i
         objective=args.objective, split=args.split, profile=args.profile, cache_policy=args.cache_policy,
         torch_threads=1 if simulate else None, stage=stage_options_from_args(args, threads),
         cover_b=args.cover_b, verbose_plan=getattr(args, "verbose", False), address=args.address,
-        record_routing=args.record_routing, gpus_per_stage=args.gpus_per_stage, draft=getattr(args, "draft", None)))
+        record_routing=args.record_routing, gpus_per_stage=args.gpus_per_stage, draft=getattr(args, "draft", None),
+        kv_host=getattr(args, "kv_host", "auto")))
 
 
 def simulated_devices(args: argparse.Namespace, has_gpus: bool, command: str) -> Optional[list[int]]:

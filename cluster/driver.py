@@ -27,11 +27,10 @@ from typing import Any
 
 from moeray import environment
 from moeray.cluster.config import EngineConfig, LaunchOptions
-from moeray.cluster.placement import gpu_share, plan_from_reports, state_bytes_by_layer, uses_mtp
+from moeray.cluster.placement import gpu_share, plan_from_reports, plan_kv_types, state_bytes_by_layer, uses_mtp
 from moeray.cluster.remote import StageFailedError, StagesLate, as_ready, error_of, gather, gather_one
 from moeray.cluster.timeline import now_ns
 from moeray.errors import MoerayError, PlacementError
-from moeray.planner.kv import itemsize_for
 from moeray.stages.gguf.parts import stage_parts_lines
 from moeray.stages.gguf.reader import read_gguf_header
 from moeray.stages.kernels.settings import StageOptions
@@ -130,6 +129,8 @@ class StageGroup:
     kv_blocks: int | None = None  # every stage's KV pool, once loaded
     state_slots: int = 0  # sequence states the stages hold (a model with recurrent layers), once loaded
     state_checkpoints: int = 0  # ... and checkpoint slots of that state (cluster/state_checkpoints.py)
+    host_blocks: int = 0  # KV blocks every stage's host tier holds (stages/blocks/host_kv.py), once loaded
+    kv_host: str = "auto"  # the host tier's size as asked (LaunchOptions.kv_host), measured by each probe
     draft: str | None = None  # speculative decoding's draft model, on the first stage (--draft)
     draft_token_ms: float = 0.0  # its measured ms per drafted token, once loaded
     mtp: bool = False  # the last stage runs the file's next-token-prediction layer (speculative decoding)
@@ -186,7 +187,7 @@ class StageGroup:
     def probe(self, path: str, header=None) -> list[ProbeReport]:
         """Each actor's report (device, budget, node, speeds, the model's files on its node)."""
         ref = self.share_header(header or read_gguf_header(path))
-        self.reports = gather([a.probe.remote(path, ref) for a in self.actors], self.timeout_s, "probe")
+        self.reports = gather([a.probe.remote(path, ref, self.kv_host) for a in self.actors], self.timeout_s, "probe")
         return self.reports
 
     def check_parts(self, header, ranges: list[tuple[int, int]]) -> list[str]:
@@ -240,11 +241,12 @@ class StageGroup:
     def load(self, path: str, ranges: list[tuple[int, int]], kv_blocks: int,
              progress=None, trunk_on_card: list[int] | None = None, profile: str | None = None,
              cache_policy: str = "static", state_slots: int = 1, state_checkpoints: int = 0,
-             host_checkpoints: int = 0) -> list[LoadReport]:
+             host_checkpoints: int = 0, kv_types: list | None = None, host_blocks: int = 0) -> list[LoadReport]:
         """Each stage loads only its layer range, a KV pool of `kv_blocks` blocks and (recurrent
         layers) `state_slots` sequence states and `state_checkpoints` checkpoint slots after them
-        on its device, `host_checkpoints` more in host memory; `progress(stage, report)` as each one
-        finishes."""
+        on its device, `host_checkpoints` more in host memory; `kv_types`: each stage's cache types
+        (planner/kv.py KVTypes; None: the stages' options), `host_blocks`: KV blocks of each stage's
+        host tier; `progress(stage, report)` as each one finishes."""
         trunk_on_card = trunk_on_card or [0] * len(ranges)
         if self.header is None:
             self.share_header(read_gguf_header(path))
@@ -256,8 +258,11 @@ class StageGroup:
         self.load_args = [(path, a, b, kv_blocks, t, profile, cache_policy, state_slots, False, state_checkpoints)
                           for (a, b), t in zip(ranges, trunk_on_card)]
         # speculative decoding's drafters: a draft model on the first stage, an MTP layer on the last
+        self.host_blocks = host_blocks
         self.load_kwargs = [{"draft": self.draft if i == 0 else None, "mtp": self.mtp and i == last,
-                             "host_checkpoints": host_checkpoints if hybrid else 0} for i in range(len(ranges))]
+                             "host_checkpoints": host_checkpoints if hybrid else 0, "host_blocks": host_blocks,
+                             "kv_types": (kv_types[i].k, kv_types[i].v) if kv_types else None}
+                            for i in range(len(ranges))]
         refs = [a.load.remote(*args, header=self.header, **kw)
                 for a, args, kw in zip(self.actors, self.load_args, self.load_kwargs)]
         reports = gather(refs, self.timeout_s, "loading", progress=progress)
@@ -474,7 +479,7 @@ class Launched:
                 raise PlacementError("no device is left in the cluster for a stage")
             opts = replace(self.opts, n_stages=n, simulate=budgets, split="auto")
             group = StageGroup(n, budgets, opts.strategy, opts.torch_threads, opts.timeout_s, opts.stage,
-                               opts.gpus_per_stage)
+                               opts.gpus_per_stage, kv_host=opts.kv_host)
             lines: list[str] = []
 
             def say(line: str) -> None:
@@ -547,7 +552,7 @@ def launch(path: str, opts: LaunchOptions = LaunchOptions(), engine: EngineConfi
 
     opts = replace(opts, profile=resolve_profile(opts.profile, path, say))
     group = StageGroup(opts.n_stages, opts.simulate, opts.strategy, opts.torch_threads, opts.timeout_s,
-                       opts.stage, opts.gpus_per_stage)
+                       opts.stage, opts.gpus_per_stage, kv_host=opts.kv_host)
     group.start()
     try:
         reports, plan, ranges, handoff_ms, kv = bring_up(group, header, path, opts, engine, say)
@@ -581,7 +586,8 @@ def bring_up(group: StageGroup, header, path: str, opts: LaunchOptions, engine: 
     trunk_on_card = ([int(s.trunk_bytes) - kv_bytes - sum(state[a:b])
                       for s, kv_bytes, (a, b) in zip(plan.stages, kv.stage_bytes, ranges)]
                      if plan is not None else [0] * len(ranges))
-    itemsize = itemsize_for(r.device.kind for r in reports)
+    itemsize = plan_kv_types(header.config, (opts.stage.cache_type_k, opts.stage.cache_type_v),
+                             [r.device.kind for r in reports])  # the draft model's and MTP layer's pools
     if opts.draft and plan is not None:  # the first stage charges its draft model itself
         trunk_on_card[0] -= draft_bytes(opts.draft, kv.blocks, itemsize)
     group.draft, group.mtp = opts.draft, uses_mtp(header, engine)
@@ -589,7 +595,7 @@ def bring_up(group: StageGroup, header, path: str, opts: LaunchOptions, engine: 
         trunk_on_card[-1] -= mtp_bytes(header, kv.blocks, engine.max_seqs, itemsize, len(ranges) == 1)
     group.load(path, ranges, kv.blocks, lambda i, rep: say(_load_line(rep)),
                trunk_on_card, opts.profile, opts.cache_policy, engine.max_seqs, checkpoints,
-               getattr(kv, "host_checkpoints", 0))
+               getattr(kv, "host_checkpoints", 0), kv.types or None, kv.host_blocks)
     if opts.draft:
         n = draft_bytes(opts.draft, kv.blocks, itemsize)
         say(f"draft model {os.path.basename(opts.draft)}: {n / 2**20:.1f} MiB on stage 0 (its weights and a KV pool "
@@ -657,6 +663,7 @@ class RayPipeline:
         # Sequence states the stages hold (recurrent layers), 0 for a model without them, and checkpoints.
         self.state_slots = group.state_slots
         self.state_checkpoints = group.state_checkpoints
+        self.host_blocks = group.host_blocks  # every stage's host tier (the engine's ledger: kv_blocks.HostTier)
         # The last steps as the driver saw them (step id, submit start, submit end, result back;
         # perf_counter_ns): beside the stages' own, the per-hop times of GET /v1/stages
         self.timings: deque[tuple[int, int, int, int]] = deque(maxlen=STEP_TIMINGS)
@@ -723,6 +730,7 @@ class RayPipeline:
             self.kv_blocks = self.group.kv_blocks
             self.state_slots = self.group.state_slots
             self.state_checkpoints = self.group.state_checkpoints
+            self.host_blocks = self.group.host_blocks
 
     def _root_cause(self, handle: list) -> StageFailedError:
         """Among a step's per-stage errors: a dead actor first, else the earliest stage whose error

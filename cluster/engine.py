@@ -116,7 +116,8 @@ class Engine:
                                                mtp_token_ms=getattr(pipeline, "mtp_token_ms", 0.0),
                                                recurrent=bool(state_slots))
         self.scheduler = Scheduler(config, tokenizer.end_ids if tokenizer is not None else (),
-                                   config.kv_blocks or pool, checkpoints, self.speculation, spares)
+                                   config.kv_blocks or pool, checkpoints, self.speculation, spares,
+                                   getattr(pipeline, "host_blocks", 0) or 0)
         self.in_flight: deque[tuple[ScheduledStep, Any]] = deque()
         self._ids = itertools.count()
         # Every step timed (its size and wall time), so speculation prices drafts at what steps cost here.
@@ -330,7 +331,9 @@ class Engine:
         """After the pipeline recovered (on any thread): take its KV pool and state slots, on the
         thread that owns the engine."""
         pool = getattr(self.pipeline, "kv_blocks", None)
-        if pool is not None and pool != self.scheduler.blocks.n_blocks:
+        host = getattr(self.pipeline, "host_blocks", 0) or 0  # a re-plan sizes the host tier again too
+        if pool is not None and (pool != self.scheduler.blocks.n_blocks or host != self.scheduler.host_blocks):
+            self.scheduler.host_blocks = host
             self.scheduler.resize_kv(pool)
         sched = self.scheduler
         ledger = sched.spares  # the checkpoint ledger, or the spares' own over the same slots

@@ -25,6 +25,14 @@ step (`StepBatch.copies`), instead of computing them again. A chat client that s
 question twice, or a conversation's next turn, then computes one token, as llama-server's slot
 cache does (docs/architecture.md, "The KV cache").
 
+A cached block evicted for another prefix can go to the host tier (`HostTier`, when the stages
+keep one): the step that next runs carries a save of its rows into a host slot named by the same
+prefix hash (`StepBatch.kv_save`), before any step writes the block again, and a later prompt
+whose prefix goes on past its blocks on the device into blocks the tier holds takes fresh blocks
+and has them copied back (`StepBatch.kv_load`, with its first chunk) instead of prefilled. The
+tier keeps its copy (a block evicted again costs no second save) and gives its least recently
+used slot to the next save when full: it never grows past its slots.
+
 A prompt's full blocks are named when it is admitted, before its prefill has run: they are
 *pending* until the step that writes them is handed to the pipeline. A request whose prefix
 continues into a pending block waits for it (one prefill of a shared system prompt, not 16 at
@@ -43,14 +51,78 @@ from moeray.stages.blocks.kv_cache import BLOCK_SIZE
 class KVStats:
     """What the ledger has seen: prefix lookups in prompt tokens, and preemptions (counted by the scheduler)."""
     prompt_tokens: int = 0  # tokens of prompts looked up for a cached prefix
-    cached_tokens: int = 0  # of those, found cached (their prefill skipped)
+    cached_tokens: int = 0  # of those, found cached (their prefill skipped), the host tier's included
     preemptions: int = 0
 
 
+@dataclass
+class HostStats:
+    """The host tier's ledger: blocks saved into it, found in it (copied back), evicted from it."""
+    saved: int = 0
+    hits: int = 0  # blocks copied back to the stages instead of prefilled
+    hit_tokens: int = 0
+    evicted: int = 0
+
+
+class HostTier:
+    """Which host slot holds which prefix's block (every stage keeps its own copy of its layers'
+    rows in the same slot: stages/blocks/host_kv.py), least recently used first."""
+
+    def __init__(self, n: int):
+        self.n = n
+        self.free = list(range(n - 1, -1, -1))  # popped from the end: lowest first
+        self.slot_of: OrderedDict[int, int] = OrderedDict()  # prefix hash -> slot, least recently used first
+        self.hash_of: dict[int, int] = {}
+        self.held: dict[int, int] = {}  # slot -> loads handed to requests not yet sent to the stages
+        self.stats = HostStats()
+
+    def find(self, h: int) -> int | None:
+        return self.slot_of.get(h)
+
+    def touch(self, h: int) -> None:
+        self.slot_of.move_to_end(h)
+
+    def put(self, h: int) -> int | None:
+        """A slot to save prefix `h`'s block into (None: it is there already, or every slot is held)."""
+        if h in self.slot_of:
+            self.touch(h)
+            return None
+        if self.free:
+            slot = self.free.pop()
+        else:
+            old = next((k for k, s in self.slot_of.items() if s not in self.held), None)
+            if old is None:
+                return None
+            slot = self.slot_of.pop(old)
+            del self.hash_of[slot]
+            self.stats.evicted += 1
+        self.slot_of[h], self.hash_of[slot] = slot, h
+        self.stats.saved += 1
+        return slot
+
+    def take(self, slot: int) -> None:
+        self.held[slot] = self.held.get(slot, 0) + 1
+
+    def release(self, slot: int) -> None:
+        self.held[slot] -= 1
+        if not self.held[slot]:
+            del self.held[slot]
+
+    @property
+    def n_held(self) -> int:
+        return len(self.slot_of)
+
+    def forget_all(self) -> None:
+        self.__init__(self.n)
+
+
 class BlockManager:
-    def __init__(self, n_blocks: int, prefix_reuse: bool = True):
+    def __init__(self, n_blocks: int, prefix_reuse: bool = True, host_blocks: int = 0):
         self.n_blocks, self.block_size = n_blocks, BLOCK_SIZE
         self.prefix_reuse = prefix_reuse
+        # the host tier (None: the stages keep none), and the saves into it no step carries yet
+        self.host = HostTier(host_blocks) if host_blocks and prefix_reuse else None
+        self.saves: list[tuple[int, int]] = []
         self.free: deque[int] = deque(range(n_blocks))
         self.ref = [0] * n_blocks
         self.hash_of: dict[int, int] = {}  # block -> the hash of the prefix it completes
@@ -110,6 +182,25 @@ class BlockManager:
             found.append(b)
         return found, False
 
+    def match_host(self, tokens: list[int], n_blocks: int) -> list[int]:
+        """The host slots holding the full blocks of `tokens` that follow its first n_blocks (those
+        found on the device), as far as they go on, leaving at least one token to compute. Takes nothing."""
+        if self.host is None:
+            return []
+        hashes = self.prefix_hashes(tokens, (len(tokens) - 1) // BLOCK_SIZE)
+        found = []
+        for h in hashes[n_blocks:]:
+            slot = self.host.find(h)
+            if slot is None:
+                break
+            found.append(slot)
+        return found
+
+    def take_saves(self) -> list[tuple[int, int]]:
+        """The (block, host slot) saves the next step handed out carries, before it writes anything."""
+        out, self.saves = self.saves, []
+        return out
+
     def register(self, table: list[int], tokens: list[int], n_full: int, start: int = 0,
                  pending: bool = False) -> None:
         """Blocks [start, n_full) of `table` hold (or, pending, will hold) full blocks of `tokens`:
@@ -163,6 +254,16 @@ class BlockManager:
         self.parent_of[b] = parent
         self.follows.setdefault(parent, {})[b] = tuple(tokens)
 
+    def _to_host(self, b: int) -> None:
+        """Block b, about to be written by another sequence: its rows to the host tier when it holds
+        a named, written block (a save the next step carries)."""
+        h = self.hash_of.get(b)
+        if self.host is None or h is None or h in self.pending:
+            return
+        slot = self.host.put(h)
+        if slot is not None:
+            self.saves.append((b, slot))
+
     def _forget(self, b: int) -> None:
         """Block b holds nothing findable any more."""
         h = self.hash_of.pop(b, None)
@@ -198,8 +299,9 @@ class BlockManager:
         for _ in range(n):
             if self.free:
                 b = self.free.popleft()
-            else:  # evict the least recently used cached block: its prefix is forgotten
+            else:  # evict the least recently used cached block: its prefix is forgotten (or kept on the host)
                 b, _ = self.cached.popitem(last=False)
+                self._to_host(b)
                 self._forget(b)
             self.ref[b] = 1
             out.append(b)
@@ -237,3 +339,6 @@ class BlockManager:
         self.pending.clear()
         self.follows.clear()
         self.parent_of.clear()
+        self.saves = []
+        if self.host is not None:  # a restarted stage's host tier is gone with its process
+            self.host.forget_all()

@@ -29,9 +29,11 @@ class LocalPipeline:
     n_stages = 1
     verifies = True  # its stage accepts drafted tokens (StepBatch.drafts): speculative decoding
 
-    def __init__(self, stage, kv_blocks: int | None = None, state_slots: int = 0, state_checkpoints: int = 0):
+    def __init__(self, stage, kv_blocks: int | None = None, state_slots: int = 0, state_checkpoints: int = 0,
+                 host_blocks: int = 0):
         self.stage = stage  # a StageActor or a StageRunner: step(StepBatch) -> StepOutput
         self.kv_blocks = kv_blocks  # blocks of its KV pool: the engine's budget
+        self.host_blocks = host_blocks  # blocks of its host tier (stages/blocks/host_kv.py), 0: none
         self.state_slots = state_slots  # sequence states it holds (recurrent layers), 0 for none
         self.state_checkpoints = state_checkpoints  # and checkpoint slots after them
         self.load_report = None
@@ -47,40 +49,46 @@ class LocalPipeline:
     def from_file(cls, path: str, kv_blocks: int, simulated_budget: int | None = None,
                   profile: str | None = None, cache_policy: str = "static", max_seqs: int = 1,
                   options=None, draft: str | None = None, mtp: bool = False,
-                  state_checkpoints: int = 0, host_checkpoints: int = 0) -> "LocalPipeline":
+                  state_checkpoints: int = 0, host_checkpoints: int = 0, kv_types=None,
+                  host_blocks: int = 0) -> "LocalPipeline":
         """`options`: the StageOptions it computes with (None: this process's); `draft`: a draft
         model's GGUF, run beside it; `mtp`: run the file's next-token-prediction layer;
         `state_checkpoints`: a hybrid model's checkpoint slots of the state on the device
         (cluster/state_checkpoints.py), `host_checkpoints` more in host memory (the engine's ledger
-        holds them all)."""
+        holds them all); `kv_types`: the pool's cache types (None: the options'); `host_blocks`:
+        KV blocks of its host tier."""
         stage = StageActor(0, 1, simulated_budget if simulated_budget is not None else 1 << 62, options=options)
         cfg = read_gguf_header(path).config
         hybrid = cfg.deltanet is not None
         on_card, host = (state_checkpoints, host_checkpoints) if hybrid else (0, 0)
-        pipe = cls(stage, kv_blocks, max_seqs if hybrid else 0, on_card + host)
+        pipe = cls(stage, kv_blocks, max_seqs if hybrid else 0, on_card + host, host_blocks)
         pipe.load_report = stage.load(path, 0, cfg.n_layers, kv_blocks, profile=profile, cache_policy=cache_policy,
                                       state_slots=max_seqs, whole_cache_only=True, draft=draft, mtp=mtp,
-                                      state_checkpoints=on_card, host_checkpoints=host)
+                                      state_checkpoints=on_card, host_checkpoints=host, kv_types=kv_types,
+                                      host_blocks=host_blocks)
         pipe.step_experts = local_step_experts(stage.model.gguf, profile)
         pipe._drafting(stage.runner.drafter, stage.runner.mtp)
         return pipe
 
     @classmethod
     def from_model(cls, model, kv_blocks: int, max_seqs: int = 1, draft: str | None = None,
-                   mtp: bool = False, state_checkpoints: int = 0, host_checkpoints: int = 0) -> "LocalPipeline":
+                   mtp: bool = False, state_checkpoints: int = 0, host_checkpoints: int = 0, kv_types=None,
+                   host_blocks: int = 0) -> "LocalPipeline":
         """`max_seqs`: the engine's sequence slots, each a DeltaNet state where the model has them,
         and `state_checkpoints` more state slots for checkpoints (cluster/state_checkpoints.py),
         `host_checkpoints` more in host memory;
         `draft`: a draft model's GGUF (the same vocabulary), run beside it; `mtp`: run the file's
-        next-token-prediction layer."""
-        kv = model.new_kv_pool(kv_blocks, max_seqs + state_checkpoints, host_checkpoints)
+        next-token-prediction layer; `kv_types`: the pool's cache types (None: the options');
+        `host_blocks`: KV blocks of its host tier."""
+        kv = model.new_kv_pool(kv_blocks, max_seqs + state_checkpoints, host_checkpoints, kv_types, host_blocks)
         hybrid = kv.state is not None
         pipe = cls(StageRunner(model, kv), kv_blocks, max_seqs if hybrid else 0,
-                   state_checkpoints + host_checkpoints if hybrid else 0)
+                   state_checkpoints + host_checkpoints if hybrid else 0, host_blocks if kv.host else 0)
         if draft is not None:
             pipe.stage.drafter = DraftModel(draft, model.device, kv_blocks, model.config)
         if mtp:
             pipe.stage.mtp = MTPHead(model, kv_blocks, max_seqs)
+        pipe.stage.share_host_tier()
         pipe._drafting(pipe.stage.drafter, pipe.stage.mtp)
         return pipe
 

@@ -66,6 +66,8 @@ class Request:
     kv_len: int = 0  # tokens whose KV the steps handed out so far write
     cached_tokens: int = 0  # prompt tokens whose KV was reused from a cached prefix (first admission)
     copy: Optional[tuple[int, int, int]] = None  # (block, own block, rows) to copy before its first chunk
+    # (host slot, own block): prefix blocks the host tier holds, copied back before its first chunk
+    loads: list[tuple[int, int]] = field(default_factory=list)
     # Recurrent state (hybrid models, cluster/state_checkpoints.py): the checkpoint slot to restore
     # before its first chunk; the slot it keeps its latest block boundary's state in while it
     # decodes; the prompt's block boundary to checkpoint at (its chunk is cut there)
@@ -132,6 +134,9 @@ class ScheduledStep:
     lane: int
     rows: list[Row]  # in slot order: a lane's neighbouring slots read the KV cache as one view
     copies: list[tuple[int, int, int]] = field(default_factory=list)  # KV rows the stages copy first
+    # blocks the stages save into their host tier, then load back from it, before the step (cluster/kv_blocks.py)
+    kv_save: list[tuple[int, int]] = field(default_factory=list)
+    kv_load: list[tuple[int, int]] = field(default_factory=list)
     state_before: list[tuple[int, int]] = field(default_factory=list)  # state slots copied before the step
     state_after: list[tuple[int, int]] = field(default_factory=list)  # ... and after it
     # The pipeline's extra drafters, which keep KV of every row: a draft model on the first stage,
@@ -148,8 +153,9 @@ class ScheduledStep:
     def plain_decode(self) -> bool:
         """Every row a plain decode (one token, sampled; no draft), nothing copied around the step:
         a step the same rows can continue one token later."""
-        return (not self.copies and not self.state_before and not self.state_after and not self.draft_model
-                and not self.mtp and all(r.sample and len(r.tokens) == 1 and not r.draft for r in self.rows))
+        return (not self.copies and not self.kv_save and not self.kv_load and not self.state_before
+                and not self.state_after and not self.draft_model and not self.mtp
+                and all(r.sample and len(r.tokens) == 1 and not r.draft for r in self.rows))
 
     def batch(self) -> StepBatch:
         # A sequence with penalties starts its last stage's TokenHistory from what it holds: the
@@ -166,7 +172,8 @@ class ScheduledStep:
                          ended=self.ended or None, loop_back=self.loop_back,
                          starts=[r.start for r in self.rows],
                          tables=[r.req.table[:blocks_for(r.start + len(r.tokens))] for r in self.rows],
-                         copies=self.copies or None, state_before=self.state_before or None,
+                         copies=self.copies or None, kv_save=self.kv_save or None, kv_load=self.kv_load or None,
+                         state_before=self.state_before or None,
                          state_after=self.state_after or None, history=history if any(history) else None,
                          drafts=[r.draft for r in self.rows] if any(r.draft for r in self.rows) else None,
                          draft_k=[r.model_k for r in self.rows] if self.draft_model else None,
@@ -194,12 +201,13 @@ class Scheduler:
 
     def __init__(self, config: EngineConfig, eos_ids: Sequence[int] = (), n_blocks: int | None = None,
                  checkpoints: CheckpointLedger | None = None, speculation: Optional[Speculation] = None,
-                 spares: CheckpointLedger | None = None):
+                 spares: CheckpointLedger | None = None, host_blocks: int = 0):
         """`checkpoints`: a hybrid model's recurrent-state checkpoints (prefix reuse then resumes
         only where one of them holds the state); None: a model without recurrent layers.
         `spares`: a hybrid model's ledger of state slots that verify rows borrow a spare from (the
         checkpoint ledger itself, or one over the same slots when prefix reuse is off); None: a
-        model without recurrent layers, whose drafts need no snapshot."""
+        model without recurrent layers, whose drafts need no snapshot. `host_blocks`: the blocks
+        each stage's host tier holds (cluster/kv_blocks.py HostTier; 0: none)."""
         self.config = config
         self.checkpoints = checkpoints
         self.spares = spares if spares is not None else checkpoints
@@ -207,7 +215,9 @@ class Scheduler:
         if n_blocks is None and config.max_len is None:
             raise MoerayError("an engine needs a KV budget: kv_blocks, or max_len (max_seqs sequences of it)")
         # Without a plan's budget, blocks for max_seqs sequences of max_len: what a slab held.
-        self.blocks = BlockManager(n_blocks or config.max_seqs * blocks_for(config.max_len), config.prefix_reuse)
+        self.host_blocks = host_blocks  # the stages' host tier, in blocks (0: none)
+        self.blocks = BlockManager(n_blocks or config.max_seqs * blocks_for(config.max_len), config.prefix_reuse,
+                                   host_blocks)
         # Give each sequence the blocks of its whole output at admission (never grow, never preempt):
         # for the one-shot Generator, whose pool is sized for exactly its prompts. Equal sequences then
         # hold consecutive, equally spaced blocks, which attention reads as one view.
@@ -243,25 +253,36 @@ class Scheduler:
             if not req.prefill:
                 req.prefill = list(req.prompt)
             shared, wait = bm.match_prefix(req.prefill)
+            hosted = [] if wait else bm.match_host(req.prefill, len(shared))  # ... and on in the host tier
             restore = None
             if self.checkpoints is not None:  # recurrent layers: as far as a checkpoint holds their state
-                b, restore = self.checkpoints.find(bm.prefix_hashes(req.prefill, len(shared)))
-                shared, wait = shared[:b], False  # a prefix still being computed leaves no checkpoint to wait for
+                b, restore = self.checkpoints.find(bm.prefix_hashes(req.prefill, len(shared) + len(hosted)))
+                shared, hosted = shared[:b], hosted[:max(0, b - len(shared))]
+                wait = False  # a prefix still being computed leaves no checkpoint to wait for
             if wait:  # a running request is computing the rest of this prefix: reuse it when written
                 return
             bm.take_shared(shared)  # before allocating: a matched cached block must not be evicted
-            src, n_copy = bm.match_tail(req.prefill, len(shared)) if self.checkpoints is None else (None, 0)
+            for slot in hosted:  # ... nor a host slot it will load
+                bm.host.take(slot)
+            reused = len(shared) + len(hosted)
+            src, n_copy = bm.match_tail(req.prefill, reused) if self.checkpoints is None else (None, 0)
             held = shared + ([src] if src is not None else [])  # the source too, until its copy is handed out
             bm.take_shared(held[len(shared):])
             total = len(req.prompt) + req.max_new if self.reserve_output else len(req.prefill) + 1
             own = bm.allocate(blocks_for(total) - len(shared))  # + the first output token
             if own is None:  # wait for blocks; first come, first served
                 bm.release(held)
+                for slot in hosted:
+                    bm.host.release(slot)
                 return
             self.waiting.popleft()
             req.table = shared + own
-            req.fed = req.kv_len = len(shared) * BLOCK_SIZE + n_copy
-            req.copy = (src, own[0], n_copy) if src is not None else None
+            req.fed = req.kv_len = reused * BLOCK_SIZE + n_copy
+            req.copy = (src, own[len(hosted)], n_copy) if src is not None else None
+            req.loads = list(zip(hosted, own))
+            if hosted:
+                bm.host.stats.hits += len(hosted)
+                bm.host.stats.hit_tokens += len(hosted) * BLOCK_SIZE
             if restore is not None:  # held until the step that copies it is handed out
                 self.checkpoints.take(restore)
                 self.checkpoints.stats.restored += 1
@@ -355,9 +376,16 @@ class Scheduler:
                     self._checkpoint(r, r.prompt + r.output, after)
                     row.no_draft = True
         n_decode = len(rows)
-        copies = []
+        copies, loads = [], []
         for r in members:
             if r.status is RequestStatus.RUNNING and r.fed < len(r.prefill) and budget >= 1:
+                if r.loads:  # its first chunk: the stages load its blocks from their host tier first
+                    loads += r.loads
+                    for slot, _ in r.loads:
+                        self.blocks.host.release(slot)
+                    first = r.table.index(r.loads[0][1])  # they follow the blocks it shares on the device
+                    self.blocks.written(r.table, first, first + len(r.loads))
+                    r.loads = []
                 if r.copy is not None:  # its first chunk: the stages copy the reused rows first
                     copies.append(r.copy)
                     self.blocks.release([r.copy[0]])  # later steps may write it: they run after this one
@@ -401,7 +429,7 @@ class Scheduler:
             row.req.in_flight += 1
         spec = self.speculation
         ended, self.ended = self.ended, []
-        return ScheduledStep(next(self._steps), lane, rows, copies, before, after,
+        return ScheduledStep(next(self._steps), lane, rows, copies, self.blocks.take_saves(), loads, before, after,
                              draft_model=spec is not None and spec.draft_model, mtp=spec is not None and spec.mtp,
                              ended=ended)
 
@@ -429,7 +457,9 @@ class Scheduler:
         self.stats.decode_tokens += len(out)
         self.stats.chained_steps += 1
         ended, self.ended = self.ended, []
-        return ScheduledStep(next(self._steps), step.lane, out, ended=ended, chained=True)
+        # a block taken here may have pushed a cached one out: the step carries its save to the host tier
+        return ScheduledStep(next(self._steps), step.lane, out, kv_save=self.blocks.take_saves(), ended=ended,
+                             chained=True)
 
     def _add_drafts(self, decode_rows: list[Row], n_plain: int, budget: int, before: list,
                     after: list) -> None:
@@ -590,7 +620,7 @@ class Scheduler:
         """The stages were re-planned with a pool of `n_blocks` blocks (no request runs: they failed
         with the stages). Waiting requests that no longer fit fail with the reason; the others get
         an output cap within the new pool."""
-        self.blocks = BlockManager(n_blocks, self.config.prefix_reuse)
+        self.blocks = BlockManager(n_blocks, self.config.prefix_reuse, self.host_blocks)
         if self.checkpoints is not None:
             self.checkpoints.forget_all()
         limit = min(self.config.max_len or self.kv_tokens, self.kv_tokens)
@@ -659,6 +689,12 @@ class Scheduler:
             req.kv_len -= n
             self.blocks.release([src])
             req.copy = None
+        if req.loads:  # ... nor the blocks it was to load from the host tier
+            for slot, _ in req.loads:
+                self.blocks.host.release(slot)
+            req.fed -= len(req.loads) * BLOCK_SIZE
+            req.kv_len -= len(req.loads) * BLOCK_SIZE
+            req.loads = []
         if self.checkpoints is not None:
             self._drop_state(req)
         if req.spare is not None:  # a snapshot no row will restore (a re-prefill rebuilds the state)

@@ -38,13 +38,14 @@ def local_threads(token_bytes: int) -> dict:
     return BIG_LOCAL_THREADS if token_bytes > BIG_TOKEN_BYTES else LOCAL_THREADS
 
 
-def host_checkpoint_bytes(header) -> int:
-    """Host memory `serve --local` may give a hybrid model's state checkpoints that its device has no
-    room for: (MemAvailable - the model's files) / HOST_CHECKPOINT_SHARE (planner/kv.py)."""
-    from moeray.planner.kv import host_checkpoint_room
+def host_tier_bytes(header, asked: str = "auto") -> int:
+    """Host memory `serve --local` gives its host tier (a hybrid model's state checkpoints its device
+    has no room for, then the KV blocks its pool evicts): `--kv-host` against this machine's
+    MemAvailable less the model's files (planner/kv.py host_tier_room)."""
+    from moeray.planner.kv import host_tier_room
     from moeray.stages.kernels.repack import mem_available
 
-    return host_checkpoint_room(mem_available(), sum(p.size for p in header.parts))
+    return host_tier_room(asked, mem_available(), sum(p.size for p in header.parts))
 
 
 def local_stage_options(stage, token_bytes: int):
@@ -67,6 +68,15 @@ def _experts_line(cfg, report) -> str:
     return (f"experts: every routed expert computed from host memory ({format_bytes(report.free_bytes)} of the "
             "simulated device is left after KV, recurrent states and trunk, less than all of them; a part of them there would "
             "read no fewer bytes and split each layer's step)")
+
+
+def host_report(host) -> dict | None:
+    """The host tier's ledger for /v1/stages (each stage's own bytes moved are in its `kv`)."""
+    if host is None:
+        return None
+    s = host.stats
+    return {"blocks": host.n, "held_blocks": host.n_held, "saved_blocks": s.saved, "hit_blocks": s.hits,
+            "hit_tokens": s.hit_tokens, "evicted_blocks": s.evicted}
 
 
 class Service:
@@ -124,26 +134,33 @@ class Service:
             if ggml_available():
                 ggml_threads()  # fixed now, before torch's first op (threads.set_threads says why)
             profile = resolve_profile(opts.launch.profile, self.path)
-            from moeray.cluster.placement import local_kv_plan, uses_mtp
+            from moeray.cluster.placement import local_kv_plan, plan_kv_types, uses_mtp
 
             from moeray.stages.runtime.model import stage_trunk_bytes
 
             cfg = header.config
-            kv = local_kv_plan(cfg, engine_cfg, opts.local_budget,
+            types = plan_kv_types(cfg, (stage.cache_type_k, stage.cache_type_v), ["simulated"])
+            kv = local_kv_plan(cfg, engine_cfg, opts.local_budget, types,
                                trunk_bytes=stage_trunk_bytes(header, 0, cfg.n_layers),
                                expert_bytes=cfg.n_experts * sum(header.expert_bytes(l) for l in range(cfg.n_layers)),
-                               host_bytes=host_checkpoint_bytes(header))
+                               host_bytes=host_tier_bytes(header, opts.launch.kv_host))
             engine_cfg = dataclasses.replace(engine_cfg, max_len=kv.context, kv_blocks=kv.blocks,
                                              state_checkpoints=kv.checkpoints + kv.host_checkpoints)
             self.local = LocalPipeline.from_file(self.path, kv.blocks, opts.local_budget,
                                                  profile, opts.launch.cache_policy, engine_cfg.max_seqs, stage,
                                                  draft=opts.launch.draft, mtp=uses_mtp(header, engine_cfg),
                                                  state_checkpoints=kv.checkpoints,
-                                                 host_checkpoints=kv.host_checkpoints)
+                                                 host_checkpoints=kv.host_checkpoints, kv_types=types,
+                                                 host_blocks=kv.host_blocks)
             pipeline = self.local
             self.lines.append(f"one process: layers 0-{header.config.n_layers - 1} on {self.local.stage.device.name}")
             self.lines.append(_experts_line(header.config, self.local.load_report))
             self.lines.append(kv.line())
+            kv.type_rule = "one process: its device holds every expert it caches, nothing to trade" if "auto" in (
+                stage.cache_type_k, stage.cache_type_v) else "as asked"
+            self.lines.append(kv.types_line())
+            if kv.host_blocks:
+                self.lines.append(kv.host_line())
             if kv.checkpoint_rule:
                 from moeray.cluster.placement import state_bytes_by_layer
                 from moeray.planner.report import checkpoint_line
@@ -358,7 +375,7 @@ class Service:
                 "free_blocks": bm.n_available, "cached_blocks": bm.n_cached,
                 "prefix_reuse": bm.prefix_reuse, "prompt_tokens": bm.stats.prompt_tokens,
                 "cached_tokens": bm.stats.cached_tokens, "prefix_hit_rate": bm.hit_rate,
-                "preemptions": bm.stats.preemptions}
+                "preemptions": bm.stats.preemptions, "host": host_report(bm.host)}
 
     def close(self) -> None:
         if self.poller is not None:

@@ -92,6 +92,8 @@ OVERRIDES = (
     Override("MOERAY_SGEMM_ROWS", "stage.sgemm_rows", _count,
              "llamafile's sgemm for Q8_0/Q4_0 products of at least this many rows (0: never)"),
     Override("MOERAY_TRITON", "stage.triton", _triton, "the card's Triton kernels: auto | on (1) | off (0)"),
+    Override("MOERAY_CACHE_TYPE_K", "stage.cache_type_k", _word, "KV cache K rows: auto | f32 | f16 | q8_0 | q4_0"),
+    Override("MOERAY_CACHE_TYPE_V", "stage.cache_type_v", _word, "KV cache V rows: auto | f32 | f16 | q8_0 | q4_0"),
     Override("MOERAY_SPLIT_COVER_B", "launch.cover_b", _positive, "b of the planner's mass curve H(f)"),
 )
 

@@ -28,6 +28,96 @@ from moeray.errors import PlacementError
 
 TRADE_TOLERANCE = 0.02  # auto: extra KV may slow the predicted decode step by at most this share
 
+# ---------------------------------------------------------------- cache types
+
+# How K and V rows are stored, llama.cpp's cache types (`-ctk` / `-ctv`): (values per block, bytes
+# per block), ggml's block layouts. A quantised row is its width / 32 blocks of a float16 scale and
+# 32 codes (q8_0: int8; q4_0: 4-bit pairs), so a head's width must be a multiple of 32.
+CACHE_TYPES = {"f32": (1, 4), "f16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18)}
+CACHE_TYPE_CHOICES = ("auto",) + tuple(CACHE_TYPES)
+
+
+# What one cached value costs a decode step to read, in ns, by cache type: one query's ggml flash
+# attention on the CPU over 8,192 keys, one thread (bench/kv_types.py --read-cost --depth 8192
+# --threads 1), which reads a quantised row as stored (q8_0: its dot products on the int8 codes;
+# q4_0's values are widened row by row, 10x slower). The planner adds tokens x values x this to a
+# stage's step when it weighs a cache type against the expert slots its bytes would buy.
+READ_NS_PER_VALUE = {"f32": 0.72, "f16": 0.88, "q8_0": 1.05, "q4_0": 10.7}
+
+
+def value_bytes(cache_type: str) -> float:
+    """Bytes one value takes in a row of `cache_type` (its block's bytes over its values)."""
+    block, size = CACHE_TYPES[cache_type]
+    return size / block
+
+
+def row_bytes(cache_type: str, width: int) -> int:
+    """Bytes of one row of `width` values of `cache_type` (width a multiple of its block)."""
+    block, size = CACHE_TYPES[cache_type]
+    return width // block * size
+
+
+@dataclass(frozen=True)
+class KVTypes:
+    """The cache types of a stage's K rows and V rows (an MLA latent is a K row: its value is a
+    view of it, so V follows K there)."""
+    k: str = "f32"
+    v: str = "f32"
+
+    def __post_init__(self):
+        for which, t in (("k", self.k), ("v", self.v)):
+            if t not in CACHE_TYPES:
+                raise PlacementError(f"cache type {which} {t!r} is not one of {', '.join(CACHE_TYPES)}")
+
+    @classmethod
+    def same(cls, t: str) -> "KVTypes":
+        return cls(t, t)
+
+    @property
+    def label(self) -> str:
+        """"q8_0", or "q8_0/f16" (K/V) where they differ."""
+        return self.k if self.k == self.v else f"{self.k}/{self.v}"
+
+    @property
+    def quantised(self) -> bool:
+        return CACHE_TYPES[self.k][0] > 1 or CACHE_TYPES[self.v][0] > 1
+
+    def token_bytes(self, heads: int, k_width: int, v_width: int) -> int:
+        """Bytes one token's rows take in one layer of `heads` KV heads (v_width 0: the latent layout)."""
+        return heads * (row_bytes(self.k, k_width) + (row_bytes(self.v, v_width) if v_width else 0))
+
+    def problem(self, heads: int, k_width: int, v_width: int) -> str | None:
+        """Why these types cannot hold a layer's rows (None: they can): a quantised type stores a
+        row in blocks of 32 values; an MLA latent is one row that is both its key and its value."""
+        if not v_width and self.v != self.k:
+            return (f"this model's attention keeps one latent row per token (MLA), which is its key and its "
+                    f"value, so V cannot be {self.v} while K is {self.k}; give the same type for both, or only "
+                    f"the K type")
+        for which, t, w in (("K", self.k, k_width), ("V", self.v, v_width)):
+            block = CACHE_TYPES[t][0]
+            if w and w % block:
+                return (f"{t} stores a row in blocks of {block} values and this model's {which} rows are {w} "
+                        f"values wide; choose f16 or f32 for {which}")
+        return None
+
+
+def resolve_kv_types(k: str, v: str, default: "KVTypes", latent: bool = False) -> "KVTypes":
+    """The types a stage holds for asked K and V types ("auto": `default`'s; an MLA latent's V
+    follows its K, which is the one row it keeps)."""
+    kt = default.k if k == "auto" else k
+    if latent:
+        return KVTypes(kt, kt if v == "auto" else v)
+    return KVTypes(kt, default.v if v == "auto" else v)
+
+
+def default_kv_types(kinds) -> KVTypes:
+    """The cache types the stages hold when nothing asks for others (and where a plan's `auto`
+    starts): float16 when every stage is a card (what its attention kernels read), else float32:
+    the CPU's ggml flash attention reads a float32 row fastest (READ_NS_PER_VALUE), and a stage
+    whose bytes are better spent elsewhere gets smaller rows from the plan (docs/kv-cache.md)."""
+    kinds = list(kinds)
+    return KVTypes.same("f16" if kinds and all(k == "cuda" for k in kinds) else "f32")
+
 
 @dataclass
 class KVPlan:
@@ -42,6 +132,13 @@ class KVPlan:
     checkpoint_rule: str = ""
     # ... and more of them in host memory (one-process serving), copied over when taken or restored
     host_checkpoints: int = 0
+    # Each stage's cache types (KVTypes), why, and the tokens the same pool bytes hold at each type
+    types: list = field(default_factory=list)
+    type_rule: str = ""
+    tokens_by_type: dict = field(default_factory=dict)
+    # KV blocks every stage keeps in its node's host memory (the host tier: cluster/kv_blocks.py)
+    host_blocks: int = 0
+    host_rule: str = ""
 
     @property
     def tokens(self) -> int:
@@ -61,12 +158,34 @@ class KVPlan:
             out += "; tried " + ", ".join(f"{b}: {'no fit' if ms is None else f'{ms:.1f} ms'}" for b, ms in self.tried)
         return out
 
+    def types_line(self) -> str:
+        """[kv] each stage's cache types, its bytes per token, and the context the same bytes buy at each type."""
+        from moeray.units import format_bytes
+
+        labels = [t.label for t in self.types]
+        if len(set(labels)) == 1:
+            stages = f"{labels[0]} on every stage"
+        else:
+            stages = ", ".join(f"stage {i} {label}" for i, label in enumerate(labels))
+        per_token = ", ".join(format_bytes(b // max(1, self.tokens)) for b in self.stage_bytes)
+        out = f"[kv] cache types {stages} ({per_token} per token per stage)"
+        if self.tokens_by_type:
+            buys = ", ".join(f"{t} {n}" for t, n in self.tokens_by_type.items())
+            out += f"; the same bytes hold, in tokens: {buys}"
+        return out + (f"; {self.type_rule}" if self.type_rule else "")
+
+    def host_line(self) -> str:
+        return f"[kv] host tier: {self.host_blocks} blocks ({self.host_blocks * self.block_tokens} tokens) per stage; {self.host_rule}"
+
     def to_json(self) -> dict:
         return {"blocks": self.blocks, "block_tokens": self.block_tokens, "tokens": self.tokens,
                 "context": self.context, "concurrency": self.concurrency, "rule": self.rule,
                 "stage_bytes": list(self.stage_bytes), "tried": [list(t) for t in self.tried],
                 "state_checkpoints": self.checkpoints, "host_state_checkpoints": self.host_checkpoints,
-                "checkpoint_rule": self.checkpoint_rule}
+                "checkpoint_rule": self.checkpoint_rule,
+                "cache_types": [{"k": t.k, "v": t.v} for t in self.types], "type_rule": self.type_rule,
+                "tokens_by_type": dict(self.tokens_by_type), "host_blocks": self.host_blocks,
+                "host_rule": self.host_rule}
 
 
 def blocks_for_fraction(fraction: float, free_bytes: int, block_bytes_all_layers: int) -> int:
@@ -221,17 +340,70 @@ def checkpoints_within(budget_bytes: int, per_checkpoint: int, wanted: int) -> i
     return max(0, min(wanted, budget_bytes // per_checkpoint))
 
 
-# Host memory for state checkpoints the devices have no room for: this share of what a node has
+# The host tier: host memory for what the devices have no room for, state checkpoints first, then
+# KV blocks the pools evict (cluster/kv_blocks.py). By default this share of what a node has
 # available beside the model's files (their page cache must stay: every host expert is read from
-# it). llama-server keeps its prompt cache in RAM the same way (up to 8 GiB by default).
-HOST_CHECKPOINT_SHARE = 8
+# it). llama-server keeps its prompt cache in RAM the same way (--cache-ram, 8 GiB by default).
+HOST_TIER_SHARE = 8
+HOST_CHECKPOINT_SHARE = HOST_TIER_SHARE  # the name the checkpoints' lines use
+
+
+def check_host_tier(asked: str) -> str:
+    """`--kv-host` as written, checked: auto, off (or 0), a share 0 < f < 1, or a size (8GiB)."""
+    from moeray.units import parse_size
+
+    text = str(asked).strip().lower()
+    if text in ("auto", "off", "0"):
+        return text
+    try:
+        f = float(text)
+    except ValueError:
+        try:
+            parse_size(text)
+        except Exception:
+            raise PlacementError(f"--kv-host {asked!r}: give auto, off, a share of the node's available memory "
+                                 "(0.25) or a size (8GiB)") from None
+        return text
+    if not 0 < f < 1:
+        raise PlacementError(f"--kv-host {asked!r}: a share is between 0 and 1 (0.25), a size has a unit (8GiB), "
+                             "off turns the host tier off")
+    return text
+
+
+def host_tier_room(asked: str, available_bytes: int | None, model_file_bytes: int, where: str = "this node") -> int:
+    """Host bytes of the tier on one node: `--kv-host` auto ((MemAvailable - the model's files there)
+    / HOST_TIER_SHARE), off, a share of that, or a size, which must fit in it (one line naming
+    the value and the fix otherwise)."""
+    from moeray.units import format_bytes, parse_size
+
+    text = check_host_tier(asked)
+    if text in ("off", "0") or available_bytes is None:
+        return 0
+    room = max(0, available_bytes - model_file_bytes)
+    if text == "auto":
+        return room // HOST_TIER_SHARE
+    try:
+        return int(float(text) * room)
+    except ValueError:
+        size = parse_size(text)
+    if size > room:
+        raise PlacementError(f"--kv-host {asked}: {where} has {format_bytes(room)} available beside the model's "
+                             f"files (MemAvailable {format_bytes(available_bytes)}); give at most that, a share "
+                             "such as 0.25, or auto")
+    return size
 
 
 def host_checkpoint_room(available_bytes: int | None, model_file_bytes: int) -> int:
-    """Host bytes for checkpoints on one node: (MemAvailable - the model's files there) / HOST_CHECKPOINT_SHARE."""
-    if available_bytes is None:
-        return 0
-    return max(0, available_bytes - model_file_bytes) // HOST_CHECKPOINT_SHARE
+    """Host bytes of the tier on one node by default: (MemAvailable - the model's files there) / HOST_TIER_SHARE."""
+    return host_tier_room("auto", available_bytes, model_file_bytes)
+
+
+def host_blocks_for(rooms: list[int], block_bytes: list[int]) -> int:
+    """KV blocks every stage can keep in its host tier: stage i has `rooms[i]` bytes left (after
+    its checkpoints) and one block of its layers takes `block_bytes[i]` (0: no KV layer, no
+    limit). One count for all, the smallest: a block's host slot holds it on every stage."""
+    counts = [room // b for room, b in zip(rooms, block_bytes) if b > 0]
+    return max(0, min(counts)) if counts else 0
 
 
 def host_checkpoints_for(rooms: list[int], per_state: list[int], wanted: int) -> int:

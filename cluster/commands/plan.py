@@ -8,6 +8,7 @@ the first time, or recording its profile, is the exception).
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -52,6 +53,9 @@ def add_arguments(p) -> None:
                    help="tokens of KV every stage holds for its layers (e.g. 32768: one sequence at 32K), charged "
                         "at the architecture's KV per token (MLA: latent + rope key; GQA: k and v) in 16 bits "
                         "(default 0: KV not priced)")
+    p.add_argument("--cache-type", choices=("f32", "f16", "q8_0", "q4_0"), default="f16",
+                   help="the type --kv-tokens are charged in, K and V alike (llama.cpp's -ctk / -ctv; default f16, "
+                        "a card's pool); every type's bytes per token and context are printed beside it")
     p.add_argument("--handoff-ms", type=float, default=DEFAULT_HANDOFF_MS, help="time of one stage-to-stage hop")
     p.add_argument("--cpu-factor", type=float, default=DEFAULT_CPU_FACTOR,
                    help="host bytes read per card byte of an expert (2 for an int8 host copy of an int4 slot)")
@@ -89,17 +93,41 @@ def spec_from_gguf(path: str, backend: str | None = None, header=None) -> ModelS
                      kv_token_bytes=[KV_ITEMSIZE * arch.kv_values(cfg, l) for l in range(cfg.n_layers)])
 
 
-KV_ITEMSIZE = 2  # a card's KV pool is 16-bit (stages/blocks/kv_cache.py kv_dtype)
+KV_ITEMSIZE = 2  # a spec's kv_token_bytes are 16-bit: a card's KV pool (stages/blocks/kv_cache.py kv_dtype)
 
 
-def kv_line(per_token: list[int], split, n_tokens: int) -> str:
-    """[kv] what the KV costs each stage at --kv-tokens, from the architecture's layout."""
+def at_type(per_token: list[int], cache_type: str) -> list[int]:
+    """A spec's 16-bit KV bytes per token per layer in `cache_type` (rows of whole 32-value blocks)."""
+    from moeray.planner.kv import value_bytes
+
+    return [int(b // KV_ITEMSIZE * value_bytes(cache_type)) for b in per_token]
+
+
+def kv_line(per_token: list[int], split, n_tokens: int, cache_type: str = "f16") -> str:
+    """[kv] what the KV costs each stage at --kv-tokens in --cache-type, from the architecture's layout."""
     from moeray.units import format_bytes
 
-    stages = ", ".join(format_bytes(n_tokens * sum(per_token[a:b])) for a, b in split)
-    return (f"[kv] {format_bytes(sum(per_token))} of KV per token over {sum(1 for k in per_token if k)} layers "
-            f"({max(per_token) // KV_ITEMSIZE} values per token per layer, 16-bit); {n_tokens} tokens (--kv-tokens) "
-            f"charged to their layers' cards: {stages}")
+    typed = at_type(per_token, cache_type)
+    stages = ", ".join(format_bytes(n_tokens * sum(typed[a:b])) for a, b in split)
+    return (f"[kv] {format_bytes(sum(typed))} of KV per token over {sum(1 for k in per_token if k)} layers "
+            f"({max(per_token) // KV_ITEMSIZE} values per token per layer, {cache_type}); {n_tokens} tokens "
+            f"(--kv-tokens) charged to their layers' cards: {stages}")
+
+
+def kv_types_line(per_token: list[int], plan) -> str:
+    """[kv] every cache type's bytes per token and the context it buys: the tokens one block table
+    holds if the room the cards have beside their trunk (and any --kv-tokens already charged)
+    went to KV, every expert then read from the host; the least over the stages."""
+    from moeray.planner.kv import CACHE_TYPES
+    from moeray.units import format_bytes
+
+    parts = []
+    for t in CACHE_TYPES:
+        typed = at_type(per_token, t)
+        fits = [s.expert_room // sum(typed[a:b]) for s, (a, b) in zip(plan.stages, plan.split) if sum(typed[a:b])]
+        parts.append(f"{t} {format_bytes(sum(typed))} per token, {min(fits) if fits else 0} tokens")
+    return ("[kv] cache types (--cache-type; serve: --cache-type-k / -v): " + "; ".join(parts)
+            + " (the context each buys with the room beside the trunk, every expert then from the host)")
 
 
 def write_headers(header, folder: str) -> None:
@@ -146,6 +174,8 @@ def run(args) -> int:
         raise PlacementError(f"--state-checkpoints {args.state_checkpoints}: a number of checkpoints, 0 or more")
     per_token_kv = list(spec.kv_token_bytes)
     base = spec
+    if args.cache_type != "f16" and any(per_token_kv):  # --kv-tokens charged in that type
+        base = dataclasses.replace(spec, kv_token_bytes=at_type(per_token_kv, args.cache_type))
     spec = base.with_state_for(args.max_seqs).with_kv_for(args.kv_tokens)
     devices = parse_devices(args.devices) if args.devices else load_devices_json(args.devices_json)
     profile_path = args.profile
@@ -193,7 +223,9 @@ def run(args) -> int:
         kv_block = 16 * sum(per_token_kv)
         plan.notes.append(checkpoint_line(per_seq_state, plan.split, checkpoints, kv_block, c_rule, c_tried))
     if args.kv_tokens and any(per_token_kv):
-        plan.notes.append(kv_line(per_token_kv, plan.split, args.kv_tokens))
+        plan.notes.append(kv_line(per_token_kv, plan.split, args.kv_tokens, args.cache_type))
+    if any(per_token_kv):
+        plan.notes.append(kv_types_line(per_token_kv, plan))
     parts_lines = []
     if header is not None:  # a model in parts: which files each stage's node needs
         from moeray.stages.gguf.parts import stage_parts_lines

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from moeray.stages.arch.config import ModelConfig
+from moeray.stages.blocks import kv_quant
 from moeray.stages.blocks.kv_cache import BLOCK_SIZE, KVCache, KVPool, blocks_for
 from moeray.stages.kernels.qmatmul import QMatrix
 from moeray.stages.blocks.rope import RoPE
@@ -196,15 +197,12 @@ class Attention(torch.nn.Module):
         cfg = self.cfg
         N, D = q.shape[0], cfg.head_dim
         k_cache, v_cache = kv.layer(self.layer)
-        if k_cache.dtype != k.dtype:  # a 16-bit pool (CUDA): keys, values and queries in its dtype
-            k, v, q = k.to(k_cache.dtype), v.to(k_cache.dtype), q.to(k_cache.dtype)
-        if N == 1:  # one decode token: plain indexing, no index tensors
-            k_cache[:, meta.row0] = k[0]
-            v_cache[:, meta.row0] = v[0]
-        else:
-            k_cache.index_copy_(1, meta.write_rows, k.transpose(0, 1))
-            v_cache.index_copy_(1, meta.write_rows, v.transpose(0, 1))
-        keys, values = _read(k_cache, meta), _read(v_cache, meta)
+        types, work = kv.types, work_dtype(kv, k_cache)
+        rows = meta.row0 if N == 1 else meta.write_rows  # one decode token: plain indexing, no index tensor
+        kv.write(k_cache, types.k, rows, k)
+        kv.write(v_cache, types.v, rows, v)
+        keys, values = read_keys(k_cache, types.k, D, meta, work), read_keys(v_cache, types.v, D, meta, work)
+        q = q.to(work)
 
         B = len(meta.n_new)
         if meta.t_max == 1:  # decode: one query per sequence, packed order is sequence order
@@ -264,6 +262,21 @@ def _attention_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mas
     sink = sinks.float().view(1, H, 1, 1).expand(B, H, T, 1)
     probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
     return (probs @ v).to(q.dtype)
+
+
+def work_dtype(kv: KVPool, cache: torch.Tensor) -> torch.dtype:
+    """What the torch path attends in: float16 over a float16 pool on a card (its kernels' type),
+    else float32 (CPU SDPA has no fast 16-bit path; quantised rows are dequantised to it)."""
+    return torch.float16 if cache.device.type == "cuda" and kv.types.k == kv.types.v == "f16" else torch.float32
+
+
+def read_keys(cache: torch.Tensor, cache_type: str, width: int, meta: BatchMeta, work: torch.dtype) -> torch.Tensor:
+    """[B, heads, keys_max, width] of the step's sequences in `work`: a view of a float pool of
+    that dtype, else the rows converted (dequantised: stages/blocks/kv_quant.py)."""
+    rows = _read(cache, meta)
+    if cache_type not in kv_quant.FLOAT:
+        rows = kv_quant.dequantize_rows(rows, cache_type, width)
+    return rows if rows.dtype == work else rows.to(work)
 
 
 def _read(cache: torch.Tensor, meta: BatchMeta) -> torch.Tensor:

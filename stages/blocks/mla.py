@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from moeray.stages.arch.config import ModelConfig
 from moeray.stages.blocks.kv_cache import KVPool
-from moeray.stages.blocks.attention import BatchMeta, _read, rms_norm
+from moeray.stages.blocks.attention import BatchMeta, read_keys, rms_norm, work_dtype
 from moeray.stages.kernels.qmatmul import QMatrix
 from moeray.stages.blocks.rope import RoPE
 
@@ -70,15 +70,13 @@ class MLAttention(torch.nn.Module):
         q_lat = torch.einsum("nhd,hcd->nhc", q[..., :self.nope], k_b)  # the query in latent space
         query = torch.cat((q_lat, q_pe), dim=-1)  # [N, heads, C + R]
 
-        cache, _ = kv.layer(self.layer)  # [1, rows, C + R]: latent then rope key
-        entry = torch.cat((latent, k_pe), dim=-1).to(cache.dtype)
-        if N == 1:
-            cache[0, meta.row0] = entry[0]
-        else:
-            cache[0].index_copy_(0, meta.write_rows, entry)
-        keys = _read(cache, meta)  # [B, 1, keys_max, C + R]
+        cache, _ = kv.layer(self.layer)  # [1, rows, C + R]: latent then rope key, in the pool's K type
+        work = work_dtype(kv, cache)
+        entry = torch.cat((latent, k_pe), dim=-1).view(N, 1, C + R)
+        kv.write(cache, kv.types.k, meta.row0 if N == 1 else meta.write_rows, entry)
+        keys = read_keys(cache, kv.types.k, C + R, meta, work)  # [B, 1, keys_max, C + R]
         values = keys[..., :C]  # the latent is the value
-        query = query.to(cache.dtype)
+        query = query.to(work)
 
         # Every query head reads the same single key head, so the heads are laid out as more query
         # rows of one head ([B, 1, T * heads, C + R], row t * heads + h): one plain attention over

@@ -15,6 +15,7 @@ from typing import Callable, Optional
 
 from moeray import environment
 from moeray.errors import ConfigError
+from moeray.planner.kv import CACHE_TYPE_CHOICES
 
 log = logging.getLogger("moeray.kernels")
 
@@ -32,8 +33,13 @@ _WHY = {
                      "mapping) or repacked (always copy them at load, in ggml's repacked layout where it has "
                      "kernels: more RAM)"),
     "triton": "choose one of auto, on, off (auto: on CUDA when triton imports; on: on the CPU too, interpreted)",
+    "cache_type_k": ("choose one of auto, f32, f16, q8_0, q4_0 for the K rows of the KV cache (auto: as the plan "
+                     "prices it per stage, f16 without a plan)"),
+    "cache_type_v": ("choose one of auto, f32, f16, q8_0, q4_0 for the V rows of the KV cache (auto: as the plan "
+                     "prices it per stage, f16 without a plan)"),
 }
-_CHOICES = {"backend": BACKENDS, "repack": REPACK_MODES, "host_experts": HOST_EXPERTS, "triton": TRITON}
+_CHOICES = {"backend": BACKENDS, "repack": REPACK_MODES, "host_experts": HOST_EXPERTS, "triton": TRITON,
+            "cache_type_k": CACHE_TYPE_CHOICES, "cache_type_v": CACHE_TYPE_CHOICES}
 
 
 @dataclass(frozen=True)
@@ -61,6 +67,9 @@ class StageOptions:
                       rows, 0: never (2: wherever it beats ggml's dot products; on the AVX2 build
                       `make venv` makes it gives a row the same bits, tests/stages/test_ggml_tiled.py)
     triton            the card's Triton GGUF kernels: auto, on, off
+    cache_type_k      how the KV cache stores K rows and ...
+    cache_type_v      ... V rows: f32, f16, q8_0, q4_0 (llama.cpp's -ctk / -ctv); auto: the plan's
+                      choice per stage (planner/kv.py), f16 where nothing plans (docs/kv-cache.md)
     """
     backend: str = "auto"
     threads: Optional[int] = None
@@ -77,6 +86,8 @@ class StageOptions:
     tiled_gemm: bool = True
     sgemm_rows: int = 2
     triton: str = "auto"
+    cache_type_k: str = "auto"
+    cache_type_v: str = "auto"
 
     def __post_init__(self) -> None:
         for name, choices in _CHOICES.items():

@@ -36,9 +36,9 @@ import torch
 
 from moeray.cache.attach import routing_trace
 from moeray.errors import MoerayError
-from moeray.planner.kv import host_checkpoint_room
+from moeray.planner.kv import host_tier_room
 from moeray.stages.arch import arch_of
-from moeray.stages.blocks.kv_cache import BLOCK_SIZE, kv_block_bytes, kv_dtype
+from moeray.stages.blocks.kv_cache import BLOCK_SIZE, kv_block_bytes, kv_dtype, kv_stats, stage_kv_types
 from moeray.stages.gguf.reader import GGUFFile, read_gguf_header
 from moeray.stages.kernels import repack, settings
 from moeray.stages.kernels.backend import current_backend, ggml_available
@@ -171,9 +171,10 @@ class StageActor:
 
     # ---------------------------------------------------------------- before loading
 
-    def probe(self, path: str, header=None) -> ProbeReport:
+    def probe(self, path: str, header=None, kv_host: str = "auto") -> ProbeReport:
         """Everything the planner needs from this stage, measured here, before any weight is loaded.
-        `header`: the model's (the driver's reading), else read from `path` on this node."""
+        `header`: the model's (the driver's reading), else read from `path` on this node; `kv_host`:
+        the host tier's size (LaunchOptions.kv_host), measured against this node's memory."""
         t = time.perf_counter()
         header = header or read_gguf_header(path)
         here = parts_here(header)
@@ -194,7 +195,7 @@ class StageActor:
         self.device = probe_device(self.simulated_budget, index=self.stage,  # free memory now, after timing
                                    card_share=self.card_share)
         self.memory = device_ledger(self.device, self.stage)
-        host_room = host_checkpoint_room(repack.mem_available(), sum(header.parts[i].size for i in here))
+        host_room = host_tier_room(kv_host, repack.mem_available(), sum(header.parts[i].size for i in here), where)
         return ProbeReport(self.stage, os.getpid(), self.device, speed.layer_ms, speed.miss_ms,
                            time.perf_counter() - t, here, host_room)
 
@@ -241,13 +242,16 @@ class StageActor:
              trunk_on_card: int | None = None, profile: str | None = None,
              cache_policy: str = "static", state_slots: int = 1, whole_cache_only: bool = False,
              state_checkpoints: int = 0, header=None, draft: str | None = None, mtp: bool = False,
-             host_checkpoints: int = 0) -> LoadReport:
+             host_checkpoints: int = 0, kv_types: tuple[str, str] | None = None,
+             host_blocks: int = 0) -> LoadReport:
         """Load layers [first, end) (+ embedding / head at the ends) and allocate a KV pool of
         `kv_blocks` blocks (stages/blocks/kv_cache.py) and, for recurrent (DeltaNet) layers, `state_slots`
         sequence states (one per engine sequence slot: stages/blocks/deltanet.py) and
         `state_checkpoints` more (cluster/state_checkpoints.py), charging all of it to this device's
         budget (a simulated device refuses what does not fit); `host_checkpoints` more checkpoints in
-        host memory (numbered after those), not charged.
+        host memory (numbered after those), not charged; `kv_types`: the plan's cache types of
+        its K and V rows (None: this stage's options'); `host_blocks`: KV blocks of its host tier
+        (stages/blocks/host_kv.py), not charged to the device either.
 
         `trunk_on_card` is the trunk the plan put on the card, in the bytes the planner priced
         (as stored in the GGUF); None charges the resident size of everything loaded. Routed
@@ -269,9 +273,10 @@ class StageActor:
         cfg = gguf.config
         # Charge KV and trunk from the header first: what is left is the expert cache's budget, and
         # the MoE blocks are built with that cache in front of the host copy.
-        itemsize = 2 if kv_dtype(self.device.torch_device).itemsize == 2 else 4
-        self.memory.charge(kv_blocks * kv_block_bytes(cfg, range(first, end), itemsize),
-                           f"KV pool ({kv_blocks} blocks, {kv_blocks * BLOCK_SIZE} tokens)")
+        types = stage_kv_types(cfg, range(first, end), self.device.torch_device, kv_types)
+        self.memory.charge(kv_blocks * kv_block_bytes(cfg, range(first, end), types),
+                           f"KV pool ({kv_blocks} blocks, {kv_blocks * BLOCK_SIZE} tokens, {types.label})")
+        itemsize = 2 if kv_dtype(self.device.torch_device).itemsize == 2 else 4  # the draft model's and MTP's pools
         state = (state_slots + state_checkpoints) * sum(arch_of(cfg).state_bytes(cfg, l) for l in range(first, end))
         if state:
             self.memory.charge(state, f"DeltaNet state ({state_slots} sequence slots, {state_checkpoints} checkpoints)")
@@ -297,11 +302,12 @@ class StageActor:
         if resident > trunk:  # the header's price is the runtime's size by construction; say so if not
             raise MoerayError(f"stage {self.stage}: the trunk of layers {first}-{end - 1} holds {resident} bytes, "
                               f"{trunk} were charged")
-        kv = model.new_kv_pool(kv_blocks, state_slots + state_checkpoints, host_checkpoints)
+        kv = model.new_kv_pool(kv_blocks, state_slots + state_checkpoints, host_checkpoints, types, host_blocks)
         self.model, self.runner = model, StageRunner(model, kv)
         self.runner.drafter = drafter
         if mtp:
             self.runner.mtp = MTPHead(model, kv_blocks, max(1, state_slots))
+        self.runner.share_host_tier()
         # Fixed once loaded: measured here, not again on every stats poll.
         self.trunk_bytes = (resident, stage_trunk_bytes(gguf, first, end, backend=None))
         self.steps, self.step_s, self.tokens_in = 0, 0.0, 0
@@ -458,9 +464,7 @@ class StageActor:
             cache = getattr(self.model.experts, "stats", None)
             if callable(cache):
                 out.cache = cache()
-            kv = self.runner.kv
-            out.kv = {"blocks": kv.n_blocks, "block_tokens": kv.block_size, "bytes": kv.nbytes(),
-                      "dtype": str(kv.dtype).removeprefix("torch.")}
+            out.kv = kv_stats(self.runner.kv)
             out.timings = list(self.timings)
         return out
 

@@ -18,7 +18,8 @@ from moeray.errors import MoerayError
 from moeray.stages.arch import arch_of
 from moeray.stages.blocks.deltanet import DeltaState, GatedDeltaNet
 from moeray.stages.gguf.reader import GGUFFile, tensor_role, trunk_bytes
-from moeray.stages.blocks.kv_cache import KVCache, KVPool, kv_dtype
+from moeray.planner.kv import KVTypes
+from moeray.stages.blocks.kv_cache import KVCache, KVPool, stage_kv_types
 from moeray.stages.blocks.attention import Attention, BatchMeta, GatedAttention, make_batch_meta, rms_norm, slot_batch_meta
 from moeray.stages.blocks.mla import MLAttention
 from moeray.stages.blocks.moe import DenseFFN, Experts, HostExperts, MoEBlock
@@ -285,25 +286,30 @@ class StageModel(torch.nn.Module):
 
     # --- running ---------------------------------------------------------------------------
 
-    def new_kv_cache(self, max_seqs: int, max_len: int) -> KVCache:
+    def new_kv_cache(self, max_seqs: int, max_len: int, types: KVTypes | None = None) -> KVCache:
         """Fixed slots of max_len tokens: the one-shot path (step, logits_all); a hybrid model's
-        DeltaNet state has a slot for each KV slot."""
-        c = self.config
+        DeltaNet state has a slot for each KV slot. `types`: the cache types (None: kv_types())."""
         heads, k_dim, v_dim = self._kv_shape()
-        return KVCache(self.first, self.end - self.first, max_seqs, heads, max_len, k_dim,
-                       dtype=kv_dtype(self.device), device=self.device, kv_layers=self.kv_layers(),
-                       state=self._state(max_seqs), v_dim=v_dim)
+        return KVCache(self.first, self.end - self.first, max_seqs, heads, max_len, k_dim, device=self.device,
+                       kv_layers=self.kv_layers(), state=self._state(max_seqs), v_dim=v_dim,
+                       types=self.kv_types(types))
 
-    def new_kv_pool(self, n_blocks: int, state_slots: int = 1, host_state_slots: int = 0) -> KVPool:
+    def new_kv_pool(self, n_blocks: int, state_slots: int = 1, host_state_slots: int = 0,
+                    types: KVTypes | None = None, host_blocks: int = 0) -> KVPool:
         """A pool of `n_blocks` blocks, addressed by the engine's block tables (the serving path),
         and `state_slots` DeltaNet states (one per sequence slot of the engine, then the
         checkpoints on the device) and `host_state_slots` more in host memory (checkpoints) when
-        the stage holds recurrent layers."""
-        c = self.config
+        the stage holds recurrent layers; `types`: its cache types (None: kv_types());
+        `host_blocks`: blocks of the host tier (stages/blocks/host_kv.py)."""
         heads, k_dim, v_dim = self._kv_shape()
-        return KVPool(self.first, self.end - self.first, n_blocks, heads, k_dim,
-                      dtype=kv_dtype(self.device), device=self.device, kv_layers=self.kv_layers(),
-                      state=self._state(state_slots, host_state_slots), v_dim=v_dim)
+        return KVPool(self.first, self.end - self.first, n_blocks, heads, k_dim, device=self.device,
+                      kv_layers=self.kv_layers(), state=self._state(state_slots, host_state_slots), v_dim=v_dim,
+                      types=self.kv_types(types), host_blocks=host_blocks)
+
+    def kv_types(self, asked: KVTypes | None = None) -> KVTypes:
+        """The cache types this stage's pool holds: `asked` (the plan's), else this process's
+        options (StageOptions.cache_type_k / _v, "auto" the default), checked against its layers."""
+        return stage_kv_types(self.config, range(self.first, self.end), self.device, asked)
 
     def _kv_shape(self) -> tuple[int, int, int]:
         """(heads, key width, value width) of this stage's KV pool: its architecture's layout
@@ -504,9 +510,10 @@ class StageModel(torch.nn.Module):
         return self.head(self.run_layers(self.embed(tokens), meta, kv, meta.last_index))
 
     @torch.inference_mode()
-    def logits_all(self, token_ids: list[int]) -> torch.Tensor:
-        """Logits at every position of one fresh sequence, [T, vocab] float32."""
-        kv = self.new_kv_cache(1, len(token_ids))
+    def logits_all(self, token_ids: list[int], types: KVTypes | None = None) -> torch.Tensor:
+        """Logits at every position of one fresh sequence, [T, vocab] float32 (`types`: the KV
+        cache's types; None: kv_types())."""
+        kv = self.new_kv_cache(1, len(token_ids), types)
         meta = self.batch_meta([len(token_ids)], [0], kv)
         return self.head(self.run_layers(self.embed([list(token_ids)]), meta, kv))
 

@@ -34,6 +34,19 @@ class StageRunner:
         self.histories: dict[int, Any] = {}
         self._built = 0  # MultiGraph.built when the step began: the step is cold where it moved
 
+    def share_host_tier(self) -> None:
+        """A draft model's and an MTP layer's pools follow the target pool's host tier (the same
+        block tables, so the same saves and loads), each in its own bytes."""
+        host = self.kv.host
+        if host is None:
+            return
+        from moeray.stages.blocks.host_kv import HostBlocks
+
+        for owner in (self.drafter, self.mtp):
+            pool = getattr(owner, "kv", None)
+            if pool is not None and pool.host is None:
+                pool.host = HostBlocks(pool, host.n_slots)
+
     def begin(self, batch: StepBatch):
         self._built = MultiGraph.built
         for slot in batch.ended or ():  # sequences that ended: what the stage kept for them goes
@@ -49,10 +62,17 @@ class StageRunner:
                     self.mtp.reset(slot)
         if batch.starts is None or batch.tables is None:
             raise MoerayError("a step needs its sequences' start positions and KV block tables")
+        pools = [p for p in (self.kv, getattr(self.drafter, "kv", None), getattr(self.mtp, "kv", None)) if p is not None]
+        if batch.kv_save or batch.kv_load:  # the host tier first: a save reads a block before anything rewrites it
+            for pool in pools:
+                if pool.host is None and pool is self.kv and pool.k:  # (a stage of DeltaNet layers only has no rows)
+                    raise MoerayError("a step moves KV blocks to or from the host tier, and this stage keeps none")
+                if pool.host is not None:
+                    pool.host.save(batch.kv_save or [])
+                    pool.host.load(batch.kv_load or [])
         if batch.copies:  # every pool addressed by the tables: the target's, a draft model's, the MTP layer's
-            for pool in (self.kv, getattr(self.drafter, "kv", None), getattr(self.mtp, "kv", None)):
-                if pool is not None:
-                    pool.copy_rows(batch.copies)
+            for pool in pools:
+                pool.copy_rows(batch.copies)
         return self.model.table_meta(batch.n_new, batch.starts, batch.tables, self.kv, batch.slots,
                                      state_before=batch.state_before, state_after=batch.state_after)
 

@@ -55,6 +55,11 @@ class StepBatch:
     # (block, block, rows): copy the first rows of a written block into another before the step (a
     # prompt that goes on with tokens another sequence wrote: cluster/kv_blocks.py, match_tail)
     copies: list[tuple[int, int, int]] | None = None
+    # (block, host slot): a cached block's rows into the stage's host tier, before the step writes
+    # anything (the engine gave the block to another prefix); (host slot, block): rows the tier
+    # holds back into a block (a prompt whose prefix went to host memory): cluster/kv_blocks.py
+    kv_save: list[tuple[int, int]] | None = None
+    kv_load: list[tuple[int, int]] | None = None
     # (slot, slot): recurrent state copied from one state slot into another, every recurrent layer
     # of the stage, before the step (a checkpoint restored into a sequence's slot) and after it (a
     # sequence's state at a block boundary checkpointed): cluster/state_checkpoints.py
@@ -131,8 +136,9 @@ class ProbeReport:
     miss_ms: float  # measured ms per expert computed from the host copy
     measure_s: float
     parts_here: list[int] = field(default_factory=list)  # the model's files (parts) complete on this node
-    # host memory this node offers state checkpoints (planner/kv.py host_checkpoint_room), shared by its stages
-    host_checkpoint_bytes: int = 0
+    # host memory this node offers its host tier (planner/kv.py host_tier_room, --kv-host): state
+    # checkpoints, then evicted KV blocks; shared by its stages
+    host_tier_bytes: int = 0
 
 
 @dataclass

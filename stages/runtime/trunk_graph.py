@@ -26,14 +26,16 @@ each runs whole inside (`LayerSpec.whole`): one call a step, the next layer's re
 as llama.cpp runs a token. The caller counts each MoE layer's experts from the ids it returns.
 
 Keys are read where they lie: a view of the pool when the step's block tables allow one
-(BatchMeta.read_view), else the step's whole blocks gathered with ggml_get_rows. Their count is
+(BatchMeta.read_view), else the step's whole blocks gathered with ggml_get_rows. The pool's rows are
+in its cache types (float32, float16, q8_0, q4_0 for K and V apart, llama.cpp's -ctk / -ctv):
+ggml_set_rows writes (quantises) them and ggml_flash_attn_ext reads them as stored. Their count is
 padded to KEY_PAD (masked) so a decode step reuses its graph for KEY_PAD tokens; a step of
 several tokens a row (a verify row of drafted tokens, a prompt chunk) to ROW_KEY_PAD, so that a
 verify row of each length is built once for that many keys, not every KEY_PAD.
 
 A step whose sequences add different token counts (prefill chunks beside decode tokens) pads
 its queries to [B, t_max] inside the graph (get_rows there and back), as the torch path pads them.
-`TrunkGraphs.step(meta, kv)` returns None where a step has no graph form (a 16-bit pool, a pool
+`TrunkGraphs.step(meta, kv)` returns None where a step has no graph form (a pool on a card, a pool
 view that would run past the pool's end); which layers can at all is decided at load
 (`supports`): split qkv weights, other attention kinds (gated, DeltaNet) and the other backends
 keep the torch path. gpt-oss's attention is in: its sinks through flash_attn_ext's sinks, its
@@ -56,6 +58,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from moeray.stages.blocks.expert_graph import OneStack, moe_ffn, stack_pointers, stack_tensors
+from moeray.planner.kv import KVTypes
 from moeray.stages.blocks.kv_cache import BLOCK_SIZE, KVPool
 from moeray.stages.blocks.attention import Attention, BatchMeta, GatedAttention
 from moeray.stages.blocks.deltanet import GatedDeltaNet
@@ -211,6 +214,7 @@ class Step:
     rows: int = 0  # rows of the pool
     gap: int = 0  # view mode: rows from one sequence's keys to the next's
     windows: tuple = ()  # float16 masks like `mask` for each sliding window (TrunkGraphs.windows' order)
+    types: KVTypes = KVTypes()  # the pool's cache types (its K and V rows' ggml types)
     # Recurrent (DeltaNet) layers: the state slot of each sequence, int32 [B]; with padded queries
     # each padded row's weight in the state (1, or 0 for a pad row: it neither decays nor writes
     # the state), float32 [B * t], and each sequence's new token count (its conv state's end)
@@ -362,9 +366,11 @@ class LayerSpec:
             pools = [p for p in kv.layer(self.attn.layer) if p is not None]  # k and v; MLA's one latent pool
             ptrs = self._ptrs[0] + [p.data_ptr() for p in pools]
             if step.read_base >= 0:  # the keys as views of the pool from the step's first row
-                ptrs += [p.data_ptr() + step.read_base * p.shape[2] * 4 for p in pools]  # bytes per pool row
+                ptrs += [p.data_ptr() + step.read_base * p.stride(1) * p.element_size() for p in pools]
                 if type(self.attn) is MLAttention:  # its values: the same rows (_mla_nodes)
                     ptrs.append(ptrs[-1])
+            else:  # gathered: a pool not of float32 rows is read again as raw blocks (TrunkGraphs._pools)
+                ptrs += [p.data_ptr() for p in pools if p.dtype != torch.float32]
         ptrs += self._ptrs[1]
         routed = self.routed
         if routed is not None:
@@ -394,10 +400,10 @@ class TrunkGraphs:
 
     def step(self, meta: BatchMeta, kv: KVPool, out_rows: torch.Tensor | None = None) -> Step | None:
         """The step's shared inputs, or None when its shape has no graph form: sequences adding
-        different token counts (mixed prefill + decode), a pool other than float32 on the host.
+        different token counts (mixed prefill + decode), a pool on a card.
         out_rows: the rows read after the last layer (Step.out_rows), None: all."""
         B, t = len(meta.n_new), meta.t_max
-        if kv.dtype != torch.float32 or meta.positions.device.type != "cpu":
+        if meta.positions.device.type != "cpu":
             return None
         state = kv.state
         if state is not None and meta.state_slots is None:
@@ -444,9 +450,9 @@ class TrunkGraphs:
         windows = tuple(mask.masked_fill((torch.arange(keys_pad).view(1, 1, keys_pad) <= q_pos - w).unsqueeze(1),
                                          float("-inf")) for w in self.windows)
         # the key: everything a graph's shapes depend on (the pool's rows, the step's tokens too)
-        return Step((B, t, keys_pad, pad is not None) + mode + (rows, meta.n_tokens) + recurrent, meta.n_tokens,
+        return Step((B, t, keys_pad, pad is not None) + mode + (rows, meta.n_tokens, kv.types) + recurrent, meta.n_tokens,
                     meta.positions.to(torch.int32), meta.write_rows.to(torch.int64).contiguous(), mask, base, gather,
-                    pad, unpad, rows, gap, windows,
+                    pad, unpad, rows, gap, windows, kv.types,
                     None if state is None else torch.tensor(meta.state_slots, dtype=torch.int32), valid,
                     tuple(meta.n_new), 0 if state is None else state.n_slots, state_base,
                     None if out_rows is None else out_rows.to(torch.int32).contiguous())
@@ -684,30 +690,50 @@ class TrunkGraphs:
             outputs.append(dense)
         return inputs, outputs + [ids, weights], writes
 
-    def _pools(self, ctx, new, step: Step, shared: dict, D: int, heads: int, n: int):
-        """A layer's n KV pools [D, rows, heads] and the step's keys read from each,
-        [D, keys_pad, heads, B]: (the inputs, the pools then in view mode the reads; pools; reads)."""
+    def _pools(self, ctx, new, step: Step, shared: dict, D: int, heads: int, types: tuple):
+        """A layer's KV pools [D, rows, heads], one per cache type in `types` (its K and V rows, or
+        MLA's one latent), and the step's keys read from each, [D, keys_pad, heads, B], as stored
+        (a float16 or quantised row is what flash attention reads): (the inputs, the pools then in
+        view mode the reads, in gather mode the raw aliases; pools; reads).
+
+        Gathering whole blocks: ggml_get_rows would dequantise a float16 or quantised row into
+        float32, so such a pool is read again as raw blocks (an int32 alias of the same bytes: a
+        16-token block is a multiple of 4 bytes in every type), gathered as they are, and the
+        gathered bytes are seen as rows of the pool's type (a view whose type is set after it is
+        made: ggml has no op that reinterprets bytes)."""
         G = ggml_lib()
         B, t, keys_pad = step.key[:3]
         rows = step.rows
-        pools = [new(D, rows, heads) for _ in range(n)]
+        kinds = [getattr(G, f"GGML_TYPE_{c.upper()}") for c in types]  # f32 -> GGML_TYPE_F32, q8_0 -> ..._Q8_0
+        pools = [new(D, rows, heads, type=k) for k in kinds]
+        row = [p.contents.nb[1] for p in pools]  # bytes of one token's row of one head
         if step.read_base >= 0:
             reads = []
-            for _ in range(n):  # [D, keys, heads, B] over the pool: head-major rows
-                kr = new(D, keys_pad, heads, B)
-                kr.contents.nb[2] = rows * D * 4
-                kr.contents.nb[3] = step.gap * D * 4
+            for k, rb in zip(kinds, row):  # [D, keys, heads, B] over the pool: head-major rows
+                kr = new(D, keys_pad, heads, B, type=k)
+                kr.contents.nb[2] = rows * rb
+                kr.contents.nb[3] = step.gap * rb
                 reads.append(kr)
             return pools + reads, pools, reads
         nb = keys_pad // BLOCK_SIZE
-        reads = []
-        for pool in pools:
-            blocks = G.ggml_view_3d(ctx, pool, BLOCK_SIZE * D, rows // BLOCK_SIZE, heads,
-                                    pool.contents.nb[1] * BLOCK_SIZE, pool.contents.nb[2], 0)
-            got = G.ggml_get_rows(ctx, blocks, shared["idx"])  # [16 D, B * nb, heads]
-            reads.append(G.ggml_view_4d(ctx, got, D, keys_pad, heads, B, D * 4, got.contents.nb[2],
-                                        nb * BLOCK_SIZE * D * 4, 0))
-        return pools, pools, reads
+        reads, aliases = [], []
+        for pool, k, rb in zip(pools, kinds, row):
+            if k == G.GGML_TYPE_F32:
+                blocks = G.ggml_view_3d(ctx, pool, BLOCK_SIZE * D, rows // BLOCK_SIZE, heads,
+                                        rb * BLOCK_SIZE, pool.contents.nb[2], 0)
+                got = G.ggml_get_rows(ctx, blocks, shared["idx"])  # [16 D, B * nb, heads]
+                reads.append(G.ggml_view_4d(ctx, got, D, keys_pad, heads, B, rb, got.contents.nb[2],
+                                            nb * BLOCK_SIZE * rb, 0))
+                continue
+            words = BLOCK_SIZE * rb // 4  # one block of one head, as int32 words
+            raw = new(words, rows // BLOCK_SIZE, heads, type=G.GGML_TYPE_I32)  # the pool's bytes again
+            aliases.append(raw)
+            got = G.ggml_get_rows(ctx, raw, shared["idx"])  # [words, B * nb, heads]: the blocks as stored
+            kr = G.ggml_view_4d(ctx, got, words, nb, heads, B, words * 4, got.contents.nb[2], nb * words * 4, 0)
+            c = kr.contents  # the same bytes, seen as [D, keys_pad, heads, B] rows of the pool's type
+            c.type, c.ne[0], c.ne[1], c.nb[0], c.nb[1] = k, D, keys_pad, G.ggml_type_size(k), rb
+            reads.append(kr)
+        return pools + aliases, pools, reads
 
     def _rope(self, ctx, shared: dict, x, n_rot: int):
         """ggml_rope_ext as the torch path's RoPE turns x (stages/blocks/rope.py): its style, linear
@@ -742,7 +768,8 @@ class TrunkGraphs:
         b_qkv, q_norm, k_norm, b_o, sinks = (new(n) if o is not None else None
                                              for o, n in zip(layer.optional(), (Q + 2 * KV, D, D, H, nh)))
         inputs = [wq, wo] + [e for e in (b_qkv, q_norm, k_norm, b_o, sinks) if e is not None]
-        ins, (k_pool, v_pool), (k_read, v_read) = self._pools(ctx, new, step, shared, D, nkv, 2)
+        ins, (k_pool, v_pool), (k_read, v_read) = self._pools(ctx, new, step, shared, D, nkv,
+                                                              (step.types.k, step.types.v))
         inputs += ins
 
         qkv = graph_mul_mat(ctx, w_qkv, wq, a)  # [Q + 2 KV, N]
@@ -904,7 +931,7 @@ class TrunkGraphs:
         # k_b / v_b as one matrix per head (plain blocks: MLAttention keeps them unrepacked)
         wk_b = G.ggml_reshape_3d(ctx, wk_b, nope, C, nh)  # [nope, C, heads]
         wv_b = G.ggml_reshape_3d(ctx, wv_b, C, Dv, nh)  # [C, v, heads]
-        ins, (pool,), (k_read,) = self._pools(ctx, new, step, shared, C + R, 1, 1)
+        ins, (pool,), (k_read,) = self._pools(ctx, new, step, shared, C + R, 1, (step.types.k,))
         inputs = ws + ins
 
         nb1 = q.contents.nb[1]
@@ -926,7 +953,7 @@ class TrunkGraphs:
         q4 = G.ggml_permute(ctx, G.ggml_reshape_4d(ctx, query, C + R, nh, t, B), 0, 2, 1, 3)  # [C + R, t, heads, B]
         kr = k_read.contents
         if step.read_base >= 0:  # view mode: the value is a second input at the key's address (below)
-            v_read = new(C, kr.ne[1], kr.ne[2], kr.ne[3])
+            v_read = new(C, kr.ne[1], kr.ne[2], kr.ne[3], type=kr.type)
             for i in (1, 2, 3):
                 v_read.contents.nb[i] = kr.nb[i]
             inputs.append(v_read)

@@ -144,11 +144,10 @@ def test_plan_prices_what_a_stage_holds_from_the_reported_budgets(default_model_
     # A split whose stage would need more layers' KV than it has room for is never chosen, even
     # when the small card is five times faster per layer and would like more of them.
     big = EngineConfig(max_seqs=16, max_len=256, kv_blocks=256)  # 16 x 256 tokens, fixed
-    kv_big = kv_layer_bytes(cfg, 256)
-    plan3, ranges3, _, _ = plan_from_reports(header, _reports([400 * MiB, 150 * MiB], layer_ms=(1.0, 0.2)), opts, big,
-                                          0.2)
-    for s, (a, e) in zip(plan3.stages, ranges3):
-        assert (e - a) * kv_big < s.trunk_bytes <= s.free_bytes
+    plan3, ranges3, _, kv3 = plan_from_reports(header, _reports([400 * MiB, 150 * MiB], layer_ms=(1.0, 0.2)), opts,
+                                               big, 0.2)
+    for s, (a, e), t in zip(plan3.stages, ranges3, kv3.types):  # each stage's KV in the types the plan chose it
+        assert (e - a) * kv_layer_bytes(cfg, 256, t) < s.trunk_bytes <= s.free_bytes
 
 
 def test_simulated_cards_on_one_node_are_planned_at_one_speed():
@@ -201,7 +200,7 @@ def test_checkpoints_the_devices_cannot_hold_go_to_each_nodes_host_memory():
     ips = ["10.0.0.1", "10.0.0.1", "10.0.0.2"]
     for r, ip in zip(reports, ips):
         r.device = replace(r.device, node_ip=ip)
-        r.host_checkpoint_bytes = 1000 * MiB if ip == "10.0.0.1" else 300 * MiB
+        r.host_tier_bytes = 1000 * MiB if ip == "10.0.0.1" else 300 * MiB
     state = [10 * MiB, 0, 10 * MiB, 10 * MiB, 0, 20 * MiB]  # per layer, one sequence; 0: attention
     ranges = [(0, 2), (2, 4), (4, 6)]  # 10, 20 and 20 MiB a checkpoint
     # 500 MiB each on the shared node (50 and 25 checkpoints), 300 MiB alone (15): 15 for all
@@ -209,6 +208,6 @@ def test_checkpoints_the_devices_cannot_hold_go_to_each_nodes_host_memory():
     assert host_checkpoints(reports, ranges, state, wanted=4) == 4
     assert host_checkpoints(reports, ranges, state, wanted=0) == 0
     # a stage without recurrent layers sets no limit, however little host memory it has
-    reports[2].host_checkpoint_bytes = 0
+    reports[2].host_tier_bytes = 0
     assert host_checkpoints(reports, [(0, 2), (2, 4), (4, 5)], [10 * MiB, 0, 10 * MiB, 10 * MiB, 0, 0], 40) == 25
     assert host_checkpoints(reports, ranges, state, wanted=16) == 0  # ... but one that has them, does

@@ -62,21 +62,24 @@ def test_stages_report_their_own_budgets_and_the_plan_uses_them(launched):
         assert r.device.node_id == ray.get_runtime_context().get_node_id()
     # The KV pool: the plan's blocks (at least one MAX_LEN sequence), the same on every stage.
     assert launched.kv.blocks >= MAX_LEN // 16 and launched.engine.kv_blocks == launched.kv.blocks
-    kv_layer = kv_layer_bytes(_config(launched), launched.kv.blocks)
+    # each stage's cache types as the plan chose them (--cache-type-k / -v auto), one line saying so
+    kv_layers = [kv_layer_bytes(_config(launched), launched.kv.blocks, t) for t in launched.kv.types]
+    assert len(kv_layers) == 4 and any(l.startswith("[kv] cache types") for l in launched.lines)
     assert [tuple(x) for x in plan.split] == launched.ranges
     assert launched.ranges[0][0] == 0 and launched.ranges[-1][1] == 30
-    for r, s in zip(reports, plan.stages):
+    for r, s, kv_layer in zip(reports, plan.stages, kv_layers):
         # The planner saw what the actor reported; the KV cache of the layers it got is charged with its trunk.
         assert s.free_bytes == r.device.free_bytes - r.device.reserve_bytes
         assert s.n_layers * kv_layer < s.trunk_bytes <= s.free_bytes
     assert launched.lines[-1].startswith("loaded stage") or any(l.startswith("loaded stage") for l in launched.lines)
     # Each stage holds what the plan priced: its trunk plus its layers' KV cache, the rest is expert
     # cache, kept by the launch's cache policy.
-    for st, s in zip(launched.stage_stats(), plan.stages):
+    for st, s, kv_layer, t in zip(launched.stage_stats(), plan.stages, kv_layers, launched.kv.types):
         placed = st.placed
         kv = next(v for k, v in placed.items() if k.startswith("KV pool"))
         trunk = next(v for k, v in placed.items() if k.startswith("trunk"))
         assert kv == s.n_layers * kv_layer and kv + trunk == s.trunk_bytes
+        assert (st.kv["cache_type_k"], st.kv["cache_type_v"]) == (t.k, t.v)
         assert st.cache["budget_bytes"] == s.expert_room
         assert st.cache["policy"] == LaunchOptions.cache_policy
     assert any(l.startswith("layer split auto: K=") for l in launched.lines)
@@ -135,6 +138,33 @@ def test_each_stage_measures_the_hit_rate_its_plan_predicted(launched):
         assert abs(measured - s.predicted_hit_rate) <= 0.10, (s.stage, measured, s.predicted_hit_rate)
     # The plan is not trivially "everything fits": some stage must choose what to hold.
     assert min(s.predicted_hit_rate for s in after) < 0.99
+
+
+def test_each_stage_keeps_its_own_host_tier(launched):
+    """A prompt's blocks pushed out of the stages' pools by other traffic are saved by every stage
+    into its own host memory (its own process: the engine's ledger only names the slots) and copied
+    back by every stage when the prompt returns: the same tokens, its full blocks not prefilled."""
+    host_blocks = launched.kv.host_blocks
+    assert host_blocks > 0 and any(l.startswith("[kv] host tier") for l in launched.lines)
+    eng = _engine(launched)
+    params = SamplingParams(max_tokens=N_NEW, ignore_eos=True)
+    prompt = list(range(100, 150))  # three full blocks and two tokens
+    first = eng.generate([prompt], params, timeout_s=300)[0]
+    before = {s.stage: s.kv["host"] for s in launched.stage_stats()}
+    for k in range(2):  # four sequences at a time take every block of the pool
+        eng.generate([list(range(200 + 60 * (4 * k + i), 250 + 60 * (4 * k + i))) for i in range(4)], params,
+                     timeout_s=300)
+    assert eng.scheduler.blocks.match_prefix(prompt)[0] == []  # gone from the pools
+    again = eng.generate([prompt], params, timeout_s=300)[0]
+    assert again.output == first.output and again.cached_tokens == 3 * 16
+    stats = launched.stage_stats()
+    assert len({s.pid for s in stats}) == 4
+    for s in stats:  # every stage moved its own layers' rows: saved on eviction, loaded on the hit
+        host = s.kv["host"]
+        assert host["blocks"] == host_blocks and host["loaded_blocks"] - before[s.stage]["loaded_blocks"] == 3
+        assert host["saved_blocks"] - before[s.stage]["saved_blocks"] >= 3
+    rows = [s.kv["host"]["loaded_bytes"] - before[s.stage]["loaded_bytes"] for s in stats]
+    assert len(set(rows)) > 1 or len({s.layers[1] - s.layers[0] for s in stats}) == 1  # each its own layers' bytes
 
 
 def test_a_lone_stream_chains_its_decode_steps_and_gives_the_same_tokens(launched, reference):

@@ -513,7 +513,9 @@ def test_a_repeated_system_prompt_is_served_from_cached_kv_and_reported(server, 
     assert kv["cached_tokens"] >= cached and 0 < kv["prefix_hit_rate"] < 1 and kv["preemptions"] == 0
     for s in report["stages"]:
         assert s["kv"]["blocks"] == kv["blocks"] and s["kv"]["used"] + s["kv"]["free"] == kv["blocks"]
-        assert s["kv"]["bytes"] > 0 and s["kv"]["dtype"] == "float32"
+        assert s["kv"]["bytes"] > 0 and s["kv"]["bytes_per_token"] > 0  # and its cache types, the plan's choice
+        assert s["kv"]["cache_type_k"] in ("f32", "f16", "q8_0") and s["kv"]["cache_type_v"] in ("f32", "f16", "q8_0")
+        assert s["kv"]["host"]["blocks"] == kv["host"]["blocks"] > 0  # every stage keeps the ledger's host tier
     deadline, seen = time.monotonic() + 45, {}
     while time.monotonic() < deadline:
         seen = _scrape(server["metrics_port"])

@@ -76,3 +76,57 @@ def test_the_default_model_on_the_default_cards_serves_its_whole_context(default
     _, _, _, frac = plan_from_reports(header, _reports(parse_sizes(DEFAULT_SIMULATED)), opts,
                                       EngineConfig(kv_fraction=0.1, max_len=1024), 0.2)
     assert frac.rule == "--kv-fraction 0.1" and frac.context == 1024 and frac.concurrency > 1
+
+
+def test_q8_0_on_the_default_cards_holds_more_than_1_8x_float32s_tokens(default_model_path):
+    """The same cards with the KV stored as q8_0 (-ctk q8_0 -ctv q8_0, 1.0625 bytes a value against
+    float32's 4): the trade keeps more blocks within 2% of its smallest step, and the bytes float32
+    spent on KV hold experts instead (a shorter predicted step). The plan's line names the types and
+    the tokens the same bytes would hold at each; f16 lies between."""
+    from moeray.cluster.config import DEFAULT_SIMULATED, EngineConfig, LaunchOptions
+    from moeray.cluster.placement import plan_from_reports
+    from moeray.planner.kv import KVTypes
+    from moeray.stages.gguf.reader import read_gguf_header
+    from moeray.stages.kernels.settings import StageOptions
+    from moeray.units import parse_sizes
+    from test_ray_units import _reports
+
+    header = read_gguf_header(default_model_path)
+
+    def plan(t: str):
+        opts = LaunchOptions(4, stage=StageOptions(cache_type_k=t, cache_type_v=t))
+        return plan_from_reports(header, _reports(parse_sizes(DEFAULT_SIMULATED)), opts, EngineConfig(), 0.2)
+
+    p32, _, _, f32 = plan("f32")
+    p8, _, lines, q8 = plan("q8_0")
+    assert f32.tokens == 8192 and q8.tokens >= 1.8 * f32.tokens
+    assert q8.types == [KVTypes.same("q8_0")] * 4 and p8.predicted_ms < p32.predicted_ms
+    assert sum(q8.stage_bytes) == q8.blocks * 16 * 30 * 3 * 64 * 2 // 32 * 34  # k and v rows of 30 layers in q8_0
+    line = next(l for l in lines if l.startswith("[kv] cache types q8_0 on every stage"))
+    assert f"q8_0 {q8.tokens}" in line and "as asked" in line
+    assert f32.tokens < plan("f16")[3].tokens < q8.tokens
+    # auto: the plan's choice per stage, one line saying which and why
+    _, _, lines, auto = plan("auto")
+    assert len(auto.types) == 4 and any(l.startswith("[kv] cache types") and "auto:" in l for l in lines)
+
+
+def test_a_cache_type_the_model_cannot_keep_is_refused_before_anything_loads(tmp_path):
+    from moeray.cluster.config import EngineConfig, LaunchOptions
+    from moeray.cluster.placement import plan_from_reports
+    from moeray.errors import MoerayError
+    from moeray.stages.gguf.reader import read_gguf_header
+    from moeray.stages.kernels.settings import StageOptions
+    from test_gguf_file import tiny_config, write_synthetic_gguf
+    from test_ray_units import _reports
+
+    MiB = 1 << 20
+
+    header = read_gguf_header(write_synthetic_gguf(tmp_path / "m.gguf", tiny_config("qwen3moe"), seed=1))  # heads of 24
+    opts = LaunchOptions(2, stage=StageOptions(cache_type_k="q4_0", cache_type_v="f16"))
+    with pytest.raises(MoerayError) as exc:
+        plan_from_reports(header, _reports([64 * MiB] * 2), opts, EngineConfig(max_len=64), 0.2)
+    assert str(exc.value).startswith("--cache-type-k q4_0 --cache-type-v f16: q4_0 stores a row in blocks of 32 "
+                                     "values and this model's K rows are 24 values wide; choose f16 or f32 for K")
+    auto = LaunchOptions(2, stage=StageOptions())  # auto never picks what the model cannot keep
+    _, _, _, kv = plan_from_reports(header, _reports([64 * MiB] * 2), auto, EngineConfig(max_len=64), 0.2)
+    assert all(t.k in ("f32", "f16") for t in kv.types)

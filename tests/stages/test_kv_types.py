@@ -1,0 +1,164 @@
+"""KV cache types (llama.cpp's -ctk / -ctv): a pool's K and V rows in f32, f16, q8_0 or q4_0.
+
+The torch path writes the very bytes ggml_set_rows writes (so either path reads what the other
+wrote); the trunk graph attends over quantised rows as stored (ggml_flash_attn_ext) and the torch
+path over the same rows dequantised, within the ggml backend's tolerance, for GQA with gathered and
+padded steps, MLA's latent (DeepSeek) and a hybrid's attention layers; a pool takes exactly the
+bytes its types say. A type the model's attention cannot use is one line naming it and the fix.
+The default model's runs: tests/e2e/test_kv_types_default_model.py."""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeray.errors import ConfigError, MoerayError
+from moeray.planner.kv import KVTypes, row_bytes
+from moeray.stages.blocks import kv_quant
+from moeray.stages.blocks.kv_cache import BLOCK_SIZE, KVPool, kv_block_bytes
+from moeray.stages.kernels import settings
+from moeray.stages.kernels.backend import ggml_available
+from moeray.stages.runtime.model import load_model
+
+needs_ggml = pytest.mark.skipif(not ggml_available(), reason="ggml-python is not installed")
+QUANTISED = ("f16", "q8_0", "q4_0")
+
+
+def _ggml_rows(x: torch.Tensor, cache_type: str) -> torch.Tensor:
+    """x [n, width] written by ggml_set_rows into a tensor of `cache_type`: its bytes [n, row bytes]."""
+    from moeray.stages.kernels.backend import ggml_lib
+
+    G = ggml_lib()
+    n, width = x.shape
+    ctx = G.ggml_init(G.ggml_init_params(mem_size=64 << 20, mem_buffer=None, no_alloc=False))
+    try:
+        dst = G.ggml_new_tensor_2d(ctx, getattr(G, f"GGML_TYPE_{cache_type.upper()}"), width, n)
+        src = G.ggml_new_tensor_2d(ctx, G.GGML_TYPE_F32, width, n)
+        rows = G.ggml_new_tensor_1d(ctx, G.GGML_TYPE_I64, n)
+        x, idx = x.contiguous(), torch.arange(n)
+        ctypes.memmove(G.ggml_get_data(src), x.data_ptr(), x.numel() * 4)
+        ctypes.memmove(G.ggml_get_data(rows), idx.data_ptr(), n * 8)
+        gf = G.ggml_new_graph(ctx)
+        G.ggml_build_forward_expand(gf, G.ggml_set_rows(ctx, dst, src, rows))
+        G.ggml_graph_compute_with_ctx(ctx, gf, 1)
+        size = n * (2 * width if cache_type == "f16" else row_bytes(cache_type, width))
+        return torch.frombuffer(bytearray(ctypes.string_at(G.ggml_get_data(dst), size)), dtype=torch.uint8).view(n, -1)
+    finally:
+        G.ggml_free(ctx)
+
+
+@needs_ggml
+@pytest.mark.parametrize("cache_type", QUANTISED)
+def test_the_torch_path_writes_the_bytes_ggml_writes_and_reads_them_back(cache_type):
+    torch.manual_seed(0)
+    x = torch.randn(512, 128) * torch.rand(512, 1) * 8
+    x[0] = 0  # an all-zero block: scale 0
+    x[1, :32] = torch.tensor([3.0, -3.0] * 16)  # the same magnitude both signs: the first one sets q4_0's scale
+    x[2, :32] = torch.arange(32) / 2 - 8  # codes at exact halves: ties round as ggml's CPU rounds them
+    mine = kv_quant.quantize(x, cache_type)
+    assert torch.equal(mine.view(torch.uint8).view(512, -1), _ggml_rows(x, cache_type))
+    back = kv_quant.dequantize_rows(mine, cache_type, 128)
+    blocks, err = x.view(-1, 32), (back - x).abs().view(-1, 32)
+    amax = blocks.abs().amax(1, keepdim=True)
+    # f16: half an ulp; q8_0: half a step of amax / 127; q4_0: one step of amax / 8 (the far side
+    # clamps at 15); each quantised step moved by its float16 scale's rounding (up to 127 / 8 codes x 2^-11)
+    bound = {"f16": amax * 2 ** -11, "q8_0": amax / 127 * 0.57, "q4_0": amax / 8 * 1.01}[cache_type]
+    assert (err <= bound + 1e-6).all()
+
+
+def test_a_pool_takes_the_bytes_its_types_say():
+    from test_gguf_file import tiny_config
+
+    cfg = dataclasses.replace(tiny_config("llama", n_experts=0), head_dim=32)
+    per_token = {t: 3 * 2 * 2 * (32 * 4 if t == "f32" else 32 * 2 if t == "f16" else row_bytes(t, 32))
+                 for t in ("f32", "f16", "q8_0", "q4_0")}  # 3 layers x k and v x 2 heads
+    assert per_token["q8_0"] / per_token["f32"] == 34 / 128 and per_token["q4_0"] / per_token["f32"] == 18 / 128
+    for t, n in per_token.items():
+        types = KVTypes.same(t)
+        pool = KVPool(0, 3, 10, 2, 32, types=types)
+        assert pool.nbytes() == 10 * kv_block_bytes(cfg, 3, types) == 10 * BLOCK_SIZE * n
+        assert pool.block_bytes() == BLOCK_SIZE * n
+    mixed = KVPool(0, 3, 10, 2, 32, types=KVTypes("q8_0", "f16"))
+    assert mixed.nbytes() == 10 * BLOCK_SIZE * (per_token["q8_0"] + per_token["f16"]) // 2
+
+
+def test_a_type_the_attention_cannot_use_is_one_line(tmp_path):
+    from test_gguf_file import tiny_config, write_synthetic_gguf
+
+    with pytest.raises(ConfigError, match="cache_type_k.*choose one of auto, f32, f16, q8_0, q4_0"):
+        settings.StageOptions(cache_type_k="q5_1")
+    path = write_synthetic_gguf(tmp_path / "d.gguf", tiny_config("llama", n_experts=0), seed=1)  # head_dim 24
+    model = load_model(str(path))
+    settings.update(cache_type_k="q8_0", cache_type_v="q8_0")
+    with pytest.raises(MoerayError) as exc:
+        model.new_kv_pool(4)
+    line = str(exc.value)
+    assert "\n" not in line and "q8_0 stores a row in blocks of 32 values" in line and "24 values wide" in line
+    assert "choose f16 or f32" in line
+    settings.update(cache_type_k="f16", cache_type_v="f32")  # K and V apart: fine for GQA
+    assert model.new_kv_pool(4).types == KVTypes("f16", "f32")
+
+
+@pytest.fixture(scope="module")
+def toy_files(tmp_path_factory):
+    """bench/shapes.py's toy widths of an MLA family and a hybrid one: rows of 160 (latent 128 + rope
+    key 32) and heads of 64, each a whole number of 32-value blocks."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    from shapes import SHAPES, shrink, write_shape
+
+    root = tmp_path_factory.mktemp("toys")
+    return {name: str(write_shape(name, shape=shrink(SHAPES[name]), path=root / f"{name}.gguf", pool_blocks=1024))
+            for name in ("deepseek-v2-lite", "qwen3.6-35b-a3b")}
+
+
+def test_mla_keeps_one_latent_row_so_its_v_type_follows_k(toy_files):
+    model = load_model(toy_files["deepseek-v2-lite"])
+    settings.update(cache_type_k="q8_0", cache_type_v="auto")
+    pool = model.new_kv_pool(4)
+    assert pool.types == KVTypes("q8_0", "q8_0") and pool.v == [None] * len(pool.v)
+    assert pool.k[0].shape == (1, 4 * BLOCK_SIZE, row_bytes("q8_0", 160))
+    settings.update(cache_type_v="f16")
+    with pytest.raises(MoerayError, match="one latent row per token .MLA., which is its key and its value"):
+        model.new_kv_pool(4)
+
+
+@needs_ggml
+@pytest.mark.parametrize("name", ["deepseek-v2-lite", "qwen3.6-35b-a3b"])
+def test_mla_and_hybrid_attention_over_a_q8_0_pool(toy_files, name):
+    """DeepSeek's latent rows and a hybrid's attention layers (its DeltaNet states stay float32) in
+    q8_0: the graph against the torch path, chunks then decode, both reading the same pool. The MLA
+    toy is compared after its first (dense) layer: its random routers sit at near-ties, so from the
+    first MoE layer on a last-bit difference picks other experts, in float32 as in q8_0 (measured:
+    0.73 of the largest logit in float32, 0.70 in q8_0, against 0.014 and 0.012 after layer 0)."""
+    from moeray.stages.runtime.model import StageModel
+
+    from test_trunk_graph import RTOL
+    from tiny_models import token_ids
+
+    settings.update(cache_type_k="q8_0", cache_type_v="q8_0")
+    mla = name == "deepseek-v2-lite"
+    model = StageModel.from_gguf(toy_files[name], (0, 1) if mla else None)
+    ids = [t % 49152 for t in token_ids(40, seed=3)]
+
+    def run():
+        kv = model.new_kv_cache(1, len(ids) + 8)
+        assert kv.types == KVTypes.same("q8_0") and kv.k[0].dtype == torch.uint8
+        out, cuts = [], [0, 17, 21, *range(22, len(ids) + 1)]
+        for a, b in zip(cuts, cuts[1:]):
+            h = model.run_layers(model.embed([ids[a:b]]), model.batch_meta([b - a], [0], kv), kv)
+            out.append(h if mla else model.head(h))
+        return torch.cat(out)
+
+    trunk = model.trunk
+    assert trunk is not None
+    with torch.inference_mode():
+        graph = run()
+        model.trunk = None
+        ref = run()
+        model.trunk = trunk
+    err = (graph - ref).abs().max() / ref.abs().max()
+    assert err <= RTOL, f"{err:.2e} of the largest value"
