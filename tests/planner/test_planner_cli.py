@@ -134,9 +134,10 @@ def test_plan_of_the_default_model_uses_its_recorded_profile_without_torch(defau
     assert res.returncode == 0, res.stderr
     picks = sum(Profile.load(profile).counts)
     assert str(profile) in res.stderr
-    assert res.stdout.splitlines()[-1].startswith(f"mass: the profile's measured counts ({picks} routed picks); "
-                                                  "mass curve: b=")
-    assert res.stdout.splitlines()[-1].endswith(f"fitted from {picks} routed picks")
+    mass = [line for line in res.stdout.splitlines() if line.startswith("mass: ")]
+    assert len(mass) == 1 and mass[0].startswith(f"mass: the profile's measured counts ({picks} routed picks); "
+                                                 "mass curve: b=")
+    assert mass[0].endswith(f"fitted from {picks} routed picks")
     assert "predicted hit rate" in res.stdout
 
 
