@@ -132,6 +132,11 @@ class LaunchOptions:
 class ServeOptions:
     model: Optional[str] = None  # GGUF path; None = the embedded default model
     model_name: Optional[str] = None  # the id clients send; default: the file's stem
+    # More ids the server answers to (vLLM's --served-model-name takes several); responses name model_name
+    model_aliases: tuple[str, ...] = ()
+    # Answer a request whatever model it names (as llama-server does): agents send their own names
+    # for side calls (Claude Code's small fast model) and would otherwise get a 404
+    any_model: bool = False
     local: bool = False  # one process, no stage actors (LocalPipeline)
     launch: LaunchOptions = field(default_factory=LaunchOptions)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -146,6 +151,9 @@ class ServeOptions:
     # (--local's ggml threads are launch.stage.threads; None: every core the one process may run on)
     # How chat templates are called and replies read (stages/text/chat/): None = the GGUF's own family
     chat_format: Optional[str] = None
+    # POST /v1/responses kept in memory for previous_response_id and GET /v1/responses/{id}: the most
+    # recently used ones (a response continued from or read counts as used); 0 keeps none
+    responses_store: int = 256
 
 
 def resolve_model(path: str | None, rebuild: bool = False) -> str:

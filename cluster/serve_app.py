@@ -110,8 +110,9 @@ class Outcome:
     text: str = ""
     finish_reason: Optional[str] = None
     completion_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose KV a cached prefix supplied
+    cached_tokens: int = 0  # prompt tokens whose KV a cached prefix supplied (known from the first token on)
     done: bool = False
+    output_ids: list = dataclasses.field(default_factory=list)  # the tokens generated, once done (end token included)
     logprobs: list = dataclasses.field(default_factory=list)  # TokenLogprobs so far, when asked for
 
 
@@ -152,9 +153,11 @@ async def prepare_call(service: Service, body: oa._Request, prompt: list[int], e
                        id_prefix: str) -> Call:
     """Check the model, the prompt length and max_tokens; build the sampling params with what the
     request asks beyond text (log-probabilities, a grammar: compiled here, off the event loop)."""
-    if body.model != service.model_name:
-        raise APIError(404, f"the model '{body.model}' does not exist; this server serves '{service.model_name}'",
-                       param="model", code="model_not_found")
+    if not service.serves(body.model):
+        names = ", ".join(f"'{n}'" for n in service.model_names)
+        raise APIError(404, f"the model '{body.model}' does not exist; this server serves {names} (serve with "
+                       "--served-model-name to add names, or --any-model to answer any)", param="model",
+                       code="model_not_found")
     if not prompt:
         raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
     room = service.context - len(prompt)
@@ -210,8 +213,11 @@ async def text_deltas(call: Call) -> AsyncIterator[str]:
                     raise APIError(503, f"the request failed: {item.error}", type_="server_error",
                                    code="pipeline_failed")
                 outcome.finish_reason, outcome.done = item.reason, True
-                outcome.cached_tokens = stream.req.cached_tokens if stream.req is not None else 0
+                if stream.req is not None:
+                    outcome.cached_tokens, outcome.output_ids = stream.req.cached_tokens, list(stream.req.output)
                 return
+            if outcome.completion_tokens == 0 and stream.req is not None:  # admitted: its cached prefix is known
+                outcome.cached_tokens = stream.req.cached_tokens
             outcome.completion_tokens += item.n_tokens
             outcome.logprobs.extend(item.logprobs)
             if item.text:
@@ -542,7 +548,7 @@ async def _events(first: tuple[int, Optional[str]], gen: AsyncIterator, calls: l
 
 async def models(request: Request):
     service: Service = request.app.state.service
-    return oa.ModelList(data=[oa.ModelCard(id=service.model_name, created=service.created)])
+    return oa.ModelList(data=[oa.ModelCard(id=name, created=service.created) for name in service.model_names])
 
 
 async def health(request: Request):
@@ -580,34 +586,49 @@ async def stages(request: Request):
 # ---------------------------------------------------------------- the app
 
 
-async def _api_error(_request, exc: APIError):
+def error_response(request: Request, exc: APIError) -> Response:
+    """An error in the shape of the API the request spoke: Anthropic's on /v1/messages
+    (cluster/api_anthropic.py), OpenAI's everywhere else."""
+    if request.url.path.startswith("/v1/messages"):
+        from moeray.cluster.api_anthropic import error_response as anthropic_error
+
+        return anthropic_error(exc)
     return exc.response()
 
 
-async def _invalid(_request, exc):
-    return _validation_error(exc).response()
+async def _api_error(request, exc: APIError):
+    return error_response(request, exc)
 
 
-async def _http(_request, exc):
+async def _invalid(request, exc):
+    return error_response(request, _validation_error(exc))
+
+
+async def _http(request, exc):
     type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return APIError(exc.status_code, str(exc.detail), type_=type_).response()
+    return error_response(request, APIError(exc.status_code, str(exc.detail), type_=type_))
 
 
 async def _unexpected(request: Request, exc: Exception):
-    """A bug, not the client's fault: still OpenAI's shape, logged with its traceback, and the
+    """A bug, not the client's fault: still the API's error shape, logged with its traceback, and the
     server goes on (Starlette answers with this, then re-raises for the log)."""
-    return APIError(500, f"internal error while serving {request.url.path}: {type(exc).__name__}: {exc}",
-                    type_="server_error", code="internal_error").response()
+    return error_response(request, APIError(500, f"internal error while serving {request.url.path}: "
+                                            f"{type(exc).__name__}: {exc}", type_="server_error", code="internal_error"))
+
+
+KEYED_PATHS = ("/v1/", "/tokenize", "/detokenize")  # what --api-key guards
 
 
 async def _auth(request: Request, call_next):
     api_key = request.app.state.service.opts.api_key
-    if api_key and request.url.path.startswith("/v1/"):
+    if api_key and request.url.path.startswith(KEYED_PATHS):
         given = request.headers.get("authorization", "")
-        token = given[7:].strip() if given[:7].lower() == "bearer " else ""
+        # Bearer as OpenAI's clients send it, or x-api-key as Anthropic's do
+        token = given[7:].strip() if given[:7].lower() == "bearer " else request.headers.get("x-api-key", "").strip()
         if not hmac.compare_digest(token.encode(), api_key.encode()):
-            return APIError(401, "incorrect API key provided" if token else "no API key provided "
-                            "(send 'Authorization: Bearer KEY')", code="invalid_api_key").response()
+            return error_response(request, APIError(
+                401, "incorrect API key provided" if token else "no API key provided (send 'Authorization: Bearer "
+                "KEY' or 'x-api-key: KEY')", code="invalid_api_key"))
     return await call_next(request)
 
 
@@ -629,6 +650,11 @@ def build_app(service: Service):
     app.get("/health")(health)
     app.get("/v1/admin/profile")(live_profile)
     app.get("/v1/stages")(stages)
+    # The APIs agents speak, each a translation onto the chat path above
+    from moeray.cluster import api_anthropic, api_responses, api_tokens
+
+    for api in (api_anthropic, api_responses, api_tokens):
+        api.add_routes(app, service)
     add_dashboard(app, service.opts.api_key)  # GET /dashboard: the live page of the stages (after _auth: see there)
     return app
 

@@ -89,6 +89,8 @@ class Service:
             from moeray.stages.gguf.parts import model_stem
 
             self.model_name = model_stem(self.path)  # NAME, not NAME-00001-of-00004
+        # Every id a request may name: the first is the one responses carry (as vLLM answers)
+        self.model_names = list(dict.fromkeys([self.model_name, *opts.model_aliases]))
         header = read_gguf_header(self.path)
         self.header_config = header.config
         engine_cfg = opts.engine
@@ -166,6 +168,10 @@ class Service:
         self.loop = EngineLoop(self.engine, max_waiting=opts.max_waiting, on_tokens=self._on_tokens).start()
         if self.poller is not None:
             self.poller.start()
+
+    def serves(self, model: str) -> bool:
+        """A request naming `model` is for this server (one of its names, or any with --any-model)."""
+        return self.opts.any_model or model in self.model_names
 
     @property
     def context(self) -> int:

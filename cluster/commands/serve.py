@@ -36,6 +36,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=environment.api_key(),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $MOERAY_API_KEY, else none)")
     p.add_argument("--model-name", help="the model id clients send (default: the file's name)")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="the ids clients may send, as vLLM takes them: the first is the one responses and "
+                        "/v1/models name, the others are aliases (instead of --model-name; after the model path)")
+    p.add_argument("--any-model", action="store_true",
+                   help="answer requests whatever model they name (as llama-server does): coding agents name their "
+                        "own models for side calls (docs/agents/)")
+    p.add_argument("--responses-store", type=int, default=ServeOptions.responses_store, metavar="N",
+                   help="responses of POST /v1/responses kept for previous_response_id and GET /v1/responses/ID, "
+                        f"the most recently used first (0: none; default {ServeOptions.responses_store})")
     p.add_argument("--local", action="store_true",
                    help="the whole model in this process, which serves the HTTP API itself (no Serve proxy or "
                         "replica, no stage actors)")
@@ -74,9 +83,16 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
             # which reads each routed expert once per step instead of once per lane (bench/load.py,
             # 16 clients: 48.6 against 37.0 out tok/s with two lanes; the method: docs/performance.md#served).
             engine.micro_batches = 1
-    return ServeOptions(model=args.model, model_name=args.model_name, local=args.local, launch=launch, engine=engine,
+    names = args.served_model_name or ([args.model_name] if args.model_name else [None])
+    if args.served_model_name and args.model_name:
+        raise CLIError("give --model-name or --served-model-name, not both")
+    if args.responses_store < 0:
+        raise CLIError("--responses-store must be >= 0 (0: keep none)")
+    return ServeOptions(model=args.model, model_name=names[0], model_aliases=tuple(names[1:]), any_model=args.any_model,
+                        local=args.local, launch=launch, engine=engine,
                         max_waiting=args.max_waiting, api_key=args.api_key or None,
-                        metrics=not args.no_metrics, chat_format=args.chat_format)
+                        metrics=not args.no_metrics, chat_format=args.chat_format,
+                        responses_store=args.responses_store)
 
 
 def check_ports(args: argparse.Namespace) -> None:
