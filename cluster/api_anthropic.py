@@ -98,7 +98,7 @@ Block = Annotated[Union[TextBlock, ImageBlock, DocumentBlock, ToolUseBlock, Tool
 class InputMessage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    role: Literal["user", "assistant"]
+    role: Literal["user", "assistant", "system"]  # system: mid-conversation instructions (Claude Code sends them)
     content: Union[StrictStr, list[Block]]
 
     def blocks(self) -> list:
@@ -221,11 +221,20 @@ def _result_text(block: ToolResultBlock, where: str) -> str:
 
 def chat_messages(body: MessagesRequest) -> list[dict]:
     """The conversation as chat messages: consecutive turns of one role are one turn (as Anthropic
-    combines them), a user turn's tool results come before its text, as tool messages."""
+    combines them), a user turn's tool results come before its text, as tool messages. A system
+    message within the conversation joins the system prompt (most templates take a system message
+    only first; an agent resends it at the same place each turn, so the prompt's prefix stays)."""
     out: list[dict] = []
-    system = _system(body)
-    if system is not None:
-        out.append({"role": "system", "content": system})
+    system = [text] if (text := _system(body)) is not None else []
+    for i, m in enumerate(body.messages):
+        if m.role == "system":
+            for j, block in enumerate(m.blocks()):
+                if not isinstance(block, TextBlock):
+                    raise _bad(f"messages[{i}].content[{j}]: a system message holds text blocks only",
+                               f"messages[{i}].content[{j}]")
+                system.append(block.text)
+    if system:
+        out.append({"role": "system", "content": "\n".join(system)})
 
     def add(message: dict) -> None:
         last = out[-1] if out else None
@@ -242,6 +251,8 @@ def chat_messages(body: MessagesRequest) -> list[dict]:
         out.append(message)
 
     for i, m in enumerate(body.messages):
+        if m.role == "system":
+            continue
         texts, reasoning, calls = [], [], []
         for j, block in enumerate(m.blocks()):
             where = f"messages[{i}].content[{j}]"

@@ -58,13 +58,15 @@ def test_anthropic_system_blocks_turns_and_results():
                 {"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral"}},
                 {"type": "text", "text": "CWD: /w"}],
         messages=[{"role": "user", "content": [{"type": "text", "text": "<reminder/>"}, {"type": "text", "text": "hi"}]},
+                  {"role": "system", "content": "Agents: none."},
                   {"role": "user", "content": "again"},
                   {"role": "assistant", "content": [{"type": "redacted_thinking", "data": "opaque"},
                                                     {"type": "tool_use", "id": "t1", "name": "f", "input": {"a": 1}}]},
                   {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "boom",
                                                 "is_error": True}, {"type": "text", "text": "fix it"}]}])
     assert chat_of(an.to_chat(body)) == [
-        {"role": "system", "content": "You are terse.\nCWD: /w"},  # the billing header says nothing to the model
+        # the billing header says nothing to the model; a system message within joins the system prompt
+        {"role": "system", "content": "You are terse.\nCWD: /w\nAgents: none."},
         {"role": "user", "content": "<reminder/>\nhi\nagain"},  # consecutive turns of a role are one
         {"role": "assistant", "content": "", "tool_calls": [
             {"id": "t1", "type": "function", "function": {"name": "f", "arguments": '{"a": 1}'}}]},
