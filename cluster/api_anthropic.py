@@ -22,7 +22,6 @@ from pydantic_core import PydanticCustomError
 
 from moeray.cluster import chat_edge as edge
 from moeray.cluster import openai_schema as oa
-from moeray.cluster import serve_app as app
 
 Number = Union[StrictInt, StrictFloat]
 
@@ -188,8 +187,8 @@ class CountTokensRequest(MessagesRequest):
 # ---------------------------------------------------------------- onto the chat path
 
 
-def _bad(message: str, param: str) -> app.APIError:
-    return app.APIError(400, message, param=param, code="invalid_value")
+def _bad(message: str, param: str) -> edge.APIError:
+    return edge.APIError(400, message, param=param, code="invalid_value")
 
 
 def _refuse_media(block, where: str) -> None:
@@ -356,7 +355,7 @@ def new_id() -> str:
     return oa.new_id("msg").replace("msg-", "msg_")
 
 
-def usage(call: app.Call) -> dict:
+def usage(call: edge.Call) -> dict:
     """Anthropic's usage: input_tokens are the prompt's tokens not read from the cache (Anthropic
     counts cache reads apart: input_tokens + cache_read_input_tokens is the whole prompt)."""
     cached = call.out.cached_tokens
@@ -364,7 +363,7 @@ def usage(call: app.Call) -> dict:
             "cache_read_input_tokens": cached, "output_tokens": call.out.completion_tokens}
 
 
-def stop_reason(call: app.Call, has_calls: bool, stops) -> tuple[str, Optional[str]]:
+def stop_reason(call: edge.Call, has_calls: bool, stops) -> tuple[str, Optional[str]]:
     """(stop_reason, stop_sequence): max_tokens when cut by length (even after whole calls),
     tool_use when it called, stop_sequence when a stop string ended it, else end_turn."""
     if call.out.finish_reason == "length":
@@ -412,7 +411,7 @@ async def count_tokens(body: CountTokensRequest, request: Request):
 
     service = request.app.state.service
     if not service.serves(body.model):
-        raise app.APIError(404, f"the model '{body.model}' does not exist", param="model", code="model_not_found")
+        raise edge.APIError(404, f"the model '{body.model}' does not exist", param="model", code="model_not_found")
     chat = to_chat(body, count_only=True)
     tokens, _ = await asyncio.to_thread(edge.prompt_tokens, service, chat, thinking_of(body))
     return {"input_tokens": len(tokens)}
@@ -423,7 +422,7 @@ class MessageEvents(edge.Events):
     finds (thinking, text, tool_use: content_block_start, its deltas, content_block_stop), then
     message_delta (stop_reason, usage) and message_stop."""
 
-    def __init__(self, call: app.Call, stops):
+    def __init__(self, call: edge.Call, stops):
         self.call, self.stops = call, stops
         self.reader = call.extras.turn.reader()
         self.index = -1  # the open block's index
@@ -485,19 +484,19 @@ class MessageEvents(edge.Events):
                                  "cache_creation_input_tokens": 0})
         yield self._event("message_stop")
 
-    def error(self, exc: app.APIError):
+    def error(self, exc: edge.APIError):
         yield edge.sse_event("error", error_body(exc))
 
 
 # ---------------------------------------------------------------- errors
 
 
-def error_body(exc: app.APIError) -> dict:
+def error_body(exc: edge.APIError) -> dict:
     kind = ERROR_TYPES.get(exc.status, "api_error")
     return {"type": "error", "error": {"type": kind, "message": exc.message}}
 
 
-def error_response(exc: app.APIError) -> Response:
+def error_response(exc: edge.APIError) -> Response:
     """Anthropic's error shape, with the same status the chat route gives the same problem."""
     headers = {"Retry-After": "1"} if exc.status in (429, 503) else None
     return Response(json.dumps(error_body(exc), ensure_ascii=True), status_code=exc.status, headers=headers,
@@ -505,5 +504,6 @@ def error_response(exc: app.APIError) -> Response:
 
 
 def add_routes(app_, service) -> None:
+    app_.state.error_shapes.append(("/v1/messages", error_response))
     app_.post("/v1/messages")(messages)
     app_.post("/v1/messages/count_tokens")(count_tokens)

@@ -28,7 +28,6 @@ from pydantic_core import PydanticCustomError
 
 from moeray.cluster import chat_edge as edge
 from moeray.cluster import openai_schema as oa
-from moeray.cluster import serve_app as app
 
 Number = Union[StrictInt, StrictFloat]
 
@@ -160,8 +159,8 @@ ITEMS = {"message": MessageItem, "function_call": FunctionCallItem, "function_ca
 # ---------------------------------------------------------------- onto the chat path
 
 
-def _bad(message: str, param: str) -> app.APIError:
-    return app.APIError(400, message, param=param, code="invalid_value")
+def _bad(message: str, param: str) -> edge.APIError:
+    return edge.APIError(400, message, param=param, code="invalid_value")
 
 
 def _parts_text(parts: list[dict], kinds: tuple[str, ...], where: str) -> str:
@@ -190,7 +189,7 @@ def _item(raw: Any, where: str):
     try:
         return model.model_validate(raw)
     except ValidationError as exc:
-        err = app._validation_error(exc)
+        err = edge.validation_error(exc)
         raise _bad(f"{where}: {err.message}", f"{where}.{err.param}" if err.param else where) from None
 
 
@@ -247,7 +246,7 @@ def _tools(body: ResponsesRequest) -> Optional[list[dict]]:
         try:
             tool = FunctionTool.model_validate(raw)
         except ValidationError as exc:
-            err = app._validation_error(exc)
+            err = edge.validation_error(exc)
             raise _bad(f"tools[{i}]: {err.message}", f"tools[{i}]") from None
         # `strict` is an instruction to the server (forced arguments are confined to the schema
         # whatever it says: docs/chat-formats.md), not part of what the model reads of the function
@@ -334,7 +333,7 @@ class ResponseStore:
             if stored is not None:
                 self.items.move_to_end(response_id)
                 return stored
-        raise app.APIError(404, f"no stored response with id '{response_id}': it was made with store: false, or it "
+        raise edge.APIError(404, f"no stored response with id '{response_id}': it was made with store: false, or it "
                            f"was evicted (this server keeps the {self.capacity} most recently used responses: "
                            "moeray serve --responses-store N)", type_="not_found_error", param=param,
                            code="response_not_found")
@@ -342,7 +341,7 @@ class ResponseStore:
     def delete(self, response_id: str) -> None:
         with self.lock:
             if self.items.pop(response_id, None) is None:
-                raise app.APIError(404, f"no stored response with id '{response_id}'", type_="not_found_error",
+                raise edge.APIError(404, f"no stored response with id '{response_id}'", type_="not_found_error",
                                    param="response_id", code="response_not_found")
 
 
@@ -393,7 +392,7 @@ def reply_message(reply) -> dict:
 class Turn:
     """One request's response object, from its start (status in_progress) to its end."""
 
-    def __init__(self, body: ResponsesRequest, call: app.Call, conversation: list[dict]):
+    def __init__(self, body: ResponsesRequest, call: edge.Call, conversation: list[dict]):
         self.body, self.call, self.conversation = body, call, conversation
         self.id, self.created = _id("resp"), call.created
 
@@ -543,7 +542,7 @@ class ResponseEvents(edge.Events):
         response = self.turn.finish(self.request, reply, self.items)
         yield self._event(f"response.{response['status']}", response=response)
 
-    def error(self, exc: app.APIError):
+    def error(self, exc: edge.APIError):
         yield self._event("error", code=exc.code, message=exc.message, param=exc.param)
         failed = self.turn.response("failed", self.items)
         failed["error"] = {"code": exc.code or "server_error", "message": exc.message}

@@ -11,7 +11,6 @@ from fastapi import Request
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
 from moeray.cluster import chat_edge as edge
-from moeray.cluster import serve_app as app
 
 
 class TokenizeRequest(BaseModel):
@@ -40,16 +39,16 @@ class DetokenizeRequest(BaseModel):
 
 def _check_model(service, model: Optional[str]) -> None:
     if model is not None and not service.serves(model):
-        raise app.APIError(404, f"the model '{model}' does not exist; this server serves "
+        raise edge.APIError(404, f"the model '{model}' does not exist; this server serves "
                            f"{', '.join(service.model_names)}", param="model", code="model_not_found")
 
 
 def _tokens(service, body: TokenizeRequest) -> list[int]:
     if (body.prompt is None) == (body.messages is None):
-        raise app.bad_request("give either 'prompt' (a text) or 'messages' (a conversation)", "prompt")
+        raise edge.bad_request("give either 'prompt' (a text) or 'messages' (a conversation)", "prompt")
     tokenizer = service.tokenizer
     if body.prompt is not None:
-        app.refuse_untokenized(service, body.prompt, "prompt")
+        edge.refuse_untokenized(service, body.prompt, "prompt")
         return tokenizer.encode(body.prompt, add_bos=True if body.add_special_tokens is None else body.add_special_tokens)
     chat = edge.chat_request({k: v for k, v in {"model": service.model_name, "messages": body.messages,
                                                 "tools": body.tools,
@@ -74,7 +73,7 @@ async def detokenize(body: DetokenizeRequest, request: Request):
     vocab = service.tokenizer.vocab_size
     bad = [t for t in body.tokens if not 0 <= t < vocab]
     if bad:
-        raise app.bad_request(f"token ids must be in [0, {vocab}); got {bad[0]}", "tokens")
+        raise edge.bad_request(f"token ids must be in [0, {vocab}); got {bad[0]}", "tokens")
     return {"prompt": service.tokenizer.decode(body.tokens)}
 
 

@@ -25,6 +25,14 @@ from moeray.cluster import request_extras as xt
 from moeray.cluster import serve_app as app
 from moeray.stages.text.chat import Message
 
+# What the agent APIs use of the chat path: they reach it through this module only.
+APIError, Call, bad_request, refuse_untokenized = app.APIError, app.Call, app.bad_request, app.refuse_untokenized
+
+
+def validation_error(exc: ValidationError) -> APIError:
+    """A pydantic error as the 400 the chat route would answer (the parameter named)."""
+    return app._validation_error(exc)
+
 # Reasoning efforts as token budgets of the thinking block (Responses' reasoning.effort, Anthropic's
 # output_config.effort). None: the server's default budget.
 EFFORT_BUDGETS: dict[str, Optional[int]] = {
@@ -68,7 +76,7 @@ def chat_request(data: dict) -> oa.ChatCompletionRequest:
     try:
         return oa.ChatCompletionRequest.model_validate(data)
     except ValidationError as exc:
-        raise app._validation_error(exc) from None
+        raise validation_error(exc) from None
 
 
 async def start(service, chat: oa.ChatCompletionRequest, thinking: Thinking, id_prefix: str,

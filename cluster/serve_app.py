@@ -587,12 +587,11 @@ async def stages(request: Request):
 
 
 def error_response(request: Request, exc: APIError) -> Response:
-    """An error in the shape of the API the request spoke: Anthropic's on /v1/messages
-    (cluster/api_anthropic.py), OpenAI's everywhere else."""
-    if request.url.path.startswith("/v1/messages"):
-        from moeray.cluster.api_anthropic import error_response as anthropic_error
-
-        return anthropic_error(exc)
+    """An error in the shape of the API the request spoke: OpenAI's, unless an API registered
+    another for its paths (app.state.error_shapes: Anthropic's on /v1/messages)."""
+    for prefix, shape in getattr(request.app.state, "error_shapes", ()):
+        if request.url.path.startswith(prefix):
+            return shape(exc)
     return exc.response()
 
 
@@ -639,6 +638,7 @@ def build_app(service: Service):
 
     app = FastAPI(title="moeray", description="OpenAI-compatible endpoint over a pipeline of MoE stages")
     app.state.service = service
+    app.state.error_shapes = []  # (path prefix, APIError -> Response) of the APIs with their own
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http)
