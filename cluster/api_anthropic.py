@@ -12,6 +12,7 @@ docs/api.md lists every field.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -407,8 +408,6 @@ async def messages(body: MessagesRequest, request: Request):
 
 
 async def count_tokens(body: CountTokensRequest, request: Request):
-    import asyncio
-
     service = request.app.state.service
     if not service.serves(body.model):
         raise edge.APIError(404, f"the model '{body.model}' does not exist", param="model", code="model_not_found")

@@ -198,6 +198,8 @@ def input_messages(body: ResponsesRequest) -> list[dict]:
     function calls) are one assistant message; function call outputs are tool messages."""
     if isinstance(body.input, str):
         return [{"role": "user", "content": body.input}]
+    if not body.input:
+        raise _bad("input is an empty list: give a text or at least one item", "input")
     out: list[dict] = []
 
     def assistant() -> dict:

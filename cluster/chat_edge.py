@@ -79,16 +79,15 @@ def chat_request(data: dict) -> oa.ChatCompletionRequest:
         raise validation_error(exc) from None
 
 
-async def start(service, chat: oa.ChatCompletionRequest, thinking: Thinking, id_prefix: str,
-                cap_tokens: bool = True) -> app.Call:
-    """The chat route's steps for one translated request: extras, render, checks. With `cap_tokens`
-    the requested output is capped to the room the prompt leaves (Anthropic's max_tokens is required
-    and agents send 32000 or more; Responses' max_output_tokens is optional), not refused."""
+async def start(service, chat: oa.ChatCompletionRequest, thinking: Thinking, id_prefix: str) -> app.Call:
+    """The chat route's steps for one translated request: extras, render, checks. The requested
+    output is capped to the room the prompt leaves, not refused: Anthropic's max_tokens is required
+    and agents send 32000 or more whatever the model; Responses' max_output_tokens is optional."""
     extras = xt.chat_extras(service, chat, app.bad_request)
     apply_thinking(service, extras, thinking)
     prompt = await asyncio.to_thread(app.chat_prompt, service, chat, extras)  # off the event loop
     room = service.context - len(prompt)
-    if cap_tokens and room >= 1 and (chat.max_tokens is None or chat.max_tokens > room):
+    if room >= 1 and (chat.max_tokens is None or chat.max_tokens > room):
         chat.max_tokens = room
     return await app.prepare_call(service, chat, prompt, extras, id_prefix)
 
