@@ -2,7 +2,7 @@
 and OpenAI's Responses requests become the chat messages an OpenAI client would have sent for the
 same conversation (tests/chat_models.py's tool loop), thinking settings become a budget and the
 family's switch, and fields outside each API are 400s naming them. The served round trips are
-tests/test_agent_apis.py."""
+tests/e2e/test_agent_apis.py."""
 from __future__ import annotations
 
 import json
