@@ -87,6 +87,8 @@ async def start(service, chat: oa.ChatCompletionRequest, thinking: Thinking, id_
     apply_thinking(service, extras, thinking)
     prompt = await asyncio.to_thread(app.chat_prompt, service, chat, extras)  # off the event loop
     room = service.context - len(prompt)
+    if chat.max_tokens is None and service.opts.default_max_tokens is not None:
+        chat.max_tokens = service.opts.default_max_tokens
     if room >= 1 and (chat.max_tokens is None or chat.max_tokens > room):
         chat.max_tokens = room
     return await app.prepare_call(service, chat, prompt, extras, id_prefix)

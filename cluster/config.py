@@ -154,6 +154,9 @@ class ServeOptions:
     # POST /v1/responses kept in memory for previous_response_id and GET /v1/responses/{id}: the most
     # recently used ones (a response continued from or read counts as used); 0 keeps none
     responses_store: int = 256
+    # Output tokens of a request that sets no limit (llama-server's -n): None is 256 on the chat and
+    # completions routes and the rest of the context on /v1/responses (Codex sends no limit)
+    default_max_tokens: Optional[int] = None
 
 
 def resolve_model(path: str | None, rebuild: bool = False) -> str:

@@ -168,7 +168,7 @@ async def prepare_call(service: Service, body: oa._Request, prompt: list[int], e
     wanted = body.wanted_tokens()
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     if wanted is None:
-        wanted = min(DEFAULT_MAX_TOKENS, room)
+        wanted = min(service.opts.default_max_tokens or DEFAULT_MAX_TOKENS, room)
     elif wanted < 1:
         raise APIError(400, f"{param} must be at least 1, got {wanted}", param=param, code="invalid_value")
     elif wanted > room:

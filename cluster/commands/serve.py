@@ -45,6 +45,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--responses-store", type=int, default=ServeOptions.responses_store, metavar="N",
                    help="responses of POST /v1/responses kept for previous_response_id and GET /v1/responses/ID, "
                         f"the most recently used first (0: none; default {ServeOptions.responses_store})")
+    p.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
+                   help="output tokens of a request that sets no limit (default: 256 on /v1/chat/completions and "
+                        "/v1/completions, the rest of the context on /v1/responses)")
     p.add_argument("--local", action="store_true",
                    help="the whole model in this process, which serves the HTTP API itself (no Serve proxy or "
                         "replica, no stage actors)")
@@ -88,11 +91,13 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
         raise CLIError("give --model-name or --served-model-name, not both")
     if args.responses_store < 0:
         raise CLIError("--responses-store must be >= 0 (0: keep none)")
+    if args.default_max_tokens is not None and args.default_max_tokens < 1:
+        raise CLIError("--default-max-tokens must be >= 1")
     return ServeOptions(model=args.model, model_name=names[0], model_aliases=tuple(names[1:]), any_model=args.any_model,
                         local=args.local, launch=launch, engine=engine,
                         max_waiting=args.max_waiting, api_key=args.api_key or None,
                         metrics=not args.no_metrics, chat_format=args.chat_format,
-                        responses_store=args.responses_store)
+                        responses_store=args.responses_store, default_max_tokens=args.default_max_tokens)
 
 
 def check_ports(args: argparse.Namespace) -> None:
