@@ -22,6 +22,8 @@ pytestmark = pytest.mark.slow
 
 KEY = "cli-key-7"
 QUESTION = "What is the capital of France? Answer in one word."
+# Under the agents' tools the default model answers this one briefly (greedy): its reply ends itself.
+YES_NO = "Is Paris in France? Answer yes or no."
 # Pinned: what the tests were written against (their requests were captured and answered).
 CLIS = {"claude": ("@anthropic-ai/claude-code", "2.1.197"), "codex": ("@openai/codex", "0.171.0")}
 # Codex in a small context: its own short instructions instead of its long default prompt, and
@@ -59,14 +61,14 @@ def clis() -> dict[str, Path]:
 
 @pytest.fixture(scope="module")
 def server(default_model_path):
-    """`moeray serve --local` on the default model (8,192 tokens), answering any model name: the
-    CLIs name their own models."""
+    """`moeray serve --local` on the default model (8,192 tokens), answering any model name (the CLIs
+    name their own models), a reply without a limit (Codex sets none) at most 256 tokens."""
     from serve_process import start_serve
 
     from moeray.stages.runtime.transport import free_port
 
     proc = start_serve([str(default_model_path), "--local", "--no-metrics", "--max-seqs", "2", "--any-model",
-                        "--api-key", KEY, "--ready-timeout", "300"], free_port(), timeout_s=420)
+                        "--default-max-tokens", "256", "--api-key", KEY, "--ready-timeout", "300"], free_port(), timeout_s=420)
     try:
         yield proc
     finally:
@@ -94,16 +96,23 @@ def test_claude_code_prints_the_models_answer(clis, server, tmp_path):
 
 
 def test_claude_code_with_its_tools_runs_its_loop(clis, server, tmp_path):
-    """Claude Code's Bash tool in the prompt (its schema and the model's chat format for calls), echo
-    allowed and nothing else: whatever the model does, the run ends with its answer."""
-    r = run_cli([clis["claude"], "-p", QUESTION, "--bare", "--tools", "Bash", "--allowedTools", "Bash(echo *)",
-                 "--max-turns", "4", "--output-format", "json"], tmp_path, claude_env(server))
-    assert r.returncode == 0, (r.stdout, r.stderr[-2000:])
+    """Claude Code's Bash tool in the prompt (its schema, in the model's tool format), `echo` allowed
+    and nothing else. The model answers, or calls Bash: each call reaches Claude Code as a tool_use
+    with Bash's arguments, is denied, goes back as a tool_result, and the model goes on (this small
+    one calls again until --max-turns ends the run). Either way no request of the loop fails."""
+    r = run_cli([clis["claude"], "-p", YES_NO, "--bare", "--tools", "Bash", "--allowedTools", "Bash(echo *)",
+                 "--max-turns", "3", "--output-format", "json"], tmp_path, claude_env(server))
     result = json.loads(r.stdout)
-    assert result["type"] == "result" and not result["is_error"] and result["result"].strip(), result
+    assert result["type"] == "result", (r.stdout, r.stderr[-2000:])
     used = result["usage"]
     assert used["input_tokens"] + used.get("cache_read_input_tokens", 0) > 500  # the tool's schema was in the prompt
-    assert used["output_tokens"] > 0
+    if result["subtype"] == "success":
+        assert r.returncode == 0 and result["result"].strip(), result
+    else:  # the tool loop ran: calls out, denials back as tool results, turn after turn
+        assert result["subtype"] == "error_max_turns" and result["num_turns"] > 1, result
+        denied = result["permission_denials"]
+        assert denied and all(d["tool_name"] == "Bash" and isinstance(d["tool_input"].get("command"), str)
+                              for d in denied), denied
 
 
 def codex_home(server, home: Path, model: str = "moeray") -> Path:
@@ -130,7 +139,7 @@ def test_codex_exec_prints_the_models_answer(clis, server, tmp_path):
     argv = [clis["codex"], "exec", "--skip-git-repo-check", "--json", "--sandbox", "read-only"]
     for feature in CODEX_DISABLE:
         argv += ["--disable", feature]
-    r = run_cli(argv + [QUESTION], tmp_path, {"CODEX_HOME": str(folder), "MOERAY_API_KEY": KEY})
+    r = run_cli(argv + [YES_NO], tmp_path, {"CODEX_HOME": str(folder), "MOERAY_API_KEY": KEY})
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-2000:])
     events = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
     assert not [e for e in events if e.get("type") in ("error", "turn.failed")], events
