@@ -28,6 +28,10 @@ class Extras:
     read_calls: bool = False  # the reply is read for tool calls (tools given, tool_choice not "none")
     forced: Optional[tuple[Optional[str], bool]] = None  # a call tool_choice forces: (function or None: any, parallel)
     variables: dict = dataclasses.field(default_factory=dict)  # chat_template_kwargs and reasoning_effort
+    # Tokens the reply may think before its thinking block is closed for it: None the server's default
+    # (unlimited unless configured), 0 no thinking. Set from thinking.budget_tokens, reasoning.effort,
+    # chat_template_kwargs or reasoning_effort by the route that parsed the request.
+    reasoning_budget: Optional[int] = None
     turn: Optional[Turn] = None  # the rendered chat prompt and how its reply is read (set by the server)
 
 
