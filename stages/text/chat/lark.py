@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from moeray.stages.text.grammar import JSON_STYLE
+from moeray.stages.text.grammar import JSON_STYLE, confined
 
 
 class Lark:
@@ -46,7 +46,9 @@ class Lark:
         return out
 
     def json(self, schema: Optional[dict]) -> str:
-        schema = schema if isinstance(schema, dict) and schema else {"type": "object"}
+        """A JSON value matching `schema`, its objects confined to the properties they list
+        (stages/text/grammar.py confined)."""
+        schema = confined(schema) if isinstance(schema, dict) and schema else {"type": "object"}
         return f"%json {json.dumps({**schema, 'x-guidance': JSON_STYLE})}"
 
     def rule(self, body: str, options: str = "") -> str:
@@ -56,12 +58,21 @@ class Lark:
         self.rules.append(f"{name}{f'[{options}]' if options else ''}: {body}")
         return name
 
-    def text_until(self, end: str) -> str:
-        """Any text up to and including the first `end`."""
+    def text_until(self, end: str, forbid: tuple[str, ...] = ()) -> str:
+        """Any text up to and including the first `end`; with `forbid`, text that holds none of
+        those markers (a string argument written raw cannot run on into the next call's markup,
+        which the reader would take for the argument's end)."""
         first, *rest = self.split(end)
         if first in self.special:  # free text cannot hold an added token: it ends where the token comes
             return f"{self.rule('/(?s:.*)/')} {self.lit(first, *rest)}"
-        lazy = self.rule(f"/(?s:.*){_regex_escape(first)}/", "lazy")
+        body = f"/(?s:.*){_regex_escape(first)}/"
+        if forbid:
+            self._n += 1
+            terminal = f"T{self._n}"
+            markers = "|".join(_regex_escape(m) for m in forbid)
+            self.rules.append(f"{terminal}: {body} & ~/(?s:.*)({markers})(?s:.*)/")
+            body = terminal
+        lazy = self.rule(body, "lazy")
         return f"{lazy} {self.lit(*rest)}" if rest else lazy
 
     def grammar(self, start: str) -> str:
@@ -89,15 +100,17 @@ def _regex_escape(text: str) -> str:
     return "".join(out)
 
 
-def value_rule(g: Lark, schema: Optional[dict], end: str) -> str:
-    """One argument written on its own and closed by `end`: a string argument as raw text (or one of
-    its enum values), anything else as JSON."""
+def value_rule(g: Lark, schema: Optional[dict], end: str, sep: str = "", after: str = "",
+               forbid: tuple[str, ...] = ()) -> str:
+    """One argument written on its own and closed by `end` (then `after`): a string argument as raw
+    text holding none of the `forbid` markers (or one of its enum values, then `sep`), anything else
+    as JSON, then `sep`."""
     schema = schema if isinstance(schema, dict) else {}
     if schema.get("type") == "string":
         if isinstance(schema.get("enum"), list) and all(isinstance(v, str) for v in schema["enum"]):
-            return "(" + " | ".join(g.lit(v + end) for v in schema["enum"]) + ")"
-        return g.text_until(end)
-    return f"{g.json(schema or {})} {g.lit(end)}"
+            return "(" + " | ".join(g.lit(v + sep + end + after) for v in schema["enum"]) + ")"
+        return f"{g.text_until(end, forbid)} {g.lit(after)}" if after else g.text_until(end, forbid)
+    return f"{g.json(schema or {})} {g.lit(sep + end + after)}"
 
 
 def is_string_argument(function: Optional[dict], name: str) -> bool:
