@@ -146,6 +146,11 @@ class ServeOptions:
     # (--local's ggml threads are launch.stage.threads; None: every core the one process may run on)
     # How chat templates are called and replies read (stages/text/chat/): None = the GGUF's own family
     chat_format: Optional[str] = None
+    # A chat template used instead of the GGUF's (its text; `serve --chat-template FILE` reads it)
+    chat_template: Optional[str] = None
+    # Thinking tokens a reply may spend before its reasoning is closed, where a request sets none
+    # (stages/text/reasoning_budget.py): -1 unlimited, 0 no thinking (llama-server's --reasoning-budget)
+    reasoning_budget: int = -1
 
 
 def resolve_model(path: str | None, rebuild: bool = False) -> str:
