@@ -129,10 +129,16 @@ def force_call(service, extras: Extras, error) -> None:
             extras.grammar = extras.turn.auto_grammar(service.tokenizer, extras.parallel)
             if extras.grammar is not None:
                 extras.grammar_param = "tools"
-    except GrammarError as exc:
-        raise error(f"tools: {exc}", "tools") from None
-    except ValueError as exc:  # llguidance refuses a schema it cannot compile
-        raise error(f"tools: a function's parameters are not a usable JSON schema: {exc}", "tools") from None
+    except (GrammarError, ValueError) as exc:  # llguidance refuses a schema it cannot compile
+        raise error(f"tools: a function's parameters are not a usable JSON schema: {_schema_problem(exc)}",
+                    "tools") from None
+
+
+def _schema_problem(exc: Exception) -> str:
+    """What the grammar engine says of a schema, without the grammar it quotes."""
+    text = str(exc)
+    marker = "failed to compile JSON schema: "
+    return text.split(marker, 1)[1].splitlines()[0] if marker in text else text.splitlines()[0]
 
 
 def completion_extras(service, body: oa.CompletionRequest, error) -> Extras:

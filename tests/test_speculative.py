@@ -416,6 +416,36 @@ def test_logprobs_and_a_grammar_are_the_plain_decodes(default_model_path):
         assert set(obj) == {"name", "age"}
 
 
+def test_a_reasoning_budget_closes_the_thinking_at_the_same_token_in_verify_rows(default_model_path):
+    """The default model left inside <think> with a budget of 5 tokens: a plain decode writes 5 tokens,
+    then the closer's tokens (forced), then goes on; verify rows whose drafts are often wrong give the
+    same tokens (a drafted token other than the forced one is refused at its position)."""
+    from moeray.stages.text.reasoning_budget import ReasoningBudget
+    from moeray.stages.text.tokenizer import Tokenizer
+
+    model = load_model(default_model_path)
+    tok = Tokenizer.from_metadata(model.gguf.metadata, source=model.gguf.path)
+    prompt = tok.encode("<|im_start|>user\nWhy is the sky blue?<|im_end|>\n<|im_start|>assistant\n<think>\n")
+    forced = tuple(tok.encode("\n</think>\n\n", add_bos=False))
+    budget = ReasoningBudget(5, "<think>", "</think>", forced, inside=True)
+    params = SamplingParams(max_tokens=16, ignore_eos=True, reasoning=budget)
+
+    def run(mode, drafter=None):
+        eng = Engine(LocalPipeline.from_model(model, 32, 1), EngineConfig(max_seqs=1, max_len=512, micro_batches=1,
+                                                                         speculative=mode), tok)
+        if drafter is not None:
+            eng.speculation.new_drafter = drafter
+            eng.speculation.PROBE = 1.0
+        return run_checked(eng, [prompt], params)[0], eng
+
+    plain, _ = run("off")
+    assert plain.output[5:5 + len(forced)] == list(forced) and "</think>" not in tok.decode(plain.output[:5])
+    refs = {tuple(prompt): plain.output}
+    spec, eng = run("auto", lambda toks: NoisyOracle(refs, toks, wrong=0.3, vocab=49152))
+    assert spec.output == plain.output
+    assert 0 < eng.speculation.stats.accepted_tokens < eng.speculation.stats.drafted_tokens
+
+
 @pytest.mark.parametrize("family", ["qwen3moe", "qwen3next"])
 def test_sampled_tokens_keep_the_targets_distribution_with_an_often_wrong_drafter(request, family):
     """3,000 seeded requests of 3 tokens at temperature 0.8, top-k 3, top-p 0.9, min-p, the three
