@@ -565,9 +565,11 @@ def test_the_generic_format_describes_the_tools_and_lays_out_calls_and_results_f
         calls = {"tool_calls": [{"name": "get_weather", "arguments": ARGS_A}, {"name": "get_weather", "arguments": ARGS_B}]}
         assert json.dumps(calls, ensure_ascii=False) in prompt
         assert '{"tool_response": {"name": "get_weather", "id": "call_b", "content": "{\\"sky\\": \\"rain\\"}"}}' in prompt
-        # Without tools the template gets the conversation as it is, and the reply is text.
-        plain = fmt.render(tok, [{"role": "user", "content": "hi"}])
-        assert INSTRUCTION not in plain.prompt and plain.text_only
+        # Without tools (tool_choice none) the history is laid out the same, the tools not described,
+        # and the reply is text.
+        plain = fmt.render(tok, openai_conversation(follow_up=True))
+        assert INSTRUCTION not in plain.prompt and json.dumps(calls, ensure_ascii=False) in plain.prompt
+        assert plain.text_only
         assert not turn.text_only
 
 

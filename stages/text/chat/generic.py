@@ -67,9 +67,9 @@ class Generic(ChatFormat):
         return None  # the tools are described in the system message, whatever the template prints
 
     def template_messages(self, messages, tools):
+        """Earlier calls and results as the JSON turns above (with or without tools now); the tools
+        described in the system message."""
         messages, _ = super().template_messages(messages, None)
-        if not tools:
-            return messages, None
         names = {}  # call id -> function name, for the results
         out: list[dict] = []
         for m in messages:
@@ -88,6 +88,8 @@ class Generic(ChatFormat):
                 _add_user(out, json.dumps(result, ensure_ascii=False))
             else:
                 out.append({k: v for k, v in m.items() if k not in ("tool_calls", "tool_call_id")})
+        if not tools:
+            return out, None
         text = tools_text(tools)
         if out and out[0]["role"] == "system":
             system = out[0].get("content") or ""
