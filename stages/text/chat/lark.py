@@ -3,10 +3,12 @@
 A marker that is an added token of the vocabulary (DeepSeek's <｜tool▁call▁begin｜>, harmony's
 <|channel|>, and Qwen's <tool_call> too, though it decodes as text) is not text to the grammar
 engine, which takes every added token for a special one: it is named by its id, `<[id]>`, so the
-model writes it as the one token it was trained on. Any other marker is a string. Arguments are JSON matching the function's schema (`%json`, written as people and
-models write it: ", " and ": ", no free whitespace, see stages/text/grammar.py), or, for the formats
-that write each argument on its own (Qwen3-Coder's <parameter=...>, GLM's <arg_value>), a string
-argument as raw text and any other as JSON.
+model writes it as the one token it was trained on. Any other marker is a string. Arguments are
+JSON matching the function's schema (`%json`, written as people and models write it: ", " and ": ",
+no free whitespace, see stages/text/grammar.py), its objects holding only the properties they list
+(grammar.py `confined`), or, for the formats that write each argument on its own (Qwen3-Coder's
+<parameter=...>, GLM's <arg_value>), a string argument as raw text (none of the format's markup in
+it) and any other as JSON.
 """
 from __future__ import annotations
 
