@@ -642,3 +642,17 @@ def test_confined_closes_the_objects_that_list_their_properties():
     assert p["either"]["anyOf"][0]["additionalProperties"] is False and p["either"]["anyOf"][1] == {"type": "string"}
     assert all("additionalProperties" not in s for s in p["both"]["allOf"])  # each names part of the whole
     assert out["$defs"]["R"]["additionalProperties"] is False
+
+
+@pytest.mark.parametrize("family", ["qwen3.5", "glm-4.6"])
+def test_a_raw_string_argument_keeps_its_length_and_no_markup(family, tokenizers):
+    """The XML and GLM formats write a string argument as raw text: it keeps the schema's minLength and
+    maxLength, and cannot hold the markup that would end it early for the reader."""
+    tok = tokenizers[family][1]
+    short = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "minLength": 2, "maxLength": 5}}, "required": ["city"]}}}
+    grammar = turn_for(family, tokenizers, tools=[short]).forced_grammar(tok)
+    own = CASES[FORCED[family][0]][1]
+    assert accepts(grammar, tok, own)  # "Paris": 5 characters
+    for city in ("Pariss", "P", "Pa</tool_call>", "Pa<parameter=x>"):
+        assert not accepts(grammar, tok, own.replace(">Paris<", f">{city}<").replace("\nParis\n", f"\n{city}\n")), city

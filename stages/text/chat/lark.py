@@ -60,22 +60,27 @@ class Lark:
         self.rules.append(f"{name}{f'[{options}]' if options else ''}: {body}")
         return name
 
-    def text_until(self, end: str, forbid: tuple[str, ...] = ()) -> str:
+    def text_until(self, end: str, forbid: tuple[str, ...] = (), length: Optional[tuple[int, Optional[int]]] = None) -> str:
         """Any text up to and including the first `end`; with `forbid`, text that holds none of
         those markers (a string argument written raw cannot run on into the next call's markup,
-        which the reader would take for the argument's end)."""
+        which the reader would take for the argument's end); `length`: (at least, at most) characters
+        before `end` (a string argument's minLength and maxLength)."""
         first, *rest = self.split(end)
-        if first in self.special:  # free text cannot hold an added token: it ends where the token comes
-            return f"{self.rule('/(?s:.*)/')} {self.lit(first, *rest)}"
-        body = f"/(?s:.*){_regex_escape(first)}/"
+        lo, hi = length or (0, None)
+        span = "*" if (lo, hi) == (0, None) else f"{{{lo},{'' if hi is None else hi}}}"
+        # Free text cannot hold an added token: before one it ends where the token comes; before
+        # text it is lazy, ending at the first `end`.
+        token = first in self.special
+        body = f"/(?s:.{span})/" if token else f"/(?s:.{span}){_regex_escape(first)}/"
+        tail = self.lit(first, *rest) if token else (self.lit(*rest) if rest else "")
         if forbid:
             self._n += 1
             terminal = f"T{self._n}"
             markers = "|".join(_regex_escape(m) for m in forbid)
             self.rules.append(f"{terminal}: {body} & ~/(?s:.*)({markers})(?s:.*)/")
             body = terminal
-        lazy = self.rule(body, "lazy")
-        return f"{lazy} {self.lit(*rest)}" if rest else lazy
+        text = self.rule(body, "" if token else "lazy")
+        return f"{text} {tail}" if tail else text
 
     def grammar(self, start: str) -> str:
         from moeray.stages.text.grammar import lark_grammar
@@ -104,14 +109,17 @@ def _regex_escape(text: str) -> str:
 
 def value_rule(g: Lark, schema: Optional[dict], end: str, sep: str = "", after: str = "",
                forbid: tuple[str, ...] = ()) -> str:
-    """One argument written on its own and closed by `end` (then `after`): a string argument as raw
-    text holding none of the `forbid` markers (or one of its enum values, then `sep`), anything else
-    as JSON, then `sep`."""
+    """One argument written on its own: its value, then `sep`, `end` and `after`. A string argument is
+    raw text holding none of the `forbid` markers, within its minLength and maxLength (or one of its
+    enum values); anything else is JSON."""
     schema = schema if isinstance(schema, dict) else {}
     if schema.get("type") == "string":
         if isinstance(schema.get("enum"), list) and all(isinstance(v, str) for v in schema["enum"]):
             return "(" + " | ".join(g.lit(v + sep + end + after) for v in schema["enum"]) + ")"
-        return f"{g.text_until(end, forbid)} {g.lit(after)}" if after else g.text_until(end, forbid)
+        lo, hi = schema.get("minLength"), schema.get("maxLength")
+        length = (lo if isinstance(lo, int) else 0, hi if isinstance(hi, int) else None)
+        text = g.text_until(sep + end, forbid, length)
+        return f"{text} {g.lit(after)}" if after else text
     return f"{g.json(schema or {})} {g.lit(sep + end + after)}"
 
 

@@ -73,6 +73,6 @@ class Qwen3Xml(ChatFormat):
         if not props:  # any arguments
             any_name = g.rule(r"/[A-Za-z0-9_.-]+/")
             parts.append(f'({g.lit("<parameter=")} {any_name} {g.lit(">" + chr(10))} '
-                         f'{g.text_until(_PARAMETER_END, MARKUP)} {g.lit(chr(10))})*')
+                         f'{g.text_until(chr(10) + _PARAMETER_END, MARKUP)} {g.lit(chr(10))})*')
         head = g.lit(f"{self.call[0]}\n<function={function['name']}>\n")
         return f"{head} {' '.join(parts)} {g.lit(_FUNCTION_END + chr(10) + self.call[1])}"
