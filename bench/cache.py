@@ -19,13 +19,14 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from results import write_results  # noqa: E402
 
 from moeray.cache.replay import belady, replay  # noqa: E402
 from moeray.cache.residency import Slots  # noqa: E402
@@ -196,7 +197,7 @@ def main(argv=None) -> int:
         res["slot"] = slot_bytes_report()
     print_table(res)
     if args.json:
-        Path(args.json).write_text(json.dumps(res, indent=1) + "\n")
+        write_results(args.json, res)
     return 0
 
 

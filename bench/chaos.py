@@ -35,6 +35,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from urllib.parse import urlparse
 
+from results import write_results  # noqa: E402
+
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "Why is the sky blue?",
            "List three uses of copper.", "What does a pipeline stage do?", "Name a famous painting."]
 
@@ -353,9 +355,9 @@ def main() -> int:
     print(f"  server RSS {out['rss_before_mib']} MiB after warm-up, {out['rss_after_mib']} MiB at the end "
           f"({100 * (out['rss_growth'] or 0):+.1f}%)")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"summary": out, "faults": [asdict(f) for f in faults],
-                       "requests": [asdict(r) for r in results]}, fh, indent=1)
+        write_results(args.json, {"clients": args.clients, "kill_every": args.kill_every, "nodes": args.nodes,
+                                  "summary": out, "faults": [asdict(f) for f in faults],
+                                  "requests": [asdict(r) for r in results]})
     return 0 if out["failed_bad"] == 0 else 1
 
 

@@ -18,14 +18,15 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import platform
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/shapes.py
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/shapes.py, bench/results.py
+
+from results import write_results  # noqa: E402
 
 
 def prompt_ids(tokenizer, n_tokens: int, index: int) -> list[int]:
@@ -365,11 +366,9 @@ def main() -> int:
     if not reference and not args.no_llama_cpp:
         print("llama.cpp: not measured (pip install llama-cpp-python, i.e. the `llamacpp` extra)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": path, "threads": threads, "cpu_count": os.cpu_count(),
-                                               "read_bandwidth_gb_s": bandwidth,
-                                               "prompt_tokens": args.prompt_tokens,
-                                               "decode_tokens": args.decode_tokens, "rows": rows,
-                                               "profile": profile, "load_avg": os.getloadavg()}, indent=2))
+        write_results(args.json, {"model": path, "threads": threads, "read_bandwidth_gb_s": bandwidth,
+                                  "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
+                                  "rows": rows, "profile": profile})
     return 0
 
 

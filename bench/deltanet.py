@@ -2,7 +2,7 @@
 moeray's torch rule (the recurrent step for decode, the chunked rule for prefill), side by side
 in one run, at Qwen3-Next's head shape (32 value heads, 16 key heads, 128 dims) by default.
 
-    python bench/deltanet.py [--threads 2] [--heads 32 16 128] [--repeat 5]
+    python bench/deltanet.py [--threads 2] [--heads 32 16 128] [--repeat 5] [--json out.json]
 
 Prints ms per call of each and the ratio torch / ggml; the ggml backend uses whichever is faster.
 """
@@ -14,6 +14,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from results import write_results  # noqa: E402
 
 
 def _time(fn, repeat: int) -> float:
@@ -29,6 +32,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--heads", type=int, nargs=3, default=(32, 16, 128), metavar=("H_V", "H_K", "D"))
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--json", metavar="PATH", help="also write the rows here")
     args = ap.parse_args(argv)
     import torch
 
@@ -40,6 +44,7 @@ def main(argv=None) -> int:
     Hv, Hk, D = args.heads
     shape = DeltaNetShape(Hk, Hv, D, D, 4, "tiled")
     print(f"H_v={Hv} H_k={Hk} D={D}, ggml threads {args.threads}, torch threads {torch.get_num_threads()}")
+    rows = []
     for B, T in ((1, 1), (16, 1), (1, 64), (1, 512)):
         q, k = l2norm(torch.randn(B, T, Hk, D)), l2norm(torch.randn(B, T, Hk, D))
         v, g, beta = torch.randn(B, T, Hv, D), -torch.rand(B, T, Hv), torch.rand(B, T, Hv)
@@ -56,6 +61,9 @@ def main(argv=None) -> int:
         kind = "decode" if T == 1 else "prefill"
         print(f"{kind:7s} B={B:2d} T={T:3d}: ggml {t_ggml:8.2f} ms  torch {t_torch:8.2f} ms  "
               f"torch/ggml {t_torch / t_ggml:5.2f}")
+        rows.append({"kind": kind, "batch": B, "tokens": T, "ggml_ms": t_ggml, "torch_ms": t_torch})
+    if args.json:
+        write_results(args.json, {"heads": [Hv, Hk, D], "threads": args.threads, "rows": rows})
     return 0
 
 

@@ -1,7 +1,10 @@
-"""One family's row set against llama.cpp, in one sitting: issue 34's four targets on a real-width file.
+"""One family's row set against llama.cpp, in one run: the four targets on a real-width file.
 
-    flock /work/scratch/bigmem.lock python bench/families.py qwen3.6-35b-a3b \\
-        [--rows decode,batch16,prefill,serve] [--repeat 2] [--llama-bin /work/llamacpp/build/bin] [--json out.json]
+    python bench/families.py qwen3.6-35b-a3b [--rows decode,batch16,prefill,serve] [--repeat 2]
+        [--llama-bin DIR] [--json out.json]
+
+llama.cpp's tools (llama-bench, llama-batched-bench, llama-server) come from --llama-bin, else the
+folder LLAMA_CPP_BIN names, else PATH (moeray/environment.py llama_cpp_tool).
 
 The file is bench/shapes.py's (written once into the cache dir). Each row runs both engines, with
 2 threads each, one after the other, and the pair is repeated `--repeat` times in alternating order
@@ -37,7 +40,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from results import read_results, write_results  # noqa: E402
 from shapes import SHAPES, shape_of, write_shape  # noqa: E402
+
+from moeray.environment import llama_cpp_tool  # noqa: E402
 
 ROWS = ("decode", "batch16", "prefill", "serve")
 TARGET = {"decode": 1.0, "batch16": 1.0, "prefill": 1.0, "serve": 0.9}
@@ -77,44 +83,55 @@ def moeray_decode(path: str, batch: int, prompt: int, decode: int, threads: int,
         return {**got["rows"][0], "profile": got.get("profile")}
 
 
-def llama_bench(bin_dir: Path, path: str, threads: int, prompt: int, decode: int, reps: int) -> dict:
+def tool(bin_dir: str | None, name: str) -> str:
+    """llama.cpp's tool `name`: in --llama-bin when given, else LLAMA_CPP_BIN's folder, else on PATH."""
+    found = (str(Path(bin_dir) / name) if (Path(bin_dir) / name).is_file() else None) if bin_dir \
+        else llama_cpp_tool(name)
+    if found is None:
+        where = f"in {bin_dir}" if bin_dir else "in LLAMA_CPP_BIN's folder or on PATH"
+        raise SystemExit(f"{name}: not found {where}; build llama.cpp's tools and set LLAMA_CPP_BIN to their "
+                         "folder (or put them on PATH, or pass --llama-bin DIR)")
+    return found
+
+
+def llama_bench(bin_dir: str | None, path: str, threads: int, prompt: int, decode: int, reps: int) -> dict:
     """llama-bench's pp{prompt} and tg{decode}, tok/s (the mean of its repetitions). The decode runs
     at depth {prompt} (`-d`: after a prompt of that many tokens in its context), as moeray's decode
     row runs after its prompt; llama-bench's own tg starts from an empty context, which costs an
     attention-heavy model (MLA, 64 heads) far less per token than 512 keys do."""
-    out = run([str(bin_dir / "llama-bench"), "-m", path, "-t", str(threads), "-p", str(prompt), "-n", "0",
+    out = run([tool(bin_dir, "llama-bench"), "-m", path, "-t", str(threads), "-p", str(prompt), "-n", "0",
                "-r", str(reps), "-o", "json"], timeout=3600)
     pp = next(r["avg_ts"] for r in json.loads(out) if r["n_prompt"] == prompt and r["n_gen"] == 0)
-    out = run([str(bin_dir / "llama-bench"), "-m", path, "-t", str(threads), "-p", "0", "-n", str(decode),
+    out = run([tool(bin_dir, "llama-bench"), "-m", path, "-t", str(threads), "-p", "0", "-n", str(decode),
                "-d", str(prompt), "-r", str(reps), "-o", "json"], timeout=3600)
     tg = next(r["avg_ts"] for r in json.loads(out) if r["n_gen"] == decode and r["n_prompt"] == 0)
     return {"prefill_tok_s": pp, "decode_tok_s": tg}
 
 
-def llama_batched_bench(bin_dir: Path, path: str, threads: int, seqs: int, prompt: int, decode: int) -> dict:
-    out = run([str(bin_dir / "llama-batched-bench"), "-m", path, "-t", str(threads), "-c",
+def llama_batched_bench(bin_dir: str | None, path: str, threads: int, seqs: int, prompt: int, decode: int) -> dict:
+    out = run([tool(bin_dir, "llama-batched-bench"), "-m", path, "-t", str(threads), "-c",
                str(seqs * (prompt + decode) + 64), "-b", str(seqs * prompt), "-ub", "512", "-npp", str(prompt),
                "-ntg", str(decode), "-npl", str(seqs), "--output-format", "jsonl"], timeout=3600)
     r = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
     return {"prefill_tok_s": r["speed_pp"], "decode_tok_s": r["speed_tg"]}
 
 
-def serve_pair(bin_dir: Path, path: str, args) -> tuple[dict, dict]:
+def serve_pair(bin_dir: str | None, path: str, args) -> tuple[dict, dict]:
     """bench/serve_sweep.py: llama-server -np 4 -t 2, then moeray serve --local, 4 clients each."""
     with tempfile.TemporaryDirectory() as d:
         out = Path(d) / "serve.json"
         run([sys.executable, str(HERE / "serve_sweep.py"), "--model", path, "--llama-server",
-             str(bin_dir / "llama-server"), "--llama-threads", str(args.threads), "--clients", "4",
+             tool(bin_dir, "llama-server"), "--llama-threads", str(args.threads), "--clients", "4",
              "--duration", str(args.serve_seconds), "--warmup", str(args.serve_warmup), "--max-tokens", "32",
              "--json", str(out)], timeout=3600)
-        rows = json.loads(out.read_text())
+        rows = read_results(out)["rows"]
     llama = next(r for r in rows if r["label"].startswith("llama-server"))
     mine = next(r for r in rows if not r["label"].startswith("llama-server"))
     return mine, llama
 
 
 def measure(row: str, path: str, args, engine: str) -> dict:
-    b = Path(args.llama_bin)
+    b = args.llama_bin
     if row in ("decode", "prefill"):  # one run gives both: 512-token prompt, then 32 decode steps
         if engine == "moeray":
             return moeray_decode(path, 1, 512, args.decode_tokens, args.threads, args.moeray_args)
@@ -143,8 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=2, help="pairs per row, in alternating order")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-tokens", type=int, default=32)
-    ap.add_argument("--llama-bin", default="/work/llamacpp/build/bin",
-                    help="the folder of llama-bench, llama-batched-bench, llama-server")
+    ap.add_argument("--llama-bin", metavar="DIR",
+                    help="the folder of llama-bench, llama-batched-bench, llama-server "
+                         "(default: LLAMA_CPP_BIN's folder, else PATH)")
     ap.add_argument("--llama-reps", type=int, default=2, help="llama-bench -r")
     ap.add_argument("--serve-seconds", type=float, default=60.0)
     ap.add_argument("--serve-warmup", type=float, default=20.0)
@@ -155,9 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [r.strip() for r in args.rows.split(",") if r.strip()]
     if bad := [r for r in rows if r not in ROWS]:
         raise SystemExit(f"--rows {','.join(bad)}: choose from {', '.join(ROWS)}")
-    for tool in ("llama-bench", "llama-batched-bench", "llama-server"):
-        if not (Path(args.llama_bin) / tool).is_file():
-            raise SystemExit(f"{Path(args.llama_bin) / tool}: not found; build llama.cpp's tools or pass --llama-bin")
+    for name in ("llama-bench", "llama-batched-bench", "llama-server"):
+        tool(args.llama_bin, name)  # each found before an hour of measuring, or one line saying where to put it
 
     s = shape_of(args.name, args.layers)
     path = str(write_shape(args.name, shape=s))
@@ -168,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
         done: dict[tuple[str, str], dict] = {}
         for row in rows:
             if row == "serve":
-                mine, llama = serve_pair(Path(args.llama_bin), path, args)
+                mine, llama = serve_pair(args.llama_bin, path, args)
                 results[row].append((mine, llama))
                 continue
             key = "decode" if row == "prefill" else row  # decode and prefill come from the same runs
@@ -191,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         ratios = [value(row, m) / value(row, l) for m, l in pairs]
         ratio = statistics.median(ratios)
         met = ratio >= TARGET[row]
-        extra = ""
+        extra, ttft = "", None
         if row == "serve":
             ttft = statistics.median(m["ttft_p50"] / l["ttft_p50"] for m, l in pairs)
             met = met and ttft <= 1.5
@@ -200,10 +217,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {row} | {mine:.2f} {unit} | {ref:.2f} {unit} | {ratio:.2f}x ({min(ratios):.2f}-{max(ratios):.2f}){extra} "
               f"| >= {TARGET[row]}x | {'yes' if met else 'no'} | `{command(args.name, row, args)}` |")
         table.append({"row": row, "moeray": mine, "llama_cpp": ref, "ratio": ratio, "ratios": ratios, "met": met,
-                      "pairs": pairs})
+                      "ttft_ratio": ttft, "pairs": pairs})
     if args.json:
-        Path(args.json).write_text(json.dumps({"name": args.name, "path": path, "shape": asdict(s),
-                                               "rows": table, "load_avg": os.getloadavg()}, indent=2, default=str))
+        write_results(args.json, {"name": args.name, "path": path, "shape": asdict(s), "rows": table})
     return 0
 
 

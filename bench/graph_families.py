@@ -1,5 +1,5 @@
 """The fused MoE layer and the stage graph on the families with a shared expert, dense layers,
-sigmoid / biased routing, and gpt-oss (issue 22): decode ms a step with each mode, alternated in
+sigmoid / biased routing, and gpt-oss: decode ms a step with each mode, alternated in
 one process.
 
 Modes: `torch` (MOERAY_TRUNK_GRAPH=0: torch's ops between the matmuls), `off` (MOERAY_FUSED_MOE=0:
@@ -11,7 +11,7 @@ random Q4_K blocks, MXFP4 experts for gpt-oss, written once into the cache dir, 
 `--where`: the host path, every expert resident in slots, half of each layer's experts resident
 (split layers: routed experts after the graph, the shared expert inside).
 
-    flock /work/bench.lock python bench/graph_families.py [--batch 1 16] [--rounds 5]
+    python bench/graph_families.py [--batch 1 16] [--rounds 5] [--json out.json]
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from results import write_results  # noqa: E402
 from shapes import Shape, write_shape  # noqa: E402
 
 # Small members of each family (hidden 1024; Qwen1.5-MoE's and GLM-4.5-Air's proportions).
@@ -63,8 +64,10 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--where", nargs="+", default=["host", "resident"], choices=["host", "resident", "half"])
+    ap.add_argument("--json", metavar="PATH", help="also write the rows here")
     args = ap.parse_args()
     torch.set_num_threads(2)
+    rows = []
     for family in args.family:
         path = write_shape(f"small-{family}", shape=SMALL[family])
         cfg = load_model(path, backend="ggml").config
@@ -86,10 +89,13 @@ def main() -> None:
                             if r:
                                 res[k].append(ms)
                 med = {k: statistics.median(v) for k, v in res.items()}
+                rows.append({"family": family, "where": where, "batch": batch, "median_ms": med})
                 print(f"{family:9s} {where:8s} batch {batch:2d}: " + ", ".join(
                     f"{k} {med[k]:.2f} ms" for k in MODES) + f"  | off/stage {med['off'] / med['stage']:.2f}x,"
                       f" torch/stage {med['torch'] / med['stage']:.2f}x", flush=True)
             del model
+    if args.json:
+        write_results(args.json, {"rounds": args.rounds, "steps": args.steps, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A huge prompt beside a small request, on llama-server and `moeray serve --local` in one sitting.
 
-    python bench/huge_prompt.py --llama-server /work/llamacpp/build/bin/llama-server --mb 20
+    python bench/huge_prompt.py --llama-server --mb 20
 
 Each server (the same GGUF, the same context) is started, asked a small chat request alone (its
 latency is the yardstick), then sent a chat request whose one message is `--mb` megabytes of
@@ -23,6 +23,10 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+
+from results import write_results  # noqa: E402
+
+from moeray.environment import llama_cpp_tool  # noqa: E402
 
 from serve_sweep import wait_ready  # noqa: E402
 
@@ -74,7 +78,8 @@ def measure(label: str, cmd: list[str], url: str, args) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="GGUF file (default: the embedded default model)")
-    p.add_argument("--llama-server", metavar="PATH", help="llama-server binary (same model, same context)")
+    p.add_argument("--llama-server", metavar="PATH", nargs="?", const="",
+                   help="llama-server beside moeray: PATH, or alone for the one in LLAMA_CPP_BIN's folder or on PATH")
     p.add_argument("--python", default=sys.executable, help="the Python whose moeray serves (default: this one)")
     p.add_argument("--ctx", type=int, default=8192)
     p.add_argument("--mb", type=int, default=20, help="megabytes of the huge message")
@@ -82,6 +87,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     args = p.parse_args(argv)
+    if args.llama_server == "":
+        args.llama_server = llama_cpp_tool("llama-server")
+        if args.llama_server is None:
+            p.error("--llama-server: none in LLAMA_CPP_BIN's folder or on PATH; set LLAMA_CPP_BIN to the folder "
+                    "of llama.cpp's tools or give its path")
     if args.model is None:
         from moeray.stages.gguf.default_model import default_model_path
 
@@ -102,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {r['label']} | {r['big_status']} | {r['big_s']:.2f} s | {r['small_s']:.2f} s | {r['alone_s']:.2f} s "
               f"| {r['load']:.1f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        write_results(args.json, rows)
     return 0
 
 

@@ -10,7 +10,6 @@ jobs on a shared machine.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -18,6 +17,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from results import write_results  # noqa: E402
 
 VARIANTS = {  # label -> (MOERAY_HUGEPAGES, MOERAY_HOST_EXPERTS, every expert resident)
     "host path, mapping": ("0", "mapped", False),
@@ -68,8 +69,7 @@ def main() -> int:
     for label, v in ms.items():
         print(f"{label:32s} {np.median(v):24.2f}  {' '.join(f'{x:.1f}' for x in v)}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(ms, f, indent=1)
+        write_results(args.json, {"ms": ms})
     return 0
 
 

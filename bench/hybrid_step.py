@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -23,6 +22,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from results import write_results  # noqa: E402
 
 
 def _clock():
@@ -130,7 +131,6 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     set_threads(args.threads)
-    load = os.getloadavg()
     rows = [r for b in args.batch for r in moeray_steps(args.model, b, args.prompt_tokens, args.steps, args.rounds)]
     if not args.no_llama_cpp:
         cmd = [sys.executable, __file__, "--llama-cpp-child", "--model", args.model, "--threads", str(args.threads),
@@ -152,8 +152,7 @@ def main() -> int:
         print(f"{r['engine']:<14} {r['batch']:>5} {1e3 * r['step_s']:>9.1f} {1e3 * r['step_cpu_s']:>12.1f} "
               f"{r['batch'] / r['step_cpu_s']:>12.2f} {ratio:>18} {r['prefill_cpu_s']:>14.2f}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": args.model, "threads": args.threads, "rows": rows,
-                                               "load_avg": [load, os.getloadavg()]}, indent=2))
+        write_results(args.json, {"model": args.model, "threads": args.threads, "rows": rows})
     return 0
 
 

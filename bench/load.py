@@ -25,6 +25,8 @@ import threading
 import time
 from urllib.parse import urlparse
 
+from results import write_results  # noqa: E402
+
 PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
@@ -188,8 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     for e in errors[:5]:
         print(f"  error: {e}", file=sys.stderr)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=2)
+        write_results(args.json, result)
     return 0 if not errors else 1
 
 

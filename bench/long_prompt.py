@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import resource
-import shutil
 import subprocess
 import sys
 import time
@@ -30,7 +29,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-LLAMA_BENCH = "/work/llamacpp/build/bin/llama-bench"
+from results import write_results  # noqa: E402
+
+from moeray.environment import llama_cpp_tool  # noqa: E402
+
 
 
 def moeray_prefill(path: str, n_tokens: int, chunks: list[int], rounds: int = 1) -> list[dict]:
@@ -99,7 +101,8 @@ def main() -> int:
                     help="prefill chunk sizes to time (a served lone prompt takes --prefill-alone's 512)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=1)
-    ap.add_argument("--llama-bench", default=shutil.which("llama-bench") or LLAMA_BENCH)
+    ap.add_argument("--llama-bench", default=llama_cpp_tool("llama-bench"),
+                    help="llama.cpp's llama-bench (default: in the folder LLAMA_CPP_BIN names, else on PATH)")
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
@@ -132,8 +135,7 @@ def main() -> int:
         print(f"{r['engine']:<10} {r['chunk']!s:>6} {r['seconds']:>8.1f} {r['prefill_tok_s']:>14.1f} {x:>12} "
               f"{r['cpu_s']:>8.1f} {r['tokens'] / r['cpu_s']:>10.1f} {xc:>18}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": path, "tokens": args.tokens, "threads": args.threads,
-                                               "load_avg": [load, os.getloadavg()], "rows": rows}, indent=2))
+        write_results(args.json, {"model": path, "tokens": args.tokens, "threads": args.threads, "rows": rows})
     return 0
 
 

@@ -13,11 +13,12 @@ decode token over a cached context of T tokens, float32 on the CPU, side by side
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import torch
 import torch.nn.functional as F
+
+from results import write_results  # noqa: E402
 
 H, C, R, NOPE, V = 128, 512, 64, 128, 128
 
@@ -70,8 +71,7 @@ def main() -> None:
             rows.append({"tokens": T, "absorbed_ms": a, "decompress_ms": d, "ratio": d / a, "max_diff": diff})
             print(f"| {T} | {a:.2f} | {d:.2f} | {d / a:.1f}x | {diff:.1e} |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_results(args.json, rows)
 
 
 if __name__ == "__main__":

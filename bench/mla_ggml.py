@@ -16,7 +16,6 @@ graph computes after one warm-up; max |diff| is against fa f32.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -24,6 +23,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from results import write_results  # noqa: E402
 
 C, R = 512, 64  # latent rank, RoPE key width
 D = C + R
@@ -106,8 +107,7 @@ def main() -> int:
         print(f"| {keys} | " + " | ".join(f"{best[v]:.3f}" for v in variants)
               + f" | {best['fa f32'] / best['fa f16']:.2f}x | {diffs[0]:.1e}, {diffs[1]:.1e} |")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
+        write_results(args.json, rows)
     return 0
 
 

@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -29,7 +27,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-LLAMA_SERVER = "/work/llamacpp/build/bin/llama-server"
+from results import write_results  # noqa: E402
+
+from moeray.environment import llama_cpp_tool  # noqa: E402
+
 
 
 def moeray_turns(path: str, prompt: list[int], n_answer: int, new: list[int], checkpoints: int | None) -> dict:
@@ -132,7 +133,8 @@ def main() -> int:
     ap.add_argument("--answer-tokens", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--llama-server", default=shutil.which("llama-server") or LLAMA_SERVER)
+    ap.add_argument("--llama-server", default=llama_cpp_tool("llama-server"),
+                    help="llama.cpp's llama-server (default: in the folder LLAMA_CPP_BIN names, else on PATH)")
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
@@ -148,7 +150,6 @@ def main() -> int:
     tok = Tokenizer.from_gguf(args.model)
     prompt = prompt_ids(tok, args.prompt_tokens, 0)
     new = prompt_ids(tok, args.new_tokens, 7)
-    load = os.getloadavg()
     rows = [moeray_turns(args.model, prompt, args.answer_tokens, new, 0),
             moeray_turns(args.model, prompt, args.answer_tokens, new, None)]
     if not args.no_llama_cpp:
@@ -164,8 +165,8 @@ def main() -> int:
         print(f"{r['engine']:<13} {r.get('checkpoints', '-')!s:>11} {r['turn1_s']:>9.1f} "
               f"{r['turn2_prefilled']:>9} of {r['turn2_prompt']:<5} {r['turn2_ttft_s']:>8.2f} {x:>15}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": args.model, "threads": args.threads, "load_avg": [load, os.getloadavg()],
-                                               "rows": rows}, indent=2))
+        write_results(args.json, {"model": args.model, "threads": args.threads, "prompt_tokens": args.prompt_tokens,
+                                  "answer_tokens": args.answer_tokens, "new_tokens": args.new_tokens, "rows": rows})
     return 0
 
 

@@ -10,13 +10,14 @@ time; the table says which host and how many cores.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from results import write_results  # noqa: E402
 
 MiB = 1 << 20
 
@@ -129,8 +130,7 @@ def main(argv=None) -> int:
           f"([16, {hidden}]); chained Ray calls {h['ray_chain_ms_per_hop']:.3f} ms; one Ray call "
           f"{h['ray_call_ms']:.3f} ms")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        write_results(args.json, result)
     return 0
 
 

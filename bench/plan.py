@@ -13,7 +13,6 @@ Timing covers everything from (spec, devices, profile) to the finished Plan.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -22,6 +21,8 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from results import write_results  # noqa: E402
 
 from moeray.planner.devices import DeviceSpec  # noqa: E402
 from moeray.planner.profile import Profile  # noqa: E402
@@ -98,8 +99,7 @@ def main(argv=None) -> int:
     print(f"machine: {os.cpu_count()} CPUs, load average {load:.1f} while measuring (wall time grows with the load; "
           "CPU time much less)")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"strata_ms": STRATA_MS, "cpus": os.cpu_count(), "load_average": load, "rows": rows}, f, indent=1)
+        write_results(args.json, {"strata_ms": STRATA_MS, "rows": rows})
     return 0
 
 

@@ -7,8 +7,8 @@ the trunk (routing, shared expert and norms stay in the trunk's graph).
 CPU seconds are what this process's threads spent (time.process_time): on a machine that other
 jobs keep busy they move far less than wall time, so they are the figure to compare engines by.
 
-    python bench/prefill_profile.py --model F.gguf --tokens 512 [--split] [--reps 2] [--threads 2]
-    python bench/prefill_profile.py --model F.gguf --kernels [--llama-bin /work/llamacpp/build/bin]
+    python bench/prefill_profile.py --model F.gguf --tokens 512 [--split] [--reps 2] [--threads 2] [--json out.json]
+    python bench/prefill_profile.py --model F.gguf --kernels [--llama-bin DIR] [--json out.json]
 
 --kernels runs both engines under `perf record` (Linux perf, cpu-clock samples: CPU time, so a busy
 machine moves it little) and prints CPU seconds per prefill by kernel class side by side: moeray's
@@ -18,8 +18,9 @@ by two; its model load lands in "other", so llama.cpp's "other" is an upper boun
 table that says which kernel a gap is in (docs/performance-families.md, the Qwen3.6 prefill).
 `make venv`'s ggml is stripped, so perf names none of moeray's kernels (they land in "other"): for
 this table run it over an unstripped build, `SKBUILD_INSTALL_STRIP=false CMAKE_ARGS="<the Makefile's
-GGML_CMAKE_ARGS>" python stages/kernels/ggml_build.py install --target /tmp/ggml-sym`, with
-PYTHONPATH=/tmp/ggml-sym.
+GGML_CMAKE_ARGS>" python stages/kernels/ggml_build.py install --target build/ggml-sym`, with
+PYTHONPATH=build/ggml-sym. llama-bench comes from --llama-bin, else the folder LLAMA_CPP_BIN names,
+else PATH.
 """
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from results import write_results  # noqa: E402
+
+from moeray.environment import llama_cpp_tool  # noqa: E402
 
 
 def layer_kind(layer) -> str:
@@ -164,7 +169,7 @@ def sample_hz(perf_data: str) -> float:
 PERF_HZ = 499
 
 
-def compare_kernels(model: str, tokens: int, threads: int, llama_bin: str, reps: int = 1) -> dict:
+def compare_kernels(model: str, tokens: int, threads: int, llama_bench: str, reps: int = 1) -> dict:
     """moeray's and llama.cpp's prefill of `tokens` under perf: {class: (moeray s, llama.cpp s)}."""
     import subprocess
     import tempfile
@@ -176,7 +181,7 @@ def compare_kernels(model: str, tokens: int, threads: int, llama_bin: str, reps:
     subprocess.run(rec + ["-D", "-1", "--control", f"fifo:{ctl}", "-o", str(tmp / "moeray.data"), "--",
                           sys.executable, __file__, "--model", model, "--tokens", str(tokens), "--reps", str(reps),
                           "--threads", str(threads), "--perf-ctl", str(ctl)], check=True)
-    bench = subprocess.run(rec + ["-o", str(tmp / "llama.data"), "--", str(Path(llama_bin) / "llama-bench"),
+    bench = subprocess.run(rec + ["-o", str(tmp / "llama.data"), "--", llama_bench,
                                   "-m", model, "-t", str(threads), "-p", str(tokens), "-n", "0", "-r", "1"],
                            capture_output=True, text=True, check=True)
     print(bench.stdout.strip())
@@ -196,10 +201,16 @@ def main() -> int:
     ap.add_argument("--split", action="store_true", help="routed experts after each layer's graph, timed apart")
     ap.add_argument("--perf-ctl", help="perf's control fifo: sample the timed prefills only")
     ap.add_argument("--kernels", action="store_true", help="both engines under perf: CPU s per kernel class")
-    ap.add_argument("--llama-bin", default="/work/llamacpp/build/bin", help="the folder of llama-bench")
+    ap.add_argument("--llama-bin", metavar="DIR",
+                    help="the folder of llama-bench (default: LLAMA_CPP_BIN's folder, else PATH)")
+    ap.add_argument("--json", metavar="PATH", help="also write the results here")
     args = ap.parse_args()
     if args.kernels:
-        table = compare_kernels(args.model, args.tokens, args.threads, args.llama_bin, args.reps)
+        exe = str(Path(args.llama_bin) / "llama-bench") if args.llama_bin else llama_cpp_tool("llama-bench")
+        if exe is None or not Path(exe).is_file():
+            raise SystemExit("llama-bench: not found; set LLAMA_CPP_BIN to the folder of llama.cpp's tools, "
+                             "put them on PATH or pass --llama-bin DIR")
+        table = compare_kernels(args.model, args.tokens, args.threads, exe, args.reps)
         tm, tl = (sum(v[i] for v in table.values()) for i in (0, 1))
         print(f"CPU seconds per prefill of {args.tokens} tokens, {args.threads} threads, by kernel (perf cpu-clock)")
         print(f"{'kernel':<66} {'moeray':>8} {'llama.cpp':>9}")
@@ -207,6 +218,10 @@ def main() -> int:
             if max(m, l) >= 0.005:
                 print(f"{k:<66} {m:8.2f} {l:9.2f}")
         print(f"{'total':<66} {tm:8.2f} {tl:9.2f}   moeray/llama.cpp CPU: {tm / tl:.2f}x")
+        if args.json:
+            write_results(args.json, {"model": args.model, "tokens": args.tokens, "threads": args.threads,
+                                      "kernels": {k: {"moeray_cpu_s": m, "llama_cpp_cpu_s": l}
+                                                  for k, (m, l) in table.items()}})
         return 0
     import torch
 
@@ -217,6 +232,8 @@ def main() -> int:
     print(f"{'part':<45} {'wall ms':>9} {'CPU ms':>9} {'CPU %':>6}")
     for k, (w, c) in sorted(r["parts"].items(), key=lambda kv: -kv[1][1]):
         print(f"{k:<45} {w:9.0f} {c:9.0f} {100 * c / r['cpu_ms']:6.1f}")
+    if args.json:
+        write_results(args.json, {"model": args.model, "threads": args.threads, **r})
     return 0
 
 

@@ -12,15 +12,15 @@ same rows (`StageModel.step`, the whole model in this process).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from moeray.stages.text.sampling import SamplingParams, TokenHistory, sample
+
+from results import write_results  # noqa: E402
 
 MIXES = {
     "greedy": SamplingParams(),
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(dict(mix=name, step_s=s, extra_per_row_s=extra, decode_s=decode_s))
         print(f"| {name} | {s * 1e3:.2f} ms | {extra * 1e6:+.0f} µs |", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1))
+        write_results(args.json, rows)
     return 0
 
 

@@ -28,6 +28,8 @@ from urllib.parse import urlparse
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from results import write_results  # noqa: E402
+
 from load import Client, model_id  # noqa: E402  (bench/load.py: the same clients as the HTTP bench)
 
 from moeray.cache.replay import belady  # noqa: E402
@@ -159,9 +161,8 @@ def main(argv: list[str] | None = None) -> int:
           f"({warm['requests']} requests), {args.duration:.0f} s measured")
     agg = print_table(rows, load)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"stages": rows, "aggregate": agg, "load": {**load, "errors": load["errors"][:5]},
-                       "serve_flags": extra, "plan": after.get("plan")}, f, indent=2)
+        write_results(args.json, {"clients": args.clients, "stages": rows, "aggregate": agg, "load": {**load, "errors": load["errors"][:5]},
+                                  "serve_flags": extra, "plan": after.get("plan")})
     return 0 if not load["errors"] else 1
 
 

@@ -1,6 +1,6 @@
 """HTTP load on several servers in one sitting: llama-server beside `moeray serve` variants.
 
-    python bench/serve_sweep.py --llama-server /work/llamacpp/build/bin/llama-server --clients 16 1 \\
+    python bench/serve_sweep.py --llama-server --clients 16 1 \\
         --variant "1 thread=MOERAY_THREADS=1" --variant "2 threads, no spin=MOERAY_THREADS=2 MOERAY_GGML_POLL=0"
 
 Each server is started, driven by bench/load.py's streaming clients for every client count
@@ -10,13 +10,13 @@ settings for `moeray serve --local` and optional extra flags (with `--stages N` 
 pipeline of stage actors instead of --local). The table gives out tok/s, TTFT and
 ITL, errors, the ratio to llama-server at the same client count, and the CPU cores the server's
 processes used over the run (their CPU time / wall time: the replica and everything Ray starts),
-with the machine's load average at the start of each row.
+with the machine's load average at the start of each row. `--llama-server` alone finds llama.cpp's
+server in the folder LLAMA_CPP_BIN names, else on PATH; `--llama-server PATH` runs that binary.
 """
 from __future__ import annotations
 
 import argparse
 import http.client
-import json
 import os
 import shlex
 import subprocess
@@ -32,8 +32,11 @@ import psutil
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from load import Client, model_id, percentile  # noqa: E402
+from load import Client, model_id, percentile, system_prompt  # noqa: E402
 
+from results import write_results  # noqa: E402
+
+from moeray.environment import llama_cpp_tool  # noqa: E402
 from moeray.stages.runtime.transport import free_port  # noqa: E402
 
 
@@ -80,10 +83,11 @@ def cpu_seconds(root: int) -> dict[int, float]:
     return out
 
 
-def drive(url: str, clients: int, seconds: float, max_tokens: int) -> dict:
-    """bench/load.py's clients for `seconds`: its figures for the window."""
+def drive(url: str, clients: int, seconds: float, max_tokens: int, system: str = "") -> dict:
+    """bench/load.py's clients for `seconds` (`system`: the system prompt before every question): its
+    figures for the window."""
     u = urlparse(url)
-    args = argparse.Namespace(max_tokens=max_tokens, temperature=0.0, api_key=None, timeout=300.0, system="")
+    args = argparse.Namespace(max_tokens=max_tokens, temperature=0.0, api_key=None, timeout=300.0, system=system)
     model = model_id(u, None, 30.0)
     stop_at = time.monotonic() + seconds
     cs = [Client(i, u, model, args, stop_at) for i in range(clients)]
@@ -97,7 +101,8 @@ def drive(url: str, clients: int, seconds: float, max_tokens: int) -> dict:
     itl = [x for c in cs for x in c.itl]
     return {"wall": wall, "requests": sum(c.requests for c in cs), "tokens": sum(c.tokens for c in cs),
             "tok_s": sum(c.tokens for c in cs) / wall, "ttft_p50": percentile(ttft, 0.5),
-            "itl_p50": percentile(itl, 0.5), "itl_p99": percentile(itl, 0.99),
+            "ttft_p99": percentile(ttft, 0.99), "prompt_tokens": sum(c.prompt_tokens for c in cs),
+            "cached_tokens": sum(c.cached_tokens for c in cs), "itl_p50": percentile(itl, 0.5), "itl_p99": percentile(itl, 0.99),
             "errors": [e for c in cs for e in c.errors]}
 
 
@@ -108,11 +113,11 @@ def run_server(label: str, cmd: list[str], env: dict, url: str, args) -> list[di
     rows = []
     try:
         wait_ready(proc, url, args.ready_timeout, log)
-        drive(url, max(args.clients), args.warmup, args.max_tokens)  # graphs built, caches warm
+        drive(url, max(args.clients), args.warmup, args.max_tokens, args.system)  # graphs built, caches warm
         for n in args.clients:
             load = os.getloadavg()[0]
             before = cpu_seconds(proc.pid)
-            r = drive(url, n, args.duration, args.max_tokens)
+            r = drive(url, n, args.duration, args.max_tokens, args.system)
             after = cpu_seconds(proc.pid)
             used = {pid: after[pid] - before.get(pid, 0.0) for pid in after}
             r.update(label=label, clients=n, load=load, cores=sum(used.values()) / r["wall"],
@@ -141,7 +146,8 @@ def parse_variant(text: str) -> tuple[str, dict, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="GGUF file (default: the embedded default model)")
-    p.add_argument("--llama-server", metavar="PATH", help="llama-server binary to run first (same model)")
+    p.add_argument("--llama-server", metavar="PATH", nargs="?", const="",
+                   help="llama-server to run first (same model): PATH, or alone for LLAMA_CPP_BIN's or PATH's")
     p.add_argument("--llama-threads", type=int, nargs="+", default=[2],
                    help="llama-server's -t, one run each (the first is the yardstick of the ratios)")
     p.add_argument("--ctx", type=int, default=8192, help="llama-server's context (all slots together)")
@@ -150,16 +156,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--duration", type=float, default=15.0)
     p.add_argument("--warmup", type=float, default=5.0)
     p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--system-prompt-tokens", type=int, default=0,
+                   help="the same system prompt of about this many tokens before every question (bench/load.py's)")
     p.add_argument("--repeat", type=int, default=1,
                    help="run every server this many times, in turn (A B A B: drifting load hits all alike)")
     p.add_argument("--ready-timeout", type=float, default=900.0)
     p.add_argument("--json", metavar="PATH", help="also write every row (server, clients, figures) as JSON")
     args = p.parse_args(argv)
+    args.system = system_prompt(args.system_prompt_tokens) if args.system_prompt_tokens > 0 else ""
     if args.model is None:
         from moeray.stages.gguf.default_model import FILE_NAME, cache_dir
 
         args.model = str(cache_dir() / FILE_NAME)
 
+    if args.llama_server == "":
+        args.llama_server = llama_cpp_tool("llama-server")
+        if args.llama_server is None:
+            p.error("--llama-server: no llama-server in LLAMA_CPP_BIN's folder or on PATH; set LLAMA_CPP_BIN "
+                    "to the folder of llama.cpp's tools or give its path")
     servers = []  # (label, command with "{port}" and "{metrics}", env)
     for t in args.llama_threads if args.llama_server else []:
         cmd = [args.llama_server, "-m", args.model, "-np", str(max(args.clients)), "-c", str(args.ctx),
@@ -196,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['itl_p50'] * 1e3:.0f} ms | {r['itl_p99'] * 1e3:.0f} ms | {len(r['errors'])} | {ratio} | "
               f"{r['cores']:.2f} ({r['top_cores']:.2f}) | {r['load']:.1f} |")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        write_results(args.json, {"model": args.model, "max_tokens": args.max_tokens, "duration": args.duration,
+                                  "system_prompt_tokens": args.system_prompt_tokens, "rows": rows})
     for r in rows:
         for e in r["errors"][:3]:
             print(f"  {r['label']}: {e}", file=sys.stderr)

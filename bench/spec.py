@@ -1,6 +1,6 @@
 """Speculative decoding, served: moeray with and without drafts beside llama-server's n-gram modes.
 
-    python bench/spec.py --llama-server /work/llamacpp/build/bin/llama-server \\
+    python bench/spec.py --llama-server \\
         [--model X.gguf | --shape qwen3-30b-a3b] [--modes off auto] [--llama-modes none ngram-simple ngram-mod] \\
         [--clients 1 16] [--max-tokens 192] [--json out.json]
 
@@ -31,6 +31,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
+
+from results import write_results  # noqa: E402
+
+from moeray.environment import llama_cpp_tool  # noqa: E402
 
 from moeray.stages.runtime.transport import free_port  # noqa: E402
 
@@ -176,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="GGUF file (default: the embedded default model)")
     p.add_argument("--shape", help="a real model's shape with random blocks (bench/shapes.py), e.g. qwen3-30b-a3b")
-    p.add_argument("--llama-server", metavar="PATH", help="llama-server binary (optional)")
+    p.add_argument("--llama-server", metavar="PATH", nargs="?", const="",
+                   help="llama-server beside moeray: PATH, or alone for the one in LLAMA_CPP_BIN's folder or on PATH")
     p.add_argument("--llama-modes", nargs="+", default=["none", "ngram-simple", "ngram-mod"],
                    help="llama-server --spec-type values, one server each (none: no speculation)")
     p.add_argument("--modes", nargs="+", default=["off", "auto"], help="moeray --speculative values, one server each")
@@ -190,6 +195,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ready-timeout", type=float, default=900.0)
     p.add_argument("--json", help="also write every row here")
     args = p.parse_args(argv)
+    if args.llama_server == "":
+        args.llama_server = llama_cpp_tool("llama-server")
+        if args.llama_server is None:
+            p.error("--llama-server: none in LLAMA_CPP_BIN's folder or on PATH; set LLAMA_CPP_BIN to the folder "
+                    "of llama.cpp's tools or give its path")
     if args.shape:
         from shapes import write_shape
 
@@ -238,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             if not same:
                 print(f"# {r['label']} {r['kind']}: greedy text differs from --speculative off", file=sys.stderr)
     if args.json:
-        Path(args.json).write_text(json.dumps([{k: v for k, v in r.items() if k != "texts"} for r in rows], indent=1))
+        write_results(args.json, {"model": args.model, "max_tokens": args.max_tokens,
+                                  "rows": [{k: v for k, v in r.items() if k != "texts"} for r in rows]})
     return 0
 
 

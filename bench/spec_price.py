@@ -27,6 +27,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from results import write_results  # noqa: E402
+
 
 _BUILDS = {"n": 0, "ms": 0.0}
 
@@ -185,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             svc.close()
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        write_results(args.json, {"steps": out})
     return 0
 
 

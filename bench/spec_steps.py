@@ -24,6 +24,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 
+from results import write_results  # noqa: E402
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"acceptance: {stats['accepted_tokens']} of {stats['drafted_tokens']} drafted tokens in "
           f"{stats['verify_rows']} verify rows ({stats['tokens_per_verify_row']:.2f} tokens a row)")
     if args.json:
-        Path(args.json).write_text(json.dumps({"rows": rows, "speculation": stats}, indent=1))
+        write_results(args.json, {"kind": args.kind, "threads": args.threads, "rows": rows, "speculation": stats})
     svc.close()
     return 0
 

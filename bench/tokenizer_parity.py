@@ -24,6 +24,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from results import write_results  # noqa: E402
+
 VOCABS = ["gpt-2", "llama-bpe", "llama-spm", "qwen2", "qwen35", "deepseek-llm", "deepseek-coder", "falcon", "mpt",
           "starcoder", "refact", "command-r", "phi-3"]
 
@@ -81,7 +83,7 @@ def main() -> int:
     total = sum(r["equal"] for r in rows), sum(r["strings"] for r in rows)
     print(f"all: {total[0]}/{total[1]} strings equal")
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+        write_results(args.json, rows)
     return 0 if total[0] == total[1] else 1
 
 

@@ -14,7 +14,8 @@ variables below are not a second way in:
   (MOERAY_API_KEY: a secret stays out of argv), the Ray cluster to join (RAY_ADDRESS), the library
   path a foreign libggml could come from (LD_LIBRARY_PATH), Triton's interpreter (TRITON_INTERPRET),
   ggml's own switch for its tiled GEMM (GGML_CPU_TILED_MM, read by ggml itself in each process;
-  moeray only reports it: StageOptions.tiled_gemm is the knob), and the CMake flags `make venv` builds ggml-python with (CMAKE_ARGS, stages/kernels/ggml_build.py).
+  moeray only reports it: StageOptions.tiled_gemm is the knob), the CMake flags `make venv` builds ggml-python with (CMAKE_ARGS, stages/kernels/ggml_build.py),
+  and where the benches and tests find llama.cpp's tools (LLAMA_CPP_BIN, else PATH).
 - Variables moeray SETS for the Ray processes it starts (`set_default`).
 
 tests/ and bench/ may set variables for the processes they start; the package reads them only
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 from dataclasses import dataclass
 from typing import Callable
 
@@ -165,6 +167,17 @@ def ggml_tiled_switch() -> str | None:
 def cmake_args(default: str) -> str:
     """CMAKE_ARGS: the flags ggml-python is built with (stages/kernels/ggml_build.py; the Makefile's)."""
     return os.environ.get("CMAKE_ARGS", default)
+
+
+def llama_cpp_tool(name: str) -> str | None:
+    """LLAMA_CPP_BIN, else PATH: llama.cpp's tool `name` (llama-server, llama-bench, llama-batched-bench,
+    llama-gguf-split ...) for the benches and tests that run it beside moeray. LLAMA_CPP_BIN names the
+    folder of a llama.cpp build's tools (build/bin); unset, the first `name` on PATH. None: not found."""
+    folder = os.environ.get("LLAMA_CPP_BIN")
+    if folder:
+        path = os.path.join(folder, name)
+        return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
+    return shutil.which(name)
 
 
 def with_variable(name: str, value: str) -> dict[str, str]:

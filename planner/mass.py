@@ -58,6 +58,7 @@ def pair_mass(profile, mode: str = "curve", b: float = DEFAULT_COVER_B) -> np.nd
 # --- which mass the planner prices with ------------------------------------------------------
 
 B_FIT_RANGE = (0.05, 1000.0)
+FIT_POINTS = 1024  # points of the cumulative curve the fit of b reads
 
 
 def fit_cover_b(counts) -> float:
@@ -70,20 +71,23 @@ def fit_cover_b(counts) -> float:
     if total <= 0:
         raise ProfileError("fitting the mass curve needs a profile whose counts are not all zero")
     T = c.size
-    cum = np.cumsum(c) / total
-    one_minus_f = 1.0 - np.arange(1, T + 1, dtype=np.float64) / T
+    # The curve is smooth in n, so at most FIT_POINTS evenly spaced n (both ends kept) weigh it as
+    # all T do: a 24,576-pair profile is fitted in a few milliseconds instead of most of a plan's time.
+    n = np.unique(np.linspace(1, T, min(T, FIT_POINTS)).round().astype(np.int64))
+    cum = (np.cumsum(c) / total)[n - 1]
+    one_minus_f = 1.0 - n.astype(np.float64) / T
 
     def err(log_b: float) -> float:
         return float(np.square(1.0 - one_minus_f ** np.exp(log_b) - cum).sum())
 
     lo, hi = np.log(B_FIT_RANGE[0]), np.log(B_FIT_RANGE[1])
-    grid = np.linspace(lo, hi, 64)
+    grid = np.linspace(lo, hi, 40)
     i = int(np.argmin([err(x) for x in grid]))
     a, b = grid[max(i - 1, 0)], grid[min(i + 1, len(grid) - 1)]
     g = (np.sqrt(5.0) - 1.0) / 2.0
     x1, x2 = b - g * (b - a), a + g * (b - a)
     e1, e2 = err(x1), err(x2)
-    for _ in range(60):
+    for _ in range(30):  # the bracket shrinks to 0.618^30 of two grid steps: b to ~1e-6 relative
         if e1 <= e2:
             b, x2, e2 = x2, x1, e1
             x1 = b - g * (b - a)

@@ -4,7 +4,7 @@ for every string of tests/pretok_strings.py, on llama.cpp's qwen2 test vocabular
 
     .venv/bin/python tests/make_pretok_reference.py
 
-CI has no llama-cpp-python; tests/test_tokenizer_llama_cpp.py holds moeray to this file there, and
+CI has no llama-cpp-python; tests/stages/test_tokenizer_llama_cpp.py holds moeray to this file there, and
 to llama.cpp itself where llama-cpp-python is installed (which also checks this file is current).
 """
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Strings a pre-tokenizer must split as llama.cpp does: digits, CJK, punctuation, code and
 whitespace, plus other scripts and marks. Used against llama.cpp's own tokenizer (llama-cpp-python,
 vocab_only) on a shipped vocabulary with each `tokenizer.ggml.pre` written in
-(tests/test_tokenizer_llama_cpp.py, tests/make_pretok_reference.py)."""
+(tests/stages/test_tokenizer_llama_cpp.py, tests/make_pretok_reference.py)."""
 from __future__ import annotations
 
 STRINGS = [

@@ -6,7 +6,7 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+PAGES = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
@@ -43,9 +43,11 @@ def test_the_readme_is_a_front_door():
     assert "make demo" in "\n".join(lines) and "make test" in "\n".join(lines)
 
 
-# What a lab notebook leaves behind: wall-clock sittings, machine load, session and issue numbers.
+# What a lab notebook leaves behind: wall-clock sittings, dates, machine load, the value a figure
+# "was", session and issue numbers.
 SESSION_LOG = re.compile(r"\b\d{1,2}:\d{2}(?:–\d{1,2}:\d{2})? UTC\b|\bload average\b|\bsession \d+\b|"
-                         r"\bissue \d+\b|\bsitting\b", re.I)
+                         r"\bissue \d+\b|\bthe issue's\b|\bsitting\b|\b20\d\d-[01]\d-[0-3]\d\b|"
+                         r"\b(?:1-minute |one-minute )?load \d+(?:\.\d+)?\b|\(was \d|[,;] was \d", re.I)
 
 
 def test_no_page_keeps_a_session_log():

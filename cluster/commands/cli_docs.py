@@ -1,6 +1,6 @@
 """docs/cli.md, written from the `moeray` command's own argparse parsers, so the reference cannot
 drift from the flags: `python -m moeray.cluster.commands.cli_docs > docs/cli.md`
-(tests/test_cli_docs.py fails when the file differs from what this prints)."""
+(tests/cluster/test_cli_docs.py fails when the file differs from what this prints)."""
 from __future__ import annotations
 
 import argparse
@@ -87,7 +87,7 @@ def render() -> str:
         "# Command line reference",
         "",
         f"<!-- Generated from the argparse parsers by `{REGENERATE}`; do not edit by hand:",
-        "     tests/test_cli_docs.py fails when this file is stale. -->",
+        "     tests/cluster/test_cli_docs.py fails when this file is stale. -->",
         "",
         "`moeray COMMAND --help` prints the same. An error a user can act on (a missing or corrupt GGUF, an",
         "unsupported architecture or quant type, a model that fits no placement, a bad size or flag) is one",

@@ -213,6 +213,38 @@ def _root_cause(exc: Exception) -> str:
     return lines[-1] if lines else str(exc)
 
 
+def check_simulated_fit(opts: ServeOptions) -> None:
+    """A machine without GPUs (simulated devices): plan the model on their budgets here, before
+    Serve deploys, with the driver's own arithmetic (cluster/placement.py plan_from_reports over
+    reports of those budgets: whether any placement fits is a matter of bytes, not of the speeds the
+    stages will measure). A model that fits no placement is then one line naming the ways out, not
+    a replica that fails inside Serve's controller, its traceback in the log."""
+    from moeray.cluster.config import resolve_model
+    from moeray.cluster.placement import plan_from_reports
+    from moeray.errors import PlacementError
+    from moeray.stages.gguf.reader import read_gguf_header
+    from moeray.stages.runtime.device import DeviceInfo
+    from moeray.stages.runtime.step import ProbeReport
+    from moeray.units import format_bytes
+
+    budgets = opts.launch.simulate
+    if not budgets:
+        return
+    path = resolve_model(opts.model)
+    reports = [ProbeReport(stage=i, pid=0, device=DeviceInfo("simulated", f"simulated device {i}", b, b, "cpu"),
+                           layer_ms=1.0, miss_ms=1.0, measure_s=0.0) for i, b in enumerate(budgets)]
+    try:
+        plan_from_reports(read_gguf_header(path), reports, opts.launch, opts.engine, handoff_ms=0.0)
+    except PlacementError as exc:
+        model = "" if opts.model is None else f" {opts.model}"
+        sizes = ",".join(format_bytes(b).replace(" ", "") for b in budgets)
+        raise PlacementError(
+            f"{exc}. No GPU here, and the model fits no placement on the simulated devices ({sizes}): serve it "
+            f"in one process with `moeray serve --local{model}` (the machine's memory is its device), or give "
+            f"larger simulated devices with --simulate-devices SIZE,... (`moeray plan{model} --devices SIZE,...` "
+            "shows where it would fit)") from None
+
+
 def stages_report(url: str, api_key: str | None, timeout_s: float = 30.0) -> dict:
     import urllib.request
 
@@ -242,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
     check_ports(args)
     if args.model is not None and not os.path.isfile(args.model):  # before Ray starts: a minute saved, one line
         raise FileNotFoundError(f"{args.model}: no such file")
-    local, rc = None, 0
+    local, rc, deployed = None, 0, False
     try:
         ray_dashboard = None
         if not args.no_metrics:
@@ -256,7 +288,9 @@ def run(args: argparse.Namespace) -> int:
             local = LocalServer(opts, args.host, args.port, args.ready_timeout)
             url = f"http://{'127.0.0.1' if args.host in ('0.0.0.0', '::') else args.host}:{args.port}"
         else:
+            check_simulated_fit(opts)
             print("moeray serve: deploying (probe -> plan -> load -> wire) ...", file=sys.stderr)
+            deployed = True
             url = start_server(opts, args.host, args.port, args.ready_timeout)
         report = stages_report(url, opts.api_key)
         for line in report["plan"]:
@@ -286,7 +320,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if local is not None:
             local.close()
-        shutdown(serve_started=not args.local)
+        shutdown(serve_started=deployed)
     print("moeray serve: stopped", file=sys.stderr)
     return rc
 

@@ -11,7 +11,7 @@ As llama.cpp's converter (Qwen3_5MoeTextModel, via _LinearAttentionVReorderBase)
 - rope.dimension_sections (interleaved multimodal RoPE, default [11, 11, 10, 0]). On text every
   position id is the same in the temporal, height and width sections, so the sections pick the
   same angle whichever section a frequency belongs to: plain partial NeoX RoPE on the text
-  position (tests/test_hybrid_models.py checks transformers' rotary against it). Images and
+  position (tests/stages/test_hybrid_models.py checks transformers' rotary against it). Images and
   video, where the sections differ, are not served.
 - the router always renormalises its top-k (transformers' Qwen3_5MoeTopKRouter does).
 """

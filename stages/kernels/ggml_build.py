@@ -33,7 +33,7 @@ ggml's bits: float and IQ4_NL ones keep ggml's kernels.
 Numerics: the tiled kernel sums a row's per-block products in another order than vec_dot, so a
 matrix row differs by ~1e-7 relative (the last float32 bit) between a call where it runs tiled
 (8+ rows, or 8+ rows routed to its expert) and one where it does not. llamafile's Q8_0 / Q4_0
-/ Q5_0 kernels on AVX2 give ggml's bits (tests/test_ggml_tiled.py); its float and IQ4_NL ones would
+/ Q5_0 kernels on AVX2 give ggml's bits (tests/stages/test_ggml_tiled.py); its float and IQ4_NL ones would
 not, and never run. `tiled_gemm=False` (or
 GGML_CPU_TILED_MM=0, llama.cpp's switch) turns the tiled path off, `sgemm_rows=0` the sgemm.
 docs/kernels.md#tiled-gemm.
@@ -72,7 +72,7 @@ CMAKE_HOOK = ("        ggml-cpu/repack.cpp\n",
 
 # moeray's run-time switches (StageOptions.tiled_gemm and .sgemm_rows, set by stages/kernels/ggml_lib.py
 # set_gemm_paths before a graph is planned): which of the two GEMMs a matmul may take, and a count of
-# the sgemm's products (tests/test_ggml_tiled.py: its bits are ggml's, so only the count shows it ran). Set between
+# the sgemm's products (tests/stages/test_ggml_tiled.py: its bits are ggml's, so only the count shows it ran). Set between
 # graphs, never during one, so every thread of a graph takes the same path.
 SWITCHES = """
 // moeray: run-time switches (stages/kernels/ggml_build.py). moeray_tiled_on: llama.cpp's tiled

@@ -40,7 +40,7 @@ from moeray.errors import MoerayError
 from moeray.stages.kernels import settings
 from moeray.stages.kernels.settings import HOST_EXPERTS, REPACK_MODES as MODES
 
-# Types whose repacked GEMM and GEMV give a row the same bits (tested: tests/test_repack.py); a
+# Types whose repacked GEMM and GEMV give a row the same bits (tested: tests/stages/test_repack.py); a
 # trunk matrix of another type would make a row's result depend on how many rows share its call.
 BATCH_INVARIANT = frozenset((T.Q4_0, T.IQ4_NL, T.MXFP4))
 

@@ -59,7 +59,7 @@ class StageOptions:
                       row's last float32 bit then depends on whether it ran tiled)
     sgemm_rows        llamafile's sgemm for plain Q8_0, Q4_0, Q5_0 matrices times at least this many
                       rows, 0: never (2: wherever it beats ggml's dot products; on the AVX2 build
-                      `make venv` makes it gives a row the same bits, tests/test_ggml_tiled.py)
+                      `make venv` makes it gives a row the same bits, tests/stages/test_ggml_tiled.py)
     triton            the card's Triton GGUF kernels: auto, on, off
     """
     backend: str = "auto"
