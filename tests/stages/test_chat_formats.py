@@ -656,3 +656,14 @@ def test_a_raw_string_argument_keeps_its_length_and_no_markup(family, tokenizers
     assert accepts(grammar, tok, own)  # "Paris": 5 characters
     for city in ("Pariss", "P", "Pa</tool_call>", "Pa<parameter=x>"):
         assert not accepts(grammar, tok, own.replace(">Paris<", f">{city}<").replace("\nParis\n", f"\n{city}\n")), city
+
+
+def test_a_raw_string_argument_ends_where_the_reader_ends_it(tokenizers):
+    """Qwen3-Coder's reader ends a value at the first </parameter>: the grammar does not let the value
+    hold one without the newline the template writes before it (a model that writes it bare must
+    then write the newline and the marker, and the reader reads what the grammar took)."""
+    tok = tokenizers["qwen3.5"][1]
+    grammar = turn_for("qwen3.5", tokenizers).forced_grammar(tok)
+    own = CASES["qwen3_xml: open reasoning and a call"][1]
+    assert accepts(grammar, tok, own)
+    assert not accepts(grammar, tok, own.replace("Paris\n</parameter>", "Paris</parameter>\n</tool\n</parameter>"))

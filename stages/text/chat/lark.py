@@ -74,10 +74,14 @@ class Lark:
         body = f"/(?s:.{span})/" if token else f"/(?s:.{span}){_regex_escape(first)}/"
         tail = self.lit(first, *rest) if token else (self.lit(*rest) if rest else "")
         if forbid:
+            # The text holds none of the markers, nor the end's own marker (the reader ends the text at
+            # the first one, with or without the whitespace the end writes around it); then the end.
+            markers = forbid if token else (*forbid, first.strip())
             self._n += 1
-            terminal = f"T{self._n}"
-            markers = "|".join(_regex_escape(m) for m in forbid)
-            self.rules.append(f"{terminal}: {body} & ~/(?s:.*)({markers})(?s:.*)/")
+            text, terminal = f"T{self._n}A", f"T{self._n}"
+            pattern = "|".join(_regex_escape(m) for m in markers)
+            self.rules.append(f"{text}: /(?s:.{span})/ & ~/(?s:.*)({pattern})(?s:.*)/")
+            self.rules.append(f"{terminal}: {text}" + ("" if token else f" {json.dumps(first, ensure_ascii=False)}"))
             body = terminal
         text = self.rule(body, "" if token else "lazy")
         return f"{text} {tail}" if tail else text
