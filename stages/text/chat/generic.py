@@ -86,6 +86,8 @@ class Generic(ChatFormat):
                 result = {"tool_response": {"name": names.get(m.get("tool_call_id")) or m.get("name"),
                                             "id": m.get("tool_call_id"), "content": m.get("content") or ""}}
                 _add_user(out, json.dumps(result, ensure_ascii=False))
+            elif m["role"] == "user" and out and out[-1]["role"] == "user":  # after tool results
+                _add_user(out, m.get("content") or "")
             else:
                 out.append({k: v for k, v in m.items() if k not in ("tool_calls", "tool_call_id")})
         if not tools:
