@@ -473,7 +473,7 @@ class MessageEvents(edge.Events):
         yield from self._delta(self.reader.feed(text))
 
     def closing(self):
-        yield from self._delta(self.reader.close())
+        yield from self._delta(self.reader.close(self.call.out.finish_reason == "length"))  # a cut call is dropped
         yield from self._close()
         reason, hit = stop_reason(self.call, bool(self.reader.message.tool_calls), self.stops)
         u = usage(self.call)

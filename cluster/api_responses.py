@@ -536,7 +536,7 @@ class ResponseEvents(edge.Events):
         yield from self._delta(self.reader.feed(text))
 
     def closing(self):
-        yield from self._delta(self.reader.close())
+        yield from self._delta(self.reader.close(self.turn.call.out.finish_reason == "length"))  # a cut call is dropped
         reply = self.reader.message
         if not self.items:  # an empty reply is still a message, as the whole response has
             yield from self._start("message", message_item(_id("msg"), None, "in_progress"))

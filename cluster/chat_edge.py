@@ -33,11 +33,8 @@ def validation_error(exc: ValidationError) -> APIError:
     """A pydantic error as the 400 the chat route would answer (the parameter named)."""
     return app._validation_error(exc)
 
-# Reasoning efforts as token budgets of the thinking block (Responses' reasoning.effort, Anthropic's
-# output_config.effort). None: the server's default budget.
-EFFORT_BUDGETS: dict[str, Optional[int]] = {
-    "none": 0, "minimal": 256, "low": 1024, "medium": 4096, "high": 16384, "xhigh": 32768, "max": None,
-}
+# Reasoning efforts as token budgets of the thinking block: the chat route's table, one for every API.
+EFFORT_BUDGETS = xt.EFFORT_BUDGETS
 
 
 @dataclass
@@ -105,9 +102,10 @@ def prompt_tokens(service, chat: oa.ChatCompletionRequest, thinking: Thinking) -
 
 
 async def whole_reply(request: Request, call: app.Call) -> Message:
-    """The reply of a call, run to its end and read by the model's chat format."""
+    """The reply of a call, run to its end and read by the model's chat format (a call that
+    max_tokens cut is dropped, the complete ones kept)."""
     text = (await app.collect(request, [call]))[0]
-    return call.extras.turn.parse(text)
+    return call.extras.turn.parse(text, call.out.finish_reason == "length")
 
 
 def stop_sequence(call: app.Call, stops: Iterable[str]) -> Optional[str]:

@@ -157,6 +157,11 @@ class ServeOptions:
     # Output tokens of a request that sets no limit (llama-server's -n): None is 256 on the chat and
     # completions routes and the rest of the context on /v1/responses (Codex sends no limit)
     default_max_tokens: Optional[int] = None
+    # A chat template used instead of the GGUF's (its text; `serve --chat-template FILE` reads it)
+    chat_template: Optional[str] = None
+    # Thinking tokens a reply may spend before its reasoning is closed, where a request sets none
+    # (stages/text/reasoning_budget.py): -1 unlimited, 0 no thinking (llama-server's --reasoning-budget)
+    reasoning_budget: int = -1
 
 
 def resolve_model(path: str | None, rebuild: bool = False) -> str:

@@ -304,6 +304,11 @@ class ChatCompletionRequest(_Request):
     # Variables of the chat template (Qwen3's enable_thinking, DeepSeek-V3.1's thinking), as vLLM takes them.
     chat_template_kwargs: Optional[dict[StrictStr, Any]] = None
     reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None  # a template variable too
+    # Thinking tokens before the reasoning is closed (-1 unlimited, 0 none; docs/chat-formats.md#reasoning-budget):
+    # vLLM's name, and llama-server's two
+    thinking_token_budget: Optional[StrictInt] = None
+    reasoning_budget_tokens: Optional[StrictInt] = None
+    thinking_budget_tokens: Optional[StrictInt] = None
 
 
 class CompletionRequest(_Request):

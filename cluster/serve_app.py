@@ -303,7 +303,7 @@ def chat_prompt(service: Service, body: oa.ChatCompletionRequest, extras: xt.Ext
                 for m in body.messages]
     try:
         extras.turn = service.chat.render(service.tokenizer, messages, extras.tools, extras.variables,
-                                          read_calls=extras.read_calls)
+                                          read_calls=extras.read_calls, budget=xt.budget_tokens(service, extras))
     except ChatFormatError as exc:
         raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
     except MoerayError as exc:
@@ -348,14 +348,15 @@ async def chat_completions(body: oa.ChatCompletionRequest, request: Request):
 
 def chat_choice(call: Call, text: str) -> oa.ChatChoice:
     """One choice's message: what the chat format's reader makes of its text."""
-    reply = call.extras.turn.parse(text)
+    cut = call.out.finish_reason == "length"  # a call max_tokens cut is dropped, and the reason stays length
+    reply = call.extras.turn.parse(text, cut)
     calls = reply.tool_calls
     message = oa.ResponseMessage(content=(reply.content or None) if calls else reply.content,
                                  reasoning_content=reply.reasoning or None, tool_calls=[
         oa.ToolCallOut(id=c.id, function=oa.ToolCallFunction(name=c.name, arguments=c.arguments))
         for c in calls] or None)
     return oa.ChatChoice(index=call.index, message=message,
-                         finish_reason="tool_calls" if calls else call.out.finish_reason,
+                         finish_reason="tool_calls" if calls and not cut else call.out.finish_reason,
                          logprobs=_chat_logprobs(call, call.out.logprobs))
 
 
@@ -408,7 +409,7 @@ class ChatChunks:
     def __init__(self, call: Call):
         self.call = call
         turn = call.extras.turn
-        self.reader = turn.reader() if turn is not None and turn.format.name != "plain" else None
+        self.reader = turn.reader() if turn is not None and not turn.text_only else None
         self.sent_logprobs = 0
         self.plain = TextChunk(self._chunk(oa.Delta(content=TextChunk.MARK)))
 
@@ -445,9 +446,10 @@ class ChatChunks:
         c = self.call
         finish = c.out.finish_reason
         if self.reader is not None:
-            if line := self._read(self.reader.close(), self._new_logprobs()):
+            cut = finish == "length"
+            if line := self._read(self.reader.close(cut), self._new_logprobs()):
                 yield line
-            if self.reader.message.tool_calls:
+            if self.reader.message.tool_calls and not cut:
                 finish = "tool_calls"
         elif lps := self._new_logprobs():
             yield self._chunk(oa.Delta(content=""), lps=lps)

@@ -95,6 +95,8 @@ class Service:
         self.header_config = header.config
         engine_cfg = opts.engine
         self.tokenizer = Tokenizer.from_metadata(header.metadata, source=self.path)
+        if opts.chat_template is not None:  # --chat-template: instead of the file's
+            self.tokenizer = dataclasses.replace(self.tokenizer, chat_template=opts.chat_template)
         # How this family's template is called and its replies read (--chat-format, else from the file);
         # the detokenizer shows the format's markers, control tokens or not.
         self.chat = chat_format(self.tokenizer.chat_template, header.metadata.get("general.architecture"),

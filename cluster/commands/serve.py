@@ -22,6 +22,7 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 
 from moeray.cluster.config import (ServeOptions, add_chat_format_argument, add_engine_arguments, add_launch_arguments, engine_config_from_args,
                                    launch_options_from_args, simulated_devices)
@@ -60,6 +61,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--local: no Prometheus metrics and no Ray at all (Ray's metrics cost the one process "
                         "~3 ms a token on a small machine: docs/performance.md)")
     add_chat_format_argument(p)
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template to use instead of the GGUF's (as llama-server's --chat-template-file "
+                        "and vLLM's --chat-template); the chat format is then chosen from it")
+    p.add_argument("--reasoning-budget", type=int, default=ServeOptions.reasoning_budget, metavar="N",
+                   help="thinking tokens a reply may spend before its reasoning block is closed for it, where the "
+                        "request sets no budget: -1 unlimited (default), 0 no thinking (docs/chat-formats.md)")
     add_launch_arguments(p)
     add_engine_arguments(p)
     p.add_argument("--metrics-export-port", type=int, default=8080,
@@ -76,6 +83,15 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
 
     if args.stages < 1:
         raise CLIError("--stages must be >= 1")
+    chat_template = None
+    if args.chat_template is not None:
+        try:
+            chat_template = Path(args.chat_template).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CLIError(f"--chat-template {args.chat_template}: cannot read it ({exc})") from None
+    if args.reasoning_budget < -1:
+        raise CLIError(f"--reasoning-budget {args.reasoning_budget}: give -1 (unlimited), 0 (no thinking) or a "
+                       "number of tokens")
     engine = engine_config_from_args(args)
     sim = None if args.local else simulated_devices(args, _has_gpus(), "serve")
     launch = launch_options_from_args(args, sim, threads=args.threads)
@@ -97,7 +113,8 @@ def options_from_args(args: argparse.Namespace) -> ServeOptions:
                         local=args.local, launch=launch, engine=engine,
                         max_waiting=args.max_waiting, api_key=args.api_key or None,
                         metrics=not args.no_metrics, chat_format=args.chat_format,
-                        responses_store=args.responses_store, default_max_tokens=args.default_max_tokens)
+                        responses_store=args.responses_store, default_max_tokens=args.default_max_tokens,
+                        reasoning_budget=args.reasoning_budget, chat_template=chat_template)
 
 
 def check_ports(args: argparse.Namespace) -> None:
