@@ -16,7 +16,7 @@ TORCH_SPEC ?= torch==2.13.0
 GGML_CMAKE_ARGS ?= -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_OPENMP=OFF -DGGML_LLAMAFILE=ON \
 	-DCMAKE_SHARED_LINKER_FLAGS=-Wl,--disable-new-dtags
 
-.PHONY: venv demo generate test clean
+.PHONY: venv demo generate test test-fast clean
 
 venv: $(VENV)/.installed
 
@@ -42,6 +42,11 @@ generate: venv
 
 test: venv
 	$(PY) -m pytest -q
+
+# The developer's loop: every test but tests/e2e (no Ray, no server, no browser, no training, no run
+# of the embedded model). `make test` is the whole suite, what CI runs.
+test-fast: venv
+	$(PY) -m pytest -q -m "not e2e"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -58,6 +58,10 @@ class EngineConfig:
     # and runs within noise of plain decoding at 16 clients (0.94-1.02x; docs/speculative.md#measured).
     speculative: str = "off"
     max_draft: int = 32
+    # On stages in several processes, a lone stream's next decode step is issued before the last one
+    # comes back, its token sent from the last stage to the first directly (cluster/engine.py
+    # _may_chain): the stages do not wait for the engine's round trip between its tokens.
+    chained_decode: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.micro_batches <= self.max_seqs:
@@ -226,6 +230,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                         f"model has, priced per step; default {d.speculative}); a request's `speculative` overrides it")
     g.add_argument("--max-draft", type=int, default=d.max_draft,
                    help=f"the most drafted tokens one verify row carries (default {d.max_draft})")
+    g.add_argument("--no-chained-decode", action="store_true",
+                   help="on stages in several processes, wait for each decode step before issuing the next (default: a "
+                        "lone stream's next step goes ahead, its token sent from the last stage to the first)")
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
@@ -236,7 +243,7 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
                         step_timeout_s=args.step_timeout, kv_blocks=args.kv_blocks, kv_fraction=args.kv_fraction,
                         prefix_reuse=not args.no_prefix_reuse,
                         state_checkpoints=getattr(args, "state_checkpoints", None), speculative=args.speculative,
-                        max_draft=args.max_draft)
+                        max_draft=args.max_draft, chained_decode=not args.no_chained_decode)
 
 
 def add_launch_arguments(p: argparse.ArgumentParser) -> None:

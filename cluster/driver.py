@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -28,12 +29,13 @@ from moeray import environment
 from moeray.cluster.config import EngineConfig, LaunchOptions
 from moeray.cluster.placement import gpu_share, plan_from_reports, state_bytes_by_layer, uses_mtp
 from moeray.cluster.remote import StageFailedError, StagesLate, as_ready, error_of, gather, gather_one
+from moeray.cluster.timeline import now_ns
 from moeray.errors import MoerayError, PlacementError
 from moeray.planner.kv import itemsize_for
 from moeray.stages.gguf.parts import stage_parts_lines
 from moeray.stages.gguf.reader import read_gguf_header
 from moeray.stages.kernels.settings import StageOptions
-from moeray.stages.runtime.actor import StageActor
+from moeray.stages.runtime.actor import STEP_TIMINGS, StageActor
 from moeray.stages.runtime.default_profile import resolve_profile
 from moeray.stages.runtime.draft_model import check_draft, draft_bytes
 from moeray.stages.runtime.mtp import mtp_bytes
@@ -135,6 +137,9 @@ class StageGroup:
     header: Any = None  # the model's header as the driver read it: every stage gets it (a Ray object)
     model_header: Any = None  # ... and the header itself
     hung: set = field(default_factory=set)
+    # The sampling rows' slots of the last step whose tokens the last stage sends to the first
+    # (StepBatch.loop_back), until a step takes them there (RayPipeline.submit); none once re-formed
+    looped: list[int] | None = None
     _actor_opts: dict = field(default_factory=dict)
 
     def start(self) -> "StageGroup":
@@ -223,6 +228,7 @@ class StageGroup:
                    if self.reports else None)
         gather([a.connect.remote(addr, port, timeout_s, backend) for a in self.actors], self.timeout_s + timeout_s,
                "connect")
+        self.looped = None  # a new group: no tokens on their way
 
     def where(self, i: int) -> str:
         """'simulated device 2 (8.00 MiB on CPU) on 192.0.2.2' -- for error messages."""
@@ -613,12 +619,17 @@ def _load_line(rep: LoadReport) -> str:
 # ---------------------------------------------------------------- the engine's view of the stages
 
 
+FAILURE_CHECK_S = 0.5  # while a step's results are not all in, how often the driver looks for a failed stage
+
+
 class RayPipeline:
     """Stages as Ray actors: every stage gets the step at once (stage 0 the token ids, the last
     stage the sampling params); activations flow over their process group; the last stage's
     sampled tokens come back."""
 
     verifies = True  # the last stage accepts drafted tokens (StepBatch.drafts): speculative decoding
+    async_submit = True  # submit only sends the step: the stages compute while the engine goes on
+    loops_back = True  # the last stage can send its tokens to the first (StepBatch.loop_back): chained decode
 
     @property
     def draft_model(self) -> bool:
@@ -646,26 +657,57 @@ class RayPipeline:
         # Sequence states the stages hold (recurrent layers), 0 for a model without them, and checkpoints.
         self.state_slots = group.state_slots
         self.state_checkpoints = group.state_checkpoints
+        # The last steps as the driver saw them (step id, submit start, submit end, result back;
+        # perf_counter_ns): beside the stages' own, the per-hop times of GET /v1/stages
+        self.timings: deque[tuple[int, int, int, int]] = deque(maxlen=STEP_TIMINGS)
+        self._sent: dict[int, tuple[int, int, int]] = {}
 
     def submit(self, batch: StepBatch) -> list:
-        return [a.step.remote(batch.for_stage(i, self.n_stages)) for i, a in enumerate(self.group.actors)]
+        t0 = now_ns()
+        group = self.group
+        # The step after one whose last stage sent its tokens to the first takes them there, whatever
+        # it holds (the send waits for it): known to the group, whichever engine hands out the steps.
+        if group.looped is not None:
+            batch, group.looped = replace(batch, looped=group.looped), None
+        if batch.loop_back:
+            group.looped = [slot for slot, want in zip(batch.slots, batch.sample) if want]
+        refs = [a.step.remote(batch.for_stage(i, self.n_stages)) for i, a in enumerate(group.actors)]
+        self._sent[id(refs)] = (batch.step_id, t0, now_ns())
+        return refs
 
     def result(self, handle: list, timeout_s: float) -> StepOutput:
         import ray  # late: see the note after the imports
 
-        # Results as they come, so a stage that died or raised is reported at once, not after the
-        # stages behind it give up waiting for its activations.
+        sent = self._sent.pop(id(handle), None)
+        # Every stage's result in one wait and one get (a step's calls cost the driver four of each
+        # otherwise); a stage that died or raised is looked for every FAILURE_CHECK_S meanwhile, so it
+        # is reported then, not after the stages behind it give up waiting for its activations.
+        pending, deadline = list(handle), time.monotonic() + timeout_s
+        while pending:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                stuck = handle.index(pending[0])
+                self.group.mark_hung(stuck)
+                raise StageFailedError(
+                    f"stage {stuck} ({self.group.where(stuck)}) did not finish a step within {timeout_s:.0f} s; "
+                    "it was stopped and will be restarted")
+            ready, pending = ray.wait(pending, num_returns=len(pending), timeout=min(left, FAILURE_CHECK_S))
+            if pending and any(error_of(ref) is not None for ref in ready):
+                raise self._root_cause(handle)
         try:
-            for _stage, ref in as_ready(handle, timeout_s):
-                if error_of(ref) is not None:
-                    raise self._root_cause(handle)
-        except StagesLate as late:
-            stuck = late.stages[0]
-            self.group.mark_hung(stuck)
-            raise StageFailedError(
-                f"stage {stuck} ({self.group.where(stuck)}) did not finish a step within {timeout_s:.0f} s; "
-                "it was stopped and will be restarted") from None
-        return ray.get(handle[-1], timeout=1.0)
+            out = ray.get(handle, timeout=1.0)[-1]
+        except Exception:  # noqa: BLE001 - a stage's failure: which one is the cause
+            raise self._root_cause(handle) from None
+        if sent is not None:
+            self.timings.append((*sent, now_ns()))
+        return out
+
+    def same_clock(self) -> bool:
+        """Every stage on this process's node: their step times and the driver's are on one clock."""
+        import ray  # late: see the note after the imports
+
+        here = ray.get_runtime_context().get_node_id()
+        return all(self.group.node_of(i) == here for i in range(self.n_stages))
 
     def recover(self, cause: str = "") -> None:
         """Restart what died; after a re-plan the stage count and the KV pool may differ (the

@@ -12,7 +12,10 @@ Where a token goes, in the order this file runs it:
 
 Each running request belongs to one of `micro_batches` lanes; every lane has at most one step in
 flight, so with M lanes up to M micro-batches move down the pipeline at once and the stages work
-on different ones at the same time (stage 0 embeds lane 1 while stage 3 samples lane 0).
+on different ones at the same time (stage 0 embeds lane 1 while stage 3 samples lane 0). A lone
+lane's plain decode is chained instead (`_may_chain`): its next step goes out before its result
+is back, the last stage sending its tokens to the first itself, so the stages do not wait for this
+loop between a stream's tokens.
 
 Speculative decoding (cluster/speculation.py, docs/speculative.md): a decode row may carry drafted
 tokens, verified by the last stage; on a model with recurrent layers each verify row also snapshots
@@ -32,7 +35,7 @@ import logging
 import time
 from collections import deque
 from dataclasses import replace
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from moeray.cluster.config import EngineConfig
 from moeray.cluster.remote import StageFailedError
@@ -40,9 +43,11 @@ from moeray.cluster.scheduler import EngineStats, Request, ScheduledStep, Schedu
 from moeray.cluster.state_checkpoints import CheckpointLedger
 from moeray.cluster.speculation import Speculation
 from moeray.cluster.step_clock import StepClock
+from moeray.cluster.timeline import StepTiming, Timeline, now_ns
 from moeray.errors import MoerayError
 from moeray.stages.runtime.step import StepBatch, StepOutput
-from moeray.stages.text.sampling import SamplingParams, StopStringStream
+from moeray.stages.text.detokenize import StopStringStream
+from moeray.stages.text.sampling import SamplingParams
 
 log = logging.getLogger("moeray")
 
@@ -116,12 +121,18 @@ class Engine:
         self._ids = itertools.count()
         # Every step timed (its size and wall time), so speculation prices drafts at what steps cost here.
         self.clock = StepClock(getattr(pipeline, "step_experts", ()) or ()) if self.speculation is not None else None
-        self._t_submit: dict[int, float] = {}
-        self._t_last = 0.0
+        self._t_submit: dict[int, int] = {}  # step id -> when it was handed to the pipeline (ns)
+        self._t_last = 0
+        # A pipeline whose submit only sends the step (it computes meanwhile), and one whose last
+        # stage can send its tokens to the first (chained decode: _may_chain)
+        self.async_submit = bool(getattr(pipeline, "async_submit", False))
+        self.loops_back = bool(getattr(pipeline, "loops_back", False)) and config.chained_decode
+        self.last_step = StepTiming()  # the step whose result came back last (cluster/timeline.py)
 
     # ---------------------------------------------------------------- requests
 
-    def add(self, prompt: Sequence[int], params: SamplingParams = SamplingParams()) -> Request:
+    def add(self, prompt: Sequence[int], params: SamplingParams = SamplingParams(),
+            timeline: Timeline | None = None) -> Request:
         prompt = [int(t) for t in prompt]
         if not prompt:
             raise MoerayError("an empty prompt cannot be continued; give at least one token")
@@ -135,7 +146,9 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise MoerayError("stop strings need an engine with a tokenizer")
         detok = StopStringStream(self.tokenizer, params.stop) if self.tokenizer is not None else None
-        req = Request(next(self._ids), prompt, params, min(params.max_tokens, room), detok)
+        req = Request(next(self._ids), prompt, params, min(params.max_tokens, room), detok, timeline=timeline)
+        if timeline is not None:
+            timeline.mark("taken")
         self.scheduler.waiting.append(req)
         return req
 
@@ -164,14 +177,24 @@ class Engine:
 
     # ---------------------------------------------------------------- the loop
 
-    def step(self) -> None:
-        """Admit, fill every idle lane with a micro-batch, then take the oldest result."""
+    def step(self, on_submitted: Callable[[], None] | None = None) -> None:
+        """Admit, fill every idle lane with a micro-batch, then take the oldest result.
+        `on_submitted`: called once the steps are on their way, before this waits for a result
+        (before them on a pipeline that computes a step as it is handed one)."""
         self.scheduler.admit()
+        if on_submitted is not None and not self.async_submit:
+            on_submitted()
+            on_submitted = None
         busy = {s.lane for s, _ in self.in_flight}
         for lane in range(self.config.micro_batches):
             if lane not in busy and (step := self.scheduler.schedule(lane)) is not None:
-                self._t_submit[step.id] = time.perf_counter()
-                self.in_flight.append((step, self.pipeline.submit(step.batch())))
+                cont = self.scheduler.continue_decode(step) if self._may_chain(step) else None
+                step.loop_back = cont is not None
+                self._submit(step)
+                if cont is not None:
+                    self._submit(cont)
+        if on_submitted is not None:
+            on_submitted()
         if not self.in_flight:
             return
         step, handle = self.in_flight.popleft()
@@ -180,29 +203,58 @@ class Engine:
         except StageFailedError as exc:
             self._fail_all(exc)
             raise
-        ms = self._time(step)
+        end = now_ns()
+        ms, start = self._time(step, end)
         spec = self.speculation
         accepted = spec.stats.accepted_tokens if spec is not None else 0
         self.scheduler.postprocess(step, out)
+        if step.loop_back:  # a chained decode: the step after it runs; issue the one after that now
+            ahead = [s for s, _ in self.in_flight if s.chained and s.lane == step.lane]
+            if ahead and self._may_chain(ahead[-1]):
+                cont = self.scheduler.continue_decode(ahead[-1])
+                if cont is not None:
+                    self._submit(cont)
+        self.last_step = StepTiming(start, end, out.sample_ns, now_ns() - end)
         if spec is not None:  # the drafts' measured worth (cluster/speculation.py step_done)
             spec.step_done(sum(len(r.tokens) for r in step.rows), sum(len(r.draft) for r in step.rows),
                            spec.stats.accepted_tokens - accepted, sum(1 for r in step.rows if r.sample), ms,
                            sum(1 for r in step.rows if r.draft))
 
-    def _time(self, step: ScheduledStep) -> float:
-        """The step's cost to the pipeline: from its submission, or from the result before it when
-        that came later (steps in flight together overlap: each is charged its own share)."""
-        now = time.perf_counter()
+    def _submit(self, step: ScheduledStep) -> None:
+        """Hand `step` to the pipeline (which sees that the step after one that loops its tokens back
+        takes them at the first stage: RayPipeline.submit)."""
+        t = self._t_submit[step.id] = now_ns()
+        for row in step.rows:
+            if row.req.timeline is not None:
+                row.req.timeline.mark("scheduled", t)
+        if step.chained:
+            step.loop_back = True  # whether it is continued in turn is known later: its tokens go anyway
+        self.in_flight.append((step, self.pipeline.submit(step.batch())))
+
+    def _may_chain(self, step: ScheduledStep) -> bool:
+        """A chained decode (docs/architecture.md): on a pipeline whose last stage can send its
+        tokens to the first, a lone lane's plain decode step is continued before it comes back, so
+        the stages never wait for the engine's round trip between a stream's tokens. Only while
+        nothing waits and every running sequence is in that lane (another lane's step would take
+        the looped tokens), and not for a sequence that drafts."""
+        sched = self.scheduler
+        return (self.loops_back and step.plain_decode and not sched.waiting
+                and all(r.lane == step.lane for r in sched.running) and all(r.req.spec is None for r in step.rows))
+
+    def _time(self, step: ScheduledStep, now: int) -> tuple[float, int]:
+        """The step's cost to the pipeline (ms) and when it began: its submission, or the result
+        before it when that came later (steps in flight together overlap: each is charged its own
+        share)."""
         t0 = max(self._t_submit.pop(step.id, now), self._t_last)
         self._t_last = now
-        ms = (now - t0) * 1e3
+        ms = (now - t0) / 1e6
         if self.clock is not None:
             n_logits = sum(len(r.draft) + 1 for r in step.rows if r.sample)
             drafted = sum(len(r.draft) for r in step.rows)
             verify_rows = sum(1 for r in step.rows if r.draft)
             if self.clock.record(sum(len(r.tokens) for r in step.rows), n_logits, ms, drafted, verify_rows):
                 self.speculation.set_price(self.clock.price)
-        return ms
+        return ms, t0
 
     def run(self, reqs: Sequence[Request], timeout_s: float = 600.0) -> list[Request]:
         """Step until these requests are done (others keep running alongside)."""
@@ -210,6 +262,9 @@ class Engine:
         while not all(r.done for r in reqs):
             if time.monotonic() > deadline:
                 raise StageFailedError(f"requests not done within {timeout_s:.0f} s")
+            self.step()
+        # A chained step past a sequence's end (_may_chain): its slot frees once it is back.
+        while self.in_flight and all(row.req.done for s, _ in self.in_flight for row in s.rows):
             self.step()
         return list(reqs)
 

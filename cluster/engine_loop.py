@@ -1,11 +1,12 @@
-"""Drives an Engine from one background thread and feeds each request's asyncio queue.
+"""Drives an Engine from one background thread and hands each request its text on the event loop.
 
 The Engine is not thread-safe and its step() blocks (it waits on the stages), so it lives on one
 thread: HTTP handlers never touch it, they post commands (add, abort) to an inbox that the
 thread drains before every step. After each step the thread hands every request its new text (a
 Delta: the text the engine released, and how many tokens it took) in one batch per event loop: a
-single `loop.call_soon_threadsafe` (one wake-up of the loop, not one per request) puts every
-request's items on its queue, so neither side waits on the other. The engine decides
+single `loop.call_soon_threadsafe` (one wake-up of the loop, not one per request) appends every
+request's items to its stream and resolves the future its handler awaits, so neither side waits
+on the other and an item reaches its handler in one hop (no queue task between them). The engine decides
 when a request is finished (end token, length, stop string); the server only forwards. Every wait is
 bounded: the thread sleeps at most `idle_wait_s` when there is no work, and a consumer's wait
 for its next tokens has a deadline.
@@ -17,11 +18,13 @@ import queue
 import threading
 import time
 import traceback
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 from moeray.cluster.remote import StageFailedError
 from moeray.cluster.scheduler import RequestStatus
+from moeray.cluster.timeline import MAX_DELIVERIES, Timeline, now_ns
 from moeray.errors import MoerayError
 from moeray.stages.text.sampling import SamplingParams
 
@@ -49,30 +52,48 @@ class Finished:
 
 @dataclass
 class Stream:
-    """One request as its HTTP handler sees it: Deltas, then one Finished, on `queue`."""
+    """One request as its HTTP handler sees it: Deltas, then one Finished, from `next()`."""
     prompt: list[int]
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    items: deque = field(default_factory=deque)  # handed over, not yet taken (event loop only)
+    waiter: Optional[asyncio.Future] = None  # what the handler awaits while `items` is empty
     req: Any = None  # the engine's Request, set on the engine thread
     sent_tokens: int = 0  # of req.output, already handed over
-    sent_chars: int = 0  # of req.text, already handed over
+    sent_pieces: int = 0  # of req.detok.pieces (the released text), already handed over
     done: bool = False
     t_submit: float = field(default_factory=time.perf_counter)
     t_last: Optional[float] = None  # when the last token was handed over (inter-token latency)
+    timeline: Optional[Timeline] = None  # where its time goes (cluster/timeline.py), when the server keeps it
+    seen_ns: tuple[int, int] = (0, 0)  # its detokenising and stop-matching time already counted
 
     def _put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        self.loop.call_soon_threadsafe(_put_all, [(self, item)])
 
     async def next(self, timeout_s: float):
         """The next item: a Delta or Finished. Raises TimeoutError past the deadline."""
-        return await asyncio.wait_for(self.queue.get(), timeout_s)
+        if not self.items:
+            self.waiter = self.loop.create_future()
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await self.waiter
+            finally:
+                self.waiter = None
+        return self.items.popleft()
 
 
 def _put_all(items: list[tuple[Stream, Any]]) -> None:
-    """On the event loop: one step's items for every stream of this loop."""
+    """On the event loop: one step's items for every stream of this loop, each stream's waiting
+    handler woken (its future resolved: the handler runs at the loop's next turn)."""
+    t = now_ns()
     for s, item in items:
-        s.queue.put_nowait(item)
+        s.items.append(item)
+        tl = s.timeline
+        if tl is not None and type(item) is Delta and len(tl.queued) < MAX_DELIVERIES:
+            tl.queued.append(t)
+        w = s.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
 
 
 class EngineLoop:
@@ -114,7 +135,7 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.fatal is None
 
-    def submit(self, prompt: Sequence[int], params: SamplingParams) -> Stream:
+    def submit(self, prompt: Sequence[int], params: SamplingParams, timeline: Optional[Timeline] = None) -> Stream:
         if not self.alive:
             raise EngineDownError(f"the engine is not running: {self.fatal or 'stopped'}")
         if self.down is not None:
@@ -127,7 +148,9 @@ class EngineLoop:
                     f"all {self.counts['running'] + self.counts['free_slots']} sequence slots are busy and "
                     f"{max(queued, 0)} requests are already waiting (limit {self.max_waiting}); retry later")
             self._pending += 1
-        stream = Stream(list(prompt), params, asyncio.get_running_loop())
+        stream = Stream(list(prompt), params, asyncio.get_running_loop(), timeline=timeline)
+        if timeline is not None:
+            timeline.mark("submitted")
         self._inbox.put(("add", stream))
         self._wake.set()
         return stream
@@ -179,7 +202,7 @@ class EngineLoop:
                 if s.done:
                     continue
                 try:
-                    s.req = self.engine.add(s.prompt, s.params)
+                    s.req = self.engine.add(s.prompt, s.params, s.timeline)
                 except MoerayError as exc:
                     self._finish(s, Finished(None, str(exc)))
                     continue
@@ -193,15 +216,20 @@ class EngineLoop:
         self._count()
 
     def _step(self) -> None:
+        failed = True
         try:
-            self.engine.step()
+            # What the last step released goes to the event loop once the next step is on its way
+            # (Engine.step: on a pipeline that computes as it is handed a step, just before).
+            self.engine.step(on_submitted=self._deliver)
+            failed = False
         except StageFailedError as exc:
             # The engine failed its running requests and restarted the stage; waiting ones go on.
             self.last_failure = str(exc)
         except MoerayError as exc:
             # The recovery found no way to serve (the devices left cannot hold the model).
             self.last_failure = self.down = str(exc)
-        self._deliver()
+        if failed or not self.engine.has_work():  # no next step to wait for
+            self._deliver()
         self._count()
 
     def _while_down(self) -> None:
@@ -230,11 +258,15 @@ class EngineLoop:
             items = batches.setdefault(s.loop, [])
             n_new = len(req.output) - s.sent_tokens
             if n_new:
-                text = req.text[s.sent_chars:]
+                text = ""
+                if req.detok is not None:  # the pieces released since the last hand-over
+                    pieces = req.detok.pieces
+                    text = "".join(pieces[s.sent_pieces:])
+                    s.sent_pieces = len(pieces)
                 logprobs = req.logprobs[s.sent_tokens:len(req.output)] if req.logprobs else []
-                s.sent_tokens, s.sent_chars = len(req.output), len(req.text)
+                s.sent_tokens = len(req.output)
                 items.append((s, Delta(text, n_new, logprobs)))
-                delivered.append((s, n_new))
+                delivered.append((s, n_new, len(text)))
             if req.status is RequestStatus.FAILED:
                 s.done = True
                 items.append((s, Finished(None, req.error or "the pipeline failed")))
@@ -244,12 +276,21 @@ class EngineLoop:
             else:
                 still.append(s)
         self._streams = still
+        handed = now_ns()
+        for s, n_new, n_chars in delivered:
+            tl = s.timeline
+            if tl is not None and len(tl.handed) < MAX_DELIVERIES:
+                d = s.req.detok
+                spent = (d.detok_ns, d.stop_ns) if d is not None else (0, 0)
+                tl.delivered(n_new, n_chars, self.engine.last_step, spent[0] - s.seen_ns[0], spent[1] - s.seen_ns[1],
+                             handed)
+                s.seen_ns = spent
         for loop, items in batches.items():
             if items:
                 loop.call_soon_threadsafe(_put_all, items)
         if delivered and self.on_tokens is not None:
-            self.on_tokens(delivered, now)
-        for s, _ in delivered:
+            self.on_tokens([(s, n) for s, n, _ in delivered], now)
+        for s, _, _ in delivered:
             s.t_last = now
 
     def _finish(self, s: Stream, item: Finished) -> None:

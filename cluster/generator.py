@@ -89,10 +89,10 @@ class Generator:
             engine.step()
             if prefilling:
                 t_prefilled = time.perf_counter()
-            for i, r in enumerate(reqs):
-                if on_text is not None and len(r.text) > sent[i]:
-                    on_text(i, r.text[sent[i]:])
-                    sent[i] = len(r.text)
+            for i, r in enumerate(reqs):  # the pieces of text released since the last step
+                if on_text is not None and r.detok is not None and len(r.detok.pieces) > sent[i]:
+                    on_text(i, "".join(r.detok.pieces[sent[i]:]))
+                    sent[i] = len(r.detok.pieces)
             if live:
                 yield reqs[0]
         st = engine.stats

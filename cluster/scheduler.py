@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Optional, Sequence
 
@@ -32,10 +32,12 @@ from moeray.cluster.config import EngineConfig
 from moeray.cluster.kv_blocks import BlockManager
 from moeray.cluster.state_checkpoints import CheckpointLedger
 from moeray.cluster.speculation import SeqSpec, Speculation
+from moeray.cluster.timeline import Timeline
 from moeray.errors import MoerayError
 from moeray.stages.blocks.kv_cache import BLOCK_SIZE, blocks_for
-from moeray.stages.runtime.step import StepBatch, StepOutput
-from moeray.stages.text.sampling import SamplingParams, StopStringStream, TokenLogprob
+from moeray.stages.runtime.step import LOOPED, StepBatch, StepOutput
+from moeray.stages.text.detokenize import StopStringStream
+from moeray.stages.text.sampling import SamplingParams, TokenLogprob
 
 
 class RequestStatus(Enum):
@@ -78,16 +80,28 @@ class Request:
     preemptions: int = 0
     fresh: bool = False  # admitted, its first row not yet scheduled: the stages start its sampler over
     t_admit: int = -1  # admission order: the youngest is preempted first
-    busy: bool = False  # in a micro-batch that is in flight
+    in_flight: int = 0  # its micro-batches in flight (two while a chained decode runs ahead: cluster/engine.py)
     t_arrive: float = field(default_factory=time.perf_counter)
     t_first: Optional[float] = None
     t_done: Optional[float] = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when params.logprobs is set
     spec: Optional[SeqSpec] = None  # its drafter and acceptance record, when it drafts (cluster/speculation.py)
+    timeline: Optional[Timeline] = None  # where a served request's time goes (cluster/timeline.py)
+    # What the last stage is sent, once, on its fresh row: params without the stop strings (the engine's)
+    stage_params: Optional[SamplingParams] = None
+
+    def __post_init__(self) -> None:
+        if self.stage_params is None:
+            self.stage_params = replace(self.params, stop=()) if self.params.stop else self.params
 
     @property
     def done(self) -> bool:
         return self.status in (RequestStatus.FINISHED, RequestStatus.FAILED)
+
+    @property
+    def busy(self) -> bool:
+        """In a micro-batch that is in flight."""
+        return self.in_flight > 0
 
     @property
     def text(self) -> str:
@@ -123,16 +137,32 @@ class ScheduledStep:
     # a next-token-prediction layer on the last (cluster/speculation.py).
     draft_model: bool = False
     mtp: bool = False
+    ended: list[int] = field(default_factory=list)  # slots whose sequences ended since the last step
+    # A chained decode (cluster/engine.py): the last stage sends this step's tokens to the first
+    # stage, for the step that continues it; `chained`: this step is such a continuation
+    loop_back: bool = False
+    chained: bool = False
+
+    @property
+    def plain_decode(self) -> bool:
+        """Every row a plain decode (one token, sampled; no draft), nothing copied around the step:
+        a step the same rows can continue one token later."""
+        return (not self.copies and not self.state_before and not self.state_after and not self.draft_model
+                and not self.mtp and all(r.sample and len(r.tokens) == 1 and not r.draft for r in self.rows))
 
     def batch(self) -> StepBatch:
         # A sequence with penalties starts its last stage's TokenHistory from what it holds: the
         # prompt, and the output so far when it was preempted (prefilled again as prompt + output).
         history = [(list(r.req.prompt), list(r.req.output)) if r.fresh and r.req.params.needs_history else None
                    for r in self.rows]
+        fresh = [r.fresh for r in self.rows]
         return StepBatch(step_id=self.id, slots=[r.req.slot for r in self.rows],
-                         n_new=[len(r.tokens) for r in self.rows], fresh=[r.fresh for r in self.rows],
+                         n_new=[len(r.tokens) for r in self.rows], fresh=fresh,
                          tokens=[r.tokens for r in self.rows],
-                         sample=[r.req.params if r.sample else None for r in self.rows],
+                         sample=[r.sample for r in self.rows],
+                         # a sequence's params once, with its fresh row (the stage keeps them)
+                         params=[r.req.stage_params if r.fresh else None for r in self.rows] if any(fresh) else None,
+                         ended=self.ended or None, loop_back=self.loop_back,
                          starts=[r.start for r in self.rows],
                          tables=[r.req.table[:blocks_for(r.start + len(r.tokens))] for r in self.rows],
                          copies=self.copies or None, state_before=self.state_before or None,
@@ -155,6 +185,7 @@ class EngineStats:
     # tokens its next rows fed again (what rejections cost there beyond the drafted tokens)
     state_restores: int = 0
     refeed_tokens: int = 0
+    chained_steps: int = 0  # decode steps issued before the one they continue came back (cluster/engine.py)
 
 
 class Scheduler:
@@ -190,6 +221,7 @@ class Scheduler:
         self._steps = itertools.count()
         self._admissions = itertools.count()
         self.stats = EngineStats()
+        self.ended: list[int] = []  # slots freed since the last step: the next step tells the last stage
 
     @property
     def n_free_slots(self) -> int:
@@ -248,6 +280,8 @@ class Scheduler:
             req.slot = free.pop(free.index(min(free)))
             req.status, req.fresh = RequestStatus.RUNNING, True
             req.t_admit = next(self._admissions)
+            if req.timeline is not None:
+                req.timeline.mark("admitted")
             if req.spec is None and self.speculation is not None and self.speculation.wants(req.params):
                 req.spec = self.speculation.start(req.prompt + req.output)
             self.running.append(req)
@@ -281,6 +315,7 @@ class Scheduler:
         self.blocks.release(req.table)
         self.running.remove(req)
         self.lane_slots[req.lane].append(req.slot)
+        self.ended.append(req.slot)
         req.table, req.prefill, req.fed, req.kv_len = [], prefill, 0, 0
         req.status, req.slot, req.lane = RequestStatus.WAITING, -1, -1
         req.preemptions += 1
@@ -360,10 +395,38 @@ class Scheduler:
             self._add_drafts(rows[:n_decode], sum(len(row.tokens) for row in rows), budget, before, after)
         rows.sort(key=lambda row: row.req.slot)
         for row in rows:
-            row.req.busy = True
+            row.req.in_flight += 1
         spec = self.speculation
+        ended, self.ended = self.ended, []
         return ScheduledStep(next(self._steps), lane, rows, copies, before, after,
-                             draft_model=spec is not None and spec.draft_model, mtp=spec is not None and spec.mtp)
+                             draft_model=spec is not None and spec.draft_model, mtp=spec is not None and spec.mtp,
+                             ended=ended)
+
+    def continue_decode(self, step: ScheduledStep) -> Optional[ScheduledStep]:
+        """The step after `step`, issued before `step` comes back (a chained decode: its tokens come
+        from the last stage itself, StepBatch.looped): the same sequences one token on, those that
+        are not done and whose next token is within max_tokens. None when no row is left, or the
+        KV pool has no free block for a row that needs one (no one is preempted for it)."""
+        rows = [r.req for r in step.rows
+                if not r.req.done and len(r.req.output) + r.req.in_flight < r.req.max_new]
+        if not rows or self.checkpoints is not None or self.spares is not None:
+            return None
+        need = [r for r in rows if len(r.table) * BLOCK_SIZE <= r.kv_len]
+        if need:
+            got = self.blocks.allocate(len(need))
+            if got is None:
+                return None
+            for r, block in zip(need, got):
+                r.table.append(block)
+        out = []
+        for r in rows:
+            out.append(Row(r, [LOOPED], r.kv_len, fresh=False, sample=True))
+            r.kv_len += 1
+            r.in_flight += 1
+        self.stats.decode_tokens += len(out)
+        self.stats.chained_steps += 1
+        ended, self.ended = self.ended, []
+        return ScheduledStep(next(self._steps), step.lane, out, ended=ended, chained=True)
 
     def _add_drafts(self, decode_rows: list[Row], n_plain: int, budget: int, before: list,
                     after: list) -> None:
@@ -428,39 +491,35 @@ class Scheduler:
     def postprocess(self, step: ScheduledStep, result: StepOutput) -> None:
         """Hand each row its sampled token (and its log-probabilities) and apply the finish rules.
         A verify row (a draft after its last token) gets the accepted drafts and one more token:
-        they are appended one by one under the same rules, so a sequence ends exactly where a plain
-        decode would (an end token, a stop string or max_tokens inside the accepted run), and the
-        KV of every position past its last kept token goes back (its blocks returned to the pool)."""
+        they are appended under the same rules, so a sequence ends exactly where a plain decode
+        would (an end token, a stop string or max_tokens inside the accepted run), and the KV of
+        every position past its last kept token goes back (its blocks returned to the pool)."""
         self.stats.steps += 1
         now = time.perf_counter()
         logprobs = result.logprobs or [None] * len(result.tokens)
         proposals = result.proposals or [None] * len(result.tokens)
         for row, tok, lp, proposal in zip(step.rows, result.tokens, logprobs, proposals):
             req = row.req
-            req.busy = False
+            req.in_flight -= 1
             if req.spec is not None:  # the MTP layer's next draft: for the sequence's next row only
                 req.spec.proposal = proposal or []
             if row.draft:  # until the verdict, only the row's first token is the sequence's
                 req.kv_len = row.start + 1
-            if req.done:  # aborted while its step was in flight: the slot is free now
-                self._release(req)
+            if req.done:  # finished or aborted while this step was in flight: the slot is free once none is
+                if not req.in_flight:
+                    self._release(req)
             elif tok is None:  # the row was a prompt chunk with more to come
                 continue
             elif row.draft:
                 self._append_verified(row, tok if isinstance(tok, list) else [tok],
                                       lp if isinstance(lp, list) else [lp], now)
             else:
-                self._append(req, tok, now, lp)
+                self._append(req, [tok], [lp], now)
 
     def _append_verified(self, row: Row, toks: list[int], lps: list, now: float) -> None:
         req = row.req
-        n = 0
-        for tok, lp in zip(toks, lps + [None] * (len(toks) - len(lps))):
-            req.kv_len = row.start + n + 1  # the KV holds the row's first token and the drafts kept so far
-            n += 1
-            self._append(req, tok, now, lp)
-            if req.done:
-                break
+        n = self._append(req, toks, lps + [None] * (len(toks) - len(lps)), now)
+        req.kv_len = row.start + n  # the KV holds the row's first token and the drafts kept
         self.speculation.observe(req.spec, len(row.draft), len(toks) - 1, n)
         self.stats.accepted_tokens += len(toks) - 1
         if req.spare is not None and not req.done:
@@ -475,32 +534,47 @@ class Scheduler:
                 self.blocks.release(req.table[keep:])
                 del req.table[keep:]
 
-    def _append(self, req: Request, tok: int, now: float, logprob: Optional[TokenLogprob] = None) -> None:
+    def _append(self, req: Request, toks: list[int], lps: list, now: float) -> int:
+        """A row's new tokens (one, or a verify row's accepted drafts and one more) under the finish
+        rules, in their order per token: an end token ends it ("stop", the token is output but not
+        text), else a stop string completed by the token ("stop", the text ends before it), else
+        max_tokens ("length"). The text of the kept tokens is decoded and matched in one pass.
+        Returns how many tokens the sequence kept."""
         if req.t_first is None:
             req.t_first = now
-        req.output.append(tok)
+        eos = self.eos_ids if not req.params.ignore_eos else ()
+        room = req.max_new - len(req.output)
+        n, reason = len(toks), None
+        for j, tok in enumerate(toks):  # the end token and the length, before any text
+            if tok in eos:
+                n, reason = j + 1, "eos"
+                break
+            if j + 1 >= room:
+                n, reason = j + 1, "length"
+                break
+        detok = req.detok
+        if detok is not None:
+            text_toks = toks[:n - 1] if reason == "eos" else toks[:n]
+            if text_toks:
+                taken, _ = detok.push_many(text_toks)
+                if detok.stopped:  # a stop string: the sequence ends on the token completing it
+                    n, reason = taken, "stop string"
+        kept = toks[:n]
+        req.output.extend(kept)
         if req.spec is not None:
-            req.spec.drafter.extend((tok,))
-        if logprob is not None:
-            req.logprobs.append(logprob)
-        if tok in self.eos_ids and not req.params.ignore_eos:
-            if req.detok is not None:
-                req.detok.finish()  # the end token itself is not text
-            self.finish(req, "stop")
-            return
-        if req.detok is not None:
-            req.detok.push(tok)
-            if req.detok.stopped:  # a stop string: the text ends before it
-                self.finish(req, "stop")
-                return
-        if len(req.output) >= req.max_new:
-            if req.detok is not None:
-                req.detok.finish()
-            self.finish(req, "length")
+            req.spec.drafter.extend(kept)
+        if lps[0] is not None:
+            req.logprobs.extend(lp for lp in lps[:n] if lp is not None)
+        if reason is None:
+            return n
+        if detok is not None and reason != "stop string":
+            detok.finish()  # the end token itself is not text; at the length, what was held back goes out
+        self.finish(req, "length" if reason == "length" else "stop")
+        return n
 
     def finish(self, req: Request, reason: str) -> None:
         req.status, req.finish_reason, req.t_done = RequestStatus.FINISHED, reason, time.perf_counter()
-        if not req.busy:
+        if not req.in_flight:
             self._release(req)
 
     def abort(self, req: Request) -> None:
@@ -530,7 +604,7 @@ class Scheduler:
     def fail_running(self, message: str) -> None:
         """Every running request lost its KV state; waiting ones are untouched."""
         for req in list(self.running):
-            req.status, req.error, req.busy, req.t_done = RequestStatus.FAILED, message, False, time.perf_counter()
+            req.status, req.error, req.in_flight, req.t_done = RequestStatus.FAILED, message, 0, time.perf_counter()
             self._release(req)
         self.blocks.forget_all()  # a restarted stage holds no KV: no cached prefix is valid
         if self.checkpoints is not None:  # ... and no state
@@ -540,6 +614,7 @@ class Scheduler:
         if req in self.running:
             self.running.remove(req)
             self.lane_slots[req.lane].append(req.slot)
+            self.ended.append(req.slot)
             self._drop_copy(req)
             # Its blocks (prompt and output) stay findable until they are needed.
             self.blocks.register_written(req.table, req.prompt + req.output, req.kv_len)

@@ -19,7 +19,8 @@ server forwards text: the engine detokenises, finds stop strings and end tokens,
 requests (cluster/scheduler.py, Scheduler.postprocess).
 
 Routes: POST /v1/chat/completions, POST /v1/completions (JSON or SSE streams), GET /v1/models,
-GET /health, GET /v1/stages, GET /v1/admin/profile (the routing served so far, as a profile). Errors use OpenAI's shape {"error": {"message", "type", "param",
+GET /health, GET /v1/stages, GET /v1/stages/timeline (where the last requests' time went),
+GET /v1/admin/profile (the routing served so far, as a profile). Errors use OpenAI's shape {"error": {"message", "type", "param",
 "code"}}: 400 malformed JSON / wrong field types / a parameter moeray does not do (named in
 "param") / prompt over the context / max_tokens out of range, 401 bad API key, 404 unknown model,
 429 too many waiting, 503 engine down, 504 a request that got no token within its deadline. An
@@ -47,12 +48,19 @@ from moeray.cluster import request_sampling as rs
 from moeray.cluster.config import ServeOptions
 from moeray.cluster.engine_loop import EngineDownError, Finished, OverloadedError
 from moeray.cluster.service import Service
+from moeray.cluster.timeline import KEEP_REQUESTS, MAX_DELIVERIES, Timeline, now_ns
 from moeray.errors import MoerayError
 from moeray.stages.text.chat import ChatFormatError, Delta
+from moeray.stages.text.detokenize import stop_matcher
 from moeray.stages.text.sampling import SamplingParams
 
 HEAD_RESOURCE = "node:__internal_head__"  # Ray's resource of the head node
 DEFAULT_MAX_TOKENS = 256  # when a request gives none (capped by the room its prompt leaves)
+# A prompt this short (characters, a few messages, no tools) is rendered and tokenised on the event
+# loop: well under a millisecond, where the hop to a worker thread and back costs two thread
+# wake-ups (milliseconds on a busy machine). Anything longer goes to a worker thread.
+INLINE_PROMPT_CHARS = 2048
+INLINE_PROMPT_MESSAGES = 8
 
 
 # ---------------------------------------------------------------- errors
@@ -130,6 +138,7 @@ class Call:
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage and no choices
     out: Outcome = dataclasses.field(default_factory=Outcome)
     index: int = 0  # which of the request's choices
+    timeline: Optional[Timeline] = None  # where its time goes (cluster/timeline.py): the first choice's
 
     @property
     def model(self) -> str:
@@ -137,8 +146,8 @@ class Call:
 
     def choices(self, n: int) -> list["Call"]:
         """The request's n choices: this one first, each its own seed stream (request_sampling)."""
-        return [self] + [dataclasses.replace(self, params=rs.choice_params(self.params, i), out=Outcome(), index=i)
-                         for i in range(1, n)]
+        return [self] + [dataclasses.replace(self, params=rs.choice_params(self.params, i), out=Outcome(), index=i,
+                                             timeline=None) for i in range(1, n)]
 
 
 def usage(calls: list[Call]) -> oa.Usage:
@@ -150,7 +159,7 @@ def usage(calls: list[Call]) -> oa.Usage:
 
 
 async def prepare_call(service: Service, body: oa._Request, prompt: list[int], extras: xt.Extras,
-                       id_prefix: str) -> Call:
+                       id_prefix: str, timeline: Optional[Timeline] = None) -> Call:
     """Check the model, the prompt length and max_tokens; build the sampling params with what the
     request asks beyond text (log-probabilities, a grammar: compiled here, off the event loop)."""
     if not service.serves(body.model):
@@ -184,16 +193,23 @@ async def prepare_call(service: Service, body: oa._Request, prompt: list[int], e
     params = rs.sampling_params(body, wanted, service.tokenizer.vocab_size, bad_request)
     if extras.grammar is not None:
         await asyncio.to_thread(xt.check_extras, service, extras, bad_request)
-    return Call(service, prompt, xt.apply(params, extras), extras, oa.new_id(id_prefix), oa.now(),
-                body.include_usage_in_stream())
+    if params.stop:  # the stop strings' matcher, built here once (not on the engine thread)
+        await asyncio.to_thread(stop_matcher, params.stop)
+    call = Call(service, prompt, xt.apply(params, extras), extras, oa.new_id(id_prefix), oa.now(),
+                body.include_usage_in_stream(), timeline=timeline)
+    if timeline is not None:
+        timeline.id, timeline.prompt_tokens = call.id, len(prompt)
+        timeline.mark("prepared")
+        service.timelines.add(timeline)
+    return call
 
 
 async def text_deltas(call: Call) -> AsyncIterator[str]:
     """The request's text as the engine releases it; `call.out` holds the finish reason and token
     count when it ends. A consumer that stops early (a client that went away) frees the sequence."""
-    service, outcome = call.service, call.out
+    service, outcome, tl = call.service, call.out, call.timeline
     try:
-        stream = service.loop.submit(call.prompt, call.params)
+        stream = service.loop.submit(call.prompt, call.params, tl)
     except OverloadedError as exc:
         raise APIError(429, str(exc), type_="rate_limit_error", code="overloaded") from None
     except EngineDownError as exc:
@@ -218,13 +234,19 @@ async def text_deltas(call: Call) -> AsyncIterator[str]:
                 return
             if outcome.completion_tokens == 0 and stream.req is not None:  # admitted: its cached prefix is known
                 outcome.cached_tokens = stream.req.cached_tokens
+            if tl is not None and len(tl.taken) < MAX_DELIVERIES:
+                tl.taken.append(now_ns())
             outcome.completion_tokens += item.n_tokens
             outcome.logprobs.extend(item.logprobs)
             if item.text:
                 parts.append(item.text)
-                yield item.text
+                yield item.text  # back here once the consumer wants more: its chunk is written
+            if tl is not None and len(tl.written) < MAX_DELIVERIES:
+                tl.written.append(now_ns())
     finally:
         outcome.text = "".join(parts)
+        if tl is not None:
+            tl.done = now_ns()
         service.loop.abort(stream)  # gone early (client left, error): the engine drops the sequence
 
 
@@ -334,11 +356,30 @@ def refuse_untokenized(service: Service, text: str, param: str) -> None:
                        "bytes), which leaves no room for a completion", param=param, code="context_length_exceeded")
 
 
+def request_timeline(request: Request) -> Timeline:
+    """A request's timeline from its arrival (ApiKey noted it) and now, when its handler runs."""
+    tl = Timeline()
+    tl.mark("http", request.scope.get(ARRIVED))
+    tl.mark("parsed")
+    return tl
+
+
+def _short_chat(body: oa.ChatCompletionRequest, extras: xt.Extras) -> bool:
+    """Short enough to render on the event loop: few messages of little text, no tools."""
+    return (extras.tools is None and extras.forced is None and len(body.messages) <= INLINE_PROMPT_MESSAGES
+            and sum(len(m.text()) for m in body.messages) <= INLINE_PROMPT_CHARS)
+
+
 async def chat_completions(body: oa.ChatCompletionRequest, request: Request):
     service: Service = request.app.state.service
+    tl = request_timeline(request)
     extras = xt.chat_extras(service, body, bad_request)
-    prompt = await asyncio.to_thread(chat_prompt, service, body, extras)  # off the event loop
-    calls = (await prepare_call(service, body, prompt, extras, "chatcmpl")).choices(body.n)
+    if _short_chat(body, extras):
+        prompt = chat_prompt(service, body, extras)
+    else:
+        prompt = await asyncio.to_thread(chat_prompt, service, body, extras)  # off the event loop
+    tl.mark("rendered")
+    calls = (await prepare_call(service, body, prompt, extras, "chatcmpl", tl)).choices(body.n)
     if body.stream:
         return await sse_response(calls, [ChatChunks(c) for c in calls])
     texts = await collect(request, calls)
@@ -362,10 +403,16 @@ def chat_choice(call: Call, text: str) -> oa.ChatChoice:
 
 async def completions(body: oa.CompletionRequest, request: Request):
     service: Service = request.app.state.service
+    tl = request_timeline(request)
     extras = xt.completion_extras(service, body, bad_request)
-    prompt = (await asyncio.to_thread(encode_prompt, service, body.prompt, "prompt") if isinstance(body.prompt, str)
-              else list(body.prompt))
-    calls = (await prepare_call(service, body, prompt, extras, "cmpl")).choices(body.n)
+    if not isinstance(body.prompt, str):
+        prompt = list(body.prompt)
+    elif len(body.prompt) <= INLINE_PROMPT_CHARS:
+        prompt = encode_prompt(service, body.prompt, "prompt")
+    else:
+        prompt = await asyncio.to_thread(encode_prompt, service, body.prompt, "prompt")  # off the event loop
+    tl.mark("rendered")
+    calls = (await prepare_call(service, body, prompt, extras, "cmpl", tl)).choices(body.n)
     chunks = [CompletionChunks(c) for c in calls]
     if body.stream:
         return await sse_response(calls, chunks)
@@ -585,6 +632,14 @@ async def stages(request: Request):
                        code="stages_unavailable") from None
 
 
+async def stages_timeline(request: Request, last: int = 16):
+    """The last requests' timelines, raw (cluster/timeline.py): where each one's time went."""
+    service: Service = request.app.state.service
+    if not 1 <= last <= KEEP_REQUESTS:
+        raise APIError(400, f"last must be in [1, {KEEP_REQUESTS}], got {last}", param="last", code="invalid_value")
+    return JSONResponse({"requests": service.timelines.last(last)})
+
+
 # ---------------------------------------------------------------- the app
 
 
@@ -618,19 +673,34 @@ async def _unexpected(request: Request, exc: Exception):
 
 
 KEYED_PATHS = ("/v1/", "/tokenize", "/detokenize")  # what --api-key guards
+ARRIVED = "moeray.arrived"  # the scope key of a request's arrival time (perf_counter_ns)
 
 
-async def _auth(request: Request, call_next):
-    api_key = request.app.state.service.opts.api_key
-    if api_key and request.url.path.startswith(KEYED_PATHS):
-        given = request.headers.get("authorization", "")
-        # Bearer as OpenAI's clients send it, or x-api-key as Anthropic's do
-        token = given[7:].strip() if given[:7].lower() == "bearer " else request.headers.get("x-api-key", "").strip()
-        if not hmac.compare_digest(token.encode(), api_key.encode()):
-            return error_response(request, APIError(
-                401, "incorrect API key provided" if token else "no API key provided (send 'Authorization: Bearer "
-                "KEY' or 'x-api-key: KEY')", code="invalid_api_key"))
-    return await call_next(request)
+class ApiKey:
+    """ASGI middleware: /v1/*, /tokenize and /detokenize want the server's API key (`Authorization:
+    Bearer KEY` as OpenAI's clients send it, or `x-api-key: KEY` as Anthropic's do), when it has
+    one, refused in the shape of the API the request spoke; every request's arrival time is noted
+    in its scope (cluster/timeline.py). Plain ASGI, not Starlette's BaseHTTPMiddleware, which would
+    carry every chunk of a streamed response through a memory stream and a task of its own."""
+
+    def __init__(self, app, api_key: Optional[str]):
+        self.app, self.api_key = app, api_key
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            scope[ARRIVED] = now_ns()
+            if self.api_key and scope["path"].startswith(KEYED_PATHS):
+                headers = dict(scope["headers"])
+                given = headers.get(b"authorization", b"").decode("latin-1")
+                token = given[7:] if given[:7].lower() == "bearer " else headers.get(b"x-api-key", b"").decode("latin-1")
+                token = token.strip()
+                if not hmac.compare_digest(token.encode(), self.api_key.encode()):
+                    response = error_response(Request(scope), APIError(  # in the shape of the API it spoke
+                        401, "incorrect API key provided" if token else "no API key provided (send 'Authorization: "
+                        "Bearer KEY' or 'x-api-key: KEY')", code="invalid_api_key"))
+                    await response(scope, receive, send)
+                    return
+        await self.app(scope, receive, send)
 
 
 def build_app(service: Service):
@@ -645,19 +715,20 @@ def build_app(service: Service):
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http)
     app.add_exception_handler(Exception, _unexpected)
-    app.middleware("http")(_auth)
+    app.add_middleware(ApiKey, api_key=service.opts.api_key)
     app.post("/v1/chat/completions")(chat_completions)
     app.post("/v1/completions")(completions)
     app.get("/v1/models")(models)
     app.get("/health")(health)
     app.get("/v1/admin/profile")(live_profile)
     app.get("/v1/stages")(stages)
+    app.get("/v1/stages/timeline")(stages_timeline)
     # The APIs agents speak, each a translation onto the chat path above
     from moeray.cluster import api_anthropic, api_responses, api_tokens
 
     for api in (api_anthropic, api_responses, api_tokens):
         api.add_routes(app, service)
-    add_dashboard(app, service.opts.api_key)  # GET /dashboard: the live page of the stages (after _auth: see there)
+    add_dashboard(app, service.opts.api_key)  # GET /dashboard: the live page of the stages (after ApiKey: see there)
     return app
 
 

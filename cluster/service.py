@@ -14,6 +14,7 @@ from pathlib import Path
 from moeray.cluster import openai_schema as oa
 from moeray.cluster.config import ServeOptions, resolve_model
 from moeray.cluster.engine_loop import EngineLoop, Stream
+from moeray.cluster.timeline import TimelineLog, stage_hops
 from moeray.errors import MoerayError
 
 
@@ -103,9 +104,14 @@ class Service:
                                 opts.chat_format)
         self.tokenizer = self.tokenizer.with_rendered(self.chat.markers())
         self.tokenizer.max_token_bytes  # noqa: B018 - read the vocabulary once now, not on a request
+        try:  # the template compiled and its renderer imported now: seconds the first request would wait
+            self.chat.render(self.tokenizer, [{"role": "user", "content": "hello"}])
+        except Exception:  # noqa: BLE001 - no template, or one that refuses this message: the requests say why
+            pass
         self.created = oa.now()
         self.launched = None
         self.lines: list[str] = []
+        self.timelines = TimelineLog()  # where the last requests' time went (cluster/timeline.py)
         if opts.local:
             if opts.launch.torch_threads:
                 import torch
@@ -245,6 +251,7 @@ class Service:
         from moeray.stages.kernels.host_memory import process_rss_bytes  # torch: not at this module's import
 
         stats = [dataclasses.asdict(s) for s in self.stage_stats()]
+        timings = [s.pop("timings", None) or [] for s in stats]  # raw: summed up in "pipeline"
         for s in stats:
             if s.get("cache"):
                 s["cache"].pop("per_layer", None)  # per-layer rows: ask the stage; this is the summary
@@ -260,7 +267,18 @@ class Service:
             "speculation": self.spec_report(),
             "faults": self.faults_report(),
             "server": {"pid": os.getpid(), "rss_bytes": process_rss_bytes()},
+            "stream": self.timelines.summary(),
+            "pipeline": self.pipeline_report(timings),
         }
+
+    def pipeline_report(self, timings: list[list]) -> dict:
+        """The last steps' times (ms, medians): each stage's wait for its input, its compute and its
+        send (the last: head and sampling), and on Ray stages on this node the driver's remote
+        calls, each hop between stages and the result's way back (cluster/timeline.py stage_hops)."""
+        pipe = self.engine.pipeline
+        driver = list(getattr(pipe, "timings", ()))
+        same_clock = bool(driver) and self.launched is not None and pipe.same_clock()
+        return stage_hops(driver, timings, same_clock)
 
     def spec_report(self) -> dict:
         """Speculative decoding's counters: the mode, verify rows, drafted and accepted tokens, the

@@ -6,6 +6,19 @@ from pathlib import Path
 
 import pytest
 
+# tests/ mirrors the package (planner, cache, stages, cluster), and e2e/ holds what starts Ray, a
+# server or a browser, trains a model, or runs the embedded model end to end. Each test carries its
+# folder's name as a marker: `make test-fast` is `-m "not e2e"`, `-m planner` one floor.
+FOLDERS = ("planner", "cache", "stages", "cluster", "e2e")
+
+
+def pytest_collection_modifyitems(items):
+    root = Path(__file__).parent
+    for item in items:
+        parts = item.path.relative_to(root).parts if item.path.is_relative_to(root) else ()
+        if len(parts) > 1 and parts[0] in FOLDERS:
+            item.add_marker(parts[0])
+
 
 @pytest.fixture(autouse=True)
 def _stage_options():

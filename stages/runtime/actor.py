@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import os
 import time
+from collections import deque
 from dataclasses import asdict
 from typing import Any
 
@@ -55,6 +56,8 @@ from moeray.stages.runtime.transport import StageLink, free_port
 
 # Ray is imported only inside the two methods that call it (node_ip, relay): in process
 # (`moeray serve --local`, bench/inproc.py) the class runs without it.
+
+STEP_TIMINGS = 256  # the last steps whose times a stage keeps (StageStats.timings)
 
 
 def file_fingerprint(path: str, n_samples: int = 16, block: int = 1 << 16) -> FileFingerprint:
@@ -119,6 +122,7 @@ class StageActor:
             # Simulated stages share the host's cores; without this each grabs all of them.
             torch.set_num_threads(torch_threads)
         self.stage, self.n_stages = stage, n_stages
+        self._loop_tokens = None  # a one-stage pipeline's looped tokens, kept for its next step
         self.simulated_budget = simulated_budget
         self.card_share = card_share  # the part of its GPU Ray gave this stage (0.5: two stages per card)
         self.device: DeviceInfo = probe_device(simulated_budget, index=stage, card_share=card_share)
@@ -225,6 +229,7 @@ class StageActor:
         backend = backend or ("nccl" if self.device.kind == "cuda" else "gloo")
         self.link = StageLink(master_addr, master_port, self.stage, self.n_stages, timeout_s, backend,
                               compute_device=self.device.torch_device)
+        self._loop_tokens = None  # a chain of decode steps does not outlive its process group
         return self.stage
 
     def ping(self) -> int:
@@ -300,6 +305,9 @@ class StageActor:
         # Fixed once loaded: measured here, not again on every stats poll.
         self.trunk_bytes = (resident, stage_trunk_bytes(gguf, first, end, backend=None))
         self.steps, self.step_s, self.tokens_in = 0, 0.0, 0
+        # The last steps' times (step id, call start, input ready, layers done, output sent or
+        # sampled; perf_counter_ns): per-hop times in GET /v1/stages (cluster/timeline.py stage_hops)
+        self.timings: deque[tuple[int, int, int, int, int]] = deque(maxlen=STEP_TIMINGS)
         self.hidden = model.config.hidden
         return LoadReport(self.stage, (first, end), time.perf_counter() - t, dict(self.memory.parts),
                           self.memory.free, resident, cache.slots.n_slots if cache else 0,
@@ -315,10 +323,12 @@ class StageActor:
         first, last = self.stage == 0, self.stage == self.n_stages - 1
         n_rows = sum(batch.n_new)
         sent = False
-        t0 = time.perf_counter()
+        t0 = time.perf_counter_ns()
         self.steps += 1
         self.tokens_in += n_rows
         try:
+            if first and batch.looped is not None:  # the last stage's tokens of the step before, first thing
+                batch = batch.with_looped(dict(zip(batch.looped, self._looped_tokens(len(batch.looped)))))
             meta = self.runner.begin(batch)
             carry = None  # the draft model's tokens, from the first stage to the last (StageLink)
             if first:
@@ -331,12 +341,25 @@ class StageActor:
                 x, carry = self.link.recv(n_rows, self.hidden, carried=True)
             if carry and last and not first:  # the drafted tokens, in the order of the rows that drafted them
                 batch = batch.model_drafted(_split(carry, batch))
+            t_in = time.perf_counter_ns()
             x = self.runner.layers(x, meta, batch if last else None)
+            t_layers = time.perf_counter_ns()
             if not last:
                 sent = True
                 self.link.send(x, carry)
+                self.timings.append((batch.step_id, t0, t_in, t_layers, time.perf_counter_ns()))
                 return None
-            return self.runner.sample(batch, x, meta)
+            out = self.runner.sample(batch, x, meta)
+            if batch.loop_back:  # to the first stage, for the step that continues this one
+                sampled = [t for t, want in zip(out.tokens, batch.sample) if want]
+                if first:
+                    self._loop_tokens = sampled
+                else:
+                    self.link.send_tokens(sampled)
+            t_out = time.perf_counter_ns()
+            out.sample_ns = t_out - t_layers
+            self.timings.append((batch.step_id, t0, t_in, t_layers, t_out))
+            return out
         except Exception:
             if not last and not sent and self.link is not None:
                 try:  # let the stages after this one fail this step now instead of timing out
@@ -345,7 +368,17 @@ class StageActor:
                     pass
             raise
         finally:
-            self.step_s += time.perf_counter() - t0
+            self.step_s += (time.perf_counter_ns() - t0) / 1e9
+
+    def _looped_tokens(self, n: int) -> list[int]:
+        """The first stage: the last stage's sampled tokens of the step before (this stage's own
+        when it is the only one)."""
+        if self.n_stages == 1:
+            tokens, self._loop_tokens = self._loop_tokens, None
+            if tokens is None or len(tokens) != n:
+                raise MoerayError(f"stage 0: a step continues one whose {n} tokens it does not hold")
+            return tokens
+        return self.link.recv_tokens(n)
 
     def device_memory(self) -> dict[str, Any]:
         """What this stage was charged against what its device really holds: the ledger's parts
@@ -403,6 +436,7 @@ class StageActor:
             kv = self.runner.kv
             out.kv = {"blocks": kv.n_blocks, "block_tokens": kv.block_size, "bytes": kv.nbytes(),
                       "dtype": str(kv.dtype).removeprefix("torch.")}
+            out.timings = list(self.timings)
         return out
 
     # ---------------------------------------------------------------- transport micro-benchmarks

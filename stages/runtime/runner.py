@@ -2,6 +2,7 @@
 is stages/runtime/step.py)."""
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ class StageRunner:
         self.model, self.kv = model, kv  # kv: a KVPool
         self.drafter = None  # the first stage's draft model (stages/runtime/draft_model.py), if any
         self.mtp = None  # the last stage's next-token-prediction layer (stages/runtime/mtp.py), if any
+        self.params: dict[int, Any] = {}  # slot -> its sequence's SamplingParams (sent once, on its fresh row)
         self.generators: dict[int, Any] = {}  # slot -> the torch.Generator of its sequence
         self.grammars = None  # stages/text/grammar.py GrammarMasks, made on the first constrained request
         self.budgets = None  # stages/text/reasoning_budget.py ReasoningBudgets, made on the first budgeted request
@@ -34,16 +36,15 @@ class StageRunner:
         self.histories: dict[int, Any] = {}
 
     def begin(self, batch: StepBatch):
+        for slot in batch.ended or ():  # sequences that ended: what the stage kept for them goes
+            self._forget(slot)
         for i, (slot, fresh) in enumerate(zip(batch.slots, batch.fresh)):
-            if fresh:  # a new sequence in this slot: a sampler from its own seed
-                self.generators.pop(slot, None)
-                self.histories.pop(slot, None)
+            if fresh:  # a new sequence in this slot: its params, a sampler from its own seed
+                self._forget(slot)
+                if batch.params is not None and batch.params[i] is not None:
+                    self.params[slot] = batch.params[i]
                 if batch.history is not None and batch.history[i] is not None:
                     self.histories[slot] = batch.history[i]
-                if self.grammars is not None:
-                    self.grammars.reset(slot)
-                if self.budgets is not None:
-                    self.budgets.reset(slot)
                 if self.mtp is not None:
                     self.mtp.reset(slot)
         if batch.starts is None or batch.tables is None:
@@ -54,6 +55,34 @@ class StageRunner:
                     pool.copy_rows(batch.copies)
         return self.model.table_meta(batch.n_new, batch.starts, batch.tables, self.kv, batch.slots,
                                      state_before=batch.state_before, state_after=batch.state_after)
+
+    def _forget(self, slot: int) -> None:
+        """Drop what the stage keeps for the sequence in `slot`: params, sampler, history, grammar,
+        reasoning budget."""
+        self.params.pop(slot, None)
+        self.generators.pop(slot, None)
+        self.histories.pop(slot, None)
+        if self.grammars is not None:
+            self.grammars.reset(slot)
+        if self.budgets is not None:
+            self.budgets.reset(slot)
+
+    def row_params(self, batch: StepBatch) -> list:
+        """Each row's sampling params where it wants a token (kept from its sequence's fresh row),
+        else None."""
+        if batch.sample is None:
+            return [None] * len(batch.slots)
+        out = []
+        for slot, want in zip(batch.slots, batch.sample):
+            if not want:
+                out.append(None)
+            elif (p := self.params.get(slot)) is not None:
+                out.append(p)
+            else:
+                raise MoerayError(f"slot {slot}: a token is wanted but the sequence's sampling parameters never "
+                                  "came (they travel on its first row; a restarted stage gets them again when "
+                                  "its sequences are admitted again)")
+        return out
 
     def layers(self, x, meta, batch: StepBatch | None = None):
         """The stage's layers over x. batch: on the last stage, the step's batch; then only the rows
@@ -70,8 +99,8 @@ class StageRunner:
             return None
         last = meta.last_index.tolist()
         rows = []
-        for i, p in enumerate(batch.sample):
-            if p is not None:
+        for i, want in enumerate(batch.sample or ()):
+            if want:
                 k = len(batch.drafts[i]) if batch.drafts is not None and batch.drafts[i] else 0
                 rows.extend(range(last[i] - k, last[i] + 1))
         if len(rows) == meta.n_tokens:  # a decode step in which every row samples: no gather to build
@@ -116,15 +145,16 @@ class StageRunner:
         penalties reads its TokenHistory, which counts each token it samples here. A verify row
         (batch.drafts: k drafted tokens after its last token) gets a list: the drafted tokens the
         target accepts and one of its own (stages/text/verify.py), with a log-probability each."""
-        want = [i for i, p in enumerate(batch.sample) if p is not None]
+        by_row = self.row_params(batch)
+        want = [i for i, p in enumerate(by_row) if p is not None]
         out: list = [None] * len(batch.slots)
         if not want:
             return StepOutput(out)
         drafts = batch.drafts
         if drafts is not None and any(drafts[i] for i in want):
-            return self._verify(batch, x, meta, want)
+            return self._verify(batch, x, meta, want, by_row)
         logits = self.model.head(self._rows(x, meta.last_index[want]))
-        params = [batch.sample[i] for i in want]
+        params = [by_row[i] for i in want]
         slots = [batch.slots[i] for i in want]
         histories = self._prepare(slots, params, logits)
         allowed = self._masks(slots, params, logits.shape[-1])
@@ -161,7 +191,7 @@ class StageRunner:
                     raise MoerayError(f"slot {slot}: penalties asked for, but the sequence's tokens never came")
         return [self.histories.get(slot) for slot in slots] if any(p.needs_history for p in params) else None
 
-    def _verify(self, batch: StepBatch, x, meta, want: list[int]) -> StepOutput:
+    def _verify(self, batch: StepBatch, x, meta, want: list[int], by_row: list) -> StepOutput:
         """A step with verify rows: every position of a verify row goes through the head (the
         target's distribution after each drafted token), one position of a plain row; each verify
         row's tokens are its accepted drafts and one more, each plain row's its sampled token."""
@@ -174,7 +204,7 @@ class StageRunner:
         logits = self.model.head(self._rows(x, torch.tensor(index, device=x.device)))
         out: list = [None] * len(batch.slots)
         logprobs: list = [None] * len(batch.slots)
-        params = [batch.sample[i] for i in want]
+        params = [by_row[i] for i in want]
         slots = [batch.slots[i] for i in want]
         histories = self._prepare(slots, params, logits) or [None] * len(want)
         n_vocab = logits.shape[-1]
@@ -206,7 +236,7 @@ class StageRunner:
             self._took(slot, p, toks)
             if p.logprobs is not None:
                 logprobs[i] = [sampling.token_logprobs(rows[j], tok, p.logprobs) for j, tok in enumerate(toks)]
-        if all(batch.sample[i].logprobs is None for i in want):
+        if all(by_row[i].logprobs is None for i in want):
             return StepOutput(out)
         return StepOutput(out, logprobs)
 
@@ -259,7 +289,11 @@ class StageRunner:
         drafts = self.draft(batch)
         if drafts is not None:
             batch = batch.model_drafted(drafts)
-        return self.sample(batch, self.layers(self.model.embed(batch.tokens), meta, batch), meta)
+        x = self.layers(self.model.embed(batch.tokens), meta, batch)
+        t = time.perf_counter_ns()
+        out = self.sample(batch, x, meta)
+        out.sample_ns = time.perf_counter_ns() - t
+        return out
 
 
 def with_forced(mask, forced: int | None, n_vocab: int):

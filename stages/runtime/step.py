@@ -15,6 +15,10 @@ from moeray.stages.runtime.device import DeviceInfo
 if TYPE_CHECKING:  # annotations only: sampling.py loads torch
     from moeray.stages.text.sampling import SamplingParams, TokenLogprob
 
+# A decode row's token the engine does not know yet: the last stage sent it to the first stage
+# itself, after sampling the step before (StepBatch.loop_back, StepBatch.looped).
+LOOPED = -1
+
 
 @dataclass(kw_only=True)
 class StepBatch:
@@ -23,14 +27,29 @@ class StepBatch:
 
     Every stage gets the same slots, token counts, start positions and KV block tables (the engine
     owns the block accounting; stages/blocks/kv_cache.py); only stage 0 gets the token ids and only the
-    last stage the sampling params and the token histories its penalties read.
+    last stage which rows sample, the sampling params and the token histories its penalties read.
+
+    A sequence's sampling params (grammar, logit bias, seed, penalties: stop strings and max_tokens
+    stay with the engine) travel once, on the row it starts its slot with (`fresh`: admitted, or
+    admitted again after a preemption or a stage's restart); the last stage keeps them for the slot
+    until the sequence ends (`ended`) or another one starts there.
     """
     step_id: int
     slots: list[int]
     n_new: list[int]  # new tokens per sequence: a prefill chunk or 1
     fresh: list[bool]  # this chunk starts a new sequence in its slot: reset KV and sampler first
     tokens: list[list[int]] | None = None  # stage 0 only
-    sample: list[SamplingParams | None] | None = None  # last stage only; None: no token wanted yet
+    sample: list[bool] | None = None  # last stage only: the row wants a token (its prompt is fully fed)
+    # Last stage only: a sequence's sampling params on its fresh row, None on the others (None: no
+    # fresh row carries any)
+    params: list[SamplingParams | None] | None = None
+    ended: list[int] | None = None  # last stage only: slots whose sequences ended since the last step
+    # A decode step issued before the one it continues came back (cluster/engine.py, chained decode):
+    # the last stage sends its sampled tokens (one per sampling row, in row order) straight to the
+    # first stage (`loop_back`), and the next step the first stage runs takes them first (`looped`:
+    # the slots they belong to, in that order); its rows whose token is LOOPED take their slot's.
+    loop_back: bool = False  # last stage only
+    looped: list[int] | None = None  # first stage only
     starts: list[int] | None = None  # tokens each sequence holds in KV before this step
     tables: list[list[int]] | None = None  # each sequence's KV blocks, at least up to its last new token
     # (block, block, rows): copy the first rows of a written block into another before the step (a
@@ -59,9 +78,16 @@ class StepBatch:
     def for_stage(self, stage: int, n_stages: int) -> "StepBatch":
         last = stage == n_stages - 1
         return replace(self, tokens=self.tokens if stage == 0 or (last and self.mtp_k is not None) else None,
-                       sample=self.sample if last else None,
+                       sample=self.sample if last else None, params=self.params if last else None,
+                       ended=self.ended if last else None, loop_back=self.loop_back and last,
+                       looped=self.looped if stage == 0 else None,
                        history=self.history if last else None, drafts=self.drafts if last else None,
                        draft_k=self.draft_k if stage == 0 or last else None, mtp_k=self.mtp_k if last else None)
+
+    def with_looped(self, tokens: dict[int, int]) -> "StepBatch":
+        """This step with its LOOPED tokens filled in from the last stage's (slot -> token)."""
+        return replace(self, tokens=[[tokens[slot] if t == LOOPED else t for t in row]
+                                     for slot, row in zip(self.slots, self.tokens)])
 
     def model_drafted(self, drafts: list[list[int]]) -> "StepBatch":
         """This step with the draft model's tokens in its rows (placeholders replaced): in the token
@@ -83,6 +109,7 @@ class StepOutput:
     logprobs: list[TokenLogprob | list[TokenLogprob] | None] | None = None
     # a next-token-prediction layer's tokens for the row's next step (stages/runtime/mtp.py), per row
     proposals: list[list[int] | None] | None = None
+    sample_ns: int = 0  # the last stage's head and sampling, nanoseconds (cluster/timeline.py)
 
 
 @dataclass(frozen=True)
@@ -141,3 +168,6 @@ class StageStats:
     pid: int = 0  # the stage's process (bench/chaos.py kills it)
     node_id: str = ""  # its Ray node
     parts_opened: list[int] = field(default_factory=list)  # the model's files (parts) this stage mapped
+    # The last steps' times: (step id, call start, input ready, layers done, output sent or sampled),
+    # perf_counter_ns on the stage's host (cluster/timeline.py stage_hops)
+    timings: list[tuple[int, int, int, int, int]] = field(default_factory=list)

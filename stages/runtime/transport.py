@@ -12,6 +12,10 @@ below 2**24, far past any vocabulary). A stage whose step raised still sends a s
 the stages after it fail the same step at once instead of waiting for a tensor that never
 comes. Every wait is bounded by the group's timeout.
 
+A chained decode step (cluster/engine.py) closes the ring: the last stage sends its sampled token
+ids to the first stage (int64, on the host), which takes them at its next step, so a stream's
+next token does not wait for the driver.
+
 On CUDA the wire and the compute device can differ: NCCL moves CUDA tensors card to card, but
 refuses two ranks on one card (stages sharing a GPU through fractional Ray resources), so such a
 group runs gloo over host memory: the sender copies its activations to the host, the receiver
@@ -66,6 +70,7 @@ class StageLink:
             raise MoerayError(f"stage {rank}: the nccl backend links CUDA stages; this stage computes on "
                               f"{self.compute_device}")
         self.device = self.compute_device if backend == "nccl" else torch.device("cpu")
+        self._tokens, self._tokens_work = None, None  # the last stage's loop-back send in flight
         # A host message bound for a card lands in pinned memory, so the copy up is asynchronous.
         self._pin = self.device.type == "cpu" and self.compute_device.type == "cuda"
         if dist.is_initialized():  # a restart re-forms the group: leave the broken one first
@@ -116,6 +121,36 @@ class StageLink:
             return x
         n = int(msg[0, 1].item())
         return x, [int(t) for t in msg[0, 2:2 + n].tolist()] if n else []
+
+    def send_tokens(self, tokens: list[int]) -> None:
+        """The last stage's sampled tokens to the first stage (a chained decode step's), without
+        waiting for the first stage to take them: it does so at its next step, which may not be
+        issued yet. The send before is finished first (the first stage has taken it by then: it
+        took it before the step whose sampling sends these)."""
+        self.wait_tokens()
+        self._tokens = torch.tensor(tokens, dtype=torch.int64)
+        try:
+            self._tokens_work = dist.isend(self._tokens, dst=0)
+        except Exception as exc:
+            raise TransportError(f"stage {self.rank}: sending tokens to stage 0 failed: {exc}") from exc
+
+    def wait_tokens(self) -> None:
+        work, self._tokens_work = self._tokens_work, None
+        if work is not None:
+            try:
+                work.wait()
+            except Exception as exc:
+                raise TransportError(f"stage {self.rank}: stage 0 did not take the tokens sent to it: {exc}") from exc
+
+    def recv_tokens(self, n: int) -> list[int]:
+        """At the first stage: the last stage's `n` sampled tokens of the step before."""
+        msg = torch.empty(n, dtype=torch.int64)
+        try:
+            dist.recv(msg, src=self.world_size - 1)
+        except Exception as exc:
+            raise TransportError(f"stage {self.rank}: receiving tokens from stage {self.world_size - 1} failed: "
+                                 f"{exc}") from exc
+        return msg.tolist()
 
     def _send(self, msg: torch.Tensor) -> None:
         try:

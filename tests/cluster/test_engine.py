@@ -45,11 +45,11 @@ class ScriptedPipeline:
         if batch.step_id == self.fail_at:
             raise StageFailedError(f"stage 0 died during step {batch.step_id}")
         out = []
-        for slot, n, fresh, toks, p in zip(batch.slots, batch.n_new, batch.fresh, batch.tokens, batch.sample):
+        for slot, n, fresh, toks, want in zip(batch.slots, batch.n_new, batch.fresh, batch.tokens, batch.sample):
             if fresh:
                 self.slot_script[slot], self.kv_len[slot] = (self.scripts[chr(toks[0])], 0), 0
             self.kv_len[slot] += n
-            if p is None:
+            if not want:
                 out.append(None)
                 continue
             script, pos = self.slot_script[slot]
@@ -122,7 +122,7 @@ def test_chunked_prefill_shares_the_token_budget_with_decodes_first():
     first = pipe.batches[:3]
     assert [x.n_new for x in first] == [[2, 4], [1, 4], [1, 2]]  # A decodes first; B in chunks of <= 4
     assert [x.fresh for x in first] == [[True, True], [False, False], [False, False]]
-    assert [[p is not None for p in x.sample] for x in first] == [[True, False], [True, False], [True, True]]
+    assert [x.sample for x in first] == [[True, False], [True, False], [True, True]]
     assert b.text == "yy" and a.text == "zzzzzz"
     assert eng.stats.prefill_tokens == 12 and eng.stats.decode_tokens == sum(len(r.output) - 1 for r in (a, b))
 

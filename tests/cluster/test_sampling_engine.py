@@ -112,9 +112,12 @@ def test_a_preempted_sequence_keeps_its_output_counts(tiny_model, recorded):
     assert _check_greedy_rows(recorded, reqs[3]) > 0
 
 
-def test_the_history_travels_to_the_last_stage_only():
+def test_the_history_and_params_travel_to_the_last_stage_only():
     b = StepBatch(step_id=0, slots=[0, 1], n_new=[3, 1], fresh=[True, False], tokens=[[1, 2, 3], [4]],
-                  sample=[SamplingParams(presence_penalty=1), None], starts=[0, 9], tables=[[0], [1]],
-                  history=[([1, 2, 3], []), None])
-    assert b.for_stage(0, 3).history is None and b.for_stage(1, 3).history is None
-    assert b.for_stage(2, 3).history == [([1, 2, 3], []), None]
+                  sample=[True, False], params=[SamplingParams(presence_penalty=1), None], starts=[0, 9],
+                  tables=[[0], [1]], history=[([1, 2, 3], []), None], ended=[5])
+    for i in (0, 1):
+        s = b.for_stage(i, 3)
+        assert s.history is None and s.params is None and s.sample is None and s.ended is None
+    last = b.for_stage(2, 3)
+    assert last.history == [([1, 2, 3], []), None] and last.params == b.params and last.ended == [5]

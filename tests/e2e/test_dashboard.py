@@ -219,7 +219,7 @@ def test_a_stage_repr_carries_its_layers_and_live_hit_rate(default_model_path):
     stage = StageActor(0, 1, simulated_budget=150 << 20, torch_threads=1)
     assert repr(stage).startswith("StageActor(stage=0/1, device=simulated device 0")
     stage.load(str(default_model_path), 0, 30, kv_blocks=1)
-    stage.step(StepBatch(step_id=0, slots=[0], n_new=[6], fresh=[True], tokens=[[1, 504, 3458, 282, 4649, 314]], sample=[None],
+    stage.step(StepBatch(step_id=0, slots=[0], n_new=[6], fresh=[True], tokens=[[1, 504, 3458, 282, 4649, 314]], sample=[False],
                          starts=[0], tables=[[0]]))
     cache = stage.stats().cache
     assert 0 < cache["hits"] < cache["lookups"]

@@ -137,6 +137,19 @@ def test_each_stage_measures_the_hit_rate_its_plan_predicted(launched):
     assert min(s.predicted_hit_rate for s in after) < 0.99
 
 
+def test_a_lone_stream_chains_its_decode_steps_and_gives_the_same_tokens(launched, reference):
+    """One request alone: each decode step is issued before the one it continues came back, its
+    token sent from the last stage to the first (cluster/engine.py _may_chain); then a request with
+    a logit bias, its params sent once: the bias holds for every token."""
+    eng = _engine(launched)
+    got = eng.generate([PROMPTS[1]], SamplingParams(max_tokens=12, ignore_eos=True), timeout_s=300)[0]
+    assert eng.stats.chained_steps >= 5 and got.output[:N_NEW] == reference[1]
+    biased = eng.generate([PROMPTS[0]], SamplingParams(max_tokens=8, ignore_eos=True, logit_bias={42: 100.0}),
+                          timeout_s=300)[0]
+    assert biased.output == [42] * 8
+    assert not eng.in_flight and eng.n_free_slots == MAX_SEQS
+
+
 def test_killing_a_stage_fails_requests_clearly_and_the_next_one_succeeds(launched, reference):
     eng = _engine(launched)
     doomed = eng.add(PROMPTS[1], SamplingParams(max_tokens=40, ignore_eos=True))
@@ -153,6 +166,10 @@ def test_killing_a_stage_fails_requests_clearly_and_the_next_one_succeeds(launch
     assert failed_after < 60
     again = eng.generate([PROMPTS[0]], SamplingParams(max_tokens=N_NEW, ignore_eos=True), timeout_s=300)
     assert again[0].output == reference[0]
+    # The restarted stages hold no sequence's params: each brings its own when it is admitted.
+    biased = eng.generate([PROMPTS[2]], SamplingParams(max_tokens=4, ignore_eos=True, logit_bias={77: 100.0}),
+                          timeout_s=300)[0]
+    assert biased.output == [77] * 4
 
 
 def test_moeray_run_prints_plan_text_speed_and_stages(launched, reference, default_model_path, capsys):

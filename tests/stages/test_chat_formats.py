@@ -336,7 +336,7 @@ def marker_splits(text: str, markers) -> list[list[str]]:
 
 def token_pieces(turn: Turn, tok, text: str) -> list[str]:
     """The reply as the engine releases it: tokenized, then detokenized token by token (StopStringStream)."""
-    from moeray.stages.text.sampling import StopStringStream
+    from moeray.stages.text.detokenize import StopStringStream
 
     tok = tok.with_rendered(turn.format.markers())
     detok = StopStringStream(tok)

@@ -8,9 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeray.stages.text.sampling import (SamplingParams, StopStringStream, TokenHistory, adjust_logits,
+from moeray.stages.text.sampling import (SamplingParams, TokenHistory, adjust_logits,
                                         filtered_probs, process_logits, sample)
-from fakes import CharTokenizer
 
 torch.manual_seed(0)
 LOGITS = torch.randn(3, 50) * 3
@@ -241,43 +240,6 @@ def test_a_seeded_penalised_row_repeats_its_draws_and_its_counts_steer_them():
     assert len(set(first)) >= 20  # a token drawn once is e^-4 as likely: repeats are rare
 
 
-def _stream(text, stop):
-    s = StopStringStream(CharTokenizer(), stop)
-    deltas = []
-    for ch in text:
-        deltas.append(s.push(ord(ch)))
-        if s.stopped:
-            break
-    deltas.append(s.finish())
-    return deltas, s
-
-
-def test_stop_string_is_cut_and_its_prefix_held_back():
-    deltas, s = _stream("abc<END>def", ["<END>"])
-    assert "".join(deltas) == s.text == "abc"
-    # "<", "<E", ... are held until they turn out to be the stop string: never emitted.
-    assert all("<" not in d for d in deltas)
-    deltas, s = _stream("a<b<ENx", ["<END>"])
-    assert "".join(deltas) == "a<b<ENx"
-    assert deltas[:3] == ["a", "", "<b"]  # "<" waited until "b" showed it is not a stop
-
-
-def test_earliest_of_several_stop_strings_wins():
-    _, s = _stream("one. two\n\nthree", ["\n\n", "two"])
-    assert s.text == "one. "
-
-
-def test_partial_utf8_is_held_back(smollm2_dense_path):
-    from moeray.stages.text.tokenizer import Tokenizer
-
-    tok = Tokenizer.from_gguf(smollm2_dense_path)
-    text = "ok 🙂🙂 done"
-    s = StopStringStream(tok)
-    deltas = [s.push(i) for i in tok.encode(text)] + [s.finish()]
-    assert all("\ufffd" not in d for d in deltas)
-    assert "".join(deltas) == text
-
-
 def test_a_grammar_mask_limits_greedy_and_sampled_rows_and_logprobs_are_the_models_own():
     from moeray.stages.text.sampling import token_logprobs
 
@@ -296,49 +258,3 @@ def test_a_grammar_mask_limits_greedy_and_sampled_rows_and_logprobs_are_the_mode
     assert [v for _, v in lp.top] == pytest.approx(want.topk(3).values.tolist())
     with pytest.raises(ValueError, match="top_logprobs"):
         SamplingParams(logprobs=21)
-
-
-class CountingTokenizer:
-    """A tokenizer that records how many ids each decode call was given."""
-
-    def __init__(self, tok):
-        self.tok, self.sizes = tok, []
-
-    def decode(self, ids):
-        self.sizes.append(len(ids))
-        return self.tok.decode(ids)
-
-
-def _tokenizers(smollm2_dense_path):
-    from test_tokenizer import _spm_metadata
-
-    from moeray.stages.text.tokenizer import Tokenizer
-
-    yield "byte-level BPE", Tokenizer.from_gguf(smollm2_dense_path)
-    yield "sentencepiece (byte fallback)", Tokenizer.from_metadata(_spm_metadata()[1])
-
-
-def test_window_decoder_text_is_the_whole_decode_at_every_token_and_its_cost_stays_flat(smollm2_dense_path):
-    """Detokenising token by token decodes a bounded window, yet the text is always decode(all ids):
-    multi-byte characters split over tokens, SentencePiece's leading spaces, random ids."""
-    import random
-
-    from moeray.stages.text.sampling import WindowDecoder
-
-    rng = random.Random(0)
-    texts = ["Héllo wörld!  日本語のテキスト 🙂🙂 emoji, tabs\tand\nnewlines. The quick brown fox 12345. " * 8,
-             "  leading  spaces\n\n and   runs   of spaces " * 20]
-    for name, tok in _tokenizers(smollm2_dense_path):
-        sequences = [tok.encode(t)[:300] for t in texts] + [[rng.randrange(tok.vocab_size) for _ in range(200)]]
-        for ids in sequences:
-            counting = CountingTokenizer(tok)
-            d = WindowDecoder(counting)
-            for i, t in enumerate(ids):
-                assert d.push(t) == tok.decode(ids[:i + 1]), (name, i)
-        ids = sequences[1]
-        counting = CountingTokenizer(tok)
-        d = WindowDecoder(counting)
-        for t in ids:
-            d.push(t)
-        # Plain text settles: no decode call sees more than a window of ids, however long the output.
-        assert max(counting.sizes[-50:]) <= WindowDecoder.CONTEXT + 2 * WindowDecoder.SETTLE, name
