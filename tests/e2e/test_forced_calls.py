@@ -221,13 +221,13 @@ def test_served_with_its_own_template_the_default_model_calls_tools_in_the_gener
     # The call and its result go back: the template gets them as JSON turns, and the model answers.
     follow = MESSAGES + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
                          {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "sunny"}'}]
-    r = client.chat.completions.create(**{**kw, "messages": follow}, tool_choice="none", max_tokens=8)
+    r = client.chat.completions.create(**{**kw, "messages": follow, "max_tokens": 8}, tool_choice="none")
     assert r.choices[0].message.content and r.choices[0].message.tool_calls is None
     # Cut by max_tokens one token before its first call is whole: length, no call, no JSON as content.
     from moeray.stages.text.chat.generic import GenericReader
 
     n = cut_inside_first_call(client, kw, lambda: GenericReader([WEATHER, TIME]))
-    cut = client.chat.completions.create(**kw, tool_choice="required", max_tokens=n)
+    cut = client.chat.completions.create(**{**kw, "max_tokens": n}, tool_choice="required")
     assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.tool_calls is None
     assert not cut.choices[0].message.content
 
@@ -264,12 +264,16 @@ def test_served_with_a_thinking_template_the_budget_closes_the_thinking_and_the_
     # No thinking at all: the template's switch (enable_thinking false) closes the block in the prompt.
     r = client.chat.completions.create(**kw, reasoning_effort="none")
     assert r.choices[0].message.reasoning_content is None and r.choices[0].message.tool_calls
-    # Streamed: the same call, and nothing of the format as content.
+    # Streamed: the call, and nothing of the format as content (its arguments valid, not compared with
+    # the first run's: read from the prefix cache, a near tie of this untrained model may fall otherwise).
     chunks = list(client.chat.completions.create(**kw, stream=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     assert "".join(d.content or "" for d in deltas) == ""
-    args = "".join(t.function.arguments or "" for d in deltas for t in (d.tool_calls or []))
-    assert args == first.choices[0].message.tool_calls[0].function.arguments
+    pieces = [t for d in deltas for t in (d.tool_calls or [])]
+    assert pieces[0].function.name == "get_weather"
+    args = "".join(t.function.arguments or "" for t in pieces)
+    jsonschema.validate(json.loads(args), WEATHER["function"]["parameters"])
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
     # Cut by max_tokens one token before the call is whole: finish_reason length, no call, no markup.
     from moeray.stages.text.chat import Turn
     from moeray.stages.text.chat.qwen3_xml import Qwen3Xml
