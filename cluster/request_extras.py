@@ -162,6 +162,9 @@ def _check(service, grammar: str, param: str, error) -> None:
     try:
         check_grammar(grammar, service.tokenizer)
     except GrammarError as exc:
+        if param in ("tools", "tool_choice"):  # a call's grammar: its functions' schemas, not the grammar quoted
+            raise error(f"tools: a function's parameters are not a usable JSON schema: {_schema_problem(exc)}",
+                        "tools") from None
         raise error(f"{param}: {exc}", param) from None
 
 
