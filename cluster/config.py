@@ -186,6 +186,11 @@ def is_loopback(host: str) -> bool:
 class ServeOptions:
     model: Optional[str] = None  # GGUF path; None = the embedded default model
     model_name: Optional[str] = None  # the id clients send; default: the file's stem
+    # More ids the server answers to (vLLM's --served-model-name takes several); responses name model_name
+    model_aliases: tuple[str, ...] = ()
+    # Answer a request whatever model it names (as llama-server does): agents send their own names
+    # for side calls (Claude Code's small fast model) and would otherwise get a 404
+    any_model: bool = False
     local: bool = False  # one process, no stage actors (LocalPipeline)
     launch: LaunchOptions = field(default_factory=LaunchOptions)
     engine: EngineConfig = field(default_factory=EngineConfig)
@@ -215,6 +220,17 @@ class ServeOptions:
     # (--local's ggml threads are launch.stage.threads; None: every core the one process may run on)
     # How chat templates are called and replies read (stages/text/chat/): None = the GGUF's own family
     chat_format: Optional[str] = None
+    # POST /v1/responses kept in memory for previous_response_id and GET /v1/responses/{id}: the most
+    # recently used ones (a response continued from or read counts as used); 0 keeps none
+    responses_store: int = 256
+    # Output tokens of a request that sets no limit (llama-server's -n): None is 256 on the chat and
+    # completions routes and the rest of the context on /v1/responses (Codex sends no limit)
+    default_max_tokens: Optional[int] = None
+    # A chat template used instead of the GGUF's (its text; `serve --chat-template FILE` reads it)
+    chat_template: Optional[str] = None
+    # Thinking tokens a reply may spend before its reasoning is closed, where a request sets none
+    # (stages/text/reasoning_budget.py): -1 unlimited, 0 no thinking (llama-server's --reasoning-budget)
+    reasoning_budget: int = -1
 
     def __post_init__(self) -> None:
         if self.max_waiting < 0 or self.door_requests < 1 or self.serve_queue < 1:

@@ -124,12 +124,14 @@ class Edge:
                     send, 403, f"this server does not answer requests for host {host!r}; it answers "
                     f"{', '.join(sorted(self.allowed))} (--allowed-hosts)", code="host_not_allowed", close=True)
         if self.key and self._needs_key(path):
+            # `Authorization: Bearer KEY` as OpenAI's clients send it, or `x-api-key: KEY` as Anthropic's do
             given = headers.get(b"authorization", b"").decode("latin-1")
-            token = given[7:].strip() if given[:7].lower() == "bearer " else ""
+            token = (given[7:] if given[:7].lower() == "bearer " else headers.get(b"x-api-key", b"").decode("latin-1"))
+            token = token.strip()
             if not hmac.compare_digest(token.encode(), self.key.encode()):
-                return await send_error(send, 401, "incorrect API key provided" if token else
-                                        "no API key provided (send 'Authorization: Bearer KEY')",
-                                        code="invalid_api_key")
+                return await self._refuse(scope, receive, send, 401, "incorrect API key provided" if token else
+                                          "no API key provided (send 'Authorization: Bearer KEY' or 'x-api-key: KEY')",
+                                          code="invalid_api_key")
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             await _discard(receive, int(length))  # so the client, still sending, reads the answer
@@ -141,11 +143,12 @@ class Edge:
             try:
                 ticket = self.service.loop.door()
             except OverloadedError as exc:
-                return await send_error(send, 429, str(exc), "rate_limit_error", "overloaded")
+                return await self._refuse(scope, receive, send, 429, str(exc), "rate_limit_error", "overloaded")
             except ShuttingDownError as exc:
-                return await send_error(send, 503, str(exc), "server_error", "shutting_down", close=True)
+                return await self._refuse(scope, receive, send, 503, str(exc), "server_error", "shutting_down",
+                                          close=True)
             except EngineDownError as exc:
-                return await send_error(send, 503, str(exc), "server_error", "engine_unavailable")
+                return await self._refuse(scope, receive, send, 503, str(exc), "server_error", "engine_unavailable")
         token = _ticket.set(ticket)
         try:
             await self._until_disconnect(scope, receive, send)
@@ -153,6 +156,25 @@ class Edge:
             _ticket.reset(token)
             if ticket is not None:
                 ticket.release()
+
+    async def _refuse(self, scope, receive, send, status: int, message: str, type_: str = "invalid_request_error",
+                      code: Optional[str] = None, close: bool = False) -> None:
+        """An error the edge answers itself, in the shape of the API the request spoke: an API with
+        its own shape registers it for its paths (app.state.error_shapes: Anthropic's on
+        /v1/messages); OpenAI's otherwise."""
+        path = scope.get("path", "")
+        state = getattr(scope.get("app"), "state", None)
+        shape = next((fn for prefix, fn in getattr(state, "error_shapes", ()) if path.startswith(prefix)), None)
+        if shape is None:
+            return await send_error(send, status, message, type_, code, close=close)
+        from moeray.cluster.serve_app import APIError  # the routes' module imports this one
+
+        response = shape(APIError(status, message, type_=type_, code=code))
+        if status in (429, 503):
+            response.headers["retry-after"] = "1"
+        if close:
+            response.headers["connection"] = "close"
+        await response(scope, receive, send)
 
     def _needs_key(self, path: str) -> bool:
         if path in OPEN_PATHS or path.startswith(OPEN_PREFIXES):

@@ -1,14 +1,17 @@
 """The OpenAI HTTP API's request and response bodies, as pydantic models.
 
-Every request parameter either does what it asks or is a 400 naming it, never ignored: what
-moeray implements is declared as a field; OpenAI's parameters that it does not implement are
+Every request parameter either does what it asks or is a 400 naming it, never silently ignored:
+what moeray implements is declared as a field; OpenAI's parameters that it does not implement are
 listed in UNSUPPORTED with the values that ask for nothing (a client library may send one at
-its default); any other name is unknown (OpenAI's own server rejects those too). Strict types
-where OpenAI is strict: `max_tokens: "10"` or `temperature: "hot"` are rejected, not coerced.
+its default); the fields clients written for llama-server or vLLM send that moeray does not do are
+listed in FOREIGN (accepted, with a warning in the log the first time one asks for something);
+any other name is unknown (OpenAI's own server rejects those too). Strict types where OpenAI is
+strict: `max_tokens: "10"` or `temperature: "hot"` are rejected, not coerced.
 """
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal, Optional, Union
@@ -16,6 +19,8 @@ from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, field_validator,
                       model_validator)
 from pydantic_core import PydanticCustomError
+
+log = logging.getLogger("moeray")
 
 Number = Union[StrictInt, StrictFloat]
 INT64 = dict(ge=-(1 << 63), le=(1 << 63) - 1)
@@ -30,6 +35,72 @@ UNSUPPORTED_CHAT: dict[str, tuple] = {
     "functions": (), "function_call": (),
 }
 UNSUPPORTED_COMPLETIONS: dict[str, tuple] = {"best_of": (1,), "echo": (False,), "suffix": ()}
+
+
+# Fields of llama-server's and vLLM's requests that moeray does not do, with the values that ask
+# for nothing there (null always does) and why moeray goes on without them. Accepted so their
+# clients keep working; one asking for something is logged once per field (docs/api.md).
+FOREIGN: dict[str, tuple[tuple, str]] = {
+    # llama-server
+    "cache_prompt": ((True,), "moeray always reuses a cached prompt prefix (--no-prefix-reuse is the server's switch)"),
+    "id_slot": ((-1,), "moeray assigns sequence slots itself"),
+    "n_probs": ((0,), "ask for logprobs / top_logprobs instead"),
+    "samplers": ((), "moeray's sampler order is fixed (vLLM's: docs/sampling.md)"),
+    "return_tokens": ((False,), "moeray returns text only"),
+    "top_a": ((0, 0.0), "moeray has no top-a sampler"),
+    "typical_p": ((1, 1.0), "moeray has no typical sampler"),
+    "tfs_z": ((1, 1.0), "moeray has no tail-free sampler"),
+    "mirostat": ((0,), "moeray has no mirostat sampler"),
+    "mirostat_tau": ((), "moeray has no mirostat sampler"),
+    "mirostat_eta": ((), "moeray has no mirostat sampler"),
+    "dynatemp_range": ((0, 0.0), "moeray has no dynamic temperature"),
+    "dynatemp_exponent": ((1, 1.0), "moeray has no dynamic temperature"),
+    "xtc_probability": ((0, 0.0), "moeray has no XTC sampler"),
+    "xtc_threshold": ((), "moeray has no XTC sampler"),
+    "dry_multiplier": ((0, 0.0), "moeray has no DRY sampler"),
+    "dry_base": ((), "moeray has no DRY sampler"),
+    "dry_allowed_length": ((), "moeray has no DRY sampler"),
+    "dry_penalty_last_n": ((), "moeray has no DRY sampler"),
+    "dry_sequence_breakers": ((), "moeray has no DRY sampler"),
+    "repeat_last_n": ((-1,), "moeray's repetition_penalty reads the whole sequence"),
+    "penalty_last_n": ((-1,), "moeray's repetition_penalty reads the whole sequence"),
+    "penalize_nl": ((), "moeray's repetition_penalty counts every token"),
+    "min_keep": ((0,), "moeray's samplers keep at least the likeliest token"),
+    "n_keep": ((), "moeray refuses a prompt over the context instead of shifting it"),
+    "n_indent": ((0,), "moeray has no indentation stop"),
+    "t_max_predict_ms": ((0,), "moeray has no time limit per request (max_tokens is the limit)"),
+    "timings_per_token": ((False,), "moeray reports no per-token timings"),
+    "return_progress": ((False,), "moeray reports no prompt progress"),
+    "post_sampling_probs": ((False,), "moeray's log-probabilities are the model's, before the samplers"),
+    "reasoning_format": (("auto", "deepseek"), "moeray always returns the reasoning apart (reasoning_content)"),
+    "parse_tool_calls": ((True,), "moeray always reads tool calls when tools are given"),
+    # vLLM
+    "min_tokens": ((0,), "moeray's sampler has no minimum length: the reply may end sooner"),
+    "skip_special_tokens": ((True,), "moeray's text never holds control tokens"),
+    "spaces_between_special_tokens": ((True,), "moeray's text never holds control tokens"),
+    "include_stop_str_in_output": ((False,), "moeray's text ends before the stop string"),
+    "truncate_prompt_tokens": ((), "moeray refuses a prompt over the context instead of cutting it"),
+    "priority": ((0,), "moeray serves requests in arrival order"),
+    "request_id": ((), "moeray makes its own ids"),
+    "cache_salt": ((), "moeray's prefix cache is per server"),
+    "use_beam_search": ((False,), "moeray has no beam search"),
+    "length_penalty": ((1, 1.0), "moeray has no beam search"),
+}
+_warned: set[str] = set()
+
+
+def _foreign(name: str, value: Any) -> None:
+    """A FOREIGN field: fine at a value that asks for nothing, else one warning per field per process."""
+    neutral, why = FOREIGN[name]
+    if _asks_nothing(value, neutral) or name in _warned:
+        return
+    _warned.add(name)
+    log.warning("moeray: the request field %r (%s) is accepted and ignored: %s (this warning is shown once)",
+                name, json.dumps(value)[:40], why)
+
+
+# llama-server's names of fields moeray has under OpenAI's or vLLM's name
+RENAMED = {"repeat_penalty": "repetition_penalty", "n_predict": "max_tokens"}
 
 
 def _asks_nothing(value: Any, neutral: tuple) -> bool:
@@ -86,14 +157,27 @@ class _Request(BaseModel):
     # moeray's own: draft and verify tokens for this request (true / false; absent: the server's
     # --speculative). The text is the same either way: greedy exactly, sampled in distribution.
     speculative: Optional[StrictBool] = None
+    # vLLM's and llama-server's: generate past the end token, until max_tokens or a stop string
+    ignore_eos: Optional[StrictBool] = None
 
     @model_validator(mode="before")
     @classmethod
     def _only_what_moeray_does(cls, data: Any) -> Any:
         if not isinstance(data, dict):
             return data
+        for old, new in RENAMED.items():
+            if old in data:
+                if new in data:
+                    raise PydanticCustomError("invalid_value", "give '{new}' or llama-server's '{old}', not both",
+                                              {"param": old, "old": old, "new": new})
+                data = {new if k == old else k: v for k, v in data.items()}
+                if old == "n_predict" and data[new] == -1:  # llama-server's "until the end"
+                    data[new] = None
         for name, value in data.items():
             if name in cls.model_fields:
+                continue
+            if name in FOREIGN:
+                _foreign(name, value)
                 continue
             if name not in cls.unsupported:
                 raise PydanticCustomError(
@@ -236,6 +320,11 @@ class ChatCompletionRequest(_Request):
     # Variables of the chat template (Qwen3's enable_thinking, DeepSeek-V3.1's thinking), as vLLM takes them.
     chat_template_kwargs: Optional[dict[StrictStr, Any]] = None
     reasoning_effort: Optional[Literal["none", "minimal", "low", "medium", "high"]] = None  # a template variable too
+    # Thinking tokens before the reasoning is closed (-1 unlimited, 0 none; docs/chat-formats.md#reasoning-budget):
+    # vLLM's name, and llama-server's two
+    thinking_token_budget: Optional[StrictInt] = None
+    reasoning_budget_tokens: Optional[StrictInt] = None
+    thinking_budget_tokens: Optional[StrictInt] = None
 
 
 class CompletionRequest(_Request):

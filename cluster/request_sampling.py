@@ -30,7 +30,8 @@ def sampling_params(body: oa._Request, max_tokens: int, vocab_size: int, error) 
             repetition_penalty=float(given(body.repetition_penalty, 1.0)),
             presence_penalty=float(given(body.presence_penalty, 0.0)),
             frequency_penalty=float(given(body.frequency_penalty, 0.0)),
-            logit_bias=bias, seed=body.seed, stop=body.stop_strings(), speculative=body.speculative)
+            logit_bias=bias, seed=body.seed, stop=body.stop_strings(), speculative=body.speculative,
+            ignore_eos=bool(body.ignore_eos))
     except BadSamplingParam as exc:
         raise error(str(exc), exc.param) from None
 

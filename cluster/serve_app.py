@@ -123,8 +123,9 @@ class Outcome:
     text: str = ""
     finish_reason: Optional[str] = None
     completion_tokens: int = 0
-    cached_tokens: int = 0  # prompt tokens whose KV a cached prefix supplied
+    cached_tokens: int = 0  # prompt tokens whose KV a cached prefix supplied (known from the first token on)
     done: bool = False
+    output_ids: list = dataclasses.field(default_factory=list)  # the tokens generated, once done (end token included)
     logprobs: list = dataclasses.field(default_factory=list)  # TokenLogprobs so far, when asked for
 
 
@@ -166,9 +167,11 @@ async def prepare_call(service: Service, body: oa._Request, prompt: list[int], e
                        id_prefix: str, timeline: Optional[Timeline] = None) -> Call:
     """Check the model, the prompt length and max_tokens; build the sampling params with what the
     request asks beyond text (log-probabilities, a grammar: compiled here, off the event loop)."""
-    if body.model != service.model_name:
-        raise APIError(404, f"the model '{body.model}' does not exist; this server serves '{service.model_name}'",
-                       param="model", code="model_not_found")
+    if not service.serves(body.model):
+        names = ", ".join(f"'{n}'" for n in service.model_names)
+        raise APIError(404, f"the model '{body.model}' does not exist; this server serves {names} (serve with "
+                       "--served-model-name to add names, or --any-model to answer any)", param="model",
+                       code="model_not_found")
     if not prompt:
         raise APIError(400, "the prompt is empty", param="prompt", code="invalid_value")
     room = service.context - len(prompt)
@@ -179,7 +182,7 @@ async def prepare_call(service: Service, body: oa._Request, prompt: list[int], e
     wanted = body.wanted_tokens()
     param = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     if wanted is None:
-        wanted = min(DEFAULT_MAX_TOKENS, room)
+        wanted = min(service.opts.default_max_tokens or DEFAULT_MAX_TOKENS, room)
     elif wanted < 1:
         raise APIError(400, f"{param} must be at least 1, got {wanted}", param=param, code="invalid_value")
     elif wanted > room:
@@ -246,8 +249,11 @@ async def text_deltas(call: Call) -> AsyncIterator[str]:
                     raise APIError(503, f"the request failed: {item.error}", type_="server_error",
                                    code="shutting_down" if service.loop.draining else "pipeline_failed")
                 outcome.finish_reason, outcome.done = item.reason, True
-                outcome.cached_tokens = stream.req.cached_tokens if stream.req is not None else 0
+                if stream.req is not None:
+                    outcome.cached_tokens, outcome.output_ids = stream.req.cached_tokens, list(stream.req.output)
                 return
+            if outcome.completion_tokens == 0 and stream.req is not None:  # admitted: its cached prefix is known
+                outcome.cached_tokens = stream.req.cached_tokens
             if tl is not None and len(tl.taken) < MAX_DELIVERIES:
                 tl.taken.append(now_ns())
             outcome.completion_tokens += item.n_tokens
@@ -340,7 +346,7 @@ def chat_prompt(service: Service, body: oa.ChatCompletionRequest, extras: xt.Ext
                 for m in body.messages]
     try:
         extras.turn = service.chat.render(service.tokenizer, messages, extras.tools, extras.variables,
-                                          read_calls=extras.read_calls)
+                                          read_calls=extras.read_calls, budget=xt.budget_tokens(service, extras))
     except ChatFormatError as exc:
         raise APIError(400, str(exc), param=exc.param, code="invalid_value") from None
     except MoerayError as exc:
@@ -411,14 +417,15 @@ async def chat_completions(body: oa.ChatCompletionRequest, request: Request):
 
 def chat_choice(call: Call, text: str) -> oa.ChatChoice:
     """One choice's message: what the chat format's reader makes of its text."""
-    reply = call.extras.turn.parse(text)
+    cut = call.out.finish_reason == "length"  # a call max_tokens cut is dropped, and the reason stays length
+    reply = call.extras.turn.parse(text, cut)
     calls = reply.tool_calls
     message = oa.ResponseMessage(content=(reply.content or None) if calls else reply.content,
                                  reasoning_content=reply.reasoning or None, tool_calls=[
         oa.ToolCallOut(id=c.id, function=oa.ToolCallFunction(name=c.name, arguments=c.arguments))
         for c in calls] or None)
     return oa.ChatChoice(index=call.index, message=message,
-                         finish_reason="tool_calls" if calls else call.out.finish_reason,
+                         finish_reason="tool_calls" if calls and not cut else call.out.finish_reason,
                          logprobs=_chat_logprobs(call, call.out.logprobs))
 
 
@@ -477,7 +484,7 @@ class ChatChunks:
     def __init__(self, call: Call):
         self.call = call
         turn = call.extras.turn
-        self.reader = turn.reader() if turn is not None and turn.format.name != "plain" else None
+        self.reader = turn.reader() if turn is not None and not turn.text_only else None
         self.sent_logprobs = 0
         self.plain = TextChunk(self._chunk(oa.Delta(content=TextChunk.MARK)))
 
@@ -514,9 +521,10 @@ class ChatChunks:
         c = self.call
         finish = c.out.finish_reason
         if self.reader is not None:
-            if line := self._read(self.reader.close(), self._new_logprobs()):
+            cut = finish == "length"
+            if line := self._read(self.reader.close(cut), self._new_logprobs()):
                 yield line
-            if self.reader.message.tool_calls:
+            if self.reader.message.tool_calls and not cut:
                 finish = "tool_calls"
         elif lps := self._new_logprobs():
             yield self._chunk(oa.Delta(content=""), lps=lps)
@@ -617,7 +625,7 @@ async def _events(first: tuple[int, Optional[str]], gen: AsyncIterator, calls: l
 
 async def models(request: Request):
     service: Service = request.app.state.service
-    return oa.ModelList(data=[oa.ModelCard(id=service.model_name, created=service.created)])
+    return oa.ModelList(data=[oa.ModelCard(id=name, created=service.created) for name in service.model_names])
 
 
 async def health(request: Request):
@@ -680,24 +688,33 @@ async def stages_timeline(request: Request, last: int = 16):
 # ---------------------------------------------------------------- the app
 
 
-async def _api_error(_request, exc: APIError):
+def error_response(request: Request, exc: APIError) -> Response:
+    """An error in the shape of the API the request spoke: OpenAI's, unless an API registered
+    another for its paths (app.state.error_shapes: Anthropic's on /v1/messages)."""
+    for prefix, shape in getattr(request.app.state, "error_shapes", ()):
+        if request.url.path.startswith(prefix):
+            return shape(exc)
     return exc.response()
 
 
-async def _invalid(_request, exc):
-    return _validation_error(exc).response()
+async def _api_error(request, exc: APIError):
+    return error_response(request, exc)
 
 
-async def _http(_request, exc):
+async def _invalid(request, exc):
+    return error_response(request, _validation_error(exc))
+
+
+async def _http(request, exc):
     type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return APIError(exc.status_code, str(exc.detail), type_=type_).response()
+    return error_response(request, APIError(exc.status_code, str(exc.detail), type_=type_))
 
 
 async def _unexpected(request: Request, exc: Exception):
-    """A bug, not the client's fault: still OpenAI's shape, logged with its traceback, and the
+    """A bug, not the client's fault: still the API's error shape, logged with its traceback, and the
     server goes on (Starlette answers with this, then re-raises for the log)."""
-    return APIError(500, f"internal error while serving {request.url.path}: {type(exc).__name__}: {exc}",
-                    type_="server_error", code="internal_error").response()
+    return error_response(request, APIError(500, f"internal error while serving {request.url.path}: "
+                                            f"{type(exc).__name__}: {exc}", type_="server_error", code="internal_error"))
 
 
 ARRIVED = edge.ARRIVED  # the scope key of a request's arrival time (perf_counter_ns), noted by the edge
@@ -714,6 +731,7 @@ def build_app(service: Service):
     # cluster/edge.py. Routes added later get both.
     app.router.route_class = edge.CheckedRoute
     app.state.service = service
+    app.state.error_shapes = []  # (path prefix, APIError -> Response) of the APIs with their own
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(RequestValidationError, _invalid)
     app.add_exception_handler(StarletteHTTPException, _http)
@@ -727,6 +745,11 @@ def build_app(service: Service):
     app.get("/v1/admin/profile")(live_profile)
     app.get("/v1/stages")(stages)
     app.get("/v1/stages/timeline")(stages_timeline)
+    # The APIs agents speak, each a translation onto the chat path above
+    from moeray.cluster import api_anthropic, api_responses, api_tokens
+
+    for api in (api_anthropic, api_responses, api_tokens):
+        api.add_routes(app, service)
     add_dashboard(app, service.opts.api_key)  # GET /dashboard: the live page of the stages (after the edge: see there)
     return app
 

@@ -101,10 +101,14 @@ class Service:
             from moeray.stages.gguf.parts import model_stem
 
             self.model_name = model_stem(self.path)  # NAME, not NAME-00001-of-00004
+        # Every id a request may name: the first is the one responses carry (as vLLM answers)
+        self.model_names = list(dict.fromkeys([self.model_name, *opts.model_aliases]))
         header = read_gguf_header(self.path)
         self.header_config = header.config
         engine_cfg = opts.engine
         self.tokenizer = Tokenizer.from_metadata(header.metadata, source=self.path)
+        if opts.chat_template is not None:  # --chat-template: instead of the file's
+            self.tokenizer = dataclasses.replace(self.tokenizer, chat_template=opts.chat_template)
         # How this family's template is called and its replies read (--chat-format, else from the file);
         # the detokenizer shows the format's markers, control tokens or not.
         self.chat = chat_format(self.tokenizer.chat_template, header.metadata.get("general.architecture"),
@@ -215,6 +219,10 @@ class Service:
             ll_tokenizer(self.tokenizer, self.n_vocab)
         except Exception:  # noqa: BLE001 - no llguidance: a grammar request says so itself
             pass
+
+    def serves(self, model: str) -> bool:
+        """A request naming `model` is for this server (one of its names, or any with --any-model)."""
+        return self.opts.any_model or model in self.model_names
 
     @property
     def context(self) -> int:

@@ -37,6 +37,8 @@ FAMILIES = {
     "kimi-k2-thinking": "Kimi-K2-Thinking.jinja",
     "gpt-oss": "openai-gpt-oss-120b.jinja",
 }
+# Templates without a tool format (the generic format's): not families, looked up by template().
+OTHERS = {"gemma-2": "google-gemma-2-2b-it.jinja", "phi-3.5": "microsoft-Phi-3.5-mini-instruct.jinja"}
 
 
 def _cache() -> Path:
@@ -88,4 +90,4 @@ def template_dir() -> Path:
 
 
 def template(family: str) -> str:
-    return (template_dir() / FAMILIES[family]).read_text()
+    return (template_dir() / {**FAMILIES, **OTHERS}[family]).read_text()

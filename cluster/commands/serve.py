@@ -22,6 +22,7 @@ import signal
 import socket
 import sys
 import time
+from pathlib import Path
 
 from moeray.cluster.config import (LOOPBACK_HOSTS, ServeOptions, add_chat_format_argument, add_engine_arguments,
                                    add_launch_arguments, add_limits_arguments, engine_config_from_args, is_loopback,
@@ -37,6 +38,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=environment.api_key(),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $MOERAY_API_KEY, else none)")
     p.add_argument("--model-name", help="the model id clients send (default: the file's name)")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="the ids clients may send, as vLLM takes them: the first is the one responses and "
+                        "/v1/models name, the others are aliases (instead of --model-name; after the model path)")
+    p.add_argument("--any-model", action="store_true",
+                   help="answer requests whatever model they name (as llama-server does): coding agents name their "
+                        "own models for side calls (docs/agents/)")
+    p.add_argument("--responses-store", type=int, default=ServeOptions.responses_store, metavar="N",
+                   help="responses of POST /v1/responses kept for previous_response_id and GET /v1/responses/ID, "
+                        f"the most recently used first (0: none; default {ServeOptions.responses_store})")
+    p.add_argument("--default-max-tokens", type=int, default=None, metavar="N",
+                   help="output tokens of a request that sets no limit (default: 256 on /v1/chat/completions and "
+                        "/v1/completions, the rest of the context on /v1/responses)")
     p.add_argument("--local", action="store_true",
                    help="the whole model in this process, which serves the HTTP API itself (no Serve proxy or "
                         "replica, no stage actors)")
@@ -58,6 +71,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--local: no Prometheus metrics and no Ray at all (Ray's metrics cost the one process "
                         "~3 ms a token on a small machine: docs/performance.md)")
     add_chat_format_argument(p)
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template to use instead of the GGUF's (as llama-server's --chat-template-file "
+                        "and vLLM's --chat-template); the chat format is then chosen from it")
+    p.add_argument("--reasoning-budget", type=int, default=ServeOptions.reasoning_budget, metavar="N",
+                   help="thinking tokens a reply may spend before its reasoning block is closed for it, where the "
+                        "request sets no budget: -1 unlimited (default), 0 no thinking (docs/chat-formats.md)")
     add_launch_arguments(p)
     add_engine_arguments(p)
     add_limits_arguments(p)
@@ -86,6 +105,15 @@ def options_from_args(args: argparse.Namespace, bind_host: str | None = "flag") 
 
     if args.stages < 1:
         raise CLIError("--stages must be >= 1")
+    chat_template = None
+    if args.chat_template is not None:
+        try:
+            chat_template = Path(args.chat_template).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CLIError(f"--chat-template {args.chat_template}: cannot read it ({exc})") from None
+    if args.reasoning_budget < -1:
+        raise CLIError(f"--reasoning-budget {args.reasoning_budget}: give -1 (unlimited), 0 (no thinking) or a "
+                       "number of tokens")
     engine = engine_config_from_args(args)
     sim = None if args.local else simulated_devices(args, _has_gpus(), "serve")
     launch = launch_options_from_args(args, sim, threads=args.threads)
@@ -97,11 +125,21 @@ def options_from_args(args: argparse.Namespace, bind_host: str | None = "flag") 
             # 16 clients: 48.6 against 37.0 out tok/s with two lanes; the method: docs/performance.md#served).
             engine.micro_batches = 1
     bind_host = args.host if bind_host == "flag" else bind_host
-    return ServeOptions(model=args.model, model_name=args.model_name, local=args.local, launch=launch, engine=engine,
+    names = args.served_model_name or ([args.model_name] if args.model_name else [None])
+    if args.served_model_name and args.model_name:
+        raise CLIError("give --model-name or --served-model-name, not both")
+    if args.responses_store < 0:
+        raise CLIError("--responses-store must be >= 0 (0: keep none)")
+    if args.default_max_tokens is not None and args.default_max_tokens < 1:
+        raise CLIError("--default-max-tokens must be >= 1")
+    return ServeOptions(model=args.model, model_name=names[0], model_aliases=tuple(names[1:]), any_model=args.any_model,
+                        local=args.local, launch=launch, engine=engine,
                         max_waiting=args.max_waiting, api_key=args.api_key or None,
                         metrics=not args.no_metrics, chat_format=args.chat_format, limits=limits_from_args(args),
                         allowed_hosts=allowed_hosts(args.allowed_hosts, bind_host), drain_s=args.drain_timeout,
-                        metrics_need_key=not args.open_metrics)
+                        metrics_need_key=not args.open_metrics,
+                        responses_store=args.responses_store, default_max_tokens=args.default_max_tokens,
+                        reasoning_budget=args.reasoning_budget, chat_template=chat_template)
 
 
 def check_ports(args: argparse.Namespace) -> None:

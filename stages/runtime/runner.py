@@ -10,7 +10,8 @@ import torch
 from moeray.errors import MoerayError
 from moeray.stages.runtime.step import StepBatch, StepOutput
 from moeray.stages.runtime.trunk_graph import MultiGraph
-from moeray.stages.text.grammar import GrammarMasks
+from moeray.stages.text.grammar import GrammarMasks, token_bytes
+from moeray.stages.text.reasoning_budget import ReasoningBudgets
 from moeray.stages.text import sampling  # called through the module: a test watches sampling.sample
 from moeray.stages.text.tokenizer import Tokenizer
 from moeray.stages.text.verify import verify_row
@@ -29,6 +30,8 @@ class StageRunner:
         self.params: dict[int, Any] = {}  # slot -> its sequence's SamplingParams (sent once, on its fresh row)
         self.generators: dict[int, Any] = {}  # slot -> the torch.Generator of its sequence
         self.grammars = None  # stages/text/grammar.py GrammarMasks, made on the first constrained request
+        self.budgets = None  # stages/text/reasoning_budget.py ReasoningBudgets, made on the first budgeted request
+        self.tokenizer = None  # the model's, read from its GGUF for the first of those
         # slot -> its sequence's TokenHistory (penalties), or the (prompt, output) it is built from
         # on the sequence's first sampled row (where the vocabulary and the device are known)
         self.histories: dict[int, Any] = {}
@@ -77,12 +80,15 @@ class StageRunner:
                                      state_before=batch.state_before, state_after=batch.state_after)
 
     def _forget(self, slot: int) -> None:
-        """Drop what the stage keeps for the sequence in `slot`: params, sampler, history, grammar."""
+        """Drop what the stage keeps for the sequence in `slot`: params, sampler, history, grammar,
+        reasoning budget."""
         self.params.pop(slot, None)
         self.generators.pop(slot, None)
         self.histories.pop(slot, None)
         if self.grammars is not None:
             self.grammars.reset(slot)
+        if self.budgets is not None:
+            self.budgets.reset(slot)
 
     def row_params(self, batch: StepBatch) -> list:
         """Each row's sampling params where it wants a token (kept from its sequence's fresh row),
@@ -182,19 +188,11 @@ class StageRunner:
         params = [by_row[i] for i in want]
         slots = [batch.slots[i] for i in want]
         histories = self._prepare(slots, params, logits)
-        allowed = None
-        if any(p.grammar for p in params):
-            grammars = self._grammars(logits.shape[-1])
-            allowed = [grammars.allowed(slot, p.grammar) if p.grammar else None for slot, p in zip(slots, params)]
+        allowed = self._masks(slots, params, logits.shape[-1])
         toks = sampling.sample(logits, params, [self.generators[slot] for slot in slots], allowed, histories)
         for i, slot, p, tok in zip(want, slots, params, toks):
             out[i] = tok
-            if p.needs_history:
-                self.histories[slot].add(tok)
-        if allowed is not None:
-            for slot, p, tok in zip(slots, params, toks):
-                if p.grammar:
-                    self.grammars.advance(slot, tok)
+            self._took(slot, p, [tok])
         if all(p.logprobs is None for p in params):
             return StepOutput(out)
         logprobs = [None] * len(batch.slots)
@@ -240,18 +238,17 @@ class StageRunner:
         params = [by_row[i] for i in want]
         slots = [batch.slots[i] for i in want]
         histories = self._prepare(slots, params, logits) or [None] * len(want)
-        grammars = self._grammars(logits.shape[-1]) if any(p.grammar for p in params) else None
+        n_vocab = logits.shape[-1]
         plain = [n for n, i in enumerate(want) if not batch.drafts[i]]
         if plain:  # the plain rows together, as a step without drafts samples them
             rows = [spans[n][0] for n in plain]
             ps, ss, hs = [params[n] for n in plain], [slots[n] for n in plain], [histories[n] for n in plain]
-            allowed = ([grammars.allowed(s, p.grammar) if p.grammar else None for s, p in zip(ss, ps)]
-                       if grammars is not None else None)
+            allowed = self._masks(ss, ps, n_vocab)
             toks = sampling.sample(logits[rows], ps, [self.generators[s] for s in ss], allowed,
                           hs if any(h is not None for h in hs) else None)
             for n, row, tok in zip(plain, rows, toks):
                 out[want[n]] = tok
-                self._took(slots[n], params[n], [tok], grammars)
+                self._took(slots[n], params[n], [tok])
                 if params[n].logprobs is not None:
                     logprobs[want[n]] = sampling.token_logprobs(logits[row], tok, params[n].logprobs)
         for n, i in enumerate(want):
@@ -261,29 +258,55 @@ class StageRunner:
             p, slot = params[n], slots[n]
             off, m = spans[n]
             rows = logits[off:off + m]
-            masks = grammars.allowed_along(slot, p.grammar, draft) if p.grammar else None
+            masks = self._grammars(n_vocab).allowed_along(slot, p.grammar, draft) if p.grammar else None
+            if p.reasoning:
+                forced = self._budgets(n_vocab).forced_along(slot, p.reasoning, draft)
+                masks = [with_forced(m, f, n_vocab) for m, f in zip(masks or [None] * len(forced), forced)]
             toks = verify_row(rows, draft, p, self.generators[slot], masks, histories[n])
             out[i] = toks
-            self._took(slot, p, toks, grammars)
+            self._took(slot, p, toks)
             if p.logprobs is not None:
                 logprobs[i] = [sampling.token_logprobs(rows[j], tok, p.logprobs) for j, tok in enumerate(toks)]
         if all(by_row[i].logprobs is None for i in want):
             return StepOutput(out)
         return StepOutput(out, logprobs)
 
-    def _took(self, slot: int, params, tokens: list[int], grammars) -> None:
-        """A sequence's new tokens: its grammar and its penalties' history move past them."""
+    def _took(self, slot: int, params, tokens: list[int]) -> None:
+        """A sequence's new tokens: its grammar, its reasoning budget and its penalties' history move past them."""
         for tok in tokens:
             if params.grammar:
-                grammars.advance(slot, tok)
+                self.grammars.advance(slot, tok)
+            if params.reasoning:
+                self.budgets.advance(slot, params.reasoning, tok)
             if params.needs_history:
                 self.histories[slot].add(tok)
 
+    def _masks(self, slots: list[int], params: list, n_vocab: int) -> list | None:
+        """Each row's allowed tokens (bool [n_vocab], None: any): its grammar's mask, narrowed to the
+        token its reasoning budget forces; None when no row has either."""
+        if not any(p.grammar or p.reasoning for p in params):
+            return None
+        out = []
+        for slot, p in zip(slots, params):
+            mask = self._grammars(n_vocab).allowed(slot, p.grammar) if p.grammar else None
+            forced = self._budgets(n_vocab).forced(slot, p.reasoning) if p.reasoning else None
+            out.append(with_forced(mask, forced, n_vocab))
+        return out
+
+    def _tokenizer(self) -> Tokenizer:
+        if self.tokenizer is None:
+            self.tokenizer = Tokenizer.from_metadata(self.model.gguf.metadata, source=self.model.gguf.path)
+        return self.tokenizer
+
     def _grammars(self, n_vocab: int):
         if self.grammars is None:
-            tokenizer = Tokenizer.from_metadata(self.model.gguf.metadata, source=self.model.gguf.path)
-            self.grammars = GrammarMasks(tokenizer, n_vocab)
+            self.grammars = GrammarMasks(self._tokenizer(), n_vocab)
         return self.grammars
+
+    def _budgets(self, n_vocab: int):
+        if self.budgets is None:
+            self.budgets = ReasoningBudgets(token_bytes(self._tokenizer(), n_vocab))
+        return self.budgets
 
     def draft(self, batch: StepBatch) -> list[list[int]] | None:
         """The draft model's tokens for the rows that ask (first stage), None without one."""
@@ -302,3 +325,13 @@ class StageRunner:
         out = self.sample(batch, x, meta)
         out.sample_ns = time.perf_counter_ns() - t
         return out
+
+
+def with_forced(mask, forced: int | None, n_vocab: int):
+    """A row's mask narrowed to the one token a reasoning budget forces; where the grammar forbids
+    that token, the grammar's mask stands (the budget gives way, stages/text/reasoning_budget.py)."""
+    if forced is None or (mask is not None and not bool(mask[forced])):
+        return mask
+    out = torch.zeros(n_vocab, dtype=torch.bool)
+    out[forced] = True
+    return out

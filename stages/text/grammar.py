@@ -43,6 +43,43 @@ class GrammarError(MoerayError):
     """A response_format / tool schema the grammar engine cannot compile."""
 
 
+# Keywords whose value is one subschema, a list of them, or a name -> subschema map.
+_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames",
+        "additionalProperties", "unevaluatedProperties", "unevaluatedItems")
+_LIST = ("prefixItems", "anyOf", "oneOf")
+_MAP = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def confined(schema: Any, _in_all_of: bool = False) -> Any:
+    """`schema` with every object schema that lists its `properties` closed to them
+    (`additionalProperties: false`) where it says nothing of other properties: the arguments of a
+    forced call hold the keys the function declares and no others, as xgrammar's strict mode (vLLM's
+    default) has it. A schema that allows more says so (`additionalProperties: true` or a schema,
+    `patternProperties`, `unevaluatedProperties`) and keeps it; a bare {"type": "object"} (any object)
+    stays open. The branches of an `allOf` are left open (each names only part of the properties the
+    whole allows). A copy; the schema given is not changed."""
+    if isinstance(schema, list):
+        return [confined(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _ONE:
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = confined(out[key])
+    for key in _LIST:
+        if isinstance(out.get(key), list):
+            out[key] = [confined(s) for s in out[key]]
+    if isinstance(out.get("allOf"), list):
+        out["allOf"] = [confined(s, _in_all_of=True) for s in out["allOf"]]
+    for key in _MAP:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: confined(s) for name, s in out[key].items()}
+    says_more = any(k in out for k in ("additionalProperties", "patternProperties", "unevaluatedProperties"))
+    if isinstance(out.get("properties"), dict) and not says_more and not _in_all_of:
+        out["additionalProperties"] = False
+    return out
+
+
 def json_grammar(schema: Optional[dict] = None) -> str:
     """The grammar of a JSON value matching `schema` (None: any JSON object)."""
     import llguidance
@@ -76,6 +113,19 @@ def ll_tokenizer(tokenizer, n_vocab: Optional[int] = None):
             eos = sorted(tokenizer.end_ids) or ([tokenizer.eos_id] if tokenizer.eos_id is not None else None)
             _ll_tokenizers[key] = llguidance.LLTokenizer(tokenizer.backend.to_str(), n_vocab=n_vocab, eos_token=eos)
         return _ll_tokenizers[key]
+
+
+def token_bytes(tokenizer, n_vocab: Optional[int] = None):
+    """A function giving a token's text as bytes (special tokens as their text), from the grammar
+    engine's view of the vocabulary; b"" for an id beyond it."""
+    ll = ll_tokenizer(tokenizer, n_vocab)
+
+    def text(token: int) -> bytes:
+        try:
+            return ll.decode_bytes([token])
+        except Exception:  # noqa: BLE001 - a padding row of the output layer has no text
+            return b""
+    return text
 
 
 def matcher(tokenizer, grammar: str, n_vocab: Optional[int] = None):

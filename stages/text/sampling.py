@@ -6,7 +6,7 @@ and a row whose parameters ask for nothing beyond temperature / top-k / top-p is
 the model wrote it, whatever its neighbours ask.
 
 The processors run in vLLM's order (docs/sampling.md):
-  1. a grammar's mask (structured output, forced tool calls)
+  1. a grammar's mask (structured output, forced tool calls), and a reasoning budget's forced token
   2. logit_bias                                   } can change even a greedy choice:
   3. repetition, then frequency, then presence    } `adjust_logits`
   4. greedy (temperature 0) takes the argmax here; else divide by the temperature,
@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
+
+from moeray.stages.text.reasoning_budget import ReasoningBudget
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API allows
 NUCLEUS_LOOK = 64  # top-p: the likeliest tokens ranked before sorting the whole vocabulary
@@ -54,6 +56,8 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None = none; n = the sampled token's log-probability and the n likeliest
     grammar: str | None = None  # an llguidance grammar (stages/text/grammar.py) the text must follow
+    # at most this many tokens of thinking, then the closing marker is forced (stages/text/reasoning_budget.py)
+    reasoning: ReasoningBudget | None = None
     speculative: bool | None = None  # draft and verify tokens (cluster/speculation.py); None: the server's default
 
     def __post_init__(self) -> None:

@@ -474,8 +474,8 @@ def test_response_format_json_schema_and_json_object_through_serve(client):
 
 
 @pytest.mark.parametrize("extra,param,words", [
-    ({"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]},
-     "tools", "`plain` chat format, which reads no tool calls"),
+    ({"tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "nonsense"}}}]},
+     "tools", "parameters are not a usable JSON schema: Invalid type: nonsense"),
     ({"top_logprobs": 2}, "top_logprobs", "logprobs: true"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs", "less than or equal to 20"),
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},

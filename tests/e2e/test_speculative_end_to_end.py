@@ -1,5 +1,5 @@
 """Speculative decoding end to end: on the embedded default model under a JSON grammar (log-
-probabilities as a plain decode's), served per request by `moeray serve --local` with its counters in
+probabilities as a plain decode's) and a reasoning budget, served per request by `moeray serve --local` with its counters in
 /v1/stages and Prometheus, and a draft model and GLM's next-token-prediction layer across Ray stages.
 The rules, the drafters and every family's tiny model in one process: tests/cluster/test_speculative.py."""
 from __future__ import annotations
@@ -59,6 +59,36 @@ def test_logprobs_and_a_grammar_are_the_plain_decodes(default_model_path):
 
 
 @pytest.mark.slow
+def test_a_reasoning_budget_closes_the_thinking_at_the_same_token_in_verify_rows(default_model_path):
+    """The default model left inside <think> with a budget of 5 tokens: a plain decode writes 5 tokens,
+    then the closer's tokens (forced), then goes on; verify rows whose drafts are often wrong give the
+    same tokens (a drafted token other than the forced one is refused at its position)."""
+    from moeray.stages.text.reasoning_budget import ReasoningBudget
+    from moeray.stages.text.tokenizer import Tokenizer
+
+    model = load_model(default_model_path)
+    tok = Tokenizer.from_metadata(model.gguf.metadata, source=model.gguf.path)
+    prompt = tok.encode("<|im_start|>user\nWhy is the sky blue?<|im_end|>\n<|im_start|>assistant\n<think>\n")
+    forced = tuple(tok.encode("\n</think>\n\n", add_bos=False))
+    budget = ReasoningBudget(5, "<think>", "</think>", forced, inside=True)
+    params = SamplingParams(max_tokens=16, ignore_eos=True, reasoning=budget)
+
+    def run(mode, drafter=None):
+        eng = Engine(LocalPipeline.from_model(model, 32, 1), EngineConfig(max_seqs=1, max_len=512, micro_batches=1,
+                                                                         speculative=mode), tok)
+        if drafter is not None:
+            eng.speculation.new_drafter = drafter
+            eng.speculation.PROBE = 1.0
+        return run_checked(eng, [prompt], params)[0], eng
+
+    plain, _ = run("off")
+    assert plain.output[5:5 + len(forced)] == list(forced) and "</think>" not in tok.decode(plain.output[:5])
+    refs = {tuple(prompt): plain.output}
+    spec, eng = run("auto", lambda toks: NoisyOracle(refs, toks, wrong=0.3, vocab=49152))
+    assert spec.output == plain.output
+    assert 0 < eng.speculation.stats.accepted_tokens < eng.speculation.stats.drafted_tokens
+
+
 def test_served_speculation_per_request_with_its_counters_in_stages_and_prometheus(default_model_path):
     """`moeray serve --local --speculative off`: a request that asks `speculative: true` drafts (the
     n-gram drafter on a prompt the answer repeats) and gets the very text it gets without; /v1/stages

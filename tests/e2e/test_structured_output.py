@@ -1,8 +1,10 @@
 """Structured output and tool calls: the grammar mask on the embedded default model in one process
 (`moeray generate --json-schema`, the engine `moeray serve` runs), and tools through the real `moeray serve --local` on a tiny GGUF whose chat template renders
 them (tests/tool_model.py). Log-probabilities, response_format over Ray stages and the 400 for a
-template without tools are in tests/e2e/test_serve_api.py (its server runs the default model); every
-family's chat format, its parser and its forced calls in tests/stages/test_chat_formats.py."""
+tool schema the grammar engine refuses are in tests/e2e/test_serve_api.py (its server runs the
+default model); every family's chat format, its parser and its forced calls in
+tests/stages/test_chat_formats.py, and forced calls on the default model under every family's
+template in tests/e2e/test_forced_calls.py."""
 from __future__ import annotations
 
 import json

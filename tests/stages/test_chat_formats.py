@@ -1,7 +1,10 @@
 """Chat formats (stages/text/chat/): every family's published template called as transformers'
 apply_chat_template is, its replies read into OpenAI's message whole and streamed (every split of
-every marker), malformed calls kept as content, and the grammar that forces a call in the family's
-own format. The served tool loop on tiny models of each family: tests/e2e/test_chat_serve.py."""
+every marker), malformed calls kept as content, a call cut by max_tokens dropped without a trace,
+the generic JSON format of templates without one, and the grammar that forces a call in the
+family's own format, its arguments confined to the schema. The served tool loop on tiny models of
+each family: tests/e2e/test_chat_serve.py; forced calls through the engine on the default model
+under every template: tests/e2e/test_forced_calls.py."""
 from __future__ import annotations
 
 import contextlib
@@ -11,7 +14,7 @@ import pytest
 
 from chat_models import FAMILIES, fast_tokenizer, moeray_tokenizer
 from llama_templates import FAMILIES as TEMPLATE_FILES
-from llama_templates import template
+from llama_templates import OTHERS, template
 from moeray.stages.text.chat import FORMATS, Turn, chat_format, detect
 
 WEATHER = {"type": "function", "function": {
@@ -84,14 +87,14 @@ TEMPLATE_FORMATS = {"qwen3": "hermes", "qwen2.5": "hermes", "qwen3-coder": "qwen
 VARIABLES = {"deepseek-v3.1": {"thinking": True}, "gpt-oss": {"reasoning_effort": "high"}}
 TOKENS = {"qwen3": "qwen3", "qwen2.5": "qwen3", "qwen3-coder": "qwen3", "qwen3.5": "qwen3", "deepseek-v3.1": "deepseek-v3.1",
           "deepseek-r1": "deepseek-v3.1", "glm-4.6": "glm-4.6", "kimi-k2": "kimi-k2-thinking",
-          "kimi-k2-thinking": "kimi-k2-thinking", "gpt-oss": "gpt-oss"}
+          "kimi-k2-thinking": "kimi-k2-thinking", "gpt-oss": "gpt-oss", "phi-3.5": "qwen3", "gemma-2": "qwen3"}
 
 
 @pytest.fixture(scope="module")
 def tokenizers():
     """(transformers tokenizer, moeray Tokenizer) per template, with the family's special tokens."""
     out = {}
-    for name in TEMPLATE_FILES:
+    for name in [*TEMPLATE_FILES, *OTHERS]:
         fam = FAMILIES[TOKENS[name]]
         fast = fast_tokenizer(fam, template(name), ["What is the weather in Paris? It is sunny."], 320)
         out[name] = (fast, moeray_tokenizer(fast))
@@ -102,7 +105,8 @@ def test_each_template_chooses_its_family_and_the_architecture_decides_without_m
     for name, fmt in TEMPLATE_FORMATS.items():
         assert detect(template(name)) == fmt, name
     assert detect(None, "gpt-oss") == "plain"  # no template: nothing to chat with
-    assert detect("{{ messages }}", "glm4moe") == "glm" and detect("{{ messages }}", "llama") == "plain"
+    assert detect("{{ messages }}", "glm4moe") == "glm" and detect("{{ messages }}", "llama") == "generic"
+    assert detect(template("gemma-2")) == detect(template("phi-3.5")) == "generic"  # no tool format: the generic one
     assert chat_format(template("qwen3"), name="plain").name == "plain"  # --chat-format overrides
 
 
@@ -262,6 +266,16 @@ CASES = {
     "harmony: nested, quotes, unicode": ("gpt-oss", harmony_call(TRICKY)[len("<|start|>assistant"):],
                                          msg(None, None, [(W, TRICKY)])),
     "harmony: an answer": ("gpt-oss", ANALYSIS + "<|start|>assistant<|channel|>final<|message|>Sunny.", msg("Sunny.", "I need Paris.")),
+    "generic: a call": ("phi-3.5", f'{{"tool_calls": [{{"name": "get_weather", "arguments": {PARIS}}}]}}',
+                        msg(None, None, [(W, PARIS)])),
+    "generic: parallel calls": ("phi-3.5", f'{{"tool_calls": [{{"name": "get_weather", "arguments": {PARIS}}}, '
+                                           f'{{"name": "get_weather", "arguments": {LIMA}}}]}}',
+                                msg(None, None, [(W, PARIS), (W, LIMA)])),
+    "generic: nested, quotes, unicode": ("phi-3.5", f'{{"tool_calls": [{{"name": "get_weather", "arguments": {TRICKY}}}]}}',
+                                         msg(None, None, [(W, TRICKY)])),
+    "generic: an answer": ("phi-3.5", '{"response": "It is <b>sunny</b> in T\u014dky\u014d \\"\u6771\u4eac\\" \\ud83d\\ude00."}',
+                           msg('It is <b>sunny</b> in Tōkyō "東京" \U0001f600.')),
+    "generic: text that is not its JSON": ("phi-3.5", "Sunny, {maybe}.", msg("Sunny, {maybe}.")),
 }
 
 MALFORMED = {  # nothing dropped: the model's text comes back as content
@@ -272,6 +286,7 @@ MALFORMED = {  # nothing dropped: the model's text comes back as content
     "glm: text in the call": ("glm-4.6", "<tool_call>get_weather\n<arg_key>city</arg_key>\nParis\n</tool_call>"),
     "kimi_k2: arguments not an object": ("kimi-k2-thinking", "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>[1, 2]<|tool_call_end|><|tool_calls_section_end|>"),
     "harmony: arguments not JSON": ("gpt-oss", "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{city"),
+    "generic: arguments not JSON": ("phi-3.5", '{"tool_calls": [{"name": "get_weather", "arguments": {city: 1}}]}'),
 }
 
 
@@ -472,3 +487,183 @@ def test_the_markers_are_whole_tokens_as_read_from_a_gguf(tmp_path):
             assert tok.encode(f"a{marker}b", add_bos=False) == tok.encode("a", add_bos=False) + [i] + tok.encode("b", add_bos=False), (fam.name, marker)
             if i not in tok.end_ids:  # (an end token is no text)
                 assert tok.with_rendered([marker]).decode([i]) == marker, marker
+
+
+# ---------------------------------------------------------------- a reply cut by max_tokens
+
+# Two calls in each family's format (one for harmony, whose <|call|> ends the reply), the second
+# then cut short: (case, the text that opens the second call, the text that closes it).
+CUT = {"qwen3": ("hermes: parallel calls", "<tool_call>", "</tool_call>"),
+       "qwen3.5": ("qwen3_xml: parallel calls", "<tool_call>", "</tool_call>"),
+       "deepseek-v3.1": ("deepseek: parallel calls", "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>"),
+       "glm-4.6": ("glm: parallel calls", "<tool_call>", "</tool_call>"),
+       "kimi-k2-thinking": ("kimi_k2: parallel calls", "<|tool_call_begin|>", "<|tool_call_end|>"),
+       "gpt-oss": ("harmony: reasoning and a call", "<|start|>", None),
+       "phi-3.5": ("generic: parallel calls", '{"name"', '}}')}
+
+
+def cuts(text: str, opener: str, closer: str | None) -> tuple[int, int, list[int]]:
+    """Where the last call starts (its opener), where it is whole (None: at the end), and every
+    cut between."""
+    start = text.rindex(opener)
+    end = text.index(closer, start) + len(closer) if closer else len(text)
+    return start, end, list(range(start, end))
+
+
+@pytest.mark.parametrize("family", list(CUT))
+def test_a_call_cut_by_max_tokens_is_dropped_and_the_complete_ones_stay(family, tokenizers):
+    """Cut anywhere inside the last call (its markers included): the calls before it come back, the cut
+    one does not, nothing of its markup reaches content, whole or streamed; cut by anything else
+    (a stop string) the same text is a malformed call, kept as content (test_a_malformed_call...)."""
+    case, opener, closer = CUT[family]
+    _, text, expected = CASES[case]
+    turn = turn_for(family, tokenizers)
+    start, end, points = cuts(text, opener, closer)
+    before = {**expected, "calls": expected["calls"][:-1]}
+    for at in points:
+        short = text[:at]
+        assert as_dict(turn.parse(short, cut=True)) == before, short
+        reader = turn.reader()
+        deltas = [reader.feed(ch) for ch in short] + [reader.close(cut=True)]
+        assert not "".join(d.content for d in deltas), short  # not even while streaming
+        assert as_dict(reader.message) == before, short
+    assert as_dict(turn.parse(text[:end], cut=True)) == expected  # whole at the cut: it stays
+    reasoning = expected["reasoning"]
+    for at in range(1, text.index(opener) if family != "gpt-oss" else 1):  # before any call: no call, no markup
+        read = as_dict(turn.parse(text[:at], cut=True))
+        assert read["calls"] == [] and read["content"] is None and (read["reasoning"] or "") in (reasoning or "")
+
+
+def test_a_cut_marker_at_the_end_of_text_is_no_text(tokenizers):
+    turn = turn_for("qwen3", tokenizers)
+    assert as_dict(turn.parse("Let me check.\n<tool_ca", cut=True)) == msg("Let me check.")
+    assert as_dict(turn.parse("Let me check.\n<tool_ca")) == msg("Let me check.\n<tool_ca")  # (ended by itself: text)
+    turn = turn_for("deepseek-v3.1", tokenizers)
+    assert as_dict(turn.parse(f"ok</think>Sure.<｜tool▁calls▁begin｜>", cut=True)) == msg("Sure.", "ok")
+    turn = turn_for("gpt-oss", tokenizers)
+    assert as_dict(turn.parse(ANALYSIS + "<|start|>assistant<|chan", cut=True)) == msg(None, "I need Paris.")
+
+
+# ---------------------------------------------------------------- the generic format
+
+
+def test_the_generic_format_describes_the_tools_and_lays_out_calls_and_results_for_any_template(tokenizers):
+    from moeray.stages.text.chat.generic import INSTRUCTION
+
+    for name in OTHERS:
+        tok = tokenizers[name][1]
+        fmt = chat_format(tok.chat_template)
+        assert fmt.name == "generic" and fmt.tools_problem(tok) is None
+        turn = fmt.render(tok, openai_conversation(follow_up=True), TOOLS)
+        prompt = turn.prompt
+        # The tools, one JSON object each, and how to answer, in the system message (Gemma's template
+        # refuses one: the text opens the first user message instead).
+        assert json.dumps({"name": "get_time", "description": "The time in a zone",
+                           "parameters": TIME["function"]["parameters"]}) in prompt and INSTRUCTION in prompt
+        assert prompt.index(INSTRUCTION) < prompt.index("What is the weather in Paris")
+        # An earlier reply's calls as the JSON the model writes, their results (paired by id) as user turns.
+        calls = {"tool_calls": [{"name": "get_weather", "arguments": ARGS_A}, {"name": "get_weather", "arguments": ARGS_B}]}
+        assert json.dumps(calls, ensure_ascii=False) in prompt
+        assert '{"tool_response": {"name": "get_weather", "id": "call_b", "content": "{\\"sky\\": \\"rain\\"}"}}' in prompt
+        # Without tools (tool_choice none) the history is laid out the same, the tools not described,
+        # and the reply is text.
+        plain = fmt.render(tok, openai_conversation(follow_up=True))
+        assert INSTRUCTION not in plain.prompt and json.dumps(calls, ensure_ascii=False) in plain.prompt
+        assert plain.text_only
+        assert not turn.text_only
+
+
+def test_the_generic_grammar_holds_every_reply_with_tools_to_its_json(tokenizers):
+    tok = tokenizers["phi-3.5"][1]
+    turn = turn_for("phi-3.5", tokenizers)
+    call = CASES["generic: a call"][1]
+    two = CASES["generic: parallel calls"][1]
+    answer = '{"response": "It is sunny."}'
+    auto = turn.auto_grammar(tok)
+    assert accepts(auto, tok, call) and accepts(auto, tok, two) and accepts(auto, tok, answer)
+    assert not accepts(auto, tok, "It is sunny.") and not accepts(auto, tok, '{"tool_calls": []}')
+    required = turn.forced_grammar(tok)
+    assert accepts(required, tok, call) and accepts(required, tok, two) and not accepts(required, tok, answer)
+    single = turn.forced_grammar(tok, "get_weather", parallel=False)
+    assert accepts(single, tok, call) and not accepts(single, tok, two)
+    assert not accepts(turn.forced_grammar(tok, "get_time", parallel=False), tok, call)
+    assert not accepts(auto, tok, call.replace('"city"', '"town"'))  # arguments by the schema
+
+
+# ---------------------------------------------------------------- forced arguments confined to the schema
+
+EXTRA_KEY = {"qwen3": ("hermes: reasoning and a call", PARIS, '{"city": "Paris", "zone": "x"}'),
+             "deepseek-v3.1": ("deepseek: open reasoning and a call", PARIS, '{"city": "Paris", "zone": "x"}'),
+             "kimi-k2-thinking": ("kimi_k2: reasoning and a call", PARIS, '{"city": "Paris", "zone": "x"}'),
+             "gpt-oss": ("harmony: reasoning and a call", PARIS, '{"city": "Paris", "zone": "x"}'),
+             "phi-3.5": ("generic: a call", PARIS, '{"city": "Paris", "zone": "x"}'),
+             "qwen3.5": ("qwen3_xml: open reasoning and a call", "</parameter>\n", "</parameter>\n<parameter=zone>\nx\n</parameter>\n"),
+             "glm-4.6": ("glm: reasoning and a call", "</arg_value>\n", "</arg_value>\n<arg_key>zone</arg_key>\n<arg_value>x</arg_value>\n")}
+
+
+@pytest.mark.parametrize("family", list(EXTRA_KEY))
+def test_forced_arguments_hold_only_the_properties_the_schema_lists(family, tokenizers):
+    """xgrammar's strict mode, vLLM's default: a key the function does not declare is refused, at the
+    top and in nested objects; a schema that allows more keys says so and gets them."""
+    tok = tokenizers[family][1]
+    case, plain, extra = EXTRA_KEY[family]
+    own = CASES[case][1]
+    required = turn_for(family, tokenizers).forced_grammar(tok)
+    assert accepts(required, tok, own) and not accepts(required, tok, own.replace(plain, extra, 1))
+    nested = own.replace(plain, plain.replace('"Paris"', '"Paris", "options": {"unit": "celsius", "hour": 3}'), 1)
+    if nested != own:
+        assert not accepts(required, tok, nested)
+        assert accepts(required, tok, nested.replace(', "hour": 3', ""))
+    open_tool = {"type": "function", "function": {**WEATHER["function"], "parameters": {
+        **WEATHER["function"]["parameters"], "additionalProperties": True}}}
+    allowed = turn_for(family, tokenizers, tools=[open_tool]).forced_grammar(tok)
+    if plain == PARIS:  # (the XML formats write the properties the schema lists, one by one)
+        assert accepts(allowed, tok, own.replace(plain, extra, 1))
+
+
+def test_confined_closes_the_objects_that_list_their_properties():
+    from moeray.stages.text.grammar import confined
+
+    schema = {"type": "object", "properties": {
+        "a": {"type": "object", "properties": {"b": {"type": "string"}}},
+        "any": {"type": "object"},
+        "open": {"type": "object", "properties": {"c": {}}, "additionalProperties": {"type": "integer"}},
+        "list": {"type": "array", "items": {"properties": {"d": {}}}},
+        "either": {"anyOf": [{"properties": {"e": {}}}, {"type": "string"}]},
+        "both": {"allOf": [{"properties": {"f": {}}}, {"properties": {"g": {}}}]},
+        "ref": {"$ref": "#/$defs/R"}},
+        "$defs": {"R": {"type": "object", "properties": {"h": {}}}}}
+    out = confined(schema)
+    assert out["additionalProperties"] is False and "additionalProperties" not in schema  # a copy
+    p = out["properties"]
+    assert p["a"]["additionalProperties"] is False and "additionalProperties" not in p["any"]
+    assert p["open"]["additionalProperties"] == {"type": "integer"}
+    assert p["list"]["items"]["additionalProperties"] is False
+    assert p["either"]["anyOf"][0]["additionalProperties"] is False and p["either"]["anyOf"][1] == {"type": "string"}
+    assert all("additionalProperties" not in s for s in p["both"]["allOf"])  # each names part of the whole
+    assert out["$defs"]["R"]["additionalProperties"] is False
+
+
+@pytest.mark.parametrize("family", ["qwen3.5", "glm-4.6"])
+def test_a_raw_string_argument_keeps_its_length_and_no_markup(family, tokenizers):
+    """The XML and GLM formats write a string argument as raw text: it keeps the schema's minLength and
+    maxLength, and cannot hold the markup that would end it early for the reader."""
+    tok = tokenizers[family][1]
+    short = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "minLength": 2, "maxLength": 5}}, "required": ["city"]}}}
+    grammar = turn_for(family, tokenizers, tools=[short]).forced_grammar(tok)
+    own = CASES[FORCED[family][0]][1]
+    assert accepts(grammar, tok, own)  # "Paris": 5 characters
+    for city in ("Pariss", "P", "Pa</tool_call>", "Pa<parameter=x>"):
+        assert not accepts(grammar, tok, own.replace(">Paris<", f">{city}<").replace("\nParis\n", f"\n{city}\n")), city
+
+
+def test_a_raw_string_argument_ends_where_the_reader_ends_it(tokenizers):
+    """Qwen3-Coder's reader ends a value at the first </parameter>: the grammar does not let the value
+    hold one without the newline the template writes before it (a model that writes it bare must
+    then write the newline and the marker, and the reader reads what the grammar took)."""
+    tok = tokenizers["qwen3.5"][1]
+    grammar = turn_for("qwen3.5", tokenizers).forced_grammar(tok)
+    own = CASES["qwen3_xml: open reasoning and a call"][1]
+    assert accepts(grammar, tok, own)
+    assert not accepts(grammar, tok, own.replace("Paris\n</parameter>", "Paris</parameter>\n</tool\n</parameter>"))

@@ -1,7 +1,7 @@
 """A chat format: how one family's template is called and how its replies are read.
 
 Each family writes reasoning and tool calls its own way; one module per family (hermes.py,
-qwen3_xml.py, deepseek.py, glm.py, kimi_k2.py, harmony.py, plain.py) subclasses ChatFormat with
+qwen3_xml.py, deepseek.py, glm.py, kimi_k2.py, harmony.py, generic.py, plain.py) subclasses ChatFormat with
     - the template call: OpenAI messages turned into what the family's template reads
       (`template_messages`: arguments as objects, earlier reasoning, tool results),
     - the reply's markers (`think`, `section`, `call`) and one call's reading (`parse_call`),
@@ -18,7 +18,8 @@ from typing import Any, ClassVar, Optional
 
 from moeray.stages.text.chat.lark import Lark
 from moeray.stages.text.chat.message import Message
-from moeray.stages.text.chat.reader import CallParse, Reader
+from moeray.stages.text.chat.reader import CallParse, PlainReader, Reader
+from moeray.stages.text.reasoning_budget import ReasoningBudget
 
 # Template variables a request may not set through chat_template_kwargs: they are the request itself.
 RESERVED_VARIABLES = frozenset({"messages", "tools", "add_generation_prompt", "documents", "bos_token",
@@ -41,6 +42,11 @@ class ChatFormat:
     call: ClassVar[Optional[tuple[str, str]]] = None  # around one call
     call_separator: ClassVar[str] = ""  # between two forced calls
     opens_think: ClassVar[bool] = True  # the model may open its reasoning itself (else only the prompt does)
+    think_close: ClassVar[Optional[str]] = None  # what a spent reasoning budget writes (None: think[1])
+    # Template variables that turn the family's thinking off (a reasoning budget of 0 sets them,
+    # where the request leaves them unset).
+    thinking_off: ClassVar[dict] = {}
+    reads_effort: ClassVar[bool] = False  # the template reads reasoning_effort itself (else it sets a budget)
     extra_markers: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, template: Optional[str] = None):
@@ -64,12 +70,13 @@ class ChatFormat:
         """Why this model cannot take `tools` (None: it can)."""
         if not self.calls_tools:
             return (f"this model is served with the `{self.name}` chat format, which reads no tool calls (chosen by "
-                    "--chat-format, or because the template writes no <tool_call>, DeepSeek, GLM, Kimi-K2 or harmony "
-                    "calls); send the request without `tools`, or serve the model with --chat-format NAME naming the "
-                    "format it writes (docs/chat-formats.md)")
+                    "--chat-format, or the GGUF has no chat template); send the request without `tools`, or serve "
+                    "the model with --chat-format generic (tools as JSON, any template) or the format its family "
+                    "writes (docs/chat-formats.md)")
         if not template_renders_tools(tokenizer):
-            return ("this model's chat template has no tool support (it does not render `tools`); send the "
-                    "request without `tools`, or serve a model whose template renders them")
+            return (f"this model's chat template does not render `tools`, which the `{self.name}` chat format "
+                    "needs; send the request without `tools`, or serve the model with --chat-format generic "
+                    "(tools described in the system message, docs/chat-formats.md)")
         return None
 
     def template_messages(self, messages: list[dict], tools: Optional[list[dict]]) -> tuple[list[dict], Optional[list[dict]]]:
@@ -85,18 +92,25 @@ class ChatFormat:
         return variables
 
     def render(self, tokenizer, messages: list[dict], tools: Optional[list[dict]] = None,
-               variables: Optional[dict[str, Any]] = None, read_calls: Optional[bool] = None) -> "Turn":
+               variables: Optional[dict[str, Any]] = None, read_calls: Optional[bool] = None,
+               budget: Optional[int] = None) -> "Turn":
         """The prompt of one request. `tools` go to the template; the reply is read for calls when
-        `read_calls` (default: when there are tools)."""
+        `read_calls` (default: when there are tools). `budget` 0 (no thinking): the family's
+        thinking switch is turned off (`thinking_off`) unless the variables set it."""
         variables = dict(variables or {})
         bad = sorted(RESERVED_VARIABLES & set(variables))
         if bad:
             raise ChatFormatError(f"chat_template_kwargs may not set {', '.join(bad)}: they come from the request itself")
+        if budget == 0:
+            variables = {**self.thinking_off, **variables}
         msgs, tools_for_template = self.template_messages(copy.deepcopy(messages), copy.deepcopy(tools))
-        prompt = tokenizer.apply_chat_template(msgs, tools=tools_for_template, template=self.template_source(),
-                                               **self.template_variables(variables))
+        prompt = self.apply_template(tokenizer, msgs, tools_for_template, self.template_variables(variables))
         read_calls = bool(tools) if read_calls is None else read_calls
         return Turn(self, prompt, tools if read_calls else None, self.thinking(prompt))
+
+    def apply_template(self, tokenizer, messages: list[dict], tools: Optional[list[dict]], variables: dict) -> str:
+        """The template called on the messages and tools as this family's template reads them."""
+        return tokenizer.apply_chat_template(messages, tools=tools, template=self.template_source(), **variables)
 
     def thinking(self, prompt: str) -> str:
         """"open": the prompt ends inside the reasoning (the reply starts there); "optional": the
@@ -109,6 +123,19 @@ class ChatFormat:
         if tail.endswith(self.think[1]) or self.think[0] not in self.template or not self.opens_think:
             return "off"
         return "optional"
+
+    def reasoning_markers(self) -> Optional[tuple[str, str]]:
+        """What opens and closes the reply's reasoning (None: it has none)."""
+        return self.think
+
+    def reasoning_budget(self, turn: "Turn", tokenizer, tokens: int) -> Optional[ReasoningBudget]:
+        """At most `tokens` of reasoning in this turn's reply, then its closing marker (None where the
+        reply does not reason: the family has no reasoning, or the prompt turned it off)."""
+        markers = self.reasoning_markers()
+        if markers is None or turn.thinking == "off":
+            return None
+        forced = tuple(tokenizer.encode(self.think_close or markers[1], add_bos=False))
+        return ReasoningBudget(tokens, markers[0], markers[1], forced, inside=turn.thinking == "open")
 
     # ------------------------------------------------------------------ reading the reply
     def reader(self, turn: "Turn"):
@@ -135,6 +162,11 @@ class ChatFormat:
         lead = g.rule(r"/[ \n]{0,2}/")  # GLM opens its reply with a newline
         return g.grammar(f"{lead} {self.reasoning_rule(g, turn)} {calls}")
 
+    def auto_grammar(self, turn: "Turn", tokenizer, parallel: bool = True) -> Optional[str]:
+        """The grammar of every reply with tools under tool_choice auto (None: the reply is free; the
+        generic format's is a JSON object, generic.py)."""
+        return None
+
     def reasoning_rule(self, g: Lark, turn: "Turn") -> str:
         """What may come before a forced call: the rest of an open reasoning, an optional one, or nothing."""
         if turn.thinking == "off":
@@ -159,15 +191,27 @@ class Turn:
     def reader(self):
         return self.format.reader(self)
 
-    def parse(self, text: str) -> Message:
-        """The whole reply read at once (what a stream of it adds up to)."""
+    def parse(self, text: str, cut: bool = False) -> Message:
+        """The whole reply read at once (what a stream of it adds up to). `cut`: max_tokens ended
+        it (a call left open is dropped, Reader.close)."""
         r = self.reader()
         r.feed(text)
-        r.close()
+        r.close(cut)
         return r.message
 
     def forced_grammar(self, tokenizer, name: Optional[str] = None, parallel: bool = True) -> str:
         return self.format.forced_grammar(self, tokenizer, name, parallel)
+
+    def auto_grammar(self, tokenizer, parallel: bool = True) -> Optional[str]:
+        return self.format.auto_grammar(self, tokenizer, parallel)
+
+    def reasoning_budget(self, tokenizer, tokens: int) -> Optional[ReasoningBudget]:
+        return self.format.reasoning_budget(self, tokenizer, tokens)
+
+    @property
+    def text_only(self) -> bool:
+        """The reply is read as text as written (no reasoning, no calls)."""
+        return isinstance(self.reader(), PlainReader)
 
 
 def _template_message(m: dict) -> dict:

@@ -53,6 +53,7 @@ class DeepSeek(ChatFormat):
     call = ("<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>")
     extra_markers = (SEP,)
     opens_think = False  # the template opens <think> (or closes it); the model does not
+    thinking_off = {"thinking": False}  # V3.1's switch (R1's template always opens <think>)
 
     @property
     def fenced(self) -> bool:

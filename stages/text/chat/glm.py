@@ -17,6 +17,8 @@ from moeray.stages.text.chat.lark import Lark, argument_value, find_function, va
 from moeray.stages.text.chat.qwen3_xml import object_text
 from moeray.stages.text.chat.reader import CallParse
 
+# What a raw string argument may not hold: the markup around it (the reader would end it there).
+MARKUP = ("<arg_key>", "</arg_key>", "<arg_value>", "<tool_call>", "</tool_call>")
 _PAIR = re.compile(r"\s*<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
 
@@ -25,6 +27,8 @@ class Glm(ChatFormat):
     summary = "GLM-4.5/4.6/4.7: <tool_call>f<arg_key>k</arg_key><arg_value>v</arg_value>, reasoning in <think>"
     call = ("<tool_call>", "</tool_call>")
     call_separator = "\n"
+    think_close = "</think>\n"
+    thinking_off = {"enable_thinking": False}
 
     def parse_call(self, text: str, done: bool, tools) -> Optional[CallParse]:
         cut = [i for i in (text.find("\n"), text.find("<arg_key>")) if i >= 0]
@@ -52,11 +56,11 @@ class Glm(ChatFormat):
         required = set(params.get("required") or ())
         parts = []
         for key, spec in props.items():
-            one = f"{g.lit(f'<arg_key>{key}</arg_key>' + chr(10) + '<arg_value>')} {value_rule(g, spec, '</arg_value>' + chr(10))}"
+            one = f"{g.lit(f'<arg_key>{key}</arg_key>' + chr(10) + '<arg_value>')} {value_rule(g, spec, '</arg_value>', '', chr(10), MARKUP)}"
             parts.append(one if key in required else f"({one})?")
         if not props:
             any_key = g.rule(r"/[A-Za-z0-9_.-]+/")
             parts.append(f'({g.lit("<arg_key>")} {any_key} {g.lit("</arg_key>" + chr(10) + "<arg_value>")} '
-                         f'{g.text_until("</arg_value>" + chr(10))})*')
+                         f'{g.text_until("</arg_value>", MARKUP)} {g.lit(chr(10))})*')
         head = g.lit(f"{self.call[0]}{function['name']}\n")
         return f"{head} {' '.join(parts)} {g.lit(self.call[1])}"

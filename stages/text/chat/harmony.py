@@ -41,6 +41,11 @@ class Harmony(ChatFormat):
     think = None
     extra_markers = (START, CHANNEL, MESSAGE, END, CONSTRAIN)
     calls_tools = True  # messages to functions.NAME (its own reader, not the generic one's call markers)
+    reads_effort = True  # the template's "Reasoning: low/medium/high"
+
+    def reasoning_markers(self):
+        """The analysis channel: a message opened on it, closed by <|end|>."""
+        return CHANNEL + "analysis" + MESSAGE, END
 
     def template_variables(self, variables):
         effort = variables.get("reasoning_effort")
@@ -83,8 +88,7 @@ class Harmony(ChatFormat):
 
     def forced_grammar(self, turn, tokenizer, name: Optional[str] = None, parallel: bool = True) -> str:
         g = Lark(tokenizer)
-        text = g.rule("/(?s:.*)/")
-        analysis = g.rule(f"{g.lit(CHANNEL, 'analysis', MESSAGE)} {text} {g.lit(END, START, 'assistant')}")
+        analysis = g.rule(f"{g.lit(CHANNEL, 'analysis', MESSAGE)} {g.text_until(END)} {g.lit(START, 'assistant')}")
         functions = [t["function"] for t in turn.tools or () if name is None or t["function"]["name"] == name]
         calls = " | ".join(f"{g.lit(CHANNEL, 'commentary to=functions.' + f['name'] + ' ', CONSTRAIN, 'json', MESSAGE)} "
                            f"{g.json(f.get('parameters'))}" for f in functions)
@@ -100,12 +104,16 @@ class HarmonyReader:
         self.content, self.reasoning = Segments(), Segments()
         self.message = Message()
         self.n_calls, self.index, self.sent = 0, -1, ""
+        self.cut = False
 
     def feed(self, text: str) -> Delta:
         self.buf += text
         return self._run(False)
 
-    def close(self) -> Delta:
+    def close(self, cut: bool = False) -> Delta:
+        """`cut`: max_tokens ended the reply (reader.py Reader.close): a call whose arguments are not
+        whole is dropped, and a header or an end marker cut in the middle is no text."""
+        self.cut = cut
         return self._run(True)
 
     def _run(self, final: bool) -> Delta:
@@ -118,8 +126,11 @@ class HarmonyReader:
     def _header(self, out: Delta, final: bool) -> bool:
         at = self.buf.find(MESSAGE)
         if at < 0:
-            if not final and len(self.buf) <= MAX_HEADER and _could_be_header(self.buf):
-                return False
+            if len(self.buf) <= MAX_HEADER and _could_be_header(self.buf):
+                if final and self.cut:
+                    self.buf = ""  # a header max_tokens cut: no text
+                if not final or not self.buf:
+                    return False
             self.mode = "text"  # not harmony: the rest is content as written
             return True
         self.header, self.buf, self.mode = self.buf[:at], self.buf[at + len(MESSAGE):], "body"
@@ -147,7 +158,8 @@ class HarmonyReader:
         at, marker = min(hits) if hits else (-1, "")
         done = at >= 0 or final
         body = self.buf[:at] if at >= 0 else self.buf
-        if not done:
+        cut = final and self.cut and at < 0
+        if not done or cut:
             body = body[:len(body) - held_back(body, ENDS)]
         if self.kind == "call":
             scan = scan_value(body)
@@ -160,8 +172,9 @@ class HarmonyReader:
                 return False
             if not self._valid(body):
                 out.broken.append(self.index)
-                out.content += self.content.add(self.header + MESSAGE + body)
-                self.content.end()
+                if not cut:  # malformed: its text is content; cut by max_tokens: dropped
+                    out.content += self.content.add(self.header + MESSAGE + body)
+                    self.content.end()
         else:
             segments = self.reasoning if self.kind == "reasoning" else self.content
             text = segments.add(body)

@@ -26,30 +26,11 @@ class Hermes(ChatFormat):
     summary = "Qwen2.5, Qwen3, QwQ: <tool_call>{json}</tool_call>, reasoning in <think>"
     call = ("<tool_call>", "</tool_call>")
     call_separator = "\n"
+    think_close = "\n</think>\n\n"
+    thinking_off = {"enable_thinking": False}
 
     def parse_call(self, text: str, done: bool, tools) -> Optional[CallParse]:
-        head = _HEAD.match(text)
-        streamed = None
-        if head:
-            scan = scan_value(text, head.end())
-            if scan.ok and text[scan.start:scan.start + 1] == "{":
-                streamed = CallParse(json.loads(head.group(1)), text[scan.start:scan.end or len(text)])
-        if not done:
-            return streamed
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError:
-            return None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            return None
-        args = obj.get("arguments", obj.get("parameters", {}))
-        if streamed is not None and streamed.name == obj["name"]:
-            return streamed  # the arguments as written (what was streamed of them)
-        if isinstance(args, str):
-            return CallParse(obj["name"], args)
-        if not isinstance(args, dict):
-            return None
-        return CallParse(obj["name"], json.dumps(args, ensure_ascii=False))
+        return read_json_call(text, done)
 
     def call_rule(self, g: Lark, function: dict) -> str:
         schema = {"type": "object", "properties": {
@@ -57,3 +38,31 @@ class Hermes(ChatFormat):
             "arguments": function.get("parameters") or {"type": "object"}},
             "required": ["name", "arguments"], "additionalProperties": False}
         return f"{g.lit(self.call[0] + chr(10))} {g.json(schema)} {g.lit(chr(10) + self.call[1])}"
+
+
+def read_json_call(text: str, done: bool) -> Optional[CallParse]:
+    """A call written as one JSON object {"name": ..., "arguments": {...}} (Hermes' block, an item of
+    the generic format's "tool_calls"): while it arrives, the raw text of its arguments so far;
+    whole, its arguments as written (or re-serialised when they came first, or as a JSON string)."""
+    head = _HEAD.match(text)
+    streamed = None
+    if head:
+        scan = scan_value(text, head.end())
+        if scan.ok and text[scan.start:scan.start + 1] == "{":
+            streamed = CallParse(json.loads(head.group(1)), text[scan.start:scan.end or len(text)])
+    if not done:
+        return streamed
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    if streamed is not None and streamed.name == obj["name"]:
+        return streamed  # the arguments as written (what was streamed of them)
+    if isinstance(args, str):
+        return CallParse(obj["name"], args)
+    if not isinstance(args, dict):
+        return None
+    return CallParse(obj["name"], json.dumps(args, ensure_ascii=False))

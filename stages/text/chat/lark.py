@@ -3,17 +3,19 @@
 A marker that is an added token of the vocabulary (DeepSeek's <｜tool▁call▁begin｜>, harmony's
 <|channel|>, and Qwen's <tool_call> too, though it decodes as text) is not text to the grammar
 engine, which takes every added token for a special one: it is named by its id, `<[id]>`, so the
-model writes it as the one token it was trained on. Any other marker is a string. Arguments are JSON matching the function's schema (`%json`, written as people and
-models write it: ", " and ": ", no free whitespace, see stages/text/grammar.py), or, for the formats
-that write each argument on its own (Qwen3-Coder's <parameter=...>, GLM's <arg_value>), a string
-argument as raw text and any other as JSON.
+model writes it as the one token it was trained on. Any other marker is a string. Arguments are
+JSON matching the function's schema (`%json`, written as people and models write it: ", " and ": ",
+no free whitespace, see stages/text/grammar.py), its objects holding only the properties they list
+(grammar.py `confined`), or, for the formats that write each argument on its own (Qwen3-Coder's
+<parameter=...>, GLM's <arg_value>), a string argument as raw text (none of the format's markup in
+it) and any other as JSON.
 """
 from __future__ import annotations
 
 import json
 from typing import Optional
 
-from moeray.stages.text.grammar import JSON_STYLE
+from moeray.stages.text.grammar import JSON_STYLE, confined
 
 
 class Lark:
@@ -46,7 +48,9 @@ class Lark:
         return out
 
     def json(self, schema: Optional[dict]) -> str:
-        schema = schema if isinstance(schema, dict) and schema else {"type": "object"}
+        """A JSON value matching `schema`, its objects confined to the properties they list
+        (stages/text/grammar.py confined)."""
+        schema = confined(schema) if isinstance(schema, dict) and schema else {"type": "object"}
         return f"%json {json.dumps({**schema, 'x-guidance': JSON_STYLE})}"
 
     def rule(self, body: str, options: str = "") -> str:
@@ -56,13 +60,31 @@ class Lark:
         self.rules.append(f"{name}{f'[{options}]' if options else ''}: {body}")
         return name
 
-    def text_until(self, end: str) -> str:
-        """Any text up to and including the first `end`."""
+    def text_until(self, end: str, forbid: tuple[str, ...] = (), length: Optional[tuple[int, Optional[int]]] = None) -> str:
+        """Any text up to and including the first `end`; with `forbid`, text that holds none of
+        those markers (a string argument written raw cannot run on into the next call's markup,
+        which the reader would take for the argument's end); `length`: (at least, at most) characters
+        before `end` (a string argument's minLength and maxLength)."""
         first, *rest = self.split(end)
-        if first in self.special:  # free text cannot hold an added token: it ends where the token comes
-            return f"{self.rule('/(?s:.*)/')} {self.lit(first, *rest)}"
-        lazy = self.rule(f"/(?s:.*){_regex_escape(first)}/", "lazy")
-        return f"{lazy} {self.lit(*rest)}" if rest else lazy
+        lo, hi = length or (0, None)
+        span = "*" if (lo, hi) == (0, None) else f"{{{lo},{'' if hi is None else hi}}}"
+        # Free text cannot hold an added token: before one it ends where the token comes; before
+        # text it is lazy, ending at the first `end`.
+        token = first in self.special
+        body = f"/(?s:.{span})/" if token else f"/(?s:.{span}){_regex_escape(first)}/"
+        tail = self.lit(first, *rest) if token else (self.lit(*rest) if rest else "")
+        if forbid:
+            # The text holds none of the markers, nor the end's own marker (the reader ends the text at
+            # the first one, with or without the whitespace the end writes around it); then the end.
+            markers = forbid if token else (*forbid, first.strip())
+            self._n += 1
+            text, terminal = f"T{self._n}A", f"T{self._n}"
+            pattern = "|".join(_regex_escape(m) for m in markers)
+            self.rules.append(f"{text}: /(?s:.{span})/ & ~/(?s:.*)({pattern})(?s:.*)/")
+            self.rules.append(f"{terminal}: {text}" + ("" if token else f" {json.dumps(first, ensure_ascii=False)}"))
+            body = terminal
+        text = self.rule(body, "" if token else "lazy")
+        return f"{text} {tail}" if tail else text
 
     def grammar(self, start: str) -> str:
         from moeray.stages.text.grammar import lark_grammar
@@ -89,15 +111,20 @@ def _regex_escape(text: str) -> str:
     return "".join(out)
 
 
-def value_rule(g: Lark, schema: Optional[dict], end: str) -> str:
-    """One argument written on its own and closed by `end`: a string argument as raw text (or one of
-    its enum values), anything else as JSON."""
+def value_rule(g: Lark, schema: Optional[dict], end: str, sep: str = "", after: str = "",
+               forbid: tuple[str, ...] = ()) -> str:
+    """One argument written on its own: its value, then `sep`, `end` and `after`. A string argument is
+    raw text holding none of the `forbid` markers, within its minLength and maxLength (or one of its
+    enum values); anything else is JSON."""
     schema = schema if isinstance(schema, dict) else {}
     if schema.get("type") == "string":
         if isinstance(schema.get("enum"), list) and all(isinstance(v, str) for v in schema["enum"]):
-            return "(" + " | ".join(g.lit(v + end) for v in schema["enum"]) + ")"
-        return g.text_until(end)
-    return f"{g.json(schema or {})} {g.lit(end)}"
+            return "(" + " | ".join(g.lit(v + sep + end + after) for v in schema["enum"]) + ")"
+        lo, hi = schema.get("minLength"), schema.get("maxLength")
+        length = (lo if isinstance(lo, int) else 0, hi if isinstance(hi, int) else None)
+        text = g.text_until(sep + end, forbid, length)
+        return f"{text} {g.lit(after)}" if after else text
+    return f"{g.json(schema or {})} {g.lit(sep + end + after)}"
 
 
 def is_string_argument(function: Optional[dict], name: str) -> bool:

@@ -1,5 +1,6 @@
-"""No format: the reply is content as written (SmolLM2, Mixtral and any template moeray does not
-recognise); a request with `tools` is refused (the template cannot show them, nothing reads calls)."""
+"""No format: the reply is content as written (a GGUF without a template, or `--chat-format plain`);
+a request with `tools` is refused (nothing reads calls). A template moeray does not recognise gets
+the generic format (generic.py), which reads text the same way and takes tools too."""
 from __future__ import annotations
 
 from moeray.stages.text.chat.base import ChatFormat

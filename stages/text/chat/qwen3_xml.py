@@ -20,6 +20,9 @@ from moeray.stages.text.chat.reader import CallParse
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>")
 _PARAMETER = re.compile(r"\s*<parameter=([^>\n]+)>(.*?)</parameter>", re.DOTALL)
 _FUNCTION_END = "</function>"
+_PARAMETER_END = "</parameter>"
+# What a raw string argument may not hold: the markup around it (the reader would end it there).
+MARKUP = ("<parameter=", "<function=", _FUNCTION_END, "<tool_call>", "</tool_call>")
 
 
 def object_text(items: list[tuple[str, object]], closed: bool) -> str:
@@ -36,6 +39,8 @@ class Qwen3Xml(ChatFormat):
     call = ("<tool_call>", "</tool_call>")
     call_separator = "\n"
     opens_think = False  # the template opens <think> (or closes it); the model does not
+    think_close = "\n</think>\n\n"
+    thinking_off = {"enable_thinking": False}
 
     def parse_call(self, text: str, done: bool, tools) -> Optional[CallParse]:
         head = _FUNCTION.match(text)
@@ -61,13 +66,13 @@ class Qwen3Xml(ChatFormat):
         params = function.get("parameters") or {}
         props = params.get("properties") or {}
         required = set(params.get("required") or ())
-        end = "\n</parameter>\n"
         parts = []
         for key, spec in props.items():
-            one = f"{g.lit(f'<parameter={key}>' + chr(10))} {value_rule(g, spec, end)}"
+            one = f"{g.lit(f'<parameter={key}>' + chr(10))} {value_rule(g, spec, _PARAMETER_END, chr(10), chr(10), MARKUP)}"
             parts.append(one if key in required else f"({one})?")
         if not props:  # any arguments
             any_name = g.rule(r"/[A-Za-z0-9_.-]+/")
-            parts.append(f'({g.lit("<parameter=")} {any_name} {g.lit(">" + chr(10))} {g.text_until(end)})*')
+            parts.append(f'({g.lit("<parameter=")} {any_name} {g.lit(">" + chr(10))} '
+                         f'{g.text_until(chr(10) + _PARAMETER_END, MARKUP)} {g.lit(chr(10))})*')
         head = g.lit(f"{self.call[0]}\n<function={function['name']}>\n")
         return f"{head} {' '.join(parts)} {g.lit(_FUNCTION_END + chr(10) + self.call[1])}"

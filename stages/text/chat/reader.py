@@ -97,14 +97,19 @@ class Reader:
         self.raw = ""  # marker text consumed since the last thing sent: content again if the call breaks
         self.before = None  # the content segment a call interrupted (Segments.end), until a call succeeds
         self.broke = False  # a call of the current section was malformed: its end marker is text too
+        self.cut = False  # close(cut=True): max_tokens ended the reply
 
     # ------------------------------------------------------------------ API
     def feed(self, text: str) -> Delta:
         self.buf += text
         return self._run(final=False)
 
-    def close(self) -> Delta:
-        """The reply ended: what was held back is decided."""
+    def close(self, cut: bool = False) -> Delta:
+        """The reply ended: what was held back is decided. `cut`: max_tokens ended it (finish_reason
+        "length"), so a call still open is incomplete: it is dropped (a stream already sent its first
+        pieces; `broken` names it), the complete calls before it stay, and nothing of its markers
+        becomes content, nor does a marker's start held back at the end."""
+        self.cut = cut
         return self._run(final=True)
 
     # ------------------------------------------------------------------ the state machine
@@ -124,6 +129,8 @@ class Reader:
             return True
         if not final and (not text or (opener and opener.startswith(text))):
             return False
+        if final and self.cut and text and opener and opener.startswith(text):
+            self.buf = ""  # max_tokens cut the opening marker itself
         self.mode = "content"
         return True
 
@@ -135,9 +142,9 @@ class Reader:
             self.reasoning.end()
             self.buf, self.mode = self.buf[at + len(closer):], "content"
             return True
-        keep = 0 if final else held_back(self.buf, (closer,))
+        keep = held_back(self.buf, (closer,)) if not final or self.cut else 0
         out.reasoning += self.reasoning.add(self.buf[:len(self.buf) - keep])
-        self.buf = self.buf[len(self.buf) - keep:]
+        self.buf = "" if final else self.buf[len(self.buf) - keep:]
         return False
 
     def _openers(self) -> tuple[str, ...]:
@@ -157,9 +164,9 @@ class Reader:
             if not self.fmt.section:
                 self.call = _Call()
             return True
-        keep = 0 if final else held_back(self.buf, openers)
+        keep = held_back(self.buf, openers) if not final or self.cut else 0
         out.content += self.content.add(self.buf[:len(self.buf) - keep])
-        self.buf = self.buf[len(self.buf) - keep:]
+        self.buf = "" if final else self.buf[len(self.buf) - keep:]
         return False
 
     def _section(self, out: Delta, final: bool) -> bool:
@@ -179,6 +186,10 @@ class Reader:
             return True
         if not final and (begin.startswith(text) or end.startswith(text)):
             return False
+        if final and self.cut and (begin.startswith(text) or end.startswith(text)):
+            # max_tokens ended the section between its calls: the calls stand, its markers are no text
+            self.buf, self.raw, self.mode = "", "", "content"
+            return False
         # Not a call after all: what was taken for markup is text.
         self._as_text(out, self.raw)
         self.mode = "content"
@@ -194,6 +205,12 @@ class Reader:
         if not done:
             if parsed is not None and parsed.name:
                 self._send(out, call, parsed)
+            return False
+        if at < 0 and self.cut:
+            # max_tokens ended the reply inside this call: it is incomplete, and dropped whole
+            if call.index >= 0:
+                out.broken.append(call.index)
+            self.raw, self.call, self.buf, self.mode = "", None, "", "content"
             return False
         rest = self.buf[at + len(closer):] if at >= 0 else ""
         if parsed is None or not parsed.name or not parsed.arguments.startswith(call.sent):
@@ -238,5 +255,5 @@ class PlainReader:
         self.message.add(d)
         return d
 
-    def close(self) -> Delta:
+    def close(self, cut: bool = False) -> Delta:
         return Delta()
