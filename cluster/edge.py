@@ -53,6 +53,29 @@ def take_ticket():
     return _ticket.get()
 
 
+class APIError(Exception):
+    """An error a request gets: its HTTP status, OpenAI's error fields (cluster/serve_app.py
+    error_response gives it the shape of the API the request spoke)."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self):
+        from fastapi.responses import Response
+
+        from moeray.cluster import openai_schema as oa
+
+        body = oa.ErrorResponse(error=oa.ErrorBody(message=self.message, type=self.type, param=self.param,
+                                                   code=self.code))
+        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
+        # ASCII JSON: a message or param may quote what the client sent, lone surrogates included,
+        # which UTF-8 cannot carry; escaped, it goes back as the client wrote it.
+        return Response(json.dumps(body.model_dump(), ensure_ascii=True), status_code=self.status,
+                        headers=headers, media_type="application/json")
+
+
 def error_body(message: str, type_: str, code: Optional[str], param: Optional[str] = None) -> bytes:
     return json.dumps({"error": {"message": message, "type": type_, "param": param, "code": code}},
                       ensure_ascii=True).encode()
@@ -167,8 +190,6 @@ class Edge:
         shape = next((fn for prefix, fn in getattr(state, "error_shapes", ()) if path.startswith(prefix)), None)
         if shape is None:
             return await send_error(send, status, message, type_, code, close=close)
-        from moeray.cluster.serve_app import APIError  # the routes' module imports this one
-
         response = shape(APIError(status, message, type_=type_, code=code))
         if status in (429, 503):
             response.headers["retry-after"] = "1"

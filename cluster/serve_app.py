@@ -67,22 +67,7 @@ INLINE_PROMPT_MESSAGES = 8
 # ---------------------------------------------------------------- errors
 
 
-class APIError(Exception):
-    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
-                 param: Optional[str] = None, code: Optional[str] = None):
-        super().__init__(message)
-        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
-
-    def response(self):
-        from fastapi.responses import Response
-
-        body = oa.ErrorResponse(error=oa.ErrorBody(message=self.message, type=self.type, param=self.param,
-                                                   code=self.code))
-        headers = {"Retry-After": "1"} if self.status in (429, 503) else None
-        # ASCII JSON: a message or param may quote what the client sent, lone surrogates included,
-        # which UTF-8 cannot carry; escaped, it goes back as the client wrote it.
-        return Response(json.dumps(body.model_dump(), ensure_ascii=True), status_code=self.status,
-                        headers=headers, media_type="application/json")
+APIError = edge.APIError  # an error a request gets, in the shape of the API it spoke (error_response)
 
 
 # The tags pydantic puts in an error's location for the member of a union it tried ('int', 'str',

@@ -91,11 +91,11 @@ _FAILING_SERVE = """
 import sys
 from moeray.cluster import engine
 real, calls = engine.Engine.step, [0]
-def step(self):
+def step(self, *args, **kwargs):
     calls[0] += 1
     if calls[0] >= 3:
         raise RuntimeError("injected: the step failed")
-    return real(self)
+    return real(self, *args, **kwargs)
 engine.Engine.step = step
 from moeray.cluster.cli import main
 sys.exit(main(sys.argv[1:]))
