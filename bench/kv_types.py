@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import subprocess
 import sys
 import time
@@ -26,6 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from moeray.environment import llama_cpp_tool  # noqa: E402
 
 CHUNK = 512
 
@@ -145,9 +145,8 @@ def main() -> int:
     ap.add_argument("--depths", default="0,4096,16384")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode-tokens", type=int, default=32)
-    ap.add_argument("--llama-bin", default=os.environ.get("LLAMA_BIN") or (
-        str(Path(shutil.which("llama-bench")).parent) if shutil.which("llama-bench") else None),
-        help="the folder of llama-bench (default: $LLAMA_BIN, or llama-bench on PATH); none: moeray alone")
+    ap.add_argument("--llama-bin", default=(str(Path(t).parent) if (t := llama_cpp_tool("llama-bench")) else None),
+                    help="the folder of llama-bench (default: LLAMA_CPP_BIN's, or llama-bench on PATH); none: moeray alone")
     ap.add_argument("--llama-reps", type=int, default=1)
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--read-cost", action="store_true",

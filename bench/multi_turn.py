@@ -16,6 +16,7 @@ token ids, one slot); its time is its own `timings.prompt_ms` and, beside it, th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import socket
@@ -84,14 +85,12 @@ def _post(port: int, body: dict, timeout: float) -> tuple[dict, float]:
     return data, wall
 
 
-def llama_server_turns(exe: str, path: str, threads: int, prompt: list[int], n_answer: int,
-                       new: list[int]) -> dict | None:
-    if not (exe and Path(exe).exists()):
-        return None
+@contextlib.contextmanager
+def llama_server(exe: str, path: str, threads: int, ctx: int, extra: tuple[str, ...] = ()):
+    """llama-server on `path` with one slot of `ctx` tokens, on a free port (yielded) once healthy."""
     port = _free_port()
-    ctx = len(prompt) + n_answer + len(new) + 64
     proc = subprocess.Popen([exe, "-m", path, "-t", str(threads), "-tb", str(threads), "-c", str(ctx), "-np", "1",
-                             "--host", "127.0.0.1", "--port", str(port)],
+                             "--host", "127.0.0.1", "--port", str(port), *extra],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 600
@@ -106,6 +105,21 @@ def llama_server_turns(exe: str, path: str, threads: int, prompt: list[int], n_a
             if proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("llama-server did not start")
             time.sleep(1)
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def llama_server_turns(exe: str, path: str, threads: int, prompt: list[int], n_answer: int,
+                       new: list[int]) -> dict | None:
+    if not (exe and Path(exe).exists()):
+        return None
+    ctx = len(prompt) + n_answer + len(new) + 64
+    with llama_server(exe, path, threads, ctx) as port:
         base = {"temperature": 0, "ignore_eos": True, "cache_prompt": True, "return_tokens": True}
         _post(port, {**base, "prompt": prompt[:64], "n_predict": 2}, 3600)  # warm-up
         t = time.perf_counter()
@@ -118,12 +132,6 @@ def llama_server_turns(exe: str, path: str, threads: int, prompt: list[int], n_a
         return {"engine": "llama-server", "turn1_s": turn1, "turn2_ttft_s": tm["prompt_ms"] / 1e3,
                 "turn2_wall_s": wall, "turn2_prompt": n, "turn2_prefilled": tm["prompt_n"],
                 "turn2_reused": n - tm["prompt_n"], "same_answer_length": len(answer) == n_answer}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def main() -> int:

@@ -21,9 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -31,6 +29,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from moeray.environment import llama_cpp_tool  # noqa: E402
 
 
 def toy_path(name: str) -> str:
@@ -115,9 +115,8 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=512, help="tokens per chunk (llama-perplexity -c)")
     ap.add_argument("--chunks", type=int, help="score at most this many chunks (default: all)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--llama-bin", default=os.environ.get("LLAMA_BIN") or (
-        str(Path(shutil.which("llama-perplexity")).parent) if shutil.which("llama-perplexity") else None),
-        help="the folder of llama-perplexity (default: $LLAMA_BIN, or llama-perplexity on PATH); none: moeray alone")
+    ap.add_argument("--llama-bin", default=(str(Path(t).parent) if (t := llama_cpp_tool("llama-perplexity")) else None),
+                    help="the folder of llama-perplexity (default: LLAMA_CPP_BIN's, or llama-perplexity on PATH); none: moeray alone")
     ap.add_argument("--json", help="write the rows here")
     args = ap.parse_args()
 

@@ -21,17 +21,16 @@ The default model's context is 8,192 tokens: with it, pass a shorter --prefix-to
 from __future__ import annotations
 
 import argparse
-import http.client
 import json
 import os
-import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from moeray.environment import llama_cpp_tool  # noqa: E402
 
 
 def moeray_turns(path: str, prompt: list[int], other: list[int], n_answer: int, new: list[int], host: bool,
@@ -47,7 +46,8 @@ def moeray_turns(path: str, prompt: list[int], other: list[int], n_answer: int, 
 
     total = len(prompt) + n_answer + len(new) + 16
     blocks = blocks_for(total)  # one conversation: the other prompt takes every block back
-    pipe = LocalPipeline.from_file(path, blocks, 1 << 40, max_seqs=1, kv_types=KVTypes.same(cache_type),
+    budget = 4 << 30  # moeray serve --local's device: its trunk and KV; the experts on the host path
+    pipe = LocalPipeline.from_file(path, blocks, budget, max_seqs=1, kv_types=KVTypes.same(cache_type),
                                    host_blocks=2 * blocks if host else 0)
     eng = Engine(pipe, EngineConfig(max_seqs=1, max_len=total, micro_batches=1, kv_blocks=blocks))
     greedy = SamplingParams(max_tokens=n_answer, ignore_eos=True)
@@ -68,29 +68,13 @@ def moeray_turns(path: str, prompt: list[int], other: list[int], n_answer: int, 
 
 def llama_server_turns(exe: str, path: str, threads: int, prompt: list[int], other: list[int], n_answer: int,
                        new: list[int], cache_type: str) -> dict | None:
-    from multi_turn import _free_port, _post
+    from multi_turn import _post, llama_server
 
     if not (exe and Path(exe).exists()):
         return None
-    port = _free_port()
     ctx = len(prompt) + n_answer + len(new) + 64
-    cache = ["-fa", "on", "-ctk", cache_type, "-ctv", cache_type]
-    proc = subprocess.Popen([exe, "-m", path, "-t", str(threads), "-tb", str(threads), "-c", str(ctx), "-np", "1",
-                             "--cache-ram", "8192", "--host", "127.0.0.1", "--port", str(port)] + cache,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 600
-        while True:
-            try:
-                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-                conn.request("GET", "/health")
-                if conn.getresponse().status == 200:
-                    break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("llama-server did not start")
-            time.sleep(1)
+    cache = ("--cache-ram", "8192", "-fa", "on", "-ctk", cache_type, "-ctv", cache_type)
+    with llama_server(exe, path, threads, ctx, cache) as port:
         base = {"temperature": 0, "ignore_eos": True, "cache_prompt": True, "return_tokens": True}
         _post(port, {**base, "prompt": prompt[:64], "n_predict": 2}, 3600)  # warm-up
         t = time.perf_counter()
@@ -104,12 +88,6 @@ def llama_server_turns(exe: str, path: str, threads: int, prompt: list[int], oth
         return {"engine": "llama-server", "cache_ram_mib": 8192, "cache_type": cache_type, "turn1_s": turn1,
                 "turn2_ttft_s": wall, "turn2_prompt_ms": tm["prompt_ms"], "turn2_prompt": n,
                 "turn2_prefilled": tm["prompt_n"], "turn2_reused": n - tm["prompt_n"]}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def main() -> int:
@@ -122,8 +100,8 @@ def main() -> int:
     ap.add_argument("--cache-type", default="f16", help="the KV cache type of both engines, K and V alike "
                                                         "(default f16, llama-server's own)")
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--llama-server", default=os.environ.get("LLAMA_SERVER") or shutil.which("llama-server"),
-                    help="llama-server (default: $LLAMA_SERVER, or llama-server on PATH); none: moeray alone")
+    ap.add_argument("--llama-server", default=llama_cpp_tool("llama-server"),
+                    help="llama-server (default: LLAMA_CPP_BIN's, or llama-server on PATH); none: moeray alone")
     ap.add_argument("--json", help="also write the results here")
     args = ap.parse_args()
 
