@@ -56,7 +56,7 @@ def test_the_readme_and_docs_name_only_flags_the_commands_have():
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for line_no, line in enumerate(path.read_text().splitlines(), 1):
             for command, rest in COMMAND.findall(line):
-                rest = re.split(r"[;|\"]", rest)[0]  # one command: up to the next one, a table cell or a quote
+                rest = re.split(r"[;|\"']", rest)[0]  # one command: up to the next one, a table cell or a quote (either kind)
                 for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", rest):
                     if flag not in _flags(parsers[command]):
                         wrong.append(f"{path.relative_to(ROOT)}:{line_no}: moeray {command} has no {flag}")
