@@ -52,11 +52,19 @@ def engine(default_model_path):
     from moeray.cluster.local_pipeline import LocalPipeline
     from moeray.stages.text.tokenizer import Tokenizer
 
+    from moeray.stages.kernels import threads
+
+    # Graphs keep one thread count: one that learns from its own timings whether one thread or all
+    # compute it (ThreadSettings.adapt) splits a lone query's keys differently under another load, and
+    # this untrained model's near-tie logits then turn a greedy reply another way from run to run.
+    before = (threads.ggml_threads(), threads.thread_settings())
+    threads.set_threads(before[0], dataclasses.replace(before[1], adapt=False))
     blocks = len(TEMPLATES) * 72  # 1152 tokens a sequence: the longest prompt (gpt-oss's) and its reply
     pipe = LocalPipeline.from_file(str(default_model_path), blocks, 4 << 30, max_seqs=len(TEMPLATES))
     config = EngineConfig(max_seqs=len(TEMPLATES), max_len=2048, kv_blocks=blocks, micro_batches=1)
     tok = Tokenizer.from_gguf(default_model_path)
-    return Engine(pipe, config, tok), tok
+    yield Engine(pipe, config, tok), tok
+    threads.set_threads(*before)
 
 
 def turn_and_params(tok, name: str, max_tokens: int = MAX_TOKENS):
