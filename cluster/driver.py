@@ -342,7 +342,14 @@ class StageGroup:
         while True:
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=1.0)
             if len(ready) == len(refs):
-                gather(refs, 1.0, "restart", dead)
+                try:
+                    gather(refs, 1.0, "restart", dead)
+                except StageFailedError:  # a restarted actor that died: name the node that left, if one did
+                    if (lost := self.lost(dead)) is not None:
+                        for i in dead:
+                            ray.kill(self.actors[i], no_restart=True)
+                        raise lost from None
+                    raise
                 return
             if (lost := self.lost(dead)) is not None:
                 for i in dead:
