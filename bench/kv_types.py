@@ -168,16 +168,9 @@ def main() -> int:
     from moeray.stages.kernels import settings
 
     settings.update(threads=args.threads)
-    if args.shape:
-        from shapes import write_shape
+    from shapes import bench_model
 
-        path = str(write_shape(args.shape))
-    elif args.model:
-        path = args.model
-    else:
-        from moeray.stages.gguf.default_model import default_model_path
-
-        path = str(default_model_path())
+    path = bench_model(args.shape, args.model)
     types, depths = args.types.split(","), [int(d) for d in args.depths.split(",")]
     rows = moeray_rows(path, types, depths, args.decode_tokens)
     if args.llama_bin:

@@ -114,16 +114,9 @@ def main() -> int:
 
     torch.set_num_threads(args.threads)
     set_threads(args.threads)
-    if args.shape:
-        from shapes import write_shape
+    from shapes import bench_model
 
-        path = str(write_shape(args.shape))
-    elif args.model:
-        path = args.model
-    else:
-        from moeray.stages.gguf.default_model import default_model_path
-
-        path = str(default_model_path())
+    path = bench_model(args.shape, args.model)
     context = read_gguf_header(path).config.context_length
     need = args.prefix_tokens + args.answer_tokens + args.new_tokens + 16
     if need > context:

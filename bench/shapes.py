@@ -301,6 +301,18 @@ def is_recurrent(s: Shape, layer: int) -> bool:
     return s.linear[0] > 0 and (layer + 1) % s.full_interval != 0
 
 
+def bench_model(shape: str | None, model: str | None) -> str:
+    """The GGUF a bench runs: a real shape's synthetic file (`--shape`, written once), `--model`, or
+    the embedded default model."""
+    if shape:
+        return str(write_shape(shape))
+    if model:
+        return model
+    from moeray.stages.gguf.default_model import default_model_path
+
+    return str(default_model_path())
+
+
 def write_shape(name: str, seed: int = 0, shape: Shape | None = None, path: Path | None = None,
                 pool_blocks: int = _POOL_BLOCKS, header_only: bool = False) -> Path:
     """The file for SHAPES[name] (or `shape`) in the cache dir (or at `path`), written the first
