@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from moeray.stages.arch.config import ModelConfig
 from moeray.stages.blocks import kv_quant
+from moeray.stages.blocks.kv_rotation import rotate
 from moeray.stages.blocks.kv_cache import BLOCK_SIZE, KVCache, KVPool, blocks_for
 from moeray.stages.kernels.qmatmul import QMatrix
 from moeray.stages.blocks.rope import RoPE
@@ -199,9 +200,10 @@ class Attention(torch.nn.Module):
         k_cache, v_cache = kv.layer(self.layer)
         types, work = kv.types, work_dtype(kv, k_cache)
         rows = meta.row0 if N == 1 else meta.write_rows  # one decode token: plain indexing, no index tensor
-        kv.write(k_cache, types.k, rows, k)
-        kv.write(v_cache, types.v, rows, v)
-        keys, values = read_keys(k_cache, types.k, D, meta, work), read_keys(v_cache, types.v, D, meta, work)
+        kv.write(k_cache, "k", rows, k)
+        kv.write(v_cache, "v", rows, v)
+        keys = read_keys(k_cache, types.k, D, meta, work, kv.rot["k"])
+        values = read_keys(v_cache, types.v, D, meta, work, kv.rot["v"])
         q = q.to(work)
 
         B = len(meta.n_new)
@@ -270,12 +272,14 @@ def work_dtype(kv: KVPool, cache: torch.Tensor) -> torch.dtype:
     return torch.float16 if cache.device.type == "cuda" and kv.types.k == kv.types.v == "f16" else torch.float32
 
 
-def read_keys(cache: torch.Tensor, cache_type: str, width: int, meta: BatchMeta, work: torch.dtype) -> torch.Tensor:
+def read_keys(cache: torch.Tensor, cache_type: str, width: int, meta: BatchMeta, work: torch.dtype,
+              rot: int = 0) -> torch.Tensor:
     """[B, heads, keys_max, width] of the step's sequences in `work`: a view of a float pool of
-    that dtype, else the rows converted (dequantised: stages/blocks/kv_quant.py)."""
+    that dtype, else the rows converted (dequantised: stages/blocks/kv_quant.py, and turned back
+    by the pool's rotation `rot` where it has one: stages/blocks/kv_rotation.py)."""
     rows = _read(cache, meta)
     if cache_type not in kv_quant.FLOAT:
-        rows = kv_quant.dequantize_rows(rows, cache_type, width)
+        rows = rotate(kv_quant.dequantize_rows(rows, cache_type, width), rot)
     return rows if rows.dtype == work else rows.to(work)
 
 

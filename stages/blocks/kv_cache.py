@@ -28,6 +28,7 @@ from moeray.errors import MoerayError
 from moeray.planner.kv import KVTypes, default_kv_types, resolve_kv_types, row_bytes
 from moeray.stages.arch import arch_of
 from moeray.stages.blocks import kv_quant
+from moeray.stages.blocks.kv_rotation import rotate, rotation
 
 BLOCK_SIZE = 16  # tokens per block, as vLLM's default: small enough to waste < 16 tokens a sequence
 
@@ -165,6 +166,9 @@ class KVPool:
         rows = n_blocks * BLOCK_SIZE
         v_dim = head_dim if v_dim is None else v_dim
         self.widths = (head_dim, v_dim)
+        # the Hadamard block each kind of row is turned by before it is quantised, 0: none
+        # (stages/blocks/kv_rotation.py: llama.cpp's rule, so both engines keep the same rows)
+        self.rot = {"k": rotation(types.k, head_dim, "k"), "v": rotation(types.v, v_dim, "v")}
         self.k = [pool_tensor(types.k, n_kv_heads, rows, head_dim, device) for _ in self.kv_layers]
         self.v = [pool_tensor(types.v, n_kv_heads, rows, v_dim, device) if v_dim else None for _ in self.kv_layers]
         self.host = None
@@ -205,10 +209,11 @@ class KVPool:
 
     # --- the torch path's reads and writes (the trunk graph reads and writes the rows itself)
 
-    def write(self, cache: torch.Tensor, cache_type: str, rows: torch.Tensor | int, values: torch.Tensor) -> None:
-        """The step's values [N, heads, width] into `cache` (a layer's k or v) at pool rows `rows`
-        (an int: one token), in the pool's type."""
-        stored = kv_quant.quantize(values, cache_type)
+    def write(self, cache: torch.Tensor, kind: str, rows: torch.Tensor | int, values: torch.Tensor) -> None:
+        """The step's values [N, heads, width] into `cache` (a layer's k or v: `kind` "k" or "v";
+        MLA's latent is "k") at pool rows `rows` (an int: one token), in the pool's type, turned
+        by its rotation first where it has one."""
+        stored = kv_quant.quantize(rotate(values, self.rot[kind]), getattr(self.types, kind))
         if isinstance(rows, int):
             cache[:, rows] = stored[0]
         else:

@@ -73,8 +73,8 @@ class MLAttention(torch.nn.Module):
         cache, _ = kv.layer(self.layer)  # [1, rows, C + R]: latent then rope key, in the pool's K type
         work = work_dtype(kv, cache)
         entry = torch.cat((latent, k_pe), dim=-1).view(N, 1, C + R)
-        kv.write(cache, kv.types.k, meta.row0 if N == 1 else meta.write_rows, entry)
-        keys = read_keys(cache, kv.types.k, C + R, meta, work)  # [B, 1, keys_max, C + R]
+        kv.write(cache, "k", meta.row0 if N == 1 else meta.write_rows, entry)
+        keys = read_keys(cache, kv.types.k, C + R, meta, work, kv.rot["k"])  # [B, 1, keys_max, C + R]
         values = keys[..., :C]  # the latent is the value
         query = query.to(work)
 

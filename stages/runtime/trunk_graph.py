@@ -60,6 +60,7 @@ import torch
 from moeray.stages.blocks.expert_graph import OneStack, moe_ffn, stack_pointers, stack_tensors
 from moeray.planner.kv import KVTypes
 from moeray.stages.blocks.kv_cache import BLOCK_SIZE, KVPool
+from moeray.stages.blocks.kv_rotation import hadamard, rotation
 from moeray.stages.blocks.attention import Attention, BatchMeta, GatedAttention
 from moeray.stages.blocks.deltanet import GatedDeltaNet
 from moeray.stages.blocks.mla import MLAttention
@@ -593,6 +594,7 @@ class TrunkGraphs:
             shared["windows"] = {w: new(keys_pad, t, 1, B, type=G.GGML_TYPE_F16) for w in self.windows}
             inputs += list(shared["windows"].values())
             shared["factors"] = None
+            shared["hadamard"] = {}  # order -> its matrix (_hadamard)
             if self.factors is not None:
                 shared["factors"] = new(self.factors.numel())
                 inputs.append(shared["factors"])
@@ -735,6 +737,25 @@ class TrunkGraphs:
             reads.append(kr)
         return pools + aliases, pools, reads
 
+    @staticmethod
+    def _hadamard(ctx, shared: dict, x, n: int):
+        """x with each run of n values turned by the Walsh-Hadamard matrix H (n = 0: x itself), as
+        llama.cpp's llama_mul_mat_hadamard: a mul_mat hinted GGML_HINT_SRC0_IS_HADAMARD, which
+        ggml's CPU backend runs as a fast transform (stages/blocks/kv_rotation.py says why)."""
+        if not n:
+            return x
+        G = ggml_lib()
+        h = shared["hadamard"].get(n)
+        if h is None:  # a constant leaf of the graph, never an input: it keeps the process's one copy
+            h = shared["hadamard"][n] = G.ggml_new_tensor_2d(ctx, G.GGML_TYPE_F32, n, n)
+            h.contents.data = hadamard(n).data_ptr()
+        ne = list(x.contents.ne)
+        rows = ne[0] * ne[1] * ne[2] * ne[3] // n
+        flat = G.ggml_reshape_2d(ctx, x, n, rows) if G.ggml_is_contiguous(x) else G.ggml_cont_2d(ctx, x, n, rows)
+        y = G.ggml_mul_mat(ctx, h, flat)
+        G.ggml_mul_mat_set_hint(y, G.GGML_HINT_SRC0_IS_HADAMARD)
+        return G.ggml_reshape_4d(ctx, y, *ne)
+
     def _rope(self, ctx, shared: dict, x, n_rot: int):
         """ggml_rope_ext as the torch path's RoPE turns x (stages/blocks/rope.py): its style, linear
         scaling, YaRN through its frequencies as divisors and its attention factor on cos/sin."""
@@ -786,6 +807,11 @@ class TrunkGraphs:
             q = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, q, eps), q_norm)
             k = G.ggml_mul(ctx, G.ggml_rms_norm(ctx, k, eps), k_norm)
         q, k = self._rope(ctx, shared, q, n_rot), self._rope(ctx, shared, k, n_rot)
+        # a quantised pool's rows turned first, as llama.cpp turns them (stages/blocks/kv_rotation.py):
+        # q with k (their dot products unchanged), v now and the output back after attention
+        rot_k, rot_v = rotation(step.types.k, D, "k"), rotation(step.types.v, D, "v")
+        q, k = self._hadamard(ctx, shared, q, rot_k), self._hadamard(ctx, shared, k, rot_k)
+        v = self._hadamard(ctx, shared, v, rot_v)
         # the step's k/v into the pool: [D, N, kv heads] rows at write_rows, every head
         wk = G.ggml_set_rows(ctx, k_pool, G.ggml_permute(ctx, k, 0, 2, 1, 3), write_rows)
         wv = G.ggml_set_rows(ctx, v_pool, G.ggml_permute(ctx, v, 0, 2, 1, 3), write_rows)
@@ -798,7 +824,7 @@ class TrunkGraphs:
         G.ggml_flash_attn_ext_set_prec(o, G.GGML_PREC_F32)
         if sinks is not None:  # a learned logit per head in each softmax's denominator (gpt-oss)
             G.ggml_flash_attn_ext_add_sinks(o, sinks)
-        o = G.ggml_reshape_2d(ctx, o, Q, B * t)
+        o = G.ggml_reshape_2d(ctx, self._hadamard(ctx, shared, o, rot_v), Q, B * t)
         if padded:  # and back to the packed tokens
             o = G.ggml_get_rows(ctx, o, shared["unpad"])
         if gate is not None:  # the per-head output gate
@@ -943,11 +969,14 @@ class TrunkGraphs:
         k_pe = self._rope(ctx, shared, G.ggml_view_3d(ctx, ckv, R, 1, N, ckv.contents.nb[1], ckv.contents.nb[1], C * 4), R)
         # the step's latent and rope key into the pool: one row of C + R per token
         entry = G.ggml_concat(ctx, latent, G.ggml_reshape_2d(ctx, k_pe, R, N), 0)  # [C + R, N]
+        rot = rotation(step.types.k, C + R, "k")  # a quantised latent turned first (kv_rotation.py)
+        entry = self._hadamard(ctx, shared, entry, rot)
         write = G.ggml_set_rows(ctx, pool, G.ggml_reshape_3d(ctx, entry, C + R, N, 1), shared["write_rows"])
 
         # the query into latent space per head: q_lat = k_b^T q_nope, then [q_lat, q_pe]
         q_lat = G.ggml_mul_mat(ctx, wk_b, G.ggml_permute(ctx, q_nope, 0, 2, 1, 3))  # [C, N, heads]
         query = G.ggml_concat(ctx, G.ggml_permute(ctx, q_lat, 0, 2, 1, 3), q_pe, 0)  # [C + R, heads, N]
+        query = self._hadamard(ctx, shared, query, rot)
         if padded:  # packed tokens -> [B, t] query rows
             query = G.ggml_get_rows(ctx, G.ggml_reshape_2d(ctx, query, (C + R) * nh, N), shared["pad"])
         q4 = G.ggml_permute(ctx, G.ggml_reshape_4d(ctx, query, C + R, nh, t, B), 0, 2, 1, 3)  # [C + R, t, heads, B]
@@ -961,7 +990,7 @@ class TrunkGraphs:
             v_read = G.ggml_view_4d(ctx, k_read, C, kr.ne[1], kr.ne[2], kr.ne[3], kr.nb[1], kr.nb[2], kr.nb[3], 0)
         o = G.ggml_flash_attn_ext(ctx, q4, k_read, v_read, shared["mask"], attn.scale, 0.0, 0.0)  # [C, heads, t, B]
         G.ggml_flash_attn_ext_set_prec(o, G.GGML_PREC_F32)
-        o = G.ggml_reshape_2d(ctx, o, C * nh, B * t)
+        o = G.ggml_reshape_2d(ctx, self._hadamard(ctx, shared, o, rot), C * nh, B * t)  # the value's rows turned back
         if padded:  # and back to the packed tokens
             o = G.ggml_get_rows(ctx, o, shared["unpad"])
         # out of latent space per head through v_b, then the output projection

@@ -162,3 +162,96 @@ def test_mla_and_hybrid_attention_over_a_q8_0_pool(toy_files, name):
         model.trunk = trunk
     err = (graph - ref).abs().max() / ref.abs().max()
     assert err <= RTOL, f"{err:.2e} of the largest value"
+
+
+def test_a_quantised_row_is_turned_by_llama_cpps_hadamard_rule():
+    """llama.cpp turns K and V rows by a Walsh-Hadamard matrix before quantising them (its
+    attn_rot_k / attn_rot_v): K in blocks of the largest power of two from 64 dividing the row, V
+    in blocks of 64, only for quantised types and rows a multiple of 64 wide. Its matrix (Sylvester's,
+    ggml_gen_hadamard's loop) is ours; the torch path stores the row turned, in ggml's bytes, and
+    reads it back unturned."""
+    from moeray.stages.blocks.kv_rotation import hadamard, rotate, rotation
+
+    assert [rotation("q4_0", w, "k") for w in (64, 128, 256, 576, 96, 160)] == [64, 128, 256, 64, 0, 0]
+    assert [rotation("q8_0", w, "v") for w in (64, 128, 256, 96)] == [64, 64, 64, 0]
+    assert rotation("f16", 128, "k") == rotation("f32", 128, "v") == 0
+    for n in (64, 128, 256):  # ggml_gen_hadamard, line for line
+        ref = torch.zeros(n, n)
+        ref[0, 0] = 1 / n ** 0.5
+        s = 1
+        while s < n:
+            ref[s:2 * s, :s], ref[:s, s:2 * s], ref[s:2 * s, s:2 * s] = ref[:s, :s], ref[:s, :s], -ref[:s, :s]
+            s *= 2
+        assert torch.equal(hadamard(n), ref)
+    torch.manual_seed(1)
+    x = torch.randn(20, 2, 128)
+    x[..., 5] *= 30  # an outlier channel, as keys have: what the rotation is for
+    pool = KVPool(0, 1, 2, 2, 128, types=KVTypes("q4_0", "q8_0"))
+    assert pool.rot == {"k": 128, "v": 64}
+    k, v = pool.layer(0)
+    rows = torch.arange(20)
+    pool.write(k, "k", rows, x)
+    pool.write(v, "v", rows, x)
+    for cache, t, n in ((k, "q4_0", 128), (v, "q8_0", 64)):
+        turned = rotate(x, n)
+        assert torch.equal(cache[:, :20].transpose(0, 1), kv_quant.quantize(turned, t))
+        back = rotate(kv_quant.dequantize_rows(cache[:, :20].transpose(0, 1), t, 128), n)
+        plain = kv_quant.dequantize_rows(kv_quant.quantize(x, t), t, 128)  # what an unturned row keeps
+        assert (back - x).norm() < 0.5 * (plain - x).norm()
+
+
+def _ggml_turned(x: torch.Tensor, n: int) -> torch.Tensor:
+    """x [rows, width] turned by ggml's Walsh-Hadamard transform, the trunk graph's own node
+    (TrunkGraphs._hadamard: a mul_mat hinted GGML_HINT_SRC0_IS_HADAMARD)."""
+    from moeray.stages.kernels.backend import ggml_lib
+    from moeray.stages.runtime.trunk_graph import TrunkGraphs
+
+    G = ggml_lib()
+    rows, width = x.shape
+    ctx = G.ggml_init(G.ggml_init_params(mem_size=64 << 20, mem_buffer=None, no_alloc=False))
+    try:
+        src = G.ggml_new_tensor_2d(ctx, G.GGML_TYPE_F32, width, rows)
+        x = x.contiguous()
+        ctypes.memmove(G.ggml_get_data(src), x.data_ptr(), x.numel() * 4)
+        out = TrunkGraphs._hadamard(ctx, {"hadamard": {}}, src, n)
+        gf = G.ggml_new_graph(ctx)
+        G.ggml_build_forward_expand(gf, out)
+        G.ggml_graph_compute_with_ctx(ctx, gf, 2)
+        return torch.frombuffer(bytearray(ctypes.string_at(G.ggml_get_data(out), x.numel() * 4)),
+                                dtype=torch.float32).view(rows, width).clone()
+    finally:
+        G.ggml_free(ctx)
+
+
+@needs_ggml
+@pytest.mark.parametrize("types", [KVTypes("q4_0", "q4_0"), KVTypes("q8_0", "q4_0"), KVTypes("q4_0", "f16")])
+def test_the_graph_stores_the_rows_llama_cpp_stores(tmp_path, types):
+    """A prompt through the trunk graph into a quantised pool: layer 0's K and V rows (computed
+    before any attention, so the same floats at every type: a float32 pool keeps them as they are)
+    are, byte for byte, ggml's quantisation of those floats turned as llama.cpp turns them, and
+    ggml's transform is the torch path's rotation. Rows stored unturned (moeray's q4_0 perplexity
+    was 19.50 where llama.cpp's is 17.19) or turned by another block fail here."""
+    from test_gguf_file import tiny_config, write_synthetic_gguf
+    from tiny_models import token_ids
+
+    from moeray.stages.blocks.kv_rotation import rotate, rotation
+
+    cfg = dataclasses.replace(tiny_config("llama", n_experts=0), head_dim=128)
+    model = load_model(str(write_synthetic_gguf(tmp_path / "h128.gguf", cfg, seed=2)))
+    assert model.trunk is not None
+    ids = [t % cfg.vocab_size for t in token_ids(40, seed=4)]
+
+    def pool(t: KVTypes):
+        kv = model.new_kv_cache(1, 48, t)
+        with torch.inference_mode():
+            model.run_layers(model.embed([ids]), model.batch_meta([40], [0], kv), kv)
+        return kv
+
+    plain, stored = pool(KVTypes.same("f32")), pool(types)
+    for kind, t in (("k", types.k), ("v", types.v)):
+        floats = getattr(plain, kind)[0][:, :40].reshape(-1, 128)  # [heads * tokens, 128]
+        n = rotation(t, 128, kind)
+        turned = _ggml_turned(floats, n) if n else floats
+        assert torch.allclose(turned, rotate(floats, n), atol=1e-5)
+        rows = getattr(stored, kind)[0][:, :40].reshape(2 * 40, -1)
+        assert torch.equal(rows.view(torch.uint8), _ggml_rows(turned, t)), f"{kind} rows in {t}"
