@@ -8,13 +8,15 @@ ones before it: perplexity = exp(mean negative log-likelihood). moeray runs the 
 through one stage in this process (StageModel.logits_all, the pool in the type under test).
 
     python bench/perplexity.py --text FILE [--model F.gguf | --toy deepseek-v2-lite]
-                               [--types f16,q8_0,q4_0] [--ctx 512] [--chunks N] [--threads 2]
+                               [--types f16,q8_0,q4_0,q4_0/f16] [--ctx 512] [--chunks N] [--threads 2]
                                [--llama-bin DIR] [--json out.json]
 
 --toy NAME writes (once, into the cache dir) bench/shapes.py's toy-width copy of that family
 (random blocks, the default model's tokeniser): an MLA file (deepseek-v2-lite) or a hybrid one
 (qwen3.6-35b-a3b) on real text. Its perplexity is a random model's, but the same in both engines
 and nearly the same at every cache type, which is what it checks.
+
+A type is K and V alike (`q8_0`), or K/V apart (`q4_0/f16`: -ctk q4_0 -ctv f16).
 """
 from __future__ import annotations
 
@@ -56,6 +58,12 @@ def chunks_of(tokens: list[int], ctx: int, n_chunks: int | None, bos: int | None
     return out
 
 
+def kv_pair(spec: str) -> tuple[str, str]:
+    """`q8_0` -> (q8_0, q8_0); `q4_0/f16` -> K q4_0, V f16."""
+    k, _, v = spec.partition("/")
+    return k, v or k
+
+
 def moeray_ppl(path: str, text: str, types: list[str], ctx: int, n_chunks: int | None) -> list[dict]:
     import torch
 
@@ -75,13 +83,13 @@ def moeray_ppl(path: str, text: str, types: list[str], ctx: int, n_chunks: int |
         nll, count, t0 = 0.0, 0, time.perf_counter()
         with torch.inference_mode():
             for c in chunks:
-                logits = model.logits_all(c, KVTypes.same(t))[first:ctx - 1].double()
+                logits = model.logits_all(c, KVTypes(*kv_pair(t)))[first:ctx - 1].double()
                 target = torch.tensor(c[first + 1:ctx])
                 nll += float(-torch.log_softmax(logits, -1).gather(1, target.view(-1, 1)).sum())
                 count += ctx - 1 - first
         rows.append({"engine": "moeray", "type": t, "ppl": math.exp(nll / count), "tokens": len(tokens),
                      "chunks": len(chunks), "scored": count, "seconds": time.perf_counter() - t0})
-        print(f"moeray    {t:5s} PPL {rows[-1]['ppl']:.4f} ({len(chunks)} chunks of {ctx}, {len(tokens)} tokens)",
+        print(f"moeray    {t:8s} PPL {rows[-1]['ppl']:.4f} ({len(chunks)} chunks of {ctx}, {len(tokens)} tokens)",
               flush=True)
     return rows
 
@@ -91,7 +99,7 @@ def llama_ppl(tool: str, path: str, text_file: str, types: list[str], ctx: int, 
     rows = []
     for t in types:
         cmd = [tool, "-m", path, "-f", text_file, "-c", str(ctx), "-t", str(threads), "-fa", "on",
-               "-ctk", t, "-ctv", t] + ([] if n_chunks is None else ["--chunks", str(n_chunks)])
+               "-ctk", kv_pair(t)[0], "-ctv", kv_pair(t)[1]] + ([] if n_chunks is None else ["--chunks", str(n_chunks)])
         out = subprocess.run(cmd, capture_output=True, text=True)
         log = out.stdout + out.stderr
         m = re.search(r"Final estimate: PPL = ([0-9.]+)", log)
@@ -101,7 +109,7 @@ def llama_ppl(tool: str, path: str, text_file: str, types: list[str], ctx: int, 
         n = re.search(r"over (\d+) chunks", log)
         rows.append({"engine": "llama.cpp", "type": t, "ppl": float(m.group(1)),
                      "chunks": int(n.group(1)) if n else None})
-        print(f"llama.cpp {t:5s} PPL {rows[-1]['ppl']:.4f} ({rows[-1]['chunks']} chunks)", flush=True)
+        print(f"llama.cpp {t:8s} PPL {rows[-1]['ppl']:.4f} ({rows[-1]['chunks']} chunks)", flush=True)
     return rows
 
 
@@ -111,7 +119,8 @@ def main() -> int:
     ap.add_argument("--model", help="GGUF file (default: the embedded default model)")
     ap.add_argument("--toy", help="bench/shapes.py's toy-width copy of a family instead, e.g. deepseek-v2-lite (MLA), "
                                   "qwen3.6-35b-a3b (hybrid)")
-    ap.add_argument("--types", default="f16,q8_0,q4_0", help="cache types, K and V alike (f32, f16, q8_0, q4_0)")
+    ap.add_argument("--types", default="f16,q8_0,q4_0",
+                    help="cache types (f32, f16, q8_0, q4_0), K and V alike, or K/V apart: q4_0/f16")
     ap.add_argument("--ctx", type=int, default=512, help="tokens per chunk (llama-perplexity -c)")
     ap.add_argument("--chunks", type=int, help="score at most this many chunks (default: all)")
     ap.add_argument("--threads", type=int, default=2)
@@ -142,11 +151,11 @@ def main() -> int:
                           args.chunks, args.threads)
     mine = {r["type"]: r["ppl"] for r in rows if r["engine"] == "moeray"}
     ref = {r["type"]: r["ppl"] for r in rows if r["engine"] == "llama.cpp"}
-    print(f"\n{'type':6s} {'moeray':>10s} {'vs f16':>8s} {'llama.cpp':>10s} {'vs llama.cpp':>13s}")
+    print(f"\n{'type':9s} {'moeray':>10s} {'vs f16':>8s} {'llama.cpp':>10s} {'vs llama.cpp':>13s}")
     for t in types:
         vs_f16 = f"{100 * (mine[t] / mine['f16'] - 1):+.2f}%" if "f16" in mine else "-"
         vs_ref = f"{100 * (mine[t] / ref[t] - 1):+.2f}%" if t in ref else "-"
-        print(f"{t:6s} {mine[t]:10.4f} {vs_f16:>8s} {ref.get(t, float('nan')):10.4f} {vs_ref:>13s}")
+        print(f"{t:9s} {mine[t]:10.4f} {vs_f16:>8s} {ref.get(t, float('nan')):10.4f} {vs_ref:>13s}")
     if args.json:
         Path(args.json).write_text(json.dumps({"model": path, "text": args.text, "ctx": args.ctx, "rows": rows},
                                               indent=1) + "\n")

@@ -5,8 +5,8 @@ loses what llama.cpp's loses.
 A quantised block keeps 32 values at one scale: one large value (an outlier channel, common in
 keys) leaves the rest of its block a few codes. Rotating each head's row by an orthonormal
 Walsh-Hadamard matrix H first spreads every value over all of them, so the blocks quantise with
-far less error (on the default model, q4_0 K+V perplexity +23% of f16 unrotated, llama.cpp's
-rotated +9%). Attention is unchanged by it: H is symmetric and H H = I, so
+far less error (on the default model, q4_0 K+V perplexity +23% of f16 unturned, +9% turned, as
+llama.cpp's: docs/kv-cache.md). Attention is unchanged by it: H is symmetric and H H = I, so
 q.k = (H q).(H k), and sum p_j H v_j = H o, turned back by H after attention.
 
 The rule is llama.cpp's, so both engines store the same rows:
