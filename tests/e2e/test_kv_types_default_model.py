@@ -38,11 +38,12 @@ def default_model(default_model_path):
 
 def test_q8_0_changes_what_f16_predicts_only_at_near_ties(default_model, default_model_path):
     """Teacher-forced over the default model's bundled prompts (through its chat template): q8_0
-    against f16, both through the graph. Measured: the same top token at 95.7% of 349 positions,
-    every flip where f16's top two are within 0.5 of each other, mean KL 0.0065, the largest logit
-    moving 2.3. llama.cpp's own q8_0 cache on this model flips as often (llama-perplexity
-    --kl-divergence against f16 on 7,168 tokens of prose: the same top token at 95.4 +/- 0.35%):
-    this 135M-parameter model's top two logits are often near-ties."""
+    against f16, both through the graph. Measured with the rows turned as llama.cpp turns them
+    (stages/blocks/kv_rotation.py): the same top token at 98.3% of 349 positions, every flip where
+    f16's top two are within 0.18 of each other, mean KL 0.0052, the largest logit moving 2.0
+    (unturned it was 95.7%, KL 0.0065). This 135M-parameter model's top two logits are often
+    near-ties (llama.cpp's own q8_0 cache: llama-perplexity --kl-divergence against f16 on 7,168
+    tokens of prose, the same top token at 95.4 +/- 0.35%)."""
     from moeray.stages.gguf import default_model as dm
     from moeray.stages.text.tokenizer import Tokenizer
 
@@ -55,7 +56,7 @@ def test_q8_0_changes_what_f16_predicts_only_at_near_ties(default_model, default
     top2 = a.topk(2, -1).values
     margin = top2[:, 0] - top2[:, 1]
     flipped = a.argmax(-1) != b.argmax(-1)
-    assert 1 - flipped.float().mean() >= 0.94, f"the same top token at {1 - flipped.float().mean():.1%}"
+    assert 1 - flipped.float().mean() >= 0.97, f"the same top token at {1 - flipped.float().mean():.1%}"
     assert (margin[flipped] < 0.75).all(), margin[flipped]
     la, lb = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
     kl = (la.exp() * (la - lb)).sum(-1)
