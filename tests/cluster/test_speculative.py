@@ -441,6 +441,7 @@ def test_an_accepted_run_ends_where_a_plain_decode_ends(family_models):
     assert spec[0].finish_reason == "stop" and spec[0].text == plain[0].text
 
 
+@pytest.mark.slow  # thousands of sampled steps per family
 @pytest.mark.parametrize("family", ["qwen3moe", "qwen3next"])
 def test_sampled_tokens_keep_the_targets_distribution_with_an_often_wrong_drafter(request, family):
     """3,000 seeded requests of 3 tokens at temperature 0.8, top-k 3, top-p 0.9, min-p, the three

@@ -184,6 +184,7 @@ def _bound_tokenizers(smollm2_dense_path):
             continue
 
 
+@pytest.mark.slow  # every bundled vocabulary, hundreds of random texts each
 def test_no_text_has_fewer_tokens_than_its_bytes_over_the_longest_token(smollm2_dense_path):
     """Tokenizer.min_tokens, the server's refusal of a prompt before tokenizing it, is a true lower
     bound: texts of every kind (runs of spaces and newlines, the vocabulary's longest tokens, special

@@ -13,6 +13,7 @@ per machine, skipped saying why when PyPI cannot be reached).
 """
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -41,10 +42,17 @@ def _mismatches(tok: Tokenizer, cases, parse_special: bool = False) -> list[str]
     return bad
 
 
+@functools.cache
+def _vocab_tokenizer(path: Path) -> Tokenizer:
+    """One Tokenizer per bundled vocab file, shared by the tests that read it (building one takes
+    about a second: the vocabulary and merges of a 150k-token BPE)."""
+    return Tokenizer.from_gguf(path)  # a vocab-only GGUF: no model, no architecture moeray runs
+
+
 @pytest.mark.parametrize("name", VOCABS)
 def test_llama_cpps_vocab_test_vectors(vocabs, name):
     path = vocabs / f"ggml-vocab-{name}.gguf"
-    tok = Tokenizer.from_gguf(path)  # a vocab-only GGUF: no model, no architecture moeray runs
+    tok = _vocab_tokenizer(path)
     cases = vocab_cases(path)
     bad = _mismatches(tok, cases)
     assert not bad, f"{name} ({tok.pre or 'spm'}): {len(cases) - len(bad)}/{len(cases)} equal; " + "; ".join(bad[:5])
@@ -125,7 +133,7 @@ def test_every_pre_tokenizer_offered_splits_as_llama_cpp(vocabs, tmp_path):
 def test_special_tokens_add_bos_and_end_of_generation_as_llama_cpp(vocabs, name):
     llama_cpp = _llama_cpp()
     path = vocabs / f"ggml-vocab-{name}.gguf"
-    tok, m = Tokenizer.from_gguf(path), _llama_vocab(llama_cpp, path)
+    tok, m = _vocab_tokenizer(path), _llama_vocab(llama_cpp, path)
     vocab = llama_cpp.llama_model_get_vocab(m.model)
     n = llama_cpp.llama_vocab_n_tokens(vocab)
     bos = llama_cpp.llama_vocab_bos(vocab)

@@ -30,6 +30,7 @@ KERNEL_TYPES = (T.Q8_0, T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_K, T.Q6_K, T.MXFP4)
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
+@pytest.mark.slow  # a child pytest through Triton's interpreter
 def test_kernels_in_triton_interpreter():
     if INTERPRETED:
         pytest.skip("this is the child run: the tests below are the kernel checks")
