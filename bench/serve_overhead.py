@@ -81,11 +81,20 @@ def serve(port: int, step_ms: float) -> None:
     service = object.__new__(Service)  # the attributes the app reads, without a model behind them
     service.opts = ServeOptions(local=True, metrics=False)
     service.model_name, service.created, service.path = "sleep", 0, path
+    service.model_names = ["sleep"]
     service.chat = chat_format(tok.chat_template, "llama", None)
     service.tokenizer = tok = tok.with_rendered(service.chat.markers())
     cfg = EngineConfig(max_seqs=4, max_len=4096, micro_batches=1, kv_blocks=512)
     service.engine = Engine(SleepPipeline(step_ms / 1e3, tok.encode(TEXT, add_bos=False)), cfg, tok)
     service.metrics = service.poller = service.launched = None
+    try:  # GET /metrics' registry, which every served request reports to (cluster/prometheus.py)
+        from moeray.cluster.prometheus import ServedMetrics
+
+        service.tokens_out = 0
+        service.prometheus = ServedMetrics("sleep", lambda: service.loop.counts, lambda: {}, lambda: [],
+                                           lambda: {}, lambda: {}, lambda: service.tokens_out)
+    except ImportError:  # a checkout without it
+        pass
     try:
         from moeray.cluster.timeline import TimelineLog
 

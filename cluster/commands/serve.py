@@ -203,10 +203,14 @@ def stop_on_signals() -> None:
 
 
 def start_ray(address: str | None, metrics_port: int, dashboard: bool, dashboard_port: int = 8265,
-              bind_host: str = "127.0.0.1") -> str | None:
+              bind_host: str = "127.0.0.1", workers: bool = True) -> str | None:
     """Start a local Ray (or join `address`); returns the Ray dashboard's URL when one runs. A server
     bound to a loopback address starts a Ray bound to loopback too: its metrics exporter (and every
-    port of Ray's) is then not on the network either."""
+    port of Ray's) is then not on the network either. `workers=False` (`--local`: Ray only carries
+    this process's metrics, it runs no task or actor) starts a node with no CPUs to give: Ray then
+    keeps no idle worker processes, and nothing in this process listens for workers' log lines;
+    those idle workers' polling cost a quarter of a millisecond of CPU per token served to one
+    client, time taken from ggml's threads on a small machine."""
     from moeray.cluster.driver import local_ray_env, ray_init_address
 
     local_ray_env()
@@ -229,8 +233,9 @@ def start_ray(address: str | None, metrics_port: int, dashboard: bool, dashboard
         if address != "local":
             ctx = ray.init(address=address, logging_level="WARNING")
         else:
+            quiet = {} if workers else dict(num_cpus=0, log_to_driver=False)
             ctx = ray.init(address="local", include_dashboard=dashboard, dashboard_port=dashboard_port,
-                           _metrics_export_port=metrics_port, logging_level="WARNING")
+                           _metrics_export_port=metrics_port, logging_level="WARNING", **quiet)
     except Exception as exc:  # noqa: BLE001 - ray.init raises a plain Exception when its node times out
         where = "the local Ray node" if address == "local" else f"Ray at {address}"
         raise MoerayError(f"{where} did not start: {exc} Fix: retry when the machine is less loaded, `ray stop` a "
@@ -337,7 +342,7 @@ def run(args: argparse.Namespace) -> int:
                   file=sys.stderr, flush=True)
         if not args.no_metrics:
             ray_dashboard = start_ray(args.address, args.metrics_export_port, args.dashboard, args.dashboard_port,
-                                      args.host)
+                                      args.host, workers=not args.local)
         stop_on_signals()
         opts = options_from_args(args)
         if args.local:  # the model and the HTTP server in this process (cluster/local_server.py)

@@ -131,6 +131,26 @@ def test_a_profile_for_another_model_is_refused(tiny_path):
         load_cached(tiny_path, profile=Profile.uniform(30, 6), n_slots=2, layout="global")
 
 
+@pytest.mark.parametrize("policy", ["adaptive", "lru"])
+def test_a_cache_holding_every_expert_counts_a_stage_step_as_static_does(policy):
+    # serve --local holds every expert or none: every pick hits, and a policy's counters of a
+    # whole-stage step (route_layers, counted at once) are the static cache's, call for call.
+    rng = np.random.default_rng(3)
+    cores = {}
+    for name in ("static", policy):
+        core = cores[name] = CacheCore(0, 3, 4, [10, 0, 10], Slots(False, 0, 8), ByteBudget(100), name)
+        assert core.fill([(l, e) for l in (0, 2) for e in range(4)]) == 8
+    for _ in range(5):
+        ids = rng.integers(0, 4, size=(2, 3, 2))  # layers 0 and 2, 3 tokens, top-2
+        picks = [c.route_layers([0, 2], ids) for c in cores.values()]
+        assert np.array_equal(picks[0], picks[1])
+    a, b = cores.values()
+    for name in ("routed", "lookups", "hits", "misses"):
+        assert np.array_equal(getattr(a, name), getattr(b, name)), name
+    assert b.hits.sum() == b.lookups.sum() == 5 * 2 * 3 * 2 and b.misses.sum() == 0
+    assert b.steps == a.steps == 5 and b.copies == 0 and b.resident_pairs() == a.resident_pairs()
+
+
 # -- budget -----------------------------------------------------------------------------------------
 
 def test_budget_refuses_to_overrun():
