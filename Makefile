@@ -46,9 +46,10 @@ test: venv
 # The developer's loop: every test but tests/e2e (no Ray, no server, no browser, no training, no run
 # of the embedded model) and but the few marked slow. `make test` is the whole suite, what CI runs.
 # One torch thread: the tests' models are tiny, and torch's OpenMP workers spin between ops, taking
-# the cores from ggml's threads (on a loaded 2-core machine this made some files 6x slower).
+# the cores from ggml's threads (on a loaded 2-core machine this made some files 6x slower). Bytecode
+# is written (whatever PYTHONDONTWRITEBYTECODE says) so the second run skips pytest's assert rewriting.
 test-fast: venv
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not e2e and not slow"
+	PYTHONDONTWRITEBYTECODE= OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not e2e and not slow"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

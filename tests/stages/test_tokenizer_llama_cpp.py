@@ -94,6 +94,7 @@ def _llama_vocab(llama_cpp, path: Path):
     return llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
 
 
+@pytest.mark.slow  # the recorded reference itself, against llama.cpp: one vocab per pre-tokenizer
 def test_the_recorded_reference_is_what_llama_cpp_gives(vocabs, tmp_path):
     llama_cpp = _llama_cpp()
     ref = _reference()
