@@ -31,7 +31,10 @@ prefix hash (`StepBatch.kv_save`), before any step writes the block again, and a
 whose prefix goes on past its blocks on the device into blocks the tier holds takes fresh blocks
 and has them copied back (`StepBatch.kv_load`, with its first chunk) instead of prefilled. The
 tier keeps its copy (a block evicted again costs no second save) and gives its least recently
-used slot to the next save when full: it never grows past its slots.
+used slot to the next save when full: it never grows past its slots. A tail evicted from the pool
+goes to the tier too, under its prefix and its tokens, and comes back into a block of the prompt's
+own the same way (`match_host_tail`): a returning conversation then computes its new tokens only,
+not the last up to 15 tokens of its previous turn as well (llama-server's --cache-ram keeps them).
 
 A prompt's full blocks are named when it is admitted, before its prefill has run: they are
 *pending* until the step that writes them is handed to the pipeline. A request whose prefix
@@ -66,7 +69,8 @@ class HostStats:
 
 class HostTier:
     """Which host slot holds which prefix's block (every stage keeps its own copy of its layers'
-    rows in the same slot: stages/blocks/host_kv.py), least recently used first."""
+    rows in the same slot: stages/blocks/host_kv.py), least recently used first. A tail's slot is
+    named by a key of its prefix and its tokens (`tail_key`) and listed under its prefix."""
 
     def __init__(self, n: int):
         self.n = n
@@ -74,16 +78,38 @@ class HostTier:
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # prefix hash -> slot, least recently used first
         self.hash_of: dict[int, int] = {}
         self.held: dict[int, int] = {}  # slot -> loads handed to requests not yet sent to the stages
+        self.tails: dict[int, dict[int, tuple[int, ...]]] = {}  # prefix hash -> {slot: the tail's tokens}
+        self.tail_parent: dict[int, int] = {}  # a tail's slot -> its prefix hash
         self.stats = HostStats()
+
+    @staticmethod
+    def tail_key(parent: int, tokens: tuple[int, ...]) -> int:
+        """The name of a tail (a partly filled block after prefix `parent`) among the prefix hashes."""
+        return hash(("tail", parent, tokens))
 
     def find(self, h: int) -> int | None:
         return self.slot_of.get(h)
 
+    def find_tail(self, parent: int, want: list[int]) -> tuple[int | None, int]:
+        """(slot, n): the tail after prefix `parent` whose first n tokens are the most of `want`;
+        (None, 0) when none begins with them."""
+        best, n = None, 0
+        for slot, held in self.tails.get(parent, {}).items():
+            k = 0
+            for x, y in zip(want, held):
+                if x != y:
+                    break
+                k += 1
+            if k > n:
+                best, n = slot, k
+        return best, n
+
     def touch(self, h: int) -> None:
         self.slot_of.move_to_end(h)
 
-    def put(self, h: int) -> int | None:
-        """A slot to save prefix `h`'s block into (None: it is there already, or every slot is held)."""
+    def put(self, h: int, tail: tuple[int, tuple[int, ...]] | None = None) -> int | None:
+        """A slot to save prefix `h`'s block into (None: it is there already, or every slot is held);
+        tail: (its prefix hash, its tokens) where the block is a tail named by `tail_key`."""
         if h in self.slot_of:
             self.touch(h)
             return None
@@ -95,10 +121,23 @@ class HostTier:
                 return None
             slot = self.slot_of.pop(old)
             del self.hash_of[slot]
+            self._untail(slot)
             self.stats.evicted += 1
         self.slot_of[h], self.hash_of[slot] = slot, h
+        if tail is not None:
+            parent, tokens = tail
+            self.tails.setdefault(parent, {})[slot] = tokens
+            self.tail_parent[slot] = parent
         self.stats.saved += 1
         return slot
+
+    def _untail(self, slot: int) -> None:
+        parent = self.tail_parent.pop(slot, None)
+        if parent is not None:
+            kids = self.tails[parent]
+            del kids[slot]
+            if not kids:
+                del self.tails[parent]
 
     def take(self, slot: int) -> None:
         self.held[slot] = self.held.get(slot, 0) + 1
@@ -196,6 +235,20 @@ class BlockManager:
             found.append(slot)
         return found
 
+    def match_host_tail(self, tokens: list[int], n_blocks: int) -> tuple[int | None, int]:
+        """(host slot, n): the tail the host tier holds whose first n tokens are the most of the
+        tokens after `tokens`' first n_blocks full blocks (found on the device or in the tier),
+        leaving at least one token to compute; (None, 0) when it holds none. Takes nothing."""
+        start = n_blocks * BLOCK_SIZE
+        want = tokens[start:len(tokens) - 1]
+        if self.host is None or not want:
+            return None, 0
+        parent = self.prefix_hashes(tokens, n_blocks)[-1] if n_blocks else 0
+        slot, n = self.host.find_tail(parent, want)
+        if slot is not None:
+            self.host.touch(self.host.hash_of[slot])
+        return slot, n
+
     def take_saves(self) -> list[tuple[int, int]]:
         """The (block, host slot) saves the next step handed out carries, before it writes anything."""
         out, self.saves = self.saves, []
@@ -256,11 +309,19 @@ class BlockManager:
 
     def _to_host(self, b: int) -> None:
         """Block b, about to be written by another sequence: its rows to the host tier when it holds
-        a named, written block (a save the next step carries)."""
-        h = self.hash_of.get(b)
-        if self.host is None or h is None or h in self.pending:
+        a named, written block or a tail (a save the next step carries)."""
+        if self.host is None:
             return
-        slot = self.host.put(h)
+        h, tail = self.hash_of.get(b), None
+        if h is None:  # a tail: named in the tier by its prefix and its tokens
+            parent = self.parent_of.get(b)
+            if parent is None:
+                return
+            tail = (parent, self.follows[parent][b])
+            h = HostTier.tail_key(*tail)
+        elif h in self.pending:
+            return
+        slot = self.host.put(h, tail)
         if slot is not None:
             self.saves.append((b, slot))
 

@@ -68,6 +68,8 @@ class Request:
     copy: Optional[tuple[int, int, int]] = None  # (block, own block, rows) to copy before its first chunk
     # (host slot, own block): prefix blocks the host tier holds, copied back before its first chunk
     loads: list[tuple[int, int]] = field(default_factory=list)
+    # (host slot, own block, rows): a tail the host tier holds, loaded after `loads` (no copy found on the device)
+    tail_load: Optional[tuple[int, int, int]] = None
     # Recurrent state (hybrid models, cluster/state_checkpoints.py): the checkpoint slot to restore
     # before its first chunk; the slot it keeps its latest block boundary's state in while it
     # decodes; the prompt's block boundary to checkpoint at (its chunk is cut there)
@@ -266,23 +268,29 @@ class Scheduler:
                 bm.host.take(slot)
             reused = len(shared) + len(hosted)
             src, n_copy = bm.match_tail(req.prefill, reused) if self.checkpoints is None else (None, 0)
+            tail, n_tail = (None, 0)  # ... else the tail the host tier keeps, loaded into a block of its own
+            if src is None and self.checkpoints is None:
+                tail, n_tail = bm.match_host_tail(req.prefill, reused)
+                if tail is not None:
+                    bm.host.take(tail)
             held = shared + ([src] if src is not None else [])  # the source too, until its copy is handed out
             bm.take_shared(held[len(shared):])
             total = len(req.prompt) + req.max_new if self.reserve_output else len(req.prefill) + 1
             own = bm.allocate(blocks_for(total) - len(shared))  # + the first output token
             if own is None:  # wait for blocks; first come, first served
                 bm.release(held)
-                for slot in hosted:
+                for slot in hosted + ([tail] if tail is not None else []):
                     bm.host.release(slot)
                 return
             self.waiting.popleft()
             req.table = shared + own
-            req.fed = req.kv_len = reused * BLOCK_SIZE + n_copy
+            req.fed = req.kv_len = reused * BLOCK_SIZE + n_copy + n_tail
             req.copy = (src, own[len(hosted)], n_copy) if src is not None else None
             req.loads = list(zip(hosted, own))
-            if hosted:
-                bm.host.stats.hits += len(hosted)
-                bm.host.stats.hit_tokens += len(hosted) * BLOCK_SIZE
+            req.tail_load = (tail, own[len(hosted)], n_tail) if tail is not None else None
+            if hosted or tail is not None:
+                bm.host.stats.hits += len(hosted) + (tail is not None)
+                bm.host.stats.hit_tokens += len(hosted) * BLOCK_SIZE + n_tail
             if restore is not None:  # held until the step that copies it is handed out
                 self.checkpoints.take(restore)
                 self.checkpoints.stats.restored += 1
@@ -386,6 +394,11 @@ class Scheduler:
                     first = r.table.index(r.loads[0][1])  # they follow the blocks it shares on the device
                     self.blocks.written(r.table, first, first + len(r.loads))
                     r.loads = []
+                if r.tail_load is not None:  # ... and the tail after them (this chunk writes the rest of its block)
+                    slot, block, _ = r.tail_load
+                    loads.append((slot, block))
+                    self.blocks.host.release(slot)
+                    r.tail_load = None
                 if r.copy is not None:  # its first chunk: the stages copy the reused rows first
                     copies.append(r.copy)
                     self.blocks.release([r.copy[0]])  # later steps may write it: they run after this one
@@ -695,6 +708,12 @@ class Scheduler:
             req.fed -= len(req.loads) * BLOCK_SIZE
             req.kv_len -= len(req.loads) * BLOCK_SIZE
             req.loads = []
+        if req.tail_load is not None:
+            slot, _, n = req.tail_load
+            self.blocks.host.release(slot)
+            req.fed -= n
+            req.kv_len -= n
+            req.tail_load = None
         if self.checkpoints is not None:
             self._drop_state(req)
         if req.spare is not None:  # a snapshot no row will restore (a re-prefill rebuilds the state)

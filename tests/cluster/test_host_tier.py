@@ -100,11 +100,15 @@ def test_a_returning_conversation_is_loaded_back_not_prefilled(tiny_model):
     assert again.cached_tokens == 0  # no tier: its blocks were given to the other prompts
     _, back, eng = _conversation(tiny_model, 32)
     assert back.output == again.output  # the loaded blocks hold what a re-prefill computes
-    assert back.cached_tokens == 6 * BLOCK_SIZE  # its six full prompt blocks, copied back
-    assert eng.stats.prefill_tokens == plain.stats.prefill_tokens - 6 * BLOCK_SIZE
+    # every token of turn 1 whose KV was written (100 prompt + 8 answered - the last answer token):
+    # its six full blocks and its last block's 11 tokens (a tail), copied back; only the 4 new ones computed
+    written = 100 + 8 - 1
+    assert back.cached_tokens == written == 6 * BLOCK_SIZE + 11
+    assert eng.stats.prefill_tokens == plain.stats.prefill_tokens - written
     host, stage = eng.scheduler.blocks.host, eng.pipeline.stage.kv.host
-    assert host.stats.hits == 6 and stage.stats.loaded == 6 and stage.stats.saved == host.stats.saved > 6
-    assert stage.stats.loaded_bytes == 6 * stage.block_bytes()
+    assert host.stats.hits == 7 and stage.stats.loaded == 7 and stage.stats.saved == host.stats.saved > 7
+    assert host.stats.hit_tokens == written
+    assert stage.stats.loaded_bytes == 7 * stage.block_bytes()
 
 
 def test_a_tier_larger_than_the_node_is_one_line():
@@ -168,3 +172,21 @@ def test_a_hybrid_conversation_resumes_from_host_blocks_and_its_checkpoint(tmp_p
     assert got.cached_tokens == 48 and eng.scheduler.blocks.host.stats.hits == 3
     assert eng.scheduler.checkpoints.stats.restored == 1
     _same(got, _turn(ref, second, 8), "second turn from the host tier")
+
+
+def test_a_tail_goes_to_the_host_tier_and_comes_back_for_its_prefix_only():
+    bm = BlockManager(3, host_blocks=4)
+    tokens = list(range(1, BLOCK_SIZE + 12))  # one full block and 11 tokens of the next
+    a = bm.allocate(2)
+    bm.register_written(a, tokens, len(tokens))  # block a[0] named, a[1] a tail of 11 tokens
+    bm.release(a)
+    bm.allocate(3)  # the free one, then both cached: the tail first, then the named block
+    assert [b for b, _ in bm.take_saves()] == [a[1], a[0]]
+    again = tokens + [99, 98]
+    (slot,) = bm.match_host(again, 0)
+    tail, n = bm.match_host_tail(again, 1)
+    assert tail is not None and tail != slot and n == 11
+    assert bm.match_host_tail(tokens[:BLOCK_SIZE + 5] + [7, 7], 1)[1] == 5  # as far as its tokens agree
+    assert bm.match_host_tail(tokens, 1)[1] == 10  # the prompt's last token is left to compute
+    other = [500] + tokens[1:]  # the same tail tokens after another prefix: not it
+    assert bm.match_host_tail(other, 1) == (None, 0)
