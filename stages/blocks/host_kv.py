@@ -54,34 +54,43 @@ class HostBlocks:
     def save(self, pairs: list[tuple[int, int]]) -> None:
         """For each (pool block, host slot): the block's rows, every layer, into the slot."""
         if pairs:
-            src, dst = self._rows(pairs, self.pool.n_blocks, self.n_slots)
-            self._copy(self.pool.k + self.pool.v, self.k + self.v, src, dst)
+            self._check(pairs, self.pool.n_blocks, self.n_slots)
+            self._copy(self.pool.k + self.pool.v, self.k + self.v, pairs, self.pool.block_size)
             self.stats.saved += len(pairs)
             self.stats.saved_bytes += len(pairs) * self.block_bytes()
 
     def load(self, pairs: list[tuple[int, int]]) -> None:
         """For each (host slot, pool block): the slot's rows, every layer, back into the block."""
         if pairs:
-            src, dst = self._rows(pairs, self.n_slots, self.pool.n_blocks)
-            self._copy(self.k + self.v, self.pool.k + self.pool.v, src, dst)
+            self._check(pairs, self.n_slots, self.pool.n_blocks)
+            self._copy(self.k + self.v, self.pool.k + self.pool.v, pairs, self.pool.block_size)
             self.stats.loaded += len(pairs)
             self.stats.loaded_bytes += len(pairs) * self.block_bytes()
 
-    def _rows(self, pairs, n_src: int, n_dst: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The row indices of whole blocks: every (a, b) pair's 16 rows, in order."""
-        a = torch.tensor([p[0] for p in pairs])
-        b = torch.tensor([p[1] for p in pairs])
-        if not (0 <= int(a.min()) and int(a.max()) < n_src and 0 <= int(b.min()) and int(b.max()) < n_dst):
+    def _check(self, pairs, n_src: int, n_dst: int) -> None:
+        a, b = [p[0] for p in pairs], [p[1] for p in pairs]
+        if not (0 <= min(a) and max(a) < n_src and 0 <= min(b) and max(b) < n_dst):
             raise MoerayError(f"host tier copy {pairs[:4]}... names a block outside the pool ({self.pool.n_blocks}) "
                               f"or the tier ({self.n_slots})")
-        step = torch.arange(self.pool.block_size)
-        bs = self.pool.block_size
-        return (a.view(-1, 1) * bs + step).flatten(), (b.view(-1, 1) * bs + step).flatten()
 
     @staticmethod
-    def _copy(srcs, dsts, src_rows: torch.Tensor, dst_rows: torch.Tensor) -> None:
-        for s, d in zip(srcs, dsts):
-            if s is None:
-                continue
-            rows = s.index_select(1, src_rows.to(s.device))
-            d.index_copy_(1, dst_rows.to(d.device), rows.to(d.device))
+    def runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+        """The pairs as (first a, first b, count) runs where both go on one block at a time."""
+        out: list[list[int]] = []
+        for a, b in pairs:
+            if out and a == out[-1][0] + out[-1][2] and b == out[-1][1] + out[-1][2]:
+                out[-1][2] += 1
+            else:
+                out.append([a, b, 1])
+        return [tuple(r) for r in out]
+
+    @staticmethod
+    def _copy(srcs, dsts, pairs: list[tuple[int, int]], bs: int) -> None:
+        """Each run of consecutive blocks (a returning prefix's usually is one or a few: slots and
+        fresh blocks are handed out in order) copied as one slice per layer tensor, straight into
+        place: a long prefix's rows are then read and written once, not gathered into a temporary
+        and scattered again."""
+        for a, b, n in HostBlocks.runs(pairs):
+            for s, d in zip(srcs, dsts):
+                if s is not None:
+                    d.narrow(1, b * bs, n * bs).copy_(s.narrow(1, a * bs, n * bs))

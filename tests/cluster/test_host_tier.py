@@ -46,6 +46,17 @@ def test_blocks_come_back_bit_equal(cache_type):
     with pytest.raises(MoerayError, match="outside the pool"):
         pool.host.load([(4, 0)])
 
+    # a run of consecutive blocks into consecutive slots and back (copied as one slice each way)
+    assert HostBlocks.runs([(3, 1), (4, 2), (6, 3), (7, 0)]) == [(3, 1, 2), (6, 3, 1), (7, 0, 1)]
+    before = [t.clone() for t in pool.k + pool.v]
+    pool.host.save([(3, 1), (4, 2)])
+    for t in pool.k + pool.v:
+        t[:, 3 * BLOCK_SIZE:5 * BLOCK_SIZE] = 0
+    pool.host.load([(1, 6), (2, 7)])
+    for now, old in zip(pool.k + pool.v, before):
+        now, old = now.view(torch.uint8), old.view(torch.uint8)
+        assert torch.equal(now[:, 6 * BLOCK_SIZE:8 * BLOCK_SIZE], old[:, 3 * BLOCK_SIZE:5 * BLOCK_SIZE])
+
 
 def test_a_tier_over_its_bound_evicts_and_never_grows():
     tier = HostTier(4)
