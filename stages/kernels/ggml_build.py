@@ -166,6 +166,22 @@ HOOKS = [
 ]
 
 
+# (text in ggml-python's vendored ops.cpp, what it becomes). A one-token step's flash attention over
+# 512+ keys splits the KEYS among the threads (each thread every head over its share, then the
+# partial softmaxes merged) only for float32 / float16 rows in ggml; over q8_0 / q4_0 rows it splits
+# the query heads, and the default model's 9 heads over 2 threads leave one thread 5 heads, the
+# other 4 and then waiting: perf showed the q8_0 decode's barrier wait 8.6 CPU ms a token at depth
+# 4,096 against f16's 1.6. The split path is ggml's one_chunk kernel per key range for any type
+# (it quantises q for K's dot product and dequantises V rows as the head split does), so quantised
+# rows take it too when K and V have one type, as f16's do.
+OPS_HOOKS = [
+    ("""    const bool use_split_kv_path = !use_ref && (neq1 == 1 && neq3 == 1) && kv_is_f32_or_f16 && (k->type == v->type)""",
+     """    // moeray: quantised rows split by keys too (stages/kernels/ggml_build.py OPS_HOOKS)
+    const bool kv_split_type = kv_is_f32_or_f16 || k->type == GGML_TYPE_Q8_0 || k->type == GGML_TYPE_Q4_0;
+    const bool use_split_kv_path = !use_ref && (neq1 == 1 && neq3 == 1) && kv_split_type && (k->type == v->type)"""),
+]
+
+
 class PatchError(Exception):
     """The sdist's text is not what the hooks expect (another ggml-python version)."""
 
@@ -189,8 +205,12 @@ def patch(sdist: Path, tiled: Path = TILED) -> None:
     (cpu / "tiled").mkdir(exist_ok=True)
     for f in FILES:
         shutil.copyfile(tiled / f, cpu / "tiled" / f)
+    ops = (cpu / "ops.cpp").read_text()
+    for old, new in OPS_HOOKS:
+        ops = replace_once(ops, old, new, "ops.cpp")
     (cpu / "CMakeLists.txt").write_text(cmake)
     (cpu / "ggml-cpu.c").write_text(src)
+    (cpu / "ops.cpp").write_text(ops)
 
 
 def fetch_sdist(python: str, version: str, work: Path) -> Path:
