@@ -87,6 +87,26 @@ ROW_KEY_PAD = 4 * KEY_PAD
 STAGE_SCRATCH_BYTES = 96 << 20
 STAGE_GRAPHS_BYTES = 4 * STAGE_SCRATCH_BYTES
 STAGE_GRAPHS = 64  # shapes remembered at most (those too big for one graph included)
+# Query rows a sequence needs in a step for its quantised keys and values to be read as float32
+# first (ggml_get_rows dequantises them): ggml's CPU flash attention runs its tiled kernel (a tile
+# of queries against a tile of keys, GGML_FA_TILE_Q = 64 query rows) only over float rows, and its
+# query-by-query kernel over q8_0 / q4_0 ones. A 512-token chunk at depth 4,096 took 2.6x as long in
+# q8_0 as in f16 for it (llama.cpp's too); the dequantised copy costs one read of the rows (a few
+# ms a chunk). A decode step (one query row) keeps reading the rows as stored: a copy would cost
+# it more than its attention.
+FLOAT_READ_ROWS = 64
+
+
+_KEY_ROWS: list[torch.Tensor] = [torch.arange(4096, dtype=torch.int32)]
+
+
+def _key_rows(keys: int) -> torch.Tensor:
+    """int32 0, 1, .. at least `keys` long: the rows ggml_get_rows reads of a [D, keys, heads, seqs]
+    read (_float_reads), one for the process, doubled when a step needs more. Graphs point at it,
+    so every one made stays alive (together at most twice the longest)."""
+    while len(_KEY_ROWS[-1]) < keys:
+        _KEY_ROWS.append(torch.arange(2 * len(_KEY_ROWS[-1]), dtype=torch.int32))
+    return _KEY_ROWS[-1]
 
 
 class MultiGraph:
@@ -738,6 +758,23 @@ class TrunkGraphs:
         return pools + aliases, pools, reads
 
     @staticmethod
+    def _float_reads(ctx, step: Step, reads: tuple) -> tuple:
+        """The step's key and value reads ([D, keys_pad, heads, B]) as float32 copies where a
+        sequence brings FLOAT_READ_ROWS query rows or more and one of them is quantised (ggml's
+        tiled flash attention then runs: FLOAT_READ_ROWS says why), else as they are."""
+        G = ggml_lib()
+        B, t, keys_pad = step.key[:3]
+        if t < FLOAT_READ_ROWS or all(c in ("f32", "f16") for c in (step.types.k, step.types.v)):
+            return reads
+        heads = reads[0].contents.ne[2]
+        # rows 0 .. keys_pad - 1 for every head and sequence: one run of them, its head and
+        # sequence strides 0; a constant leaf, as _hadamard's matrix
+        idx = G.ggml_new_tensor_3d(ctx, G.GGML_TYPE_I32, keys_pad, heads, B)
+        idx.contents.nb[1] = idx.contents.nb[2] = idx.contents.nb[3] = 0
+        idx.contents.data = _key_rows(keys_pad).data_ptr()
+        return tuple(G.ggml_get_rows(ctx, r, idx) for r in reads)  # [D, keys_pad, heads, B] float32
+
+    @staticmethod
     def _hadamard(ctx, shared: dict, x, n: int):
         """x with each run of n values turned by the Walsh-Hadamard matrix H (n = 0: x itself), as
         llama.cpp's llama_mul_mat_hadamard: a mul_mat hinted GGML_HINT_SRC0_IS_HADAMARD, which
@@ -792,6 +829,7 @@ class TrunkGraphs:
         ins, (k_pool, v_pool), (k_read, v_read) = self._pools(ctx, new, step, shared, D, nkv,
                                                               (step.types.k, step.types.v))
         inputs += ins
+        k_read, v_read = self._float_reads(ctx, step, (k_read, v_read))
 
         qkv = graph_mul_mat(ctx, w_qkv, wq, a)  # [Q + 2 KV, N]
         if b_qkv is not None:

@@ -255,3 +255,42 @@ def test_the_graph_stores_the_rows_llama_cpp_stores(tmp_path, types):
         assert torch.allclose(turned, rotate(floats, n), atol=1e-5)
         rows = getattr(stored, kind)[0][:, :40].reshape(2 * 40, -1)
         assert torch.equal(rows.view(torch.uint8), _ggml_rows(turned, t)), f"{kind} rows in {t}"
+
+
+@pytest.mark.parametrize("cache_type", QUANTISED)
+def test_decode_over_512_quantised_keys_and_more_agrees_with_the_torch_path(tmp_path, cache_type):
+    """A one-token step over 512 keys or more, where moeray's ggml splits the keys among its threads
+    for q8_0 / q4_0 rows as for float ones (stages/kernels/ggml_build.py OPS_HOOKS: each thread
+    every head over its share of the keys, the partial softmaxes merged): its logits against the
+    torch path reading the same pool, at two threads, token by token across the 512 mark."""
+    from test_gguf_file import tiny_config, write_synthetic_gguf
+    from test_trunk_graph import RTOL
+    from tiny_models import token_ids
+
+    from moeray.stages.kernels.threads import ggml_threads, set_threads
+
+    cfg = dataclasses.replace(tiny_config("llama", n_experts=0), head_dim=64, context_length=1024)
+    model = load_model(str(write_synthetic_gguf(tmp_path / "long.gguf", cfg, seed=6)))
+    assert model.trunk is not None
+    ids = [t % cfg.vocab_size for t in token_ids(700, seed=7)]
+    types = KVTypes.same(cache_type)
+
+    def run():
+        kv = model.new_kv_cache(1, 720, types)
+        for a in range(0, 508, 127):
+            model.step([ids[a:a + 127]], [0], kv)
+        return torch.stack([model.step([[t]], [0], kv)[0] for t in ids[508:520]])  # keys 509 .. 520
+
+    before = ggml_threads()
+    set_threads(2)
+    trunk = model.trunk
+    try:
+        with torch.inference_mode():
+            graph = run()
+            model.trunk = None
+            ref = run()
+    finally:
+        model.trunk = trunk
+        set_threads(before)
+    err = (graph - ref).abs().max() / ref.abs().max()
+    assert err <= RTOL, f"{err:.2e} of the largest logit"
