@@ -2,8 +2,9 @@
 the same cache types (-ctk / -ctv, flash attention on), on the same file with the same threads.
 
 For each type and depth moeray holds one sequence of `depth` tokens (prefilled in 512-token chunks,
-not timed), then times a 512-token prompt chunk on top of it (llama-bench's pp512 @ dN) and
---decode-tokens greedy tokens after that (tg @ dN), every routed expert on the host path, one
+not timed), then times a 512-token prompt chunk on top of it (llama-bench's pp512 @ dN) and,
+the sequence cut back to `depth` tokens, --decode-tokens greedy tokens from there (tg @ dN: over
+`depth` keys and on, as llama-bench's; not over the chunk's 512 more), every routed expert on the host path, one
 stage in this process: what `moeray serve --local` runs. llama-bench's -d fills its context to
 the same depth before each measured run.
 
@@ -55,6 +56,8 @@ def moeray_rows(path: str, types: list[str], depths: list[int], n_decode: int) -
                 logits = model.step([ids[depth:depth + CHUNK]], [0], kv)
                 prefill_s = time.perf_counter() - t0
                 nxt = int(logits[0].argmax())
+                if kv.state is None:  # decode from `depth`, as llama-bench's tg @ dN does (not after the chunk)
+                    kv.lengths[0] = depth
                 t0 = time.perf_counter()
                 for _ in range(n_decode):
                     nxt = int(model.step([[nxt]], [0], kv)[0].argmax())
