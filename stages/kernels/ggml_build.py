@@ -202,12 +202,12 @@ def patch(sdist: Path, tiled: Path = TILED) -> None:
     src = (cpu / "ggml-cpu.c").read_text()
     for old, new in HOOKS:
         src = replace_once(src, old, new, "ggml-cpu.c")
-    (cpu / "tiled").mkdir(exist_ok=True)
-    for f in FILES:
-        shutil.copyfile(tiled / f, cpu / "tiled" / f)
     ops = (cpu / "ops.cpp").read_text()
     for old, new in OPS_HOOKS:
         ops = replace_once(ops, old, new, "ops.cpp")
+    (cpu / "tiled").mkdir(exist_ok=True)
+    for f in FILES:
+        shutil.copyfile(tiled / f, cpu / "tiled" / f)
     (cpu / "CMakeLists.txt").write_text(cmake)
     (cpu / "ggml-cpu.c").write_text(src)
     (cpu / "ops.cpp").write_text(ops)

@@ -37,6 +37,7 @@ def _fake_sdist(root: Path) -> Path:
     cpu.mkdir(parents=True)
     (cpu / "CMakeLists.txt").write_text("set(SRCS\n" + ggml_build.CMAKE_HOOK[0] + ")\n")
     (cpu / "ggml-cpu.c").write_text("\n/* between */\n".join(old for old, _ in ggml_build.HOOKS))
+    (cpu / "ops.cpp").write_text("\n/* between */\n".join(old for old, _ in ggml_build.OPS_HOOKS))
     return root
 
 
@@ -51,6 +52,8 @@ def test_the_patch_hooks_every_anchor_once_and_copies_the_vendored_files(tmp_pat
     assert src.count("moeray_tiled_on && ggml_compute_forward_mul_mat") == 2
     assert src.count("MOERAY_SGEMM(src0, ne11)") == 2 and "void moeray_ggml_set_gemm_paths(" in src
     assert "ggml-cpu/tiled/tiled.cpp" in (cpu / "CMakeLists.txt").read_text()
+    # flash attention over q8_0 / q4_0 rows splits a one-token step's keys among the threads too
+    assert "kv_split_type && (k->type == v->type)" in (cpu / "ops.cpp").read_text()
     for f in ggml_build.FILES:
         assert (cpu / "tiled" / f).read_bytes() == (ggml_build.TILED / f).read_bytes()
 
