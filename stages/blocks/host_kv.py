@@ -21,6 +21,9 @@ import torch
 from moeray.errors import MoerayError
 
 
+MAX_RUNS = 8  # runs of consecutive blocks copied slice by slice; more: one gather and scatter per tensor
+
+
 @dataclass
 class HostStats:
     saved: int = 0  # blocks copied from the pool into the tier
@@ -86,11 +89,20 @@ class HostBlocks:
 
     @staticmethod
     def _copy(srcs, dsts, pairs: list[tuple[int, int]], bs: int) -> None:
-        """Each run of consecutive blocks (a returning prefix's usually is one or a few: slots and
-        fresh blocks are handed out in order) copied as one slice per layer tensor, straight into
-        place: a long prefix's rows are then read and written once, not gathered into a temporary
-        and scattered again."""
-        for a, b, n in HostBlocks.runs(pairs):
-            for s, d in zip(srcs, dsts):
-                if s is not None:
-                    d.narrow(1, b * bs, n * bs).copy_(s.narrow(1, a * bs, n * bs))
+        """A few runs of consecutive blocks are copied as one slice per layer tensor each, straight
+        into place (a long prefix's rows read and written once); many (a prefix evicted tail
+        first lies in the tier's slots backwards) are gathered into a temporary and scattered, two
+        ops per tensor rather than a copy per block per tensor."""
+        runs = HostBlocks.runs(pairs)
+        if len(runs) <= MAX_RUNS:
+            for a, b, n in runs:
+                for s, d in zip(srcs, dsts):
+                    if s is not None:
+                        d.narrow(1, b * bs, n * bs).copy_(s.narrow(1, a * bs, n * bs))
+            return
+        step = torch.arange(bs)
+        src = (torch.tensor([p[0] for p in pairs]).view(-1, 1) * bs + step).flatten()
+        dst = (torch.tensor([p[1] for p in pairs]).view(-1, 1) * bs + step).flatten()
+        for s, d in zip(srcs, dsts):
+            if s is not None:
+                d.index_copy_(1, dst.to(d.device), s.index_select(1, src.to(s.device)).to(d.device))

@@ -25,8 +25,12 @@ from moeray.stages.text.sampling import SamplingParams
 from test_gguf_file import tiny_config, write_synthetic_gguf
 
 
+@pytest.mark.parametrize("max_runs", [0, 8])  # gathered and scattered, or copied run by run
 @pytest.mark.parametrize("cache_type", ["f32", "q8_0"])
-def test_blocks_come_back_bit_equal(cache_type):
+def test_blocks_come_back_bit_equal(cache_type, max_runs, monkeypatch):
+    from moeray.stages.blocks import host_kv
+
+    monkeypatch.setattr(host_kv, "MAX_RUNS", max_runs)
     pool = KVPool(0, 3, 8, 2, 32, types=KVTypes.same(cache_type), host_blocks=4)
     gen = torch.Generator().manual_seed(0)
     for t in pool.k + pool.v:  # any bytes: the tier copies rows, whatever they hold
