@@ -294,3 +294,41 @@ def test_decode_over_512_quantised_keys_and_more_agrees_with_the_torch_path(tmp_
         set_threads(before)
     err = (graph - ref).abs().max() / ref.abs().max()
     assert err <= RTOL, f"{err:.2e} of the largest logit"
+
+
+@pytest.mark.parametrize("cache_type", QUANTISED)
+def test_a_prompt_chunk_over_gathered_quantised_blocks_agrees_with_the_torch_path(tmp_path, cache_type):
+    """A chunk of 64+ tokens (its keys and values then read as float32 copies for ggml's tiled
+    flash attention: trunk_graph.FLOAT_READ_ROWS) on top of blocks that are not consecutive (the
+    blocks gathered as stored, then dequantised): its logits against the torch path's."""
+    from test_gguf_file import tiny_config, write_synthetic_gguf
+    from test_trunk_graph import RTOL
+    from tiny_models import token_ids
+
+    cfg = dataclasses.replace(tiny_config("llama", n_experts=0), head_dim=64)
+    model = load_model(str(write_synthetic_gguf(tmp_path / "chunks.gguf", cfg, seed=8)))
+    assert model.trunk is not None
+    ids = [t % cfg.vocab_size for t in token_ids(180, seed=9)]
+    table = [7, 2, 11, 4, 9, 0, 13, 5, 1, 12, 3, 8]  # 192 tokens' blocks, out of order
+
+    def run():
+        kv = model.new_kv_pool(16, types=KVTypes.same(cache_type))
+        out = []
+        for a, b in ((0, 100), (100, 180)):  # the second chunk: 80 query rows over 180 keys
+            meta = model.table_meta([b - a], [a], [table], kv)
+            x = model.run_layers(model.embed([ids[a:b]]), meta, kv)
+            out.append(model.head(x))
+        return torch.cat(out)
+
+    trunk = model.trunk
+    try:
+        with torch.inference_mode():
+            graph = run()
+            model.trunk = None
+            ref = run()
+    finally:
+        model.trunk = trunk
+    steps = [k[0] for k in list(trunk._graphs) + list(trunk._stages)]
+    assert any(k[4] == "gather" and k[1] >= 64 for k in steps), steps  # the graph gathered a chunk's blocks
+    err = (graph - ref).abs().max() / ref.abs().max()
+    assert err <= RTOL, f"{err:.2e} of the largest logit"
