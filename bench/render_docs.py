@@ -82,7 +82,7 @@ SOURCES = [Source(*s) for s in [
                           '--variant "moeray serve --local --no-metrics= -- --no-metrics"'),
     ("serve-default-stages4", 'bench/serve_sweep.py --llama-server --clients 16 1 '
                               '--variant "moeray serve --stages 4= -- --stages 4"'),
-    ("serve-qwen3-30b-a3b", f'bench/serve_sweep.py --model {SHAPE["qwen3-30b-a3b"]} --llama-server --clients 4 '
+    ("serve-qwen3-30b-a3b", f'bench/serve_sweep.py --model {SHAPE["qwen3-30b-a3b"]} --llama-server --clients 4 1 '
                             '--max-tokens 16 --duration 60 --warmup 20 --variant "moeray serve --local="'),
     ("serve-threads-qwen3-30b-a3b", f'bench/serve_sweep.py --model {SHAPE["qwen3-30b-a3b"]} --clients 4 '
                                     '--max-tokens 16 --duration 45 --warmup 20 '
