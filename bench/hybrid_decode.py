@@ -227,8 +227,10 @@ def main() -> int:
         wall = f"{x['wall_ms'] / r['wall_ms']:.2f}" if x else "-"
         print(f"{r['engine']:<10} {r['depth']:>6} {r['wall_ms']:9.1f} {r['cpu_ms']:9.1f} {cpu:>18} {wall:>19}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": args.model, "threads": args.threads, "rows": rows,
-                                               "load": [load, os.getloadavg()[0]]}, indent=1))
+        from results import write_results
+
+        write_results(args.json, {"model": Path(args.model).name, "threads": args.threads, "tokens": args.tokens,
+                                  "rows": rows, "load": [load, os.getloadavg()[0]]})
     return 0
 
 

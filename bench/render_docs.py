@@ -107,6 +107,7 @@ SOURCES = [Source(*s) for s in [
     ("long-prompt-qwen3.6", f'bench/long_prompt.py --model {SHAPE["qwen3.6-35b-a3b"]} --tokens 8192 --chunks 512'),
     ("multi-turn-qwen3.6", f'bench/multi_turn.py --model {SHAPE["qwen3.6-35b-a3b"]} --prompt-tokens 512 '
                            '--answer-tokens 16 --new-tokens 64'),
+    ("decode-depth-qwen3.6", f'bench/hybrid_decode.py --model {SHAPE["qwen3.6-35b-a3b"]} --depth 64 4096 --threads 2'),
     ("deltanet", "bench/deltanet.py"),
     ("mla", "bench/mla.py --contexts 256,1024,4096 --reps 5"),
     ("sampling", "bench/sampling.py --rows 16"),
@@ -540,6 +541,20 @@ def hybrid_table(R: Results) -> list[list[str]]:
     return out
 
 
+def decode_depth_table(R: Results) -> list[list[str]]:
+    """bench/hybrid_decode.py: one sequence's decode token at each depth, moeray beside llama.cpp."""
+    if "decode-depth-qwen3.6" not in R:
+        return []
+    rows = R["decode-depth-qwen3.6"]["rows"]
+    ref = {r["depth"]: r for r in rows if r["engine"] == "llama.cpp"}
+    out = []
+    for r in (r for r in rows if r["engine"] == "moeray"):
+        x = ref.get(r["depth"])
+        out.append([f"{r['depth']:,}", f"{f(r['wall_ms'])} ms", f"{f(x['wall_ms'])} ms" if x else "",
+                    f"**{x_(x['wall_ms'] / r['wall_ms'])}**" if x else "", x_(x["cpu_ms"] / r["cpu_ms"]) if x else ""])
+    return out
+
+
 def deltanet_table(R: Results) -> list[list[str]]:
     if "deltanet" not in R:
         return []
@@ -691,6 +706,9 @@ TABLES = [
           [f"families-{n}" for n in FAMILIES], families_serve_table),
     Table("prefill-kernels", "docs/performance-families.md", ["kernel class", "moeray CPU s", "llama.cpp CPU s"],
           ["prefill-kernels-qwen3.6-4l"], kernels_table),
+    Table("decode-depth", "docs/performance-families.md",
+          ["depth (tokens cached)", "moeray ms a token", "llama.cpp ms a token", "ratio wall", "ratio CPU"],
+          ["decode-depth-qwen3.6"], decode_depth_table),
     Table("mla-ggml", "docs/performance-families.md",
           ["heads, cached rows", "flash attention, float32 rows (ms)", "float16 rows (ms)", "float32 / float16",
            "`mul_mat`, softmax, `mul_mat` (ms)"], ["mla-ggml-16", "mla-ggml-128"], mla_table),
