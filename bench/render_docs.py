@@ -82,7 +82,7 @@ SOURCES = [Source(*s) for s in [
                           '--variant "moeray serve --local --no-metrics= -- --no-metrics"'),
     ("serve-default-stages4", 'bench/serve_sweep.py --llama-server --clients 16 1 '
                               '--variant "moeray serve --stages 4= -- --stages 4"'),
-    ("serve-qwen3-30b-a3b", f'bench/serve_sweep.py --model {SHAPE["qwen3-30b-a3b"]} --llama-server --clients 4 '
+    ("serve-qwen3-30b-a3b", f'bench/serve_sweep.py --model {SHAPE["qwen3-30b-a3b"]} --llama-server --clients 4 1 '
                             '--max-tokens 16 --duration 60 --warmup 20 --variant "moeray serve --local="'),
     ("serve-threads-qwen3-30b-a3b", f'bench/serve_sweep.py --model {SHAPE["qwen3-30b-a3b"]} --clients 4 '
                                     '--max-tokens 16 --duration 45 --warmup 20 '
@@ -113,6 +113,7 @@ SOURCES = [Source(*s) for s in [
     ("sampling", "bench/sampling.py --rows 16"),
     ("huge-prompt", "bench/huge_prompt.py --llama-server --mb 20"),
     ("spec-default", "bench/spec.py --clients 1 16 --kinds code chat --max-tokens 64 --reps 2"),
+    ("spec-ngram-mod", "bench/spec.py --llama-server --modes off auto --llama-modes none ngram-mod --clients 1"),
     ("spec-qwen3-30b-a3b", "bench/spec.py --shape qwen3-30b-a3b --llama-server --llama-modes none ngram-mod "
                            "--modes off auto --clients 1 --kinds code chat --max-tokens 48"),
     ("spec-price", "bench/spec_price.py --clients 1 16 --kinds code chat --max-tokens 64"),
@@ -604,6 +605,25 @@ def spec_table(R: Results) -> list[list[str]]:
     return out
 
 
+def spec_ngram_mod_table(R: Results) -> list[list[str]]:
+    """One client, each prompt kind: moeray off / auto beside llama-server none / ngram-mod (tok/s)."""
+    if "spec-ngram-mod" not in R:
+        return []
+    rows = R["spec-ngram-mod"]["rows"]
+    out = []
+    for kind in dict.fromkeys(r["kind"] for r in rows):
+        got = {r["label"]: r for r in rows if r["kind"] == kind and r["clients"] == 1}
+        off, auto = got.get("moeray --speculative off"), got.get("moeray --speculative auto")
+        none, mod = got.get("llama-server --spec-type none"), got.get("llama-server --spec-type ngram-mod")
+        if not (off and auto and none and mod):
+            continue
+        s = auto.get("spec") or {}
+        out.append([kind, f(off["tok_s"]), f(auto["tok_s"]), f(none["tok_s"]), f(mod["tok_s"]),
+                    f"**{x_(auto['tok_s'] / mod['tok_s'])}**", x_(auto["tok_per_cpu_s"] / mod["tok_per_cpu_s"]),
+                    f"{s.get('accepted', '')} / {s.get('drafted', '')}" if s else ""])
+    return out
+
+
 def spec_30b_table(R: Results) -> list[list[str]]:
     if "spec-qwen3-30b-a3b" not in R:
         return []
@@ -726,6 +746,10 @@ TABLES = [
     Table("spec-default", "docs/speculative.md",
           ["prompts", "clients", "`off` tok/s", "`auto` tok/s", "`auto` / `off`", "accepted / drafted"],
           ["spec-default"], spec_table),
+    Table("spec-ngram-mod", "docs/speculative.md",
+          ["prompts", "moeray `off`", "moeray `auto`", "llama-server plain", "llama-server `ngram-mod`",
+           "`auto` / `ngram-mod`", "same, tokens per CPU-second", "accepted / drafted"],
+          ["spec-ngram-mod"], spec_ngram_mod_table),
     Table("spec-30b", "docs/speculative.md", ["server", "code tok/s", "chat tok/s", "accepted / drafted"],
           ["spec-qwen3-30b-a3b"], spec_30b_table),
     Table("spec-price", "docs/speculative.md",

@@ -31,9 +31,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="GGUF file (default: the embedded default model)")
     p.add_argument("--kind", default="code", choices=("code", "quotes", "json", "chat"))
+    p.add_argument("--prompt", type=int, default=0, help="which of the kind's prompts (0-based)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--mode", default="auto", help="--speculative of the engine")
+    p.add_argument("--trace", action="store_true",
+                   help="also print every step of the second answer: its tokens, draft, match length, kept")
     p.add_argument("--json", help="also write the rows here")
     args = p.parse_args(argv)
     from moeray.cluster.cli import build_parser
@@ -52,11 +55,28 @@ def main(argv: list[str] | None = None) -> int:
     eng, tok = svc.engine, svc.tokenizer
     if eng.clock is None:
         raise SystemExit(f"--mode {args.mode}: this engine does not speculate, so it times no steps")
-    prompt = json.loads((HERE / "spec_prompts.json").read_text())[args.kind][0]
+    prompt = json.loads((HERE / "spec_prompts.json").read_text())[args.kind][args.prompt]
     ids = tok.encode_chat([{"role": "user", "content": prompt}])
     params = SamplingParams(max_tokens=args.max_tokens)
     eng.generate([ids], params)  # builds the graph shapes the answer needs
     eng.clock.steps.clear()
+    verdicts = []  # per verify row: the drafter's match length, drafted, accepted (in step order)
+    observe = eng.speculation.observe
+
+    def traced(seq, drafted, accepted, emitted):
+        verdicts.append((seq.draft.match if seq.kind == "ngram" and seq.draft is not None else -1, drafted, accepted))
+        observe(seq, drafted, accepted, emitted)
+
+    eng.speculation.observe = traced
+    timed = []  # every step, cold ones too (the clock keeps only the priced): tokens, drafted, ms, cold
+    time_step = eng._time
+
+    def timing(step, now, cold=False):
+        ms, start = time_step(step, now, cold)
+        timed.append((sum(len(r.tokens) for r in step.rows), sum(len(r.draft) for r in step.rows), ms, cold))
+        return ms, start
+
+    eng._time = timing
     t0 = time.perf_counter()
     out = eng.generate([ids], params)[0]
     wall = time.perf_counter() - t0
@@ -72,6 +92,13 @@ def main(argv: list[str] | None = None) -> int:
     for r in rows:
         print(f"| {r['tokens']} | {r['steps']} | {r['median_ms']:.1f} | "
               f"{r['median_ms'] / one:.2f}× |" if one else f"| {r['tokens']} | {r['steps']} | {r['median_ms']:.1f} | |")
+    if args.trace:  # one sequence: each step is one row, a verify row's verdict in the same order
+        print("\n| step | tokens | ms | match | drafted | kept |")
+        print("|---|---|---|---|---|---|")
+        v = iter(verdicts)
+        for i, (n, drafted, ms, cold) in enumerate(timed):
+            m, d, a = next(v) if drafted else ("", "", "")
+            print(f"| {i} | {n} | {ms:.1f}{' cold' if cold else ''} | {m} | {d} | {a} |")
     price, stats = eng.speculation.price, eng.speculation.stats.as_dict()
     if price is not None:
         print(f"\nfitted step price: fixed {price.fixed_ms:.1f} ms + {price.token_ms:.1f} ms a token + {price.draft_ms:.1f} ms "

@@ -225,10 +225,10 @@ class Engine:
                 if cont is not None:
                     self._submit(cont)
         self.last_step = StepTiming(start, end, out.sample_ns, now_ns() - end)
-        if spec is not None and not cold:  # the drafts' measured worth (cluster/speculation.py step_done)
+        if spec is not None:  # the drafts' measured worth (cluster/speculation.py step_done); a cold step is not judged
             spec.step_done(sum(len(r.tokens) for r in step.rows), sum(len(r.draft) for r in step.rows),
                            spec.stats.accepted_tokens - accepted, sum(1 for r in step.rows if r.sample), ms,
-                           sum(1 for r in step.rows if r.draft))
+                           sum(1 for r in step.rows if r.draft), cold=cold)
         if not self.has_work():  # idle from here: the next step's time starts at its submission
             self._t_last = 0.0
         return True

@@ -15,7 +15,9 @@ drafted token is charged what it has cost at this machine's batch widths. What t
 acceptance estimates still get wrong is caught by the measured result (`step_done`): the tokens
 the drafts kept against the tokens plain decoding would have made in the time they added; where
 drafting has been a loss it pauses (planner/draft_length.py DraftGuard), so `auto` does not run
-below plain decoding for long.
+below plain decoding for long. The score is kept per record (a sequence's short n-gram guesses,
+its copies: a match of COPY_BAND tokens or more, the draft model, the MTP layer), so short guesses
+that lost on one answer pause only short guesses: a copy that starts in the next answer drafts.
 
 The verify row runs on the stages like a prompt chunk; the last stage accepts a prefix of the
 draft and adds one token of its own (stages/text/verify.py); the scheduler appends them under the
@@ -184,7 +186,9 @@ class Speculation:
         self.bands: dict[int, Tally] = {}  # per n-gram match band, over every sequence
         self.model_tally = Tally()  # the draft model, over every sequence
         self._rng = random.Random(seed)
-        self.guard = DraftGuard()
+        # the measured score per record (_record: "ngram", "copy", "draft", "mtp"): what lost pauses alone
+        self.guards: dict[str, DraftGuard] = {}
+        self._verdicts: dict[str, list[int]] = {}  # this step's verify rows per record: drafted, accepted
         # decayed sums of measured and predicted ms: steps without drafts, steps with them
         self._fit = {False: [0.0, 0.0], True: [0.0, 0.0]}
 
@@ -227,16 +231,26 @@ class Speculation:
         copies (a long match) apart from its guesses."""
         return "copy" if kind == "ngram" and band >= COPY_BAND else kind
 
+    def guard(self, record: str) -> DraftGuard:
+        return self.guards.setdefault(record, DraftGuard())
+
+    def _paused(self, record: str) -> bool:
+        """Whether drafts of this record wait out a pause (tests' PROBE = 1 never pauses)."""
+        g = self.guards.get(record)
+        return g is not None and not g.open and self.PROBE < 1
+
     def _offer(self, s: SeqSpec, room: int) -> Offer:
-        """The better of the sequence's drafters this step (the surer first token), and which."""
+        """The better of the sequence's drafters this step (the surer first token), and which; a
+        drafter whose record is paused offers nothing."""
         n = min(room, self.max_draft)
         d = s.drafter.draft(n) if n > 0 and self.mode not in ("draft", "mtp") else Draft([], 0)
         s.draft, s.kind = d, "ngram"
-        best = Offer(self.rate(s, "ngram", match_band(d.match)), len(d.tokens))
+        band = match_band(d.match)
+        best = Offer(self.rate(s, "ngram", band), 0 if self._paused(self._record("ngram", band)) else len(d.tokens))
         others = []
-        if s.model and n > 0:
+        if s.model and n > 0 and not self._paused("draft"):
             others.append(("draft", Offer(self.rate(s, "draft"), n, self.draft_token_ms)))
-        if self.mtp and s.proposal and n > 0:  # already drafted, by the last step: no cost now
+        if self.mtp and s.proposal and n > 0 and not self._paused("mtp"):  # already drafted, by the last step: no cost now
             others.append(("mtp", Offer(self.rate(s, "mtp"), min(n, len(s.proposal)))))
         for kind, offer in others:
             if not best.max_tokens or offer.acceptance > best.acceptance:
@@ -259,7 +273,7 @@ class Speculation:
         """Draft lengths for these sequences in a step of `n_plain` tokens yielding `value`:
         room[i] is the most sequence i may draft (its tokens left, KV it may take); each sequence's
         `kind` says which drafter its row's tokens come from."""
-        if not seqs or budget <= 0 or not self.guard.open and self.PROBE < 1:  # paused: drafting measured a loss
+        if not seqs or budget <= 0:
             return [0] * len(seqs)
         offers = [self._offer(s, r) for s, r in zip(seqs, room)]
         table = self.step_table(n_plain + 1 + min(budget, sum(o.max_tokens for o in offers)))
@@ -284,15 +298,20 @@ class Speculation:
                 lengths[i] = 1  # keep measuring a rate the choice has stopped trying
         return lengths
 
-    def step_done(self, n_tokens: int, drafted: int, accepted: int, value: int, ms: float, verify_rows: int = 0) -> None:
+    def step_done(self, n_tokens: int, drafted: int, accepted: int, value: int, ms: float, verify_rows: int = 0,
+                  cold: bool = False) -> None:
         """A step came back: its tokens (`drafted` of them drafted, `accepted` of those kept), the
-        tokens its rows gave without the drafts (`value`: its decode rows) and its measured ms.
-        Keeps the price's measured / predicted ratio for steps without and with drafts, and scores
-        the drafts (DraftGuard): the ms they added is the step's measured ms less the same step
-        without them (its predicted ms, times what plain steps measured over their prediction)."""
-        if n_tokens <= 0 or ms <= 0 or self.mode == "off" and not drafted:
+        tokens its rows gave without the drafts (`value`: its decode rows) and its measured ms
+        (`cold`: the stages built a graph for it, so its time says nothing of its size; its verify
+        rows' verdicts are dropped). Keeps the price's measured / predicted ratio for steps without
+        and with drafts, and scores the drafts per record (DraftGuard; the verdicts `observe` kept
+        for this step's rows): the ms they added is the step's measured ms less the same step
+        without them (its predicted ms, times what plain steps measured over their prediction),
+        shared among the records by their drafted tokens."""
+        verdicts, self._verdicts = self._verdicts, {}
+        if cold or n_tokens <= 0 or ms <= 0 or self.mode == "off" and not drafted:
             return
-        if not self.guard.open:
+        if any(not g.open for g in self.guards.values()):
             self.stats.paused_steps += 1
         table = self.step_table(n_tokens)
         price = self.price or StepPrice(0.0, 0.0)
@@ -307,15 +326,23 @@ class Speculation:
             self.stats.verify_fit = sums[0] / sums[1] if sums[1] > 0 else 1.0
         without = r_plain * table[n_tokens - drafted] if n_tokens > drafted else 0.0
         rate = value / without if without > 0 else 0.0
-        if self.guard.step(drafted, accepted, ms - without, rate):
-            self.stats.pauses += 1
+        for record in verdicts:
+            self.guard(record)
+        for record, g in self.guards.items():  # every guard counts its pause down, judges its own rows
+            d, a = verdicts.get(record, (0, 0))
+            if g.step(d, a, (ms - without) * d / max(drafted, d, 1), rate):
+                self.stats.pauses += 1
 
     def observe(self, seq: SeqSpec, drafted: int, accepted: int, emitted: int) -> None:
         """A verify row came back: `accepted` of its `drafted` tokens, `emitted` tokens in all
         (fewer than accepted + 1 where the sequence finished inside the row)."""
         kind = seq.kind
         band = match_band(seq.draft.match if seq.draft is not None else 0) if kind == "ngram" else 0
-        seq.tally(self._record(kind, band)).add(drafted, accepted, self.DECAY)
+        record = self._record(kind, band)
+        seq.tally(record).add(drafted, accepted, self.DECAY)
+        v = self._verdicts.setdefault(record, [0, 0])  # scored with the step (step_done)
+        v[0] += drafted
+        v[1] += accepted
         if kind in ("draft", "mtp"):
             (self.model_tally if kind == "draft" else self.mtp_tally).add(drafted, accepted, self.DECAY)
         else:

@@ -134,9 +134,29 @@ def test_drafting_pauses_while_its_measured_goodput_is_below_plain():
         losing.step_done(1, 0, 0, 1, 100.0)
     assert losing.stats.paused_steps == DraftGuard.first_pause
     assert losing.plan([seq], [8], 1, 1, 8)[0] > 0  # tried again
-    assert losing.guard.pause == 2 * DraftGuard.first_pause  # a second loss in a row pauses longer
+    assert losing.guard("copy").pause == 2 * DraftGuard.first_pause  # a second loss in a row pauses longer
     paying, _ = engine(110.0, 3)  # 10 ms more for 3 kept tokens
-    assert paying.stats.pauses == 0 and paying.guard.open
+    assert paying.stats.pauses == 0 and all(g.open for g in paying.guards.values())
+
+
+def test_short_guesses_that_lost_do_not_pause_a_copy():
+    """The score is kept per record: a sequence whose short n-gram matches (a phrase that recurs)
+    keep failing pauses short guesses, and a copy in progress (a long match) in the next answer
+    still drafts, as its own losses would pause it alone."""
+    spec = Speculation("ngram", price=StepPrice(fixed_ms=100.0, token_ms=0.1))
+    guessing = spec.start([7, 8, 1, 2, 9, 1, 2])  # "1 2" recurs: a 2-token match
+    for _ in range(8):
+        spec.step_done(1, 0, 0, 1, spec.step_table(1)[1])
+    for _ in range(DraftGuard.min_steps):
+        k = spec.plan([guessing], [8], 1, 1, 8)[0]
+        assert k > 0 and guessing.draft.match < 16
+        spec.observe(guessing, k, 0, 1)
+        spec.step_done(1 + k, k, 0, 1, 300.0)  # every guess refused, 200 ms lost
+    assert spec.stats.pauses == 1 and not spec.guard("ngram").open
+    assert spec.plan([guessing], [8], 1, 1, 8) == [0]  # guesses wait out their pause
+    copying = spec.start(list(range(100, 140)) + list(range(100, 120)))  # a 20-token match: a copy
+    k = spec.plan([copying], [8], 1, 1, 8)[0]
+    assert k > 0 and copying.draft.match >= 16 and copying.draft.tokens[:k] == list(range(120, 120 + k))
 
 
 # ---------------------------------------------------------------- the n-gram drafter
