@@ -190,8 +190,9 @@ def main() -> int:
                 ratios.append({"type": t, "depth": d, "prefill_ratio": pr, "decode_ratio": dr})
                 print(f"{t:6s} {d:6d}  {pr:19.2f}x  {dr:18.2f}x")
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": path, "threads": args.threads, "rows": rows,
-                                               "ratios": ratios}, indent=1) + "\n")
+        from results import write_results  # the run record (command, commit, date) docs tables need
+
+        write_results(args.json, {"model": path, "threads": args.threads, "rows": rows, "ratios": ratios})
     return 0
 
 

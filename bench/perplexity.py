@@ -157,8 +157,9 @@ def main() -> int:
         vs_ref = f"{100 * (mine[t] / ref[t] - 1):+.2f}%" if t in ref else "-"
         print(f"{t:9s} {mine[t]:10.4f} {vs_f16:>8s} {ref.get(t, float('nan')):10.4f} {vs_ref:>13s}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": path, "text": args.text, "ctx": args.ctx, "rows": rows},
-                                              indent=1) + "\n")
+        from results import write_results  # the run record (command, commit, date) docs tables need
+
+        write_results(args.json, {"model": path, "text": args.text, "ctx": args.ctx, "rows": rows})
     return 0
 
 

@@ -147,8 +147,10 @@ def main() -> int:
         print(f"{r['engine']:<13} {tier:>9} {r['turn2_prefilled']:>9} of {r['turn2_prompt']:<5} "
               f"{r['turn2_ttft_s']:>8.3f} {r['turn2_ttft_s'] / full:>14.3f} {x:>15}")
     if args.json:
-        Path(args.json).write_text(json.dumps({"model": path, "threads": args.threads,
-                                               "load_avg": [load, os.getloadavg()], "rows": rows}, indent=2))
+        from results import write_results  # the run record (command, commit, date) docs tables need
+
+        write_results(args.json, {"model": path, "threads": args.threads, "load_avg": [load, os.getloadavg()],
+                                  "rows": rows})
     return 0
 
 
