@@ -50,6 +50,16 @@ from dataclasses import dataclass
 from moeray.stages.blocks.kv_cache import BLOCK_SIZE
 
 
+def common_prefix(a, b) -> int:
+    """How many leading tokens two token sequences share."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 @dataclass
 class KVStats:
     """What the ledger has seen: prefix lookups in prompt tokens, and preemptions (counted by the scheduler)."""
@@ -95,11 +105,7 @@ class HostTier:
         (None, 0) when none begins with them."""
         best, n = None, 0
         for slot, held in self.tails.get(parent, {}).items():
-            k = 0
-            for x, y in zip(want, held):
-                if x != y:
-                    break
-                k += 1
+            k = common_prefix(want, held)
             if k > n:
                 best, n = slot, k
         return best, n
@@ -294,11 +300,7 @@ class BlockManager:
         for b, held in self.follows.get(parent, {}).items():
             if self.hash_of.get(b) in self.pending:
                 continue  # named at admission, not written yet
-            k = 0
-            for x, y in zip(want, held):
-                if x != y:
-                    break
-                k += 1
+            k = common_prefix(want, held)
             if k > n:
                 best, n = b, k
         return best, n

@@ -257,6 +257,18 @@ def test_the_graph_stores_the_rows_llama_cpp_stores(tmp_path, types):
         assert torch.equal(rows.view(torch.uint8), _ggml_rows(turned, t)), f"{kind} rows in {t}"
 
 
+def _graph_and_torch(model, run):
+    """run() through the stage's trunk graphs, then through the torch path (the trunk set aside)."""
+    trunk = model.trunk
+    try:
+        with torch.inference_mode():
+            graph = run()
+            model.trunk = None
+            return graph, run()
+    finally:
+        model.trunk = trunk
+
+
 @pytest.mark.parametrize("cache_type", QUANTISED)
 def test_decode_over_512_quantised_keys_and_more_agrees_with_the_torch_path(tmp_path, cache_type):
     """A one-token step over 512 keys or more, where moeray's ggml splits the keys among its threads
@@ -283,14 +295,9 @@ def test_decode_over_512_quantised_keys_and_more_agrees_with_the_torch_path(tmp_
 
     before = ggml_threads()
     set_threads(2)
-    trunk = model.trunk
     try:
-        with torch.inference_mode():
-            graph = run()
-            model.trunk = None
-            ref = run()
+        graph, ref = _graph_and_torch(model, run)
     finally:
-        model.trunk = trunk
         set_threads(before)
     err = (graph - ref).abs().max() / ref.abs().max()
     assert err <= RTOL, f"{err:.2e} of the largest logit"
@@ -321,13 +328,7 @@ def test_a_prompt_chunk_over_gathered_quantised_blocks_agrees_with_the_torch_pat
         return torch.cat(out)
 
     trunk = model.trunk
-    try:
-        with torch.inference_mode():
-            graph = run()
-            model.trunk = None
-            ref = run()
-    finally:
-        model.trunk = trunk
+    graph, ref = _graph_and_torch(model, run)
     steps = [k[0] for k in list(trunk._graphs) + list(trunk._stages)]
     assert any(k[4] == "gather" and k[1] >= 64 for k in steps), steps  # the graph gathered a chunk's blocks
     err = (graph - ref).abs().max() / ref.abs().max()
