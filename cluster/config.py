@@ -31,6 +31,24 @@ CACHE_POLICIES = ("static", "adaptive", "lru")
 # caches then hold about half of the 380 MiB of Q4_1 experts (the hot half: most lookups hit).
 DEFAULT_SIMULATED = "176MiB,176MiB,144MiB,144MiB"
 
+# How the one process of `moeray serve --local` uses ggml's threads (stages/kernels/threads.ThreadSettings),
+# where its StageOptions leave them unset: chosen by bench/serve_sweep.py beside llama-server.
+LOCAL_THREADS = dict(poll=1, parallel_bytes=1 << 20, adapt=True)
+# A model whose decode token reads more than BIG_TOKEN_BYTES of weights keeps every thread on every
+# graph, its workers spinning (poll 100) between them: its steps take hundreds of milliseconds, so
+# what one thread saves per graph (a wake-up, the barriers) is small beside them, and adapting was
+# measured to lose: the 30B-A3B shape served to 4 clients gave 9.0 / 9.1 / 8.4 tok/s adapting
+# against 11.6 / 12.1 / 11.7 with every thread fixed (docs/performance.md#served), while the default
+# model's 1-client rate fell from 60 to 44 tok/s without adapting (poll 1).
+BIG_TOKEN_BYTES = 1 << 30
+BIG_LOCAL_THREADS = dict(poll=100, parallel_bytes=1 << 20, adapt=False)
+
+
+def local_threads(token_bytes: int) -> dict:
+    """`moeray serve --local`'s ggml thread settings for a model whose decode token reads
+    `token_bytes` of weights (StageOptions' ggml_* fields, where set, win)."""
+    return BIG_LOCAL_THREADS if token_bytes > BIG_TOKEN_BYTES else LOCAL_THREADS
+
 
 @dataclass
 class EngineConfig:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from moeray import environment
-from moeray.cluster.config import EngineConfig, LaunchOptions
+from moeray.cluster.config import EngineConfig, LaunchOptions, local_threads
 from moeray.cluster.placement import gpu_share, plan_from_reports, plan_kv_types, state_bytes_by_layer, uses_mtp
 from moeray.cluster.remote import StageFailedError, StagesLate, as_ready, error_of, gather, gather_one
 from moeray.cluster.timeline import now_ns
@@ -542,6 +542,20 @@ class Launched:
         self.group.shutdown()
 
 
+def simulated_stage_options(stage: StageOptions, token_bytes: int) -> StageOptions:
+    """How simulated stages use ggml's threads, where `stage` leaves it unset: every core of the
+    stage's process (threads 0), as `serve --local` uses them for a model whose decode token reads
+    `token_bytes` (cluster/config.py local_threads). Simulated stages share their host's cores,
+    and one stream's step passes through them one after another: the stage computing has the
+    cores (the others' workers rest: StageActor.step), where one thread each left a core idle
+    (bench/stream_timeline.py, docs/performance.md#served); with several streams in flight the
+    stages compute at once, and each graph learns whether splitting still pays (ggml_adapt)."""
+    from moeray.stages.kernels.threads import ThreadSettings
+
+    threads = ThreadSettings.of(stage, ThreadSettings(**local_threads(token_bytes)))
+    return replace(stage, threads=0 if stage.threads is None else stage.threads, **threads.options())
+
+
 def launch(path: str, opts: LaunchOptions = LaunchOptions(), engine: EngineConfig = EngineConfig(),
            log=print) -> Launched:
     """Probe -> plan -> load -> wire, with KV pools of the plan's block count; `Launched.engine` is
@@ -558,6 +572,8 @@ def launch(path: str, opts: LaunchOptions = LaunchOptions(), engine: EngineConfi
         log(line)
 
     opts = replace(opts, profile=resolve_profile(opts.profile, path, say))
+    if opts.simulate is not None:
+        opts = replace(opts, stage=simulated_stage_options(opts.stage, header.token_bytes()))
     group = StageGroup(opts.n_stages, opts.simulate, opts.strategy, opts.torch_threads, opts.timeout_s,
                        opts.stage, opts.gpus_per_stage, kv_host=opts.kv_host)
     group.start()

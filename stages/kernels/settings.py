@@ -48,7 +48,8 @@ class StageOptions:
 
     backend           kernels of every matrix: ggml (the GGUF blocks, ggml's CPU kernels), dequant
                       (torch, dequantised per use; Triton on a card), exact (float32 copies, debugging)
-    threads           ggml's threads; None: the cores this process may use (torch's count)
+    threads           ggml's threads; None: torch's count in this process; 0: every core the
+                      process may run on (each process its own: stages on different hosts)
     ggml_poll         how long idle ggml workers spin for the next graph (poll level) ...
     ggml_parallel_kb  ... a graph reading fewer KiB of weights runs on one thread ...
     ggml_adapt        ... each graph learns whether one thread or all compute it faster;

@@ -4,6 +4,7 @@ spinning or sleeping between graphs, learnt per graph), with the thread pools an
 from __future__ import annotations
 
 import ctypes
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -55,10 +56,12 @@ class ThreadSettings:
 
 
 def ggml_threads() -> int:
-    """ggml's threads in this process: the options' `threads`, else torch's count at first use."""
+    """ggml's threads in this process: the options' `threads` (0: every core the process may run
+    on), else torch's count at first use."""
     want = settings.current().threads
-    if _threads is None or (want and want != _threads):
-        _use_threads(want or torch.get_num_threads())
+    n = len(os.sched_getaffinity(0)) if want == 0 else want
+    if _threads is None or (n and n != _threads):
+        _use_threads(n or torch.get_num_threads())
     return _threads
 
 
@@ -105,6 +108,21 @@ def _threadpool(n: int):
             params.poll = poll
             pool = _pools[(n, poll)] = _G.ggml_threadpool_new(ctypes.byref(params))
         return pool
+
+
+def rest_threads() -> int:
+    """Put this process's ggml workers to sleep now, instead of letting them spin `poll` for a next
+    graph: what a pipeline stage does when its part of a step is done. Stages that share a host's
+    cores compute one after another on a single stream, so a stage's workers spinning on after its
+    graphs take the cores the next stage computes on (bench/stream_timeline.py). The next graph
+    wakes them (ggml resumes a paused pool at its kickoff): one wake-up per step, against a spin
+    per graph. Only between graphs: a worker that finds its pool paused before it joined a graph
+    never joins it. Returns the pools paused."""
+    with _pool_lock:
+        pools = [pool for (n, poll), pool in _pools.items() if n > 1 and poll > 0]
+    for pool in pools:
+        _G.ggml_threadpool_pause(pool)
+    return len(pools)
 
 
 def _weight_bytes(graph) -> int:

@@ -44,7 +44,7 @@ from moeray.stages.kernels import repack, settings
 from moeray.stages.kernels.backend import current_backend, ggml_available
 from moeray.stages.kernels.ggml_lib import sgemm_built, tiled_gemm
 from moeray.stages.kernels.settings import StageOptions
-from moeray.stages.kernels.threads import ggml_threads, thread_settings
+from moeray.stages.kernels.threads import ggml_threads, rest_threads, thread_settings
 from moeray.stages.runtime.device import (DeviceInfo, device_ledger, host_threads_for_stage, measure_speed,
                                           probe_device)
 from moeray.stages.runtime.draft_model import DraftModel
@@ -374,6 +374,10 @@ class StageActor:
                     pass
             raise
         finally:
+            if self.n_stages > 1 and ggml_available():
+                # Its part of the step is done: its ggml workers sleep now rather than spin on
+                # while the next stage computes, on the same cores where stages share a host.
+                rest_threads()
             self.step_s += (time.perf_counter_ns() - t0) / 1e9
             writer = getattr(self.model.experts, "trace_writer", None)
             if writer is not None:  # whole steps on disk: a stage killed later loses none of them

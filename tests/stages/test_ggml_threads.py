@@ -1,7 +1,10 @@
 """ggml's threads as `moeray serve --local` uses them: each graph learns whether one thread or all
 of them compute it faster (stages/kernels/threads.ThreadChoice), and whichever it picks, the numbers are
-the same: a row of the output is computed by one thread either way."""
+the same: a row of the output is computed by one thread either way. And as pipeline stages use them:
+a stage whose part of a step is done puts its workers to sleep."""
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
@@ -93,3 +96,63 @@ def test_serve_local_picks_its_threads_by_what_a_token_reads(default_model_path)
     assert header.token_bytes() == read
     assert local_threads(header.token_bytes()) is LOCAL_THREADS and LOCAL_THREADS["adapt"]
     assert local_threads(BIG_TOKEN_BYTES + 1) is BIG_LOCAL_THREADS and not BIG_LOCAL_THREADS["adapt"]
+
+
+def _cpu_while_idle(seconds: float = 0.5) -> float:
+    """CPU seconds this process's threads (ggml's workers among them) use while its main thread sleeps."""
+    t0 = time.process_time()
+    time.sleep(seconds)
+    return time.process_time() - t0
+
+
+def test_a_rested_pool_stops_spinning_and_the_next_graph_wakes_it():
+    """Pipeline stages that share a host's cores compute one after another on one stream: a stage
+    whose part of the step is done puts its workers to sleep (threads.rest_threads) rather than let
+    them spin `poll` on into the next stage's compute. Poll 100 spins for most of a second."""
+    rng = np.random.default_rng(1)
+    raw = random_blocks(QT.Q4_K, 256 * 1024 // 256, rng, scale=0.01).reshape(-1)
+    w = QMatrix.from_raw(raw, QT.Q4_K, (256, 1024), "ggml")
+    x = torch.from_numpy(rng.standard_normal((1, 1024)).astype(np.float32))
+    before = (threads.ggml_threads(), threads.thread_settings())
+    try:
+        threads.set_threads(2, ThreadSettings(poll=100, parallel_bytes=0, adapt=False))
+        ref = w(x)
+        spinning = _cpu_while_idle()  # the helper spins on after the graph
+        w(x)
+        assert threads.rest_threads() >= 1  # this pool (and any other spinning one made before)
+        rested = _cpu_while_idle()
+        again = w(x)  # a paused pool is resumed by the next graph
+    finally:
+        threads.set_threads(*before)
+    assert torch.equal(again, ref)
+    assert rested < 0.05 < 0.15 < spinning, (rested, spinning)
+
+
+def test_a_pipeline_stage_leaves_no_worker_spinning_after_its_part_of_a_step(tmp_path):
+    """Stage 0 of 2 (StageActor, in this process) on a tiny MoE file, two ggml threads spinning poll
+    100 between graphs: once its step has sent its activations on, its workers sleep."""
+    from moeray.stages.kernels.settings import StageOptions
+    from moeray.stages.runtime.actor import StageActor
+    from moeray.stages.runtime.step import StepBatch
+    from test_gguf_file import tiny_config, write_synthetic_gguf
+
+    class Link:  # the process group's end: what stage 0 sends on
+        sent = []
+
+        def send(self, x, tokens=None):
+            self.sent.append(tuple(x.shape))
+
+    path = write_synthetic_gguf(tmp_path / "moe.gguf", tiny_config("llama"), seed=3)
+    before = (threads.ggml_threads(), threads.thread_settings())
+    try:
+        stage = StageActor(0, 2, simulated_budget=64 << 20, options=StageOptions(backend="ggml", threads=2, ggml_poll=100, ggml_parallel_kb=0))
+        stage.load(str(path), 0, 2, kv_blocks=4)
+        stage.link = Link()
+        for step, (start, toks) in enumerate([(0, [1, 2, 3, 4]), (4, [5])]):
+            stage.step(StepBatch(step_id=step, slots=[0], n_new=[len(toks)], fresh=[start == 0], tokens=[toks],
+                                 starts=[start], tables=[[0]]))
+            idle = _cpu_while_idle()
+            assert idle < 0.05, (step, idle)
+    finally:
+        threads.set_threads(*before)
+    assert Link.sent == [(4, 64), (1, 64)]
