@@ -52,6 +52,7 @@ output. Where k_b / v_b are float in the file they are multiplied as float32, as
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -89,12 +90,15 @@ STAGE_GRAPHS_BYTES = 4 * STAGE_SCRATCH_BYTES
 STAGE_GRAPHS = 64  # shapes remembered at most (those too big for one graph included)
 # Query rows a sequence needs in a step for its quantised keys and values to be read as float32
 # first (ggml_get_rows dequantises them): ggml's CPU flash attention runs its tiled kernel (a tile
-# of queries against a tile of keys, GGML_FA_TILE_Q = 64 query rows) only over float rows, and its
-# query-by-query kernel over q8_0 / q4_0 ones. A 512-token chunk at depth 4,096 took 2.6x as long in
-# q8_0 as in f16 for it (llama.cpp's too); the dequantised copy costs one read of the rows (a few
-# ms a chunk). A decode step (one query row) keeps reading the rows as stored: a copy would cost
-# it more than its attention.
-FLOAT_READ_ROWS = 64
+# of up to 64 query rows of a head against a tile of 64 keys, float32 GEMMs) only over float rows,
+# and its query-by-query kernel over q8_0 / q4_0 ones, which also rounds each query to q8_0 for
+# the dot products. A 512-token chunk at depth 4,096 took 2.6x as long in q8_0 as in f16 for it
+# (llama.cpp's too); the dequantised copy costs one read of the rows (a few ms a chunk). moeray's
+# ggml runs the tiled kernel from MOERAY_FA_TILED_ROWS rows (16; llama.cpp's from 64:
+# stages/kernels/ggml_build.py TILED_FA_ROWS), so float rows and quantised ones take it from the
+# same count. A decode step (one query row) keeps reading the rows as stored: a copy would cost it
+# more than its attention.
+FLOAT_READ_ROWS = int(os.environ.get("MOERAY_FA_TILED_ROWS") or 0) or 16
 
 
 _KEY_ROWS: list[torch.Tensor] = [torch.arange(4096, dtype=torch.int32)]

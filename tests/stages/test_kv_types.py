@@ -305,9 +305,11 @@ def test_decode_over_512_quantised_keys_and_more_agrees_with_the_torch_path(tmp_
 
 @pytest.mark.parametrize("cache_type", QUANTISED)
 def test_a_prompt_chunk_over_gathered_quantised_blocks_agrees_with_the_torch_path(tmp_path, cache_type):
-    """A chunk of 64+ tokens (its keys and values then read as float32 copies for ggml's tiled
+    """Chunks of 16+ tokens (their keys and values then read as float32 copies for ggml's tiled
     flash attention: trunk_graph.FLOAT_READ_ROWS) on top of blocks that are not consecutive (the
-    blocks gathered as stored, then dequantised): its logits against the torch path's."""
+    blocks gathered as stored, then dequantised): their logits against the torch path's. 80 rows
+    (a head's 64-row tile and a 16-row one), 20 (the tiled kernel below 64 rows), 65 (a 64-row
+    tile and a 1-row one: a returning conversation's new turn)."""
     from test_gguf_file import tiny_config, write_synthetic_gguf
     from test_trunk_graph import RTOL
     from tiny_models import token_ids
@@ -315,13 +317,13 @@ def test_a_prompt_chunk_over_gathered_quantised_blocks_agrees_with_the_torch_pat
     cfg = dataclasses.replace(tiny_config("llama", n_experts=0), head_dim=64)
     model = load_model(str(write_synthetic_gguf(tmp_path / "chunks.gguf", cfg, seed=8)))
     assert model.trunk is not None
-    ids = [t % cfg.vocab_size for t in token_ids(180, seed=9)]
-    table = [7, 2, 11, 4, 9, 0, 13, 5, 1, 12, 3, 8]  # 192 tokens' blocks, out of order
+    ids = [t % cfg.vocab_size for t in token_ids(265, seed=9)]
+    table = [7, 2, 11, 4, 9, 0, 13, 5, 1, 12, 3, 8, 15, 6, 10, 14, 16]  # 272 tokens' blocks, out of order
 
     def run():
-        kv = model.new_kv_pool(16, types=KVTypes.same(cache_type))
+        kv = model.new_kv_pool(17, types=KVTypes.same(cache_type))
         out = []
-        for a, b in ((0, 100), (100, 180)):  # the second chunk: 80 query rows over 180 keys
+        for a, b in ((0, 100), (100, 180), (180, 200), (200, 265)):  # 80, 20 and 65 query rows
             meta = model.table_meta([b - a], [a], [table], kv)
             x = model.run_layers(model.embed([ids[a:b]]), meta, kv)
             out.append(model.head(x))
@@ -330,6 +332,7 @@ def test_a_prompt_chunk_over_gathered_quantised_blocks_agrees_with_the_torch_pat
     trunk = model.trunk
     graph, ref = _graph_and_torch(model, run)
     steps = [k[0] for k in list(trunk._graphs) + list(trunk._stages)]
-    assert any(k[4] == "gather" and k[1] >= 64 for k in steps), steps  # the graph gathered a chunk's blocks
+    for rows in (80, 20, 65):  # the graph gathered each chunk's blocks
+        assert any(k[4] == "gather" and k[1] == rows for k in steps), steps
     err = (graph - ref).abs().max() / ref.abs().max()
     assert err <= RTOL, f"{err:.2e} of the largest logit"
