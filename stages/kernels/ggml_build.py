@@ -175,7 +175,8 @@ HOOKS = [
 # one head's 64 rows at a time, rather than 4 ranges per thread cut across heads and tiles (at 65
 # rows and 9 heads those cut 24 tiles where 18 do). (4) It runs from MOERAY_FA_TILED_ROWS query rows
 # (default 16, read once), not 64: a returning turn's 16- to 63-token chunk over thousands of keys
-# took ggml's query-by-query kernel, 7x the time per query and key. Each row's values are computed
+# took ggml's query-by-query kernel (16 tokens over 4,160: 0.66 s a step, 0.43 s tiled, on the
+# default model and 2 threads). Each row's values are computed
 # as before (a GEMM row does not depend on the rows beside it), so (1) to (3) change no bit; (4)
 # moves 16- to 63-row chunks to the tiled kernel, whose query stays float32 (the row-by-row one
 # rounds it to float16, or q8_0 over q8_0 keys).

@@ -58,6 +58,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
+from moeray.errors import MoerayError
 from moeray.stages.blocks.expert_graph import OneStack, moe_ffn, stack_pointers, stack_tensors
 from moeray.planner.kv import KVTypes
 from moeray.stages.blocks.kv_cache import BLOCK_SIZE, KVPool
@@ -98,7 +99,19 @@ STAGE_GRAPHS = 64  # shapes remembered at most (those too big for one graph incl
 # stages/kernels/ggml_build.py TILED_FA_ROWS), so float rows and quantised ones take it from the
 # same count. A decode step (one query row) keeps reading the rows as stored: a copy would cost it
 # more than its attention.
-FLOAT_READ_ROWS = int(os.environ.get("MOERAY_FA_TILED_ROWS") or 0) or 16
+
+
+def _tiled_rows() -> int:
+    """MOERAY_FA_TILED_ROWS as ggml reads it (unset: 16), or one line naming a value it is not."""
+    raw = os.environ.get("MOERAY_FA_TILED_ROWS", "").strip()
+    if not raw:
+        return 16
+    if not raw.isdigit() or int(raw) < 1:
+        raise MoerayError(f"MOERAY_FA_TILED_ROWS={raw!r}: give a count of query rows, 1 or more (or unset it: 16)")
+    return int(raw)
+
+
+FLOAT_READ_ROWS = _tiled_rows()
 
 
 _KEY_ROWS: list[torch.Tensor] = [torch.arange(4096, dtype=torch.int32)]
@@ -1028,7 +1041,9 @@ class TrunkGraphs:
             for i in (1, 2, 3):
                 v_read.contents.nb[i] = kr.nb[i]
             inputs.append(v_read)
-        else:
+        (k_float,) = self._float_reads(ctx, step, (k_read,))
+        if k_float is not k_read or step.read_base < 0:  # the value: the first C of each (float) key row
+            k_read, kr = k_float, k_float.contents  # (view mode's second input then unread)
             v_read = G.ggml_view_4d(ctx, k_read, C, kr.ne[1], kr.ne[2], kr.ne[3], kr.nb[1], kr.nb[2], kr.nb[3], 0)
         o = G.ggml_flash_attn_ext(ctx, q4, k_read, v_read, shared["mask"], attn.scale, 0.0, 0.0)  # [C, heads, t, B]
         G.ggml_flash_attn_ext_set_prec(o, G.GGML_PREC_F32)
