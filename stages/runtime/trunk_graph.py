@@ -52,13 +52,13 @@ output. Where k_b / v_b are float in the file they are multiplied as float32, as
 from __future__ import annotations
 
 import ctypes
-import os
+import functools
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
 
-from moeray.errors import MoerayError
+from moeray import environment
 from moeray.stages.blocks.expert_graph import OneStack, moe_ffn, stack_pointers, stack_tensors
 from moeray.planner.kv import KVTypes
 from moeray.stages.blocks.kv_cache import BLOCK_SIZE, KVPool
@@ -99,19 +99,13 @@ STAGE_GRAPHS = 64  # shapes remembered at most (those too big for one graph incl
 # stages/kernels/ggml_build.py TILED_FA_ROWS), so float rows and quantised ones take it from the
 # same count. A decode step (one query row) keeps reading the rows as stored: a copy would cost it
 # more than its attention.
+FLOAT_READ_ROWS = 16
 
 
-def _tiled_rows() -> int:
-    """MOERAY_FA_TILED_ROWS as ggml reads it (unset: 16), or one line naming a value it is not."""
-    raw = os.environ.get("MOERAY_FA_TILED_ROWS", "").strip()
-    if not raw:
-        return 16
-    if not raw.isdigit() or int(raw) < 1:
-        raise MoerayError(f"MOERAY_FA_TILED_ROWS={raw!r}: give a count of query rows, 1 or more (or unset it: 16)")
-    return int(raw)
-
-
-FLOAT_READ_ROWS = _tiled_rows()
+@functools.lru_cache(maxsize=1)
+def float_read_rows() -> int:
+    """FLOAT_READ_ROWS, or the count MOERAY_FA_TILED_ROWS gives ggml (moeray/environment.py)."""
+    return environment.fa_tiled_rows() or FLOAT_READ_ROWS
 
 
 _KEY_ROWS: list[torch.Tensor] = [torch.arange(4096, dtype=torch.int32)]
@@ -781,7 +775,7 @@ class TrunkGraphs:
         tiled flash attention then runs: FLOAT_READ_ROWS says why), else as they are."""
         G = ggml_lib()
         B, t, keys_pad = step.key[:3]
-        if t < FLOAT_READ_ROWS or all(c in ("f32", "f16") for c in (step.types.k, step.types.v)):
+        if t < float_read_rows() or all(c in ("f32", "f16") for c in (step.types.k, step.types.v)):
             return reads
         heads = reads[0].contents.ne[2]
         # rows 0 .. keys_pad - 1 for every head and sequence: one run of them, its head and

@@ -130,12 +130,13 @@ def test_mla_keeps_one_latent_row_so_its_v_type_follows_k(toy_files):
 @pytest.mark.parametrize("name", ["deepseek-v2-lite", "qwen3.6-35b-a3b"])
 def test_mla_and_hybrid_attention_over_a_q8_0_pool(toy_files, name):
     """DeepSeek's latent rows and a hybrid's attention layers (its DeltaNet states stay float32) in
-    q8_0: the graph against the torch path, chunks (17 and 65 rows: read as float32 for ggml's tiled
-    flash attention, trunk_graph.FLOAT_READ_ROWS; 4 rows: as stored) then decode, both reading the
-    same pool. The MLA
-    toy is compared after its first (dense) layer: its random routers sit at near-ties, so from the
-    first MoE layer on a last-bit difference picks other experts, in float32 as in q8_0 (measured:
-    0.73 of the largest logit in float32, 0.70 in q8_0, against 0.014 and 0.012 after layer 0)."""
+    q8_0: the graph against the torch path, chunks (17 rows, and on MLA 65: read as float32 for
+    ggml's tiled flash attention, trunk_graph.FLOAT_READ_ROWS; 4 rows: as stored) then decode, both
+    reading the same pool. The MLA toy is compared after its first (dense) layer: its random routers
+    sit at near-ties, so from the first MoE layer on a last-bit difference picks other experts, in
+    float32 as in q8_0 (measured: 0.73 of the largest logit in float32, 0.70 in q8_0, against 0.014
+    and 0.012 after layer 0). The hybrid, compared at its logits, keeps to 40 tokens: its routers
+    too move its logits by 0.114 of the largest over 92 (the same with the tiled kernel from 64 rows)."""
     from moeray.stages.runtime.model import StageModel
 
     from test_trunk_graph import RTOL
@@ -144,12 +145,12 @@ def test_mla_and_hybrid_attention_over_a_q8_0_pool(toy_files, name):
     settings.update(cache_type_k="q8_0", cache_type_v="q8_0")
     mla = name == "deepseek-v2-lite"
     model = StageModel.from_gguf(toy_files[name], (0, 1) if mla else None)
-    ids = [t % 49152 for t in token_ids(92, seed=3)]
+    ids = [t % 49152 for t in token_ids(92 if mla else 40, seed=3)]
 
     def run():
         kv = model.new_kv_cache(1, len(ids) + 8)
         assert kv.types == KVTypes.same("q8_0") and kv.k[0].dtype == torch.uint8
-        out, cuts = [], [0, 17, 21, 86, *range(87, len(ids) + 1)]
+        out, cuts = [], [0, 17, 21, *([86] if mla else []), *range(87 if mla else 22, len(ids) + 1)]
         for a, b in zip(cuts, cuts[1:]):
             h = model.run_layers(model.embed([ids[a:b]]), model.batch_meta([b - a], [0], kv), kv)
             out.append(h if mla else model.head(h))
@@ -338,3 +339,19 @@ def test_a_prompt_chunk_over_gathered_quantised_blocks_agrees_with_the_torch_pat
         assert any(k[4] == "gather" and k[1] == rows for k in steps), steps
     err = (graph - ref).abs().max() / ref.abs().max()
     assert err <= RTOL, f"{err:.2e} of the largest logit"
+
+
+@pytest.mark.parametrize("raw,want", [("", None), ("32", 32), ("0", "MOERAY_FA_TILED_ROWS='0': give a count"),
+                                      ("many", "MOERAY_FA_TILED_ROWS='many': give a count")])
+def test_the_tiled_attentions_row_count_is_read_as_ggml_reads_it(monkeypatch, raw, want):
+    """MOERAY_FA_TILED_ROWS (the query rows from which moeray's ggml runs its tiled flash attention,
+    and the trunk graph reads quantised rows as float32): unset is ggml's default, a count is taken,
+    anything else is one line naming the value."""
+    from moeray import environment
+
+    monkeypatch.setenv("MOERAY_FA_TILED_ROWS", raw)
+    if want is None or isinstance(want, int):
+        assert environment.fa_tiled_rows() == want
+    else:
+        with pytest.raises(ConfigError, match=want):
+            environment.fa_tiled_rows()
