@@ -771,7 +771,7 @@ class TrunkGraphs:
     @staticmethod
     def _float_reads(ctx, step: Step, reads: tuple) -> tuple:
         """The step's key and value reads ([D, keys_pad, heads, B]) as float32 copies where a
-        sequence brings FLOAT_READ_ROWS query rows or more and one of them is quantised (ggml's
+        sequence brings float_read_rows() (FLOAT_READ_ROWS) query rows or more and one of them is quantised (ggml's
         tiled flash attention then runs: FLOAT_READ_ROWS says why), else as they are."""
         G = ggml_lib()
         B, t, keys_pad = step.key[:3]
