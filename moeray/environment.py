@@ -14,7 +14,9 @@ variables below are not a second way in:
   (MOERAY_API_KEY: a secret stays out of argv), the Ray cluster to join (RAY_ADDRESS), the library
   path a foreign libggml could come from (LD_LIBRARY_PATH), Triton's interpreter (TRITON_INTERPRET),
   ggml's own switch for its tiled GEMM (GGML_CPU_TILED_MM, read by ggml itself in each process;
-  moeray only reports it: StageOptions.tiled_gemm is the knob), the CMake flags `make venv` builds ggml-python with (CMAKE_ARGS, stages/kernels/ggml_build.py),
+  moeray only reports it: StageOptions.tiled_gemm is the knob), the query rows from which moeray's
+  ggml build runs its tiled flash attention (MOERAY_FA_TILED_ROWS, read by ggml itself; the trunk
+  graph follows it), the CMake flags `make venv` builds ggml-python with (CMAKE_ARGS, stages/kernels/ggml_build.py),
   and where the benches and tests find llama.cpp's tools (LLAMA_CPP_BIN, else PATH).
 - Variables moeray SETS for the Ray processes it starts (`set_default`).
 
@@ -164,6 +166,18 @@ def ggml_tiled_switch() -> str | None:
     """GGML_CPU_TILED_MM: ggml's own switch for llama.cpp's tiled GEMM (None: unset, on), reported by
     stages/kernels/ggml_lib.py tiled_gemm; ggml reads it itself."""
     return os.environ.get("GGML_CPU_TILED_MM")
+
+
+def fa_tiled_rows() -> int | None:
+    """MOERAY_FA_TILED_ROWS: the fewest query rows that take ggml's tiled flash attention in
+    moeray's build (stages/kernels/ggml_build.py TILED_FA_ROWS; None: unset, its default), read by
+    ggml itself; the trunk graph reads it to give quantised rows float32 reads from the same count."""
+    raw = os.environ.get("MOERAY_FA_TILED_ROWS", "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 1:
+        raise ConfigError("MOERAY_FA_TILED_ROWS", raw, "give a count of query rows, 1 or more (or unset it)")
+    return int(raw)
 
 
 def cmake_args(default: str) -> str:

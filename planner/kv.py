@@ -38,11 +38,14 @@ CACHE_TYPE_CHOICES = ("auto",) + tuple(CACHE_TYPES)
 
 
 # What one cached value costs a decode step to read, in ns, by cache type: one query's ggml flash
-# attention on the CPU over 8,192 keys, one thread (bench/kv_types.py --read-cost --depth 8192
-# --threads 1), which reads a quantised row as stored (q8_0: its dot products on the int8 codes;
-# q4_0's values are widened row by row, 10x slower). The planner adds tokens x values x this to a
-# stage's step when it weighs a cache type against the expert slots its bytes would buy.
-READ_NS_PER_VALUE = {"f32": 0.72, "f16": 0.88, "q8_0": 1.05, "q4_0": 10.7}
+# attention on the CPU over 8,192 keys, one thread, moeray's ggml build (`.venv/bin/python
+# bench/kv_types.py --read-cost --types f32,f16,q8_0,q4_0 --read-depth 8192 --threads 1`, the
+# default model's heads, 12 layers), which reads a quantised row as stored (q8_0: its dot products
+# on the int8 codes; q4_0's values widened per row). Measured after the build split a quantised
+# pool's keys among the threads as a float one's (stages/kernels/ggml_build.py OPS_HOOKS): q4_0 had
+# been 10.7. The planner adds tokens x values x this to a stage's step when it weighs a cache type
+# against the expert slots its bytes would buy.
+READ_NS_PER_VALUE = {"f32": 0.69, "f16": 0.87, "q8_0": 1.02, "q4_0": 1.68}
 
 
 def value_bytes(cache_type: str) -> float:

@@ -166,6 +166,80 @@ HOOKS = [
 ]
 
 
+# The tiled flash attention (a tile of up to GGML_FA_TILE_Q = 64 query rows of one head against a
+# tile of 64 keys: float32 GEMMs) as llama.cpp's is and more. (1) Its float16 V rows are converted
+# with the SIMD ggml_cpu_fp16_to_fp32 (llama.cpp's; ggml-python's calls ggml-base's scalar one: 7.5%
+# of a 65-token chunk's CPU at depth 4,096, 1.8% in llama.cpp). (2) A tile of fewer rows than 64
+# computes only its rows (ggml zero-pads the queries to 64 and runs both GEMMs and the softmax over
+# them all): a 65-token chunk is a 64-row and a 1-row tile per head. (3) Threads take whole tiles,
+# one head's 64 rows at a time, rather than 4 ranges per thread cut across heads and tiles (at 65
+# rows and 9 heads those cut 24 tiles where 18 do). (4) It runs from MOERAY_FA_TILED_ROWS query rows
+# (default 16, read once), not 64: a returning turn's 16- to 63-token chunk over thousands of keys
+# took ggml's query-by-query kernel (16 tokens over 4,160: 0.66 s a step, 0.43 s tiled, on the
+# default model and 2 threads). Each row's values are computed
+# as before (a GEMM row does not depend on the rows beside it), so (1) to (3) change no bit; (4)
+# moves 16- to 63-row chunks to the tiled kernel, whose query stays float32 (the row-by-row one
+# rounds it to float16, or q8_0 over q8_0 keys).
+TILED_FA_ROWS = [
+    ("ggml_fp16_to_fp32_row((const ggml_fp16_t *)v_data, V32 + tk * DV, DV);",
+     "ggml_cpu_fp16_to_fp32((const ggml_fp16_t *)v_data, V32 + tk * DV, DV);  // moeray: SIMD, as llama.cpp"),
+    ("memset(KQ, 0, Q_TILE_SZ * KV_TILE_SZ * sizeof(float));",
+     "memset(KQ, 0, tile_rows * KV_TILE_SZ * sizeof(float));  // moeray: the tile's rows only"),
+    ("simd_gemm(KQ, (const float *)Q_q, K_f32, Q_TILE_SZ, DK, KV_TILE_SZ);",
+     "simd_gemm(KQ, (const float *)Q_q, K_f32, tile_rows, DK, KV_TILE_SZ);"),
+    ("ggml_vec_scale_f32(Q_TILE_SZ * KV_TILE_SZ, KQ, scale);", "ggml_vec_scale_f32(tile_rows * KV_TILE_SZ, KQ, scale);"),
+    ("simd_gemm(VKQ32, KQ, V32, Q_TILE_SZ, KV_TILE_SZ, DV);", "simd_gemm(VKQ32, KQ, V32, tile_rows, KV_TILE_SZ, DV);"),
+]
+TILED_FA_HOOKS = [
+    ("""            if (kv_tile < KV_TILE_SZ) {
+                for (int tq = 0; tq < Q_TILE_SZ; tq++) {""", """            if (kv_tile < KV_TILE_SZ) {
+                for (int tq = 0; tq < tile_rows; tq++) {"""),
+    ("""            bool skip[Q_TILE_SZ] = {};
+
+            for (int tq = 0; tq < Q_TILE_SZ; tq++) {""", """            bool skip[Q_TILE_SZ] = {};
+
+            for (int tq = 0; tq < tile_rows; tq++) {"""),
+    ("""            for (int tq = 0; tq < Q_TILE_SZ; tq++) {
+                if (skip[tq]) {""", """            for (int tq = 0; tq < tile_rows; tq++) {
+                if (skip[tq]) {"""),
+    ("""                                neq1 >= Q_TILE_SZ);""", """                                neq1 >= moeray_fa_tiled_rows());"""),
+    ("""        int current_chunk = ith;
+
+        while (current_chunk < nchunk) {""", """        int current_chunk = ith;
+
+        if (use_tiled) {  // moeray: whole tiles, one head's Q_TILE_SZ rows at a time
+            const int64_t per_head = (neq1 + Q_TILE_SZ - 1) / Q_TILE_SZ;
+            const int64_t n_units = per_head * neq2 * neq3;
+            for (int64_t u = ith; u < n_units; u = ggml_threadpool_chunk_add(params->threadpool, 1)) {
+                const int64_t head = u / per_head;
+                const int64_t r0 = head * neq1 + (u % per_head) * Q_TILE_SZ;
+                ggml_compute_forward_flash_attn_ext_tiled(params, dst, r0, MIN(r0 + Q_TILE_SZ, (head + 1) * neq1));
+            }
+            return;
+        }
+
+        while (current_chunk < nchunk) {"""),
+    ("""static void ggml_compute_forward_flash_attn_ext_f16(
+        const ggml_compute_params * params,
+        ggml_tensor * dst) {
+""", """// moeray: the fewest query rows of a sequence that take the tiled flash attention (float32 / float16
+// rows), MOERAY_FA_TILED_ROWS (read once), default 16 (stages/kernels/ggml_build.py TILED_FA_ROWS)
+static int64_t moeray_fa_tiled_rows(void) {
+    static const int64_t rows = [] {
+        const char * env = getenv("MOERAY_FA_TILED_ROWS");
+        const long v = env ? atol(env) : 0;
+        return (int64_t) (v > 0 ? v : 16);
+    }();
+    return rows;
+}
+
+static void ggml_compute_forward_flash_attn_ext_f16(
+        const ggml_compute_params * params,
+        ggml_tensor * dst) {
+"""),
+]
+
+
 # (text in ggml-python's vendored ops.cpp, what it becomes). A one-token step's flash attention over
 # 512+ keys splits the KEYS among the threads (each thread every head over its share, then the
 # partial softmaxes merged) only for float32 / float16 rows in ggml; over q8_0 / q4_0 rows it splits
@@ -179,7 +253,7 @@ OPS_HOOKS = [
      """    // moeray: quantised rows split by keys too (stages/kernels/ggml_build.py OPS_HOOKS)
     const bool kv_split_type = kv_is_f32_or_f16 || k->type == GGML_TYPE_Q8_0 || k->type == GGML_TYPE_Q4_0;
     const bool use_split_kv_path = !use_ref && (neq1 == 1 && neq3 == 1) && kv_split_type && (k->type == v->type)"""),
-]
+] + [(f"            {old}", f"            {new}") for old, new in TILED_FA_ROWS] + TILED_FA_HOOKS
 
 
 class PatchError(Exception):

@@ -52,11 +52,13 @@ output. Where k_b / v_b are float in the file they are multiplied as float32, as
 from __future__ import annotations
 
 import ctypes
+import functools
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
 
+from moeray import environment
 from moeray.stages.blocks.expert_graph import OneStack, moe_ffn, stack_pointers, stack_tensors
 from moeray.planner.kv import KVTypes
 from moeray.stages.blocks.kv_cache import BLOCK_SIZE, KVPool
@@ -89,12 +91,21 @@ STAGE_GRAPHS_BYTES = 4 * STAGE_SCRATCH_BYTES
 STAGE_GRAPHS = 64  # shapes remembered at most (those too big for one graph included)
 # Query rows a sequence needs in a step for its quantised keys and values to be read as float32
 # first (ggml_get_rows dequantises them): ggml's CPU flash attention runs its tiled kernel (a tile
-# of queries against a tile of keys, GGML_FA_TILE_Q = 64 query rows) only over float rows, and its
-# query-by-query kernel over q8_0 / q4_0 ones. A 512-token chunk at depth 4,096 took 2.6x as long in
-# q8_0 as in f16 for it (llama.cpp's too); the dequantised copy costs one read of the rows (a few
-# ms a chunk). A decode step (one query row) keeps reading the rows as stored: a copy would cost
-# it more than its attention.
-FLOAT_READ_ROWS = 64
+# of up to 64 query rows of a head against a tile of 64 keys, float32 GEMMs) only over float rows,
+# and its query-by-query kernel over q8_0 / q4_0 ones, which also rounds each query to q8_0 for
+# the dot products. A 512-token chunk at depth 4,096 took 2.6x as long in q8_0 as in f16 for it
+# (llama.cpp's too); the dequantised copy costs one read of the rows (a few ms a chunk). moeray's
+# ggml runs the tiled kernel from MOERAY_FA_TILED_ROWS rows (16; llama.cpp's from 64:
+# stages/kernels/ggml_build.py TILED_FA_ROWS), so float rows and quantised ones take it from the
+# same count. A decode step (one query row) keeps reading the rows as stored: a copy would cost it
+# more than its attention.
+FLOAT_READ_ROWS = 16
+
+
+@functools.lru_cache(maxsize=1)
+def float_read_rows() -> int:
+    """FLOAT_READ_ROWS, or the count MOERAY_FA_TILED_ROWS gives ggml (moeray/environment.py)."""
+    return environment.fa_tiled_rows() or FLOAT_READ_ROWS
 
 
 _KEY_ROWS: list[torch.Tensor] = [torch.arange(4096, dtype=torch.int32)]
@@ -760,11 +771,11 @@ class TrunkGraphs:
     @staticmethod
     def _float_reads(ctx, step: Step, reads: tuple) -> tuple:
         """The step's key and value reads ([D, keys_pad, heads, B]) as float32 copies where a
-        sequence brings FLOAT_READ_ROWS query rows or more and one of them is quantised (ggml's
+        sequence brings float_read_rows() (FLOAT_READ_ROWS) query rows or more and one of them is quantised (ggml's
         tiled flash attention then runs: FLOAT_READ_ROWS says why), else as they are."""
         G = ggml_lib()
         B, t, keys_pad = step.key[:3]
-        if t < FLOAT_READ_ROWS or all(c in ("f32", "f16") for c in (step.types.k, step.types.v)):
+        if t < float_read_rows() or all(c in ("f32", "f16") for c in (step.types.k, step.types.v)):
             return reads
         heads = reads[0].contents.ne[2]
         # rows 0 .. keys_pad - 1 for every head and sequence: one run of them, its head and
@@ -1024,7 +1035,9 @@ class TrunkGraphs:
             for i in (1, 2, 3):
                 v_read.contents.nb[i] = kr.nb[i]
             inputs.append(v_read)
-        else:
+        (k_float,) = self._float_reads(ctx, step, (k_read,))
+        if k_float is not k_read or step.read_base < 0:  # the value: the first C of each (float) key row
+            k_read, kr = k_float, k_float.contents  # (view mode's second input then unread)
             v_read = G.ggml_view_4d(ctx, k_read, C, kr.ne[1], kr.ne[2], kr.ne[3], kr.nb[1], kr.nb[2], kr.nb[3], 0)
         o = G.ggml_flash_attn_ext(ctx, q4, k_read, v_read, shared["mask"], attn.scale, 0.0, 0.0)  # [C, heads, t, B]
         G.ggml_flash_attn_ext_set_prec(o, G.GGML_PREC_F32)

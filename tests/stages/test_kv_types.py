@@ -130,10 +130,13 @@ def test_mla_keeps_one_latent_row_so_its_v_type_follows_k(toy_files):
 @pytest.mark.parametrize("name", ["deepseek-v2-lite", "qwen3.6-35b-a3b"])
 def test_mla_and_hybrid_attention_over_a_q8_0_pool(toy_files, name):
     """DeepSeek's latent rows and a hybrid's attention layers (its DeltaNet states stay float32) in
-    q8_0: the graph against the torch path, chunks then decode, both reading the same pool. The MLA
-    toy is compared after its first (dense) layer: its random routers sit at near-ties, so from the
-    first MoE layer on a last-bit difference picks other experts, in float32 as in q8_0 (measured:
-    0.73 of the largest logit in float32, 0.70 in q8_0, against 0.014 and 0.012 after layer 0)."""
+    q8_0: the graph against the torch path, chunks (17 rows, and on MLA 65: read as float32 for
+    ggml's tiled flash attention, trunk_graph.FLOAT_READ_ROWS; 4 rows: as stored) then decode, both
+    reading the same pool. The MLA toy is compared after its first (dense) layer: its random routers
+    sit at near-ties, so from the first MoE layer on a last-bit difference picks other experts, in
+    float32 as in q8_0 (measured: 0.73 of the largest logit in float32, 0.70 in q8_0, against 0.014
+    and 0.012 after layer 0). The hybrid, compared at its logits, keeps to 40 tokens: its routers
+    too move its logits by 0.114 of the largest over 92 (the same with the tiled kernel from 64 rows)."""
     from moeray.stages.runtime.model import StageModel
 
     from test_trunk_graph import RTOL
@@ -142,12 +145,12 @@ def test_mla_and_hybrid_attention_over_a_q8_0_pool(toy_files, name):
     settings.update(cache_type_k="q8_0", cache_type_v="q8_0")
     mla = name == "deepseek-v2-lite"
     model = StageModel.from_gguf(toy_files[name], (0, 1) if mla else None)
-    ids = [t % 49152 for t in token_ids(40, seed=3)]
+    ids = [t % 49152 for t in token_ids(92 if mla else 40, seed=3)]
 
     def run():
         kv = model.new_kv_cache(1, len(ids) + 8)
         assert kv.types == KVTypes.same("q8_0") and kv.k[0].dtype == torch.uint8
-        out, cuts = [], [0, 17, 21, *range(22, len(ids) + 1)]
+        out, cuts = [], [0, 17, 21, *([86] if mla else []), *range(87 if mla else 22, len(ids) + 1)]
         for a, b in zip(cuts, cuts[1:]):
             h = model.run_layers(model.embed([ids[a:b]]), model.batch_meta([b - a], [0], kv), kv)
             out.append(h if mla else model.head(h))
@@ -305,9 +308,11 @@ def test_decode_over_512_quantised_keys_and_more_agrees_with_the_torch_path(tmp_
 
 @pytest.mark.parametrize("cache_type", QUANTISED)
 def test_a_prompt_chunk_over_gathered_quantised_blocks_agrees_with_the_torch_path(tmp_path, cache_type):
-    """A chunk of 64+ tokens (its keys and values then read as float32 copies for ggml's tiled
+    """Chunks of 16+ tokens (their keys and values then read as float32 copies for ggml's tiled
     flash attention: trunk_graph.FLOAT_READ_ROWS) on top of blocks that are not consecutive (the
-    blocks gathered as stored, then dequantised): its logits against the torch path's."""
+    blocks gathered as stored, then dequantised): their logits against the torch path's. 80 rows
+    (a head's 64-row tile and a 16-row one), 20 (the tiled kernel below 64 rows), 65 (a 64-row
+    tile and a 1-row one: a returning conversation's new turn)."""
     from test_gguf_file import tiny_config, write_synthetic_gguf
     from test_trunk_graph import RTOL
     from tiny_models import token_ids
@@ -315,13 +320,13 @@ def test_a_prompt_chunk_over_gathered_quantised_blocks_agrees_with_the_torch_pat
     cfg = dataclasses.replace(tiny_config("llama", n_experts=0), head_dim=64)
     model = load_model(str(write_synthetic_gguf(tmp_path / "chunks.gguf", cfg, seed=8)))
     assert model.trunk is not None
-    ids = [t % cfg.vocab_size for t in token_ids(180, seed=9)]
-    table = [7, 2, 11, 4, 9, 0, 13, 5, 1, 12, 3, 8]  # 192 tokens' blocks, out of order
+    ids = [t % cfg.vocab_size for t in token_ids(265, seed=9)]
+    table = [7, 2, 11, 4, 9, 0, 13, 5, 1, 12, 3, 8, 15, 6, 10, 14, 16]  # 272 tokens' blocks, out of order
 
     def run():
-        kv = model.new_kv_pool(16, types=KVTypes.same(cache_type))
+        kv = model.new_kv_pool(17, types=KVTypes.same(cache_type))
         out = []
-        for a, b in ((0, 100), (100, 180)):  # the second chunk: 80 query rows over 180 keys
+        for a, b in ((0, 100), (100, 180), (180, 200), (200, 265)):  # 80, 20 and 65 query rows
             meta = model.table_meta([b - a], [a], [table], kv)
             x = model.run_layers(model.embed([ids[a:b]]), meta, kv)
             out.append(model.head(x))
@@ -330,6 +335,23 @@ def test_a_prompt_chunk_over_gathered_quantised_blocks_agrees_with_the_torch_pat
     trunk = model.trunk
     graph, ref = _graph_and_torch(model, run)
     steps = [k[0] for k in list(trunk._graphs) + list(trunk._stages)]
-    assert any(k[4] == "gather" and k[1] >= 64 for k in steps), steps  # the graph gathered a chunk's blocks
+    for rows in (80, 20, 65):  # the graph gathered each chunk's blocks
+        assert any(k[4] == "gather" and k[1] == rows for k in steps), steps
     err = (graph - ref).abs().max() / ref.abs().max()
     assert err <= RTOL, f"{err:.2e} of the largest logit"
+
+
+@pytest.mark.parametrize("raw,want", [("", None), ("32", 32), ("0", "MOERAY_FA_TILED_ROWS='0': give a count"),
+                                      ("many", "MOERAY_FA_TILED_ROWS='many': give a count")])
+def test_the_tiled_attentions_row_count_is_read_as_ggml_reads_it(monkeypatch, raw, want):
+    """MOERAY_FA_TILED_ROWS (the query rows from which moeray's ggml runs its tiled flash attention,
+    and the trunk graph reads quantised rows as float32): unset is ggml's default, a count is taken,
+    anything else is one line naming the value."""
+    from moeray import environment
+
+    monkeypatch.setenv("MOERAY_FA_TILED_ROWS", raw)
+    if want is None or isinstance(want, int):
+        assert environment.fa_tiled_rows() == want
+    else:
+        with pytest.raises(ConfigError, match=want):
+            environment.fa_tiled_rows()
