@@ -68,9 +68,11 @@ def test_dequant_route_is_the_exact_math(gguf):
 def test_ggml_greedy_tokens_are_ones_the_exact_model_rates_best(gguf, default_model_path):
     """8-bit activations (llama.cpp's own numerics) against float32 weights. Greedy text may part
     where the float32 model's top two logits nearly tie, so the check is on every token the ggml
-    backend picks: teacher-forced through the exact backend, its logit is within 1.0 of the best.
-    Measured on these prompts: 16 of 16 tokens the exact backend's own argmax on two prompts; on the
-    chat prompt two picks at near-ties (margins 0.08 and 0.28), max gap 0.28."""
+    backend picks: teacher-forced through the exact backend, its logit is within 1.0 of the best,
+    and nearly every pick is the exact backend's own argmax. Measured on these prompts (ggml's tiled
+    flash attention from 16 query rows, stages/kernels/ggml_build.py TILED_FA_ROWS): one near-tie
+    pick on each prompt (45 of 48 picks the argmax), gaps 0.08, 0.08 and 0.17 (with the tiled kernel from 64
+    rows: 0.08, 0.08, 0)."""
     from moeray.cluster.generator import Generator
     from moeray.stages.gguf import default_model as dm
     from moeray.stages.text.sampling import SamplingParams
@@ -85,9 +87,9 @@ def test_ggml_greedy_tokens_are_ones_the_exact_model_rates_best(gguf, default_mo
         ids = prompt + c.token_ids
         logits = exact.logits_all(ids)[len(prompt) - 1:len(ids) - 1]  # the logits each pick was made from
         picked = logits.gather(1, torch.tensor(c.token_ids).view(-1, 1)).view(-1)
-        gaps.append((logits.max(-1).values - picked).max().item())
+        gaps += (logits.max(-1).values - picked).tolist()
     assert max(gaps) <= 1.0, gaps
-    assert sum(g == 0 for g in gaps) >= 1  # and mostly the very same tokens
+    assert sum(g == 0 for g in gaps) >= 0.85 * len(gaps), gaps  # and nearly always the very same token (45 of 48)
 
 
 def test_the_route_is_announced_and_a_wrong_one_is_refused(gguf, caplog):
