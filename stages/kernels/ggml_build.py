@@ -173,13 +173,15 @@ HOOKS = [
 # computes only its rows (ggml zero-pads the queries to 64 and runs both GEMMs and the softmax over
 # them all): a 65-token chunk is a 64-row and a 1-row tile per head. (3) Threads take whole tiles,
 # one head's 64 rows at a time, rather than 4 ranges per thread cut across heads and tiles (at 65
-# rows and 9 heads those cut 24 tiles where 18 do). (4) It runs from MOERAY_FA_TILED_ROWS query rows
-# (default 16, read once), not 64: a returning turn's 16- to 63-token chunk over thousands of keys
-# took ggml's query-by-query kernel (16 tokens over 4,160: 0.66 s a step, 0.43 s tiled, on the
-# default model and 2 threads). Each row's values are computed
-# as before (a GEMM row does not depend on the rows beside it), so (1) to (3) change no bit; (4)
-# moves 16- to 63-row chunks to the tiled kernel, whose query stays float32 (the row-by-row one
-# rounds it to float16, or q8_0 over q8_0 keys).
+# rows and 9 heads those cut 24 tiles where 18 do). (4) MOERAY_FA_TILED_ROWS (read once) sets the
+# query rows it runs from; the default stays ggml's 64: the two kernels round differently (the tiled
+# one keeps the query float32, the row-by-row one rounds it to float16, or q8_0 over q8_0 keys), and
+# from 16 rows a prompt's last token got other logits than the same token recomputed alone (n choices
+# sharing a prompt's blocks sampled other text than one request with the same seed; logprobs
+# differed streamed and not). From 16 a returning turn's 16- to 63-token chunk over thousands of keys
+# is faster (16 tokens over 4,160: 0.66 s a step, 0.43 s tiled, default model, 2 threads): an
+# opt-in until both kernels give a row the same bits. Each row's values are computed as before (a
+# GEMM row does not depend on the rows beside it), so (1) to (3) change no bit.
 TILED_FA_ROWS = [
     ("ggml_fp16_to_fp32_row((const ggml_fp16_t *)v_data, V32 + tk * DV, DV);",
      "ggml_cpu_fp16_to_fp32((const ggml_fp16_t *)v_data, V32 + tk * DV, DV);  // moeray: SIMD, as llama.cpp"),
@@ -223,12 +225,12 @@ TILED_FA_HOOKS = [
         const ggml_compute_params * params,
         ggml_tensor * dst) {
 """, """// moeray: the fewest query rows of a sequence that take the tiled flash attention (float32 / float16
-// rows), MOERAY_FA_TILED_ROWS (read once), default 16 (stages/kernels/ggml_build.py TILED_FA_ROWS)
+// rows), MOERAY_FA_TILED_ROWS (read once), default 64 (stages/kernels/ggml_build.py TILED_FA_ROWS)
 static int64_t moeray_fa_tiled_rows(void) {
     static const int64_t rows = [] {
         const char * env = getenv("MOERAY_FA_TILED_ROWS");
         const long v = env ? atol(env) : 0;
-        return (int64_t) (v > 0 ? v : 16);
+        return (int64_t) (v > 0 ? v : 64);
     }();
     return rows;
 }

@@ -95,11 +95,11 @@ STAGE_GRAPHS = 64  # shapes remembered at most (those too big for one graph incl
 # and its query-by-query kernel over q8_0 / q4_0 ones, which also rounds each query to q8_0 for
 # the dot products. A 512-token chunk at depth 4,096 took 2.6x as long in q8_0 as in f16 for it
 # (llama.cpp's too); the dequantised copy costs one read of the rows (a few ms a chunk). moeray's
-# ggml runs the tiled kernel from MOERAY_FA_TILED_ROWS rows (16; llama.cpp's from 64:
+# ggml runs the tiled kernel from MOERAY_FA_TILED_ROWS rows (default 64, as llama.cpp:
 # stages/kernels/ggml_build.py TILED_FA_ROWS), so float rows and quantised ones take it from the
 # same count. A decode step (one query row) keeps reading the rows as stored: a copy would cost it
 # more than its attention.
-FLOAT_READ_ROWS = 16
+FLOAT_READ_ROWS = 64
 
 
 @functools.lru_cache(maxsize=1)
