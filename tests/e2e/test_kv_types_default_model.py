@@ -39,11 +39,11 @@ def default_model(default_model_path):
 def test_q8_0_changes_what_f16_predicts_only_at_near_ties(default_model, default_model_path):
     """Teacher-forced over the default model's bundled prompts (through its chat template): q8_0
     against f16, both through the graph. Measured with the rows turned as llama.cpp turns them
-    (stages/blocks/kv_rotation.py) and the query in float32 over both (a prompt of 16+ tokens takes
-    ggml's tiled kernel: trunk_graph.FLOAT_READ_ROWS): the same top token at 97.7% of 349
-    positions, every flip where f16's top two are within 0.10 of each other, mean KL 0.0046, the
-    largest logit moving 2.6 (with the query rounded to f16 / q8_0: 98.3%, KL 0.0052; unturned
-    95.7%, KL 0.0065). This 135M-parameter model's top two logits are often near-ties: f32 against
+    (stages/blocks/kv_rotation.py), these 12- to 44-token prompts taking ggml's query-by-query
+    kernel (the tiled one from 64 rows: trunk_graph.FLOAT_READ_ROWS), which rounds the query to f16
+    / q8_0: the same top token at 98.3% of 349 positions, mean KL 0.0052 (with the query in float32,
+    MOERAY_FA_TILED_ROWS=16: 97.7%, every flip where f16's top two are within 0.10 of each other, KL
+    0.0046, the largest logit moving 2.6; unturned 95.7%, KL 0.0065). This 135M-parameter model's top two logits are often near-ties: f32 against
     f16 agrees at 98.6% (KL 0.0045), the graph against the torch path, both f32, at 98.6%;
     llama.cpp's own q8_0 cache (llama-perplexity --kl-divergence against f16 on 7,168 tokens of
     prose) at 95.4 +/- 0.35% (docs/kv-cache.md)."""
