@@ -13,8 +13,7 @@ import threading
 from pathlib import Path
 
 from moeray.cluster import openai_schema as oa
-from moeray.cluster.config import (BIG_LOCAL_THREADS, BIG_TOKEN_BYTES, LOCAL_THREADS, ServeOptions,  # noqa: F401
-                                   local_threads, resolve_model)
+from moeray.cluster.config import ServeOptions, local_threads, resolve_model
 from moeray.cluster.engine_loop import EngineLoop, Stream
 from moeray.cluster.timeline import TimelineLog, stage_hops
 from moeray.errors import MoerayError

@@ -85,7 +85,7 @@ def test_serve_local_picks_its_threads_by_what_a_token_reads(default_model_path)
     (the trunk and head once, k routed experts per MoE layer: bench/decode.py's MB/token); `moeray
     serve --local` adapts its graphs' thread counts below 1 GiB of it (the default model: 147 MB)
     and keeps every thread fixed above (a 30B-A3B model reads ~1.9 GB)."""
-    from moeray.cluster.service import BIG_LOCAL_THREADS, BIG_TOKEN_BYTES, LOCAL_THREADS, local_threads
+    from moeray.cluster.config import BIG_LOCAL_THREADS, BIG_TOKEN_BYTES, LOCAL_THREADS, local_threads
     from moeray.stages.gguf.reader import read_gguf_header
     from moeray.stages.runtime.model import load_model
 
