@@ -14,10 +14,8 @@ variables below are not a second way in:
   (MOERAY_API_KEY: a secret stays out of argv), the Ray cluster to join (RAY_ADDRESS), the library
   path a foreign libggml could come from (LD_LIBRARY_PATH), Triton's interpreter (TRITON_INTERPRET),
   ggml's own switch for its tiled GEMM (GGML_CPU_TILED_MM, read by ggml itself in each process;
-  moeray only reports it: StageOptions.tiled_gemm is the knob), the query rows from which moeray's
-  ggml build runs its tiled flash attention (MOERAY_FA_TILED_ROWS, read by ggml itself; the trunk
-  graph follows it), the CMake flags `make venv` builds ggml-python with (CMAKE_ARGS, stages/kernels/ggml_build.py),
-  and where the benches and tests find llama.cpp's tools (LLAMA_CPP_BIN, else PATH).
+  moeray only reports it: StageOptions.tiled_gemm is the knob), the CMake flags `make venv` builds
+  ggml-python with (CMAKE_ARGS, stages/kernels/ggml_build.py), and where the benches and tests find llama.cpp's tools (LLAMA_CPP_BIN, else PATH).
 - Variables moeray SETS for the Ray processes it starts (`set_default`).
 
 tests/ and bench/ may set variables for the processes they start; the package reads them only
@@ -53,6 +51,12 @@ def _count(raw: str) -> int:
     if n < 0:
         raise ValueError("give a count >= 0")
     return n
+
+
+def _rows(raw: str) -> int:
+    if not raw.strip().isdigit() or int(raw) < 1:
+        raise ValueError("give a count of query rows, 1 or more")
+    return int(raw)
 
 
 def _positive(raw: str) -> float:
@@ -93,6 +97,8 @@ OVERRIDES = (
     Override("MOERAY_TILED_GEMM", "stage.tiled_gemm", _flag, "llama.cpp's tiled K/IQ-quant GEMM at 8+ rows (1/0)"),
     Override("MOERAY_SGEMM_ROWS", "stage.sgemm_rows", _count,
              "llamafile's sgemm for Q8_0/Q4_0 products of at least this many rows (0: never)"),
+    Override("MOERAY_FA_TILED_ROWS", "stage.fa_tiled_rows", _rows,
+             "the fewest query rows that take ggml's tiled flash attention (64: ggml's own)"),
     Override("MOERAY_TRITON", "stage.triton", _triton, "the card's Triton kernels: auto | on (1) | off (0)"),
     Override("MOERAY_CACHE_TYPE_K", "stage.cache_type_k", _word, "KV cache K rows: auto | f32 | f16 | q8_0 | q4_0"),
     Override("MOERAY_CACHE_TYPE_V", "stage.cache_type_v", _word, "KV cache V rows: auto | f32 | f16 | q8_0 | q4_0"),
@@ -166,18 +172,6 @@ def ggml_tiled_switch() -> str | None:
     """GGML_CPU_TILED_MM: ggml's own switch for llama.cpp's tiled GEMM (None: unset, on), reported by
     stages/kernels/ggml_lib.py tiled_gemm; ggml reads it itself."""
     return os.environ.get("GGML_CPU_TILED_MM")
-
-
-def fa_tiled_rows() -> int | None:
-    """MOERAY_FA_TILED_ROWS: the fewest query rows that take ggml's tiled flash attention in
-    moeray's build (stages/kernels/ggml_build.py TILED_FA_ROWS; None: unset, its default), read by
-    ggml itself; the trunk graph reads it to give quantised rows float32 reads from the same count."""
-    raw = os.environ.get("MOERAY_FA_TILED_ROWS", "").strip()
-    if not raw:
-        return None
-    if not raw.isdigit() or int(raw) < 1:
-        raise ConfigError("MOERAY_FA_TILED_ROWS", raw, "give a count of query rows, 1 or more (or unset it)")
-    return int(raw)
 
 
 def cmake_args(default: str) -> str:

@@ -173,9 +173,11 @@ HOOKS = [
 # computes only its rows (ggml zero-pads the queries to 64 and runs both GEMMs and the softmax over
 # them all): a 65-token chunk is a 64-row and a 1-row tile per head. (3) Threads take whole tiles,
 # one head's 64 rows at a time, rather than 4 ranges per thread cut across heads and tiles (at 65
-# rows and 9 heads those cut 24 tiles where 18 do). (4) MOERAY_FA_TILED_ROWS (read once) sets the
-# query rows it runs from; the default stays ggml's 64: the two kernels round differently (the tiled
-# one keeps the query float32, the row-by-row one rounds it to float16, or q8_0 over q8_0 keys), and
+# rows and 9 heads those cut 24 tiles where 18 do). (4) StageOptions.fa_tiled_rows (MOERAY_FA_TILED_ROWS
+# its override) sets the query rows it runs from, through moeray_ggml_set_fa_tiled_rows (ggml_lib.py
+# set_fa_tiled_rows: in-process, whenever the options change); the default stays ggml's 64: the two
+# kernels round differently (the tiled one keeps the query float32, the row-by-row one rounds it to
+# float16, or q8_0 over q8_0 keys), and
 # from 16 rows a prompt's last token got other logits than the same token recomputed alone (n choices
 # sharing a prompt's blocks sampled other text than one request with the same seed; logprobs
 # differed streamed and not). From 16 a returning turn's 16- to 63-token chunk over thousands of keys
@@ -225,14 +227,19 @@ TILED_FA_HOOKS = [
         const ggml_compute_params * params,
         ggml_tensor * dst) {
 """, """// moeray: the fewest query rows of a sequence that take the tiled flash attention (float32 / float16
-// rows), MOERAY_FA_TILED_ROWS (read once), default 64 (stages/kernels/ggml_build.py TILED_FA_ROWS)
+// rows): StageOptions.fa_tiled_rows, given by stages/kernels/ggml_lib.py set_fa_tiled_rows when the
+// options change and before a graph is planned (never during one: every thread of a graph takes the
+// same kernel); 64, ggml's own count, until then (stages/kernels/ggml_build.py TILED_FA_ROWS)
+static int64_t moeray_fa_rows = 64;
+
 static int64_t moeray_fa_tiled_rows(void) {
-    static const int64_t rows = [] {
-        const char * env = getenv("MOERAY_FA_TILED_ROWS");
-        const long v = env ? atol(env) : 0;
-        return (int64_t) (v > 0 ? v : 64);
-    }();
-    return rows;
+    return moeray_fa_rows;
+}
+
+extern "C" {
+GGML_BACKEND_API void moeray_ggml_set_fa_tiled_rows(int64_t rows) {
+    moeray_fa_rows = rows > 0 ? rows : 64;
+}
 }
 
 static void ggml_compute_forward_flash_attn_ext_f16(

@@ -131,12 +131,44 @@ def set_gemm_paths(options, G=None) -> bool:
     return True
 
 
+# The switch ggml_build.py adds to ops.cpp: the fewest query rows that take the tiled flash attention.
+FA_ROWS_SYMBOL = "moeray_ggml_set_fa_tiled_rows"
+_fa_rows_applied: int | None = None  # the count last given to this process's ggml
+
+
+def set_fa_tiled_rows(options, G=None) -> bool:
+    """Give this process's ggml the options' fa_tiled_rows (called where set_gemm_paths is: before a
+    graph is planned and when the options change, never during a graph). False where the ggml-python
+    was not built by ggml_build.py: its tiled flash attention runs from ggml's 64 rows whatever the
+    options say (trunk_graph.float_read_rows then says 64 too)."""
+    global _fa_rows_applied
+    if G is None:
+        G = load_once()[0]
+    if G is None or not hasattr(G.lib, FA_ROWS_SYMBOL):
+        return False
+    want = int(options.fa_tiled_rows)
+    if want != _fa_rows_applied:
+        fn = getattr(G.lib, FA_ROWS_SYMBOL)
+        fn.argtypes, fn.restype = [ctypes.c_int64], None
+        fn(want)
+        _fa_rows_applied = want
+    return True
+
+
+def fa_rows_settable(G=None) -> bool:
+    """Whether this process's ggml takes StageOptions.fa_tiled_rows (a `make venv` build)."""
+    if G is None:
+        G = load_once()[0]
+    return G is not None and hasattr(G.lib, FA_ROWS_SYMBOL)
+
+
 def _apply_changed_options() -> None:
     """New options: given to ggml at once, not only when the next graph is planned (one that is cached
     would otherwise run with the old paths). After a reset, the next graph's plan reads them."""
     opts = settings.snapshot()
     if opts is not None and _loaded is not None and _loaded[0] is not None:
         set_gemm_paths(opts, _loaded[0])
+        set_fa_tiled_rows(opts, _loaded[0])
 
 
 settings.on_change(_apply_changed_options)

@@ -67,6 +67,12 @@ class StageOptions:
     sgemm_rows        llamafile's sgemm for plain Q8_0, Q4_0, Q5_0 matrices times at least this many
                       rows, 0: never (2: wherever it beats ggml's dot products; on the AVX2 build
                       `make venv` makes it gives a row the same bits, tests/stages/test_ggml_tiled.py)
+    fa_tiled_rows     the fewest query rows of a sequence that take ggml's tiled flash attention
+                      (float32 GEMMs over tiles of 64 keys; fewer rows: its query-by-query kernel),
+                      and from which quantised keys and values are read as float32 for it. 64:
+                      ggml's own count; 16 is faster for a returning turn's short chunk, but the two
+                      kernels round differently, so a prompt's last token's logits then depend on
+                      whether it was computed in the chunk or alone (docs/kv-cache.md)
     triton            the card's Triton GGUF kernels: auto, on, off
     cache_type_k      how the KV cache stores K rows and ...
     cache_type_v      ... V rows: f32, f16, q8_0, q4_0 (llama.cpp's -ctk / -ctv); auto: the plan's
@@ -86,6 +92,7 @@ class StageOptions:
     stage_graph: bool = True
     tiled_gemm: bool = True
     sgemm_rows: int = 2
+    fa_tiled_rows: int = 64
     triton: str = "auto"
     cache_type_k: str = "auto"
     cache_type_v: str = "auto"
@@ -96,6 +103,9 @@ class StageOptions:
                 raise ConfigError(name, getattr(self, name), _WHY[name])
         if not isinstance(self.sgemm_rows, int) or self.sgemm_rows < 0:
             raise ConfigError("sgemm_rows", self.sgemm_rows, "give a row count >= 0 (0: never llamafile's sgemm)")
+        if not isinstance(self.fa_tiled_rows, int) or isinstance(self.fa_tiled_rows, bool) or self.fa_tiled_rows < 1:
+            raise ConfigError("fa_tiled_rows", self.fa_tiled_rows,
+                              "give a count of query rows, 1 or more (64: ggml's own, the default)")
         for name in ("threads", "ggml_poll", "ggml_parallel_kb"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 0):

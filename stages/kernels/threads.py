@@ -13,7 +13,7 @@ from typing import Callable
 import torch
 
 from moeray.stages.kernels import settings
-from moeray.stages.kernels.ggml_lib import load_once, set_gemm_paths
+from moeray.stages.kernels.ggml_lib import load_once, set_fa_tiled_rows, set_gemm_paths
 
 _G = load_once()[0]  # ggml-python's module (None without it: nothing here is called then)
 
@@ -179,6 +179,7 @@ class GraphPlans:
     def __init__(self, graph):
         n, how = ggml_threads(), thread_settings()
         set_gemm_paths(settings.current(), _G)  # which GEMMs its matmuls may take (tiled_gemm, sgemm_rows)
+        set_fa_tiled_rows(settings.current(), _G)  # and from how many query rows its attention runs tiled
         split = n > 1 and _weight_bytes(graph) >= how.parallel_bytes
         counts = (1, n) if n > 1 and how.adapt else (n if split else 1,)
         self.plans = [_G.ggml_graph_plan(graph, c, _threadpool(c)) for c in counts]

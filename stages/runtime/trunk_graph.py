@@ -52,13 +52,11 @@ output. Where k_b / v_b are float in the file they are multiplied as float32, as
 from __future__ import annotations
 
 import ctypes
-import functools
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 import torch
 
-from moeray import environment
 from moeray.stages.blocks.expert_graph import OneStack, moe_ffn, stack_pointers, stack_tensors
 from moeray.planner.kv import KVTypes
 from moeray.stages.blocks.kv_cache import BLOCK_SIZE, KVPool
@@ -67,6 +65,8 @@ from moeray.stages.blocks.attention import Attention, BatchMeta, GatedAttention
 from moeray.stages.blocks.deltanet import GatedDeltaNet
 from moeray.stages.blocks.mla import MLAttention
 from moeray.stages.kernels.backend import ggml_lib
+from moeray.stages.kernels import settings
+from moeray.stages.kernels.ggml_lib import fa_rows_settable
 from moeray.stages.kernels.graphs import graph_mul_mat, graph_weight, place_scratch
 from moeray.stages.kernels.qmatmul import GLU, QMatrix
 from moeray.stages.kernels.threads import GraphPlans
@@ -95,17 +95,17 @@ STAGE_GRAPHS = 64  # shapes remembered at most (those too big for one graph incl
 # and its query-by-query kernel over q8_0 / q4_0 ones, which also rounds each query to q8_0 for
 # the dot products. A 512-token chunk at depth 4,096 took 2.6x as long in q8_0 as in f16 for it
 # (llama.cpp's too); the dequantised copy costs one read of the rows (a few ms a chunk). moeray's
-# ggml runs the tiled kernel from MOERAY_FA_TILED_ROWS rows (default 64, as llama.cpp:
+# ggml runs the tiled kernel from StageOptions.fa_tiled_rows rows (default 64, as llama.cpp:
 # stages/kernels/ggml_build.py TILED_FA_ROWS), so float rows and quantised ones take it from the
 # same count. A decode step (one query row) keeps reading the rows as stored: a copy would cost it
 # more than its attention.
 FLOAT_READ_ROWS = 64
 
 
-@functools.lru_cache(maxsize=1)
 def float_read_rows() -> int:
-    """FLOAT_READ_ROWS, or the count MOERAY_FA_TILED_ROWS gives ggml (moeray/environment.py)."""
-    return environment.fa_tiled_rows() or FLOAT_READ_ROWS
+    """StageOptions.fa_tiled_rows where this process's ggml takes it (a `make venv` build), else
+    FLOAT_READ_ROWS (ggml's own count)."""
+    return settings.current().fa_tiled_rows if fa_rows_settable() else FLOAT_READ_ROWS
 
 
 _KEY_ROWS: list[torch.Tensor] = [torch.arange(4096, dtype=torch.int32)]
@@ -260,6 +260,7 @@ class Step:
     # rows only, after its attention has written every row's keys (llama.cpp's inp_out_ids): a
     # 512-token prefill chunk takes its last layer's experts for 1 token, not 512.
     out_rows: torch.Tensor | None = None
+    float_reads: bool = False  # quantised keys and values read as float32 copies (TrunkGraphs._float_reads)
 
 
 @dataclass(frozen=True)
@@ -481,13 +482,17 @@ class TrunkGraphs:
         # a sliding window of w: also keys more than w - 1 before the query hidden (layers.window_mask)
         windows = tuple(mask.masked_fill((torch.arange(keys_pad).view(1, 1, keys_pad) <= q_pos - w).unsqueeze(1),
                                          float("-inf")) for w in self.windows)
+        # quantised keys and values read as float32 copies first (_float_reads): the options' count
+        # decides, so a changed count builds other graphs
+        float_reads = t >= float_read_rows() and not all(c in ("f32", "f16") for c in (kv.types.k, kv.types.v))
         # the key: everything a graph's shapes depend on (the pool's rows, the step's tokens too)
-        return Step((B, t, keys_pad, pad is not None) + mode + (rows, meta.n_tokens, kv.types) + recurrent, meta.n_tokens,
+        return Step((B, t, keys_pad, pad is not None) + mode + (rows, meta.n_tokens, kv.types) + recurrent
+                    + (float_reads,), meta.n_tokens,
                     meta.positions.to(torch.int32), meta.write_rows.to(torch.int64).contiguous(), mask, base, gather,
                     pad, unpad, rows, gap, windows, kv.types,
                     None if state is None else torch.tensor(meta.state_slots, dtype=torch.int32), valid,
                     tuple(meta.n_new), 0 if state is None else state.n_slots, state_base,
-                    None if out_rows is None else out_rows.to(torch.int32).contiguous())
+                    None if out_rows is None else out_rows.to(torch.int32).contiguous(), float_reads)
 
     def layer(self, step: Step, x: torch.Tensor, r: torch.Tensor | None, layer: LayerSpec, kv: KVPool,
               last: bool = False) -> LayerOut:
@@ -771,11 +776,12 @@ class TrunkGraphs:
     @staticmethod
     def _float_reads(ctx, step: Step, reads: tuple) -> tuple:
         """The step's key and value reads ([D, keys_pad, heads, B]) as float32 copies where a
-        sequence brings float_read_rows() (FLOAT_READ_ROWS) query rows or more and one of them is quantised (ggml's
-        tiled flash attention then runs: FLOAT_READ_ROWS says why), else as they are."""
+        sequence brings float_read_rows() (StageOptions.fa_tiled_rows) query rows or more and one of
+        them is quantised (ggml's tiled flash attention then runs: FLOAT_READ_ROWS says why), else
+        as they are (step.float_reads)."""
         G = ggml_lib()
         B, t, keys_pad = step.key[:3]
-        if t < float_read_rows() or all(c in ("f32", "f16") for c in (step.types.k, step.types.v)):
+        if not step.float_reads:
             return reads
         heads = reads[0].contents.ne[2]
         # rows 0 .. keys_pad - 1 for every head and sequence: one run of them, its head and

@@ -341,17 +341,63 @@ def test_a_prompt_chunk_over_gathered_quantised_blocks_agrees_with_the_torch_pat
     assert err <= RTOL, f"{err:.2e} of the largest logit"
 
 
-@pytest.mark.parametrize("raw,want", [("", None), ("32", 32), ("0", "MOERAY_FA_TILED_ROWS='0': give a count"),
+@pytest.mark.parametrize("raw,want", [("", 64), ("32", 32), ("0", "MOERAY_FA_TILED_ROWS='0': give a count"),
                                       ("many", "MOERAY_FA_TILED_ROWS='many': give a count")])
-def test_the_tiled_attentions_row_count_is_read_as_ggml_reads_it(monkeypatch, raw, want):
-    """MOERAY_FA_TILED_ROWS (the query rows from which moeray's ggml runs its tiled flash attention,
-    and the trunk graph reads quantised rows as float32): unset is ggml's default, a count is taken,
-    anything else is one line naming the value."""
+def test_the_tiled_attentions_row_count_is_an_option_the_environment_overrides(monkeypatch, raw, want):
+    """StageOptions.fa_tiled_rows (the query rows from which moeray's ggml runs its tiled flash
+    attention, and the trunk graph reads quantised rows as float32), MOERAY_FA_TILED_ROWS its
+    override: unset is ggml's 64, a count is taken, anything else is one line naming the value; the
+    option itself refuses what is not a count of rows."""
     from moeray import environment
 
     monkeypatch.setenv("MOERAY_FA_TILED_ROWS", raw)
-    if want is None or isinstance(want, int):
-        assert environment.fa_tiled_rows() == want
+    if isinstance(want, int):
+        assert environment.fold(settings.StageOptions(), "stage")[0].fa_tiled_rows == want
     else:
-        with pytest.raises(ConfigError, match=want):
-            environment.fa_tiled_rows()
+        with pytest.raises(ConfigError, match=want) as exc:
+            environment.fold(settings.StageOptions(), "stage")
+        assert "\n" not in str(exc.value)
+    for bad in (0, -4, 16.0, True):
+        with pytest.raises(ConfigError, match="fa_tiled_rows=.*give a count of query rows, 1 or more"):
+            settings.StageOptions(fa_tiled_rows=bad)
+
+
+@needs_ggml
+@pytest.mark.parametrize("cache_type", ["f16", "q8_0"])
+def test_the_tiled_attentions_row_count_changes_in_process(tmp_path, cache_type):
+    """settings.update(fa_tiled_rows=...) reaches this process's ggml at once (ggml_lib.set_fa_tiled_rows):
+    a 20-row chunk over 100 keys takes the query-by-query kernel at 64 (the default) and the tiled one
+    at 16, whose logits differ in their last bits (the two kernels round differently: the tiled one
+    keeps the query float32); set back to 64 the chunk gives the first run's bits again. Over q8_0
+    rows the trunk graph reads the keys as float32 from 16 rows too (another graph: its key says so)."""
+    from test_gguf_file import tiny_config, write_synthetic_gguf
+    from test_trunk_graph import RTOL
+    from tiny_models import token_ids
+
+    from moeray.stages.kernels.ggml_lib import fa_rows_settable
+
+    if not fa_rows_settable():
+        pytest.skip("this ggml-python was not built by `make venv` (no moeray_ggml_set_fa_tiled_rows)")
+    cfg = dataclasses.replace(tiny_config("llama", n_experts=0), head_dim=64)
+    model = load_model(str(write_synthetic_gguf(tmp_path / "rows.gguf", cfg, seed=8)))
+    assert model.trunk is not None
+    ids = [t % cfg.vocab_size for t in token_ids(120, seed=9)]
+    table = list(range(8))
+
+    def chunk(rows: int) -> torch.Tensor:
+        settings.update(fa_tiled_rows=rows)
+        kv = model.new_kv_pool(8, types=KVTypes.same(cache_type))
+        with torch.inference_mode():
+            for a, b in ((0, 100), (100, 120)):  # 100 rows (tiled at either count), then 20
+                meta = model.table_meta([b - a], [a], [table], kv)
+                x = model.run_layers(model.embed([ids[a:b]]), meta, kv)
+        return model.head(x)
+
+    at64, at16, again = chunk(64), chunk(16), chunk(64)
+    assert torch.equal(at64, again)
+    assert not torch.equal(at64, at16)
+    assert (at64 - at16).abs().max() / at64.abs().max() <= RTOL
+    float_reads = {k[0][1]: k[0][-1] for k in model.trunk._graphs} | {k[0][1]: k[0][-1] for k in model.trunk._stages}
+    assert float_reads[100] is (cache_type == "q8_0")
+    keys = [k[0] for k in list(model.trunk._graphs) + list(model.trunk._stages) if k[0][1] == 20]
+    assert {k[-1] for k in keys} == ({False, True} if cache_type == "q8_0" else {False}), keys
