@@ -426,6 +426,11 @@ def add_stage_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cache-type-v", "-ctv", dest="cache_type_v", choices=CACHE_TYPE_CHOICES, default=d.cache_type_v,
                    help="how the KV cache stores V rows (llama.cpp's -ctv; an MLA model's latent follows K); "
                         "auto (default) as for K")
+    g.add_argument("--fa-tiled-rows", type=int, metavar="N", default=d.fa_tiled_rows,
+                   help="the fewest query rows of a sequence that take ggml's tiled flash attention (and from which "
+                        f"quantised K/V are read as float32 for it; default {d.fa_tiled_rows}, ggml's own; 16 is faster "
+                        "for short chunks over long contexts, but a prompt's last token then gets other logits "
+                        "than recomputed alone: docs/kv-cache.md)")
     for name, what in (("hugepages", "weight copies in transparent huge pages"),
                        ("scratch-reuse", "graph intermediates share places once read"),
                        ("trunk-graph", "a layer's trunk as one ggml graph (off: torch's ops)"),
@@ -441,7 +446,8 @@ def stage_options_from_args(args: argparse.Namespace, threads: Optional[int] = N
                         host_experts=args.host_experts, hugepages=not args.no_hugepages,
                         scratch_reuse=not args.no_scratch_reuse, trunk_graph=not args.no_trunk_graph,
                         fused_moe=not args.no_fused_moe, stage_graph=not args.no_stage_graph, triton=args.triton,
-                        cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v)
+                        cache_type_k=args.cache_type_k, cache_type_v=args.cache_type_v,
+                        fa_tiled_rows=args.fa_tiled_rows)
 
 
 def with_overrides(opts: LaunchOptions, say=lambda line: print(line, file=sys.stderr)) -> LaunchOptions:

@@ -97,3 +97,16 @@ def test_serves_config_file_spells_them_as_the_flags():
     assert (got.repack, got.fused_moe, got.ggml_adapt, got.backend, got.host_experts) == \
         ("off", False, True, "dequant", "mapped")
     assert stage_options_from_args(_parser().parse_args([])) == StageOptions()
+
+
+def test_the_tiled_attentions_row_count_is_a_flag_and_a_bad_one_is_one_line(monkeypatch):
+    """--fa-tiled-rows N sets StageOptions.fa_tiled_rows (sent to every stage, which gives it to its
+    ggml); a count under 1 is one line naming the field and the fix; MOERAY_FA_TILED_ROWS overrides."""
+    monkeypatch.delenv("MOERAY_FA_TILED_ROWS", raising=False)
+    assert launch_options_from_args(_launch_args([]), [64 * MiB]).stage.fa_tiled_rows == 64
+    assert launch_options_from_args(_launch_args(["--fa-tiled-rows", "16"]), [64 * MiB]).stage.fa_tiled_rows == 16
+    with pytest.raises(ConfigError, match=r"^fa_tiled_rows=0: give a count of query rows, 1 or more") as exc:
+        launch_options_from_args(_launch_args(["--fa-tiled-rows", "0"]), [64 * MiB])
+    assert "\n" not in str(exc.value)
+    monkeypatch.setenv("MOERAY_FA_TILED_ROWS", "32")
+    assert launch_options_from_args(_launch_args(["--fa-tiled-rows", "16"]), [64 * MiB]).stage.fa_tiled_rows == 32
