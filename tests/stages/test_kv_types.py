@@ -401,3 +401,36 @@ def test_the_tiled_attentions_row_count_changes_in_process(tmp_path, cache_type)
     assert float_reads[100] is (cache_type == "q8_0")
     keys = [k[0] for k in list(model.trunk._graphs) + list(model.trunk._stages) if k[0][1] == 20]
     assert {k[-1] for k in keys} == ({False, True} if cache_type == "q8_0" else {False}), keys
+
+
+@needs_ggml
+@pytest.mark.parametrize("cache_type", ["f16", "q8_0"])
+def test_with_every_step_tiled_a_prompts_last_token_gets_the_same_logits_alone(tmp_path, cache_type):
+    """fa_tiled_rows=1: every step's attention takes ggml's tiled kernel (quantised rows read as
+    float32 for it, the one-token step's too), so a 100-token prompt's last token gets the same
+    logits, bit for bit, in the prompt's chunk as recomputed alone over the other 99 (what n choices
+    sharing a prompt's blocks and one request compute). With the default 64 the chunk runs tiled
+    and the token alone query by query, which rounds the query to float16 (or q8_0) and, over f16
+    values, sums them in float16: the two differ (docs/kv-cache.md, "Why 64 stays the default")."""
+    from test_gguf_file import tiny_config, write_synthetic_gguf
+    from tiny_models import token_ids
+
+    from moeray.stages.kernels.ggml_lib import fa_rows_settable
+
+    if not fa_rows_settable():
+        pytest.skip("this ggml-python was not built by `make venv` (no moeray_ggml_set_fa_tiled_rows)")
+    cfg = dataclasses.replace(tiny_config("llama", n_experts=0), head_dim=64)
+    model = load_model(str(write_synthetic_gguf(tmp_path / "alone.gguf", cfg, seed=8)))
+    ids = [t % cfg.vocab_size for t in token_ids(100, seed=9)]
+    table = list(range(8))
+    settings.update(fa_tiled_rows=1)
+
+    def last_logits(chunks) -> torch.Tensor:
+        kv = model.new_kv_pool(8, types=KVTypes.same(cache_type))
+        with torch.inference_mode():
+            for a, b in chunks:
+                x = model.run_layers(model.embed([ids[a:b]]), model.table_meta([b - a], [a], [table], kv), kv)
+        return model.head(x)[-1]
+
+    assert torch.equal(last_logits([(0, 100)]), last_logits([(0, 99), (99, 100)]))
+
