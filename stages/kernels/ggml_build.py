@@ -262,6 +262,53 @@ OPS_HOOKS = [
      """    // moeray: quantised rows split by keys too (stages/kernels/ggml_build.py OPS_HOOKS)
     const bool kv_split_type = kv_is_f32_or_f16 || k->type == GGML_TYPE_Q8_0 || k->type == GGML_TYPE_Q4_0;
     const bool use_split_kv_path = !use_ref && (neq1 == 1 && neq3 == 1) && kv_split_type && (k->type == v->type)"""),
+    # q8_0 / q4_0 V rows widened here, in ggml-cpu (built with AVX2), not by ggml-base's dequantize_row_*
+    # (built for SSE2 only: ggml's CMake gives the CPU flags to ggml-cpu alone); the same products
+    # code * scale, so the same bits. A one-token step over 4,096 keys widens 30 x 9 x 4,096 rows of 64
+    # (default model; every query head its own, as ggml's query-by-query kernel does).
+    ("""                if (v_to_float) {
+                    v_to_float(v_data, V32, DV);""", """                if (v->type == GGML_TYPE_Q8_0 || v->type == GGML_TYPE_Q4_0) {  // moeray: SIMD (ggml_build.py OPS_HOOKS)
+                    if (v->type == GGML_TYPE_Q8_0) {
+                        moeray_q8_0_to_f32(v_data, V32, DV);
+                    } else {
+                        moeray_q4_0_to_f32(v_data, V32, DV);
+                    }
+                    ggml_vec_mad_f32(DV, VKQ32, V32, vs);
+                } else if (v_to_float) {
+                    v_to_float(v_data, V32, DV);"""),
+    ("""static void ggml_compute_forward_flash_attn_ext_f16_one_chunk(""",
+     """// moeray: a q8_0 row (blocks of an fp16 scale and 32 int8) as float32, as dequantize_row_q8_0 computes it
+static inline void moeray_q8_0_to_f32(const char * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t n) {
+    for (int64_t i = 0; i < n / 32; i++) {
+        const char * b = x + i * (sizeof(ggml_fp16_t) + 32);
+        ggml_fp16_t h;
+        memcpy(&h, b, sizeof(h));
+        const float d = GGML_CPU_FP16_TO_FP32(h);
+        const int8_t * qs = (const int8_t *) (b + sizeof(ggml_fp16_t));
+        for (int j = 0; j < 32; j++) {
+            y[i*32 + j] = qs[j]*d;
+        }
+    }
+}
+
+// moeray: a q4_0 row (blocks of an fp16 scale and 32 4-bit codes) as float32, as dequantize_row_q4_0 computes it
+static inline void moeray_q4_0_to_f32(const char * GGML_RESTRICT x, float * GGML_RESTRICT y, int64_t n) {
+    for (int64_t i = 0; i < n / 32; i++) {
+        const char * b = x + i * (sizeof(ggml_fp16_t) + 16);
+        ggml_fp16_t h;
+        memcpy(&h, b, sizeof(h));
+        const float d = GGML_CPU_FP16_TO_FP32(h);
+        const uint8_t * qs = (const uint8_t *) (b + sizeof(ggml_fp16_t));
+        for (int j = 0; j < 16; j++) {
+            const int x0 = (qs[j] & 0x0F) - 8;
+            const int x1 = (qs[j] >>   4) - 8;
+            y[i*32 + j + 0 ] = x0*d;
+            y[i*32 + j + 16] = x1*d;
+        }
+    }
+}
+
+static void ggml_compute_forward_flash_attn_ext_f16_one_chunk("""),
 ] + [(f"            {old}", f"            {new}") for old, new in TILED_FA_ROWS] + TILED_FA_HOOKS
 
 

@@ -53,7 +53,11 @@ def test_the_patch_hooks_every_anchor_once_and_copies_the_vendored_files(tmp_pat
     assert src.count("MOERAY_SGEMM(src0, ne11)") == 2 and "void moeray_ggml_set_gemm_paths(" in src
     assert "ggml-cpu/tiled/tiled.cpp" in (cpu / "CMakeLists.txt").read_text()
     # flash attention over q8_0 / q4_0 rows splits a one-token step's keys among the threads too
-    assert "kv_split_type && (k->type == v->type)" in (cpu / "ops.cpp").read_text()
+    ops = (cpu / "ops.cpp").read_text()
+    assert "kv_split_type && (k->type == v->type)" in ops
+    # its q8_0 / q4_0 value rows widened in ggml-cpu, and the tiled kernel's row count set in-process
+    assert "moeray_q8_0_to_f32(v_data, V32, DV)" in ops and "moeray_q4_0_to_f32(v_data, V32, DV)" in ops
+    assert "void moeray_ggml_set_fa_tiled_rows(" in ops and "getenv" not in ops
     for f in ggml_build.FILES:
         assert (cpu / "tiled" / f).read_bytes() == (ggml_build.TILED / f).read_bytes()
 

@@ -434,3 +434,44 @@ def test_with_every_step_tiled_a_prompts_last_token_gets_the_same_logits_alone(t
 
     assert torch.equal(last_logits([(0, 100)]), last_logits([(0, 99), (99, 100)]))
 
+
+
+@needs_ggml
+@pytest.mark.parametrize("cache_type", ["q8_0", "q4_0"])
+def test_one_token_attention_over_quantised_values_reads_them_as_their_float32_copies(cache_type):
+    """ggml's query-by-query flash attention widens q8_0 / q4_0 value rows in moeray's build with its
+    own SIMD loop (stages/kernels/ggml_build.py OPS_HOOKS; ggml-base's dequantize is built for SSE2):
+    one query per head over 300 keys (under 512: no split among threads) reads those values and
+    gets the very bits it gets reading their float32 dequantisation instead (the same K rows)."""
+    from moeray.stages.kernels.backend import ggml_lib
+
+    G = ggml_lib()
+    torch.manual_seed(3)
+    D, keys, kv_heads, heads = 64, 300, 3, 9
+    q = torch.randn(heads, 1, D)  # [heads, t, D]: ggml's [D, t, heads, 1]
+    k_rows = kv_quant.quantize(torch.randn(kv_heads, keys, D), "q8_0")
+    v_rows = kv_quant.quantize(torch.randn(kv_heads, keys, D) * 3, cache_type)
+    v_float = kv_quant.dequantize_rows(v_rows, cache_type, D).contiguous()
+
+    def attend(v: torch.Tensor, v_type) -> torch.Tensor:
+        ctx = G.ggml_init(G.ggml_init_params(mem_size=16 << 20, mem_buffer=None, no_alloc=True))
+        try:
+            tq = G.ggml_new_tensor_4d(ctx, G.GGML_TYPE_F32, D, 1, heads, 1)
+            tk = G.ggml_new_tensor_4d(ctx, G.GGML_TYPE_Q8_0, D, keys, kv_heads, 1)
+            tv = G.ggml_new_tensor_4d(ctx, v_type, D, keys, kv_heads, 1)
+            for t, data in ((tq, q), (tk, k_rows), (tv, v)):
+                t.contents.data = data.data_ptr()
+            o = G.ggml_flash_attn_ext(ctx, tq, tk, tv, None, D ** -0.5, 0.0, 0.0)  # [D, heads, 1, 1]
+            G.ggml_flash_attn_ext_set_prec(o, G.GGML_PREC_F32)
+            out = torch.empty(heads, D)
+            o.contents.data = out.data_ptr()
+            gf = G.ggml_new_graph(ctx)
+            G.ggml_build_forward_expand(gf, o)
+            G.ggml_graph_compute_with_ctx(ctx, gf, 2)
+            return out
+        finally:
+            G.ggml_free(ctx)
+
+    quantised = attend(v_rows, getattr(G, f"GGML_TYPE_{cache_type.upper()}"))
+    assert quantised.abs().max() > 0.1
+    assert torch.equal(quantised, attend(v_float, G.GGML_TYPE_F32))
