@@ -191,7 +191,7 @@ def main() -> int:
     path = bench_model(args.shape, args.model)
     types, depths = args.types.split(","), [int(d) for d in args.depths.split(",")]
     rows = moeray_rows(path, types, depths, args.decode_tokens, args.decode_rounds)
-    if args.llama_bin:
+    if args.llama_bin and args.llama_bin != "none":  # "none": moeray alone, as --help says
         rows += llama_rows(str(Path(args.llama_bin) / "llama-bench"), path, types, depths, args.decode_tokens,
                            args.threads, args.llama_reps)
     print(f"\n{'type':6s} {'depth':>6s}  {'prefill x llama.cpp':>20s}  {'decode x llama.cpp':>19s}")

@@ -146,7 +146,7 @@ def main() -> int:
     text = Path(args.text).read_text()
     types = args.types.split(",")
     rows = moeray_ppl(path, text, types, args.ctx, args.chunks)
-    if args.llama_bin:
+    if args.llama_bin and args.llama_bin != "none":  # "none": moeray alone, as --help says
         rows += llama_ppl(str(Path(args.llama_bin) / "llama-perplexity"), path, args.text, types, args.ctx,
                           args.chunks, args.threads)
     mine = {r["type"]: r["ppl"] for r in rows if r["engine"] == "moeray"}
