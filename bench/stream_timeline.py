@@ -202,6 +202,56 @@ def measure(label: str, port: int, args, ban: dict, moeray: bool) -> dict:
     return row
 
 
+def cpu_by_name(before: dict[int, float], after: dict[int, float]) -> dict[str, float]:
+    """CPU seconds between two cpu_seconds() snapshots, by process name (Ray names its workers by
+    the actor they run: ray::StageActor, ray::ServeReplica:...; stage actors numbered in pid order)."""
+    import psutil
+
+    out: dict[str, float] = {}
+    stage = 0
+    for pid in sorted(after):
+        try:
+            p = psutil.Process(pid)
+            name, title = p.name(), " ".join(p.cmdline())
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if "StageActor" in title:
+            name, stage = f"ray::StageActor {stage}", stage + 1
+        elif "ServeReplica" in title:
+            name = "ray::ServeReplica"
+        elif "ServeController" in title or "ProxyActor" in title:
+            name = "ray::" + ("ServeController" if "ServeController" in title else "ProxyActor")
+        out[name] = out.get(name, 0.0) + after[pid] - before.get(pid, 0.0)
+    return out
+
+
+def start_py_spy(root: int, label: str, args) -> list[subprocess.Popen]:
+    """py-spy (sampling, --nonblocking) on the server's engine process (Ray Serve's replica, or the
+    `--local` server itself) and stage 0's actor for the first `--py-spy-seconds` of the measured
+    requests: collapsed stacks in --py-spy DIR, one file per process."""
+    import psutil
+
+    out = Path(args.py_spy)
+    out.mkdir(parents=True, exist_ok=True)
+    targets = {"server": root}
+    for p in psutil.Process(root).children(recursive=True):
+        try:
+            title = " ".join(p.cmdline())
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if "ServeReplica" in title:
+            targets["replica"] = p.pid
+        elif "StageActor" in title and "stage0" not in targets:
+            targets["stage0"] = p.pid
+    if "replica" in targets:
+        del targets["server"]
+    tag = "".join(c if c.isalnum() else "-" for c in label)[:40]
+    spy = str(Path(sys.executable).with_name("py-spy"))
+    return [subprocess.Popen([spy, "record", "--nonblocking", "-r", "100", "-d", str(args.py_spy_seconds),
+                              "-p", str(pid), "-f", "raw", "-o", str(out / f"{tag}-{name}.txt")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for name, pid in targets.items()]
+
+
 def run_server(label: str, cmd: list[str], env: dict, args, ban: dict, moeray: bool) -> dict:
     port, metrics = free_port(), free_port()
     cmd = [c.replace("{port}", str(port)).replace("{metrics}", str(metrics)) for c in cmd]
@@ -210,11 +260,19 @@ def run_server(label: str, cmd: list[str], env: dict, args, ban: dict, moeray: b
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_ready(proc, f"http://127.0.0.1:{port}", args.ready_timeout, log)
+        spies = start_py_spy(proc.pid, label, args) if args.py_spy else []
         before = cpu_seconds(proc.pid)
         t0 = time.perf_counter()
         row = measure(label, port, args, ban, moeray)
         after = cpu_seconds(proc.pid)
+        for spy in spies:
+            spy.wait()
         row["cores"] = sum(after[p] - before.get(p, 0.0) for p in after) / (time.perf_counter() - t0)
+        # CPU a streamed token costs each kind of process (the server, Ray Serve's replica: the engine
+        # and the driver's calls, each stage actor), over the warm-up and measured requests
+        tokens = (args.warmup + args.requests) * args.max_tokens
+        row["cpu_ms_per_token"] = {name: round(1e3 * secs / tokens, 3)
+                                   for name, secs in cpu_by_name(before, after).items() if secs > 0}
         print(f"#   {row['tok_s']:.1f} tok/s, TTFT {row['ttft_p50_ms']:.0f} ms, ITL p50 {row['itl_p50_ms']:.1f} ms",
               file=sys.stderr, flush=True)
         return row
@@ -294,6 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-alone", action="store_true", help="also the same request in process, no server")
     p.add_argument("--ready-timeout", type=float, default=900.0)
     p.add_argument("--json", metavar="PATH", help="also write every row as JSON")
+    p.add_argument("--py-spy", metavar="DIR", help="py-spy the engine's process and stage 0 while measuring")
+    p.add_argument("--py-spy-seconds", type=int, default=20)
     args = p.parse_args(argv)
     if args.shape:
         from shapes import write_shape
@@ -375,6 +435,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"\n{r['label']}: pipeline (ms, medians of the last steps): step {pipe.get('step_ms')}, "
                       f"compute {pipe.get('compute_ms')}, driver's calls {pipe.get('submit_ms')}, to stage 0 "
                       f"{pipe.get('call_to_first_stage_ms')}, hops {pipe.get('hops_ms')}, back {pipe.get('return_ms')}")
+        for r in split:
+            cpu = sorted((r.get("cpu_ms_per_token") or {}).items(), key=lambda kv: -kv[1])[:8]
+            if cpu:
+                print(f"{r['label']}: CPU ms a token by process: " + ", ".join(f"{k} {v:.2f}" for k, v in cpu))
     texts = {r["text"] for r in rows if "ttft_parts_ms" in r}
     if len(texts) > 1:
         print("\nnote: the moeray servers' greedy answers differ", file=sys.stderr)
