@@ -107,6 +107,7 @@ SOURCES = [Source(*s) for s in [
     ("long-prompt-qwen3.6", f'bench/long_prompt.py --model {SHAPE["qwen3.6-35b-a3b"]} --tokens 8192 --chunks 512'),
     ("multi-turn-qwen3.6", f'bench/multi_turn.py --model {SHAPE["qwen3.6-35b-a3b"]} --prompt-tokens 512 '
                            '--answer-tokens 16 --new-tokens 64'),
+    ("kv-types-default-4096", "bench/kv_types.py --types f16,q8_0 --depths 4096 --threads 2 --decode-tokens 32"),
     ("decode-depth-qwen3.6", f'bench/hybrid_decode.py --model {SHAPE["qwen3.6-35b-a3b"]} --depth 64 4096 --threads 2'),
     ("deltanet", "bench/deltanet.py"),
     ("mla", "bench/mla.py --contexts 256,1024,4096 --reps 5"),
@@ -556,6 +557,24 @@ def decode_depth_table(R: Results) -> list[list[str]]:
     return out
 
 
+def kv_depth_table(R: Results) -> list[list[str]]:
+    """bench/kv_types.py: a 512-token chunk and decode over `depth` cached tokens per KV cache type, moeray
+    beside llama-bench with the same -ctk / -ctv."""
+    out = []
+    for name in ("kv-types-default-4096",):
+        if name not in R:
+            continue
+        rows = R[name]["rows"]
+        ref = {(r["type"], r["depth"]): r for r in rows if r["engine"] == "llama.cpp"}
+        for r in (r for r in rows if r["engine"] == "moeray"):
+            x = ref.get((r["type"], r["depth"]))
+            out.append([f"`{r['type']}`", f"{r['depth']:,}", f(r["prefill_tok_s"]), f(x["prefill_tok_s"]) if x else "",
+                        f"**{x_(r['prefill_tok_s'] / x['prefill_tok_s'])}**" if x else "", f(r["decode_tok_s"]),
+                        f(x["decode_tok_s"]) if x else "",
+                        f"**{x_(r['decode_tok_s'] / x['decode_tok_s'])}**" if x else ""])
+    return out
+
+
 def deltanet_table(R: Results) -> list[list[str]]:
     if "deltanet" not in R:
         return []
@@ -726,6 +745,9 @@ TABLES = [
           [f"families-{n}" for n in FAMILIES], families_serve_table),
     Table("prefill-kernels", "docs/performance-families.md", ["kernel class", "moeray CPU s", "llama.cpp CPU s"],
           ["prefill-kernels-qwen3.6-4l"], kernels_table),
+    Table("kv-depth", "docs/performance.md",
+          ["K and V", "depth", "moeray prefill tok/s", "llama.cpp prefill tok/s", "ratio", "moeray decode tok/s",
+           "llama.cpp decode tok/s", "ratio"], ["kv-types-default-4096"], kv_depth_table),
     Table("decode-depth", "docs/performance-families.md",
           ["depth (tokens cached)", "moeray ms a token", "llama.cpp ms a token", "ratio wall", "ratio CPU"],
           ["decode-depth-qwen3.6"], decode_depth_table),
