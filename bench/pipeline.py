@@ -106,7 +106,7 @@ def main(argv=None) -> int:
 
     # the stages run this process's MOERAY_* debugging overrides only as part of the config they are sent
     launched = launch(path, with_overrides(LaunchOptions(args.stages, simulate=sizes, torch_threads=1, timeout_s=300)),
-                      EngineConfig(max_seqs=max_seqs, max_len=max_len), log=lambda l: print(l, file=sys.stderr))
+                      EngineConfig(max_seqs=max_seqs, max_len=max_len, micro_batches=1), log=lambda l: print(l, file=sys.stderr))
     try:
         result["plan"] = launched.plan.startup_line() if launched.plan is not None else launched.lines[-1]
         result["hops"] = hop_costs(launched, hidden, args.hop_reps)
