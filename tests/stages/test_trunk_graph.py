@@ -220,7 +220,9 @@ def test_fused_moe_layers_match_the_two_call_path_and_count_alike(tiny_files, mo
     (routing and experts inside its trunk graph, from the slots), layer 1 half of them (routing in
     the graph, the experts in two expert graphs after it) and layer 2 none (inside, from the
     mapping). Against MOERAY_FUSED_MOE=0 (torch routing, then the experts' graphs): the same logits
-    within the backend's tolerance, the same experts, and the cache counts exactly what was routed."""
+    within the backend's tolerance, the same experts, and the cache counts exactly what was routed.
+    The split layer as on a card (split_from_host off; a CPU device runs it from the mapping inside
+    its graph: test_glm4moe_through_an_expert_cache_counts_every_lookup)."""
     import numpy as np
 
     from moeray.planner.profile import Profile
@@ -232,6 +234,7 @@ def test_fused_moe_layers_match_the_two_call_path_and_count_alike(tiny_files, mo
     model, cache = load_cached(tiny_files["qwen3moe"], backend="ggml", profile=Profile.from_counts(counts), n_slots=12, layout="global")
     resident = cache.core.slot_of >= 0
     assert resident.sum(1).tolist() == [8, 4, 0]
+    cache.split_from_host = False
     routed, expert_graphs = [], []
     route, forward_stacks = cache.core.route, cache.host.forward_stacks
     monkeypatch.setattr(cache.core, "route", lambda l, ids: routed.append((l, np.array(ids))) or route(l, ids))
@@ -402,14 +405,16 @@ def test_shared_expert_dense_layers_and_sigmoid_routing_run_in_the_stage_graph(t
     assert err <= 1e-4, f"{name}: {err:.2e} of max |logit|"
 
 
-@pytest.mark.parametrize("n_slots", [12, 16])
-def test_glm4moe_through_an_expert_cache_counts_every_lookup(tiny_files, n_slots, monkeypatch):
+@pytest.mark.parametrize("n_slots,split_from_host", [(12, False), (12, True), (16, True)])
+def test_glm4moe_through_an_expert_cache_counts_every_lookup(tiny_files, n_slots, split_from_host, monkeypatch):
     """glm4moe (layer 0 dense, no slots) behind an expert cache. 16 slots: both MoE layers hold
     every expert, so each layer's routing, routed experts (from the slots, through the slot
     table) and shared expert run inside its graph and a decode step is one stage graph. 12 slots:
-    layer 2 holds half, so its routed experts run after its graph (its shared expert inside). Against
+    layer 2 holds half; as on a card (split_from_host off) its routed experts run after its graph
+    (its shared expert inside); on a CPU device, where the slots are host memory, every pick of it
+    runs from the mapping inside its graph and a decode step is one stage graph again. Against
     MOERAY_FUSED_MOE=0: logits within 1e-4 of the largest (measured: equal), and the cache counts
-    exactly what was routed, hits where resident."""
+    exactly what was routed, hits where resident, whichever stack computed them."""
     import numpy as np
 
     from moeray.planner.profile import Profile
@@ -421,6 +426,8 @@ def test_glm4moe_through_an_expert_cache_counts_every_lookup(tiny_files, n_slots
     model, cache = load_cached(tiny_files["glm4moe"], backend="ggml", profile=Profile.from_counts(counts), n_slots=n_slots, layout="global")
     resident = cache.core.slot_of >= 0
     assert resident.sum(1).tolist() == [0, 8, 8 if n_slots == 16 else 4]
+    assert cache.split_from_host  # a CPU device's default
+    cache.split_from_host = split_from_host
     routed, calls, shared = [], [], []
     route, route_layers = cache.core.route, cache.core.route_layers
     monkeypatch.setattr(cache.core, "route", lambda l, ids: routed.append((l, np.array(ids))) or route(l, ids))
@@ -451,7 +458,7 @@ def test_glm4moe_through_an_expert_cache_counts_every_lookup(tiny_files, n_slots
         runs[fused] = logits, ids, list(calls)
     (got, r_got, c_got), (ref, r_ref, c_ref) = runs[True], runs[False]
     steps = 2 + 20 - 9 - 5
-    assert c_got == (["stage"] * steps if n_slots == 16 else ["layer"] * 3 * steps)
+    assert c_got == (["stage"] * steps if split_from_host else ["layer"] * 3 * steps)
     assert all(np.array_equal(r_got[l], r_ref[l]) for l in (1, 2))
     err = (got - ref).abs().max() / ref.abs().max()
     assert err <= 1e-4, f"{err:.2e} of max |logit|"
