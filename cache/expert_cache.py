@@ -76,9 +76,7 @@ class ExpertCache:
         # On the host's ggml route the slots are rows of one buffer (a hit is an index into it,
         # read by the same mul_mat_id graph as the mapping); elsewhere each slot holds an object.
         self.slot_store = SlotStore.for_host(host, first, end, slots.n_slots, self.held_bytes, self.device)
-        # A layer split between slots and the mapping runs every pick from the mapping's stack
-        # inside its graph where the slots are host memory (one_stack); on a card its hits come
-        # from the slots there, after the graph.
+        # Where the slots are host memory, a split layer computes from the mapping (one_stack).
         self.split_from_host = self.device.type == "cpu"
         self.core = CacheCore(first, end, cfg.n_experts, self.held_bytes, slots, budget, policy,
                               copies_per_step=copies_per_step, swap_every=swap_every,
@@ -187,9 +185,9 @@ class ExpertCache:
         """The stack that serves every pick of the layer's coming step, known without its ids:
         the slot buffer when every expert of the layer is resident, the mapping when none is or
         when the slots are host memory (None: a split layer on a card, or slots that are objects
-        there). Read before the policy acts
-        on the step: a swap it makes then serves from the next step on (the same bytes either
-        way: a slot holds the host stack's layout), while the counters count as forward does."""
+        there). Read before the policy acts on the step: a swap it makes then serves from the
+        next step on (the same bytes either way: a slot holds the host stack's layout), while
+        the counters count as forward does."""
         if self.slot_store is None:
             return None
         if layer in self._one:  # asked per layer per step; kept until a slot is loaded or unloaded
@@ -200,13 +198,11 @@ class ExpertCache:
             lo, slots = self._slot_window(layer, table)
             one = self.host.one_stack(layer, slots, torch.from_numpy((table - lo).astype(np.int32)))
         elif not resident.any() or self.split_from_host:
-            # A split layer on a CPU device: its slots are host memory holding the mapping's own
-            # bytes, so the mapping's stack serves every pick inside the layer's graph (the same
-            # computation as from the slots), and the stage keeps its one graph for a decode
-            # step. Split there it ran its experts after the graph, one or two graphs a layer
-            # more: 2.1x the ITL of `serve --local` on 4 simulated stages against 1.5x
-            # (bench/stream_timeline.py). The counters still count the slots' hits and misses:
-            # what the device would serve; served_from_host what computed them.
+            # A split layer on a CPU device: its slots hold the mapping's own bytes in the same
+            # memory, so the mapping serves every pick inside the layer's graph and the stage
+            # keeps its one graph a decode step (after the graph it cost one or two graphs a
+            # layer more: docs/performance.md, "Four Ray stages"). The counters still count the
+            # slots' hits (what the device would serve); served_from_host what computed them.
             one = self.host.one_stack(layer)
         else:
             one = None  # a split layer on a card: hits from its slots there, misses on the host
