@@ -11,7 +11,11 @@ Q4_K blocks (bench/shapes.py: qwen3-30b-a3b, 16 GiB; qwen1.5-moe-a2.7b) and runs
 every expert on the host path (cache 0: a copy of every expert would not fit beside the mapping).
 
 Greedy decoding with end tokens ignored, so every run decodes exactly --decode-tokens per sequence.
-Decode tokens/s at batch B counts all B sequences' tokens.
+Decode tokens/s at batch B counts all B sequences' tokens. --forced-tokens makes sequence i's every
+token FORCED_TOKEN + i in both engines (a logit bias on moeray's side, the token fed on llama.cpp's),
+so both compute the same token streams: on a random-weight shape file each engine's greedy text
+differs from the first token, and at batch > 1 its sequences then route to another number of
+distinct experts a step (bench/load.py --forced-tokens says the same of served runs).
 """
 from __future__ import annotations
 
@@ -27,6 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/shapes.py, bench/results.py
 
 from results import write_results  # noqa: E402
+
+FORCED_TOKEN = 1000  # sequence i's token with --forced-tokens (bench/load.py's FORCED_TOKEN)
 
 
 def prompt_ids(tokenizer, n_tokens: int, index: int) -> list[int]:
@@ -78,7 +84,7 @@ def use_layout(layout: str | None) -> str:
 
 
 def bench_moeray(path: str, batch_sizes, n_prompt: int, n_decode: int, caches=("0", "all"),
-                 backend: str | None = None, layouts=(None,)) -> list[dict]:
+                 backend: str | None = None, layouts=(None,), forced: bool = False) -> list[dict]:
     """One row per (layout, expert cache, batch). Cache "0": every routed expert is computed from
     the GGUF mapping (the host path a miss takes); "all": every expert is resident in a slot (a
     card with room for the whole model); a size such as "200MiB" is a simulated budget filled
@@ -114,7 +120,13 @@ def bench_moeray(path: str, batch_sizes, n_prompt: int, n_decode: int, caches=("
             gen.generate([prompt_ids(tokenizer, 16, 0)], SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up
             per_token = bytes_per_token(model)
             for b in batch_sizes:
-                gen.generate([prompt_ids(tokenizer, n_prompt, i) for i in range(b)], params)
+                done = gen.generate([prompt_ids(tokenizer, n_prompt, i) for i in range(b)],
+                                    [SamplingParams(max_tokens=n_decode + 1, ignore_eos=True,
+                                                    logit_bias=((FORCED_TOKEN + i, 100.0),)) for i in range(b)]
+                                    if forced else params)
+                if forced and any(c.token_ids != [FORCED_TOKEN + i] * (n_decode + 1) for i, c in enumerate(done)):
+                    raise SystemExit("--forced-tokens: a sequence's tokens were not the forced ones; the streams "
+                                     "would differ from llama.cpp's")
                 s = gen.stats
                 rows.append({"engine": "moeray", "backend": model.backend, "layout": name, "cache": cache,
                              "batch": b, "prefill_tok_s": s.prefill_tok_s, "decode_tok_s": s.decode_tok_s,
@@ -210,14 +222,15 @@ def _quiet(level, text, user_data):  # llama.cpp logs every context it makes; th
     pass
 
 
-def llama_cpp_in_child(path: str, threads: int, batch_sizes, n_prompt: int, n_decode: int) -> list[dict]:
+def llama_cpp_in_child(path: str, threads: int, batch_sizes, n_prompt: int, n_decode: int,
+                       forced: bool = False) -> list[dict]:
     """bench_llama_cpp in a child process: llama-cpp-python brings its own libggml, and one mapped
     beside ggml-python's would turn moeray's kernels off in this process (stages/kernels/ggml_lib.py)."""
     import subprocess
 
     cmd = [sys.executable, __file__, "--llama-cpp-child", "--model", path, "--threads", str(threads),
            "--prompt-tokens", str(n_prompt), "--decode-tokens", str(n_decode),
-           "--batch", *map(str, batch_sizes)]
+           "--batch", *map(str, batch_sizes), *(["--forced-tokens"] if forced else [])]
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         print(f"llama.cpp: the child failed: {out.stderr.strip().splitlines()[-1:]}", file=sys.stderr)
@@ -225,7 +238,8 @@ def llama_cpp_in_child(path: str, threads: int, batch_sizes, n_prompt: int, n_de
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def bench_llama_cpp(path: str, threads: int, batch_sizes, n_prompt: int, n_decode: int) -> list[dict]:
+def bench_llama_cpp(path: str, threads: int, batch_sizes, n_prompt: int, n_decode: int,
+                    forced: bool = False) -> list[dict]:
     """llama.cpp (llama-cpp-python's bindings of llama.h) on the same file with the same threads:
     B sequences prefilled in one batch, then decoded together greedily, B tokens per llama_decode
     (what llama-batched-bench does). End tokens are ignored, as on moeray's side."""
@@ -267,6 +281,8 @@ def bench_llama_cpp(path: str, threads: int, batch_sizes, n_prompt: int, n_decod
         prefill_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         for step in range(n_decode):
+            if forced:
+                nxt = [FORCED_TOKEN + i for i in range(b)]
             nxt = decode([[t] for t in nxt], n_prompt + step)
         decode_s = time.perf_counter() - t0
         rows.append({"engine": "llama.cpp", "backend": "ggml", "cache": "-", "batch": b,
@@ -298,11 +314,14 @@ def main() -> int:
     ap.add_argument("--json", help="also write the results here")
     ap.add_argument("--profile", action="store_true",
                     help="also print where a batch-1 decode token's time goes (moeray, host path)")
+    ap.add_argument("--forced-tokens", action="store_true",
+                    help="sequence i's every token is token %d + i in both engines: the same token streams "
+                         "(random-weight shape files, whose greedy text differs between engines)" % FORCED_TOKEN)
     ap.add_argument("--llama-cpp-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.llama_cpp_child:  # the reference alone, rows as one JSON line (see llama_cpp_in_child)
         print(json.dumps(bench_llama_cpp(args.model, args.threads, args.batch, args.prompt_tokens,
-                                         args.decode_tokens)))
+                                         args.decode_tokens, args.forced_tokens)))
         return 0
 
     import torch
@@ -325,7 +344,7 @@ def main() -> int:
     backend = None if args.backend == "auto" else args.backend
     layouts = args.layouts.split(",") if args.layouts else (None,)
     rows = bench_moeray(path, args.batch, args.prompt_tokens, args.decode_tokens, args.caches.split(","), backend,
-                        layouts)
+                        layouts, args.forced_tokens)
     profile = None
     if args.profile:  # before llama.cpp runs: the same pages in memory as moeray's rows saw
         profile = profile_decode(path, args.prompt_tokens, args.decode_tokens, backend)
@@ -333,7 +352,8 @@ def main() -> int:
     # until a collection: without this llama.cpp's child ran beside it and paged from disk.
     gc.collect()
     if not args.no_llama_cpp:
-        rows += llama_cpp_in_child(path, threads, args.batch, args.prompt_tokens, args.decode_tokens)
+        rows += llama_cpp_in_child(path, threads, args.batch, args.prompt_tokens, args.decode_tokens,
+                                   args.forced_tokens)
     bandwidth = read_bandwidth_gb_s()
     reference = {r["batch"]: r for r in rows if r["engine"] == "llama.cpp"}
     for r in rows:
@@ -368,6 +388,7 @@ def main() -> int:
     if args.json:
         write_results(args.json, {"model": path, "threads": threads, "read_bandwidth_gb_s": bandwidth,
                                   "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
+                                  "forced_tokens": args.forced_tokens,
                                   "rows": rows, "profile": profile})
     return 0
 

@@ -12,6 +12,14 @@ undercounted); latencies are measured at the client, over HTTP, as a user sees t
 (chat traffic of one application): the table then adds the prompt tokens sent, those the server
 reports as cached (`usage.prompt_tokens_details.cached_tokens`: its prefix reuse) and the prefill
 tokens it really computed. Run it against `moeray serve` and `moeray serve --no-prefix-reuse`.
+
+--forced-tokens makes every output token of client i the token FORCED_TOKEN + i (a logit bias of
++100), so two servers of the same file compute the same token streams. A random-weight shape file
+(bench/shapes.py) has near-tied logits: each engine's greedy text differs from the first token,
+its sequences then route to other experts, and a step of several sequences reads another number
+of experts (e.g. one engine's four streams repeating one token while the other's do not). With
+the streams forced, both servers do the same work; each client's own token keeps the sequences
+apart, as different conversations are.
 """
 from __future__ import annotations
 
@@ -26,6 +34,8 @@ import time
 from urllib.parse import urlparse
 
 from results import write_results  # noqa: E402
+
+FORCED_TOKEN = 1000  # client i's forced token with --forced-tokens: an ordinary word piece of every BPE vocabulary here
 
 PROMPTS = [
     "What is the capital of France?",
@@ -82,9 +92,12 @@ class Client(threading.Thread):
         messages = [{"role": "user", "content": prompt}]
         if self.args.system:
             messages.insert(0, {"role": "system", "content": self.args.system})
-        body = json.dumps({"model": self.model, "messages": messages,
-                           "max_tokens": self.args.max_tokens, "temperature": self.args.temperature,
-                           "stream": True, "stream_options": {"include_usage": True}})
+        request = {"model": self.model, "messages": messages,
+                   "max_tokens": self.args.max_tokens, "temperature": self.args.temperature,
+                   "stream": True, "stream_options": {"include_usage": True}}
+        if getattr(self.args, "forced_tokens", False):
+            request["logit_bias"] = {str(FORCED_TOKEN + self.i): 100}
+        body = json.dumps(request)
         headers = {"Content-Type": "application/json"}
         if self.args.api_key:
             headers["Authorization"] = f"Bearer {self.args.api_key}"
@@ -146,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=120.0, help="socket timeout per request")
     p.add_argument("--system-prompt-tokens", type=int, default=0,
                    help="the same system prompt of about this many tokens before every question (default: none)")
+    p.add_argument("--forced-tokens", action="store_true",
+                   help="client i's every output token forced to token %d + i (a logit bias): the same token "
+                        "streams on every server (random-weight shape files)" % FORCED_TOKEN)
     p.add_argument("--json", metavar="PATH", help="also write the results as JSON")
     args = p.parse_args(argv)
     args.system = system_prompt(args.system_prompt_tokens) if args.system_prompt_tokens > 0 else ""

@@ -83,11 +83,13 @@ def cpu_seconds(root: int) -> dict[int, float]:
     return out
 
 
-def drive(url: str, clients: int, seconds: float, max_tokens: int, system: str = "") -> dict:
-    """bench/load.py's clients for `seconds` (`system`: the system prompt before every question): its
-    figures for the window."""
+def drive(url: str, clients: int, seconds: float, max_tokens: int, system: str = "",
+          forced_tokens: bool = False) -> dict:
+    """bench/load.py's clients for `seconds` (`system`: the system prompt before every question;
+    `forced_tokens`: load.py's --forced-tokens): its figures for the window."""
     u = urlparse(url)
-    args = argparse.Namespace(max_tokens=max_tokens, temperature=0.0, api_key=None, timeout=300.0, system=system)
+    args = argparse.Namespace(max_tokens=max_tokens, temperature=0.0, api_key=None, timeout=300.0, system=system,
+                              forced_tokens=forced_tokens)
     model = model_id(u, None, 30.0)
     stop_at = time.monotonic() + seconds
     cs = [Client(i, u, model, args, stop_at) for i in range(clients)]
@@ -113,11 +115,11 @@ def run_server(label: str, cmd: list[str], env: dict, url: str, args) -> list[di
     rows = []
     try:
         wait_ready(proc, url, args.ready_timeout, log)
-        drive(url, max(args.clients), args.warmup, args.max_tokens, args.system)  # graphs built, caches warm
+        drive(url, max(args.clients), args.warmup, args.max_tokens, args.system, args.forced_tokens)  # graphs built, caches warm
         for n in args.clients:
             load = os.getloadavg()[0]
             before = cpu_seconds(proc.pid)
-            r = drive(url, n, args.duration, args.max_tokens, args.system)
+            r = drive(url, n, args.duration, args.max_tokens, args.system, args.forced_tokens)
             after = cpu_seconds(proc.pid)
             used = {pid: after[pid] - before.get(pid, 0.0) for pid in after}
             r.update(label=label, clients=n, load=load, cores=sum(used.values()) / r["wall"],
@@ -158,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--system-prompt-tokens", type=int, default=0,
                    help="the same system prompt of about this many tokens before every question (bench/load.py's)")
+    p.add_argument("--forced-tokens", action="store_true",
+                   help="every server computes the same token streams (bench/load.py --forced-tokens): for "
+                        "random-weight shape files, whose free-running greedy text differs between engines")
     p.add_argument("--repeat", type=int, default=1,
                    help="run every server this many times, in turn (A B A B: drifting load hits all alike)")
     p.add_argument("--ready-timeout", type=float, default=900.0)
@@ -211,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['cores']:.2f} ({r['top_cores']:.2f}) | {r['load']:.1f} |")
     if args.json:
         write_results(args.json, {"model": args.model, "max_tokens": args.max_tokens, "duration": args.duration,
-                                  "system_prompt_tokens": args.system_prompt_tokens, "rows": rows})
+                                  "system_prompt_tokens": args.system_prompt_tokens,
+                                  "forced_tokens": args.forced_tokens, "rows": rows})
     for r in rows:
         for e in r["errors"][:3]:
             print(f"  {r['label']}: {e}", file=sys.stderr)
