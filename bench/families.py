@@ -40,7 +40,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from results import read_results, write_results  # noqa: E402
+from results import compact_memory, read_results, write_results  # noqa: E402
 from shapes import SHAPES, shape_of, write_shape  # noqa: E402
 
 from moeray.environment import llama_cpp_tool  # noqa: E402
@@ -49,18 +49,9 @@ ROWS = ("decode", "batch16", "prefill", "serve")
 TARGET = {"decode": 1.0, "batch16": 1.0, "prefill": 1.0, "serve": 0.9}
 
 
-def compact() -> None:
-    """Ask the kernel for contiguous memory before a big run (root only; skipped otherwise)."""
-    try:
-        with open("/proc/sys/vm/compact_memory", "w") as f:
-            f.write("1")
-    except OSError:
-        pass
-
-
 def run(cmd: list[str], timeout: float) -> str:
     print(f"# {' '.join(shlex.quote(c) for c in cmd)}", file=sys.stderr, flush=True)
-    compact()
+    compact_memory()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     if out.returncode != 0:
         raise SystemExit(f"{Path(cmd[0]).name} failed ({out.returncode}): {out.stderr.strip()[-1500:]}")

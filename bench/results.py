@@ -105,3 +105,14 @@ def read_results(path: str | os.PathLike) -> dict:
         raise ValueError(f"{path}: not a results file (no run record with its command); "
                          "write it with a bench's --json, never by hand")
     return data
+
+
+def compact_memory() -> None:
+    """Ask the kernel for contiguous memory before a big model loads (root only; skipped otherwise):
+    a process that maps or copies gigabytes right after another freed them gets few 2 MiB pages and
+    runs slower, so each server or run of a side-by-side bench starts from compacted memory."""
+    try:
+        with open("/proc/sys/vm/compact_memory", "w") as f:
+            f.write("1")
+    except OSError:
+        pass

@@ -5,7 +5,7 @@
 
 Each server is started, driven by bench/load.py's streaming clients for every client count
 (`--duration` seconds each, after a short warm-up), and stopped before the next starts, so only
-one model is in memory at a time. A variant is `LABEL=ENV...[ -- SERVE FLAGS]`: environment
+one model is in memory at a time (memory compacted before each start). A variant is `LABEL=ENV...[ -- SERVE FLAGS]`: environment
 settings for `moeray serve --local` and optional extra flags (with `--stages N` among them, the
 pipeline of stage actors instead of --local). The table gives out tok/s, TTFT and
 ITL, errors, the ratio to llama-server at the same client count, and the CPU cores the server's
@@ -34,7 +34,7 @@ sys.path.insert(0, str(HERE))
 
 from load import Client, model_id, percentile, system_prompt  # noqa: E402
 
-from results import write_results  # noqa: E402
+from results import compact_memory, write_results  # noqa: E402
 
 from moeray.environment import llama_cpp_tool  # noqa: E402
 from moeray.stages.runtime.transport import free_port  # noqa: E402
@@ -111,6 +111,7 @@ def drive(url: str, clients: int, seconds: float, max_tokens: int, system: str =
 def run_server(label: str, cmd: list[str], env: dict, url: str, args) -> list[dict]:
     print(f"# {label}: {' '.join(shlex.quote(c) for c in cmd)}", file=sys.stderr, flush=True)
     log = tempfile.TemporaryFile()  # the server's output, shown if it fails to come up
+    compact_memory()  # the previous server's gigabytes were just freed
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     rows = []
     try:
