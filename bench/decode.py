@@ -11,7 +11,9 @@ Q4_K blocks (bench/shapes.py: qwen3-30b-a3b, 16 GiB; qwen1.5-moe-a2.7b) and runs
 every expert on the host path (cache 0: a copy of every expert would not fit beside the mapping).
 
 Greedy decoding with end tokens ignored, so every run decodes exactly --decode-tokens per sequence.
-Decode tokens/s at batch B counts all B sequences' tokens. --forced-tokens makes sequence i's every
+Decode tokens/s at batch B counts all B sequences' tokens. --repeat N runs both engines N times, one
+after the other, and shows each row's median (single runs on a shared 2-core machine vary by 5-10%).
+--forced-tokens makes sequence i's every
 token FORCED_TOKEN + i in both engines (a logit bias on moeray's side, the token fed on llama.cpp's),
 so both compute the same token streams: on a random-weight shape file each engine's greedy text
 differs from the first token, and at batch > 1 its sequences then route to another number of
@@ -294,6 +296,24 @@ def bench_llama_cpp(path: str, threads: int, batch_sizes, n_prompt: int, n_decod
     return rows
 
 
+def median_rows(rounds: list[list[dict]]) -> list[dict]:
+    """One row per engine, layout, cache and batch: the first round's row with the median prefill and
+    decode tok/s over the rounds (each round's figures kept as `decode_runs`, `prefill_runs`)."""
+    import statistics
+
+    out: dict[tuple, dict] = {}
+    for rows in rounds:
+        for r in rows:
+            key = (r["engine"], r.get("layout"), r["cache"], r["batch"])
+            row = out.setdefault(key, {**r, "decode_runs": [], "prefill_runs": []})
+            row["decode_runs"].append(r["decode_tok_s"])
+            row["prefill_runs"].append(r["prefill_tok_s"])
+    for row in out.values():
+        row["decode_tok_s"] = statistics.median(row["decode_runs"])
+        row["prefill_tok_s"] = statistics.median(row["prefill_runs"])
+    return list(out.values())
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", help="GGUF file (default: the embedded default model)")
@@ -317,6 +337,9 @@ def main() -> int:
     ap.add_argument("--forced-tokens", action="store_true",
                     help="sequence i's every token is token %d + i in both engines: the same token streams "
                          "(random-weight shape files, whose greedy text differs between engines)" % FORCED_TOKEN)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds of both engines one after the other; each row then shows the median (this machine's "
+                         "single runs vary by 5-10%%)")
     ap.add_argument("--llama-cpp-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.llama_cpp_child:  # the reference alone, rows as one JSON line (see llama_cpp_in_child)
@@ -343,17 +366,20 @@ def main() -> int:
 
     backend = None if args.backend == "auto" else args.backend
     layouts = args.layouts.split(",") if args.layouts else (None,)
-    rows = bench_moeray(path, args.batch, args.prompt_tokens, args.decode_tokens, args.caches.split(","), backend,
-                        layouts, args.forced_tokens)
-    profile = None
-    if args.profile:  # before llama.cpp runs: the same pages in memory as moeray's rows saw
-        profile = profile_decode(path, args.prompt_tokens, args.decode_tokens, backend)
-    # The model's reference cycles keep a repacked host copy (15.5 GiB at the 30B shape) alive
-    # until a collection: without this llama.cpp's child ran beside it and paged from disk.
-    gc.collect()
-    if not args.no_llama_cpp:
-        rows += llama_cpp_in_child(path, threads, args.batch, args.prompt_tokens, args.decode_tokens,
-                                   args.forced_tokens)
+    rounds, profile = [], None
+    for n in range(args.repeat):  # the engines one after the other, round after round
+        rows = bench_moeray(path, args.batch, args.prompt_tokens, args.decode_tokens, args.caches.split(","),
+                            backend, layouts, args.forced_tokens)
+        if args.profile and n == 0:  # before llama.cpp runs: the same pages in memory as moeray's rows saw
+            profile = profile_decode(path, args.prompt_tokens, args.decode_tokens, backend)
+        # The model's reference cycles keep a repacked host copy (15.5 GiB at the 30B shape) alive
+        # until a collection: without this llama.cpp's child ran beside it and paged from disk.
+        gc.collect()
+        if not args.no_llama_cpp:
+            rows += llama_cpp_in_child(path, threads, args.batch, args.prompt_tokens, args.decode_tokens,
+                                       args.forced_tokens)
+        rounds.append(rows)
+    rows = median_rows(rounds)
     bandwidth = read_bandwidth_gb_s()
     reference = {r["batch"]: r for r in rows if r["engine"] == "llama.cpp"}
     for r in rows:
@@ -366,7 +392,8 @@ def main() -> int:
             r["bandwidth_bound_tok_s"] = bandwidth * 1e9 / r["weight_bytes_per_token"]
 
     print(f"model {Path(path).name}, {threads} threads, {args.prompt_tokens} prompt tokens, "
-          f"{args.decode_tokens} decode tokens per sequence, {platform.processor() or platform.machine()}, "
+          f"{args.decode_tokens} decode tokens per sequence"
+          f"{f', median of {args.repeat} rounds' if args.repeat > 1 else ''}, {platform.processor() or platform.machine()}, "
           f"torch {torch.backends.cpu.get_cpu_capability()}, read bandwidth {bandwidth:.1f} GB/s")
     print(f"{'engine':<10} {'backend':>8} {'layout':>13} {'cache':>6} {'batch':>5} {'prefill tok/s':>14} "
           f"{'decode tok/s':>13} "
@@ -388,7 +415,7 @@ def main() -> int:
     if args.json:
         write_results(args.json, {"model": path, "threads": threads, "read_bandwidth_gb_s": bandwidth,
                                   "prompt_tokens": args.prompt_tokens, "decode_tokens": args.decode_tokens,
-                                  "forced_tokens": args.forced_tokens,
+                                  "forced_tokens": args.forced_tokens, "rounds": args.repeat,
                                   "rows": rows, "profile": profile})
     return 0
 
