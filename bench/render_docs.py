@@ -68,9 +68,9 @@ FAMILIES = {  # bench/shapes.py name -> the family and the cut its file holds
 }
 
 SOURCES = [Source(*s) for s in [
-    ("decode-default", "bench/decode.py --profile --batch 1 16 --caches 0,all"),
-    ("decode-qwen3-30b-a3b", "bench/decode.py --shape qwen3-30b-a3b --batch 1 4 16 --decode-tokens 16 --caches 0 "
-                             "--profile"),
+    ("decode-default", "bench/decode.py --profile --batch 1 16 --caches 0,all --decode-tokens 128 --repeat 3"),
+    ("decode-qwen3-30b-a3b", "bench/decode.py --shape qwen3-30b-a3b --batch 1 4 --decode-tokens 16 --caches 0 "
+                             "--profile --forced-tokens --repeat 2"),
     ("decode-small-deepseek2", "bench/decode.py --model ~/.cache/moeray/shape-small-deepseek2-q4_k-random.gguf "
                                "--batch 1 16 --caches 0"),
     ("decode-layouts-qwen3-30b-a3b", "bench/decode.py --shape qwen3-30b-a3b --batch 16 --decode-tokens 16 "
@@ -83,7 +83,8 @@ SOURCES = [Source(*s) for s in [
     ("serve-default-stages4", 'bench/serve_sweep.py --llama-server --clients 16 1 '
                               '--variant "moeray serve --stages 4= -- --stages 4"'),
     ("serve-qwen3-30b-a3b", f'bench/serve_sweep.py --model {SHAPE["qwen3-30b-a3b"]} --llama-server --clients 4 1 '
-                            '--max-tokens 16 --duration 60 --warmup 20 --variant "moeray serve --local="'),
+                            '--max-tokens 16 --duration 60 --warmup 20 --forced-tokens --repeat 2 '
+                            '--variant "moeray serve --local="'),
     ("serve-threads-qwen3-30b-a3b", f'bench/serve_sweep.py --model {SHAPE["qwen3-30b-a3b"]} --clients 4 '
                                     '--max-tokens 16 --duration 45 --warmup 20 '
                                     '--variant "threads adapting, poll 1=MOERAY_GGML_ADAPT=1 MOERAY_GGML_POLL=1" '
