@@ -13,11 +13,11 @@ every expert on the host path (cache 0: a copy of every expert would not fit bes
 Greedy decoding with end tokens ignored, so every run decodes exactly --decode-tokens per sequence.
 Decode tokens/s at batch B counts all B sequences' tokens. --repeat N runs both engines N times, one
 after the other, and shows each row's median (single runs on a shared 2-core machine vary by 5-10%).
---forced-tokens makes sequence i's every
-token FORCED_TOKEN + i in both engines (a logit bias on moeray's side, the token fed on llama.cpp's),
-so both compute the same token streams: on a random-weight shape file each engine's greedy text
-differs from the first token, and at batch > 1 its sequences then route to another number of
-distinct experts a step (bench/load.py --forced-tokens says the same of served runs).
+--forced-tokens makes sequence i's every token FORCED_TOKEN + i in both engines (a logit bias on
+moeray's side, the token fed on llama.cpp's), so both compute the same token streams: on a
+random-weight shape file each engine's greedy text differs from the first token, and at batch > 1
+its sequences then route to another number of distinct experts a step (bench/load.py
+--forced-tokens does the same for served runs).
 """
 from __future__ import annotations
 
@@ -32,9 +32,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/shapes.py, bench/results.py
 
+from load import FORCED_TOKEN  # noqa: E402  (sequence i's token with --forced-tokens)
 from results import write_results  # noqa: E402
-
-FORCED_TOKEN = 1000  # sequence i's token with --forced-tokens (bench/load.py's FORCED_TOKEN)
 
 
 def prompt_ids(tokenizer, n_tokens: int, index: int) -> list[int]:

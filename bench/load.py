@@ -17,9 +17,8 @@ tokens it really computed. Run it against `moeray serve` and `moeray serve --no-
 +100), so two servers of the same file compute the same token streams. A random-weight shape file
 (bench/shapes.py) has near-tied logits: each engine's greedy text differs from the first token,
 its sequences then route to other experts, and a step of several sequences reads another number
-of experts (e.g. one engine's four streams repeating one token while the other's do not). With
-the streams forced, both servers do the same work; each client's own token keeps the sequences
-apart, as different conversations are.
+of experts. With the streams forced, both servers do the same work; each client's own token keeps
+the sequences apart, as different conversations are.
 """
 from __future__ import annotations
 
