@@ -82,6 +82,8 @@ SOURCES = [Source(*s) for s in [
                           '--variant "moeray serve --local --no-metrics= -- --no-metrics"'),
     ("serve-default-stages4", 'bench/serve_sweep.py --llama-server --clients 16 1 '
                               '--variant "moeray serve --stages 4= -- --stages 4"'),
+    ("stream-default-stages4", "bench/stream_timeline.py --llama-server --servers llama,local,stages --requests 5 "
+                               "--warmup 1 --repeat 2"),
     ("serve-qwen3-30b-a3b", f'bench/serve_sweep.py --model {SHAPE["qwen3-30b-a3b"]} --llama-server --clients 4 1 '
                             '--max-tokens 16 --duration 60 --warmup 20 --forced-tokens --repeat 2 '
                             '--variant "moeray serve --local="'),
@@ -141,6 +143,11 @@ def pct(p) -> str:
 def ms(s) -> str:
     """Seconds as ms (a figure under 10 ms keeps a decimal)."""
     return "" if s is None else f"{s * 1e3:,.1f} ms" if s < 0.01 else f"{s * 1e3:,.0f} ms"
+
+
+def ms_(x, d: int = 1) -> str:
+    """Milliseconds as they are."""
+    return "" if x is None else f"{x:,.{d}f} ms"
 
 
 def span(values, fmt=x_) -> str:
@@ -397,6 +404,27 @@ def serve_table(name: str) -> Callable[[Results], list[list[str]]]:
                  ms(t[0]["itl_p99"]), str(len(t[0]["errors"])), x_(t[1]), f(t[0].get("cores"), 2)]
                 for t in sweep_rows(R[name])]
     return rows
+
+
+def stream_table(R: Results) -> list[list[str]]:
+    """bench/stream_timeline.py's rows: one streamed client on each server, in the order they ran, with
+    its tok/s against llama-server's (its better run), its ITL p50 against `--local`'s in the same
+    round, and on Ray stages the pipeline's per-hop times (GET /v1/stages)."""
+    if "stream-default-stages4" not in R:
+        return []
+    rows = [r for r in R["stream-default-stages4"]["rows"] if "itl_p50_ms" in r]
+    llama = max((r["tok_s"] for r in rows if r["label"].startswith("llama-server")), default=None)
+    out, local = [], None
+    for r in rows:
+        if r["label"].endswith("--local"):
+            local = r
+        hops = (r.get("pipeline") or {}).get("hops_ms")
+        moeray = r["label"].startswith("moeray")
+        out.append([r["label"], f(r["tok_s"]), ms_(r.get("ttft_p50_ms"), 0), ms_(r.get("itl_p50_ms")),
+                    ms_(r.get("itl_p99_ms")), x_(r["tok_s"] / llama) if llama and moeray else "",
+                    x_(r["itl_p50_ms"] / local["itl_p50_ms"]) if local and r is not local and moeray else "",
+                    " / ".join(f(h, 2) for h in hops) + " ms" if hops else ""])
+    return out
 
 
 def prefix_table(R: Results) -> list[list[str]]:
@@ -717,6 +745,9 @@ TABLES = [
     Table("served-stages", "docs/performance.md",
           ["server", "clients", "out tok/s", "TTFT p50", "ITL p50", "ITL p99", "errors", "vs llama-server", "cores"],
           ["serve-default-stages4"], serve_table("serve-default-stages4")),
+    Table("stream-stages", "docs/performance.md",
+          ["server", "tok/s (whole request)", "TTFT p50", "ITL p50", "ITL p99", "vs llama-server",
+           "ITL p50 vs --local", "hops"], ["stream-default-stages4"], stream_table),
     Table("served-30b", "docs/performance.md",
           ["server", "clients", "out tok/s", "TTFT p50", "ITL p50", "ITL p99", "errors", "vs llama-server", "cores"],
           ["serve-qwen3-30b-a3b"], serve_table("serve-qwen3-30b-a3b")),

@@ -1,6 +1,6 @@
 """One streamed client, where its time goes: `moeray serve --local` and on Ray stages beside llama-server.
 
-    python bench/stream_timeline.py --llama-server PATH/llama-server [--model X.gguf | --shape qwen3-30b-a3b] \\
+    python bench/stream_timeline.py --llama-server [PATH] [--model X.gguf | --shape qwen3-30b-a3b] \\
         [--servers llama,local,stages] [--requests 8] [--max-tokens 120] [--repeat 1] [--json out.json]
 
 One client sends streamed greedy chat completions one at a time (`--requests` of them after
@@ -47,7 +47,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from results import write_results  # noqa: E402
 from serve_sweep import cpu_seconds, wait_ready  # noqa: E402
+
+from moeray.environment import llama_cpp_tool  # noqa: E402
 
 from moeray.stages.runtime.transport import free_port  # noqa: E402
 
@@ -338,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", help="GGUF file (default: the embedded default model)")
     p.add_argument("--shape", help="a real model's shape with random blocks (bench/shapes.py), e.g. qwen3-30b-a3b")
-    p.add_argument("--llama-server", metavar="PATH", help="llama-server binary (the yardstick)")
+    p.add_argument("--llama-server", metavar="PATH", nargs="?", const="",
+                   help="llama-server binary (the yardstick): PATH, or alone for LLAMA_CPP_BIN's or PATH's")
     p.add_argument("--servers", default="llama,local,stages", help="which servers, in order: llama,local,stages")
     p.add_argument("--threads", type=int, default=2, help="llama-server's -t (moeray --local takes every core)")
     p.add_argument("--local-flags", default="", help="more flags for `moeray serve --local`")
@@ -371,8 +375,11 @@ def main(argv: list[str] | None = None) -> int:
     wanted = [s.strip() for s in args.servers.split(",") if s.strip()]
     for name in wanted:
         if name == "llama":
+            if args.llama_server == "":
+                args.llama_server = llama_cpp_tool("llama-server")
             if not args.llama_server:
-                raise SystemExit("--servers llama needs --llama-server PATH")
+                raise SystemExit("--servers llama needs --llama-server [PATH]: no llama-server in LLAMA_CPP_BIN's "
+                                 "folder or on PATH; set LLAMA_CPP_BIN to the folder of llama.cpp's tools or give its path")
             cmd = [args.llama_server, "-m", args.model, "-np", "1", "-c", "8192", "-t", str(args.threads),
                    "--host", "127.0.0.1", "--port", "{port}"]
             env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
@@ -443,7 +450,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(texts) > 1:
         print("\nnote: the moeray servers' greedy answers differ", file=sys.stderr)
     if args.json:
-        Path(args.json).write_text(json.dumps(rows, indent=2))
+        write_results(args.json, {"model": args.model, "max_tokens": args.max_tokens, "requests": args.requests,
+                                  "rows": rows})
     return 0
 
 
