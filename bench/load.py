@@ -94,7 +94,7 @@ class Client(threading.Thread):
         request = {"model": self.model, "messages": messages,
                    "max_tokens": self.args.max_tokens, "temperature": self.args.temperature,
                    "stream": True, "stream_options": {"include_usage": True}}
-        if getattr(self.args, "forced_tokens", False):
+        if self.args.forced_tokens:
             request["logit_bias"] = {str(FORCED_TOKEN + self.i): 100}
         body = json.dumps(request)
         headers = {"Content-Type": "application/json"}

@@ -23,14 +23,13 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
-from urllib.parse import urlparse
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from results import write_results  # noqa: E402
 
-from load import Client, model_id  # noqa: E402  (bench/load.py: the same clients as the HTTP bench)
+from serve_sweep import drive  # noqa: E402  (bench/load.py's clients, as the HTTP benches drive them)
 
 from moeray.cache.replay import belady  # noqa: E402
 from moeray.cache.residency import Slots  # noqa: E402
@@ -60,21 +59,6 @@ def start_server(port: int, trace_dir: str, extra: list[str], timeout_s: float) 
         time.sleep(1.0)
     proc.kill()
     raise SystemExit(f"moeray serve not ready in {timeout_s:.0f} s")
-
-
-def drive(url: str, clients: int, seconds: float, max_tokens: int) -> dict:
-    """bench/load.py's clients for `seconds`; returns requests, tokens and errors."""
-    u = urlparse(url)
-    args = argparse.Namespace(max_tokens=max_tokens, temperature=0.0, api_key=None, timeout=120.0)
-    model = model_id(u, None, 30.0)
-    stop_at = time.monotonic() + seconds
-    cs = [Client(i, u, model, args, stop_at) for i in range(clients)]
-    for c in cs:
-        c.start()
-    for c in cs:
-        c.join(seconds + args.timeout + 10)
-    return {"requests": sum(c.requests for c in cs), "tokens": sum(c.tokens for c in cs),
-            "errors": [e for c in cs for e in c.errors]}
 
 
 def window(trace: Trace, skip_lookups: int) -> Trace:
