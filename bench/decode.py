@@ -250,8 +250,6 @@ def bench_llama_cpp(path: str, threads: int, batch_sizes, n_prompt: int, n_decod
         return []
     import ctypes
 
-    import numpy as np
-
     from moeray.stages.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_gguf(path)

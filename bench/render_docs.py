@@ -145,11 +145,6 @@ def ms(s) -> str:
     return "" if s is None else f"{s * 1e3:,.1f} ms" if s < 0.01 else f"{s * 1e3:,.0f} ms"
 
 
-def ms_(x, d: int = 1) -> str:
-    """Milliseconds as they are."""
-    return "" if x is None else f"{x:,.{d}f} ms"
-
-
 def span(values, fmt=x_) -> str:
     v = [x for x in values if x is not None]
     if not v:
@@ -420,8 +415,9 @@ def stream_table(R: Results) -> list[list[str]]:
             local = r
         hops = (r.get("pipeline") or {}).get("hops_ms")
         moeray = r["label"].startswith("moeray")
-        out.append([r["label"], f(r["tok_s"]), ms_(r.get("ttft_p50_ms"), 0), ms_(r.get("itl_p50_ms")),
-                    ms_(r.get("itl_p99_ms")), x_(r["tok_s"] / llama) if llama and moeray else "",
+        at = {k: None if r.get(k) is None else r[k] / 1e3 for k in ("ttft_p50_ms", "itl_p50_ms", "itl_p99_ms")}
+        out.append([r["label"], f(r["tok_s"]), ms(at["ttft_p50_ms"]), ms(at["itl_p50_ms"]),
+                    ms(at["itl_p99_ms"]), x_(r["tok_s"] / llama) if llama and moeray else "",
                     x_(r["itl_p50_ms"] / local["itl_p50_ms"]) if local and r is not local and moeray else "",
                     " / ".join(f(h, 2) for h in hops) + " ms" if hops else ""])
     return out

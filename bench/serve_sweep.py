@@ -5,11 +5,11 @@
 
 Each server is started, driven by bench/load.py's streaming clients for every client count
 (`--duration` seconds each, after a short warm-up), and stopped before the next starts, so only
-one model is in memory at a time (memory compacted before each start). A variant is `LABEL=ENV...[ -- SERVE FLAGS]`: environment
-settings for `moeray serve --local` and optional extra flags (with `--stages N` among them, the
-pipeline of stage actors instead of --local). The table gives out tok/s, TTFT and
-ITL, errors, the ratio to llama-server at the same client count, and the CPU cores the server's
-processes used over the run (their CPU time / wall time: the replica and everything Ray starts),
+one model is in memory at a time (memory compacted before each start). A variant is
+`LABEL=ENV...[ -- SERVE FLAGS]`: environment settings for `moeray serve --local` and optional extra
+flags (with `--stages N` among them, the pipeline of stage actors instead of --local). The table
+gives out tok/s, TTFT and ITL, errors, the ratio to llama-server at the same client count, and the
+CPU cores the server's processes used over the run (their CPU time / wall time: the replica and everything Ray starts),
 with the machine's load average at the start of each row. `--llama-server` alone finds llama.cpp's
 server in the folder LLAMA_CPP_BIN names, else on PATH; `--llama-server PATH` runs that binary.
 """
