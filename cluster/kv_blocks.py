@@ -4,7 +4,7 @@ Every stage has a pool of the same `n_blocks` blocks (stages/blocks/kv_cache.py)
 which blocks each sequence uses and sends the block tables with every step, so the stages hold
 no bookkeeping of their own. A block is
 
-  * free        on the free list, holding nothing;
+  * free        in the free set, holding nothing;
   * in use      by one or more sequences (`ref` counts them);
   * cached      in use by none, but holding a full block of some prompt, findable by the hash
                 of its token prefix (or a tail, below): a later prompt with the same prefix reuses it instead of
@@ -41,10 +41,24 @@ A prompt's full blocks are named when it is admitted, before its prefill has run
 continues into a pending block waits for it (one prefill of a shared system prompt, not 16 at
 once); since every stage runs steps in the order they were handed out, a block is readable by
 any step handed out after the one that writes it.
+
+Where blocks go: a sequence whose blocks are consecutive has its keys read by attention as one
+view of the pool; any other table is gathered, every layer, every step (stages/blocks/kv_cache.py),
+which at a few thousand tokens of context costs more than the step's attention itself. So a new
+block is the one right after the sequence's last where that one is free (`allocate(after=)`),
+else the lowest free one; a returning prompt whose tail block sits right after its shared
+prefix, held by no one, takes that block itself rather than a copy of its rows (`steal`): a
+conversation's next turn then goes on in the same consecutive run. A prompt whose shared prefix
+cannot go on in place (the blocks after it are another prefix's, or in use) takes a free stretch
+of its own instead, and the stages copy the prefix's rows into it before its first chunk
+(`free_run`, cluster/scheduler.py): one copy of the prefix, where a gather costs one every step.
+The prefix's names move with its rows (`rename`): the conversation's next turn finds them in one
+run again, and the old blocks are free once no one holds them.
 """
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+import heapq
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from moeray.stages.blocks.kv_cache import BLOCK_SIZE
@@ -168,7 +182,8 @@ class BlockManager:
         # the host tier (None: the stages keep none), and the saves into it no step carries yet
         self.host = HostTier(host_blocks) if host_blocks and prefix_reuse else None
         self.saves: list[tuple[int, int]] = []
-        self.free: deque[int] = deque(range(n_blocks))
+        self.free: set[int] = set(range(n_blocks))
+        self._lowest: list[int] = list(range(n_blocks))  # a heap of the free blocks (taken ones skipped)
         self.ref = [0] * n_blocks
         self.hash_of: dict[int, int] = {}  # block -> the hash of the prefix it completes
         self.block_of: dict[int, int] = {}  # hash -> block
@@ -354,21 +369,119 @@ class BlockManager:
                 del self.cached[b]
             self.ref[b] += 1
 
-    def allocate(self, n: int) -> list[int] | None:
-        """n blocks of our own, or None (nothing taken) when fewer are available."""
+    def allocate(self, n: int, after: int | None = None) -> list[int] | None:
+        """n blocks of our own, or None (nothing taken) when fewer are available. Each is the block
+        right after the one before it (the first: after `after`, a sequence's last block) where
+        that one is free, else the lowest free block: consecutive blocks are read as a view."""
         if n > self.n_available:
             return None
         out = []
+        want = None if after is None else after + 1
         for _ in range(n):
-            if self.free:
-                b = self.free.popleft()
+            if want is not None and want in self.free:
+                b = want
+                self.free.discard(b)
+            elif self.free:
+                b = self._pop_lowest()
             else:  # evict the least recently used cached block: its prefix is forgotten (or kept on the host)
                 b, _ = self.cached.popitem(last=False)
                 self._to_host(b)
                 self._forget(b)
             self.ref[b] = 1
             out.append(b)
+            want = b + 1
         return out
+
+    def steal(self, b: int) -> bool:
+        """Take the cached block b, which no sequence holds, as a sequence's own: its first rows
+        already hold what the sequence needs there (`match_tail`), so they stay in place instead
+        of being copied into another block, and the rest are written over. It is no longer
+        findable by its prefix. False (nothing taken) when a sequence holds it."""
+        if self.ref[b] != 0 or b not in self.cached:
+            return False
+        after = self._followers(self.hash_of.get(b))
+        del self.cached[b]
+        self._forget(b)
+        self.ref[b] = 1
+        # The blocks that went on from it can no longer be found (a prefix is matched block by
+        # block from the first): free, so the sequence's next blocks can be the ones after b.
+        for d in after:
+            if self.ref[d] == 0 and d in self.cached:
+                del self.cached[d]
+                self._forget(d)
+                self._free(d)
+        return True
+
+    def _followers(self, h: int | None) -> list[int]:
+        """Every block named or kept as a tail after the prefix that hash h names, and after those."""
+        out, todo = [], [h] if h is not None else []
+        while todo:
+            for d in self.follows.get(todo.pop(), {}):
+                out.append(d)
+                if (hd := self.hash_of.get(d)) is not None:
+                    todo.append(hd)
+        return out
+
+    def free_after(self, b: int, n: int) -> bool:
+        """The n blocks right after block b are all free."""
+        return all(b + 1 + i in self.free for i in range(n))
+
+    def free_run(self, n: int, room: int) -> list[int] | None:
+        """n consecutive free blocks, not taken: the first of the first free stretch of at least
+        `room` blocks (a sequence's whole length, so it grows on in place), else of the longest
+        stretch of at least n; None when no stretch is n long."""
+        best, start, prev = None, None, None
+        for b in sorted(self.free) + [None]:
+            if b is not None and prev is not None and b == prev + 1:
+                prev = b
+                continue
+            if start is not None:  # a stretch [start, prev] ended
+                length = prev - start + 1
+                if length >= room:
+                    return list(range(start, start + n))
+                if length >= n and (best is None or length > best[1]):
+                    best = (start, length)
+            start = prev = b
+        return None if best is None else list(range(best[0], best[0] + n))
+
+    def rename(self, moves: list[tuple[int, int, int]]) -> int:
+        """Whole named blocks copied into other blocks (src, dst, BLOCK_SIZE rows): each name goes
+        with its rows, pending until the step that copies them is handed out, so the next prompt
+        with this prefix finds the copies, which follow one another; a source, no longer named,
+        is free once no sequence holds it. Returns how many moved (the first of `moves`)."""
+        n_moved = 0
+        for src, dst, n in moves:
+            if n != BLOCK_SIZE or src not in self.hash_of:
+                break
+            h = self.hash_of.pop(src)
+            self.block_of[h], self.hash_of[dst] = dst, h
+            self.pending.add(h)
+            parent = self.parent_of.pop(src, None)
+            if parent is not None:
+                kids = self.follows[parent]
+                kids[dst] = kids.pop(src)
+                self.parent_of[dst] = parent
+            n_moved += 1
+        return n_moved
+
+    def take(self, blocks: list[int]) -> None:
+        """Free blocks (`free_run`'s) as a sequence's own."""
+        for b in blocks:
+            self.free.remove(b)
+            self.ref[b] = 1
+
+    def _pop_lowest(self) -> int:
+        while True:
+            b = heapq.heappop(self._lowest)
+            if b in self.free:
+                self.free.discard(b)
+                return b
+
+    def _free(self, b: int) -> None:
+        self.free.add(b)
+        heapq.heappush(self._lowest, b)
+        if len(self._lowest) > 2 * self.n_blocks + 64:  # taken blocks' entries pile up: start afresh
+            self._lowest = sorted(self.free)
 
     def release(self, table: list[int]) -> None:
         """A sequence is done with its blocks: unshared ones become free, or cached when they
@@ -381,7 +494,7 @@ class BlockManager:
                 if b in self.parent_of:  # a named block or a tail
                     self.cached[b] = None
                 else:
-                    self.free.append(b)
+                    self._free(b)
 
     def forget(self, blocks: list[int]) -> None:
         """What these blocks hold is not to be trusted (a step that wrote them failed): each one no
@@ -390,11 +503,12 @@ class BlockManager:
             if self.ref[b] == 0 and b in self.cached:
                 del self.cached[b]
                 self._forget(b)
-                self.free.append(b)
+                self._free(b)
 
     def forget_all(self) -> None:
         """The stages lost their KV (a restart): no block holds anything any more."""
-        self.free = deque(range(self.n_blocks))
+        self.free = set(range(self.n_blocks))
+        self._lowest = list(range(self.n_blocks))
         self.ref = [0] * self.n_blocks
         self.hash_of.clear()
         self.block_of.clear()

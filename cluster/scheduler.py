@@ -66,6 +66,10 @@ class Request:
     kv_len: int = 0  # tokens whose KV the steps handed out so far write
     cached_tokens: int = 0  # prompt tokens whose KV was reused from a cached prefix (first admission)
     copy: Optional[tuple[int, int, int]] = None  # (block, own block, rows) to copy before its first chunk
+    # (block, own block, rows): its shared prefix (and tail) copied into a consecutive run of its own
+    # before its first chunk, each source held until then (cluster/kv_blocks.py, "Where blocks go")
+    moves: list[tuple[int, int, int]] = field(default_factory=list)
+    renamed: int = 0  # of them, the blocks whose prefix names moved with them (pending until copied)
     # (host slot, own block): prefix blocks the host tier holds, copied back before its first chunk
     loads: list[tuple[int, int]] = field(default_factory=list)
     # (host slot, own block, rows): a tail the host tier holds, loaded after `loads` (no copy found on the device)
@@ -273,19 +277,44 @@ class Scheduler:
                 tail, n_tail = bm.match_host_tail(req.prefill, reused)
                 if tail is not None:
                     bm.host.take(tail)
-            held = shared + ([src] if src is not None else [])  # the source too, until its copy is handed out
-            bm.take_shared(held[len(shared):])
             total = len(req.prompt) + req.max_new if self.reserve_output else len(req.prefill) + 1
-            own = bm.allocate(blocks_for(total) - len(shared))  # + the first output token
+            need = blocks_for(total) - len(shared)  # + the first output token
+            # A tail block right after the shared prefix that no one holds is taken as it is: no
+            # copy, and the sequence's blocks stay consecutive (read as a view, cluster/kv_blocks.py)
+            steal = (src is not None and not hosted and need <= bm.n_available and bm.ref[src] == 0
+                     and (not shared or src == shared[-1] + 1))
+            if steal:
+                bm.steal(src)
+                held, first = shared, [src]
+            else:
+                held, first = shared + ([src] if src is not None else []), []  # the source too, until copied
+                bm.take_shared(held[len(shared):])
+            run = None
+            joined = all(b == shared[0] + i for i, b in enumerate(shared))
+            if not steal and shared and not hosted and tail is None and not (joined and bm.free_after(shared[-1], need)):
+                whole = blocks_for(len(req.prompt) + req.max_new)  # room to grow on in place
+                run = bm.free_run(len(shared) + need, max(whole, len(shared) + need))
+            if run is not None:  # the prefix's rows copied into a stretch of its own: read as a view
+                bm.take(run)
+                own = run[len(shared):]
+            else:
+                last = first[-1] if first else shared[-1] if shared else None
+                rest = bm.allocate(need - len(first), after=last)
+                own = None if rest is None else first + rest
             if own is None:  # wait for blocks; first come, first served
-                bm.release(held)
+                bm.release(held + first)
                 for slot in hosted + ([tail] if tail is not None else []):
                     bm.host.release(slot)
                 return
             self.waiting.popleft()
-            req.table = shared + own
+            req.table = shared + own if run is None else run
             req.fed = req.kv_len = reused * BLOCK_SIZE + n_copy + n_tail
-            req.copy = (src, own[len(hosted)], n_copy) if src is not None else None
+            req.copy = (src, own[len(hosted)], n_copy) if src is not None and not steal and run is None else None
+            if run is not None:
+                req.moves = [(b, run[i], BLOCK_SIZE) for i, b in enumerate(shared)]
+                if src is not None:
+                    req.moves.append((src, own[0], n_copy))
+                req.renamed = bm.rename(req.moves)
             req.loads = list(zip(hosted, own))
             req.tail_load = (tail, own[len(hosted)], n_tail) if tail is not None else None
             if hosted or tail is not None:
@@ -324,7 +353,7 @@ class Scheduler:
         False: `req` cannot decode this step (it was preempted, or every other sequence is busy)."""
         bm = self.blocks
         while len(req.table) * BLOCK_SIZE <= req.kv_len:
-            got = bm.allocate(1)
+            got = bm.allocate(1, after=req.table[-1] if req.table else None)
             if got is not None:
                 req.table += got
                 return True
@@ -403,6 +432,11 @@ class Scheduler:
                     copies.append(r.copy)
                     self.blocks.release([r.copy[0]])  # later steps may write it: they run after this one
                     r.copy = None
+                if r.moves:  # ... or its whole reused prefix, into its own stretch (named there now)
+                    copies += r.moves
+                    self.blocks.release([src for src, _, _ in r.moves])
+                    self.blocks.written(r.table, 0, r.renamed)
+                    r.moves = []
                 if r.restore is not None:  # ... and its checkpointed state into its slot
                     before.append((r.restore, r.slot))
                     self.checkpoints.release(r.restore)
@@ -457,11 +491,10 @@ class Scheduler:
             return None
         need = [r for r in rows if len(r.table) * BLOCK_SIZE <= r.kv_len]
         if need:
-            got = self.blocks.allocate(len(need))
-            if got is None:
+            if len(need) > self.blocks.n_available:
                 return None
-            for r, block in zip(need, got):
-                r.table.append(block)
+            for r in need:  # each the block after its own last where that one is free
+                r.table += self.blocks.allocate(1, after=r.table[-1] if r.table else None)
         out = []
         for r in rows:
             out.append(Row(r, [LOOPED], r.kv_len, fresh=False, sample=True))
@@ -500,7 +533,7 @@ class Scheduler:
                     continue
             need = blocks_for(req.kv_len + k) - len(req.table)
             if need > 0:
-                got = self.blocks.allocate(need)
+                got = self.blocks.allocate(need, after=req.table[-1] if req.table else None)
                 if got is None:
                     if spare is not None:
                         self.spares.release(spare)
@@ -702,6 +735,12 @@ class Scheduler:
             req.kv_len -= n
             self.blocks.release([src])
             req.copy = None
+        if req.moves:  # ... nor its prefix into its own stretch
+            n = sum(rows for _, _, rows in req.moves)
+            req.fed -= n
+            req.kv_len -= n
+            self.blocks.release([src for src, _, _ in req.moves])
+            req.moves = []
         if req.loads:  # ... nor the blocks it was to load from the host tier
             for slot, _ in req.loads:
                 self.blocks.host.release(slot)

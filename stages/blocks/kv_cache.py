@@ -33,6 +33,20 @@ from moeray.stages.blocks.kv_rotation import rotate, rotation
 BLOCK_SIZE = 16  # tokens per block, as vLLM's default: small enough to waste < 16 tokens a sequence
 
 
+def row_runs(copies: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Block copies (src, dst, n rows) as row copies (src row, dst row, n rows), each run of whole
+    blocks that follow one another in both places joined into one: a moved prefix of a few hundred
+    blocks is then one copy per layer, not one per block."""
+    out: list[list[int]] = []
+    for src, dst, n in copies:
+        a, b = src * BLOCK_SIZE, dst * BLOCK_SIZE
+        if out and out[-1][2] % BLOCK_SIZE == 0 and out[-1][0] + out[-1][2] == a and out[-1][1] + out[-1][2] == b:
+            out[-1][2] += n
+        else:
+            out.append([a, b, n])
+    return [tuple(r) for r in out]
+
+
 class KVCacheFullError(MoerayError):
     """A sequence would grow past the KV cache's max_len."""
 
@@ -186,7 +200,7 @@ class KVPool:
         for src, dst, n in copies:
             if not (0 <= src < self.n_blocks and 0 <= dst < self.n_blocks and 0 < n <= BLOCK_SIZE):
                 raise MoerayError(f"cannot copy {n} rows from KV block {src} to {dst} in a pool of {self.n_blocks}")
-            a, b = src * BLOCK_SIZE, dst * BLOCK_SIZE
+        for a, b, n in row_runs(copies):
             for t in self.k + self.v:
                 if t is not None:
                     t[:, b:b + n] = t[:, a:a + n]

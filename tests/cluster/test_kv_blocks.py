@@ -209,3 +209,85 @@ def test_tails_are_found_by_the_prefix_they_follow_and_the_copy_source_is_held_u
     bm.release([a[1]])
     got = bm.allocate(6)  # evicted at last: found no more
     assert got is not None and bm.match_tail(prompt + [99], 1) == (None, 0) and not bm.follows
+
+
+def _consecutive(table: list[int]) -> bool:
+    return all(b == table[0] + i for i, b in enumerate(table))
+
+
+def test_a_conversations_turns_keep_their_kv_in_one_run_and_their_tokens(tiny_model):
+    """Attention reads a sequence's keys in place only where its blocks follow one another (any
+    other table is gathered, every layer, every step). A short probe that shares the prompt's
+    start, then a conversation's turn 1 and turn 2 (its prompt, answer and more), then a prompt
+    that leaves turn 2's text mid-way: every one decodes from one consecutive run of blocks,
+    reuses what was written, and gets the tokens it gets without any reuse."""
+    prompt = [(7 * i) % 150 + 1 for i in range(6 * BLOCK_SIZE + 5)]
+    params = SamplingParams(max_tokens=2 * BLOCK_SIZE + 3, ignore_eos=True)
+    probe = prompt[:2 * BLOCK_SIZE]
+    turn1 = prompt
+    first_answer = _engine(tiny_model, 64, prefix_reuse=False).generate([turn1], params)[0].output
+    turn2 = turn1 + first_answer + [131, 132, 133]
+    branch = turn2[:4 * BLOCK_SIZE + 2] + [141, 142]
+    asked = [probe, turn1, turn2, branch]
+    plain = _engine(tiny_model, 64, prefix_reuse=False)
+    want = [plain.generate([p], params)[0].output for p in asked]
+
+    eng = _engine(tiny_model, 64, max_seqs=1, micro_batches=1)
+    got, cached, joined = [], [], []
+    for p in asked:  # one after the other, as one client sends them
+        req = eng.add(p, params)
+        runs = set()
+        while not req.done:
+            eng.step()
+            if req.table:
+                runs.add(_consecutive(req.table))
+        got.append(req.output)
+        cached.append(req.cached_tokens)
+        joined.append(runs == {True})
+    assert got == want
+    assert joined == [True] * 4
+    assert cached[1] == len(probe) and cached[2] == len(turn1) + len(first_answer) - 1
+    assert cached[3] == len(branch) - 2  # up to where it leaves turn 2
+    assert eng.scheduler.blocks.n_used == 0  # every source held for a copy went back
+
+
+def test_blocks_are_handed_out_consecutively_and_a_moved_prefix_takes_its_names_along():
+    bm = BlockManager(12)
+    a = bm.allocate(3)
+    assert a == [0, 1, 2]
+    b = bm.allocate(2)
+    assert b == [3, 4]
+    assert bm.allocate(1, after=a[-1]) == [5]  # 3 is taken: the lowest free one
+    bm.release(b)
+    assert bm.allocate(1, after=2) == [3]  # the one after the sequence's last, now free
+    assert bm.free_run(3, room=4) == [6, 7, 8]  # 4, 6-11 free: the first stretch with room
+    assert bm.free_run(7, room=7) is None
+    # A written prefix of 2 blocks, moved into a stretch: its names go along, pending until copied.
+    prompt = list(range(1, 2 * BLOCK_SIZE + 1))
+    bm.register_written([0, 1], prompt, len(prompt))
+    run = bm.free_run(2, room=2)
+    bm.take(run)
+    assert bm.rename([(0, run[0], BLOCK_SIZE), (1, run[1], BLOCK_SIZE)]) == 2
+    assert bm.match_prefix(prompt + [9]) == ([], True)  # there, but wait for its copy
+    bm.written(run, 0, 2)
+    assert bm.match_prefix(prompt + [9]) == (run, False)
+    bm.release([0, 1])  # the old blocks, unnamed now: free, not cached
+    assert {0, 1} <= bm.free and bm.n_cached == 0
+
+
+def test_a_tail_block_taken_in_place_frees_what_followed_it():
+    bm = BlockManager(8)
+    prompt = list(range(1, 3 * BLOCK_SIZE + 4))  # 3 full blocks and 3 tokens
+    t = bm.allocate(4)
+    bm.register_written(t, prompt, len(prompt))
+    bm.release(t)
+    assert bm.n_cached == 4
+    shared, _ = bm.match_prefix(prompt[:BLOCK_SIZE + 5] + [99])
+    assert shared == [t[0]]
+    src, n = bm.match_tail(prompt[:BLOCK_SIZE + 5] + [99], 1)
+    assert (src, n) == (t[1], 5)
+    bm.take_shared(shared)
+    assert bm.steal(src)  # its 5 rows stay where they are; the blocks after it cannot be found any more
+    assert bm.ref[t[1]] == 1 and {t[2], t[3]} <= bm.free and bm.n_cached == 0
+    assert bm.allocate(2, after=t[1]) == [t[2], t[3]]
+    assert not bm.steal(t[0])  # held by a sequence: not taken

@@ -260,6 +260,8 @@ def check_ledger(eng: Engine) -> None:
             holders[b] += 1
         if r.copy is not None:
             holders[r.copy[0]] += 1
+        for src, _, _ in r.moves:
+            holders[src] += 1
         if not r.busy and r.fed == len(r.prefill):  # decoding: its KV is its tokens but the last
             assert r.kv_len == len(r.prompt) + len(r.output) - 1
             assert blocks_for(r.kv_len) <= len(r.table) <= blocks_for(r.kv_len + 1), (r.kv_len, len(r.table))
