@@ -110,6 +110,9 @@ SOURCES = [Source(*s) for s in [
     ("long-prompt-qwen3.6", f'bench/long_prompt.py --model {SHAPE["qwen3.6-35b-a3b"]} --tokens 8192 --chunks 512'),
     ("multi-turn-qwen3.6", f'bench/multi_turn.py --model {SHAPE["qwen3.6-35b-a3b"]} --prompt-tokens 512 '
                            '--answer-tokens 16 --new-tokens 64'),
+    ("turn-decode-default", "bench/turn_decode.py --prompt-tokens 3000 --decode-tokens 64 --repeat 2"),
+    ("turn-decode-qwen3-30b-a3b", "bench/turn_decode.py --shape qwen3-30b-a3b --prompt-tokens 2048 "
+                                  "--decode-tokens 32"),
     ("kv-types-default-4096", "bench/kv_types.py --types f16,q8_0 --depths 4096 --threads 2 --decode-tokens 32"),
     ("decode-depth-qwen3.6", f'bench/hybrid_decode.py --model {SHAPE["qwen3.6-35b-a3b"]} --depth 64 4096 --threads 2'),
     ("deltanet", "bench/deltanet.py"),
@@ -294,6 +297,16 @@ def readme_rows(R: Results) -> list[list[str]]:
                         "tokens prefilled)",
                         f"{x_(ref['turn2_ttft_s'] / mine['turn2_ttft_s'])} llama-server" if ref else "",
                         cmd("multi-turn-qwen3.6")])
+    if "turn-decode-qwen3-30b-a3b" in R:
+        rows = R["turn-decode-qwen3-30b-a3b"]["rows"]
+        mine = next((r for r in rows if r["engine"] == "moeray"), None)
+        ref = next((r for r in rows if r["engine"] == "llama-server"), None)
+        if mine:
+            out.append([f"decode of a conversation's second turn at {mine['turn2_prompt']:,} tokens of context, "
+                        "Qwen3-30B-A3B shape",
+                        f"{f(mine['turn2_ms'])} ms a token",
+                        f"{x_(ref['turn2_ms'] / mine['turn2_ms'])} llama-server" if ref else "",
+                        cmd("turn-decode-qwen3-30b-a3b")])
     if "plan" in R:
         d = R["plan"]
         r = d["rows"][0]
@@ -433,6 +446,27 @@ def prefix_table(R: Results) -> list[list[str]]:
                     f"{f(r['cached_tokens'], 0)} ({pct(r['cached_tokens'] / max(r['prompt_tokens'], 1))})",
                     f((r["prompt_tokens"] - r["cached_tokens"]) / n, 0), ms(r["ttft_p50"]), ms(r.get("ttft_p99")),
                     str(len(r["errors"]))])
+    return out
+
+
+def turn_decode_table(R: Results) -> list[list[str]]:
+    """bench/turn_decode.py's rounds: each engine's decode ms a token in turn 1 and turn 2 of one
+    conversation, and moeray's turn 2 against llama-server's in the same round."""
+    out = []
+    for name, model in (("turn-decode-default", "default model"), ("turn-decode-qwen3-30b-a3b", "Qwen3-30B-A3B shape")):
+        if name not in R:
+            continue
+        rows, i = R[name]["rows"], 0
+        while i < len(rows):  # a round: moeray, then llama-server where it ran
+            pair = rows[i:i + 2] if i + 1 < len(rows) and rows[i + 1]["engine"] != rows[i]["engine"] else rows[i:i + 1]
+            i += len(pair)
+            ref = next((r for r in pair if r["engine"] == "llama-server"), None)
+            for r in sorted(pair, key=lambda r: r["engine"] != "llama-server"):
+                joined = {True: "yes", False: "no"}.get(r.get("turn2_consecutive"), "")
+                vs = x_(ref["turn2_ms"] / r["turn2_ms"]) if ref is not None and r is not ref else ""
+                out.append([model, r["engine"], f(r["turn1_ms"], 2), f(r["turn2_ms"], 2),
+                            f(r["turn2_ms"] / r["turn1_ms"], 2), f"{r['turn2_reused']:,} of {r['turn2_prompt']:,}",
+                            joined, vs])
     return out
 
 
@@ -720,7 +754,7 @@ TABLES = [
     Table("readme", "README.md", ["measurement", "moeray", "against", "command"],
           ["decode-default", "decode-qwen3-30b-a3b", "serve-default-local", "serve-default-stages4",
            "serve-qwen3-30b-a3b", *(f"families-{n}" for n in FAMILIES), "long-prompt-qwen3.6", "multi-turn-qwen3.6",
-           "plan", "serve-hits", "chaos-stages"], readme_rows, footer=False),
+           "turn-decode-qwen3-30b-a3b", "plan", "serve-hits", "chaos-stages"], readme_rows, footer=False),
     Table("decode", "docs/performance.md",
           ["model", "experts", "sequences", "prefill tok/s", "decode tok/s", "prefill vs llama.cpp",
            "decode vs llama.cpp", "bandwidth bound tok/s"],
@@ -784,6 +818,10 @@ TABLES = [
            "`mul_mat`, softmax, `mul_mat` (ms)"], ["mla-ggml-16", "mla-ggml-128"], mla_table),
     Table("hybrid-vs-llama", "docs/hybrid.md", ["bench", "moeray", "llama.cpp", "ratio wall", "ratio CPU"],
           ["long-prompt-default", "long-prompt-qwen3.6", "multi-turn-qwen3.6"], hybrid_table),
+    Table("turn-decode", "docs/performance.md",
+          ["model", "engine", "turn 1 ms a token", "turn 2 ms a token", "turn 2 / turn 1", "turn 2 reused",
+           "one run of blocks", "turn 2 vs llama-server"], ["turn-decode-default", "turn-decode-qwen3-30b-a3b"],
+          turn_decode_table),
     Table("deltanet", "docs/hybrid.md", ["step", "batch", "tokens", "ggml ms", "torch ms", "torch / ggml"],
           ["deltanet"], deltanet_table),
     Table("mla", "docs/models.md", ["cached tokens", "absorbed ms", "decompressed ms", "decompressed / absorbed",
