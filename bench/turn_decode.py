@@ -33,11 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from multi_turn import _post, llama_server  # noqa: E402
 from results import write_results  # noqa: E402
 
+from moeray.cluster.kv_blocks import consecutive  # noqa: E402
 from moeray.environment import llama_cpp_tool  # noqa: E402
-
-
-def consecutive(table: list[int]) -> bool:
-    return all(b == table[0] + i for i, b in enumerate(table))
 
 
 def moeray_turns(path: str, prompt: list[int], n_decode: int, new: list[int]) -> dict:

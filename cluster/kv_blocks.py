@@ -64,6 +64,11 @@ from dataclasses import dataclass
 from moeray.stages.blocks.kv_cache import BLOCK_SIZE
 
 
+def consecutive(blocks: list[int]) -> bool:
+    """The blocks follow one another: attention reads them as one view of the pool."""
+    return all(b == blocks[0] + i for i, b in enumerate(blocks))
+
+
 def common_prefix(a, b) -> int:
     """How many leading tokens two token sequences share."""
     n = 0

@@ -29,7 +29,7 @@ from enum import Enum
 from typing import Optional, Sequence
 
 from moeray.cluster.config import EngineConfig
-from moeray.cluster.kv_blocks import BlockManager
+from moeray.cluster.kv_blocks import BlockManager, consecutive
 from moeray.cluster.state_checkpoints import CheckpointLedger
 from moeray.cluster.speculation import SeqSpec, Speculation
 from moeray.cluster.timeline import Timeline
@@ -293,9 +293,8 @@ class Scheduler:
             # A prefix that cannot go on in place is copied into a stretch of its own, where the
             # sequence will decode alone: a step of several sequences reads a view only where they
             # lie equally spaced, so beside others the copy would buy nothing but spent blocks.
-            joined = all(b == shared[0] + i for i, b in enumerate(shared))
             if (not steal and shared and not hosted and tail is None and not self.running
-                    and not (joined and bm.free_after(shared[-1], need))):
+                    and not (consecutive(shared) and bm.free_after(shared[-1], need))):
                 whole = blocks_for(len(req.prompt) + req.max_new)  # room to grow on in place
                 run = bm.free_run(len(shared) + need, max(whole, len(shared) + need))
             if run is not None:  # the prefix's rows copied into a stretch of its own: read as a view
