@@ -46,9 +46,11 @@ Where blocks go: a sequence whose blocks are consecutive has its keys read by at
 view of the pool; any other table is gathered, every layer, every step (stages/blocks/kv_cache.py),
 which at a few thousand tokens of context costs more than the step's attention itself. So a new
 block is the one right after the sequence's last where that one is free (`allocate(after=)`),
-else the lowest free one; a returning prompt whose tail block sits right after its shared
-prefix, held by no one, takes that block itself rather than a copy of its rows (`steal`): a
-conversation's next turn then goes on in the same consecutive run. A prompt whose shared prefix
+else the lowest free one; a returning prompt whose tail block (a finished sequence's partly
+filled last block) sits right after its shared prefix, held by no one, takes that block itself
+rather than a copy of its rows (`steal`): a conversation's next turn then goes on in the same
+consecutive run. A full block is never taken so: its name is a prefix other prompts still find
+(the same question sent again finds all of it, not only the part it shares with the last one). A prompt whose shared prefix
 cannot go on in place (the blocks after it are another prefix's, or in use) takes a free stretch
 of its own instead, and the stages copy the prefix's rows into it before its first chunk
 (`free_run`, cluster/scheduler.py): one copy of the prefix, where a gather costs one every step.
@@ -396,6 +398,11 @@ class BlockManager:
             out.append(b)
             want = b + 1
         return out
+
+    def is_tail(self, b: int) -> bool:
+        """Block b is kept as a tail (a finished sequence's partly filled last block), not named
+        as a full block of a prefix."""
+        return b not in self.hash_of and b in self.parent_of
 
     def steal(self, b: int) -> bool:
         """Take the cached block b, which no sequence holds, as a sequence's own: its first rows

@@ -280,9 +280,11 @@ class Scheduler:
             total = len(req.prompt) + req.max_new if self.reserve_output else len(req.prefill) + 1
             need = blocks_for(total) - len(shared)  # + the first output token
             # A tail block right after the shared prefix that no one holds is taken as it is: no
-            # copy, and the sequence's blocks stay consecutive (read as a view, cluster/kv_blocks.py)
+            # copy, and the sequence's blocks stay consecutive (read as a view, cluster/kv_blocks.py).
+            # Only a tail (a finished sequence's partly filled last block): a full block still names
+            # a prefix other prompts find (a prompt sent again), so its rows are copied instead.
             steal = (src is not None and not hosted and need <= bm.n_available and bm.ref[src] == 0
-                     and (not shared or src == shared[-1] + 1))
+                     and (not shared or src == shared[-1] + 1) and bm.is_tail(src))
             if steal:
                 bm.steal(src)
                 held, first = shared, [src]

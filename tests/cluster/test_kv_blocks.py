@@ -251,6 +251,38 @@ def test_a_conversations_turns_keep_their_kv_in_one_run_and_their_tokens(tiny_mo
     assert eng.scheduler.blocks.n_used == 0  # every source held for a copy went back
 
 
+def test_questions_sent_in_turn_keep_each_others_blocks(tiny_model):
+    """One client cycling through questions that share a chat template's start, which ends inside
+    a block (bench/load.py's traffic): a question sent again finds all of itself, though another
+    question took the rows after the shared start in between (that block is named: copied from,
+    never written over), decodes from one consecutive run, and gets the tokens it gets without
+    any reuse."""
+    template = [(5 * i) % 150 + 1 for i in range(BLOCK_SIZE + 8)]  # ends 8 tokens into block 2
+    questions = [template + [(11 * q + 3 * i) % 150 + 1 for i in range(BLOCK_SIZE - 4)] for q in range(3)]
+    params = SamplingParams(max_tokens=BLOCK_SIZE + 3, ignore_eos=True)
+    asked = questions + questions
+    plain = _engine(tiny_model, 64, prefix_reuse=False)
+    want = [plain.generate([p], params)[0].output for p in asked]
+
+    eng = _engine(tiny_model, 64, max_seqs=1, micro_batches=1)
+    got, cached, joined = [], [], []
+    for p in asked:
+        req = eng.add(p, params)
+        runs = set()
+        while not req.done:
+            eng.step()
+            if req.table:
+                runs.add(_consecutive(req.table))
+        got.append(req.output)
+        cached.append(req.cached_tokens)
+        joined.append(runs == {True})
+    assert got == want
+    assert joined == [True] * len(asked)
+    assert cached[1:3] == [len(template)] * 2  # the shared start, up to where the questions part
+    assert cached[3:] == [len(q) - 1 for q in questions]  # asked again: all of it but the last token
+    assert eng.scheduler.blocks.n_used == 0
+
+
 def test_blocks_are_handed_out_consecutively_and_a_moved_prefix_takes_its_names_along():
     bm = BlockManager(12)
     a = bm.allocate(3)
