@@ -17,6 +17,7 @@ from moeray.cluster.config import ServeOptions, local_threads, resolve_model
 from moeray.cluster.engine_loop import EngineLoop, Stream
 from moeray.cluster.timeline import TimelineLog, stage_hops
 from moeray.errors import MoerayError
+from moeray.stages.runtime.heap import freeze_heap
 
 
 def host_tier_bytes(header, asked: str = "auto") -> int:
@@ -191,6 +192,8 @@ class Service:
             self.poller.start()
         # The grammar engine's view of the vocabulary takes a second to build: now, beside the first
         # requests, not inside the first one that asks for structured output.
+        # What start-up built stays: out of the garbage collector's walks (stages/runtime/heap.py)
+        freeze_heap()
         threading.Thread(target=self._warm_grammar, name="moeray-grammar-warm", daemon=True).start()
 
     def _warm_grammar(self) -> None:
@@ -200,6 +203,7 @@ class Service:
             ll_tokenizer(self.tokenizer, self.n_vocab)
         except Exception:  # noqa: BLE001 - no llguidance: a grammar request says so itself
             pass
+        freeze_heap(collect=False)  # ... and the grammar engine's view of the vocabulary
 
     def serves(self, model: str) -> bool:
         """A request naming `model` is for this server (one of its names, or any with --any-model)."""

@@ -48,11 +48,13 @@ from moeray.stages.kernels.threads import ggml_threads, rest_threads, thread_set
 from moeray.stages.runtime.device import (DeviceInfo, device_ledger, host_threads_for_stage, measure_speed,
                                           probe_device)
 from moeray.stages.runtime.draft_model import DraftModel
+from moeray.stages.runtime.heap import FrozenAfterBuilds, freeze_heap
 from moeray.stages.runtime.model import load_cached, stage_trunk_bytes
 from moeray.stages.runtime.mtp import MTPHead, mtp_bytes
 from moeray.stages.runtime.runner import StageRunner
 from moeray.stages.runtime.step import FileFingerprint, LoadReport, ProbeReport, StageStats, StepBatch, StepOutput
 from moeray.stages.runtime.transport import StageLink, free_port
+from moeray.stages.runtime.trunk_graph import MultiGraph
 
 # Ray is imported only inside the two methods that call it (node_ip, relay): in process
 # (`moeray serve --local`, bench/inproc.py) the class runs without it.
@@ -315,6 +317,9 @@ class StageActor:
         # sampled; perf_counter_ns): per-hop times in GET /v1/stages (cluster/timeline.py stage_hops)
         self.timings: deque[tuple[int, int, int, int, int]] = deque(maxlen=STEP_TIMINGS)
         self.hidden = model.config.hidden
+        # What was loaded stays: out of the garbage collector's walks, and each graph once built (heap.py)
+        freeze_heap()
+        self.heap = FrozenAfterBuilds(MultiGraph.built)
         return LoadReport(self.stage, (first, end), time.perf_counter() - t, dict(self.memory.parts),
                           self.memory.free, resident, cache.slots.n_slots if cache else 0,
                           cache.core.n_resident if cache else 0, drafter.token_ms() if drafter else 0.0,
@@ -379,6 +384,7 @@ class StageActor:
                 # while the next stage computes, on the same cores where stages share a host.
                 rest_threads()
             self.step_s += (time.perf_counter_ns() - t0) / 1e9
+            self.heap.after_step(MultiGraph.built)
             writer = getattr(self.model.experts, "trace_writer", None)
             if writer is not None:  # whole steps on disk: a stage killed later loses none of them
                 writer.flush()
