@@ -85,6 +85,27 @@ def test_dequantize_matches_ggml_to_float(qtype):
 
 
 @needs_ggml
+@pytest.mark.parametrize("qtype", [QT.F32, QT.F16, QT.BF16, QT.Q8_0, QT.Q4_1, QT.Q4_K, QT.Q6_K] + CODEBOOK_TYPES,
+                         ids=lambda t: t.name)
+def test_an_embedding_lookup_on_ggml_reads_the_rows_dequantised_bit_for_bit(qtype):
+    """QMatrix.rows on the ggml backend (ggml_get_rows, as llama.cpp reads its token embedding)
+    gives the rows' dequantisation exactly, repeated and out-of-order ids too."""
+    rng = np.random.default_rng(300 + int(qtype))
+    if qtype in (QT.F32, QT.F16, QT.BF16):
+        dense = torch.from_numpy(rng.standard_normal(SHAPE).astype(np.float32))
+        raw = (dense if qtype == QT.F32 else dense.to(torch.float16 if qtype == QT.F16 else torch.bfloat16)).reshape(-1)
+        raw = raw.view(torch.uint8).numpy()
+    else:
+        raw = random_raw(qtype, rng).reshape(-1)
+    w = QMatrix.from_raw(raw, qtype, SHAPE, "ggml")
+    if w.backend != "ggml":
+        pytest.skip(f"{qtype.name} is kept as a plain float tensor")
+    ids = torch.tensor([5, 0, 47, 5, 13])
+    want = dequantize(torch.from_numpy(raw), qtype, SHAPE)[ids]
+    assert torch.equal(w.rows(ids), want)
+
+
+@needs_ggml
 @pytest.mark.parametrize("qtype", CODEBOOK_TYPES, ids=lambda t: t.name)
 def test_ggml_matmul_on_codebook_blocks_matches_dequantised_linear(qtype):
     """ggml's CPU kernels take each type as the weight (8-bit activations inside: Q8_K for the
