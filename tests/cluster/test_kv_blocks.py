@@ -215,6 +215,23 @@ def _consecutive(table: list[int]) -> bool:
     return all(b == table[0] + i for i, b in enumerate(table))
 
 
+def _one_after_another(eng: Engine, asked: list[list[int]], params) -> tuple[list, list, list]:
+    """Each prompt run to its end before the next is sent, as one client sends them: its tokens,
+    its cached prompt tokens, and whether every step read its KV from one consecutive run."""
+    got, cached, joined = [], [], []
+    for p in asked:
+        req = eng.add(p, params)
+        runs = set()
+        while not req.done:
+            eng.step()
+            if req.table:
+                runs.add(_consecutive(req.table))
+        got.append(req.output)
+        cached.append(req.cached_tokens)
+        joined.append(runs == {True})
+    return got, cached, joined
+
+
 def test_a_conversations_turns_keep_their_kv_in_one_run_and_their_tokens(tiny_model):
     """Attention reads a sequence's keys in place only where its blocks follow one another (any
     other table is gathered, every layer, every step). A short probe that shares the prompt's
@@ -233,17 +250,7 @@ def test_a_conversations_turns_keep_their_kv_in_one_run_and_their_tokens(tiny_mo
     want = [plain.generate([p], params)[0].output for p in asked]
 
     eng = _engine(tiny_model, 64, max_seqs=1, micro_batches=1)
-    got, cached, joined = [], [], []
-    for p in asked:  # one after the other, as one client sends them
-        req = eng.add(p, params)
-        runs = set()
-        while not req.done:
-            eng.step()
-            if req.table:
-                runs.add(_consecutive(req.table))
-        got.append(req.output)
-        cached.append(req.cached_tokens)
-        joined.append(runs == {True})
+    got, cached, joined = _one_after_another(eng, asked, params)
     assert got == want
     assert joined == [True] * 4
     assert cached[1] == len(probe) and cached[2] == len(turn1) + len(first_answer) - 1
@@ -265,17 +272,7 @@ def test_questions_sent_in_turn_keep_each_others_blocks(tiny_model):
     want = [plain.generate([p], params)[0].output for p in asked]
 
     eng = _engine(tiny_model, 64, max_seqs=1, micro_batches=1)
-    got, cached, joined = [], [], []
-    for p in asked:
-        req = eng.add(p, params)
-        runs = set()
-        while not req.done:
-            eng.step()
-            if req.table:
-                runs.add(_consecutive(req.table))
-        got.append(req.output)
-        cached.append(req.cached_tokens)
-        joined.append(runs == {True})
+    got, cached, joined = _one_after_another(eng, asked, params)
     assert got == want
     assert joined == [True] * len(asked)
     assert cached[1:3] == [len(template)] * 2  # the shared start, up to where the questions part
