@@ -50,10 +50,11 @@ else the lowest free one; a returning prompt whose tail block (a finished sequen
 filled last block) sits right after its shared prefix, held by no one, takes that block itself
 rather than a copy of its rows (`steal`): a conversation's next turn then goes on in the same
 consecutive run. A full block is never taken so: its name is a prefix other prompts still find
-(the same question sent again finds all of it, not only the part it shares with the last one). A prompt whose shared prefix
-cannot go on in place (the blocks after it are another prefix's, or in use) takes a free stretch
-of its own instead, and the stages copy the prefix's rows into it before its first chunk
-(`free_run`, cluster/scheduler.py): one copy of the prefix, where a gather costs one every step.
+(the same question sent again finds all of it, not only the part it shares with the last one).
+A prompt whose shared prefix cannot go on in place (the blocks after it are another prefix's, or
+in use) takes a free stretch of its own instead, and the stages copy the prefix's rows into it
+before its first chunk (`free_run`, cluster/scheduler.py): one copy of the prefix, where a gather
+costs one every step.
 The prefix's names move with its rows (`rename`): the conversation's next turn finds them in one
 run again, and the old blocks are free once no one holds them.
 """

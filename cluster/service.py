@@ -190,10 +190,10 @@ class Service:
         self.loop = EngineLoop(self.engine, max_waiting=opts.max_waiting, on_tokens=self._on_tokens).start()
         if self.poller is not None:
             self.poller.start()
-        # The grammar engine's view of the vocabulary takes a second to build: now, beside the first
-        # requests, not inside the first one that asks for structured output.
         # What start-up built stays: out of the garbage collector's walks (stages/runtime/heap.py)
         freeze_heap()
+        # The grammar engine's view of the vocabulary takes a second to build: now, beside the first
+        # requests, not inside the first one that asks for structured output.
         threading.Thread(target=self._warm_grammar, name="moeray-grammar-warm", daemon=True).start()
 
     def _warm_grammar(self) -> None:
