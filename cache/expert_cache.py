@@ -86,6 +86,7 @@ class ExpertCache:
         self.filled_pairs: list[tuple[int, int]] = []
         self.trace_writer = None
         self._one: dict[int, object] = {}  # one_stack's answer per layer, until residency changes
+        self._stage_sources = None  # after_stage's (stacks, from a slot per layer, ...) for the last stacks
 
     @property
     def policy(self) -> str:
@@ -233,9 +234,16 @@ class ExpertCache:
                 self.after_one_stack(l, i, w, one)
             return
         picks = self.core.route_layers(layers, ids.numpy())
-        from_slot = np.array([one.slot_of is not None for one in ones])[:, None]
+        kept = self._stage_sources
+        if kept is None or kept[0] is not ones:  # the same list while the stacks stay (StageModel)
+            from_slot = np.array([one.slot_of is not None for one in ones])[:, None]
+            kept = self._stage_sources = (ones, from_slot, ~from_slot[:, 0], bool(from_slot.all()))
+        _, from_slot, host_rows, all_slots = kept
+        if all_slots:  # every layer from its slots: what the counters add needs no mask
+            self.served_from_slot += int(np.count_nonzero(picks))
+            return
         self._served(picks, np.broadcast_to(from_slot, picks.shape))
-        self.host.computed += int(np.count_nonzero(picks[~from_slot[:, 0]]))
+        self.host.computed += int(np.count_nonzero(picks[host_rows]))
 
     def _slot_weights(self, layer: int, expert: int):
         slot = self.core.lookup(layer, expert)

@@ -105,6 +105,7 @@ class StageModel(torch.nn.Module):
                       if self.path.graphs else None)
         self._specs = None  # each layer's trunk_graph.LayerSpec, made at the first graph step
         self._step_specs_for = None  # (each layer's OneStack, the specs made for them)
+        self._count_plan = None  # (the specs, has a tail, how their step is counted): _count_stage
         self.register_buffer("out_norm", None, persistent=False)
         self.w_out = None
         if self.has_head:
@@ -408,7 +409,7 @@ class StageModel(torch.nn.Module):
             got = self.trunk.stage(step, x, specs, kv)
             if got is not None:
                 x, ids, weights, tail = got
-                self._count_stage(specs, ids.long(), weights, tail)
+                self._count_stage(specs, ids, weights, tail)  # int32: the counters read it as numpy
                 return x
         r = None
         last = len(specs) - 1
@@ -456,16 +457,30 @@ class StageModel(torch.nn.Module):
         its M MoE layers in order; tail: the last layer's (ids, weights) where it ran for fewer
         rows, TrunkGraphs.stage), in layer order: in one call where the experts count a whole
         stage at once."""
-        moe = [(ffn, spec) for (ffn, _, _), spec in zip(self._specs, specs) if spec.routed is not None]
-        last = moe.pop() if tail is not None else None
-        after_stage = getattr(self.experts, "after_stage", None)
-        if moe and after_stage is not None and all(ffn.experts is self.experts for ffn, _ in moe):
-            after_stage([ffn.layer for ffn, _ in moe], ids, weights, [spec.routed.one for _, spec in moe])
+        plan = self._count_plan
+        if plan is None or plan[0] is not specs or plan[1] != (tail is not None):
+            plan = self._count_plan = (specs, tail is not None, *self._counting(specs, tail is not None))
+        _, _, moe, last, layers, ones = plan
+        if layers is not None:
+            self.experts.after_stage(layers, ids, weights, ones)
         else:
             for (ffn, spec), i, w in zip(moe, ids, weights):
                 ffn.count_graph(i, w, spec.routed.one)
         if last is not None:
             last[0].count_graph(tail[0].long(), tail[1], last[1].routed.one)
+
+    def _counting(self, specs: list, has_tail: bool) -> tuple:
+        """How a stage graph's step over `specs` is counted, made once per specs (a decode step's
+        per-layer lists cost ~0.1 ms from cold caches): the MoE layers (FFN, spec) counted one by
+        one, the tail layer's, and where the experts count the others at once their layers and
+        stacks (else None, None)."""
+        moe = [(ffn, spec) for (ffn, _, _), spec in zip(self._specs, specs) if spec.routed is not None]
+        last = moe.pop() if has_tail else None
+        at_once = (moe and getattr(self.experts, "after_stage", None) is not None
+                   and all(ffn.experts is self.experts for ffn, _ in moe))
+        if not at_once:
+            return moe, last, None, None
+        return moe, last, [ffn.layer for ffn, _ in moe], [spec.routed.one for _, spec in moe]
 
     @staticmethod
     def _graph_spec(layer: TransformerLayer) -> tuple:

@@ -55,6 +55,7 @@ import ctypes
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
+import numpy as np
 import torch
 
 from moeray.stages.blocks.expert_graph import OneStack, moe_ffn, stack_pointers, stack_tensors
@@ -100,6 +101,9 @@ STAGE_GRAPHS = 64  # shapes remembered at most (those too big for one graph incl
 # same count. A decode step (one query row) keeps reading the rows as stored: a copy would cost it
 # more than its attention.
 FLOAT_READ_ROWS = 64
+
+
+_ZERO, _NEG_INF = np.float16(0), np.float16(-np.inf)  # the attention mask's two values
 
 
 def float_read_rows() -> int:
@@ -474,14 +478,16 @@ class TrunkGraphs:
                 blocks = torch.cat((blocks, blocks.new_zeros(B, nb - have)), 1)
             gather = blocks[:, :nb].reshape(1, -1).to(torch.int32).expand(kv.k[0].shape[0], -1).contiguous()
             mode, gap = ("gather",), 0
-        # query t of sequence i (position starts[i] + t) sees keys 0 .. starts[i] + t; a pad row key 0
-        q_pos = torch.tensor(meta.starts).view(B, 1, 1) + torch.arange(t).view(1, t, 1)
-        q_pos = torch.where(torch.arange(t).view(1, t, 1) < torch.tensor(meta.n_new).view(B, 1, 1), q_pos, 0)
-        visible = torch.arange(keys_pad).view(1, 1, keys_pad) <= q_pos
-        mask = torch.zeros(B, 1, t, keys_pad, dtype=torch.float16).masked_fill_(~visible.unsqueeze(1), float("-inf"))
+        # query t of sequence i (position starts[i] + t) sees keys 0 .. starts[i] + t; a pad row key 0.
+        # Built in numpy: a decode step's few small arrays cost a tenth of torch's dispatch.
+        ts = np.arange(t)
+        q_pos = np.asarray(meta.starts)[:, None] + ts  # [B, t]
+        q_pos = np.where(ts < np.asarray(meta.n_new)[:, None], q_pos, 0)[:, None, :, None]  # [B, 1, t, 1]
+        key = np.arange(keys_pad)
+        mask = torch.from_numpy(np.where(key <= q_pos, _ZERO, _NEG_INF))  # [B, 1, t, keys_pad] float16
         # a sliding window of w: also keys more than w - 1 before the query hidden (layers.window_mask)
-        windows = tuple(mask.masked_fill((torch.arange(keys_pad).view(1, 1, keys_pad) <= q_pos - w).unsqueeze(1),
-                                         float("-inf")) for w in self.windows)
+        windows = tuple(torch.from_numpy(np.where((key <= q_pos) & (key > q_pos - w), _ZERO, _NEG_INF))
+                        for w in self.windows)
         # quantised keys and values read as float32 copies first (_float_reads): the options' count
         # decides, so a changed count builds other graphs
         float_reads = t >= float_read_rows() and not all(c in ("f32", "f16") for c in (kv.types.k, kv.types.v))
