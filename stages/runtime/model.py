@@ -510,7 +510,7 @@ class StageModel(torch.nn.Module):
         """Final norm + lm_head: [n, hidden] -> [n, vocab] float32."""
         if not self.has_head:
             raise MoerayError(f"stage [{self.first}, {self.end}) has no head; pass its output to the next stage")
-        return self.w_out(rms_norm(hidden, self.out_norm, self.config.rms_eps))
+        return self.w_out.normed(hidden, self.out_norm, self.config.rms_eps)
 
     @torch.inference_mode()
     def step(self, tokens: list[list[int]], slots: list[int], kv: KVCache) -> torch.Tensor:

@@ -155,3 +155,30 @@ def test_model_with_codebook_experts_is_priced_at_its_bytes_and_runs_on_every_ro
     assert torch.isfinite(ref).all()
     # through attention, norm and head, relative to the largest logit: measured 1.2e-2 .. 2.9e-2
     assert (got - ref).abs().max() <= 0.05 * ref.abs().max()
+
+
+@needs_ggml
+@pytest.mark.parametrize("qtype", [QT.F16, QT.Q8_0, QT.Q4_1, QT.Q4_K, QT.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 5])
+def test_a_head_on_ggml_takes_its_final_norm_inside_the_matmul_graph(qtype, rows):
+    """QMatrix.normed (the head: rms_norm(x) * norm, then the matmul) as one ggml graph gives
+    what torch's rms_norm followed by the ggml matmul gives, and the exact backend's float32
+    reference within ggml's tolerance."""
+    rng = np.random.default_rng(400 + int(qtype))
+    if qtype == QT.F16:
+        raw = torch.from_numpy(rng.standard_normal(SHAPE).astype(np.float16)).reshape(-1).view(torch.uint8).numpy()
+    else:
+        raw = random_raw(qtype, rng).reshape(-1)
+    w = QMatrix.from_raw(raw, qtype, SHAPE, "ggml")
+    assert w.backend == "ggml"
+    g = torch.Generator().manual_seed(rows)
+    x, norm = 3 * torch.randn(rows, SHAPE[1], generator=g), 1 + torch.rand(SHAPE[1], generator=g)
+    eps = 1e-5
+    normed = torch.nn.functional.rms_norm(x, (SHAPE[1],), norm, eps)
+    got, apart = w.normed(x, norm, eps), w(normed)
+    want = torch.nn.functional.linear(normed, dequantize(torch.from_numpy(raw), qtype, SHAPE))
+    assert got.shape == want.shape == (rows, SHAPE[0])
+    assert (got - apart).abs().max() <= 1e-3 * apart.abs().max()
+    assert (got - want).abs().max() <= GGML_TOLERANCE * want.abs().max()
+    exact = QMatrix.from_raw(raw, qtype, SHAPE, "exact")
+    assert (exact.normed(x, norm, eps) - want).abs().max() <= 1e-5 * want.abs().max()
