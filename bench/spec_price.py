@@ -72,17 +72,16 @@ def run(eng, tok, prompts: list[str], clients: int, max_tokens: int) -> list[dic
     orig = eng._time
     builds = graph_builds()
 
-    def timed(step) -> None:
+    def timed(step, now: int, cold: bool = False) -> tuple[float, int]:
         spec = eng.speculation
         n = sum(len(r.tokens) for r in step.rows)
         price = spec.price if spec is not None else None
         drafted = sum(len(r.draft) for r in step.rows)
         pred = (price.ms(n) + drafted * getattr(price, "draft_ms", 0.0)
                 + sum(1 for r in step.rows if r.draft) * getattr(price, "verify_row_ms", 0.0)) if price is not None else None
-        t0 = max(eng._t_submit.get(step.id, time.perf_counter()), eng._t_last)
         built = (builds["n"], builds["ms"])
-        got = orig(step)
-        ms = (eng._t_last - t0) * 1e3
+        got = orig(step, now, cold)
+        ms = got[0]  # the engine's own charge: from its submission, or the result before it while busy
         built = (builds["n"] - built[0], builds["ms"] - built[1])
         builds["n"] = builds["ms"] = 0
         decode = [r for r in step.rows if r.sample and not (len(r.tokens) - len(r.draft) > 1)]
