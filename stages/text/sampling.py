@@ -25,7 +25,8 @@ import torch
 from moeray.stages.text.reasoning_budget import ReasoningBudget
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API allows
-NUCLEUS_LOOK = 64  # top-p: the likeliest tokens ranked before sorting the whole vocabulary
+NUCLEUS_LOOK = 64  # top-p: the likeliest tokens ranked first,
+NUCLEUS_WIDE = 4096  # then as many, before the whole vocabulary is sorted
 PENALTY_RANGE = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
 BIAS_RANGE = 100.0  # a logit_bias value lies in [-100, 100] (OpenAI's range)
 GREEDY_BELOW = 1e-5  # a temperature this small samples greedily, as in vLLM (dividing by it overflows)
@@ -277,11 +278,13 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
         # Keep the smallest prefix (likeliest first) whose mass reaches top_p: a token stays if the
-        # mass before it is < top_p. The nucleus is mostly a few tokens, so the likeliest
-        # NUCLEUS_LOOK are ranked first (topk, ~0.1 ms) and the whole vocabulary sorted (~1.5 ms a
-        # 49k row) only when their mass falls short; the cumulative sums are the sort's own.
+        # mass before it is < top_p. The nucleus is mostly a few tokens, and at a temperature near
+        # 1 often hundreds, so the likeliest NUCLEUS_LOOK are ranked first (topk, ~0.1 ms), then
+        # NUCLEUS_WIDE (~0.8 ms), and the whole vocabulary sorted (~3.7 ms a 49k row on one core)
+        # only when their mass falls short; the cumulative sums are the ranking's own.
         n = probs.numel()
-        for m in (min(n, max(NUCLEUS_LOOK, params.top_k)), n):
+        look = max(NUCLEUS_LOOK, params.top_k)
+        for m in sorted({min(n, look), min(n, max(look, NUCLEUS_WIDE)), n}):
             top, order = torch.topk(probs, m) if m < n else torch.sort(probs, descending=True)
             mass_before = torch.cumsum(top, dim=-1) - top
             if m == n or bool(mass_before[-1] >= params.top_p):
@@ -333,9 +336,19 @@ def sample(
         else:
             # On the host, where the sequence's generator is: a seed then draws the same tokens
             # on a CPU and a CUDA stage (and a CUDA tensor cannot take a CPU generator).
-            probs = filtered_probs(logits[row].cpu(), p)
-            out.append(int(torch.multinomial(probs, 1, generator=gen).item()))
+            out.append(draw(filtered_probs(logits[row].cpu(), p), gen))
     return out
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """An index of probs [n] (>= 0, not all 0; need not sum to 1) drawn in proportion to its
+    value: the first whose cumulative sum (float64) passes one uniform number from the sequence's
+    generator times the total. A zero entry is never drawn (its sum equals the one before it).
+    torch.multinomial draws an exponential for every entry instead (~1.3 ms over a 49k
+    vocabulary on one core, against ~0.06 ms here)."""
+    cum = torch.cumsum(probs.to(torch.float64), 0)
+    u = torch.rand((), dtype=torch.float64, generator=generator)
+    return min(int(torch.searchsorted(cum, u * cum[-1], right=True)), probs.numel() - 1)
 
 
 def argmax_rows(logits: torch.Tensor) -> list[int]:

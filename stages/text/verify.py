@@ -23,7 +23,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from moeray.stages.text.sampling import SamplingParams, TokenHistory, adjust_logits, argmax_rows, filtered_probs
+from moeray.stages.text.sampling import (SamplingParams, TokenHistory, adjust_logits, argmax_rows, draw,
+                                         filtered_probs)
 
 
 def accept_greedy(logits: torch.Tensor, draft: Sequence[int]) -> list[int]:
@@ -52,10 +53,10 @@ def accept_sampled(logits: torch.Tensor, draft: Sequence[int], params: SamplingP
             continue
         residual = p.clone()
         residual[d] = 0.0
-        out.append(int(torch.multinomial(residual, 1, generator=generator).item()))
+        out.append(draw(residual, generator))
         return out
     p = filtered_probs(logits[len(draft)].cpu(), params)
-    out.append(int(torch.multinomial(p, 1, generator=generator).item()))
+    out.append(draw(p, generator))
     return out
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moeray.stages.text.sampling import (SamplingParams, TokenHistory, adjust_logits,
+from moeray.stages.text.sampling import (SamplingParams, TokenHistory, adjust_logits, draw,
                                         filtered_probs, process_logits, sample)
 
 torch.manual_seed(0)
@@ -43,6 +43,39 @@ def test_top_k_and_top_p_cut_the_distribution():
     g = p.new_generator()
     drawn = [sample(logits[None], [p], [g])[0] for _ in range(300)]
     assert set(drawn) == {0, 1, 2}
+
+
+@pytest.mark.parametrize("scale", [12.0, 2.5, 0.3])  # nuclei of a few, ~hundreds and ~40k tokens
+def test_top_p_over_a_whole_vocabulary_keeps_the_nucleus_a_full_sort_keeps(scale):
+    """A 49,152-token row whose nucleus is found after ranking 64 tokens, after ranking 4,096, and
+    only by sorting the whole row: the kept tokens and their probabilities are those of the
+    definition (sort everything, keep a token while the mass before it is < top_p)."""
+    g = torch.Generator().manual_seed(int(scale * 10))
+    logits = torch.randn(49152, generator=g) * scale
+    params = SamplingParams(temperature=0.8, top_p=0.95)
+    probs = torch.softmax(logits / 0.8, -1)
+    top, order = torch.sort(probs, descending=True)
+    kept = order[(torch.cumsum(top, -1) - top) < 0.95]
+    want = torch.zeros_like(probs)
+    want[kept] = probs[kept] / probs[kept].sum()
+    got = filtered_probs(logits, params)
+    assert set(torch.nonzero(got).flatten().tolist()) == set(kept.tolist())
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-9)
+
+
+def test_a_draw_follows_the_probabilities_and_never_takes_a_zero():
+    """draw() over a vocabulary-sized row with 6 tokens left (a nucleus): each drawn about as often
+    as its probability says, no other ever; one seed, the same draws."""
+    probs = torch.zeros(49152)
+    ids = torch.tensor([0, 7, 500, 12000, 49150, 49151])
+    probs[ids] = torch.tensor([0.05, 0.3, 0.1, 0.25, 0.2, 0.1]) * 3  # unnormalised, as a residual is
+    g = torch.Generator().manual_seed(5)
+    drawn = torch.tensor([draw(probs, g) for _ in range(4000)])
+    assert set(drawn.tolist()) <= set(ids.tolist())
+    freq = torch.bincount(drawn, minlength=49152)[ids].float() / 4000
+    assert torch.allclose(freq, probs[ids] / probs.sum(), atol=0.03)
+    again = torch.Generator().manual_seed(5)
+    assert [draw(probs, again) for _ in range(50)] == drawn[:50].tolist()
 
 
 def test_temperature_sampling_follows_softmax():
