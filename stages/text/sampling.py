@@ -26,7 +26,7 @@ from moeray.stages.text.reasoning_budget import ReasoningBudget
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API allows
 NUCLEUS_LOOK = 64  # top-p: the likeliest tokens ranked first,
-NUCLEUS_WIDE = 4096  # then as many, before the whole vocabulary is sorted
+NUCLEUS_TRIES = 4  # then the tokens above 1/16, 1/256, ... of the last of them, before the whole vocabulary
 PENALTY_RANGE = 2.0  # presence and frequency penalties lie in [-2, 2] (OpenAI's range)
 BIAS_RANGE = 100.0  # a logit_bias value lies in [-100, 100] (OpenAI's range)
 GREEDY_BELOW = 1e-5  # a temperature this small samples greedily, as in vLLM (dividing by it overflows)
@@ -264,6 +264,30 @@ def _penalise_rows_(logits: torch.Tensor, rows: list[int], params: Sequence[Samp
     view.index_copy_(0, flat, values)
 
 
+def _ranked_nucleus(probs: torch.Tensor, top_p: float, look: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The likeliest tokens of probs [n] in descending order, (their probabilities, their ids), at
+    least as far as the top_p nucleus reaches. The nucleus is mostly a few tokens, so the likeliest
+    `look` are ranked first (topk, ~0.1 ms). At a temperature near 1 it is often hundreds: then
+    only the tokens at least p / 16, p / 256, ... (p the look-th likeliest) are sorted, the first
+    such set whose mass reaches top_p (every token below it has at least that mass before it, so
+    it is out); the whole vocabulary is sorted (~3.7 ms a 49k row on one core) only when none does."""
+    n = probs.numel()
+    if look < n:
+        top, order = torch.topk(probs, look)
+        if float(top.sum() - top[-1]) >= top_p:  # the look-th token is out already
+            return top, order
+        floor = float(top[-1])
+        for _ in range(NUCLEUS_TRIES):
+            floor /= 16
+            cand = torch.nonzero(probs >= floor).flatten()
+            if len(cand) == n:
+                break
+            if float(probs[cand].sum()) >= top_p:
+                top, i = torch.sort(probs[cand], descending=True)
+                return top, cand[i]
+    return torch.sort(probs, descending=True)
+
+
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities of one row [vocab] after temperature, min-p, top-k and top-p (zeros outside
     the cut): the last steps before a draw, on logits `adjust_logits` has already processed."""
@@ -278,17 +302,9 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
     probs = torch.softmax(logits, dim=-1)
     if params.top_p < 1.0:
         # Keep the smallest prefix (likeliest first) whose mass reaches top_p: a token stays if the
-        # mass before it is < top_p. The nucleus is mostly a few tokens, and at a temperature near
-        # 1 often hundreds, so the likeliest NUCLEUS_LOOK are ranked first (topk, ~0.1 ms), then
-        # NUCLEUS_WIDE (~0.8 ms), and the whole vocabulary sorted (~3.7 ms a 49k row on one core)
-        # only when their mass falls short; the cumulative sums are the ranking's own.
-        n = probs.numel()
-        look = max(NUCLEUS_LOOK, params.top_k)
-        for m in sorted({min(n, look), min(n, max(look, NUCLEUS_WIDE)), n}):
-            top, order = torch.topk(probs, m) if m < n else torch.sort(probs, descending=True)
-            mass_before = torch.cumsum(top, dim=-1) - top
-            if m == n or bool(mass_before[-1] >= params.top_p):
-                break
+        # mass before it is < top_p (the cumulative sums are the ranking's own).
+        top, order = _ranked_nucleus(probs, params.top_p, max(NUCLEUS_LOOK, params.top_k))
+        mass_before = torch.cumsum(top, dim=-1) - top
         kept = torch.zeros_like(probs)
         keep = order[mass_before < params.top_p]
         kept[keep] = probs[keep]
