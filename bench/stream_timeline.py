@@ -4,7 +4,8 @@
         [--servers llama,local,stages] [--requests 8] [--max-tokens 120] [--repeat 1] [--json out.json]
 
 One client sends streamed greedy chat completions one at a time (`--requests` of them after
-`--warmup`), every request the same length: the model's end tokens are banned with logit_bias
+`--warmup`; `--sample T,TOP_P,TOP_K,MIN_P`: sampled ones, seed 1, the four fields sent to every
+server alike), every request the same length: the model's end tokens are banned with logit_bias
 (-100) on every server, so each answer is exactly `--max-tokens` tokens. Per server: tok/s over
 the whole request (its tokens over send-to-[DONE]), TTFT and inter-token latency (p50 / p99), as
 the client sees them, and the ratio to llama-server.
@@ -69,11 +70,24 @@ def med(xs) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+# The request's sampling fields, the same to every server: greedy, or --sample's.
+SAMPLING: dict = {"temperature": 0.0}
+
+
+def sampling_fields(spec: str | None) -> dict:
+    """--sample T,TOP_P,TOP_K,MIN_P -> the request's fields (each server gets all four, so
+    llama-server's own defaults, top_k 40 and min_p 0.05, do not cut where moeray does not)."""
+    if not spec:
+        return {"temperature": 0.0}
+    t, top_p, top_k, min_p = (float(x) for x in spec.split(","))
+    return {"temperature": t, "top_p": top_p, "top_k": int(top_k), "min_p": min_p, "seed": 1}
+
+
 def ask(port: int, model: str, max_tokens: int, ban: dict, timeout_s: float = 600.0) -> dict:
-    """One streamed greedy chat completion: perf_counter_ns when it was sent, when each chunk with
-    text arrived, its id, and the completion tokens its usage gives."""
+    """One streamed chat completion (greedy unless --sample): perf_counter_ns when it was sent,
+    when each chunk with text arrived, its id, and the completion tokens its usage gives."""
     body = json.dumps({"model": model, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens,
-                       "temperature": 0.0, "logit_bias": ban, "stream": True,
+                       **SAMPLING, "logit_bias": ban, "stream": True,
                        "stream_options": {"include_usage": True}})
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     t0 = time.perf_counter_ns()
@@ -318,7 +332,8 @@ def engine_alone(args, ban: dict) -> dict:
     eng = Engine(pipe, dataclasses.replace(EngineConfig(), max_seqs=1, micro_batches=1, max_len=4096, kv_blocks=256),
                  tok)
     prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": PROMPT}]))
-    params = SamplingParams(max_tokens=args.max_tokens, logit_bias={int(k): v for k, v in ban.items()})
+    fields = {k: v for k, v in sampling_fields(args.sample).items() if k != "top_k" or v > 0}
+    params = SamplingParams(max_tokens=args.max_tokens, logit_bias={int(k): v for k, v in ban.items()}, **fields)
     walls, steps = [], []
     for i in range(args.warmup + args.requests):
         t0 = time.perf_counter()
@@ -354,6 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=120)
     p.add_argument("--repeat", type=int, default=1, help="run every server this many times, in turn")
     p.add_argument("--engine-alone", action="store_true", help="also the same request in process, no server")
+    p.add_argument("--sample", metavar="T,TOP_P,TOP_K,MIN_P",
+                   help="sampled answers (seed 1) with these fields on every server, e.g. 0.8,0.95,40,0.05; default greedy")
     p.add_argument("--ready-timeout", type=float, default=900.0)
     p.add_argument("--json", metavar="PATH", help="also write every row as JSON")
     p.add_argument("--py-spy", metavar="DIR", help="py-spy the engine's process and stage 0 while measuring")
@@ -370,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
     from moeray.stages.text.tokenizer import Tokenizer
 
     ban = {str(i): -100 for i in sorted(Tokenizer.from_gguf(args.model).end_ids)}  # every answer max_tokens long
+    SAMPLING.clear()
+    SAMPLING.update(sampling_fields(args.sample))
 
     servers = []  # (label, command, env, moeray?)
     wanted = [s.strip() for s in args.servers.split(",") if s.strip()]
@@ -398,8 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     if args.engine_alone:  # first, and in a child: its model is gone before the servers load theirs
         out = subprocess.run([sys.executable, __file__, "--_engine-only", "--model", args.model, "--requests",
-                              str(args.requests), "--warmup", str(args.warmup), "--max-tokens", str(args.max_tokens)],
-                             capture_output=True, text=True)
+                              str(args.requests), "--warmup", str(args.warmup), "--max-tokens", str(args.max_tokens)]
+                             + (["--sample", args.sample] if args.sample else []), capture_output=True, text=True)
         if out.returncode != 0:
             raise SystemExit(f"engine alone failed:\n{out.stderr[-2000:]}")
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -408,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(run_server(label, cmd, env, args, ban, moeray))
 
     base = next((r for r in rows if r["label"].startswith("llama-server")), None)
-    print(f"one client, streamed greedy chat, {args.max_tokens} tokens a request, {args.requests} requests "
+    kind = f"sampled ({args.sample})" if args.sample else "greedy"
+    print(f"one client, streamed {kind} chat, {args.max_tokens} tokens a request, {args.requests} requests "
           f"after {args.warmup}, {Path(args.model).name}")
     print("| server | tok/s (whole request) | TTFT p50 | ITL p50 | ITL p99 | vs llama-server tok/s | ITL p50 vs llama-server | cores |")
     print("|---|---|---|---|---|---|---|---|")
@@ -448,7 +468,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{r['label']}: CPU ms a token by process: " + ", ".join(f"{k} {v:.2f}" for k, v in cpu))
     texts = {r["text"] for r in rows if "ttft_parts_ms" in r}
     if len(texts) > 1:
-        print("\nnote: the moeray servers' greedy answers differ", file=sys.stderr)
+        print("\nnote: the moeray servers' answers differ", file=sys.stderr)
     if args.json:
         write_results(args.json, {"model": args.model, "max_tokens": args.max_tokens, "requests": args.requests,
                                   "rows": rows})
@@ -463,6 +483,7 @@ if __name__ == "__main__":
         p.add_argument("--requests", type=int)
         p.add_argument("--warmup", type=int)
         p.add_argument("--max-tokens", type=int)
+        p.add_argument("--sample")
         a = p.parse_args()
         from moeray.stages.text.tokenizer import Tokenizer
 
