@@ -291,6 +291,18 @@ def _ranked_nucleus(probs: torch.Tensor, top_p: float, look: int) -> tuple[torch
 def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Probabilities of one row [vocab] after temperature, min-p, top-k and top-p (zeros outside
     the cut): the last steps before a draw, on logits `adjust_logits` has already processed."""
+    probs, ids, kept = _cut(logits, params)
+    if ids is None:
+        return probs
+    out = torch.zeros_like(probs)
+    out[ids] = kept
+    return out / out.sum()
+
+
+def _cut(logits: torch.Tensor, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor | None,
+                                                                torch.Tensor | None]:
+    """(the row's probabilities [vocab] after temperature, min-p and top-k; where top-p cuts, the
+    ids it keeps, likeliest first, and their probabilities (not renormalised), else None, None)."""
     logits = logits.float() / params.temperature
     if params.min_p > 0:
         # Relative to the likeliest token, after temperature (vLLM's order): p >= min_p * p_max.
@@ -300,16 +312,13 @@ def filtered_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor
         kth = torch.topk(logits, params.top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
-    if params.top_p < 1.0:
-        # Keep the smallest prefix (likeliest first) whose mass reaches top_p: a token stays if the
-        # mass before it is < top_p (the cumulative sums are the ranking's own).
-        top, order = _ranked_nucleus(probs, params.top_p, max(NUCLEUS_LOOK, params.top_k))
-        mass_before = torch.cumsum(top, dim=-1) - top
-        kept = torch.zeros_like(probs)
-        keep = order[mass_before < params.top_p]
-        kept[keep] = probs[keep]
-        probs = kept / kept.sum()
-    return probs
+    if params.top_p >= 1.0:
+        return probs, None, None
+    # Keep the smallest prefix (likeliest first) whose mass reaches top_p: a token stays if the
+    # mass before it is < top_p (the cumulative sums are the ranking's own).
+    top, order = _ranked_nucleus(probs, params.top_p, max(NUCLEUS_LOOK, params.top_k))
+    kept = (torch.cumsum(top, dim=-1) - top) < params.top_p
+    return probs, order[kept], top[kept]
 
 
 def process_logits(logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -352,7 +361,9 @@ def sample(
         else:
             # On the host, where the sequence's generator is: a seed then draws the same tokens
             # on a CPU and a CUDA stage (and a CUDA tensor cannot take a CPU generator).
-            out.append(draw(filtered_probs(logits[row].cpu(), p), gen))
+            # A top-p row draws among the nucleus' own few ids, not over the vocabulary.
+            probs, ids, kept = _cut(logits[row].cpu(), p)
+            out.append(draw(probs, gen) if ids is None else int(ids[draw(kept, gen)]))
     return out
 
 

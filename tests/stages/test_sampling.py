@@ -78,6 +78,18 @@ def test_a_draw_follows_the_probabilities_and_never_takes_a_zero():
     assert [draw(probs, again) for _ in range(50)] == drawn[:50].tolist()
 
 
+def test_a_top_p_row_draws_its_nucleus_as_often_as_its_renormalised_probabilities():
+    """sample() draws a top-p row among the nucleus' ids alone: each as often as its share of the
+    nucleus' mass, no token outside it."""
+    logits = torch.log(torch.tensor([0.05, 0.5, 0.15, 0.3]))
+    p = SamplingParams(temperature=1.0, top_p=0.9, seed=3)
+    g = p.new_generator()
+    drawn = torch.tensor([sample(logits[None], [p], [g])[0] for _ in range(4000)])
+    freq = torch.bincount(drawn, minlength=4).float() / 4000
+    assert freq[0] == 0
+    assert torch.allclose(freq, torch.tensor([0.0, 0.5, 0.15, 0.3]) / 0.95, atol=0.03)
+
+
 def test_temperature_sampling_follows_softmax():
     logits = torch.tensor([2.0, 1.0, 0.0])
     p = SamplingParams(temperature=2.0, seed=7)
