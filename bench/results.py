@@ -79,7 +79,10 @@ def portable_values(value):
     """`value` with every string that is a path made portable (a model file under the home directory
     becomes `~/...`): a results file kept in the repository names no one machine's folders."""
     if isinstance(value, str):
-        return portable(value) if value.startswith("/") else value
+        if value.startswith("/"):
+            return portable(value)
+        # a path inside a line of text (a log line a bench keeps): its words made portable one by one
+        return " ".join(portable(w) if w.startswith("/") else w for w in value.split(" ")) if " /" in value else value
     if isinstance(value, dict):
         return {k: portable_values(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import render_docs  # noqa: E402
-from results import command, read_results  # noqa: E402
+from results import command, portable_values, read_results  # noqa: E402
 
 PLAN = ROOT / "docs" / "results" / "plan.json"  # the results file these tests change in a copy
 
@@ -118,6 +118,14 @@ def test_the_recorded_command_is_portable():
                    f"--json={ROOT / 'docs' / 'results' / 'x.json'}", "--variant", "a b="])
     assert got == (".venv/bin/python bench/decode.py --model ~/.cache/moeray/m.gguf --json=docs/results/x.json "
                    "--variant 'a b='")
+
+
+def test_a_path_inside_a_kept_line_of_text_is_made_portable_too():
+    """A bench that keeps its server's log lines (serve_hits' plan) writes no one machine's folders."""
+    home = Path.home()
+    got = portable_values({"plan": [f"profile: {home / '.cache' / 'm.msgpack'} (recorded)", "stage 0: 176 MiB"],
+                           "model": str(ROOT / "docs" / "x.gguf")})
+    assert got == {"plan": ["profile: ~/.cache/m.msgpack (recorded)", "stage 0: 176 MiB"], "model": "docs/x.gguf"}
 
 
 MACHINE_PATH = re.compile(r"(?<![\w.~-])/(?:work|home|Users|scratch|mnt|root)/")
