@@ -40,36 +40,23 @@ _G = load_once()[0]  # ggml-python's module (None without it: the ggml backend i
 FLOAT_TYPES = frozenset((T.F32, T.F64))
 
 
-def _ggml_linear(w: "QMatrix", x: torch.Tensor) -> torch.Tensor:
+def _ggml_linear(w: "QMatrix", x: torch.Tensor, norm: torch.Tensor | None = None, eps: float = 0.0) -> torch.Tensor:
+    """x @ W.T as one graph; with `norm`, (rms_norm(x) * norm) @ W.T, as llama.cpp's head: the norm
+    its two nodes there, where torch's rms_norm is ~10 ops (~0.15 ms a decode step, from cold caches)."""
     M, (N, K) = x.shape[0], w.shape
 
     def build(ctx):
         wt = graph_weight(ctx, w)
         xt = _activations(ctx, K, M, [w])
-        return [wt, xt], _G.ggml_mul_mat(ctx, wt, xt), []
-
-    g = _graph(("linear", w.graph_key, M), build)
-    out = torch.empty(M, N)
-    g([w.graph_ptr, x.data_ptr()], out.data_ptr())
-    return out
-
-
-
-def _ggml_norm_linear(w: "QMatrix", norm: torch.Tensor, eps: float, x: torch.Tensor) -> torch.Tensor:
-    """(rms_norm(x) * norm) @ W.T as one graph, as llama.cpp's head: the norm its two nodes
-    there, where torch's rms_norm is ~10 ops (~0.15 ms a decode step, from cold caches)."""
-    M, (N, K) = x.shape[0], w.shape
-
-    def build(ctx):
-        wt = graph_weight(ctx, w)
-        xt = _activations(ctx, K, M, [w])
+        if norm is None:
+            return [wt, xt], _G.ggml_mul_mat(ctx, wt, xt), []
         nt = _G.ggml_new_tensor_1d(ctx, _G.GGML_TYPE_F32, K)
         h = _G.ggml_mul(ctx, _G.ggml_rms_norm(ctx, xt, eps), nt)
-        return [wt, xt, nt], _G.ggml_mul_mat(ctx, wt, h), None
+        return [wt, xt, nt], _G.ggml_mul_mat(ctx, wt, h), None  # None: the norm's nodes get scratch
 
-    g = _graph(("norm_linear", w.graph_key, M, eps), build)
+    key = ("linear", w.graph_key, M) if norm is None else ("norm_linear", w.graph_key, M, eps)
     out = torch.empty(M, N)
-    g([w.graph_ptr, x.data_ptr(), norm.data_ptr()], out.data_ptr())
+    _graph(key, build)([w.graph_ptr, x.data_ptr()] + ([] if norm is None else [norm.data_ptr()]), out.data_ptr())
     return out
 
 
@@ -286,7 +273,7 @@ class QMatrix:
         """(rms_norm(x) * norm) @ W.T, x [M, K] float32 -> [M, N] float32: a head's final norm and
         matmul, in one graph on ggml."""
         if self.backend == "ggml" and norm.dtype == torch.float32 and norm.is_contiguous():
-            return _ggml_norm_linear(self, norm, eps, x.contiguous())
+            return _ggml_linear(self, x.contiguous(), norm, eps)
         return self(F.rms_norm(x, (x.shape[-1],), norm, eps))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
